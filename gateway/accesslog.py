@@ -1,0 +1,82 @@
+"""One structured JSON line per request, and the metrics recorded with it. Never keys, prompts or completions."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("bulkhead.access")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def request_id(header: str | None) -> str:
+    """The caller's x-request-id when it is a sane token (it goes into logs and upstream headers), else a new one."""
+    if header and _REQUEST_ID.match(header):
+        return header
+    return uuid.uuid4().hex
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    route: str
+    started: float = field(default_factory=time.perf_counter)
+    tenant: str | None = None
+    model: str | None = None
+    backend: str | None = None
+    stream: bool = False
+    status: int = 200
+    error_code: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    first_byte: float | None = None
+
+    def mark_first_byte(self) -> None:
+        if self.first_byte is None:
+            self.first_byte = time.perf_counter()
+
+    def take_usage(self, usage: dict[str, Any]) -> None:
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        self.prompt_tokens = prompt if isinstance(prompt, int) else None
+        self.completion_tokens = completion if isinstance(completion, int) else None
+
+
+def finish(record: RequestRecord, metrics: GatewayMetrics) -> None:
+    ended = time.perf_counter()
+    # Only configured model names become label values: a caller must not be able to mint time series.
+    model = record.model or "-"
+    metrics.requests.labels(model, record.route, str(record.status)).inc()
+    metrics.latency.labels(model, record.route).observe(ended - record.started)
+    if record.first_byte is not None:
+        metrics.time_to_first_byte.labels(model, record.route).observe(record.first_byte - record.started)
+    if record.prompt_tokens is not None:
+        metrics.tokens.labels(model, "prompt").inc(record.prompt_tokens)
+    if record.completion_tokens is not None:
+        metrics.tokens.labels(model, "completion").inc(record.completion_tokens)
+    if not log.isEnabledFor(logging.INFO):
+        return
+    line = {
+        "event": "request",
+        "request_id": record.request_id,
+        "tenant": record.tenant,
+        "model": record.model,
+        "route": record.route,
+        "backend": record.backend,
+        "stream": record.stream,
+        "status": record.status,
+        "error": record.error_code,
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.completion_tokens,
+        "latency_ms": round((ended - record.started) * 1000, 3),
+        "ttfb_ms": None if record.first_byte is None else round((record.first_byte - record.started) * 1000, 3),
+    }
+    log.info(orjson.dumps(line).decode())

@@ -1,0 +1,206 @@
+"""The `bulkhead` command: serve, sim, keys."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+import orjson
+import uvicorn
+
+from gateway.app import create_app
+from gateway.settings import Settings, SettingsError, TenantSettings, load_settings
+from gateway.tenants import hash_key, new_api_key
+from isolation.sim.tinymodel import cached_tokenizer
+
+EMBEDDED_MODEL = "tiny-llama"
+EMBEDDED_CONTEXT = 2048
+
+
+class _JsonLines(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == "bulkhead.access":
+            return record.getMessage()
+        line = {"event": "log", "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(line).decode()
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonLines())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def _cache_root() -> Path:
+    return Path.home() / ".cache" / "bulkhead"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def embedded_simulator(tokenizer: Path) -> Iterator[str]:
+    """A `bulkhead sim` child process on a free loopback port, for running with no backend configured."""
+    port = _free_port()
+    command = [sys.executable, "-m", "gateway", "sim", "--port", str(port), "--tokenizer", str(tokenizer)]
+    child = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if child.poll() is not None:
+                raise SystemExit(f"the built-in simulator exited at start (code {child.returncode})")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit("the built-in simulator did not become healthy within 30 s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
+def with_embedded_backend(settings: Settings, url: str, tokenizer: Path) -> Settings:
+    data = settings.model_dump()
+    data["backends"] = [{"name": "simulator", "url": url}]
+    data["models"] = [
+        {"name": EMBEDDED_MODEL, "backends": ["simulator"], "tokenizer": tokenizer, "context_window": EMBEDDED_CONTEXT}
+    ]
+    return Settings.model_validate(data)
+
+
+def with_demo_tenant(settings: Settings, key: str) -> Settings:
+    demo = TenantSettings(id="demo", key_hashes=[hash_key(key)])
+    return settings.model_copy(update={"tenants": [demo]})
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config, os.environ)
+    except SettingsError as exc:
+        print(f"bulkhead: bad settings: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    with contextlib.ExitStack() as stack:
+        if not settings.backends:
+            tokenizer = cached_tokenizer(_cache_root())
+            url = stack.enter_context(embedded_simulator(tokenizer))
+            settings = with_embedded_backend(settings, url, tokenizer)
+        demo_key = None
+        if not settings.tenants:
+            demo_key = new_api_key()
+            settings = with_demo_tenant(settings, demo_key)
+        _print_banner(settings, demo_key)
+        config = uvicorn.Config(
+            create_app(settings),
+            host=settings.listen.host,
+            port=settings.listen.port,
+            access_log=False,
+            log_config=None,
+            lifespan="on",
+        )
+        uvicorn.Server(config).run()
+    return 0
+
+
+def _print_banner(settings: Settings, demo_key: str | None) -> None:
+    address = f"http://{settings.listen.host}:{settings.listen.port}"
+    lines = [f"bulkhead: listening on {address}"]
+    for backend in settings.backends:
+        lines.append(f"bulkhead: backend '{backend.name}' at {backend.url}")
+    lines.append(f"bulkhead: state in {'redis' if settings.redis_url else 'memory (this process only)'}")
+    if demo_key is not None:
+        model = settings.models[0].name if settings.models else "MODEL"
+        lines.append(f"bulkhead: demo tenant API key (shown once, valid for this run): {demo_key}")
+        lines.append(
+            f"curl -s {address}/v1/chat/completions -H 'Authorization: Bearer {demo_key}' "
+            f"-H 'Content-Type: application/json' "
+            f"""-d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'"""
+        )
+    print("\n".join(lines), flush=True)
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    key = new_api_key()
+    print(f"API key for tenant '{args.tenant}' (shown once; store it now): {key}")
+    print("Add its hash to the tenant in your config:")
+    print(f"  - id: {args.tenant}\n    key_hashes: [\"{hash_key(key)}\"]")
+    return 0
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from isolation.sim import SimConfig, create_sim_app
+
+    tokenizer = args.tokenizer or cached_tokenizer(_cache_root())
+    config = SimConfig(
+        tokenizer_dir=tokenizer,
+        model=args.model,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        ttft_ms=args.ttft_ms,
+        tokens_per_s=args.tokens_per_s,
+        output_tokens=args.output_tokens,
+        seed=args.seed,
+    )
+    print(f"bulkhead sim: serving '{args.model}' on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(create_sim_app(config), host=args.host, port=args.port, access_log=False, log_level="warning")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bulkhead", description="Multi-tenant LLM gateway in front of vLLM.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", type=Path, help="YAML settings file (BULKHEAD_* variables override it)")
+    serve.set_defaults(run=_serve)
+
+    keys = commands.add_parser("keys", help="manage tenant API keys")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True)
+    create = key_commands.add_parser("create", help="make a new API key and print its hash for the config")
+    create.add_argument("--tenant", required=True)
+    create.set_defaults(run=_keys_create)
+
+    sim = commands.add_parser("sim", help="run the vLLM-compatible engine simulator")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=8000)
+    sim.add_argument("--model", default=EMBEDDED_MODEL)
+    sim.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer directory (default: a built tiny one)")
+    sim.add_argument("--max-model-len", type=int, default=EMBEDDED_CONTEXT)
+    sim.add_argument("--block-size", type=int, default=16)
+    sim.add_argument("--num-gpu-blocks", type=int, default=1024)
+    sim.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token")
+    sim.add_argument("--tokens-per-s", type=float, default=0.0, help="decode speed; 0 = as fast as possible")
+    sim.add_argument("--output-tokens", type=int, default=16, help="length of an answer max_tokens does not cut")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.set_defaults(run=_sim)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.run(args)
+    return code

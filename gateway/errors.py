@@ -1,0 +1,118 @@
+"""Every error the gateway answers with, and the one place they become OpenAI-style JSON.
+
+    GatewayError                       status, type, code, param, message
+    ├── InvalidRequest        400      invalid_request_error (bad JSON, wrong types, bad values)
+    ├── BodyTooLarge          413      invalid_request_error / request_too_large
+    ├── AuthenticationFailed  401      authentication_error / invalid_api_key
+    ├── ModelNotAllowed       403      permission_error / model_not_allowed
+    ├── ModelNotFound         404      not_found_error / model_not_found
+    ├── NotFound              404      not_found_error / not_found (unknown route)
+    ├── MethodNotAllowed      405      invalid_request_error / method_not_allowed
+    ├── RateLimited           429      rate_limit_error / concurrency_limit_exceeded
+    └── UpstreamError                  api_error: the backend could not give a usable answer
+        ├── BackendUnavailable  503    no healthy backend for the model
+        ├── BackendUnreachable  502    connect refused / reset / DNS
+        ├── BackendTimeout      504    connect, read or pool timeout
+        └── BackendBadResponse  502    the backend answered, but not with something we can pass on
+"""
+
+from __future__ import annotations
+
+import orjson
+from starlette.responses import Response
+
+
+class GatewayError(Exception):
+    status = 500
+    type = "api_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class BodyTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class AuthenticationFailed(GatewayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotAllowed(GatewayError):
+    status = 403
+    type = "permission_error"
+    code = "model_not_allowed"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    type = "not_found_error"
+    code = "model_not_found"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "not_found_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "concurrency_limit_exceeded"
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    type = "api_error"
+    code = "backend_error"
+
+
+class BackendUnavailable(UpstreamError):
+    status = 503
+    code = "backend_unavailable"
+
+
+class BackendUnreachable(UpstreamError):
+    status = 502
+    code = "backend_unreachable"
+
+
+class BackendTimeout(UpstreamError):
+    status = 504
+    code = "backend_timeout"
+
+
+class BackendBadResponse(UpstreamError):
+    status = 502
+    code = "backend_bad_response"
+
+
+def error_response(error: GatewayError, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        orjson.dumps(error.body()), status_code=error.status, media_type="application/json", headers=headers
+    )

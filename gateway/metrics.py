@@ -1,0 +1,52 @@
+"""Every Prometheus metric the gateway exports, defined once, in a registry owned by one app instance."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Gateway latency is dominated by the engine; buckets reach from sub-millisecond overhead to long generations.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "bulkhead_requests",
+            "Requests answered, by model, route and HTTP status.",
+            ["model", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "bulkhead_request_duration_seconds",
+            "Time from request received to last byte sent.",
+            ["model", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_to_first_byte = Histogram(
+            "bulkhead_time_to_first_byte_seconds",
+            "Time from request received to the first response byte (the first token, for streams).",
+            ["model", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "bulkhead_in_flight_requests", "Inference requests being served now.", registry=self.registry
+        )
+        self.upstream_errors = Counter(
+            "bulkhead_upstream_errors",
+            "Failed backend calls, by backend and kind (unreachable, timeout, bad_response, status_5xx).",
+            ["backend", "kind"],
+            registry=self.registry,
+        )
+        self.backend_up = Gauge(
+            "bulkhead_backend_up", "1 when the backend's last health check passed.", ["backend"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "bulkhead_tokens",
+            "Tokens reported by backends, by model and kind (prompt, completion).",
+            ["model", "kind"],
+            registry=self.registry,
+        )

@@ -1,0 +1,195 @@
+"""Typed settings, read once from a YAML file and `BULKHEAD_*` environment variables; nothing else reads either.
+
+Environment variables override the file: `BULKHEAD_REDIS_URL=redis://...`, nested keys joined by a double
+underscore (`BULKHEAD_LISTEN__PORT=9000`, `BULKHEAD_LIMITS__MAX_BODY_BYTES=1048576`). A value is read as YAML,
+so numbers, booleans and JSON lists (`BULKHEAD_BACKENDS='[{"name": "a", "url": "http://..."}]'`) work.
+A bad file or variable fails at start with the file (or variable), the key and the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "BULKHEAD_"
+KEY_HASH_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+class SettingsError(Exception):
+    """Settings that cannot be used; the message names where the bad value came from."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+
+
+class LimitSettings(_Section):
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="request bodies above this get 413")
+    max_json_depth: int = Field(default=32, ge=4, le=512, description="deeper JSON gets 400")
+    max_output_tokens: int = Field(default=1_048_576, ge=1, description="max_tokens above this is absurd: 400")
+    max_n: int = Field(default=16, ge=1, le=128, description="choices per request")
+
+
+class UpstreamSettings(_Section):
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    read_timeout_s: float = Field(default=300.0, gt=0, description="longest silence between two bytes")
+    write_timeout_s: float = Field(default=30.0, gt=0)
+    pool_timeout_s: float = Field(default=5.0, gt=0, description="wait for a free connection")
+    max_connections: int = Field(default=512, ge=1)
+    max_keepalive_connections: int = Field(default=128, ge=0)
+    keepalive_expiry_s: float = Field(default=30.0, ge=0)
+    health_interval_s: float = Field(default=5.0, gt=0)
+
+
+class BackendSettings(_Section):
+    name: str = Field(min_length=1)
+    url: str = Field(pattern=r"^https?://[^\s/]+(/[^\s]*)?$")
+    api_key: str | None = Field(default=None, repr=False)
+
+    @field_validator("url")
+    @classmethod
+    def _strip_slash(cls, value: str) -> str:
+        return value.rstrip("/")
+
+
+class ModelSettings(_Section):
+    name: str = Field(min_length=1)
+    backends: list[str] = Field(min_length=1)
+    tokenizer: Path | None = None
+    context_window: int | None = Field(default=None, ge=1)
+
+
+class TenantLimits(_Section):
+    max_concurrent_requests: int | None = Field(default=None, ge=1, description="per gateway instance; 429 above")
+    max_output_tokens: int | None = Field(default=None, ge=1, description="max_tokens above this gets 400")
+
+
+class TenantSettings(_Section):
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    key_hashes: list[str] = Field(min_length=1)
+    models: list[str] = Field(default_factory=lambda: ["*"], description='model names, or "*" for all')
+    limits: TenantLimits = TenantLimits()
+
+    @field_validator("key_hashes")
+    @classmethod
+    def _hashes(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not KEY_HASH_PATTERN.match(value):
+                raise ValueError("each key hash must be 'sha256:' and 64 lower-case hex digits")
+        return values
+
+    def may_use(self, model: str) -> bool:
+        return "*" in self.models or model in self.models
+
+
+class Settings(_Section):
+    listen: ListenSettings = ListenSettings()
+    redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
+    log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$")
+    limits: LimitSettings = LimitSettings()
+    upstream: UpstreamSettings = UpstreamSettings()
+    backends: list[BackendSettings] = []
+    models: list[ModelSettings] = []
+    tenants: list[TenantSettings] = []
+
+    @model_validator(mode="after")
+    def _references(self) -> Self:
+        _unique("backends", [b.name for b in self.backends])
+        _unique("models", [m.name for m in self.models])
+        _unique("tenants", [t.id for t in self.tenants])
+        _unique("tenants[].key_hashes", [h for t in self.tenants for h in t.key_hashes])
+        backend_names = {b.name for b in self.backends}
+        for i, model in enumerate(self.models):
+            for backend in model.backends:
+                if backend not in backend_names:
+                    raise ValueError(f"models[{i}].backends: model '{model.name}' names unknown backend '{backend}'")
+        model_names = {m.name for m in self.models}
+        for i, tenant in enumerate(self.tenants):
+            for name in tenant.models:
+                if name != "*" and name not in model_names:
+                    raise ValueError(f"tenants[{i}].models: tenant '{tenant.id}' names unknown model '{name}'")
+        return self
+
+    def model(self, name: str) -> ModelSettings | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def _unique(what: str, names: list[str]) -> None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"{what}: '{name}' appears twice")
+        seen.add(name)
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[tuple[str, ...], tuple[str, Any]]:
+    overrides: dict[tuple[str, ...], tuple[str, Any]] = {}
+    for variable, raw in environ.items():
+        if not variable.startswith(ENV_PREFIX):
+            continue
+        path = tuple(part.lower() for part in variable[len(ENV_PREFIX) :].split("__"))
+        try:
+            value = yaml.safe_load(raw) if raw else raw
+        except yaml.YAMLError as exc:
+            raise SettingsError(f"environment variable {variable}: not a valid value: {exc}") from exc
+        overrides[path] = (variable, value)
+    return overrides
+
+
+def _apply(data: dict[str, Any], path: tuple[str, ...], value: Any, variable: str) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise SettingsError(f"environment variable {variable}: '{part}' is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def load_settings(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Read the file (if any), apply the environment on top, validate; raise SettingsError naming the source."""
+    source = str(path) if path is not None else "defaults"
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise SettingsError(f"{path}: cannot read: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise SettingsError(f"{path}: not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise SettingsError(f"{path}: the top level must be a mapping of settings")
+        data = loaded or {}
+    overrides = _env_overrides(environ or {})
+    for key_path, (variable, value) in overrides.items():
+        _apply(data, key_path, value, variable)
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        loc = tuple(error["loc"])
+        origin = next(
+            (variable for key, (variable, _) in overrides.items() if loc[: len(key)] == key),
+            source,
+        )
+        reason = error["msg"].removeprefix("Value error, ")
+        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
+        where = f"{_location(loc)}: " if loc else ""
+        raise SettingsError(f"{origin}: {where}{reason}{more}") from exc

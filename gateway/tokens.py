@@ -1,0 +1,178 @@
+"""Prompt tokens counted exactly as vLLM counts them.
+
+vLLM renders a chat request with the model's Hugging Face chat template (the way transformers does:
+a sandboxed Jinja environment with trim_blocks/lstrip_blocks and a few helper globals), then encodes the
+text *without* adding special tokens, because the template writes them itself. A completion prompt is
+encoded *with* special tokens (the tokenizer's post-processor adds BOS). Matching both rules is what
+makes our count equal the engine's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class TokenizerLoadError(Exception):
+    """The tokenizer directory is missing a file or holds one that cannot be read."""
+
+
+class ChatTemplateError(Exception):
+    """The chat template refused the messages (it called raise_exception) or failed to render."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers overrides Jinja's tojson (which HTML-escapes) with plain json.dumps; templates rely on it.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _token_text(value: object) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _flatten_content(content: object) -> object:
+    # vLLM hands "string"-format templates text parts joined by newlines (its content-format detection picks
+    # "string" for templates that never iterate over content parts, which covers the common templates).
+    if isinstance(content, list):
+        texts = [part.get("text", "") for part in content if isinstance(part, Mapping) and part.get("type") == "text"]
+        return "\n".join(str(t) for t in texts)
+    return content
+
+
+def _decode_tool_arguments(tool_calls: object) -> object:
+    # vLLM parses each tool call's JSON-string arguments into an object before rendering, as templates expect.
+    if not isinstance(tool_calls, list):
+        return tool_calls
+    decoded = []
+    for call in tool_calls:
+        if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping):
+            function = dict(call["function"])
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    function["arguments"] = json.loads(arguments)
+                except ValueError:
+                    pass
+            call = {**call, "function": function}
+        decoded.append(call)
+    return decoded
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them after vLLM's preprocessing."""
+    prepared = []
+    for message in messages:
+        item = dict(message)
+        if "content" in item:
+            item["content"] = _flatten_content(item["content"])
+        if "tool_calls" in item:
+            item["tool_calls"] = _decode_tool_arguments(item["tool_calls"])
+        prepared.append(item)
+    return prepared
+
+
+@dataclass(frozen=True)
+class ModelTokenizer:
+    """A model's tokenizer and chat template, loaded from a Hugging Face tokenizer directory."""
+
+    tokenizer: Tokenizer
+    template: jinja2.Template | None
+    special_tokens: Mapping[str, str]
+
+    @classmethod
+    def from_dir(cls, path: Path) -> ModelTokenizer:
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerLoadError(f"{tokenizer_file} does not exist")
+        try:
+            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust loader raises a bare Exception for every kind of bad file
+            raise TokenizerLoadError(f"{tokenizer_file}: {exc}") from exc
+        config: dict[str, Any] = {}
+        config_file = path / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except ValueError as exc:
+                raise TokenizerLoadError(f"{config_file}: {exc}") from exc
+        template_source = config.get("chat_template")
+        template_file = path / "chat_template.jinja"
+        if template_file.is_file():
+            template_source = template_file.read_text(encoding="utf-8")
+        special = {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key))) is not None}
+        template = _compile_template(template_source) if isinstance(template_source, str) else None
+        return cls(tokenizer=tokenizer, template=template, special_tokens=special)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        if self.template is None:
+            raise ChatTemplateError("this model's tokenizer has no chat template")
+        try:
+            return self.template.render(
+                messages=template_messages(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+                **(template_kwargs or {}),
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(str(exc)) from exc
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        text = self.render_chat(messages, tools, add_generation_prompt, template_kwargs)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+

@@ -1,0 +1,247 @@
+"""The simulator: a small, fast stand-in for vLLM's OpenAI-compatible server.
+
+vLLM's routes, with vLLM's shapes, status codes and error texts:
+    GET  /v1/models            POST /v1/chat/completions    POST /v1/completions
+    POST /tokenize             POST /detokenize
+    GET  /health               GET  /version                GET  /metrics
+
+Simulator-only inspection, for tests that must prove what a gateway did or did not forward:
+    GET    /sim/requests   the last 1000 inference requests received (POSTs to the two completion routes,
+                           refused ones included), oldest first, as JSON
+                           `[{"path": ..., "headers": {lower-case name: value}, "body": parsed JSON or null}]`
+    DELETE /sim/requests   forget them (204)
+
+Everything an app needs (tokenizer, engine, metrics registry, request log) is built once in create_sim_app and
+held by that app's endpoints: several simulators can run in one process without sharing anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive
+
+from gateway.tokens import ChatTemplateError, ModelTokenizer
+from isolation.sim.config import SimConfig
+from isolation.sim.engine import Engine, Run
+from isolation.sim.errors import SimError, bad_request, model_not_found, render_sim_error
+from isolation.sim.generation import WordVocabulary
+from isolation.sim.metrics import build_registry, render
+from isolation.sim.protocol import (
+    ChatPrompt,
+    JsonObject,
+    Sampling,
+    TextPrompt,
+    flag,
+    parse_chat,
+    parse_chat_prompt,
+    parse_completion,
+    parse_json_object,
+    parse_model,
+    parse_text_prompt,
+    parse_token_ids,
+)
+from isolation.sim.recorder import RequestLog
+from isolation.sim.replies import ChatReply, CompletionReply, Reply
+from isolation.sim.streaming import EngineStream
+
+VERSION = "0.32.0-sim"
+REQUEST_LOG_LIMIT = 1000
+
+
+def create_sim_app(config: SimConfig) -> Starlette:
+    tokenizer = ModelTokenizer.from_dir(config.tokenizer_dir)
+    engine = Engine(config, WordVocabulary.from_tokenizer(tokenizer.tokenizer, config.seed))
+    endpoints = _Endpoints(config, tokenizer, engine, build_registry(engine), RequestLog(REQUEST_LOG_LIMIT))
+    app = Starlette(
+        routes=[
+            Route("/v1/models", endpoints.models, methods=["GET"]),
+            Route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"]),
+            Route("/v1/completions", endpoints.completions, methods=["POST"]),
+            Route("/tokenize", endpoints.tokenize, methods=["POST"]),
+            Route("/detokenize", endpoints.detokenize, methods=["POST"]),
+            Route("/health", endpoints.health, methods=["GET"]),
+            Route("/version", endpoints.version, methods=["GET"]),
+            Route("/metrics", endpoints.metrics, methods=["GET"]),
+            Route("/sim/requests", endpoints.recorded_requests, methods=["GET"]),
+            Route("/sim/requests", endpoints.forget_requests, methods=["DELETE"]),
+        ],
+        exception_handlers={SimError: render_sim_error},
+    )
+    app.state.engine = engine
+    app.state.request_log = endpoints.request_log
+    return app
+
+
+def _json(content: object, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(content), status_code=status_code, media_type="application/json")
+
+
+class _Endpoints:
+    def __init__(
+        self,
+        config: SimConfig,
+        tokenizer: ModelTokenizer,
+        engine: Engine,
+        registry: CollectorRegistry,
+        request_log: RequestLog,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.registry = registry
+        self.request_log = request_log
+        self.vocab_size = int(tokenizer.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    async def models(self, request: Request) -> Response:
+        now = int(time.time())
+        permission = {
+            "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": now,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False,
+        }
+        card = {
+            "id": self.config.model, "object": "model", "created": now, "owned_by": "vllm",
+            "root": self.config.model, "parent": None, "max_model_len": self.config.max_model_len,
+            "permission": [permission],
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def chat_completions(self, request: Request) -> Response:
+        chat = parse_chat(await self._read_body(request, record=True))
+        self._check_model(chat.sampling.model)
+        return await self._generate(request, self._encode_chat(chat.prompt), chat.sampling, ChatReply)
+
+    async def completions(self, request: Request) -> Response:
+        completion = parse_completion(await self._read_body(request, record=True))
+        self._check_model(completion.sampling.model)
+        prompt_ids = self._encode_text(completion.prompt)
+        return await self._generate(request, prompt_ids, completion.sampling, CompletionReply)
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._read_body(request, record=False)
+        self._check_model(parse_model(body))
+        if "messages" in body:
+            ids = self._encode_chat(parse_chat_prompt(body))
+        else:
+            ids = self._encode_text(parse_text_prompt(body))
+        token_strs = None
+        if flag(body, "return_token_strs", False):
+            token_strs = [self.tokenizer.tokenizer.id_to_token(token_id) for token_id in ids]
+        return _json({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
+                      "token_strs": token_strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._read_body(request, record=False)
+        self._check_model(parse_model(body))
+        ids = self._check_token_ids(parse_token_ids(body, "tokens"), "tokens")
+        return _json({"prompt": self.tokenizer.decode(ids)})
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def version(self, request: Request) -> Response:
+        return _json({"version": VERSION})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(render(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def recorded_requests(self, request: Request) -> Response:
+        return _json(self.request_log.entries())
+
+    async def forget_requests(self, request: Request) -> Response:
+        self.request_log.clear()
+        return Response(status_code=204)
+
+    async def _read_body(self, request: Request, *, record: bool) -> JsonObject:
+        raw = await request.body()
+        try:
+            body = parse_json_object(raw)
+        except SimError:
+            if record:
+                self.request_log.record(request.url.path, request.scope["headers"], None)
+            raise
+        if record:
+            self.request_log.record(request.url.path, request.scope["headers"], body)
+        return body
+
+    def _check_model(self, model: str | None) -> None:
+        # Like vLLM, an omitted model means the served one.
+        if model is not None and model != self.config.model:
+            raise model_not_found(model)
+
+    def _encode_chat(self, prompt: ChatPrompt) -> list[int]:
+        try:
+            text = self.tokenizer.render_chat(
+                prompt.messages, prompt.tools, prompt.add_generation_prompt, prompt.template_kwargs
+            )
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc)) from exc
+        except TypeError as exc:  # chat_template_kwargs naming an argument the renderer already passes
+            raise bad_request(f"Invalid chat_template_kwargs: {exc}", "chat_template_kwargs") from exc
+        return list(self.tokenizer.tokenizer.encode(text, add_special_tokens=prompt.add_special_tokens).ids)
+
+    def _encode_text(self, prompt: TextPrompt) -> list[int]:
+        if isinstance(prompt.prompt, list):
+            return self._check_token_ids(prompt.prompt, "prompt")
+        encoding = self.tokenizer.tokenizer.encode(prompt.prompt, add_special_tokens=prompt.add_special_tokens)
+        return list(encoding.ids)
+
+    def _check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        out_of_range = [token_id for token_id in ids if not 0 <= token_id < self.vocab_size]
+        if out_of_range:
+            raise bad_request(f"Token id {out_of_range[0]} is out of vocabulary", param)
+        return ids
+
+    async def _generate(
+        self, request: Request, prompt_ids: Sequence[int], sampling: Sampling, reply_type: type[Reply]
+    ) -> Response:
+        budget = self.engine.output_budget(len(prompt_ids), sampling.max_tokens)
+        run = self.engine.admit(prompt_ids, sampling.n, budget)
+        reply = reply_type(run=run, sampling=sampling, model=self.config.model, vocabulary=self.engine.vocabulary)
+        if sampling.stream:
+            return EngineStream(self.engine, reply)
+        try:
+            finished = await _finish_unless_disconnected(self.engine, run, request.receive)
+        finally:
+            self.engine.release(run)
+        if not finished:
+            # The client is gone and will never read this; vLLM answers the same way.
+            refusal = bad_request("Client disconnected")
+            return Response(refusal.body(), status_code=refusal.status, media_type="application/json")
+        return _json(reply.body())
+
+
+async def _finish_unless_disconnected(engine: Engine, run: Run, receive: Receive) -> bool:
+    """Produce the whole answer, unless the client disconnects first (then the run is aborted by the caller).
+
+    Starlette does not cancel a plain endpoint when its client goes away, so a paced request races its
+    generation against the connection's http.disconnect, as vLLM's `with_cancellation` does.
+    """
+    if not engine.paced:
+        await engine.run_to_end(run)
+        return True
+    generating = asyncio.ensure_future(engine.run_to_end(run))
+    watching = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((generating, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (generating, watching):
+            task.cancel()
+        await asyncio.gather(generating, watching, return_exceptions=True)
+    return run.state == "finished"
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

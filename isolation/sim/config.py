@@ -1,0 +1,43 @@
+"""The simulator's settings: one immutable value, checked when it is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How the simulated engine presents itself and how fast it answers.
+
+    The KV cache holds block_size × num_gpu_blocks tokens; like a disaggregated pool (and unlike one plain vLLM
+    instance), the simulator lets max_model_len exceed that, so tests can build the mismatch on purpose.
+    """
+
+    tokenizer_dir: Path
+    model: str = "tiny-llama"
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_gpu_blocks: int = 1024
+    ttft_ms: float = 0.0
+    tokens_per_s: float = 0.0  # 0 means no pacing at all, the fast path the overhead benchmarks rely on
+    output_tokens: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "block_size", "num_gpu_blocks", "output_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SimConfig.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("ttft_ms", "tokens_per_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SimConfig.{name} must not be negative, got {getattr(self, name)}")
+        if not self.model:
+            raise ValueError("SimConfig.model must not be empty")
+
+    @property
+    def kv_cache_size_tokens(self) -> int:
+        return self.block_size * self.num_gpu_blocks
+
+    @property
+    def paced(self) -> bool:
+        return self.ttft_ms > 0 or self.tokens_per_s > 0

@@ -1,0 +1,63 @@
+"""Refusals, rendered as vLLM renders them.
+
+    SimError               a request the engine refuses: HTTP status, message, OpenAI error type, param
+
+vLLM answers every refusal with `{"error": {"message", "type", "param", "code"}}`. Its validation errors
+(VLLMValidationError) append "(parameter=P, value=V)" to the message and set `param`; the constructors below
+reproduce those texts exactly, because gateways and clients match on them.
+"""
+
+from __future__ import annotations
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+
+class SimError(Exception):
+    """A request the simulated engine refuses."""
+
+    def __init__(
+        self, message: str, *, status: int = 400, error_type: str = "BadRequestError", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.error_type = error_type
+        self.param = param
+
+    def body(self) -> bytes:
+        error = {"message": self.message, "type": self.error_type, "param": self.param, "code": self.status}
+        return orjson.dumps({"error": error})
+
+
+def bad_request(message: str, param: str | None = None) -> SimError:
+    return SimError(message, param=param)
+
+
+def invalid_value(message: str, param: str, value: object) -> SimError:
+    return SimError(f"{message} (parameter={param}, value={value})", param=param)
+
+
+def model_not_found(model: str) -> SimError:
+    return SimError(f"The model `{model}` does not exist.", status=404, error_type="NotFoundError", param="model")
+
+
+def context_length_exceeded(max_model_len: int, prompt_tokens: int) -> SimError:
+    return invalid_value(
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains at least "
+        f"{prompt_tokens} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+        "the length of the input prompt.",
+        "input_tokens",
+        prompt_tokens,
+    )
+
+
+def max_tokens_too_small(value: int) -> SimError:
+    return invalid_value(f"max_tokens must be at least 1, got {value}.", "max_tokens", value)
+
+
+async def render_sim_error(request: Request, exc: Exception) -> Response:
+    if not isinstance(exc, SimError):  # Starlette only routes SimError here; anything else is a bug
+        raise exc
+    return Response(exc.body(), status_code=exc.status, media_type="application/json")

@@ -1,0 +1,49 @@
+"""Tenants, keys and request bodies shared by the gateway's integration tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gateway.settings import Settings
+from gateway.tenants import hash_key
+
+MODEL = "tiny-llama"
+ALICE_KEY = "bk-test-alice-0123456789"
+BOB_KEY = "bk-test-bob-0123456789"
+NOBODY_KEY = "bk-test-nobody-0123456789"
+
+
+def gateway_settings(backend_urls: dict[str, str], tokenizer_dir: Path, **overrides: Any) -> Settings:
+    data: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"name": name, "url": url} for name, url in backend_urls.items()],
+        "models": [
+            {"name": MODEL, "backends": list(backend_urls), "tokenizer": str(tokenizer_dir), "context_window": 2048}
+        ],
+        "tenants": [
+            {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "models": ["*"]},
+            {"id": "bob", "key_hashes": [hash_key(BOB_KEY)], "models": [MODEL], "limits": {"max_output_tokens": 64}},
+            {"id": "nobody", "key_hashes": [hash_key(NOBODY_KEY)], "models": []},
+        ],
+        "upstream": {"health_interval_s": 0.2},
+    }
+    for key, value in overrides.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and key in data else value
+    return Settings.model_validate(data)
+
+
+def auth(key: str = ALICE_KEY) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def chat_body(content: str = "Hello there", **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def forwarded(sim_url: str) -> list[dict[str, Any]]:
+    """What the simulator received: the proof of what the gateway did and did not forward."""
+    records: list[dict[str, Any]] = httpx.get(f"{sim_url}/sim/requests").json()
+    return records

@@ -1,0 +1,52 @@
+"""Serve an ASGI app with a real uvicorn on 127.0.0.1, so integration tests speak real HTTP over TCP.
+
+The server runs in a background thread with its own event loop; the test talks to it with any HTTP client,
+sync or async, from the test's own thread and loop. The listening socket is bound here (port 0) and handed
+to uvicorn, so there is no window in which another process can take the port.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+from starlette.types import ASGIApp
+
+STARTUP_TIMEOUT_S = 10.0
+# Long enough for in-flight requests to end, short enough that a test holding a stream open cannot hang the
+# suite at teardown: uvicorn cancels what is still running when it expires.
+GRACEFUL_SHUTDOWN_S = 2.0
+
+
+@contextmanager
+def run_server(app: ASGIApp) -> Iterator[str]:
+    """Run `app` until the block ends; yields its base URL (`http://127.0.0.1:PORT`)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
+    try:
+        thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError("the test server exited during start-up (its error is logged above)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the test server did not start within {STARTUP_TIMEOUT_S} s")
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=GRACEFUL_SHUTDOWN_S + 5)
+        sock.close()
+        if thread.is_alive():
+            raise RuntimeError("the test server did not shut down")
