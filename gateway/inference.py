@@ -47,13 +47,28 @@ CHAT = Route("chat", "/v1/chat/completions", ChatCompletionRequest)
 COMPLETIONS = Route("completions", "/v1/completions", CompletionRequest)
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    # Pydantic puts union member tags ("str", "list[TextPart]", "TextPart") into locations; callers know fields.
+    parts = [
+        f"[{p}]" if isinstance(p, int) else f".{p}"
+        for p in loc
+        if isinstance(p, int) or (p.islower() and p.isidentifier() and p not in _TYPE_TAGS)
+    ]
+    return "".join(parts).lstrip(".")
+
+
 def validate(route: Route, payload: dict[str, Any]) -> InferenceRequest:
     try:
         return route.schema.model_validate(payload)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"]).lstrip(".")
-        raise InvalidRequest(f"{loc}: {error['msg']}" if loc else error["msg"], param=loc or None) from exc
+        errors = exc.errors()
+        param = _field_path(tuple(errors[0]["loc"]))
+        reasons = list(dict.fromkeys(e["msg"] for e in errors if _field_path(tuple(e["loc"])) == param))
+        message = " or ".join(reasons[:3])
+        raise InvalidRequest(f"{param}: {message}" if param else message, param=param or None) from exc
 
 
 def resolve_model(state: GatewayState, tenant: TenantSettings, name: str) -> ModelSettings:

@@ -19,7 +19,7 @@ from starlette.types import ASGIApp
 STARTUP_TIMEOUT_S = 10.0
 # Long enough for in-flight requests to end, short enough that a test holding a stream open cannot hang the
 # suite at teardown: uvicorn cancels what is still running when it expires.
-GRACEFUL_SHUTDOWN_S = 2.0
+GRACEFUL_SHUTDOWN_S = 2
 
 
 @contextmanager

@@ -105,14 +105,27 @@ class _Endpoints:
     async def models(self, request: Request) -> Response:
         now = int(time.time())
         permission = {
-            "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": now,
-            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-            "organization": "*", "group": None, "is_blocking": False,
+            "id": f"modelperm-{uuid.uuid4().hex}",
+            "object": "model_permission",
+            "created": now,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
         }
         card = {
-            "id": self.config.model, "object": "model", "created": now, "owned_by": "vllm",
-            "root": self.config.model, "parent": None, "max_model_len": self.config.max_model_len,
+            "id": self.config.model,
+            "object": "model",
+            "created": now,
+            "owned_by": "vllm",
+            "root": self.config.model,
+            "parent": None,
+            "max_model_len": self.config.max_model_len,
             "permission": [permission],
         }
         return _json({"object": "list", "data": [card]})
@@ -138,8 +151,9 @@ class _Endpoints:
         token_strs = None
         if flag(body, "return_token_strs", False):
             token_strs = [self.tokenizer.tokenizer.id_to_token(token_id) for token_id in ids]
-        return _json({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
-                      "token_strs": token_strs})
+        return _json(
+            {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": token_strs}
+        )
 
     async def detokenize(self, request: Request) -> Response:
         body = await self._read_body(request, record=False)

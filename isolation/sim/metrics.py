@@ -43,25 +43,35 @@ class EngineCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         engine = self._engine
         counters = engine.counters
-        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 labels=list(self._cache_info))
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(self._cache_info)
+        )
         info.add_metric(list(self._cache_info.values()), 1.0)
         yield info
-        yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                          engine.num_running)
+        yield self._gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", engine.num_running
+        )
         yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", 0)
-        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                          engine.kv_cache_usage())
-        yield self._counter("vllm:prefix_cache_queries",
-                            "Prefix cache queries, in terms of number of queried tokens.",
-                            counters.prefix_cache_queries)
-        yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                            counters.prefix_cache_hits)
+        yield self._gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.kv_cache_usage()
+        )
+        yield self._counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            counters.prefix_cache_queries,
+        )
+        yield self._counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            counters.prefix_cache_hits,
+        )
         yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.", counters.prompt_tokens)
-        yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                            counters.generation_tokens)
-        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                      labels=[*_LABELS, "finished_reason"])
+        yield self._counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", counters.generation_tokens
+        )
+        success = CounterMetricFamily(
+            "vllm:request_success", "Count of successfully processed requests.", labels=[*_LABELS, "finished_reason"]
+        )
         for reason, count in counters.request_success.items():
             success.add_metric([*self._values, reason], count)
         yield success

@@ -50,8 +50,11 @@ class Reply:
 
     def usage(self, completion_tokens: int) -> JsonObject:
         prompt = self.run.prompt_tokens
-        return {"prompt_tokens": prompt, "total_tokens": prompt + completion_tokens,
-                "completion_tokens": completion_tokens}
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion_tokens,
+            "completion_tokens": completion_tokens,
+        }
 
     def usage_chunk(self) -> JsonObject:
         chunk = self._envelope()
@@ -110,8 +113,9 @@ class ChatReply(Reply):
         chunks = []
         for index in range(self.run.n):
             chunk = self._envelope()
-            chunk["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None}]
+            chunk["choices"] = [
+                {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ]
             chunk["prompt_token_ids"] = None
             if self.sampling.continuous_usage:
                 chunk["usage"] = self.usage(0)
@@ -135,8 +139,7 @@ class ChatReply(Reply):
         return chunk
 
     def _envelope(self) -> JsonObject:
-        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model}
+        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
 
 
 class CompletionReply(Reply):
@@ -170,15 +173,17 @@ class CompletionReply(Reply):
 
     def token_chunk(self, index: int, step: int) -> JsonObject:
         chunk = self._envelope()
-        chunk["choices"] = [{
-            "index": index,
-            "text": self.vocabulary.texts[self.run.outputs[index][step]],
-            "logprobs": None,
-            "finish_reason": self.finish_reason(step),
-            "stop_reason": None,
-            "prompt_token_ids": None,
-            "token_ids": None,
-        }]
+        chunk["choices"] = [
+            {
+                "index": index,
+                "text": self.vocabulary.texts[self.run.outputs[index][step]],
+                "logprobs": None,
+                "finish_reason": self.finish_reason(step),
+                "stop_reason": None,
+                "prompt_token_ids": None,
+                "token_ids": None,
+            }
+        ]
         chunk["usage"] = self.usage(step + 1) if self.sampling.continuous_usage else None
         return chunk
 

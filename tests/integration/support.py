@@ -47,3 +47,14 @@ def forwarded(sim_url: str) -> list[dict[str, Any]]:
     """What the simulator received: the proof of what the gateway did and did not forward."""
     records: list[dict[str, Any]] = httpx.get(f"{sim_url}/sim/requests").json()
     return records
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the exposition's samples of `name` that carry all of `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line[len(name) : len(name) + 1] not in ("{", " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -1,0 +1,126 @@
+"""What a tenant hears when the backend is down, slow or goes away, and what happens when the tenant goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import httpx
+
+from tests.integration.support import auth, chat_body, metric
+from tests.redis_server import free_port
+from tests.servers import run_server
+
+CHAT = "/v1/chat/completions"
+
+
+async def test_no_healthy_backend_is_503(client: httpx.AsyncClient, make_gateway: Any) -> None:
+    gateway_url = make_gateway({"dead": f"http://127.0.0.1:{free_port()}"})
+    response = await client.post(f"{gateway_url}{CHAT}", json=chat_body(), headers=auth())
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "backend_unavailable"
+    ready = await client.get(f"{gateway_url}/readyz")
+    assert ready.status_code == 503
+    assert "no backend" in ready.json()["problems"][0]
+
+
+async def test_backend_gone_between_checks_is_502_then_503(
+    client: httpx.AsyncClient, make_gateway: Any, tokenizer_dir: Any
+) -> None:
+    from isolation.sim import SimConfig, create_sim_app
+
+    with run_server(create_sim_app(SimConfig(tokenizer_dir=tokenizer_dir))) as sim_url:
+        gateway_url = make_gateway({"sim": sim_url}, upstream={"health_interval_s": 3600})
+        assert (await client.post(f"{gateway_url}{CHAT}", json=chat_body(), headers=auth())).status_code == 200
+    refused = await client.post(f"{gateway_url}{CHAT}", json=chat_body(), headers=auth())
+    assert refused.status_code == 502
+    assert refused.json()["error"]["code"] == "backend_unreachable"
+    assert "'sim'" in refused.json()["error"]["message"]
+    # Marked unhealthy at once, not at the next (hour-away) health check.
+    after = await client.post(f"{gateway_url}{CHAT}", json=chat_body(), headers=auth())
+    assert after.status_code == 503
+    metrics = (await client.get(f"{gateway_url}/metrics")).text
+    assert metric(metrics, "bulkhead_upstream_errors_total", backend="sim", kind="unreachable") == 1
+
+
+async def test_slow_backend_is_504(client: httpx.AsyncClient, make_gateway: Any, make_sim: Any) -> None:
+    sim_url = make_sim(ttft_ms=2000)
+    gateway_url = make_gateway({"sim": sim_url}, upstream={"read_timeout_s": 0.3})
+    response = await client.post(f"{gateway_url}{CHAT}", json=chat_body(), headers=auth())
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "backend_timeout"
+    assert "timed out" in response.json()["error"]["message"]
+
+
+async def test_backend_5xx_is_502(client: httpx.AsyncClient, make_gateway: Any) -> None:
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    async def broken(request: Any) -> PlainTextResponse:
+        if request.url.path == "/health":
+            return PlainTextResponse("")
+        return PlainTextResponse("engine crashed", status_code=500)
+
+    app = Starlette(routes=[Route("/health", broken), Route(CHAT, broken, methods=["POST"])])
+    with run_server(app) as broken_url:
+        gateway_url = make_gateway({"broken": broken_url})
+        response = await client.post(f"{gateway_url}{CHAT}", json=chat_body(), headers=auth())
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "backend_bad_response"
+    assert "HTTP 500" in response.json()["error"]["message"]
+
+
+async def test_client_disconnect_cancels_the_upstream_request(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any
+) -> None:
+    sim_url = make_sim(tokens_per_s=20, output_tokens=200)
+    gateway_url = make_gateway({"sim": sim_url})
+    body = chat_body(stream=True, max_tokens=200)
+    async with client.stream("POST", f"{gateway_url}{CHAT}", json=body, headers=auth()) as response:
+        assert response.status_code == 200
+        received = 0
+        async for _ in response.aiter_raw():
+            received += 1
+            if received == 2:
+                break
+    # The engine must see the abort well before the 10 s the whole answer would take.
+    for _ in range(100):
+        sim_metrics = (await client.get(f"{sim_url}/metrics")).text
+        if metric(sim_metrics, "vllm:request_success_total", finished_reason="abort") == 1:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the simulator never saw the request aborted")
+    assert metric(sim_metrics, "vllm:num_requests_running") == 0
+    gateway_metrics = (await client.get(f"{gateway_url}/metrics")).text
+    assert metric(gateway_metrics, "bulkhead_in_flight_requests") == 0
+    assert metric(gateway_metrics, "bulkhead_requests_total", status="499") == 1
+
+
+async def test_backend_dies_mid_stream_sends_an_error_event(
+    client: httpx.AsyncClient, make_gateway: Any
+) -> None:
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def health(request: Any) -> PlainTextResponse:
+        return PlainTextResponse("")
+
+    async def half_stream(request: Any) -> StreamingResponse:
+        async def events() -> Any:
+            yield b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\n'
+            raise RuntimeError("engine died")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/health", health), Route(CHAT, half_stream, methods=["POST"])])
+    with run_server(app) as dying_url:
+        gateway_url = make_gateway({"dying": dying_url})
+        async with client.stream("POST", f"{gateway_url}{CHAT}", json=chat_body(stream=True), headers=auth()) as r:
+            text = (await r.aread()).decode()
+    assert '"Hel"' in text
+    assert re.search(r'data: \{"error":\{"message":"Backend \'dying\' closed the connection', text)
+    assert text.endswith("data: [DONE]\n\n")
