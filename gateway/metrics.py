@@ -11,7 +11,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 class GatewayMetrics:
     def __init__(self) -> None:
         # `_created` series double every counter's size on the wire and no dashboard or alert of ours reads them.
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "bulkhead_requests",

@@ -151,11 +151,13 @@ class ModelTokenizer:
             raise ChatTemplateError("this model's tokenizer has no chat template")
         try:
             return self.template.render(
-                messages=template_messages(messages),
-                tools=list(tools) if tools else None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-                **(template_kwargs or {}),
+                {
+                    **self.special_tokens,
+                    **(template_kwargs or {}),
+                    "messages": template_messages(messages),
+                    "tools": list(tools) if tools else None,
+                    "add_generation_prompt": add_generation_prompt,
+                }
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc

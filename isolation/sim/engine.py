@@ -91,7 +91,10 @@ class Engine:
         return budget
 
     def admit(self, prompt_ids: Sequence[int], n: int, max_tokens: int) -> Run:
-        """Start a request whose answers may be up to max_tokens long (already clipped to the window)."""
+        """Start a request whose answers may be up to max_tokens long (already clipped to the window).
+
+        Every choice's natural answer is output_tokens long; one that fits exactly ends with "stop".
+        """
         natural = self.config.output_tokens
         length = min(natural, max_tokens)
         outputs = tuple(self.vocabulary.answer(prompt_ids, index, length) for index in range(n))

@@ -202,6 +202,12 @@ def test_completion_stream_is_one_chunk_per_token(client: httpx.Client) -> None:
     assert usage["usage"]["completion_tokens"] == 5
 
 
+def test_continuous_usage_puts_running_usage_on_every_chunk(client: httpx.Client) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    _, chunks = stream(client, "/v1/chat/completions", {"messages": HELLO, "max_tokens": 3, "stream_options": options})
+    assert [chunk["usage"]["completion_tokens"] for chunk in chunks] == [0, 1, 2, 3, 3]
+
+
 def test_n_gives_distinct_choices_in_body_and_stream(client: httpx.Client) -> None:
     body = chat(client, n=2, max_tokens=4).json()
     assert [c["index"] for c in body["choices"]] == [0, 1]
