@@ -12,8 +12,8 @@ import orjson
 
 DONE = b"data: [DONE]\n\n"
 _DATA = b"data: "
-# A `"usage":{` byte run can only be a usage object: inside a JSON string its quotes would be escaped.
-_USAGE_OBJECT = b'"usage":{'
+# A `"usage":` byte run can only be a key: inside a JSON string its quotes would be escaped.
+_USAGE_KEY = b'"usage":'
 
 
 class EventSplitter:
@@ -36,7 +36,8 @@ class EventSplitter:
 
 def usage_of(event: bytes) -> tuple[dict[str, Any] | None, bool]:
     """(usage, is_usage_only_chunk) of one event; (None, False) for an event without a usage object."""
-    if _USAGE_OBJECT not in event or not event.startswith(_DATA):
+    at = event.find(_USAGE_KEY)
+    if at < 0 or not event.startswith(_DATA) or event[at + len(_USAGE_KEY) :].lstrip()[:1] != b"{":
         return None, False
     try:
         chunk = orjson.loads(event[len(_DATA) :])

@@ -1,0 +1,68 @@
+"""Small gateway parts with sharp edges: SSE splitting, body limits, key hashing, settings sources."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.body import parse_json_object
+from gateway.errors import AuthenticationFailed, InvalidRequest
+from gateway.settings import SettingsError, TenantSettings, load_settings
+from gateway.sse import EventSplitter, usage_of
+from gateway.tenants import TenantDirectory, hash_key, new_api_key
+
+
+def test_event_splitter_yields_only_whole_events_across_any_boundaries() -> None:
+    stream = b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
+    for size in range(1, len(stream) + 1):
+        splitter = EventSplitter()
+        events = []
+        for start in range(0, len(stream), size):
+            events.extend(splitter.feed(stream[start : start + size]))
+        assert events == [b'data: {"a": 1}\n\n', b'data: {"b": 2}\n\n', b"data: [DONE]\n\n"], size
+        assert splitter.rest() == b""
+
+
+def test_usage_is_found_only_in_a_real_usage_object() -> None:
+    usage_chunk = b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\n'
+    assert usage_of(usage_chunk) == ({"prompt_tokens": 3, "completion_tokens": 2}, True)
+    quoted = b'data: {"choices": [{"delta": {"content": "\\"usage\\":{"}}]}\n\n'
+    assert usage_of(quoted) == (None, False)
+    assert usage_of(b'data: {"choices": [], "usage": null}\n\n') == (None, False)
+
+
+def test_depth_limit_counts_levels() -> None:
+    assert parse_json_object(b'{"a": [[1]]}', max_depth=3) == {"a": [[1]]}
+    with pytest.raises(InvalidRequest, match="deeper than 2"):
+        parse_json_object(b'{"a": [[1]]}', max_depth=2)
+
+
+def test_keys_are_random_and_only_hashes_authenticate() -> None:
+    key = new_api_key()
+    assert key.startswith("bk-") and len(key) > 40 and key != new_api_key()
+    directory = TenantDirectory([TenantSettings(id="t", key_hashes=[hash_key(key)])])
+    assert directory.authenticate(f"Bearer {key}").id == "t"
+    assert directory.authenticate(f"bearer  {key}").id == "t"
+    with pytest.raises(AuthenticationFailed):
+        directory.authenticate(f"Bearer {hash_key(key)}")
+
+
+def test_environment_overrides_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "b.yaml"
+    config.write_text("listen:\n  port: 9000\nlimits:\n  max_n: 4\n")
+    settings = load_settings(config, {"BULKHEAD_LISTEN__PORT": "9100", "UNRELATED": "x"})
+    assert settings.listen.port == 9100
+    assert settings.limits.max_n == 4
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="nope.yaml: cannot read"):
+        load_settings(tmp_path / "nope.yaml")
+
+
+def test_duplicate_key_hashes_are_refused() -> None:
+    same = hash_key("k")
+    tenants = f'[{{"id": "a", "key_hashes": ["{same}"]}}, {{"id": "b", "key_hashes": ["{same}"]}}]'
+    with pytest.raises(SettingsError, match="appears twice"):
+        load_settings(None, {"BULKHEAD_TENANTS": tenants})
