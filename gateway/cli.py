@@ -42,6 +42,8 @@ def configure_logging(level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # httpx logs every request at INFO: a second line per proxied request, and one per health check.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _cache_root() -> Path:
