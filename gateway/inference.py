@@ -85,7 +85,8 @@ def check_request_limits(state: GatewayState, tenant: TenantSettings, request: I
     output = request.requested_output
     cap = min(limits.max_output_tokens, tenant.limits.max_output_tokens or limits.max_output_tokens)
     if output is not None and output > cap:
-        param = "max_completion_tokens" if request.requested_output != request.max_tokens else "max_tokens"
+        uses_new_name = isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None
+        param = "max_completion_tokens" if uses_new_name else "max_tokens"
         raise InvalidRequest(f"{param} is {output}; at most {cap} output tokens may be requested.", param=param)
     if request.n > limits.max_n:
         raise InvalidRequest(f"n is {request.n}; at most {limits.max_n} choices may be requested.", param="n")

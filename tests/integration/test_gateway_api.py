@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import httpx
 import orjson
 
+from gateway.tenants import hash_key
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, auth, chat_body, forwarded
 
 
@@ -159,3 +163,20 @@ async def test_client_headers_are_not_forwarded(client: httpx.AsyncClient, gatew
     for name in ("x-hop", "te", "proxy-authorization", "cookie", "upgrade", "authorization"):
         assert name not in sent, name
     assert sent.get("connection", "keep-alive") == "keep-alive"
+
+
+async def test_tenant_concurrency_cap_is_429_and_frees_when_done(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Any
+) -> None:
+    sim_url = make_sim(ttft_ms=300)
+    tenants = [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": {"max_concurrent_requests": 1}}]
+    gateway_url = make_gateway({"sim": sim_url}, tenants=tenants)
+    url = f"{gateway_url}/v1/chat/completions"
+    first = asyncio.create_task(client.post(url, json=chat_body(), headers=auth()))
+    await asyncio.sleep(0.1)
+    second = await client.post(url, json=chat_body(), headers=auth())
+    assert second.status_code == 429
+    assert second.json()["error"]["code"] == "concurrency_limit_exceeded"
+    assert (await first).status_code == 200
+    assert (await client.post(url, json=chat_body(), headers=auth())).status_code == 200
+    assert len(forwarded(sim_url)) == 2
