@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -19,13 +21,24 @@ from starlette.routing import Route
 
 from gateway import inference
 from gateway.backends import ReplicaPool
-from gateway.errors import GatewayError, MethodNotAllowed, NotFound, error_response
+from gateway.capacity import CapacityMonitor
+from gateway.counting import BackendCounter, LocalCounter, PromptCounter
+from gateway.errors import (
+    AuthenticationFailed,
+    GatewayError,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    error_response,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.proxy import Upstream, make_client
-from gateway.settings import Settings
+from gateway.settings import Settings, SettingsError
 from gateway.state import GatewayState
 from gateway.tenants import TenantDirectory
+from gateway.tokens import ModelTokenizer, TokenizerLoadError
+from isolation.events import EventLog, MemoryEventLog, RedisEventLog
 
 log = logging.getLogger("bulkhead")
 
@@ -82,6 +95,21 @@ async def openapi(request: Request) -> Response:
     return Response(request.app.state.openapi, media_type="application/json")
 
 
+async def isolation_events(request: Request) -> Response:
+    state = _state(request)
+    token = state.settings.admin_token
+    presented = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if token is None:
+        return error_response(NotFound("The admin API is off: set admin_token to enable it."))
+    if not hmac.compare_digest(presented.encode(), token.encode()):
+        return error_response(AuthenticationFailed("This route needs the admin token."))
+    limit = request.query_params.get("limit", "100")
+    if not limit.isdigit() or not 1 <= int(limit) <= 10_000:
+        return error_response(InvalidRequest("limit must be an integer from 1 to 10000.", param="limit"))
+    recent = await state.events.recent(int(limit))
+    return Response(orjson.dumps({"events": [e.fields() for e in recent]}), media_type="application/json")
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
@@ -94,33 +122,80 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(GatewayError("The gateway failed unexpectedly; the failure has been logged."))
 
 
+def load_tokenizers(settings: Settings) -> dict[str, ModelTokenizer]:
+    """Every configured tokenizer, loaded before serving so that a bad path stops the start."""
+    loaded = {}
+    for index, model in enumerate(settings.models):
+        if model.tokenizer is not None:
+            try:
+                loaded[model.name] = ModelTokenizer.from_dir(model.tokenizer)
+            except TokenizerLoadError as exc:
+                raise SettingsError(f"models[{index}].tokenizer: {exc}") from exc
+    return loaded
+
+
+def build_counters(
+    settings: Settings,
+    tokenizers: dict[str, ModelTokenizer],
+    pool: ReplicaPool,
+    upstream: Upstream,
+    executor: ThreadPoolExecutor,
+) -> dict[str, PromptCounter]:
+    counters: dict[str, PromptCounter] = {}
+    for model in settings.models:
+        tokenizer = tokenizers.get(model.name)
+        if tokenizer is None:
+            counters[model.name] = BackendCounter(model, pool, upstream)
+        else:
+            counters[model.name] = LocalCounter(tokenizer, executor, settings.admission.inline_count_chars)
+    return counters
+
+
 def create_app(settings: Settings) -> Starlette:
+    tokenizers = load_tokenizers(settings)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         metrics = GatewayMetrics()
         pool = ReplicaPool(settings.backends, metrics)
+        capacity = CapacityMonitor(settings.models, pool, metrics)
         redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
-        async with make_client(settings.upstream) as client:
-            await pool.check_all(client, settings.upstream.connect_timeout_s)
-            app.state.gateway = GatewayState(
-                settings=settings,
-                tenants=TenantDirectory(settings.tenants),
-                pool=pool,
-                upstream=Upstream(client, pool, metrics),
-                metrics=metrics,
-                redis=redis,
-            )
-            watcher = asyncio.create_task(
-                pool.watch(client, settings.upstream.health_interval_s, settings.upstream.connect_timeout_s)
-            )
-            try:
-                yield
-            finally:
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
-                if redis is not None:
-                    await redis.aclose()
+        events: EventLog = (
+            RedisEventLog(redis, settings.isolation.events_max)
+            if redis is not None
+            else MemoryEventLog(settings.isolation.events_max)
+        )
+        timeout = settings.upstream.connect_timeout_s
+        with ThreadPoolExecutor(settings.admission.tokenizer_threads, "bulkhead-tokens") as executor:
+            async with make_client(settings.upstream) as client:
+                upstream = Upstream(client, pool, metrics)
+                await pool.check_all(client, timeout)
+                await capacity.refresh_all(client, timeout)
+                pool.on_recovered = lambda replica: capacity.refresh_soon(client, replica, timeout)
+                app.state.gateway = GatewayState(
+                    settings=settings,
+                    tenants=TenantDirectory(settings.tenants),
+                    pool=pool,
+                    upstream=upstream,
+                    metrics=metrics,
+                    capacity=capacity,
+                    counters=build_counters(settings, tokenizers, pool, upstream, executor),
+                    events=events,
+                    executor=executor,
+                    redis=redis,
+                )
+                tasks = [
+                    asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
+                    asyncio.create_task(capacity.watch(client, settings.upstream.capacity_refresh_s, timeout)),
+                ]
+                try:
+                    yield
+                finally:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    if redis is not None:
+                        await redis.aclose()
 
     app = Starlette(
         routes=[
@@ -131,6 +206,7 @@ def create_app(settings: Settings) -> Starlette:
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
+            Route("/admin/isolation-events", isolation_events, methods=["GET"]),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _unexpected},
         lifespan=lifespan,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -31,6 +31,7 @@ class ReplicaPool:
         self.replicas = {b.name: Replica(name=b.name, url=b.url, api_key=b.api_key) for b in backends}
         self._metrics = metrics
         self._turn = itertools.count()
+        self.on_recovered: Callable[[Replica], None] | None = None
 
     def pick(self, model: ModelSettings) -> Replica:
         """The healthy replica with the fewest requests in flight; ties rotate so idle replicas share load."""
@@ -47,6 +48,8 @@ class ReplicaPool:
         if replica.healthy != healthy:
             if healthy:
                 log.info("backend %s is healthy", replica.name)
+                if self.on_recovered is not None:
+                    self.on_recovered(replica)
             else:
                 log.warning("backend %s is unhealthy: %s", replica.name, reason)
         replica.healthy = healthy

@@ -148,7 +148,7 @@ def _keys_create(args: argparse.Namespace) -> int:
     key = new_api_key()
     print(f"API key for tenant '{args.tenant}' (shown once; store it now): {key}")
     print("Add its hash to the tenant in your config:")
-    print(f"  - id: {args.tenant}\n    key_hashes: [\"{hash_key(key)}\"]")
+    print(f'  - id: {args.tenant}\n    key_hashes: ["{hash_key(key)}"]')
     return 0
 
 

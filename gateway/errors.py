@@ -1,19 +1,22 @@
 """Every error the gateway answers with, and the one place they become OpenAI-style JSON.
 
-    GatewayError                       status, type, code, param, message
-    ├── InvalidRequest        400      invalid_request_error (bad JSON, wrong types, bad values)
-    ├── BodyTooLarge          413      invalid_request_error / request_too_large
-    ├── AuthenticationFailed  401      authentication_error / invalid_api_key
-    ├── ModelNotAllowed       403      permission_error / model_not_allowed
-    ├── ModelNotFound         404      not_found_error / model_not_found
-    ├── NotFound              404      not_found_error / not_found (unknown route)
-    ├── MethodNotAllowed      405      invalid_request_error / method_not_allowed
-    ├── RateLimited           429      rate_limit_error / concurrency_limit_exceeded
-    └── UpstreamError                  api_error: the backend could not give a usable answer
-        ├── BackendUnavailable  503    no healthy backend for the model
-        ├── BackendUnreachable  502    connect refused / reset / DNS
-        ├── BackendTimeout      504    connect, read or pool timeout
-        └── BackendBadResponse  502    the backend answered, but not with something we can pass on
+GatewayError                       status, type, code, param, message
+├── InvalidRequest        400      invalid_request_error (bad JSON, wrong types, bad values)
+│   └── ContextLengthExceeded 400  invalid_request_error / context_length_exceeded
+├── BodyTooLarge          413      invalid_request_error / request_too_large
+├── AuthenticationFailed  401      authentication_error / invalid_api_key
+├── ModelNotAllowed       403      permission_error / model_not_allowed
+├── ModelNotFound         404      not_found_error / model_not_found
+├── NotFound              404      not_found_error / not_found (unknown route)
+├── MethodNotAllowed      405      invalid_request_error / method_not_allowed
+├── RateLimited           429      rate_limit_error / concurrency_limit_exceeded
+└── UpstreamError                  api_error: the backend could not give a usable answer
+    ├── BackendUnavailable  503    no healthy backend for the model
+    │   └── CapacityUnknown 503    no limit known for the model: nothing is forwarded blind
+    ├── BackendUnreachable  502    connect refused / reset / DNS
+    ├── BackendTimeout      504    connect, read or pool timeout
+    ├── BackendBadResponse  502    the backend answered, but not with something we can pass on
+    └── AnswerWithheld      502    the answer could not be shown safe (isolation check failed)
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ class InvalidRequest(GatewayError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
 
 
 class BodyTooLarge(GatewayError):
@@ -97,6 +104,10 @@ class BackendUnavailable(UpstreamError):
     code = "backend_unavailable"
 
 
+class CapacityUnknown(BackendUnavailable):
+    code = "capacity_unknown"
+
+
 class BackendUnreachable(UpstreamError):
     status = 502
     code = "backend_unreachable"
@@ -110,6 +121,11 @@ class BackendTimeout(UpstreamError):
 class BackendBadResponse(UpstreamError):
     status = 502
     code = "backend_bad_response"
+
+
+class AnswerWithheld(UpstreamError):
+    status = 502
+    code = "answer_withheld"
 
 
 def error_response(error: GatewayError, headers: dict[str, str] | None = None) -> Response:

@@ -10,16 +10,18 @@ from typing import Any
 import anyio
 import httpx
 import orjson
-from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway import accesslog
 from gateway.accesslog import RequestRecord
+from gateway.admission import Admission, admit
 from gateway.backends import Replica
 from gateway.body import parse_json_object, read_body
+from gateway.counting import Prompt
 from gateway.errors import (
+    AnswerWithheld,
     GatewayError,
     InvalidRequest,
     ModelNotAllowed,
@@ -27,11 +29,15 @@ from gateway.errors import (
     RateLimited,
     error_response,
 )
+from gateway.incidents import report
 from gateway.proxy import map_transport_error, parse_json_body
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, InferenceRequest
+from gateway.relay import StreamFilter, StreamWithheld, UsageWanted, filtered
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, InferenceRequest, validate
 from gateway.settings import ModelSettings, TenantSettings
-from gateway.sse import DONE, EventSplitter, usage_of
+from gateway.sse import DONE
 from gateway.state import GatewayState
+from isolation.events import IsolationEvent
+from isolation.verify import usage_problem
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 
@@ -45,30 +51,6 @@ class Route:
 
 CHAT = Route("chat", "/v1/chat/completions", ChatCompletionRequest)
 COMPLETIONS = Route("completions", "/v1/completions", CompletionRequest)
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-
-
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    # Pydantic puts union member tags ("str", "list[TextPart]", "TextPart") into locations; callers know fields.
-    parts = [
-        f"[{p}]" if isinstance(p, int) else f".{p}"
-        for p in loc
-        if isinstance(p, int) or (p.islower() and p.isidentifier() and p not in _TYPE_TAGS)
-    ]
-    return "".join(parts).lstrip(".")
-
-
-def validate(route: Route, payload: dict[str, Any]) -> InferenceRequest:
-    try:
-        return route.schema.model_validate(payload)
-    except ValidationError as exc:
-        errors = exc.errors()
-        param = _field_path(tuple(errors[0]["loc"]))
-        reasons = list(dict.fromkeys(e["msg"] for e in errors if _field_path(tuple(e["loc"])) == param))
-        message = " or ".join(reasons[:3])
-        raise InvalidRequest(f"{param}: {message}" if param else message, param=param or None) from exc
 
 
 def resolve_model(state: GatewayState, tenant: TenantSettings, name: str) -> ModelSettings:
@@ -92,12 +74,23 @@ def check_request_limits(state: GatewayState, tenant: TenantSettings, request: I
         raise InvalidRequest(f"n is {request.n}; at most {limits.max_n} choices may be requested.", param="n")
 
 
-def upstream_body(raw: bytes, payload: dict[str, Any], request: InferenceRequest) -> bytes:
-    if not request.stream or request.include_usage:
-        return raw
-    # Usage is always asked of the backend, for accounting; a client that did not ask never sees it.
-    payload["stream_options"] = {**payload.get("stream_options", {}), "include_usage": True}
-    return orjson.dumps(payload)
+def upstream_body(
+    raw: bytes, payload: dict[str, Any], request: InferenceRequest, model: ModelSettings, admission: Admission
+) -> bytes:
+    changed = False
+    if admission.max_tokens is not None:
+        key = "max_completion_tokens" if payload.get("max_completion_tokens") is not None else "max_tokens"
+        payload[key] = admission.max_tokens
+        changed = True
+    if request.stream:
+        # Usage is always asked of the backend, to verify and account for every stream; what the client did not
+        # ask for is taken out again. With continuous usage the very first chunk can be verified.
+        wanted = {"include_usage": True, "continuous_usage_stats": model.continuous_usage or request.continuous_usage}
+        options = payload.get("stream_options") or {}
+        if any(options.get(k) != v for k, v in wanted.items()):
+            payload["stream_options"] = {**options, **wanted}
+            changed = True
+    return orjson.dumps(payload) if changed else raw
 
 
 class RelayResponse(StreamingResponse):
@@ -130,11 +123,21 @@ class InferenceCall:
     """One admitted request, holding a replica slot and a tenant slot until `close`."""
 
     def __init__(
-        self, state: GatewayState, record: RequestRecord, tenant: TenantSettings, replica: Replica
+        self,
+        state: GatewayState,
+        record: RequestRecord,
+        tenant: TenantSettings,
+        model: ModelSettings,
+        request: InferenceRequest,
+        admission: Admission,
+        replica: Replica,
     ) -> None:
         self.state = state
         self.record = record
         self.tenant = tenant
+        self.model = model
+        self.request = request
+        self.admission = admission
         self.replica = replica
         self.response: httpx.Response | None = None
         self.finished = False
@@ -149,6 +152,8 @@ class InferenceCall:
         self._closed = True
         if self.response is not None:
             await self.response.aclose()
+        if self.admission.counting is not None and not self.admission.counting.done():
+            self.admission.counting.cancel()
         if not self.finished and self.record.status == 200:
             self.record.status, self.record.error_code = 499, "client_disconnected"
         self.state.tenant_in_flight[self.tenant.id] -= 1
@@ -163,67 +168,112 @@ class InferenceCall:
     async def forward(self, path: str, body: bytes) -> None:
         self.response = await self.state.upstream.open(self.replica, path, body, self.record.request_id)
 
+    async def check_usage(self, usage: dict[str, Any] | None) -> None:
+        """Raise StreamWithheld (after recording the event) when the backend's accounting does not add up."""
+        sent = await self.admission.prompt_tokens()
+        output = self.admission.max_tokens or self.request.requested_output
+        problem = usage_problem(
+            usage, sent, self.model.usage_tolerance, None if output is None else output * self.request.n
+        )
+        if problem is None:
+            return
+        event = IsolationEvent(
+            kind="usage_mismatch",
+            request_id=self.record.request_id,
+            tenant=self.tenant.id,
+            model=self.model.name,
+            replica=self.replica.name,
+            detail=problem,
+        )
+        await report(event, self.state.events, self.state.metrics)
+        raise StreamWithheld(problem)
+
     async def complete(self) -> Response:
         assert self.response is not None
         raw = await self.state.upstream.read(self.replica, self.response)
         body = parse_json_body(self.replica, raw)
         self.record.mark_first_byte()
-        if isinstance(body.get("usage"), dict):
-            self.record.take_usage(body["usage"])
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
+        if usage is not None:
+            self.record.take_usage(usage)
+        try:
+            await self.check_usage(usage)
+        except StreamWithheld as exc:
+            raise withheld() from exc
         self.finished = True
         return Response(raw, media_type="application/json", headers={"x-request-id": self.record.request_id})
 
-    async def relay(self, client_wants_usage: bool) -> AsyncIterator[bytes]:
+    async def relay(self) -> AsyncIterator[bytes]:
         assert self.response is not None
         record = self.record
-        splitter = EventSplitter()
+        wanted = UsageWanted(final=self.request.include_usage, every_chunk=self.request.continuous_usage)
+        stream_filter = StreamFilter(wanted, self.check_usage, hold_until_checked=self.model.continuous_usage)
         try:
-            async for chunk in self.response.aiter_raw():
-                out = []
-                for event in splitter.feed(chunk):
-                    usage, usage_only = usage_of(event)
-                    if usage is not None:
-                        record.take_usage(usage)
-                    if usage_only and not client_wants_usage:
-                        continue
-                    out.append(event)
-                if out:
-                    record.mark_first_byte()
-                    yield b"".join(out)
-            rest = splitter.rest()
-            if rest:
-                yield rest
+            async for piece in filtered(self.response.aiter_raw(), stream_filter):
+                record.mark_first_byte()
+                yield piece
         except httpx.HTTPError as exc:
-            error = self.state.upstream.fail(self.replica, map_transport_error(self.replica, exc))
-            record.status, record.error_code = error.status, error.code
-            yield b"data: " + orjson.dumps(error.body()) + b"\n\n" + DONE
+            error: GatewayError = self.state.upstream.fail(self.replica, map_transport_error(self.replica, exc))
+            yield self._error_event(error)
+        except StreamWithheld:
+            yield self._error_event(withheld())
+        else:
+            self.finished = True
+        finally:
+            if stream_filter.usage is not None:
+                record.take_usage(stream_filter.usage)
+            # Before the stream's last frame goes out, so the log and metrics are complete when the client is.
+            await self.close()
+
+    def _error_event(self, error: GatewayError) -> bytes:
         self.finished = True
+        self.record.status, self.record.error_code = error.status, error.code
+        return b"data: " + orjson.dumps(error.body()) + b"\n\n" + DONE
+
+
+def withheld() -> AnswerWithheld:
+    # Generic on purpose: the tenant learns that the answer was withheld, not what it contained or whose it was.
+    return AnswerWithheld(
+        "The backend's answer could not be verified as belonging to this request and was withheld. "
+        "The event has been recorded; retrying is safe."
+    )
 
 
 async def _admit(
     request: Request, state: GatewayState, route: Route, record: RequestRecord
-) -> tuple[InferenceCall, InferenceRequest, bytes]:
+) -> tuple[InferenceCall, bytes]:
     tenant = state.tenants.authenticate(request.headers.get("authorization"))
     record.tenant = tenant.id
     limits = state.settings.limits
     raw = await read_body(request, limits.max_body_bytes)
     payload = parse_json_object(raw, limits.max_json_depth)
-    parsed = validate(route, payload)
+    parsed = validate(route.schema, payload)
     model = resolve_model(state, tenant, parsed.model)
     record.model, record.stream = model.name, parsed.stream
     check_request_limits(state, tenant, parsed)
     cap = tenant.limits.max_concurrent_requests
     if cap is not None and state.tenant_in_flight[tenant.id] >= cap:
         raise RateLimited(f"This API key already has {cap} requests in flight on this gateway; the limit is {cap}.")
+    prompt = Prompt.of_chat(payload) if isinstance(parsed, ChatCompletionRequest) else Prompt.of_completion(payload)
+    admission = await admit(
+        prompt,
+        parsed.requested_output,
+        model,
+        tenant,
+        state.capacity.limit(model, tenant),
+        state.counters[model.name],
+        state.metrics,
+    )
     replica = state.pool.pick(model)
     record.backend = replica.name
-    return InferenceCall(state, record, tenant, replica), parsed, upstream_body(raw, payload, parsed)
+    call = InferenceCall(state, record, tenant, model, parsed, admission, replica)
+    return call, upstream_body(raw, payload, parsed, model, admission)
 
 
 async def serve(request: Request, state: GatewayState, route: Route) -> Response:
     record = RequestRecord(request_id=accesslog.request_id(request.headers.get("x-request-id")), route=route.name)
     try:
-        call, parsed, body = await _admit(request, state, route, record)
+        call, body = await _admit(request, state, route, record)
     except GatewayError as error:
         record.status, record.error_code = error.status, error.code
         accesslog.finish(record, state.metrics)
@@ -231,10 +281,10 @@ async def serve(request: Request, state: GatewayState, route: Route) -> Response
     streaming = False
     try:
         await call.forward(route.path, body)
-        if parsed.stream:
+        if call.request.stream:
             streaming = True
             headers = {"x-request-id": record.request_id, "cache-control": "no-cache"}
-            return RelayResponse(call, call.relay(parsed.include_usage), headers)
+            return RelayResponse(call, call.relay(), headers)
         return await call.complete()
     except GatewayError as error:
         return call.fail(error)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+# Prompt sizes span tiny chat turns to million-token contexts.
+PROMPT_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 # Gateway latency is dominated by the engine; buckets reach from sub-millisecond overhead to long generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -43,12 +45,57 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.backend_up = Gauge(
-            "bulkhead_backend_up", "1 when the backend's last health check passed.", ["backend"],
+            "bulkhead_backend_up",
+            "1 when the backend's last health check passed.",
+            ["backend"],
             registry=self.registry,
         )
         self.tokens = Counter(
             "bulkhead_tokens",
             "Tokens reported by backends, by model and kind (prompt, completion).",
             ["model", "kind"],
+            registry=self.registry,
+        )
+        self.backend_max_model_len = Gauge(
+            "bulkhead_backend_max_model_len_tokens",
+            "max_model_len a backend reports in /v1/models.",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.backend_kv_capacity = Gauge(
+            "bulkhead_backend_kv_capacity_tokens",
+            "KV cache capacity a backend reports (num_gpu_blocks × block_size).",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.model_context_window = Gauge(
+            "bulkhead_model_context_window_tokens",
+            "The context window a model advertises.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.model_capacity = Gauge(
+            "bulkhead_model_capacity_tokens",
+            "What a model's deployment can really hold: the least of its backends' windows and KV capacities.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.admission_rejections = Counter(
+            "bulkhead_admission_rejections",
+            "Requests refused before forwarding because prompt + output exceed the limit, by what set it.",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Histogram(
+            "bulkhead_prompt_tokens",
+            "Prompt tokens counted at admission.",
+            ["model"],
+            buckets=PROMPT_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.isolation_events = Counter(
+            "bulkhead_isolation_events",
+            "Answers withheld because they could not be shown safe, by kind (usage_mismatch, leak).",
+            ["kind", "model", "replica"],
             registry=self.registry,
         )

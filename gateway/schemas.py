@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from gateway.errors import InvalidRequest
 
 ModelName = Annotated[str, Field(min_length=1, max_length=256)]
 OutputTokens = Annotated[int, Field(ge=1)]
@@ -22,6 +24,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class TextPart(_Strict):
@@ -65,6 +68,19 @@ class ChatMessage(_Strict):
         return self
 
 
+# vLLM extensions that change what the engine processes in ways the gateway does not reproduce when it counts
+# tokens: accepting them would make the count (and so the verification of the answer) wrong.
+UNCOUNTABLE_FIELDS = (
+    "chat_template",
+    "continue_final_message",
+    "documents",
+    "add_special_tokens",
+    "truncate_prompt_tokens",
+    "prompt_embeds",
+    "mm_processor_kwargs",
+)
+
+
 class _Generation(_Strict):
     model: ModelName
     stream: bool = False
@@ -79,9 +95,22 @@ class _Generation(_Strict):
     stop: Stop | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _countable(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in UNCOUNTABLE_FIELDS:
+                if name in data:
+                    raise ValueError(f"'{name}' is not accepted: the gateway must count exactly what the engine gets")
+        return data
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     @property
     def requested_output(self) -> int | None:
@@ -91,6 +120,8 @@ class _Generation(_Strict):
 class ChatCompletionRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: OutputTokens | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
@@ -105,3 +136,29 @@ class CompletionRequest(_Generation):
 
 
 InferenceRequest = ChatCompletionRequest | CompletionRequest
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    # Pydantic puts union member tags ("str", "list[TextPart]", "TextPart") into locations; callers know fields.
+    parts = [
+        f"[{p}]" if isinstance(p, int) else f".{p}"
+        for p in loc
+        if isinstance(p, int) or (p.islower() and p.isidentifier() and p not in _TYPE_TAGS)
+    ]
+    return "".join(parts).lstrip(".")
+
+
+def validate(
+    schema: type[ChatCompletionRequest] | type[CompletionRequest], payload: dict[str, Any]
+) -> InferenceRequest:
+    try:
+        return schema.model_validate(payload)
+    except ValidationError as exc:
+        errors = exc.errors()
+        param = _field_path(tuple(errors[0]["loc"]))
+        reasons = list(dict.fromkeys(e["msg"] for e in errors if _field_path(tuple(e["loc"])) == param))
+        message = " or ".join(reasons[:3])
+        raise InvalidRequest(f"{param}: {message}" if param else message, param=param or None) from exc

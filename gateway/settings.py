@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -49,6 +49,7 @@ class UpstreamSettings(_Section):
     max_keepalive_connections: int = Field(default=128, ge=0)
     keepalive_expiry_s: float = Field(default=30.0, ge=0)
     health_interval_s: float = Field(default=5.0, gt=0)
+    capacity_refresh_s: float = Field(default=60.0, gt=0, description="re-read /v1/models and /metrics")
 
 
 class BackendSettings(_Section):
@@ -65,13 +66,25 @@ class BackendSettings(_Section):
 class ModelSettings(_Section):
     name: str = Field(min_length=1)
     backends: list[str] = Field(min_length=1)
-    tokenizer: Path | None = None
-    context_window: int | None = Field(default=None, ge=1)
+    tokenizer: Path | None = Field(default=None, description="HF tokenizer dir; unset = ask the backend's /tokenize")
+    context_window: int | None = Field(default=None, ge=1, description="the window advertised to clients")
+    kv_capacity_tokens: int | None = Field(
+        default=None, ge=1, description="a KV pool the gateway cannot see, e.g. a disaggregated prefill pool"
+    )
+    default_output_reserve: int = Field(default=16, ge=1, description="output room assumed without max_tokens")
+    usage_tolerance: int = Field(default=0, ge=0, description="allowed |backend prompt_tokens - our count|")
+    continuous_usage: bool = Field(
+        default=True, description="ask for usage on every stream chunk, so a stream is verified before any content"
+    )
 
 
 class TenantLimits(_Section):
     max_concurrent_requests: int | None = Field(default=None, ge=1, description="per gateway instance; 429 above")
     max_output_tokens: int | None = Field(default=None, ge=1, description="max_tokens above this gets 400")
+    max_prompt_tokens: int | None = Field(default=None, ge=1, description="the tenant's cap on prompt + output")
+    on_output_overflow: Literal["reject", "clamp"] = Field(
+        default="reject", description="prompt + max_tokens over the limit: 400, or cut max_tokens to fit"
+    )
 
 
 class TenantSettings(_Section):
@@ -92,9 +105,23 @@ class TenantSettings(_Section):
         return "*" in self.models or model in self.models
 
 
+class IsolationSettings(_Section):
+    events_max: int = Field(default=10_000, ge=100, description="isolation events kept (Redis stream or memory)")
+
+
+class AdmissionSettings(_Section):
+    tokenizer_threads: int = Field(default=2, ge=1, description="threads counting large prompts off the loop")
+    inline_count_chars: int = Field(
+        default=16_384, ge=0, description="prompts up to this size are counted on the event loop (cheaper than a hop)"
+    )
+
+
 class Settings(_Section):
     listen: ListenSettings = ListenSettings()
     redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
+    admin_token: str | None = Field(default=None, min_length=16, repr=False, description="for /admin/*")
+    isolation: IsolationSettings = IsolationSettings()
+    admission: AdmissionSettings = AdmissionSettings()
     log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$")
     limits: LimitSettings = LimitSettings()
     upstream: UpstreamSettings = UpstreamSettings()

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
 from gateway.backends import ReplicaPool
+from gateway.capacity import CapacityMonitor
+from gateway.counting import PromptCounter
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Upstream
 from gateway.settings import Settings
 from gateway.tenants import TenantDirectory
+from isolation.events import EventLog
 
 
 @dataclass
@@ -21,6 +25,10 @@ class GatewayState:
     pool: ReplicaPool
     upstream: Upstream
     metrics: GatewayMetrics
+    capacity: CapacityMonitor
+    counters: dict[str, PromptCounter]
+    events: EventLog
+    executor: ThreadPoolExecutor
     redis: Redis | None = None
     # Per-instance concurrency per tenant; a shared budget across instances is the rate limiter's job.
     tenant_in_flight: Counter[str] = field(default_factory=Counter)

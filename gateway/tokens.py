@@ -115,6 +115,8 @@ class ModelTokenizer:
     tokenizer: Tokenizer
     template: jinja2.Template | None
     special_tokens: Mapping[str, str]
+    # The most bytes one token can stand for (special tokens included): prompt bytes / this ≤ prompt tokens.
+    longest_token_bytes: int
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelTokenizer:
@@ -138,7 +140,10 @@ class ModelTokenizer:
             template_source = template_file.read_text(encoding="utf-8")
         special = {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key))) is not None}
         template = _compile_template(template_source) if isinstance(template_source, str) else None
-        return cls(tokenizer=tokenizer, template=template, special_tokens=special)
+        longest = max(
+            len(tokenizer.decode([i], skip_special_tokens=False).encode()) for i in range(vocab_size(tokenizer))
+        )
+        return cls(tokenizer=tokenizer, template=template, special_tokens=special, longest_token_bytes=max(longest, 1))
 
     def render_chat(
         self,
@@ -162,6 +167,20 @@ class ModelTokenizer:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
 
+    def count_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> int:
+        return self.count_text(self.render_chat(messages, tools, add_generation_prompt, template_kwargs), False)
+
+    def count_text(self, text: str, add_special_tokens: bool) -> int:
+        # encode_batch releases the GIL while it works (encode does not), so a huge prompt counted in a worker
+        # thread leaves the event loop running.
+        return len(self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
     def encode_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -178,3 +197,6 @@ class ModelTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
+
+def vocab_size(tokenizer: Tokenizer) -> int:
+    return int(tokenizer.get_vocab_size(with_added_tokens=True))

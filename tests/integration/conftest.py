@@ -38,4 +38,3 @@ def gateway_url(make_gateway: GatewayFactory, sim_url: str) -> str:
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=10) as c:
         yield c
-

@@ -78,7 +78,13 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 
 @pytest.mark.parametrize(("name", "path", "raw", "status", "param"), BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
 async def test_bad_bodies(
-    client: httpx.AsyncClient, gateway_url: str, sim_url: str, name: str, path: str, raw: bytes, status: int,
+    client: httpx.AsyncClient,
+    gateway_url: str,
+    sim_url: str,
+    name: str,
+    path: str,
+    raw: bytes,
+    status: int,
     param: str | None,
 ) -> None:
     response = await client.post(
@@ -90,8 +96,14 @@ async def test_bad_bodies(
 
 @pytest.mark.parametrize(("name", "path", "body", "status", "param"), BAD_FIELDS, ids=[b[0] for b in BAD_FIELDS])
 async def test_bad_fields(
-    client: httpx.AsyncClient, gateway_url: str, sim_url: str, name: str, path: str, body: dict[str, Any],
-    status: int, param: str | None,
+    client: httpx.AsyncClient,
+    gateway_url: str,
+    sim_url: str,
+    name: str,
+    path: str,
+    body: dict[str, Any],
+    status: int,
+    param: str | None,
 ) -> None:
     response = await client.post(gateway_url + path, json=body, headers=auth())
     assert_openai_error(response, status, param)

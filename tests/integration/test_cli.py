@@ -26,9 +26,7 @@ EXAMPLE = REPO / "deploy" / "bulkhead.example.yaml"
 
 
 def bulkhead(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=60, env=env
-    )
+    return subprocess.run([sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=60, env=env)
 
 
 @pytest.fixture
@@ -36,7 +34,10 @@ def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
     """`bulkhead serve` on embedded defaults, with a fresh HOME so the tiny tokenizer is built from scratch."""
     env = {**os.environ, "HOME": str(tmp_path), "BULKHEAD_LISTEN__PORT": str(free_port())}
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [sys.executable, "-m", "gateway", "serve"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
         env=env,
     )
     banner: list[str] = []

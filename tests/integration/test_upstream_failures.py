@@ -100,7 +100,7 @@ async def test_client_disconnect_cancels_the_upstream_request(
 
 
 async def test_backend_dies_mid_stream_sends_an_error_event(
-    client: httpx.AsyncClient, make_gateway: Any
+    client: httpx.AsyncClient, make_gateway: Any, tokenizer_dir: Any
 ) -> None:
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse, StreamingResponse
@@ -118,7 +118,11 @@ async def test_backend_dies_mid_stream_sends_an_error_event(
 
     app = Starlette(routes=[Route("/health", health), Route(CHAT, half_stream, methods=["POST"])])
     with run_server(app) as dying_url:
-        gateway_url = make_gateway({"dying": dying_url})
+        # Without continuous usage the gateway relays content before it can verify it (an engine that cannot
+        # report usage per chunk); that is the mode in which a backend can fail after content went out.
+        model = {"name": "tiny-llama", "backends": ["dying"], "tokenizer": str(tokenizer_dir), "context_window": 64}
+        model["continuous_usage"] = False
+        gateway_url = make_gateway({"dying": dying_url}, models=[model])
         async with client.stream("POST", f"{gateway_url}{CHAT}", json=chat_body(stream=True), headers=auth()) as r:
             text = (await r.aread()).decode()
     assert '"Hel"' in text

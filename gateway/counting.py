@@ -1,0 +1,199 @@
+"""Prompt tokens of a request: counted with the model's tokenizer, or by the backend's /tokenize.
+
+Besides the exact count, a local tokenizer gives two bounds that cost almost nothing, so most decisions about
+huge prompts never tokenize: every token stands for at most `longest_token_bytes` bytes (a lower bound from the
+character count, which is O(1) per string), and every token stands for at least one byte (an upper bound from
+the UTF-8 length plus the chat template's own text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from gateway.backends import ReplicaPool
+from gateway.errors import InvalidRequest, UpstreamError
+from gateway.proxy import Upstream
+from gateway.settings import ModelSettings
+from gateway.tokens import ChatTemplateError, ModelTokenizer, vocab_size
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What of a request becomes prompt tokens."""
+
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+    @classmethod
+    def of_chat(cls, payload: Mapping[str, Any]) -> Prompt:
+        return cls(
+            messages=payload["messages"],
+            tools=payload.get("tools"),
+            add_generation_prompt=payload.get("add_generation_prompt", True),
+            template_kwargs=payload.get("chat_template_kwargs"),
+        )
+
+    @classmethod
+    def of_completion(cls, payload: Mapping[str, Any]) -> Prompt:
+        prompt = payload["prompt"]
+        return cls(text=prompt) if isinstance(prompt, str) else cls(token_ids=prompt)
+
+    def contents(self) -> Iterator[str]:
+        """The caller's free text: message contents, or the completion prompt."""
+        if self.text is not None:
+            yield self.text
+        for message in self.messages or ():
+            content = message.get("content")
+            if isinstance(content, str):
+                yield content
+            elif isinstance(content, list):
+                yield from (part["text"] for part in content if isinstance(part.get("text"), str))
+
+    def size(self) -> int:
+        return sum(len(text) for text in self.contents())
+
+    def tokenize_body(self, model: str) -> dict[str, Any]:
+        if self.messages is None:
+            return {"model": model, "prompt": self.text if self.text is not None else self.token_ids}
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": self.messages,
+            "add_generation_prompt": self.add_generation_prompt,
+        }
+        if self.tools:
+            body["tools"] = self.tools
+        if self.template_kwargs:
+            body["chat_template_kwargs"] = self.template_kwargs
+        return body
+
+
+class PromptCounter(Protocol):
+    def lower_bound(self, prompt: Prompt) -> int: ...
+
+    def upper_bound(self, prompt: Prompt) -> int | None: ...
+
+    def is_cheap(self, prompt: Prompt) -> bool: ...
+
+    async def count(self, prompt: Prompt) -> int: ...
+
+
+def _utf8_length(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def _content_copies(tokenizer: ModelTokenizer) -> int:
+    """How many times the chat template writes one message's content (1 for every common template)."""
+    if tokenizer.template is None:
+        return 1
+    probe = [
+        {"role": role, "content": f"probe{index}marker"}
+        for index, role in enumerate(("system", "user", "assistant", "user"))
+    ]
+    try:
+        rendered = tokenizer.render_chat(probe)
+    except ChatTemplateError:
+        return 1
+    return max(1, *(rendered.count(f"probe{index}marker") for index in range(len(probe))))
+
+
+class LocalCounter:
+    def __init__(self, tokenizer: ModelTokenizer, executor: Executor, inline_chars: int) -> None:
+        self.tokenizer = tokenizer
+        self._executor = executor
+        self._inline_chars = inline_chars
+        self._copies = _content_copies(tokenizer)
+        self._vocab = vocab_size(tokenizer.tokenizer)
+        # Tokens the post-processor adds to a completion prompt (BOS and the like).
+        self._added = tokenizer.count_text("", add_special_tokens=True)
+
+    def lower_bound(self, prompt: Prompt) -> int:
+        if prompt.token_ids is not None:
+            return len(prompt.token_ids)
+        return -(-prompt.size() // self.tokenizer.longest_token_bytes)
+
+    def upper_bound(self, prompt: Prompt) -> int | None:
+        if prompt.token_ids is not None:
+            return len(prompt.token_ids)
+        if prompt.text is not None:
+            return _utf8_length(prompt.text) + self._added
+        assert prompt.messages is not None
+        skeleton = [self._without_content(m) for m in prompt.messages]
+        try:
+            rendered = self.tokenizer.render_chat(
+                skeleton, prompt.tools, prompt.add_generation_prompt, prompt.template_kwargs
+            )
+        except ChatTemplateError:
+            return None
+        return _utf8_length(rendered) + self._copies * sum(_utf8_length(c) for c in prompt.contents())
+
+    def is_cheap(self, prompt: Prompt) -> bool:
+        return prompt.token_ids is not None or prompt.size() <= self._inline_chars
+
+    async def count(self, prompt: Prompt) -> int:
+        if self.is_cheap(prompt):
+            return self.count_now(prompt)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.count_now, prompt)
+
+    def count_now(self, prompt: Prompt) -> int:
+        if prompt.token_ids is not None:
+            if any(token >= self._vocab for token in prompt.token_ids):
+                raise InvalidRequest(f"prompt: token ids must be below {self._vocab}.", param="prompt")
+            return len(prompt.token_ids)
+        if prompt.text is not None:
+            return self.tokenizer.count_text(prompt.text, add_special_tokens=True)
+        assert prompt.messages is not None
+        try:
+            return self.tokenizer.count_chat(
+                prompt.messages, prompt.tools, prompt.add_generation_prompt, prompt.template_kwargs
+            )
+        except ChatTemplateError as exc:
+            raise InvalidRequest(f"The model's chat template refused these messages: {exc}", param="messages") from exc
+
+    @staticmethod
+    def _without_content(message: dict[str, Any]) -> dict[str, Any]:
+        return {**message, "content": ""} if isinstance(message.get("content"), str | list) else message
+
+
+class BackendCounter:
+    """For a model without a local tokenizer: the backend's own /tokenize (vLLM's, or the simulator's)."""
+
+    def __init__(self, model: ModelSettings, pool: ReplicaPool, upstream: Upstream) -> None:
+        self._model = model
+        self._pool = pool
+        self._upstream = upstream
+
+    def lower_bound(self, prompt: Prompt) -> int:
+        return len(prompt.token_ids) if prompt.token_ids is not None else 0
+
+    def upper_bound(self, prompt: Prompt) -> int | None:
+        return len(prompt.token_ids) if prompt.token_ids is not None else None
+
+    def is_cheap(self, prompt: Prompt) -> bool:
+        return prompt.token_ids is not None
+
+    async def count(self, prompt: Prompt) -> int:
+        if prompt.token_ids is not None:
+            return len(prompt.token_ids)
+        replica = self._pool.pick(self._model)
+        body = orjson.dumps(prompt.tokenize_body(self._model.name))
+        response = await self._upstream.open(replica, "/tokenize", body, "tokenize")
+        try:
+            answer = orjson.loads(await self._upstream.read(replica, response))
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamError(f"Backend '{replica.name}' answered /tokenize with something not JSON.") from exc
+        finally:
+            await response.aclose()
+        count = answer.get("count") if isinstance(answer, dict) else None
+        if not isinstance(count, int):
+            raise UpstreamError(f"Backend '{replica.name}' answered /tokenize without a count.")
+        return count

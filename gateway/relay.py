@@ -1,0 +1,103 @@
+"""A backend's SSE stream turned into what the tenant may see.
+
+Every event is parsed (the checks need its fields). Usage the gateway asked for on the tenant's behalf is
+taken out again; the first usage the backend reports is checked against the gateway's own count, and until
+that check passes nothing is relayed, so an answer to a prompt the backend did not really process never
+reaches the tenant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.sse import DONE, EventSplitter
+
+DATA = b"data: "
+
+
+class StreamWithheld(Exception):
+    """The stream cannot be shown safe; the reason goes to operators, never to the tenant."""
+
+
+@dataclass(frozen=True)
+class UsageWanted:
+    final: bool  # stream_options.include_usage: the closing usage-only chunk
+    every_chunk: bool  # stream_options.continuous_usage_stats (vLLM's extension)
+
+
+# Checks the first usage the backend reports; raises StreamWithheld when it does not add up.
+UsageCheck = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class StreamFilter:
+    def __init__(self, wanted: UsageWanted, check: UsageCheck, hold_until_checked: bool) -> None:
+        self._wanted = wanted
+        self._check = check
+        self._checked = False
+        self._held: list[bytes] | None = [] if hold_until_checked else None
+        self._splitter = EventSplitter()
+        self._done = False
+        self.usage: dict[str, Any] | None = None
+
+    async def feed(self, chunk: bytes) -> bytes:
+        """What of these bytes may go to the tenant now (b"" while held back)."""
+        out = []
+        for event in self._splitter.feed(chunk):
+            passed = await self._event(event)
+            if passed:
+                out.append(passed)
+        if self._held is not None:
+            if not self._checked:
+                self._held.extend(out)
+                return b""
+            out = self._held + out
+            self._held = None
+        return b"".join(out)
+
+    async def close(self) -> bytes:
+        """The end of the stream: a stream that never reported usage cannot be verified."""
+        rest = self._splitter.rest()
+        if not self._checked:
+            raise StreamWithheld("the stream ended without reporting usage, so it cannot be verified")
+        # [DONE] was kept back so that a failed check can still end the stream with an error instead.
+        return (b"".join(self._held) if self._held else b"") + rest + (DONE if self._done else b"")
+
+    async def _event(self, event: bytes) -> bytes | None:
+        if event == DONE:
+            self._done = True
+            return None
+        if not event.startswith(DATA):
+            return event
+        try:
+            chunk = orjson.loads(event[len(DATA) :])
+        except orjson.JSONDecodeError as exc:
+            raise StreamWithheld("the backend sent an event that is not JSON") from exc
+        if not isinstance(chunk, dict):
+            raise StreamWithheld("the backend sent an event that is not a JSON object")
+        usage = chunk.get("usage")
+        if not isinstance(usage, dict):
+            return event
+        self.usage = usage
+        if not self._checked:
+            await self._check(usage)
+            self._checked = True
+        if chunk.get("choices") == []:
+            return event if self._wanted.final or self._wanted.every_chunk else None
+        if self._wanted.every_chunk:
+            return event
+        del chunk["usage"]
+        return DATA + orjson.dumps(chunk) + b"\n\n"
+
+
+async def filtered(source: AsyncIterator[bytes], stream_filter: StreamFilter) -> AsyncIterator[bytes]:
+    async for chunk in source:
+        passed = await stream_filter.feed(chunk)
+        if passed:
+            yield passed
+    rest = await stream_filter.close()
+    if rest:
+        yield rest

@@ -1,0 +1,74 @@
+"""Isolation events: the durable record of every answer withheld because it could not be shown safe.
+
+Kept in a capped Redis stream when Redis is configured (every gateway instance writes to the same one), in a
+capped in-memory ring otherwise. An event names tenants, models and replicas, never keys, markers or text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from redis.asyncio import Redis
+
+STREAM_KEY = "bulkhead:isolation-events"
+
+
+@dataclass(frozen=True)
+class IsolationEvent:
+    kind: str
+    request_id: str
+    tenant: str
+    model: str
+    replica: str
+    detail: str
+    time: float = field(default_factory=time.time)
+
+    def fields(self) -> dict[str, str]:
+        return {key: str(value) for key, value in asdict(self).items()}
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]) -> IsolationEvent:
+        return cls(**{**fields, "time": float(fields["time"])})  # type: ignore[arg-type]
+
+
+class EventLog(Protocol):
+    async def append(self, event: IsolationEvent) -> None: ...
+
+    async def recent(self, limit: int) -> list[IsolationEvent]: ...
+
+
+class MemoryEventLog:
+    def __init__(self, capacity: int) -> None:
+        self._events: deque[IsolationEvent] = deque(maxlen=capacity)
+
+    async def append(self, event: IsolationEvent) -> None:
+        self._events.append(event)
+
+    async def recent(self, limit: int) -> list[IsolationEvent]:
+        return list(self._events)[-limit:][::-1]
+
+
+class RedisEventLog:
+    def __init__(self, redis: Redis, capacity: int, key: str = STREAM_KEY) -> None:
+        self._redis = redis
+        self._capacity = capacity
+        self._key = key
+
+    async def append(self, event: IsolationEvent) -> None:
+        # Approximate trimming (~) keeps XADD O(1); the stream holds at least `capacity` events.
+        await self._redis.xadd(self._key, event.fields(), maxlen=self._capacity, approximate=True)  # type: ignore[arg-type]
+
+    async def recent(self, limit: int) -> list[IsolationEvent]:
+        entries = await self._redis.xrevrange(self._key, count=limit)
+        return [IsolationEvent.from_fields(_text(fields)) for _, fields in entries or []]
+
+
+def _text(fields: dict[bytes | str, bytes | str] | None) -> dict[str, str]:
+    return {_str(key): _str(value) for key, value in (fields or {}).items()}
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
