@@ -129,7 +129,7 @@ class CapacityMonitor:
                 candidates.append(
                     PromptLimit(capacity.max_model_len, f"max_model_len of backend '{name}'", "max_model_len")
                 )
-            if capacity.kv_tokens is not None:
+            if capacity.kv_tokens is not None and model.limit_by_kv_capacity:
                 candidates.append(
                     PromptLimit(
                         capacity.kv_tokens,

@@ -20,6 +20,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.settings import Settings, SettingsError, TenantSettings, load_settings
 from gateway.tenants import hash_key, new_api_key
+from isolation.sim import FAULTS, SimConfig, create_sim_app
 from isolation.sim.tinymodel import cached_tokenizer
 
 EMBEDDED_MODEL = "tiny-llama"
@@ -153,7 +154,6 @@ def _keys_create(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from isolation.sim import SimConfig, create_sim_app
 
     tokenizer = args.tokenizer or cached_tokenizer(_cache_root())
     config = SimConfig(
@@ -166,6 +166,7 @@ def _sim(args: argparse.Namespace) -> int:
         tokens_per_s=args.tokens_per_s,
         output_tokens=args.output_tokens,
         seed=args.seed,
+        fault=args.fault,
     )
     print(f"bulkhead sim: serving '{args.model}' on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(create_sim_app(config), host=args.host, port=args.port, access_log=False, log_level="warning")
@@ -198,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--tokens-per-s", type=float, default=0.0, help="decode speed; 0 = as fast as possible")
     sim.add_argument("--output-tokens", type=int, default=16, help="length of an answer max_tokens does not cut")
     sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--fault",
+        choices=FAULTS,
+        default="none",
+        help="stale-kv: answer over-capacity prompts from stale KV blocks of earlier requests (the incident)",
+    )
     sim.set_defaults(run=_sim)
     return parser
 

@@ -196,10 +196,11 @@ class InferenceCall:
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
         if usage is not None:
             self.record.take_usage(usage)
-        try:
-            await self.check_usage(usage)
-        except StreamWithheld as exc:
-            raise withheld() from exc
+        if self.model.verify_usage:
+            try:
+                await self.check_usage(usage)
+            except StreamWithheld as exc:
+                raise withheld() from exc
         self.finished = True
         return Response(raw, media_type="application/json", headers={"x-request-id": self.record.request_id})
 
@@ -207,7 +208,8 @@ class InferenceCall:
         assert self.response is not None
         record = self.record
         wanted = UsageWanted(final=self.request.include_usage, every_chunk=self.request.continuous_usage)
-        stream_filter = StreamFilter(wanted, self.check_usage, hold_until_checked=self.model.continuous_usage)
+        check = self.check_usage if self.model.verify_usage else None
+        stream_filter = StreamFilter(wanted, check, hold_until_checked=self.model.continuous_usage)
         try:
             async for piece in filtered(self.response.aiter_raw(), stream_filter):
                 record.mark_first_byte()
@@ -217,6 +219,8 @@ class InferenceCall:
             yield self._error_event(error)
         except StreamWithheld:
             yield self._error_event(withheld())
+        except GatewayError as error:
+            yield self._error_event(error)
         else:
             self.finished = True
         finally:

@@ -29,16 +29,16 @@ class UsageWanted:
     every_chunk: bool  # stream_options.continuous_usage_stats (vLLM's extension)
 
 
-# Checks the first usage the backend reports; raises StreamWithheld when it does not add up.
+# Checks the first usage the backend reports; raises StreamWithheld when it does not add up. None: no check.
 UsageCheck = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class StreamFilter:
-    def __init__(self, wanted: UsageWanted, check: UsageCheck, hold_until_checked: bool) -> None:
+    def __init__(self, wanted: UsageWanted, check: UsageCheck | None, hold_until_checked: bool) -> None:
         self._wanted = wanted
         self._check = check
-        self._checked = False
-        self._held: list[bytes] | None = [] if hold_until_checked else None
+        self._checked = check is None
+        self._held: list[bytes] | None = [] if hold_until_checked and check is not None else None
         self._splitter = EventSplitter()
         self._done = False
         self.usage: dict[str, Any] | None = None
@@ -82,7 +82,7 @@ class StreamFilter:
         if not isinstance(usage, dict):
             return event
         self.usage = usage
-        if not self._checked:
+        if self._check is not None and not self._checked:
             await self._check(usage)
             self._checked = True
         if chunk.get("choices") == []:

@@ -73,6 +73,10 @@ class ModelSettings(_Section):
     )
     default_output_reserve: int = Field(default=16, ge=1, description="output room assumed without max_tokens")
     usage_tolerance: int = Field(default=0, ge=0, description="allowed |backend prompt_tokens - our count|")
+    limit_by_kv_capacity: bool = Field(
+        default=True, description="also cap prompts at the KV capacity the backends report, not only their window"
+    )
+    verify_usage: bool = Field(default=True, description="withhold answers whose usage does not match our count")
     continuous_usage: bool = Field(
         default=True, description="ask for usage on every stream chunk, so a stream is verified before any content"
     )

@@ -5,6 +5,9 @@ vLLM's routes, with vLLM's shapes, status codes and error texts:
     POST /tokenize             POST /detokenize
     GET  /health               GET  /version                GET  /metrics
 
+Behind them, a paged KV cache with prefix caching keyed by cache_salt (kvcache.py) and, when configured, the
+incident's fault: over-long prompts answered from stale KV blocks (engine.py, SimConfig.fault).
+
 Simulator-only inspection, for tests that must prove what a gateway did or did not forward:
     GET    /sim/requests   the last 1000 inference requests received (POSTs to the two completion routes,
                            refused ones included), oldest first, as JSON
@@ -32,6 +35,7 @@ from starlette.types import Receive
 
 from gateway.tokens import ChatTemplateError, ModelTokenizer
 from isolation.sim.config import SimConfig
+from isolation.sim.detokenizer import Detokenizer
 from isolation.sim.engine import Engine, Run
 from isolation.sim.errors import SimError, bad_request, model_not_found, render_sim_error
 from isolation.sim.generation import WordVocabulary
@@ -60,7 +64,8 @@ REQUEST_LOG_LIMIT = 1000
 
 def create_sim_app(config: SimConfig) -> Starlette:
     tokenizer = ModelTokenizer.from_dir(config.tokenizer_dir)
-    engine = Engine(config, WordVocabulary.from_tokenizer(tokenizer.tokenizer, config.seed))
+    vocabulary = WordVocabulary.from_tokenizer(tokenizer.tokenizer, config.seed)
+    engine = Engine(config, vocabulary, Detokenizer(tokenizer.tokenizer))
     endpoints = _Endpoints(config, tokenizer, engine, build_registry(engine), RequestLog(REQUEST_LOG_LIMIT))
     app = Starlette(
         routes=[
@@ -220,8 +225,7 @@ class _Endpoints:
     async def _generate(
         self, request: Request, prompt_ids: Sequence[int], sampling: Sampling, reply_type: type[Reply]
     ) -> Response:
-        budget = self.engine.output_budget(len(prompt_ids), sampling.max_tokens)
-        run = self.engine.admit(prompt_ids, sampling.n, budget)
+        run = await self.engine.admit(prompt_ids, sampling.n, sampling.max_tokens, sampling.cache_salt)
         reply = reply_type(run=run, sampling=sampling, model=self.config.model, vocabulary=self.engine.vocabulary)
         if sampling.stream:
             return EngineStream(self.engine, reply)

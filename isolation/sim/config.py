@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
+
+Fault = Literal["none", "stale-kv"]
+FAULTS: tuple[str, ...] = get_args(Fault)
 
 
 @dataclass(frozen=True)
@@ -12,6 +16,9 @@ class SimConfig:
 
     The KV cache holds block_size × num_gpu_blocks tokens; like a disaggregated pool (and unlike one plain vLLM
     instance), the simulator lets max_model_len exceed that, so tests can build the mismatch on purpose.
+    `fault` decides what happens to a prompt that fits max_model_len but not the KV cache: "none" refuses it
+    with vLLM's context-length 400 (naming the cache's size), "stale-kv" reproduces the incident: the prompt
+    is swapped for a one-token placeholder and answered from freed KV blocks of earlier requests, with 200.
     """
 
     tokenizer_dir: Path
@@ -23,6 +30,7 @@ class SimConfig:
     tokens_per_s: float = 0.0  # 0 means no pacing at all, the fast path the overhead benchmarks rely on
     output_tokens: int = 16
     seed: int = 0
+    fault: Fault = "none"
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "num_gpu_blocks", "output_tokens"):
@@ -31,6 +39,8 @@ class SimConfig:
         for name in ("ttft_ms", "tokens_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimConfig.{name} must not be negative, got {getattr(self, name)}")
+        if self.fault not in FAULTS:
+            raise ValueError(f"SimConfig.fault must be one of {', '.join(FAULTS)}, got {self.fault!r}")
         if not self.model:
             raise ValueError("SimConfig.model must not be empty")
 

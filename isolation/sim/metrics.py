@@ -5,6 +5,9 @@ request costs a few integer additions rather than Prometheus client updates. Eac
 CollectorRegistry because tests run several simulators in one process. Counter families are created without
 `_created` samples, and prometheus_client appends `_total`, so `vllm:prompt_tokens` is exposed as
 `vllm:prompt_tokens_total`, exactly vLLM's name.
+
+Simulator-only series carry the `sim:` prefix, so nothing mistakes them for vLLM's:
+    sim:stale_kv_replies_total   requests the stale-kv fault answered through a one-token placeholder
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ class EngineCollector(Collector):
         yield self._gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches.", engine.num_running
         )
-        yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", 0)
+        yield self._gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine.num_waiting
+        )
         yield self._gauge(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.kv_cache_usage()
         )
@@ -68,6 +73,11 @@ class EngineCollector(Collector):
         yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.", counters.prompt_tokens)
         yield self._counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", counters.generation_tokens
+        )
+        yield self._counter(
+            "sim:stale_kv_replies",
+            "Simulator only: over-long requests answered through a one-token placeholder (stale-kv fault).",
+            counters.stale_kv_replies,
         )
         success = CounterMetricFamily(
             "vllm:request_success", "Count of successfully processed requests.", labels=[*_LABELS, "finished_reason"]

@@ -27,6 +27,7 @@ class Sampling:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def parse_sampling(body: JsonObject, *max_keys: str, default_max_tokens: int | N
     # StreamOptions.include_usage defaults to True: `"stream_options": {}` asks for usage.
     include_usage = options is not None and bool(options.get("include_usage", True))
     continuous = options is not None and bool(options.get("continuous_usage_stats", False))
-    return Sampling(model, n, max_tokens, stream, include_usage, include_usage and continuous)
+    return Sampling(model, n, max_tokens, stream, include_usage, include_usage and continuous, salt)
 
 
 def flag(body: JsonObject, name: str, default: bool) -> bool:

@@ -65,6 +65,18 @@ class Reply:
     def full_usage(self) -> JsonObject:
         return {**self.usage(self.run.n * self.run.length), "prompt_tokens_details": None}
 
+    def text(self, index: int) -> str:
+        """Choice `index`'s whole answer."""
+        if self.run.pieces is not None:
+            return "".join(self.run.pieces)
+        return self.vocabulary.text(self.run.outputs[index])
+
+    def piece(self, index: int, step: int) -> str:
+        """The text of choice `index`'s token at `step`."""
+        if self.run.pieces is not None:
+            return self.run.pieces[step]
+        return self.vocabulary.texts[self.run.outputs[index][step]]
+
     def finish_reason(self, step: int) -> str | None:
         return self.run.finish_reason if step == self.run.length - 1 else None
 
@@ -81,7 +93,7 @@ class ChatReply(Reply):
                 "index": index,
                 "message": {
                     "role": "assistant",
-                    "content": self.vocabulary.text(output),
+                    "content": self.text(index),
                     "refusal": None,
                     "annotations": None,
                     "audio": None,
@@ -93,7 +105,7 @@ class ChatReply(Reply):
                 "stop_reason": None,
                 "token_ids": None,
             }
-            for index, output in enumerate(self.run.outputs)
+            for index in range(self.run.n)
         ]
         return {
             "id": self.request_id,
@@ -125,7 +137,7 @@ class ChatReply(Reply):
     def token_chunk(self, index: int, step: int) -> JsonObject:
         choice: JsonObject = {
             "index": index,
-            "delta": {"content": self.vocabulary.texts[self.run.outputs[index][step]]},
+            "delta": {"content": self.piece(index, step)},
             "logprobs": None,
             "finish_reason": self.finish_reason(step),
         }
@@ -149,7 +161,7 @@ class CompletionReply(Reply):
         choices = [
             {
                 "index": index,
-                "text": self.vocabulary.text(output),
+                "text": self.text(index),
                 "logprobs": None,
                 "finish_reason": self.run.finish_reason,
                 "stop_reason": None,
@@ -157,7 +169,7 @@ class CompletionReply(Reply):
                 "prompt_logprobs": None,
                 "prompt_token_ids": None,
             }
-            for index, output in enumerate(self.run.outputs)
+            for index in range(self.run.n)
         ]
         return {
             "id": self.request_id,
@@ -176,7 +188,7 @@ class CompletionReply(Reply):
         chunk["choices"] = [
             {
                 "index": index,
-                "text": self.vocabulary.texts[self.run.outputs[index][step]],
+                "text": self.piece(index, step),
                 "logprobs": None,
                 "finish_reason": self.finish_reason(step),
                 "stop_reason": None,
