@@ -48,11 +48,13 @@ class Prompt:
         prompt = payload["prompt"]
         return cls(text=prompt) if isinstance(prompt, str) else cls(token_ids=prompt)
 
-    def contents(self) -> Iterator[str]:
-        """The caller's free text: message contents, or the completion prompt."""
+    def contents(self, roles: frozenset[str] | None = None) -> Iterator[str]:
+        """The caller's free text: the completion prompt, or the contents of messages (of these roles)."""
         if self.text is not None:
             yield self.text
         for message in self.messages or ():
+            if roles is not None and message.get("role") not in roles:
+                continue
             content = message.get("content")
             if isinstance(content, str):
                 yield content
@@ -91,19 +93,25 @@ def _utf8_length(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
-def _content_copies(tokenizer: ModelTokenizer) -> int:
-    """How many times the chat template writes one message's content (1 for every common template)."""
+PROBE_ROLES = ("system", "user", "assistant", "user")
+
+
+def _probe(tokenizer: ModelTokenizer) -> tuple[frozenset[str], int]:
+    """What the chat template does with content: the roles whose content it writes, and at most how many times.
+
+    A lower bound may only count text that surely reaches the engine (templates may drop a role, and they trim);
+    an upper bound must count text as often as the template repeats it.
+    """
     if tokenizer.template is None:
-        return 1
-    probe = [
-        {"role": role, "content": f"probe{index}marker"}
-        for index, role in enumerate(("system", "user", "assistant", "user"))
-    ]
+        return frozenset(), 1
+    probe = [{"role": role, "content": f"  probe{index}marker  "} for index, role in enumerate(PROBE_ROLES)]
     try:
         rendered = tokenizer.render_chat(probe)
     except ChatTemplateError:
-        return 1
-    return max(1, *(rendered.count(f"probe{index}marker") for index in range(len(probe))))
+        return frozenset(), 1
+    copies = [rendered.count(f"probe{index}marker") for index in range(len(PROBE_ROLES))]
+    kept = frozenset(role for role, n in zip(PROBE_ROLES, copies, strict=True) if n > 0)
+    return kept, max(1, *copies)
 
 
 class LocalCounter:
@@ -111,7 +119,10 @@ class LocalCounter:
         self.tokenizer = tokenizer
         self._executor = executor
         self._inline_chars = inline_chars
-        self._copies = _content_copies(tokenizer)
+        self._kept_roles, self._copies = _probe(tokenizer)
+        # A normalizer (NFC, NFKC, lower-casing...) may shrink text before it is split, a little; 4 covers the
+        # most any Unicode composition shrinks a string by.
+        self._shrink = 4 if tokenizer.tokenizer.normalizer is not None else 1
         self._vocab = vocab_size(tokenizer.tokenizer)
         # Tokens the post-processor adds to a completion prompt (BOS and the like).
         self._added = tokenizer.count_text("", add_special_tokens=True)
@@ -119,7 +130,10 @@ class LocalCounter:
     def lower_bound(self, prompt: Prompt) -> int:
         if prompt.token_ids is not None:
             return len(prompt.token_ids)
-        return -(-prompt.size() // self.tokenizer.longest_token_bytes)
+        roles = None if prompt.text is not None else self._kept_roles
+        # strip() only copies a string that has white space at its ends, which templates may trim away.
+        characters = sum(len(text.strip()) for text in prompt.contents(roles))
+        return characters // (self.tokenizer.longest_token_bytes * self._shrink)
 
     def upper_bound(self, prompt: Prompt) -> int | None:
         if prompt.token_ids is not None:

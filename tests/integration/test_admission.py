@@ -1,0 +1,191 @@
+"""Prompt admission in exact tokens, against what the deployment can really hold."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.counting import LocalCounter, Prompt
+from gateway.tenants import hash_key
+from gateway.tokens import ModelTokenizer
+from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body, forwarded, metric
+from tests.prompt_corpus import CORPUS, CorpusPrompt
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def as_prompt(item: CorpusPrompt) -> Prompt:
+    if item.chat is not None:
+        return Prompt.of_chat(item.chat)
+    return Prompt.of_completion({"prompt": item.prompt})
+
+
+def test_corpus_counts_equal_the_backends_tokenize(tokenizer_dir: Path, sim_url: str) -> None:
+    with ThreadPoolExecutor(1) as executor, httpx.Client() as client:
+        counter = LocalCounter(ModelTokenizer.from_dir(tokenizer_dir), executor, inline_chars=10**9)
+        mismatches = []
+        for item in CORPUS:
+            ours = counter.count_now(as_prompt(item))
+            theirs = client.post(f"{sim_url}/tokenize", json=item.tokenize_body(MODEL)).json()["count"]
+            lower, upper = counter.lower_bound(as_prompt(item)), counter.upper_bound(as_prompt(item))
+            assert upper is not None and lower <= ours <= upper, (item.name, lower, ours, upper)
+            if ours != theirs:
+                mismatches.append((item.name, ours, theirs))
+    assert len(CORPUS) >= 200
+    assert mismatches == []
+
+
+async def test_corpus_through_the_gateway_is_verified_and_answered(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any
+) -> None:
+    # Every answer passes the gateway's usage check, which compares the backend's prompt_tokens with its own count.
+    sim_url = make_sim(max_model_len=65536, num_gpu_blocks=8192)
+    gateway_url = make_gateway({"sim": sim_url}, models=[{"name": MODEL, "backends": ["sim"], "context_window": 65536}])
+    for item in CORPUS[:60]:
+        body = {"model": MODEL, "max_tokens": 2, **(item.chat or {"prompt": item.prompt})}
+        response = await client.post(gateway_url + (CHAT if item.chat else COMPLETIONS), json=body, headers=auth())
+        assert response.status_code == 200, (item.name, response.text)
+
+
+async def test_prompt_ten_times_over_is_refused_without_tokenizing(
+    client: httpx.AsyncClient, gateway_url: str, sim_url: str
+) -> None:
+    huge = "x" * (2048 * 64 * 10)  # ten times more characters than any 2048 tokens can stand for
+    response = await client.post(f"{gateway_url}{CHAT}", json=chat_body(huge), headers=auth())
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert "at least" in error["message"] and "context window of model 'tiny-llama'" in error["message"]
+    metrics = (await client.get(f"{gateway_url}/metrics")).text
+    assert metric(metrics, "bulkhead_prompt_tokens_count") == 0, "the prompt was tokenized"
+    assert metric(metrics, "bulkhead_admission_rejections_total", reason="context_window") == 1
+    assert forwarded(sim_url) == []
+
+
+async def test_exact_limit_with_token_ids(client: httpx.AsyncClient, gateway_url: str, sim_url: str) -> None:
+    fits = {"model": MODEL, "prompt": [5] * 2000, "max_tokens": 48}
+    assert (await client.post(f"{gateway_url}{COMPLETIONS}", json=fits, headers=auth())).status_code == 200
+    over = {**fits, "max_tokens": 49}
+    response = await client.post(f"{gateway_url}{COMPLETIONS}", json=over, headers=auth())
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert "2000 tokens and asks for 49 output tokens, 2049 in all; the limit is 2048" in error["message"]
+    assert len(forwarded(sim_url)) == 1
+
+
+async def test_exact_limit_for_chat_counts_the_template(
+    client: httpx.AsyncClient, gateway_url: str, sim_url: str
+) -> None:
+    body = chat_body("Tell me about tokenizers. " * 40)
+    counted = httpx.post(f"{sim_url}/tokenize", json={"model": MODEL, "messages": body["messages"]}).json()["count"]
+    ok = await client.post(f"{gateway_url}{CHAT}", json={**body, "max_tokens": 2048 - counted}, headers=auth())
+    assert ok.status_code == 200
+    over = await client.post(f"{gateway_url}{CHAT}", json={**body, "max_tokens": 2049 - counted}, headers=auth())
+    assert over.status_code == 400
+    assert f"prompt has {counted} tokens" in over.json()["error"]["message"]
+    # vLLM would have taken it and silently cut the output; the gateway refuses instead.
+
+
+async def test_default_output_reserve_applies_without_max_tokens(client: httpx.AsyncClient, gateway_url: str) -> None:
+    fits = {"model": MODEL, "prompt": [5] * (2048 - 16)}
+    assert (await client.post(f"{gateway_url}{COMPLETIONS}", json=fits, headers=auth())).status_code == 200
+    over = {"model": MODEL, "prompt": [5] * (2048 - 15)}
+    response = await client.post(f"{gateway_url}{COMPLETIONS}", json=over, headers=auth())
+    assert response.status_code == 400
+    assert "leaves 16 tokens for output (the default)" in response.json()["error"]["message"]
+
+
+async def test_clamp_policy_cuts_max_tokens_to_fit(client: httpx.AsyncClient, make_gateway: Any, sim_url: str) -> None:
+    tenants = [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": {"on_output_overflow": "clamp"}}]
+    gateway_url = make_gateway({"sim": sim_url}, tenants=tenants)
+    body = {"model": MODEL, "prompt": [5] * 2040, "max_tokens": 100}
+    response = await client.post(f"{gateway_url}{COMPLETIONS}", json=body, headers=auth())
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 8
+    assert forwarded(sim_url)[0]["body"]["max_tokens"] == 8
+    too_long = await client.post(f"{gateway_url}{COMPLETIONS}", json={**body, "prompt": [5] * 2048}, headers=auth())
+    assert too_long.status_code == 400
+
+
+async def test_tenant_prompt_cap(client: httpx.AsyncClient, make_gateway: Any, sim_url: str) -> None:
+    tenants = [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": {"max_prompt_tokens": 100}}]
+    gateway_url = make_gateway({"sim": sim_url}, tenants=tenants)
+    body = {"model": MODEL, "prompt": [5] * 90, "max_tokens": 11}
+    response = await client.post(f"{gateway_url}{COMPLETIONS}", json=body, headers=auth())
+    assert response.status_code == 400
+    assert "set by this API key's prompt limit" in response.json()["error"]["message"]
+    metrics = (await client.get(f"{gateway_url}/metrics")).text
+    assert metric(metrics, "bulkhead_admission_rejections_total", reason="tenant_cap") == 1
+
+
+async def test_kv_capacity_discovered_below_the_window(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The incident's shape: a window advertised above what the KV cache holds.
+    sim_url = make_sim(max_model_len=4096, num_gpu_blocks=64, block_size=16)
+    with caplog.at_level(logging.WARNING, logger="bulkhead.capacity"):
+        gateway_url = make_gateway({"sim": sim_url}, models=[{"name": MODEL, "backends": ["sim"], "tokenizer": None}])
+    assert "advertises a 4096-token context window but can hold only 1024 tokens" in caplog.text
+    metrics = (await client.get(f"{gateway_url}/metrics")).text
+    assert metric(metrics, "bulkhead_backend_kv_capacity_tokens", backend="sim") == 1024
+    assert metric(metrics, "bulkhead_backend_max_model_len_tokens", backend="sim") == 4096
+    assert metric(metrics, "bulkhead_model_context_window_tokens", model=MODEL) == 4096
+    assert metric(metrics, "bulkhead_model_capacity_tokens", model=MODEL) == 1024
+    body = {"model": MODEL, "prompt": [5] * 1100, "max_tokens": 1}
+    response = await client.post(f"{gateway_url}{COMPLETIONS}", json=body, headers=auth())
+    assert response.status_code == 400
+    assert "the KV cache of backend 'sim' (64 blocks × 16)" in response.json()["error"]["message"]
+    assert forwarded(sim_url) == []
+
+
+async def test_configured_capacity_for_an_invisible_pool(
+    client: httpx.AsyncClient, make_gateway: Any, sim_url: str, tokenizer_dir: Path
+) -> None:
+    model = {"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir), "kv_capacity_tokens": 500}
+    gateway_url = make_gateway({"sim": sim_url}, models=[model])
+    response = await client.post(
+        f"{gateway_url}{COMPLETIONS}", json={"model": MODEL, "prompt": [5] * 499, "max_tokens": 2}, headers=auth()
+    )
+    assert response.status_code == 400
+    assert "configured KV capacity of model 'tiny-llama'" in response.json()["error"]["message"]
+
+
+async def test_without_a_local_tokenizer_the_backend_counts(
+    client: httpx.AsyncClient, make_gateway: Any, sim_url: str
+) -> None:
+    gateway_url = make_gateway({"sim": sim_url}, models=[{"name": MODEL, "backends": ["sim"]}])
+    ok = await client.post(f"{gateway_url}{CHAT}", json=chat_body("hello", max_tokens=3), headers=auth())
+    assert ok.status_code == 200
+    long_chat = chat_body("Tell me about tokenizers. " * 600, max_tokens=1)
+    refused = await client.post(f"{gateway_url}{CHAT}", json=long_chat, headers=auth())
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "context_length_exceeded"
+    assert [r["path"] for r in forwarded(sim_url)] == [CHAT]
+
+
+async def test_unknown_capacity_fails_closed(client: httpx.AsyncClient, make_gateway: Any) -> None:
+    from tests.redis_server import free_port
+
+    gateway_url = make_gateway(
+        {"gone": f"http://127.0.0.1:{free_port()}"}, models=[{"name": MODEL, "backends": ["gone"]}]
+    )
+    response = await client.post(f"{gateway_url}{CHAT}", json=chat_body(), headers=auth())
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] in ("capacity_unknown", "backend_unavailable")
+
+
+@pytest.mark.parametrize("field", ["truncate_prompt_tokens", "chat_template", "add_special_tokens"])
+async def test_fields_that_change_what_the_engine_counts_are_refused(
+    client: httpx.AsyncClient, gateway_url: str, sim_url: str, field: str
+) -> None:
+    response = await client.post(f"{gateway_url}{CHAT}", json=chat_body(**{field: 10}), headers=auth())
+    assert response.status_code == 400
+    assert field in response.json()["error"]["message"]
+    assert forwarded(sim_url) == []
