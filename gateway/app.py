@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import random
+import secrets
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,11 +36,14 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.proxy import Upstream, make_client
+from gateway.routing import Router
 from gateway.settings import Settings, SettingsError
 from gateway.state import GatewayState
+from gateway.store import MemoryStore, RedisStore, Store
 from gateway.tenants import TenantDirectory
 from gateway.tokens import ModelTokenizer, TokenizerLoadError
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
+from isolation.salts import CacheSalts
 
 log = logging.getLogger("bulkhead")
 
@@ -151,15 +156,27 @@ def build_counters(
     return counters
 
 
+def salt_secret(settings: Settings) -> bytes:
+    if settings.cache_salt_secret is not None:
+        return settings.cache_salt_secret.encode()
+    if settings.redis_url is not None:
+        log.warning(
+            "cache_salt_secret is not set: each gateway instance salts tenants differently, so a tenant's prefix "
+            "cache hits are split across instances; set it to the same secret on every instance"
+        )
+    return secrets.token_bytes(32)
+
+
 def create_app(settings: Settings) -> Starlette:
     tokenizers = load_tokenizers(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         metrics = GatewayMetrics()
-        pool = ReplicaPool(settings.backends, metrics)
-        capacity = CapacityMonitor(settings.models, pool, metrics)
         redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
+        store: Store = RedisStore(redis) if redis is not None else MemoryStore()
+        pool = ReplicaPool(settings.backends, metrics, store)
+        capacity = CapacityMonitor(settings.models, pool, metrics)
         events: EventLog = (
             RedisEventLog(redis, settings.isolation.events_max)
             if redis is not None
@@ -169,7 +186,7 @@ def create_app(settings: Settings) -> Starlette:
         with ThreadPoolExecutor(settings.admission.tokenizer_threads, "bulkhead-tokens") as executor:
             async with make_client(settings.upstream) as client:
                 upstream = Upstream(client, pool, metrics)
-                await pool.check_all(client, timeout)
+                await pool.refresh(client, timeout)
                 await capacity.refresh_all(client, timeout)
                 pool.on_recovered = lambda replica: capacity.refresh_soon(client, replica, timeout)
                 app.state.gateway = GatewayState(
@@ -182,6 +199,10 @@ def create_app(settings: Settings) -> Starlette:
                     counters=build_counters(settings, tokenizers, pool, upstream, executor),
                     events=events,
                     executor=executor,
+                    router=Router(
+                        pool, metrics, settings.routing.load_factor, settings.routing.tracked_sessions, random.Random()
+                    ),
+                    salts=CacheSalts(salt_secret(settings)),
                     redis=redis,
                 )
                 tasks = [

@@ -9,6 +9,7 @@ the UTF-8 length plus the chat template's own text).
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.backends import ReplicaPool
-from gateway.errors import InvalidRequest, UpstreamError
+from gateway.errors import BackendUnavailable, InvalidRequest, UpstreamError
 from gateway.proxy import Upstream
 from gateway.settings import ModelSettings
 from gateway.tokens import ChatTemplateError, ModelTokenizer, vocab_size
@@ -198,7 +199,10 @@ class BackendCounter:
     async def count(self, prompt: Prompt) -> int:
         if prompt.token_ids is not None:
             return len(prompt.token_ids)
-        replica = self._pool.pick(self._model)
+        replicas = self._pool.routable(self._model)
+        if not replicas:
+            raise BackendUnavailable(f"No healthy backend for model '{self._model.name}' can count this prompt.")
+        replica = random.choice(replicas)
         body = orjson.dumps(prompt.tokenize_body(self._model.name))
         response = await self._upstream.open(replica, "/tokenize", body, "tokenize")
         try:

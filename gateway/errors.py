@@ -98,6 +98,11 @@ class UpstreamError(GatewayError):
     type = "api_error"
     code = "backend_error"
 
+    def __init__(self, message: str, *, before_sending: bool = False) -> None:
+        super().__init__(message)
+        # Nothing reached the backend (connect refused or timed out): safe to try another replica.
+        self.before_sending = before_sending
+
 
 class BackendUnavailable(UpstreamError):
     status = 503

@@ -17,7 +17,6 @@ from starlette.types import Receive, Scope, Send
 from gateway import accesslog
 from gateway.accesslog import RequestRecord
 from gateway.admission import Admission, admit
-from gateway.backends import Replica
 from gateway.body import parse_json_object, read_body
 from gateway.counting import Prompt
 from gateway.errors import (
@@ -27,11 +26,13 @@ from gateway.errors import (
     ModelNotAllowed,
     ModelNotFound,
     RateLimited,
+    UpstreamError,
     error_response,
 )
 from gateway.incidents import report
 from gateway.proxy import map_transport_error, parse_json_body
 from gateway.relay import StreamFilter, StreamWithheld, UsageWanted, filtered
+from gateway.routing import SESSION_HEADER, Decision, session_id
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, InferenceRequest, validate
 from gateway.settings import ModelSettings, TenantSettings
 from gateway.sse import DONE
@@ -75,9 +76,20 @@ def check_request_limits(state: GatewayState, tenant: TenantSettings, request: I
 
 
 def upstream_body(
-    raw: bytes, payload: dict[str, Any], request: InferenceRequest, model: ModelSettings, admission: Admission
+    raw: bytes,
+    payload: dict[str, Any],
+    request: InferenceRequest,
+    model: ModelSettings,
+    admission: Admission,
+    salt: str,
 ) -> bytes:
     changed = False
+    if model.cache_salt:
+        # Always the tenant's own: a salt the client chose could be another tenant's, and would join its cache.
+        payload["cache_salt"] = salt
+        changed = True
+    elif payload.pop("cache_salt", None) is not None:
+        changed = True
     if admission.max_tokens is not None:
         key = "max_completion_tokens" if payload.get("max_completion_tokens") is not None else "max_tokens"
         payload[key] = admission.max_tokens
@@ -130,7 +142,7 @@ class InferenceCall:
         model: ModelSettings,
         request: InferenceRequest,
         admission: Admission,
-        replica: Replica,
+        decision: Decision,
     ) -> None:
         self.state = state
         self.record = record
@@ -138,12 +150,14 @@ class InferenceCall:
         self.model = model
         self.request = request
         self.admission = admission
-        self.replica = replica
+        self.decision = decision
+        self.replica = decision.replica
+        record.backend = self.replica.name
         self.response: httpx.Response | None = None
         self.finished = False
         self._closed = False
         state.tenant_in_flight[tenant.id] += 1
-        replica.in_flight += 1
+        self.replica.in_flight += 1
         state.metrics.in_flight.inc()
 
     async def close(self) -> None:
@@ -166,7 +180,19 @@ class InferenceCall:
         return error_response(error, headers={"x-request-id": self.record.request_id})
 
     async def forward(self, path: str, body: bytes) -> None:
-        self.response = await self.state.upstream.open(self.replica, path, body, self.record.request_id)
+        upstream = self.state.upstream
+        try:
+            self.response = await upstream.open(self.replica, path, body, self.record.request_id)
+        except UpstreamError as error:
+            # Retried once, and only when nothing reached the backend: a request is never sent twice.
+            fallback = self.decision.fail_over() if error.before_sending else None
+            if fallback is None:
+                raise
+            self.replica.in_flight -= 1
+            self.replica, self.record.backend = fallback, fallback.name
+            fallback.in_flight += 1
+            self.response = await upstream.open(fallback, path, body, self.record.request_id)
+        self.state.metrics.routed.labels(self.replica.name, self.decision.reason.value).inc()
 
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
         """Raise StreamWithheld (after recording the event) when the backend's accounting does not add up."""
@@ -248,6 +274,7 @@ async def _admit(
 ) -> tuple[InferenceCall, bytes]:
     tenant = state.tenants.authenticate(request.headers.get("authorization"))
     record.tenant = tenant.id
+    session = session_id(request.headers.get(SESSION_HEADER))
     limits = state.settings.limits
     raw = await read_body(request, limits.max_body_bytes)
     payload = parse_json_object(raw, limits.max_json_depth)
@@ -268,10 +295,9 @@ async def _admit(
         state.counters[model.name],
         state.metrics,
     )
-    replica = state.pool.pick(model)
-    record.backend = replica.name
-    call = InferenceCall(state, record, tenant, model, parsed, admission, replica)
-    return call, upstream_body(raw, payload, parsed, model, admission)
+    decision = state.router.choose(model, tenant.id, session)
+    call = InferenceCall(state, record, tenant, model, parsed, admission, decision)
+    return call, upstream_body(raw, payload, parsed, model, admission, state.salts.salt(tenant.id))
 
 
 async def serve(request: Request, state: GatewayState, route: Route) -> Response:

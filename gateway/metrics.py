@@ -99,3 +99,26 @@ class GatewayMetrics:
             ["kind", "model", "replica"],
             registry=self.registry,
         )
+        self.replica_state = Gauge(
+            "bulkhead_replica_state",
+            "1 for the state a replica is in (healthy, unhealthy, quarantined, draining).",
+            ["backend", "state"],
+            registry=self.registry,
+        )
+        self.replica_in_flight = Gauge(
+            "bulkhead_replica_in_flight_requests",
+            "Requests in flight per replica, from this instance.",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.routed = Counter(
+            "bulkhead_routed_requests",
+            "Requests sent to a replica, by why it was chosen (affinity, spill, failover, two-choices).",
+            ["backend", "reason"],
+            registry=self.registry,
+        )
+        self.session_remaps = Counter(
+            "bulkhead_session_remaps",
+            "Affinity sessions routed to another replica than their previous request (replica left, or spill).",
+            registry=self.registry,
+        )

@@ -51,13 +51,13 @@ def make_client(settings: UpstreamSettings) -> httpx.AsyncClient:
 def map_transport_error(replica: Replica, exc: httpx.HTTPError) -> UpstreamError:
     name = replica.name
     if isinstance(exc, httpx.ConnectTimeout):
-        return BackendTimeout(f"Connecting to backend '{name}' timed out.")
+        return BackendTimeout(f"Connecting to backend '{name}' timed out.", before_sending=True)
     if isinstance(exc, httpx.PoolTimeout):
         return BackendUnavailable(f"Backend '{name}' is at its connection limit; no connection freed in time.")
     if isinstance(exc, httpx.TimeoutException):
         return BackendTimeout(f"Backend '{name}' stopped answering (read or write timed out).")
     if isinstance(exc, httpx.ConnectError):
-        return BackendUnreachable(f"Backend '{name}' refused the connection or cannot be reached.")
+        return BackendUnreachable(f"Backend '{name}' refused the connection or cannot be reached.", before_sending=True)
     if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
         return BackendUnreachable(f"Backend '{name}' closed the connection before answering completely.")
     return BackendBadResponse(f"Backend '{name}' could not be used: {type(exc).__name__}.")
@@ -75,8 +75,8 @@ class Upstream:
 
     def fail(self, replica: Replica, error: UpstreamError) -> UpstreamError:
         self._metrics.upstream_errors.labels(replica.name, error_kind(error)).inc()
-        if isinstance(error, BackendUnreachable):
-            self._pool.set_health(replica, False, error.message)
+        if isinstance(error, BackendUnreachable) or error.before_sending:
+            self._pool.mark_failed(replica, error.message)
         return error
 
     async def open(self, replica: Replica, path: str, body: bytes, request_id: str) -> httpx.Response:

@@ -77,6 +77,9 @@ class ModelSettings(_Section):
         default=True, description="also cap prompts at the KV capacity the backends report, not only their window"
     )
     verify_usage: bool = Field(default=True, description="withhold answers whose usage does not match our count")
+    cache_salt: bool = Field(
+        default=True, description="send each tenant's cache_salt (vLLM >= 0.9); off for engines that refuse it"
+    )
     continuous_usage: bool = Field(
         default=True, description="ask for usage on every stream chunk, so a stream is verified before any content"
     )
@@ -109,6 +112,11 @@ class TenantSettings(_Section):
         return "*" in self.models or model in self.models
 
 
+class RoutingSettings(_Section):
+    load_factor: float = Field(default=1.25, ge=1.0, description="a replica above this × mean in-flight spills")
+    tracked_sessions: int = Field(default=100_000, ge=0, description="sessions remembered to count remaps")
+
+
 class IsolationSettings(_Section):
     events_max: int = Field(default=10_000, ge=100, description="isolation events kept (Redis stream or memory)")
 
@@ -124,6 +132,10 @@ class Settings(_Section):
     listen: ListenSettings = ListenSettings()
     redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
     admin_token: str | None = Field(default=None, min_length=16, repr=False, description="for /admin/*")
+    cache_salt_secret: str | None = Field(
+        default=None, min_length=16, repr=False, description="per-tenant cache_salt = HMAC(this, tenant)"
+    )
+    routing: RoutingSettings = RoutingSettings()
     isolation: IsolationSettings = IsolationSettings()
     admission: AdmissionSettings = AdmissionSettings()
     log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$")

@@ -13,9 +13,11 @@ from gateway.capacity import CapacityMonitor
 from gateway.counting import PromptCounter
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Upstream
+from gateway.routing import Router
 from gateway.settings import Settings
 from gateway.tenants import TenantDirectory
 from isolation.events import EventLog
+from isolation.salts import CacheSalts
 
 
 @dataclass
@@ -29,6 +31,8 @@ class GatewayState:
     counters: dict[str, PromptCounter]
     events: EventLog
     executor: ThreadPoolExecutor
+    router: Router
+    salts: CacheSalts
     redis: Redis | None = None
     # Per-instance concurrency per tenant; a shared budget across instances is the rate limiter's job.
     tenant_in_flight: Counter[str] = field(default_factory=Counter)

@@ -13,6 +13,8 @@ from typing import Protocol
 
 from redis.asyncio import Redis
 
+from isolation.redis_text import text_fields
+
 STREAM_KEY = "bulkhead:isolation-events"
 
 
@@ -63,12 +65,4 @@ class RedisEventLog:
 
     async def recent(self, limit: int) -> list[IsolationEvent]:
         entries = await self._redis.xrevrange(self._key, count=limit)
-        return [IsolationEvent.from_fields(_text(fields)) for _, fields in entries or []]
-
-
-def _text(fields: dict[bytes | str, bytes | str] | None) -> dict[str, str]:
-    return {_str(key): _str(value) for key, value in (fields or {}).items()}
-
-
-def _str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+        return [IsolationEvent.from_fields(text_fields(fields)) for _, fields in entries or []]

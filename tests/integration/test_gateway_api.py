@@ -30,7 +30,9 @@ async def test_chat_completion_is_relayed_with_usage(client: httpx.AsyncClient, 
     assert response.headers["content-type"] == "application/json"
     [record] = forwarded(sim_url)
     assert record["path"] == "/v1/chat/completions"
+    salt = record["body"].pop("cache_salt")
     assert record["body"] == chat_body("Hi 世界")
+    assert len(salt) == 32 and int(salt, 16) >= 0
 
 
 async def test_completion_is_relayed(client: httpx.AsyncClient, gateway_url: str) -> None:

@@ -1,0 +1,78 @@
+"""State that gateway instances share: in Redis when configured, in this process's memory otherwise.
+
+Both implementations behave the same and are exercised by the same tests. What is shared today:
+- operator decisions about replicas (quarantined, draining), sticky until released;
+- failures seen on the request path (a count per replica), so every instance takes a failing replica out of
+  rotation at its next sync, until its own next health check passes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, TypeGuard
+
+from redis.asyncio import Redis
+
+from isolation.redis_text import text_fields
+
+AdminState = Literal["quarantined", "draining"]
+ADMIN_STATES: tuple[AdminState, ...] = ("quarantined", "draining")
+
+ADMIN_KEY = "bulkhead:replica-admin"
+FAILURES_KEY = "bulkhead:replica-failures"
+
+
+class Store(Protocol):
+    async def set_admin_state(self, replica: str, state: AdminState | None) -> None: ...
+
+    async def admin_states(self) -> dict[str, AdminState]: ...
+
+    async def report_failure(self, replica: str) -> None: ...
+
+    async def failures(self) -> dict[str, int]: ...
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self._admin: dict[str, AdminState] = {}
+        self._failures: dict[str, int] = {}
+
+    async def set_admin_state(self, replica: str, state: AdminState | None) -> None:
+        if state is None:
+            self._admin.pop(replica, None)
+        else:
+            self._admin[replica] = state
+
+    async def admin_states(self) -> dict[str, AdminState]:
+        return dict(self._admin)
+
+    async def report_failure(self, replica: str) -> None:
+        self._failures[replica] = self._failures.get(replica, 0) + 1
+
+    async def failures(self) -> dict[str, int]:
+        return dict(self._failures)
+
+
+class RedisStore:
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+
+    async def set_admin_state(self, replica: str, state: AdminState | None) -> None:
+        if state is None:
+            await self._redis.hdel(ADMIN_KEY, replica)
+        else:
+            await self._redis.hset(ADMIN_KEY, replica, state)
+
+    async def admin_states(self) -> dict[str, AdminState]:
+        raw = text_fields(await self._redis.hgetall(ADMIN_KEY))
+        return {name: state for name, state in raw.items() if _is_admin_state(state)}
+
+    async def report_failure(self, replica: str) -> None:
+        # A counter, not a timestamp: instances compare it with what they saw last, so no clocks need agree.
+        await self._redis.hincrby(FAILURES_KEY, replica, 1)
+
+    async def failures(self) -> dict[str, int]:
+        return {name: int(count) for name, count in text_fields(await self._redis.hgetall(FAILURES_KEY)).items()}
+
+
+def _is_admin_state(value: str) -> TypeGuard[AdminState]:
+    return value in ADMIN_STATES
