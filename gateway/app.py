@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import random
 import secrets
@@ -21,14 +20,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import inference
+from gateway import admin, inference
 from gateway.backends import ReplicaPool
 from gateway.capacity import CapacityMonitor
 from gateway.counting import BackendCounter, LocalCounter, PromptCounter
 from gateway.errors import (
-    AuthenticationFailed,
     GatewayError,
-    InvalidRequest,
     MethodNotAllowed,
     NotFound,
     error_response,
@@ -98,21 +95,6 @@ async def metrics(request: Request) -> Response:
 
 async def openapi(request: Request) -> Response:
     return Response(request.app.state.openapi, media_type="application/json")
-
-
-async def isolation_events(request: Request) -> Response:
-    state = _state(request)
-    token = state.settings.admin_token
-    presented = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if token is None:
-        return error_response(NotFound("The admin API is off: set admin_token to enable it."))
-    if not hmac.compare_digest(presented.encode(), token.encode()):
-        return error_response(AuthenticationFailed("This route needs the admin token."))
-    limit = request.query_params.get("limit", "100")
-    if not limit.isdigit() or not 1 <= int(limit) <= 10_000:
-        return error_response(InvalidRequest("limit must be an integer from 1 to 10000.", param="limit"))
-    recent = await state.events.recent(int(limit))
-    return Response(orjson.dumps({"events": [e.fields() for e in recent]}), media_type="application/json")
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -227,7 +209,7 @@ def create_app(settings: Settings) -> Starlette:
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
-            Route("/admin/isolation-events", isolation_events, methods=["GET"]),
+            *admin.routes(),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _unexpected},
         lifespan=lifespan,

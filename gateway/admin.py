@@ -1,0 +1,87 @@
+"""The operators' API under /admin: a separate admin token (never a tenant key), off unless one is configured."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.backends import Replica
+from gateway.errors import AuthenticationFailed, GatewayError, InvalidRequest, NotFound, error_response
+from gateway.state import GatewayState
+from gateway.store import AdminState
+
+Handler = Callable[[Request, GatewayState], Awaitable[Response]]
+
+
+def _authorized(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        state: GatewayState = request.app.state.gateway
+        token = state.settings.admin_token
+        if token is None:
+            return error_response(NotFound("The admin API is off: set admin_token to enable it."))
+        presented = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(presented.encode(), token.encode()):
+            return error_response(AuthenticationFailed("This route needs the admin token."))
+        try:
+            return await handler(request, state)
+        except GatewayError as error:
+            return error_response(error)
+
+    return endpoint
+
+
+def _json(value: object) -> Response:
+    return Response(orjson.dumps(value), media_type="application/json")
+
+
+def _describe(replica: Replica, state: GatewayState) -> dict[str, object]:
+    capacity = state.capacity.by_backend.get(replica.name)
+    return {
+        "name": replica.name,
+        "url": replica.url,
+        "state": replica.state.value,
+        "healthy": replica.healthy,
+        "in_flight": replica.in_flight,
+        "models": [m.name for m in state.settings.models if replica.name in m.backends],
+        "max_model_len": capacity.max_model_len if capacity else None,
+        "kv_capacity_tokens": capacity.kv_tokens if capacity else None,
+    }
+
+
+async def isolation_events(request: Request, state: GatewayState) -> Response:
+    limit = request.query_params.get("limit", "100")
+    if not limit.isdigit() or not 1 <= int(limit) <= 10_000:
+        raise InvalidRequest("limit must be an integer from 1 to 10000.", param="limit")
+    recent = await state.events.recent(int(limit))
+    return _json({"events": [e.fields() for e in recent]})
+
+
+async def list_replicas(request: Request, state: GatewayState) -> Response:
+    return _json({"replicas": [_describe(r, state) for r in state.pool.replicas.values()]})
+
+
+def _set_state(target: AdminState | None) -> Handler:
+    async def handler(request: Request, state: GatewayState) -> Response:
+        name = request.path_params["name"]
+        replica = state.pool.replicas.get(name)
+        if replica is None:
+            raise NotFound(f"No replica named '{name}'.")
+        await state.pool.set_admin_state(replica, target, "by the admin API")
+        return _json(_describe(replica, state))
+
+    return handler
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/admin/isolation-events", _authorized(isolation_events), methods=["GET"]),
+        Route("/admin/replicas", _authorized(list_replicas), methods=["GET"]),
+        Route("/admin/replicas/{name}/quarantine", _authorized(_set_state("quarantined")), methods=["POST"]),
+        Route("/admin/replicas/{name}/drain", _authorized(_set_state("draining")), methods=["POST"]),
+        Route("/admin/replicas/{name}/release", _authorized(_set_state(None)), methods=["POST"]),
+    ]
