@@ -32,7 +32,7 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
-from gateway.proxy import Upstream, make_client
+from gateway.proxy import Upstream, make_client, make_transport
 from gateway.routing import Router
 from gateway.settings import Settings, SettingsError
 from gateway.state import GatewayState
@@ -166,8 +166,9 @@ def create_app(settings: Settings) -> Starlette:
         )
         timeout = settings.upstream.connect_timeout_s
         with ThreadPoolExecutor(settings.admission.tokenizer_threads, "bulkhead-tokens") as executor:
-            async with make_client(settings.upstream) as client:
-                upstream = Upstream(client, pool, metrics)
+            transport = make_transport(settings.upstream)
+            async with make_client(settings.upstream, transport) as client:
+                upstream = Upstream(transport, settings.upstream, pool, metrics)
                 await pool.refresh(client, timeout)
                 await capacity.refresh_all(client, timeout)
                 pool.on_recovered = lambda replica: capacity.refresh_soon(client, replica, timeout)

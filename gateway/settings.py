@@ -47,7 +47,11 @@ class UpstreamSettings(_Section):
     pool_timeout_s: float = Field(default=5.0, gt=0, description="wait for a free connection")
     max_connections: int = Field(default=512, ge=1)
     max_keepalive_connections: int = Field(default=128, ge=0)
-    keepalive_expiry_s: float = Field(default=30.0, ge=0)
+    keepalive_expiry_s: float = Field(
+        default=4.0,
+        ge=0,
+        description="below the backend's idle timeout (uvicorn and vLLM: 5 s), or reuse races its close",
+    )
     health_interval_s: float = Field(default=5.0, gt=0)
     capacity_refresh_s: float = Field(default=60.0, gt=0, description="re-read /v1/models and /metrics")
 
