@@ -1,0 +1,242 @@
+"""How much latency and throughput the gateway adds over calling the backend directly.
+
+    python -m tests.bench.bench_overhead [--requests N] [--json out.json] [--profile profile.txt]
+
+One simulator (ttft 0, unpaced tokens, so the backend costs next to nothing) and one gateway in front of it run
+as child processes. Each scenario sends the same requests straight to the simulator and through the gateway,
+in alternating rounds (direct, gateway, gateway, direct, ...): on a noisy 2-core machine, two back-to-back
+runs can differ by more than the overhead being measured, and interleaving spreads that drift over both.
+
+"Added" is the gateway's percentile minus the direct one. Requests are not paired, so it is the difference of
+two distributions, not a per-request difference; at concurrency 32 both include client-side queueing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from tests.bench import processes
+from tests.bench.load import Batch, LoadError, Request, Target, new_session, percentile, run_batch
+from tests.bench.processes import BENCH_KEY, MODEL, Server, Workspace
+
+CHAT_PATH = "/v1/chat/completions"
+# Sent to the simulator too (it ignores the key), so both targets receive the very same bytes.
+HEADERS = {"content-type": "application/json", "authorization": f"Bearer {BENCH_KEY}"}
+OUTPUT_TOKENS = 16  # a short answer: per-request cost dominates, which is what the gateway adds
+HIGH_CONCURRENCY = 32
+
+
+@dataclass(frozen=True)
+class Scenario:
+    stream: bool
+    concurrency: int
+
+    @property
+    def name(self) -> str:
+        return f"chat {'stream' if self.stream else 'non-stream'} c={self.concurrency}"
+
+    def request(self) -> Request:
+        # What a typical OpenAI client sends: no stream_options, so the gateway adds include_usage for its own
+        # accounting and drops the usage chunk on the way back; that re-encoding is part of its real cost.
+        payload = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Say something short about bulkheads on ships."}],
+            "max_tokens": OUTPUT_TOKENS,
+            "stream": self.stream,
+        }
+        return Request(CHAT_PATH, orjson.dumps(payload), HEADERS, self.stream)
+
+
+SCENARIOS = [Scenario(False, 1), Scenario(False, HIGH_CONCURRENCY), Scenario(True, 1), Scenario(True, HIGH_CONCURRENCY)]
+
+
+@dataclass
+class Result:
+    scenario: Scenario
+    direct: Batch
+    gateway: Batch
+    gateway_cpu_s: float | None
+
+    def summary(self) -> dict[str, Any]:
+        def ms(values: list[float], q: float) -> float:
+            return round(percentile(values, q) * 1000, 3)
+
+        d, g = self.direct, self.gateway
+        cpu = self.gateway_cpu_s
+        return {
+            "scenario": self.scenario.name,
+            "stream": self.scenario.stream,
+            "concurrency": self.scenario.concurrency,
+            "requests_per_target": len(g.latencies),
+            "direct_p50_ms": ms(d.latencies, 50),
+            "direct_p99_ms": ms(d.latencies, 99),
+            "gateway_p50_ms": ms(g.latencies, 50),
+            "gateway_p99_ms": ms(g.latencies, 99),
+            "added_p50_ms": round(ms(g.latencies, 50) - ms(d.latencies, 50), 3),
+            "added_p99_ms": round(ms(g.latencies, 99) - ms(d.latencies, 99), 3),
+            "ttfb_added_p50_ms": round(ms(g.first_bytes, 50) - ms(d.first_bytes, 50), 3),
+            "ttfb_added_p99_ms": round(ms(g.first_bytes, 99) - ms(d.first_bytes, 99), 3),
+            "direct_rps": round(d.throughput, 1),
+            "gateway_rps": round(g.throughput, 1),
+            "throughput_ratio": round(g.throughput / d.throughput, 3) if d.throughput else None,
+            "gateway_cpu_ms_per_request": None if cpu is None else round(cpu / len(g.latencies) * 1000, 3),
+        }
+
+
+def _cpu_used(pid: int, before: float | None) -> float | None:
+    after = processes.cpu_seconds(pid)
+    return None if before is None or after is None else after - before
+
+
+async def _measure(
+    scenario: Scenario, direct: Target, gateway: Target, gateway_pid: int, requests: int, rounds: int
+) -> Result:
+    request, per_round = scenario.request(), math.ceil(requests / rounds)
+    totals = {direct.name: Batch(), gateway.name: Batch()}
+    gateway_cpu: list[float | None] = []
+    for round_no in range(rounds):
+        # Alternate which target goes first, so neither always runs on the warmer (or the noisier) half.
+        for target in (direct, gateway) if round_no % 2 == 0 else (gateway, direct):
+            cpu_before = processes.cpu_seconds(gateway_pid)
+            totals[target.name].extend(await run_batch(target, request, scenario.concurrency, per_round))
+            if target is gateway:
+                gateway_cpu.append(_cpu_used(gateway_pid, cpu_before))
+    cpu = None if None in gateway_cpu else sum(c for c in gateway_cpu if c is not None)
+    return Result(scenario, totals[direct.name], totals[gateway.name], cpu)
+
+
+async def _warm_up(targets: Sequence[Target], requests: int) -> None:
+    # Fill both keep-alive pools (client→gateway and gateway→simulator) and touch every code path once.
+    for scenario in (Scenario(False, HIGH_CONCURRENCY), Scenario(True, HIGH_CONCURRENCY)):
+        for target in targets:
+            await run_batch(target, scenario.request(), HIGH_CONCURRENCY, requests)
+
+
+async def run_scenarios(sim: Server, gw: Server, requests: int, rounds: int, warmup: int) -> list[Result]:
+    async with new_session(HIGH_CONCURRENCY) as direct_session, new_session(HIGH_CONCURRENCY) as gateway_session:
+        direct = Target("direct", sim.url, direct_session)
+        gateway = Target("gateway", gw.url, gateway_session)
+        await _warm_up((direct, gateway), warmup)
+        results = []
+        for scenario in SCENARIOS:
+            result = await _measure(scenario, direct, gateway, gw.process.pid, requests, rounds)
+            print(f"  measured {scenario.name}", file=sys.stderr, flush=True)
+            results.append(result)
+        return results
+
+
+COLUMNS = [
+    ("scenario", "scenario"),
+    ("direct p50", "direct_p50_ms"),
+    ("direct p99", "direct_p99_ms"),
+    ("gw p50", "gateway_p50_ms"),
+    ("gw p99", "gateway_p99_ms"),
+    ("added p50", "added_p50_ms"),
+    ("added p99", "added_p99_ms"),
+    ("TTFB added p50", "ttfb_added_p50_ms"),
+    ("TTFB added p99", "ttfb_added_p99_ms"),
+    ("direct req/s", "direct_rps"),
+    ("gw req/s", "gateway_rps"),
+    ("gw/direct", "throughput_ratio"),
+    ("gw CPU ms/req", "gateway_cpu_ms_per_request"),
+]
+
+
+def render_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table (readable as plain text too); latencies in milliseconds."""
+    rows = [[title for title, _ in COLUMNS], ["---"] * len(COLUMNS)]
+    for summary in summaries:
+        row = [str(summary[key]) for _, key in COLUMNS]
+        if not summary["stream"]:
+            # A non-stream answer arrives in one piece: its first byte is its last, already in "added".
+            row[7] = row[8] = "—"
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return "\n".join(
+        "| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |" for row in rows
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tests.bench.bench_overhead", description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=3000, help="requests per target per scenario (default 3000)")
+    parser.add_argument("--rounds", type=int, default=10, help="alternating rounds the requests are split into")
+    parser.add_argument("--warmup", type=int, default=300, help="warm-up requests per target and mode")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["INFO", "WARNING"],
+        help="gateway log level; INFO writes one access-log line per request (default WARNING)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    parser.add_argument("--profile", type=Path, help="then profile the gateway under load; write the report here")
+    parser.add_argument("--profile-requests", type=int, default=6000, help="requests sent to the profiled gateway")
+    parser.add_argument("--profile-stream", action="store_true", help="profile under stream requests instead")
+    args = parser.parse_args(argv)
+    if args.requests < args.rounds or args.rounds < 1:
+        parser.error("--requests must be at least --rounds, and --rounds at least 1")
+    return args
+
+
+def _profile(workspace: Workspace, sim: Server, args: argparse.Namespace) -> dict[str, Any]:
+    # Imported here: pyinstrument is needed only for this optional step.
+    from tests.bench.profiling import profile_gateway, render_summary
+
+    request = Scenario(args.profile_stream, HIGH_CONCURRENCY).request()
+    print(f"profiling a gateway under {args.profile_requests} requests at c={HIGH_CONCURRENCY}", file=sys.stderr)
+    summary = profile_gateway(workspace, sim, args.profile, request, HIGH_CONCURRENCY, args.profile_requests)
+    print(render_summary(summary))
+    print(f"full profile: {args.profile}")
+    return summary
+
+
+def _revision() -> str:
+    """The commit measured, and whether gateway/ differed from it: overhead numbers belong to a code state."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "gateway"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return commit.stdout.strip() + (" + uncommitted changes in gateway/" if dirty.stdout.strip() else "")
+
+
+def _run(workspace: Workspace, args: argparse.Namespace) -> dict[str, Any]:
+    with workspace.simulator(OUTPUT_TOKENS) as sim:
+        with workspace.gateway(sim.url) as gw:
+            print(f"simulator {sim.url}, gateway {gw.url} (log level {args.log_level})", file=sys.stderr)
+            results = asyncio.run(run_scenarios(sim, gw, args.requests, args.rounds, args.warmup))
+        summaries = [result.summary() for result in results]
+        print(render_table(summaries))
+        report: dict[str, Any] = {"revision": _revision(), "log_level": args.log_level, "scenarios": summaries}
+        if args.profile is not None:
+            report["profile"] = _profile(workspace, sim, args)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bulkhead-bench-") as tmp:
+        try:
+            report = _run(Workspace.create(Path(tmp), args.log_level), args)
+        except LoadError as exc:
+            print(f"bench_overhead: a request failed, so nothing was measured: {exc}", file=sys.stderr)
+            return 1
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

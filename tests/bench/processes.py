@@ -1,0 +1,176 @@
+"""The benchmark's servers: a simulator and a gateway as real child processes on free loopback ports.
+
+Real processes, not in-process threads, because that is how the gateway runs in production: its own
+interpreter, its own event loop (uvloop) and parser (httptools), and no GIL shared with the load generator.
+Every child is stopped on the way out, whatever happened: SIGINT first (uvicorn shuts down cleanly and a
+profiler wrapped around it writes its report), then SIGKILL if it lingers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gateway.tenants import hash_key
+from isolation.sim.tinymodel import build_tokenizer
+
+MODEL = "tiny-llama"
+CONTEXT_WINDOW = 2048  # the simulator's default max_model_len
+BENCH_KEY = "bk-bench-overhead-not-a-secret"
+KEEPALIVE_EXPIRY_S = 4.0
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0  # a profiler writing its report on exit needs a few seconds
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+def free_port() -> int:
+    # The port is free when this returns; the child binds it a moment later. Good enough on a bench machine.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def log_tail(log: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def wait_until_ready(server: Server, path: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _answers(server.url + path):
+        if server.process.poll() is not None:
+            raise RuntimeError(f"{server.log.name}: exited at start with code {server.process.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.url}{path} not ready after {START_TIMEOUT_S:.0f} s")
+        time.sleep(0.1)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _clean_environment() -> dict[str, str]:
+    # BULKHEAD_* variables would override the benchmark's settings file: results must not depend on the shell.
+    return {name: value for name, value in os.environ.items() if not name.startswith("BULKHEAD_")}
+
+
+@contextlib.contextmanager
+def child(command: Sequence[str], port: int, log: Path, ready_path: str) -> Iterator[Server]:
+    """Run `command` (which listens on `port`) until the block ends; its stdout and stderr go to `log`."""
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_clean_environment()
+        )
+        server = Server(f"http://127.0.0.1:{port}", process, log)
+        try:
+            wait_until_ready(server, ready_path)
+            yield server
+        except Exception:
+            # The log lives in a temporary directory about to vanish: show it while it can explain the failure
+            # (before stopping, whose shutdown messages would push the explanation out of the tail).
+            print(f"--- last lines of {log.name} ---\n{log_tail(log)}", file=sys.stderr)
+            raise
+        finally:
+            stop(process)
+
+
+def _simulator_command(port: int, tokenizer_dir: Path, output_tokens: int) -> list[str]:
+    # ttft 0 and no token pacing: the simulator answers as fast as it can, so what the gateway adds shows.
+    return [
+        *(sys.executable, "-m", "gateway", "sim", "--port", str(port), "--tokenizer", str(tokenizer_dir)),
+        *("--max-model-len", str(CONTEXT_WINDOW), "--output-tokens", str(output_tokens)),
+        *("--ttft-ms", "0", "--tokens-per-s", "0"),
+    ]
+
+
+def _gateway_settings(port: int, backend_url: str, tokenizer_dir: Path, log_level: str) -> dict[str, Any]:
+    # Configured as in production: the model's tokenizer and window are known. The tenant has no caps:
+    # the benchmark measures cost, not admission control.
+    model = {"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir), "context_window": CONTEXT_WINDOW}
+    return {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "log_level": log_level,
+        "backends": [{"name": "sim", "url": backend_url}],
+        # Below the backend's keep-alive timeout (uvicorn's 5 s, which vLLM keeps): with the 30 s default the
+        # gateway now and then reuses a connection the backend is closing, gets a 502, marks the backend down,
+        # and answers 503 until the next health check, which ends the run. Reported as a gateway issue.
+        "upstream": {"keepalive_expiry_s": KEEPALIVE_EXPIRY_S},
+        "models": [model],
+        "tenants": [{"id": "bench", "key_hashes": [hash_key(BENCH_KEY)], "models": ["*"]}],
+    }
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """A scratch directory for configs and logs, and what the children share: the tokenizer, the log level."""
+
+    root: Path
+    tokenizer_dir: Path
+    log_level: str
+
+    @classmethod
+    def create(cls, root: Path, log_level: str) -> Workspace:
+        # The tiny model's tokenizer, shared by simulator and gateway as a real deployment shares one model.
+        return cls(root, build_tokenizer(root / "tokenizer"), log_level)
+
+    def simulator(self, output_tokens: int) -> contextlib.AbstractContextManager[Server]:
+        port = free_port()
+        command = _simulator_command(port, self.tokenizer_dir, output_tokens)
+        return child(command, port, self.root / f"sim-{port}.log", "/health")
+
+    def gateway(self, backend_url: str, wrapper: Sequence[str] = ()) -> contextlib.AbstractContextManager[Server]:
+        """The gateway in front of `backend_url`; `wrapper` runs it under a tool (`python -m pyinstrument ...`)."""
+        port = free_port()
+        config = self.root / f"gateway-{port}.yaml"
+        settings = _gateway_settings(port, backend_url, self.tokenizer_dir, self.log_level)
+        config.write_text(yaml.safe_dump(settings), encoding="utf-8")
+        command = [*(wrapper or [sys.executable]), "-m", "gateway", "serve", "--config", str(config)]
+        return child(command, port, self.root / f"gateway-{port}.log", "/readyz")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time the process has used so far (Linux /proc), or None where unavailable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # After the ")" that ends the command name, utime and stime are the 12th and 13th fields, in clock ticks.
+    ticks = int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
