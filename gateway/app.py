@@ -7,9 +7,11 @@ import contextlib
 import logging
 import random
 import secrets
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
@@ -40,6 +42,8 @@ from gateway.store import MemoryStore, RedisStore, Store
 from gateway.tenants import TenantDirectory
 from gateway.tokens import ModelTokenizer, TokenizerLoadError
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
+from isolation.leaks import Webhook
+from isolation.markers import CanaryKey, MarkerRegistry, RedisMarkerStore
 from isolation.salts import CacheSalts
 
 log = logging.getLogger("bulkhead")
@@ -149,6 +153,38 @@ def salt_secret(settings: Settings) -> bytes:
     return secrets.token_bytes(32)
 
 
+async def marker_registry(settings: Settings, redis: Redis | None, metrics: GatewayMetrics) -> MarkerRegistry:
+    canary = settings.isolation.canary
+    keys = [CanaryKey(k.id, k.secret.encode()) for k in canary.keys] or [CanaryKey("random", secrets.token_bytes(32))]
+    registry = MarkerRegistry(keys, canary.epoch_s, RedisMarkerStore(redis) if redis is not None else None)
+    registry.add_tenants(t.id for t in settings.tenants)
+    metrics.canary_markers.set(len(registry))
+    try:
+        await registry.publish()
+    except (RedisError, OSError) as exc:
+        log.warning("canary markers not published to Redis: %s", type(exc).__name__)
+    return registry
+
+
+async def rotate_markers(registry: MarkerRegistry, metrics: GatewayMetrics) -> None:
+    """Check for a new epoch every minute; on one, make and publish the new markers."""
+    while True:
+        await asyncio.sleep(60)
+        if registry.rotate(time.time()):
+            metrics.canary_markers.set(len(registry))
+            try:
+                await registry.publish()
+            except (RedisError, OSError) as exc:
+                log.warning("canary markers not published to Redis: %s", type(exc).__name__)
+
+
+def make_webhook(settings: Settings, client: httpx.AsyncClient) -> Webhook | None:
+    canary = settings.isolation.canary
+    if canary.webhook_url is None or canary.webhook_secret is None:
+        return None
+    return Webhook(client, canary.webhook_url, canary.webhook_secret.encode())
+
+
 def create_app(settings: Settings) -> Starlette:
     tokenizers = load_tokenizers(settings)
 
@@ -170,6 +206,7 @@ def create_app(settings: Settings) -> Starlette:
             async with make_client(settings.upstream, transport) as client:
                 upstream = Upstream(transport, settings.upstream, pool, metrics)
                 await pool.refresh(client, timeout)
+                markers = await marker_registry(settings, redis, metrics)
                 await capacity.refresh_all(client, timeout)
                 pool.on_recovered = lambda replica: capacity.refresh_soon(client, replica, timeout)
                 app.state.gateway = GatewayState(
@@ -182,15 +219,16 @@ def create_app(settings: Settings) -> Starlette:
                     counters=build_counters(settings, tokenizers, pool, upstream, executor),
                     events=events,
                     executor=executor,
-                    router=Router(
-                        pool, metrics, settings.routing.load_factor, settings.routing.tracked_sessions, random.Random()
-                    ),
+                    router=Router(pool, metrics, settings.routing, random.Random()),
                     salts=CacheSalts(salt_secret(settings)),
+                    markers=markers,
+                    webhook=make_webhook(settings, client),
                     redis=redis,
                 )
                 tasks = [
                     asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
                     asyncio.create_task(capacity.watch(client, settings.upstream.capacity_refresh_s, timeout)),
+                    asyncio.create_task(rotate_markers(markers, metrics)),
                 ]
                 try:
                     yield

@@ -29,7 +29,7 @@ from gateway.errors import (
     UpstreamError,
     error_response,
 )
-from gateway.incidents import report
+from gateway.incidents import LEAK, report
 from gateway.proxy import map_transport_error, parse_json_body
 from gateway.relay import StreamFilter, StreamWithheld, UsageWanted, filtered
 from gateway.routing import SESSION_HEADER, Decision, session_id
@@ -38,6 +38,10 @@ from gateway.settings import ModelSettings, TenantSettings
 from gateway.sse import DONE
 from gateway.state import GatewayState
 from isolation.events import IsolationEvent
+from isolation.guard import LeakBlocked, OutputGuard
+from isolation.inject import inject_chat, inject_completion
+from isolation.leaks import LeakPolicy
+from isolation.markers import Owner
 from isolation.verify import usage_problem
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
@@ -76,33 +80,37 @@ def check_request_limits(state: GatewayState, tenant: TenantSettings, request: I
 
 
 def upstream_body(
-    raw: bytes,
-    payload: dict[str, Any],
-    request: InferenceRequest,
-    model: ModelSettings,
-    admission: Admission,
-    salt: str,
+    payload: dict[str, Any], request: InferenceRequest, model: ModelSettings, admission: Admission, salt: str
 ) -> bytes:
-    changed = False
     if model.cache_salt:
         # Always the tenant's own: a salt the client chose could be another tenant's, and would join its cache.
         payload["cache_salt"] = salt
-        changed = True
-    elif payload.pop("cache_salt", None) is not None:
-        changed = True
+    else:
+        payload.pop("cache_salt", None)
     if admission.max_tokens is not None:
         key = "max_completion_tokens" if payload.get("max_completion_tokens") is not None else "max_tokens"
         payload[key] = admission.max_tokens
-        changed = True
     if request.stream:
         # Usage is always asked of the backend, to verify and account for every stream; what the client did not
         # ask for is taken out again. With continuous usage the very first chunk can be verified.
-        wanted = {"include_usage": True, "continuous_usage_stats": model.continuous_usage or request.continuous_usage}
-        options = payload.get("stream_options") or {}
-        if any(options.get(k) != v for k, v in wanted.items()):
-            payload["stream_options"] = {**options, **wanted}
-            changed = True
-    return orjson.dumps(payload) if changed else raw
+        continuous = model.continuous_usage or request.continuous_usage
+        payload["stream_options"] = {
+            **(payload.get("stream_options") or {}),
+            "include_usage": True,
+            "continuous_usage_stats": continuous,
+        }
+    return orjson.dumps(payload)
+
+
+def plant_marker(state: GatewayState, tenant: TenantSettings, payload: dict[str, Any], chat: bool) -> None:
+    canary = state.settings.isolation.canary
+    if not canary.enabled:
+        return
+    marker = state.markers.marker(tenant.id)
+    if chat:
+        inject_chat(payload, marker, canary.placement)
+    else:
+        inject_completion(payload, marker)
 
 
 class RelayResponse(StreamingResponse):
@@ -211,8 +219,27 @@ class InferenceCall:
             replica=self.replica.name,
             detail=problem,
         )
-        await report(event, self.state.events, self.state.metrics)
+        await report(event, self.state)
         raise StreamWithheld(problem)
+
+    async def leak(self, owner: Owner) -> None:
+        event = IsolationEvent(
+            kind=LEAK,
+            request_id=self.record.request_id,
+            tenant=self.tenant.id,
+            model=self.model.name,
+            replica=self.replica.name,
+            detail="another tenant's canary marker in the answer",
+            victim_tenant=owner.tenant,
+            epoch=str(owner.epoch),
+        )
+        await report(event, self.state)
+
+    def output_guard(self) -> OutputGuard | None:
+        canary = self.state.settings.isolation.canary
+        if not canary.enabled:
+            return None
+        return OutputGuard(self.state.markers, self.tenant.id, LeakPolicy(canary.policy), self.leak)
 
     async def complete(self) -> Response:
         assert self.response is not None
@@ -222,11 +249,14 @@ class InferenceCall:
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
         if usage is not None:
             self.record.take_usage(usage)
-        if self.model.verify_usage:
-            try:
+        guard = self.output_guard()
+        try:
+            if self.model.verify_usage:
                 await self.check_usage(usage)
-            except StreamWithheld as exc:
-                raise withheld() from exc
+            if guard is not None and await guard.check_body(body):
+                raw = orjson.dumps(body)
+        except (StreamWithheld, LeakBlocked) as exc:
+            raise withheld() from exc
         self.finished = True
         return Response(raw, media_type="application/json", headers={"x-request-id": self.record.request_id})
 
@@ -235,7 +265,7 @@ class InferenceCall:
         record = self.record
         wanted = UsageWanted(final=self.request.include_usage, every_chunk=self.request.continuous_usage)
         check = self.check_usage if self.model.verify_usage else None
-        stream_filter = StreamFilter(wanted, check, hold_until_checked=self.model.continuous_usage)
+        stream_filter = StreamFilter(wanted, check, self.model.continuous_usage, self.output_guard())
         try:
             async for piece in filtered(self.response.aiter_raw(), stream_filter):
                 record.mark_first_byte()
@@ -285,7 +315,9 @@ async def _admit(
     cap = tenant.limits.max_concurrent_requests
     if cap is not None and state.tenant_in_flight[tenant.id] >= cap:
         raise RateLimited(f"This API key already has {cap} requests in flight on this gateway; the limit is {cap}.")
-    prompt = Prompt.of_chat(payload) if isinstance(parsed, ChatCompletionRequest) else Prompt.of_completion(payload)
+    chat = isinstance(parsed, ChatCompletionRequest)
+    plant_marker(state, tenant, payload, chat)
+    prompt = Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
     admission = await admit(
         prompt,
         parsed.requested_output,
@@ -297,7 +329,7 @@ async def _admit(
     )
     decision = state.router.choose(model, tenant.id, session)
     call = InferenceCall(state, record, tenant, model, parsed, admission, decision)
-    return call, upstream_body(raw, payload, parsed, model, admission, state.salts.salt(tenant.id))
+    return call, upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.id))
 
 
 async def serve(request: Request, state: GatewayState, route: Route) -> Response:

@@ -119,6 +119,17 @@ class GatewayMetrics:
         )
         self.session_remaps = Counter(
             "bulkhead_session_remaps",
-            "Affinity sessions routed to another replica than their previous request (replica left, or spill).",
+            "Affinity sessions routed to another replica than their previous request (a spill counts out and back).",
+            registry=self.registry,
+        )
+        self.leaks = Counter(
+            "bulkhead_isolation_leaks",
+            "Answers that carried another tenant's canary marker, by model and replica.",
+            ["model", "replica"],
+            registry=self.registry,
+        )
+        self.canary_markers = Gauge(
+            "bulkhead_canary_markers",
+            "Canary markers this instance recognises (tenants × live epochs × keys).",
             registry=self.registry,
         )

@@ -1,9 +1,9 @@
 """A backend's SSE stream turned into what the tenant may see.
 
-Every event is parsed (the checks need its fields). Usage the gateway asked for on the tenant's behalf is
-taken out again; the first usage the backend reports is checked against the gateway's own count, and until
-that check passes nothing is relayed, so an answer to a prompt the backend did not really process never
-reaches the tenant.
+Every event is parsed (the checks need its fields). Its texts go through the canary guard (own marker stripped,
+another tenant's handled by policy). Usage the gateway asked for on the tenant's behalf is taken out again; the
+first usage the backend reports is checked against the gateway's own count, and until that check passes nothing
+is relayed, so an answer to a prompt the backend did not really process never reaches the tenant.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from typing import Any
 import orjson
 
 from gateway.sse import DONE, EventSplitter
+from isolation.guard import LeakBlocked, OutputGuard
 
 DATA = b"data: "
+ENVELOPE = ("id", "object", "created", "model")
 
 
 class StreamWithheld(Exception):
@@ -34,13 +36,17 @@ UsageCheck = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class StreamFilter:
-    def __init__(self, wanted: UsageWanted, check: UsageCheck | None, hold_until_checked: bool) -> None:
+    def __init__(
+        self, wanted: UsageWanted, check: UsageCheck | None, hold_until_checked: bool, guard: OutputGuard | None
+    ) -> None:
         self._wanted = wanted
         self._check = check
         self._checked = check is None
         self._held: list[bytes] | None = [] if hold_until_checked and check is not None else None
+        self._guard = guard
         self._splitter = EventSplitter()
         self._done = False
+        self._envelope: dict[str, Any] = {}
         self.usage: dict[str, Any] | None = None
 
     async def feed(self, chunk: bytes) -> bytes:
@@ -64,7 +70,25 @@ class StreamFilter:
         if not self._checked:
             raise StreamWithheld("the stream ended without reporting usage, so it cannot be verified")
         # [DONE] was kept back so that a failed check can still end the stream with an error instead.
-        return (b"".join(self._held) if self._held else b"") + rest + (DONE if self._done else b"")
+        return (b"".join(self._held) if self._held else b"") + rest + self._tail() + (DONE if self._done else b"")
+
+    def _tail(self) -> bytes:
+        """Text the canary scanner still held when the stream ended without a finish_reason, as one last chunk."""
+        held = self._guard.held() if self._guard is not None else {}
+        if not held:
+            return b""
+        choices: dict[int, dict[str, Any]] = {}
+        for key, text in held.items():
+            index, _, field = key.partition(":")
+            choice = choices.setdefault(int(index), {"index": int(index), "finish_reason": None})
+            if field == "text":
+                choice["text"] = text
+            elif field.startswith("tool:"):
+                call = {"index": int(field[5:]), "function": {"arguments": text}}
+                choice.setdefault("delta", {}).setdefault("tool_calls", []).append(call)
+            else:
+                choice.setdefault("delta", {})[field] = text
+        return DATA + orjson.dumps({**self._envelope, "choices": list(choices.values())}) + b"\n\n"
 
     async def _event(self, event: bytes) -> bytes | None:
         if event == DONE:
@@ -78,19 +102,25 @@ class StreamFilter:
             raise StreamWithheld("the backend sent an event that is not JSON") from exc
         if not isinstance(chunk, dict):
             raise StreamWithheld("the backend sent an event that is not a JSON object")
+        changed = False
+        if self._guard is not None and chunk.get("choices"):
+            self._envelope = {k: chunk[k] for k in ENVELOPE if k in chunk}
+            try:
+                changed = await self._guard.check_chunk(chunk)
+            except LeakBlocked as exc:
+                raise StreamWithheld("another tenant's canary marker") from exc
         usage = chunk.get("usage")
-        if not isinstance(usage, dict):
-            return event
-        self.usage = usage
-        if self._check is not None and not self._checked:
-            await self._check(usage)
-            self._checked = True
-        if chunk.get("choices") == []:
-            return event if self._wanted.final or self._wanted.every_chunk else None
-        if self._wanted.every_chunk:
-            return event
-        del chunk["usage"]
-        return DATA + orjson.dumps(chunk) + b"\n\n"
+        if isinstance(usage, dict):
+            self.usage = usage
+            if self._check is not None and not self._checked:
+                await self._check(usage)
+                self._checked = True
+            if chunk.get("choices") == []:
+                return event if self._wanted.final or self._wanted.every_chunk else None
+            if not self._wanted.every_chunk:
+                del chunk["usage"]
+                changed = True
+        return DATA + orjson.dumps(chunk) + b"\n\n" if changed else event
 
 
 async def filtered(source: AsyncIterator[bytes], stream_filter: StreamFilter) -> AsyncIterator[bytes]:

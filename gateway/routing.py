@@ -3,8 +3,9 @@
 With `x-session-affinity`, the key is (tenant, session id) — tenant first, so two tenants who pick the same
 session id get independent routes and no tenant can steer onto another's. Replicas are ranked by rendezvous
 (highest-random-weight) hashing of the key: every gateway instance ranks them the same way without talking to
-the others, and a replica that leaves moves only its own sessions. Load is bounded: a replica already above
-`load_factor` × the mean in-flight passes the request to the key's next choice. Without the header, the less
+the others, and a replica that leaves moves only its own sessions. Load is bounded: a replica already at
+max(`load_factor` × the mean in-flight, the mean + `min_slack`) passes the request to the key's next choice.
+In-flight counts are this instance's own: with N instances each bounds its share. Without the header, the less
 loaded of two random replicas serves it.
 """
 
@@ -20,7 +21,7 @@ from enum import StrEnum
 from gateway.backends import Replica, ReplicaPool
 from gateway.errors import BackendUnavailable, InvalidRequest
 from gateway.metrics import GatewayMetrics
-from gateway.settings import ModelSettings
+from gateway.settings import ModelSettings, RoutingSettings
 
 SESSION_HEADER = "x-session-affinity"
 MAX_SESSION_ID = 256
@@ -74,11 +75,13 @@ def affinity_key(tenant: str, session: str) -> bytes:
 
 class Router:
     def __init__(
-        self, pool: ReplicaPool, metrics: GatewayMetrics, load_factor: float, tracked_sessions: int, rng: random.Random
+        self, pool: ReplicaPool, metrics: GatewayMetrics, settings: RoutingSettings, rng: random.Random
     ) -> None:
         self._pool = pool
         self._metrics = metrics
-        self._load_factor = load_factor
+        self._load_factor = settings.load_factor
+        self._min_slack = settings.min_slack
+        tracked_sessions = settings.tracked_sessions
         self._rng = rng
         self._last_replica: OrderedDict[bytes, str] = OrderedDict()
         self._tracked = tracked_sessions
@@ -93,8 +96,10 @@ class Router:
             return self._two_choices(replicas)
         key = affinity_key(tenant, session)
         ranked = rank(key, replicas)
-        # Bounded loads: no replica takes more than ceil(c × mean) requests, counting this one.
-        bound = math.ceil(self._load_factor * (sum(r.in_flight for r in replicas) + 1) / len(replicas))
+        # Bounded loads: no replica takes more than c × the mean, counting this request — but never less than a
+        # few requests over the mean, or a lightly loaded pool would spill sessions off their warm caches.
+        mean = (sum(r.in_flight for r in replicas) + 1) / len(replicas)
+        bound = max(math.ceil(self._load_factor * mean), math.ceil(mean) + self._min_slack)
         chosen = next((i for i, r in enumerate(ranked) if r.in_flight + 1 <= bound), 0)
         decision = Decision(ranked[chosen], Reason.AFFINITY if chosen == 0 else Reason.SPILL, ranked[chosen + 1 :])
         self._remember(key, decision.replica)

@@ -118,11 +118,37 @@ class TenantSettings(_Section):
 
 class RoutingSettings(_Section):
     load_factor: float = Field(default=1.25, ge=1.0, description="a replica above this × mean in-flight spills")
+    min_slack: int = Field(default=4, ge=0, description="...but never below mean + this many requests")
     tracked_sessions: int = Field(default=100_000, ge=0, description="sessions remembered to count remaps")
+
+
+class CanaryKeySettings(_Section):
+    id: str = Field(min_length=1, max_length=32)
+    secret: str = Field(min_length=16, repr=False)
+
+
+class CanarySettings(_Section):
+    enabled: bool = True
+    keys: list[CanaryKeySettings] = Field(
+        default=[], description="the first makes markers, all are recognised; none = a random key per process"
+    )
+    epoch_s: int = Field(default=86_400, ge=60, description="markers rotate this often; two epochs are live")
+    placement: Literal["both", "system", "user"] = "both"
+    policy: Literal["block", "redact", "alert"] = "block"
+    quarantine_on_leak: bool = True
+    webhook_url: str | None = Field(default=None, pattern=r"^https?://")
+    webhook_secret: str | None = Field(default=None, min_length=16, repr=False)
+
+    @model_validator(mode="after")
+    def _webhook(self) -> Self:
+        if self.webhook_url is not None and self.webhook_secret is None:
+            raise ValueError("canary.webhook_url needs canary.webhook_secret to sign what it sends")
+        return self
 
 
 class IsolationSettings(_Section):
     events_max: int = Field(default=10_000, ge=100, description="isolation events kept (Redis stream or memory)")
+    canary: CanarySettings = CanarySettings()
 
 
 class AdmissionSettings(_Section):

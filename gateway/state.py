@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -17,6 +20,8 @@ from gateway.routing import Router
 from gateway.settings import Settings
 from gateway.tenants import TenantDirectory
 from isolation.events import EventLog
+from isolation.leaks import Webhook
+from isolation.markers import MarkerRegistry
 from isolation.salts import CacheSalts
 
 
@@ -33,6 +38,15 @@ class GatewayState:
     executor: ThreadPoolExecutor
     router: Router
     salts: CacheSalts
+    markers: MarkerRegistry
+    webhook: Webhook | None = None
     redis: Redis | None = None
     # Per-instance concurrency per tenant; a shared budget across instances is the rate limiter's job.
     tenant_in_flight: Counter[str] = field(default_factory=Counter)
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def background(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run work that must not delay the answer (a webhook), keeping a reference until it ends."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -26,6 +26,8 @@ class IsolationEvent:
     model: str
     replica: str
     detail: str
+    victim_tenant: str = ""  # for leaks: whose marker it was (operators only; never told to the recipient)
+    epoch: str = ""  # for leaks: the marker's epoch
     time: float = field(default_factory=time.time)
 
     def fields(self) -> dict[str, str]:

@@ -84,7 +84,10 @@ async def test_exact_limit_for_chat_counts_the_template(
     client: httpx.AsyncClient, gateway_url: str, sim_url: str
 ) -> None:
     body = chat_body("Tell me about tokenizers. " * 40)
-    counted = httpx.post(f"{sim_url}/tokenize", json={"model": MODEL, "messages": body["messages"]}).json()["count"]
+    first = await client.post(f"{gateway_url}{CHAT}", json={**body, "max_tokens": 1}, headers=auth())
+    assert first.status_code == 200
+    sent = forwarded(sim_url)[0]["body"]["messages"]  # with the tenant's canary markers, which count too
+    counted = httpx.post(f"{sim_url}/tokenize", json={"model": MODEL, "messages": sent}).json()["count"]
     ok = await client.post(f"{gateway_url}{CHAT}", json={**body, "max_tokens": 2048 - counted}, headers=auth())
     assert ok.status_code == 200
     over = await client.post(f"{gateway_url}{CHAT}", json={**body, "max_tokens": 2049 - counted}, headers=auth())

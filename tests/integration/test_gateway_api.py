@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import httpx
@@ -23,16 +24,20 @@ async def test_chat_completion_is_relayed_with_usage(client: httpx.AsyncClient, 
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["role"] == "assistant"
     assert body["choices"][0]["message"]["content"]
-    counted = (
-        await client.post(f"{sim_url}/tokenize", json={"model": MODEL, "messages": chat_body("Hi 世界")["messages"]})
-    ).json()["count"]
-    assert body["usage"]["prompt_tokens"] == counted
     assert response.headers["content-type"] == "application/json"
     [record] = forwarded(sim_url)
     assert record["path"] == "/v1/chat/completions"
-    salt = record["body"].pop("cache_salt")
-    assert record["body"] == chat_body("Hi 世界")
+    sent = record["body"]
+    counted = (await client.post(f"{sim_url}/tokenize", json={"model": MODEL, "messages": sent["messages"]})).json()
+    assert body["usage"]["prompt_tokens"] == counted["count"]
+    # What went upstream: the request, plus the tenant's canary marker and cache salt.
+    salt = sent.pop("cache_salt")
     assert len(salt) == 32 and int(salt, 16) >= 0
+    system, user = sent.pop("messages")
+    marker = system["content"]
+    assert system == {"role": "system", "content": marker} and re.fullmatch(r"CNRY-[A-Z2-7]{20}", marker)
+    assert user == {"role": "user", "content": f"{marker}\nHi 世界"}
+    assert sent == {k: v for k, v in chat_body("Hi 世界").items() if k != "messages"}
 
 
 async def test_completion_is_relayed(client: httpx.AsyncClient, gateway_url: str) -> None:

@@ -103,7 +103,7 @@ async def test_a_busy_replica_spills_to_the_next_choice(
     client: httpx.AsyncClient, make_gateway: Any, make_sim: Any
 ) -> None:
     sims = {"a": make_sim(ttft_ms=400), "b": make_sim(ttft_ms=400)}
-    gateway_url = make_gateway(sims)
+    gateway_url = make_gateway(sims, routing={"min_slack": 0})
     # One session, many concurrent turns: bounded load (c = 1.25) must not let one replica take them all.
     responses = await asyncio.gather(*(ask(client, gateway_url, ALICE_KEY, "hot-session") for _ in range(8)))
     served = [replica_of(r, sims) for r in responses]
@@ -148,7 +148,8 @@ async def test_prefix_cache_is_shared_across_tenants_only_without_salts(
     client: httpx.AsyncClient, make_gateway: Any, sim_url: str, tokenizer_dir: Path, salting: bool
 ) -> None:
     model = {"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir), "cache_salt": salting}
-    gateway_url = make_gateway({"sim": sim_url}, models=[model])
+    # Canary markers differ per tenant and would keep the prompts apart on their own; this is about salts.
+    gateway_url = make_gateway({"sim": sim_url}, models=[model], isolation={"canary": {"enabled": False}})
     prompt = chat_body("The shared system prompt of a popular agent framework. " * 20, max_tokens=1)
 
     async def hits() -> float:

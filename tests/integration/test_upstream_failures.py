@@ -120,7 +120,7 @@ async def test_backend_dies_mid_stream_sends_an_error_event(
     with run_server(app) as dying_url:
         # Without continuous usage the gateway relays content before it can verify it (an engine that cannot
         # report usage per chunk); that is the mode in which a backend can fail after content went out.
-        model = {"name": "tiny-llama", "backends": ["dying"], "tokenizer": str(tokenizer_dir), "context_window": 64}
+        model = {"name": "tiny-llama", "backends": ["dying"], "tokenizer": str(tokenizer_dir), "context_window": 2048}
         model["continuous_usage"] = False
         gateway_url = make_gateway({"dying": dying_url}, models=[model])
         async with client.stream("POST", f"{gateway_url}{CHAT}", json=chat_body(stream=True), headers=auth()) as r:

@@ -127,7 +127,11 @@ async def test_with_every_check_off_the_leak_goes_through(
 ) -> None:
     # The control experiment: without the defences the simulator really leaks alice's text to bob.
     sim_url = stale_sim(make_sim)
-    gateway_url = make_gateway({"sim": sim_url}, models=leaky_model(tokenizer_dir, verify_usage=False))
+    gateway_url = make_gateway(
+        {"sim": sim_url},
+        models=leaky_model(tokenizer_dir, verify_usage=False),
+        isolation={"canary": {"enabled": False}},
+    )
     await fill_cache_with_alices_secret(client, gateway_url)
     response = await client.post(f"{gateway_url}{CHAT}", json=over_capacity(), headers=auth(BOB_KEY))
     assert response.status_code == 200

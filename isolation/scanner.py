@@ -1,0 +1,108 @@
+"""Finding canary markers in decoded model output, as it streams, at a cost that does not grow with tenants.
+
+Text is first put in the markers' normal form (lower case, only [a-z0-9]: bold, spaces, hyphens and zero-width
+characters inside a marker vanish) by C-level string operations; one fixed-form pattern then finds every
+candidate, and a dictionary lookup says whose it is — 1k or 100k live markers cost the same. Measured against
+Aho-Corasick and Hyperscan (see BENCHMARKS.md), this is as fast for chunks of model output and far smaller.
+
+A stream is scanned piece by piece. Only a tail that could still grow into a marker (`c`, `cn`, `cnr`, or
+`cnry` and fewer than 20 code characters, in normal form) is held back; everything before it is released at
+once, so a marker split across any chunk boundaries is still seen whole, before any of it is released.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from isolation.markers import CODE_LENGTH, NORMAL_LENGTH
+
+_CANDIDATE = re.compile(rb"(?=(cnry[a-z2-7]{%d}))" % CODE_LENGTH)
+_PARTIAL = re.compile(rb"c(?:n(?:r(?:y[a-z2-7]{0,%d})?)?)?" % (CODE_LENGTH - 1))
+_NOT_ALNUM = bytes(b for b in range(256) if not (ord("a") <= b <= ord("z") or ord("0") <= b <= ord("9")))
+
+
+def normalize(text: str) -> bytes:
+    return text.lower().encode("ascii", "ignore").translate(None, _NOT_ALNUM)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A candidate marker: its normal form, and where it stands in the scanned text (decoration included)."""
+
+    normal: bytes
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Scan:
+    text: str  # what was held back before, plus the new piece
+    hits: list[Hit]
+    release: int  # text[:release] may go out (after edits); text[release:] is held for the next piece
+
+
+def _positions(text: str) -> list[int]:
+    """For each byte of the normal form, the index of the character of `text` it came from."""
+    return [index for index, char in enumerate(text) for _ in range(len(normalize(char)))]
+
+
+def _hold_from(normal: bytes) -> int | None:
+    """Where in the normal form a tail that could still become a marker begins, if any."""
+    window = max(0, len(normal) - (NORMAL_LENGTH - 1))
+    at = normal.find(b"c", window)
+    while at >= 0:
+        if _PARTIAL.fullmatch(normal, at):
+            return at
+        at = normal.find(b"c", at + 1)
+    return None
+
+
+class StreamScanner:
+    """One stream of text: a choice's content, its tool-call arguments, or its reasoning."""
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def scan(self, piece: str) -> Scan:
+        text = self._held + piece if self._held else piece
+        normal = normalize(text)
+        matches = [m.start() for m in _CANDIDATE.finditer(normal)]
+        hold = _hold_from(normal)
+        if not matches and hold is None:
+            self._held = ""
+            return Scan(text, [], len(text))
+        positions = _positions(text)
+        hits = [
+            Hit(normal[at : at + NORMAL_LENGTH], positions[at], positions[at + NORMAL_LENGTH - 1] + 1) for at in matches
+        ]
+        release = len(text) if hold is None else positions[hold]
+        # A whole marker is never cut in two by the hold: its tail cannot start another one that matters.
+        release = max([release, *(hit.end for hit in hits)])
+        self._held = text[release:]
+        return Scan(text, hits, release)
+
+    def flush(self) -> str:
+        """The end of the stream: what was held can no longer become a marker."""
+        held, self._held = self._held, ""
+        return held
+
+
+def scan_all(text: str) -> list[Hit]:
+    """A whole text at once (a non-streamed answer)."""
+    scanner = StreamScanner()
+    scan = scanner.scan(text)
+    return scan.hits
+
+
+def apply_edits(text: str, edits: list[tuple[Hit, str]]) -> str:
+    """Replace each hit's span with its replacement ("" strips it)."""
+    out, at = [], 0
+    for hit, replacement in sorted(edits, key=lambda edit: edit[0].start):
+        if hit.start < at:
+            continue  # overlapping candidates: the first one's edit covers it
+        out.append(text[at : hit.start])
+        out.append(replacement)
+        at = hit.end
+    out.append(text[at:])
+    return "".join(out)
