@@ -47,6 +47,7 @@ class OutputGuard:
         self._policy = policy
         self._on_leak = on_leak
         self._scanners: dict[str, StreamScanner] = {}
+        self._reported: set[str] = set()
 
     async def check_chunk(self, chunk: dict[str, Any]) -> bool:
         """Scan and edit one streamed chunk in place; True when it changed."""
@@ -98,7 +99,9 @@ class OutputGuard:
             if owner.tenant == self._tenant:
                 edits.append((hit, ""))
                 continue
-            await self._on_leak(owner)
+            if owner.tenant not in self._reported:  # one event per victim and answer, however often it shows
+                self._reported.add(owner.tenant)
+                await self._on_leak(owner)
             if self._policy is LeakPolicy.BLOCK:
                 raise LeakBlocked
             if self._policy is LeakPolicy.REDACT:

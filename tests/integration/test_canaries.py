@@ -1,0 +1,198 @@
+"""The incident reproduced end to end with only the canaries standing: tenant B's over-capacity prompt is answered
+by the stale-kv engine with fragments of tenant A's session, and the gateway must stop it."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.backends import Replica
+from gateway.routing import affinity_key, rank
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
+from tests.redis_server import redis_server
+from tests.servers import run_server
+
+CHAT = "/v1/chat/completions"
+ADMIN = "admin-token-0123456789"
+WEBHOOK_SECRET = "webhook-secret-0123456789"
+
+
+def session_on(tenant: str, replica: str, names: list[str]) -> str:
+    """A session id whose first rendezvous choice, for this tenant, is the given replica."""
+    replicas = [Replica(name=name, url="") for name in names]
+    return next(sid for n in range(1000) if rank(affinity_key(tenant, sid := f"s{n}"), replicas)[0].name == replica)
+
+
+@pytest.fixture
+def webhook() -> Iterator[tuple[str, list[tuple[dict[str, str], bytes]]]]:
+    """A real HTTP receiver that records what it is sent."""
+    received: list[tuple[dict[str, str], bytes]] = []
+
+    async def receive(request: Request) -> Response:
+        received.append((dict(request.headers), await request.body()))
+        return Response(status_code=204)
+
+    with run_server(Starlette(routes=[Route("/hook", receive, methods=["POST"])])) as url:
+        yield f"{url}/hook", received
+
+
+def canaries_only(tokenizer_dir: Path, backends: list[str]) -> list[dict[str, Any]]:
+    # The gateway's KV cap and usage check are switched off, so that only the canaries stand between the tenants.
+    return [
+        {
+            "name": MODEL,
+            "backends": backends,
+            "tokenizer": str(tokenizer_dir),
+            "context_window": 2048,
+            "limit_by_kv_capacity": False,
+            "verify_usage": False,
+        }
+    ]
+
+
+def over_capacity(**extra: Any) -> dict[str, Any]:
+    return chat_body("Summarise this contract clause by clause. " * 45, max_tokens=64, **extra)
+
+
+async def alice_fills_the_cache(client: httpx.AsyncClient, gateway_url: str, session: str) -> None:
+    body = chat_body("Here is my confidential merger plan, step by step. " * 4, max_tokens=4)
+    headers = auth(ALICE_KEY) | {"x-session-affinity": session}
+    assert (await client.post(f"{gateway_url}{CHAT}", json=body, headers=headers)).status_code == 200
+
+
+async def test_the_incident_is_caught_by_the_canaries(
+    client: httpx.AsyncClient,
+    make_gateway: Any,
+    make_sim: Any,
+    tokenizer_dir: Path,
+    webhook: tuple[str, list[tuple[dict[str, str], bytes]]],
+) -> None:
+    sims = {"leaky": make_sim(num_gpu_blocks=16, output_tokens=64, fault="stale-kv"), "healthy": make_sim()}
+    url, received = webhook
+    with redis_server() as redis_url:
+        store = redis.Redis.from_url(redis_url)
+        leaks_before = store.xlen("bulkhead:isolation-events")
+        gateway_url = make_gateway(
+            sims,
+            models=canaries_only(tokenizer_dir, list(sims)),
+            redis_url=redis_url,
+            admin_token=ADMIN,
+            isolation={"canary": {"webhook_url": url, "webhook_secret": WEBHOOK_SECRET}},
+        )
+        await alice_fills_the_cache(client, gateway_url, session_on("alice", "leaky", list(sims)))
+        bob_session = session_on("bob", "leaky", list(sims))
+        headers = auth(BOB_KEY) | {"x-session-affinity": bob_session}
+        response = await client.post(f"{gateway_url}{CHAT}", json=over_capacity(), headers=headers)
+
+        # The engine really did leak: HTTP 200 with alice's text, which the gateway withheld.
+        sim_metrics = (await client.get(f"{sims['leaky']}/metrics")).text
+        assert metric(sim_metrics, "sim:stale_kv_replies_total") == 1
+        assert response.status_code == 502
+        assert response.json()["error"]["code"] == "answer_withheld"
+        assert b"CNRY" not in response.content and "alice" not in response.text and "merger" not in response.text
+
+        # The event: in Redis, with the victim named for operators; the metric; the webhook, signed.
+        entries = store.xrevrange("bulkhead:isolation-events", count=1)
+        assert store.xlen("bulkhead:isolation-events") == leaks_before + 1
+        fields = {k.decode(): v.decode() for k, v in entries[0][1].items()}
+        assert fields["kind"] == "leak" and fields["tenant"] == "bob" and fields["victim_tenant"] == "alice"
+        assert fields["replica"] == "leaky" and fields["request_id"] == response.headers["x-request-id"]
+        assert "CNRY" not in str(fields)
+        gateway_metrics = (await client.get(f"{gateway_url}/metrics")).text
+        assert metric(gateway_metrics, "bulkhead_isolation_leaks_total", replica="leaky") == 1
+        for _ in range(50):
+            if received:
+                break
+            await asyncio.sleep(0.05)
+        [(hook_headers, hook_body)] = received
+        expected = "sha256=" + hmac.new(WEBHOOK_SECRET.encode(), hook_body, hashlib.sha256).hexdigest()
+        assert hook_headers["x-bulkhead-signature"] == expected
+        assert orjson.loads(hook_body)["victim_tenant"] == "alice"
+
+        # The replica is out, for every instance (the state is in Redis), and bob's next request goes elsewhere.
+        assert store.hget("bulkhead:replica-admin", "leaky") == b"quarantined"
+        replicas = await client.get(f"{gateway_url}/admin/replicas", headers={"authorization": f"Bearer {ADMIN}"})
+        assert {r["name"]: r["state"] for r in replicas.json()["replicas"]}["leaky"] == "quarantined"
+        again = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=2), headers=headers)
+        assert again.status_code == 200
+        assert forwarded(sims["healthy"])[-1]["headers"]["x-request-id"] == again.headers["x-request-id"]
+        store.hdel("bulkhead:replica-admin", "leaky")
+        store.close()
+
+
+async def test_a_leaking_stream_ends_in_an_error_with_none_of_the_marker(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path
+) -> None:
+    sim = make_sim(num_gpu_blocks=16, output_tokens=64, fault="stale-kv")
+    gateway_url = make_gateway({"sim": sim}, models=canaries_only(tokenizer_dir, ["sim"]))
+    await alice_fills_the_cache(client, gateway_url, "a")
+    async with client.stream(
+        "POST", f"{gateway_url}{CHAT}", json=over_capacity(stream=True), headers=auth(BOB_KEY)
+    ) as response:
+        text = (await response.aread()).decode()
+    assert "CNRY" not in text and "merger" not in text
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    assert orjson.loads(events[-2])["error"]["code"] == "answer_withheld"
+    assert events[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_tenants_own_marker_is_stripped(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path, stream: bool
+) -> None:
+    # Alice's over-capacity prompt is answered from her own earlier prompt: her marker, split over many
+    # one-token chunks when streamed, must not reach her, and nothing is an incident.
+    sim = make_sim(num_gpu_blocks=16, output_tokens=160, fault="stale-kv")
+    gateway_url = make_gateway({"sim": sim}, models=canaries_only(tokenizer_dir, ["sim"]), admin_token=ADMIN)
+    await alice_fills_the_cache(client, gateway_url, "a")
+    body = {**over_capacity(stream=stream), "max_tokens": 160}
+    response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth())
+    assert response.status_code == 200
+    if stream:
+        chunks = [orjson.loads(e.removeprefix("data: ")) for e in response.text.split("\n\n")[:-2] if e]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    else:
+        text = response.json()["choices"][0]["message"]["content"]
+    assert "CNRY" not in text.upper().replace(" ", "")
+    assert "merger" in text, "the rest of the (stale, but her own) text comes through"
+    events = await client.get(f"{gateway_url}/admin/isolation-events", headers={"authorization": f"Bearer {ADMIN}"})
+    assert events.json()["events"] == []
+
+
+@pytest.mark.parametrize(("policy", "status"), [("redact", 200), ("alert", 200)])
+async def test_redact_and_alert_policies(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path, policy: str, status: int
+) -> None:
+    sim = make_sim(num_gpu_blocks=16, output_tokens=64, fault="stale-kv")
+    gateway_url = make_gateway(
+        {"sim": sim},
+        models=canaries_only(tokenizer_dir, ["sim"]),
+        admin_token=ADMIN,
+        isolation={"canary": {"policy": policy, "quarantine_on_leak": False}},
+    )
+    await alice_fills_the_cache(client, gateway_url, "a")
+    response = await client.post(f"{gateway_url}{CHAT}", json=over_capacity(), headers=auth(BOB_KEY))
+    assert response.status_code == status
+    content = response.json()["choices"][0]["message"]["content"]
+    if policy == "redact":
+        assert "[redacted]" in content and "CNRY" not in content
+    else:
+        assert "CNRY" in content, "alert lets the answer through unchanged"
+    events = await client.get(f"{gateway_url}/admin/isolation-events", headers={"authorization": f"Bearer {ADMIN}"})
+    [event] = events.json()["events"]
+    assert event["kind"] == "leak" and event["victim_tenant"] == "alice"
+    replicas = await client.get(f"{gateway_url}/admin/replicas", headers={"authorization": f"Bearer {ADMIN}"})
+    assert replicas.json()["replicas"][0]["state"] == "healthy"
