@@ -1,4 +1,4 @@
-"""The `bulkhead` command: serve, sim, keys."""
+"""The `bulkhead` command: serve, demo, sim, keys."""
 
 from __future__ import annotations
 
@@ -173,6 +173,12 @@ def _sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from gateway.demo import run_demo
+
+    return run_demo(args.tokenizer or cached_tokenizer(_cache_root()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bulkhead", description="Multi-tenant LLM gateway in front of vLLM.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     create = key_commands.add_parser("create", help="make a new API key and print its hash for the config")
     create.add_argument("--tenant", required=True)
     create.set_defaults(run=_keys_create)
+
+    demo = commands.add_parser("demo", help="replay the stale-KV incident and show what each defence catches")
+    demo.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer directory (default: a built tiny one)")
+    demo.set_defaults(run=_demo)
 
     sim = commands.add_parser("sim", help="run the vLLM-compatible engine simulator")
     sim.add_argument("--host", default="127.0.0.1")

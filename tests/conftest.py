@@ -11,7 +11,7 @@ import pytest
 
 from isolation.sim import SimConfig, create_sim_app
 from isolation.sim.tinymodel import build_tokenizer
-from tests.servers import run_server
+from gateway.serving import run_server
 
 SimFactory = Callable[..., str]
 

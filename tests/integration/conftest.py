@@ -12,7 +12,7 @@ import pytest
 
 from gateway.app import create_app
 from tests.integration.support import gateway_settings
-from tests.servers import run_server
+from gateway.serving import run_server
 
 GatewayFactory = Callable[..., str]
 

@@ -23,7 +23,7 @@ from gateway.backends import Replica
 from gateway.routing import affinity_key, rank
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.redis_server import redis_server
-from tests.servers import run_server
+from gateway.serving import run_server
 
 CHAT = "/v1/chat/completions"
 ADMIN = "admin-token-0123456789"

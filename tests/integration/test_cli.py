@@ -19,7 +19,7 @@ from gateway.app import create_app
 from gateway.settings import load_settings
 from gateway.tenants import hash_key
 from tests.redis_server import free_port
-from tests.servers import run_server
+from gateway.serving import run_server
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "bulkhead.example.yaml"
@@ -148,3 +148,14 @@ def test_example_config_serves_its_tenants(sim_url: str, tokenizer_dir: Path) ->
                 headers={"authorization": f"Bearer {key}"},
             )
             assert response.status_code == 200, response.text
+
+
+def test_demo_shows_every_layer_catching_the_incident(tokenizer_dir: Path) -> None:
+    result = bulkhead("demo", "--tokenizer", str(tokenizer_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "without the defences: HTTP 200, prompt_tokens 1" in out
+    assert "alice's text in bob's answer: YES" in out, "the engine must really leak for the demo to mean anything"
+    assert out.count("CAUGHT") == 3 and "MISSED" not in out
+    assert "context_length_exceeded" in out and "'usage_mismatch'" in out and "'leak'" in out
+    assert "CNRY" not in out

@@ -20,7 +20,7 @@ from gateway.tenants import hash_key
 from isolation.sim import SimConfig, create_sim_app
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.redis_server import free_port, redis_server
-from tests.servers import run_server
+from gateway.serving import run_server
 
 CHAT = "/v1/chat/completions"
 ADMIN = "admin-token-0123456789"

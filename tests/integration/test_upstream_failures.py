@@ -10,7 +10,7 @@ import httpx
 
 from tests.integration.support import auth, chat_body, metric
 from tests.redis_server import free_port
-from tests.servers import run_server
+from gateway.serving import run_server
 
 CHAT = "/v1/chat/completions"
 

@@ -1,7 +1,8 @@
-"""Serve an ASGI app with a real uvicorn on 127.0.0.1, so integration tests speak real HTTP over TCP.
+"""Serve an ASGI app with a real uvicorn on 127.0.0.1 from inside another program: `bulkhead demo`, and the tests,
+which must speak real HTTP over TCP.
 
-The server runs in a background thread with its own event loop; the test talks to it with any HTTP client,
-sync or async, from the test's own thread and loop. The listening socket is bound here (port 0) and handed
+The server runs in a background thread with its own event loop; the caller talks to it with any HTTP client,
+sync or async, from its own thread and loop. The listening socket is bound here (port 0) and handed
 to uvicorn, so there is no window in which another process can take the port.
 """
 
