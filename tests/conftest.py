@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from gateway.serving import run_server
 from isolation.sim import SimConfig, create_sim_app
 from isolation.sim.tinymodel import build_tokenizer
-from gateway.serving import run_server
 
 SimFactory = Callable[..., str]
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from tests.integration.support import gateway_settings
 from gateway.serving import run_server
+from tests.integration.support import gateway_settings
 
 GatewayFactory = Callable[..., str]
 

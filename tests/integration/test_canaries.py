@@ -21,9 +21,9 @@ from starlette.routing import Route
 
 from gateway.backends import Replica
 from gateway.routing import affinity_key, rank
+from gateway.serving import run_server
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.redis_server import redis_server
-from gateway.serving import run_server
 
 CHAT = "/v1/chat/completions"
 ADMIN = "admin-token-0123456789"

@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from gateway.app import create_app
+from gateway.serving import run_server
 from gateway.settings import load_settings
 from gateway.tenants import hash_key
 from tests.redis_server import free_port
-from gateway.serving import run_server
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "bulkhead.example.yaml"

@@ -16,11 +16,11 @@ import httpx
 import pytest
 import redis
 
+from gateway.serving import run_server
 from gateway.tenants import hash_key
 from isolation.sim import SimConfig, create_sim_app
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.redis_server import free_port, redis_server
-from gateway.serving import run_server
 
 CHAT = "/v1/chat/completions"
 ADMIN = "admin-token-0123456789"

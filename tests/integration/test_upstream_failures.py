@@ -8,9 +8,9 @@ from typing import Any
 
 import httpx
 
+from gateway.serving import run_server
 from tests.integration.support import auth, chat_body, metric
 from tests.redis_server import free_port
-from gateway.serving import run_server
 
 CHAT = "/v1/chat/completions"
 
