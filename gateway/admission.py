@@ -22,6 +22,7 @@ class Admission:
     """An admitted prompt: its exact token count (now, or still being counted) and any max_tokens to impose."""
 
     counted: int | None
+    estimate: int  # the count, or while it runs the upper bound: what rate limits charge up front
     counting: asyncio.Future[int] | None = None
     max_tokens: int | None = None
 
@@ -77,12 +78,12 @@ async def admit(
         raise _refuse(metrics, model, limit, lower, output, bound=True, explicit=explicit, param=param)
     upper = counter.upper_bound(prompt)
     if upper is not None and upper + output <= limit.tokens and not counter.is_cheap(prompt):
-        return Admission(counted=None, counting=asyncio.ensure_future(counter.count(prompt)))
+        return Admission(counted=None, estimate=upper, counting=asyncio.ensure_future(counter.count(prompt)))
 
     counted = await counter.count(prompt)
     metrics.prompt_tokens.labels(model.name).observe(counted)
     if counted + output <= limit.tokens:
-        return Admission(counted=counted)
+        return Admission(counted=counted, estimate=counted)
     if clamp and counted + 1 <= limit.tokens:
-        return Admission(counted=counted, max_tokens=limit.tokens - counted)
+        return Admission(counted=counted, estimate=counted, max_tokens=limit.tokens - counted)
     raise _refuse(metrics, model, limit, counted, output, bound=False, explicit=explicit, param=param)

@@ -35,6 +35,7 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.proxy import Upstream, make_client, make_transport
+from gateway.ratelimit import RateLimiter, RedisBuckets
 from gateway.routing import Router
 from gateway.settings import Settings, SettingsError
 from gateway.state import GatewayState
@@ -178,6 +179,16 @@ async def rotate_markers(registry: MarkerRegistry, metrics: GatewayMetrics) -> N
                 log.warning("canary markers not published to Redis: %s", type(exc).__name__)
 
 
+async def watch_redis(redis: Redis, metrics: GatewayMetrics, interval: float) -> None:
+    while True:
+        try:
+            await redis.ping()
+            metrics.redis_up.set(1)
+        except (RedisError, OSError):
+            metrics.redis_up.set(0)
+        await asyncio.sleep(interval)
+
+
 def make_webhook(settings: Settings, client: httpx.AsyncClient) -> Webhook | None:
     canary = settings.isolation.canary
     if canary.webhook_url is None or canary.webhook_secret is None:
@@ -222,6 +233,11 @@ def create_app(settings: Settings) -> Starlette:
                     router=Router(pool, metrics, settings.routing, random.Random()),
                     salts=CacheSalts(salt_secret(settings)),
                     markers=markers,
+                    limiter=RateLimiter(
+                        RedisBuckets(redis) if redis is not None else None,
+                        fail_open=settings.rate_limits.on_store_failure == "fail_open",
+                        metrics=metrics,
+                    ),
                     webhook=make_webhook(settings, client),
                     redis=redis,
                 )
@@ -230,6 +246,8 @@ def create_app(settings: Settings) -> Starlette:
                     asyncio.create_task(capacity.watch(client, settings.upstream.capacity_refresh_s, timeout)),
                     asyncio.create_task(rotate_markers(markers, metrics)),
                 ]
+                if redis is not None:
+                    tasks.append(asyncio.create_task(watch_redis(redis, metrics, settings.upstream.health_interval_s)))
                 try:
                     yield
                 finally:

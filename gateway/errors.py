@@ -9,8 +9,11 @@ GatewayError                       status, type, code, param, message
 ├── ModelNotFound         404      not_found_error / model_not_found
 ├── NotFound              404      not_found_error / not_found (unknown route)
 ├── MethodNotAllowed      405      invalid_request_error / method_not_allowed
-├── RateLimited           429      rate_limit_error / concurrency_limit_exceeded
+├── RateLimited           429      rate_limit_error (Retry-After and x-ratelimit-* headers)
+│   ├── ConcurrencyLimited         concurrency_limit_exceeded: too many in flight on this instance
+│   └── RateLimitExceeded          rate_limit_exceeded: requests or tokens per minute
 └── UpstreamError                  api_error: the backend could not give a usable answer
+    ├── RateLimitUnavailable 503   the rate-limit store is down and the policy is fail_closed
     ├── BackendUnavailable  503    no healthy backend for the model
     │   └── CapacityUnknown 503    no limit known for the model: nothing is forwarded blind
     ├── BackendUnreachable  502    connect refused / reset / DNS
@@ -34,6 +37,7 @@ class GatewayError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.headers: dict[str, str] = {}
         if code is not None:
             self.code = code
 
@@ -90,7 +94,15 @@ class MethodNotAllowed(GatewayError):
 class RateLimited(GatewayError):
     status = 429
     type = "rate_limit_error"
+    code = "rate_limited"
+
+
+class ConcurrencyLimited(RateLimited):
     code = "concurrency_limit_exceeded"
+
+
+class RateLimitExceeded(RateLimited):
+    code = "rate_limit_exceeded"
 
 
 class UpstreamError(GatewayError):
@@ -102,6 +114,11 @@ class UpstreamError(GatewayError):
         super().__init__(message)
         # Nothing reached the backend (connect refused or timed out): safe to try another replica.
         self.before_sending = before_sending
+
+
+class RateLimitUnavailable(UpstreamError):
+    status = 503
+    code = "rate_limit_unavailable"
 
 
 class BackendUnavailable(UpstreamError):
@@ -135,5 +152,8 @@ class AnswerWithheld(UpstreamError):
 
 def error_response(error: GatewayError, headers: dict[str, str] | None = None) -> Response:
     return Response(
-        orjson.dumps(error.body()), status_code=error.status, media_type="application/json", headers=headers
+        orjson.dumps(error.body()),
+        status_code=error.status,
+        media_type="application/json",
+        headers={**error.headers, **(headers or {})},
     )

@@ -21,11 +21,11 @@ from gateway.body import parse_json_object, read_body
 from gateway.counting import Prompt
 from gateway.errors import (
     AnswerWithheld,
+    ConcurrencyLimited,
     GatewayError,
     InvalidRequest,
     ModelNotAllowed,
     ModelNotFound,
-    RateLimited,
     UpstreamError,
     error_response,
 )
@@ -151,8 +151,12 @@ class InferenceCall:
         request: InferenceRequest,
         admission: Admission,
         decision: Decision,
+        limit_headers: dict[str, str],
+        reserved_tokens: int,
     ) -> None:
         self.state = state
+        self.limit_headers = limit_headers
+        self.reserved_tokens = reserved_tokens
         self.record = record
         self.tenant = tenant
         self.model = model
@@ -182,10 +186,12 @@ class InferenceCall:
         self.replica.in_flight -= 1
         self.state.metrics.in_flight.dec()
         accesslog.finish(self.record, self.state.metrics)
+        used = (self.record.prompt_tokens or 0) + (self.record.completion_tokens or 0)
+        await self.state.limiter.settle(self.tenant, self.reserved_tokens, used)
 
     def fail(self, error: GatewayError) -> Response:
         self.record.status, self.record.error_code = error.status, error.code
-        return error_response(error, headers={"x-request-id": self.record.request_id})
+        return error_response(error, headers={"x-request-id": self.record.request_id, **self.limit_headers})
 
     async def forward(self, path: str, body: bytes) -> None:
         upstream = self.state.upstream
@@ -258,7 +264,8 @@ class InferenceCall:
         except (StreamWithheld, LeakBlocked) as exc:
             raise withheld() from exc
         self.finished = True
-        return Response(raw, media_type="application/json", headers={"x-request-id": self.record.request_id})
+        headers = {"x-request-id": self.record.request_id, **self.limit_headers}
+        return Response(raw, media_type="application/json", headers=headers)
 
     async def relay(self) -> AsyncIterator[bytes]:
         assert self.response is not None
@@ -314,7 +321,9 @@ async def _admit(
     check_request_limits(state, tenant, parsed)
     cap = tenant.limits.max_concurrent_requests
     if cap is not None and state.tenant_in_flight[tenant.id] >= cap:
-        raise RateLimited(f"This API key already has {cap} requests in flight on this gateway; the limit is {cap}.")
+        raise ConcurrencyLimited(
+            f"This API key already has {cap} requests in flight on this gateway; the limit is {cap}."
+        )
     chat = isinstance(parsed, ChatCompletionRequest)
     plant_marker(state, tenant, payload, chat)
     prompt = Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
@@ -327,8 +336,11 @@ async def _admit(
         state.counters[model.name],
         state.metrics,
     )
+    output = admission.max_tokens or parsed.requested_output or model.default_output_reserve
+    reserved = admission.estimate + output * parsed.n
+    limit_headers = await state.limiter.admit(tenant, reserved)
     decision = state.router.choose(model, tenant.id, session)
-    call = InferenceCall(state, record, tenant, model, parsed, admission, decision)
+    call = InferenceCall(state, record, tenant, model, parsed, admission, decision, limit_headers, reserved)
     return call, upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.id))
 
 
@@ -345,7 +357,7 @@ async def serve(request: Request, state: GatewayState, route: Route) -> Response
         await call.forward(route.path, body)
         if call.request.stream:
             streaming = True
-            headers = {"x-request-id": record.request_id, "cache-control": "no-cache"}
+            headers = {"x-request-id": record.request_id, "cache-control": "no-cache", **call.limit_headers}
             return RelayResponse(call, call.relay(), headers)
         return await call.complete()
     except GatewayError as error:

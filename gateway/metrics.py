@@ -133,3 +133,16 @@ class GatewayMetrics:
             "Canary markers this instance recognises (tenants × live epochs × keys).",
             registry=self.registry,
         )
+        self.ratelimit_rejections = Counter(
+            "bulkhead_ratelimit_rejections",
+            "Requests refused with 429 by the per-tenant rate limits.",
+            registry=self.registry,
+        )
+        self.ratelimit_fallbacks = Counter(
+            "bulkhead_ratelimit_store_failures",
+            "Rate-limit checks that could not reach Redis (served by local limits, or 503 under fail_closed).",
+            registry=self.registry,
+        )
+        self.redis_up = Gauge(
+            "bulkhead_redis_up", "1 when the last ping to the configured Redis answered.", registry=self.registry
+        )

@@ -93,6 +93,8 @@ class TenantLimits(_Section):
     max_concurrent_requests: int | None = Field(default=None, ge=1, description="per gateway instance; 429 above")
     max_output_tokens: int | None = Field(default=None, ge=1, description="max_tokens above this gets 400")
     max_prompt_tokens: int | None = Field(default=None, ge=1, description="the tenant's cap on prompt + output")
+    requests_per_minute: int | None = Field(default=None, ge=1, description="across all instances; 429 above")
+    tokens_per_minute: int | None = Field(default=None, ge=1, description="prompt + reserved output; 429 above")
     on_output_overflow: Literal["reject", "clamp"] = Field(
         default="reject", description="prompt + max_tokens over the limit: 400, or cut max_tokens to fit"
     )
@@ -114,6 +116,12 @@ class TenantSettings(_Section):
 
     def may_use(self, model: str) -> bool:
         return "*" in self.models or model in self.models
+
+
+class RateLimitSettings(_Section):
+    on_store_failure: Literal["fail_open", "fail_closed"] = Field(
+        default="fail_open", description="Redis unreachable: per-instance limits (open) or 503 (closed)"
+    )
 
 
 class RoutingSettings(_Section):
@@ -166,6 +174,7 @@ class Settings(_Section):
         default=None, min_length=16, repr=False, description="per-tenant cache_salt = HMAC(this, tenant)"
     )
     routing: RoutingSettings = RoutingSettings()
+    rate_limits: RateLimitSettings = RateLimitSettings()
     isolation: IsolationSettings = IsolationSettings()
     admission: AdmissionSettings = AdmissionSettings()
     log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$")

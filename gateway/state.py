@@ -16,6 +16,7 @@ from gateway.capacity import CapacityMonitor
 from gateway.counting import PromptCounter
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Upstream
+from gateway.ratelimit import RateLimiter
 from gateway.routing import Router
 from gateway.settings import Settings
 from gateway.tenants import TenantDirectory
@@ -39,6 +40,7 @@ class GatewayState:
     router: Router
     salts: CacheSalts
     markers: MarkerRegistry
+    limiter: RateLimiter
     webhook: Webhook | None = None
     redis: Redis | None = None
     # Per-instance concurrency per tenant; a shared budget across instances is the rate limiter's job.

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -13,6 +18,7 @@ import pytest
 from gateway.app import create_app
 from gateway.serving import run_server
 from tests.integration.support import gateway_settings
+from tests.redis_server import free_port
 
 GatewayFactory = Callable[..., str]
 
@@ -32,6 +38,43 @@ def make_gateway(tokenizer_dir: Path) -> Iterator[GatewayFactory]:
 @pytest.fixture
 def gateway_url(make_gateway: GatewayFactory, sim_url: str) -> str:
     return make_gateway({"sim": sim_url})
+
+
+@pytest.fixture
+def make_gateway_process(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], str]]:
+    """`make_gateway_process(config)` runs `bulkhead serve` as its own OS process; returns its URL once ready."""
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(config: dict[str, Any]) -> str:
+        path = tmp_path / f"bulkhead-{len(processes)}.yaml"
+        path.write_text(json.dumps({"log_level": "WARNING", **config}))  # JSON is YAML
+        port = free_port()
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "gateway", "serve", "--config", str(path)],
+                env={**os.environ, "BULKHEAD_LISTEN__PORT": str(port)},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/readyz").status_code == 200:
+                    return url
+            except httpx.TransportError:
+                pass
+            assert processes[-1].poll() is None and time.monotonic() < deadline, "the gateway process did not start"
+            time.sleep(0.1)
+
+    try:
+        yield start
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=15)
 
 
 @pytest.fixture

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +16,7 @@ from gateway.serving import run_server
 from gateway.tenants import hash_key
 from isolation.sim import SimConfig, create_sim_app
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
-from tests.redis_server import free_port, redis_server
+from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"
 ADMIN = "admin-token-0123456789"
@@ -203,47 +199,22 @@ async def test_bad_session_header_is_refused(client: httpx.AsyncClient, gateway_
 
 
 @pytest.fixture
-def two_gateway_processes(four_sims: dict[str, str], tokenizer_dir: Path, tmp_path: Path) -> Iterator[list[str]]:
+def two_gateway_processes(
+    four_sims: dict[str, str], tokenizer_dir: Path, make_gateway_process: Any
+) -> Iterator[list[str]]:
     with redis_server() as redis_url:
         config = {
             "redis_url": redis_url,
             "admin_token": ADMIN,
             "cache_salt_secret": "shared-secret-0123456789",
-            "log_level": "WARNING",
             "upstream": {"health_interval_s": 0.5},
             "backends": [{"name": name, "url": url} for name, url in four_sims.items()],
             "models": [{"name": MODEL, "backends": list(four_sims), "tokenizer": str(tokenizer_dir)}],
             "tenants": [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}],
         }
-        path = tmp_path / "bulkhead.json.yaml"
-        path.write_text(json.dumps(config))
-        ports = [free_port(), free_port()]
-        processes = [
-            subprocess.Popen(
-                [sys.executable, "-m", "gateway", "serve", "--config", str(path)],
-                env={**os.environ, "BULKHEAD_LISTEN__PORT": str(port)},
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            for port in ports
-        ]
-        urls = [f"http://127.0.0.1:{port}" for port in ports]
         try:
-            for url in urls:
-                deadline = time.monotonic() + 30
-                while True:
-                    try:
-                        if httpx.get(f"{url}/readyz").status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    assert time.monotonic() < deadline, "gateway did not start"
-                    time.sleep(0.1)
-            yield urls
+            yield [make_gateway_process(config), make_gateway_process(config)]
         finally:
-            for process in processes:
-                process.terminate()
-                process.wait(timeout=15)
             # Leave the shared Redis as it was found.
             store = redis.Redis.from_url(redis_url)
             store.delete("bulkhead:replica-admin", "bulkhead:replica-failures")
