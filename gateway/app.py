@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admin, inference
+from gateway import admin, inference, workers_api
 from gateway.backends import ReplicaPool
 from gateway.capacity import CapacityMonitor
 from gateway.counting import BackendCounter, LocalCounter, PromptCounter
@@ -35,6 +37,7 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.proxy import Upstream, make_client, make_transport
+from gateway.queue import MemoryJobQueue, RedisJobQueue
 from gateway.ratelimit import RateLimiter, RedisBuckets
 from gateway.routing import Router
 from gateway.settings import Settings, SettingsError
@@ -42,6 +45,7 @@ from gateway.state import GatewayState
 from gateway.store import MemoryStore, RedisStore, Store
 from gateway.tenants import TenantDirectory
 from gateway.tokens import ModelTokenizer, TokenizerLoadError
+from gateway.worker import work
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
 from isolation.leaks import Webhook
 from isolation.markers import CanaryKey, MarkerRegistry, RedisMarkerStore
@@ -196,8 +200,10 @@ def make_webhook(settings: Settings, client: httpx.AsyncClient) -> Webhook | Non
     return Webhook(client, canary.webhook_url, canary.webhook_secret.encode())
 
 
-def create_app(settings: Settings) -> Starlette:
+def create_app(settings: Settings, workers: int | None = None) -> Starlette:
+    """The gateway; `workers` queue workers run inside it (default: settings.queue.workers)."""
     tokenizers = load_tokenizers(settings)
+    workers = settings.queue.workers if workers is None else workers
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -233,6 +239,11 @@ def create_app(settings: Settings) -> Starlette:
                     router=Router(pool, metrics, settings.routing, random.Random()),
                     salts=CacheSalts(salt_secret(settings)),
                     markers=markers,
+                    queue=(
+                        RedisJobQueue(redis, settings.queue.result_ttl_s, settings.queue.reclaim_after_s)
+                        if redis is not None
+                        else MemoryJobQueue(settings.queue.result_ttl_s)
+                    ),
                     limiter=RateLimiter(
                         RedisBuckets(redis) if redis is not None else None,
                         fail_open=settings.rate_limits.on_store_failure == "fail_open",
@@ -248,6 +259,9 @@ def create_app(settings: Settings) -> Starlette:
                 ]
                 if redis is not None:
                     tasks.append(asyncio.create_task(watch_redis(redis, metrics, settings.upstream.health_interval_s)))
+                state = app.state.gateway
+                name = f"{socket.gethostname()}-{os.getpid()}"
+                tasks += [asyncio.create_task(work(state, state.queue, f"{name}-{n}")) for n in range(workers)]
                 try:
                     yield
                 finally:
@@ -267,6 +281,7 @@ def create_app(settings: Settings) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
             *admin.routes(),
+            *workers_api.routes(),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _unexpected},
         lifespan=lifespan,

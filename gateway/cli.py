@@ -1,11 +1,13 @@
-"""The `bulkhead` command: serve, demo, sim, keys."""
+"""The `bulkhead` command: serve, demo, sim, keys, audit."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,10 +18,12 @@ from pathlib import Path
 import httpx
 import orjson
 import uvicorn
+from starlette.applications import Starlette
 
 from gateway.app import create_app
 from gateway.settings import Settings, SettingsError, TenantSettings, load_settings
 from gateway.tenants import hash_key, new_api_key
+from isolation.audit import command as audit_command
 from isolation.sim import FAULTS, SimConfig, create_sim_app
 from isolation.sim.tinymodel import cached_tokenizer
 
@@ -145,6 +149,34 @@ def _print_banner(settings: Settings, demo_key: str | None) -> None:
     print("\n".join(lines), flush=True)
 
 
+def _worker(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config, os.environ)
+    except SettingsError as exc:
+        print(f"bulkhead: bad settings: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    if settings.redis_url is None:
+        print(
+            "bulkhead worker: needs redis_url (without Redis the queue lives inside `bulkhead serve`)", file=sys.stderr
+        )
+        return 2
+    app = create_app(settings, workers=args.workers)
+    print(f"bulkhead worker: {args.workers} worker(s) on the queue in {settings.redis_url.split('@')[-1]}", flush=True)
+    asyncio.run(_run_lifespan(app))
+    return 0
+
+
+async def _run_lifespan(app: Starlette) -> None:
+    """The app's lifespan (state, background tasks, queue workers) without an HTTP listener, until SIGTERM/SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with app.router.lifespan_context(app):
+        await stop.wait()
+
+
 def _keys_create(args: argparse.Namespace) -> int:
     key = new_api_key()
     print(f"API key for tenant '{args.tenant}' (shown once; store it now): {key}")
@@ -179,6 +211,10 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.tokenizer or cached_tokenizer(_cache_root()))
 
 
+def _audit(args: argparse.Namespace) -> int:
+    return audit_command.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bulkhead", description="Multi-tenant LLM gateway in front of vLLM.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the gateway")
     serve.add_argument("--config", type=Path, help="YAML settings file (BULKHEAD_* variables override it)")
     serve.set_defaults(run=_serve)
+
+    worker = commands.add_parser("worker", help="run queue workers for the async API (needs redis_url)")
+    worker.add_argument("--config", type=Path, help="YAML settings file (BULKHEAD_* variables override it)")
+    worker.add_argument("--workers", type=int, default=2, help="concurrent workers in this process")
+    worker.set_defaults(run=_worker)
 
     keys = commands.add_parser("keys", help="manage tenant API keys")
     key_commands = keys.add_subparsers(dest="keys_command", required=True)
@@ -216,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="stale-kv: answer over-capacity prompts from stale KV blocks of earlier requests (the incident)",
     )
     sim.set_defaults(run=_sim)
+
+    audit = commands.add_parser("audit", help="test an OpenAI-compatible endpoint for cross-request leaks")
+    audit_command.add_arguments(audit)
+    audit.set_defaults(run=_audit)
     return parser
 
 

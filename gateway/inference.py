@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -116,10 +116,15 @@ def plant_marker(state: GatewayState, tenant: TenantSettings, payload: dict[str,
 class RelayResponse(StreamingResponse):
     """A stream that stops its upstream the moment the client goes away, not at the next chunk's send."""
 
-    def __init__(self, call: InferenceCall, events: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+    def __init__(self, call: InferenceCall, events: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
         super().__init__(events, media_type=SSE_MEDIA_TYPE, headers=headers)
         self._call = call
         self._events = events
+
+    def transform(self, wrap: Callable[[AsyncGenerator[bytes, None]], AsyncGenerator[bytes, None]]) -> None:
+        """Reshape the relayed events (another API surface) without leaving the stream's lifecycle."""
+        self._events = wrap(self._events)
+        self.body_iterator = self._events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def stream_then_stop(scope: anyio.CancelScope) -> None:
@@ -135,7 +140,7 @@ class RelayResponse(StreamingResponse):
         finally:
             # A generator that never started would skip its own cleanup; the call's close runs regardless.
             with anyio.CancelScope(shield=True):
-                await self._events.aclose()  # type: ignore[attr-defined]
+                await self._events.aclose()
                 await self._call.close()
 
 
@@ -267,7 +272,7 @@ class InferenceCall:
         headers = {"x-request-id": self.record.request_id, **self.limit_headers}
         return Response(raw, media_type="application/json", headers=headers)
 
-    async def relay(self) -> AsyncIterator[bytes]:
+    async def relay(self) -> AsyncGenerator[bytes, None]:
         assert self.response is not None
         record = self.record
         wanted = UsageWanted(final=self.request.include_usage, every_chunk=self.request.continuous_usage)
@@ -306,15 +311,29 @@ def withheld() -> AnswerWithheld:
     )
 
 
-async def _admit(
-    request: Request, state: GatewayState, route: Route, record: RequestRecord
-) -> tuple[InferenceCall, bytes]:
+@dataclass(frozen=True)
+class Submission:
+    """One inference request as the pipeline takes it: from HTTP, from the Workers-style route, from the queue."""
+
+    tenant: TenantSettings
+    payload: dict[str, Any]
+    session: str | None = None
+
+
+async def read_submission(request: Request, state: GatewayState, record: RequestRecord) -> Submission:
     tenant = state.tenants.authenticate(request.headers.get("authorization"))
     record.tenant = tenant.id
     session = session_id(request.headers.get(SESSION_HEADER))
     limits = state.settings.limits
     raw = await read_body(request, limits.max_body_bytes)
-    payload = parse_json_object(raw, limits.max_json_depth)
+    return Submission(tenant, parse_json_object(raw, limits.max_json_depth), session)
+
+
+async def _admit(
+    state: GatewayState, route: Route, submission: Submission, record: RequestRecord
+) -> tuple[InferenceCall, bytes]:
+    tenant, payload = submission.tenant, submission.payload
+    record.tenant = tenant.id
     parsed = validate(route.schema, payload)
     model = resolve_model(state, tenant, parsed.model)
     record.model, record.stream = model.name, parsed.stream
@@ -339,19 +358,23 @@ async def _admit(
     output = admission.max_tokens or parsed.requested_output or model.default_output_reserve
     reserved = admission.estimate + output * parsed.n
     limit_headers = await state.limiter.admit(tenant, reserved)
-    decision = state.router.choose(model, tenant.id, session)
+    decision = state.router.choose(model, tenant.id, submission.session)
     call = InferenceCall(state, record, tenant, model, parsed, admission, decision, limit_headers, reserved)
     return call, upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.id))
 
 
-async def serve(request: Request, state: GatewayState, route: Route) -> Response:
-    record = RequestRecord(request_id=accesslog.request_id(request.headers.get("x-request-id")), route=route.name)
+def _refuse(state: GatewayState, record: RequestRecord, error: GatewayError) -> Response:
+    record.status, record.error_code = error.status, error.code
+    accesslog.finish(record, state.metrics)
+    return error_response(error, headers={"x-request-id": record.request_id})
+
+
+async def run(state: GatewayState, route: Route, submission: Submission, record: RequestRecord) -> Response:
+    """The whole pipeline for one request, whatever surface it came in by."""
     try:
-        call, body = await _admit(request, state, route, record)
+        call, body = await _admit(state, route, submission, record)
     except GatewayError as error:
-        record.status, record.error_code = error.status, error.code
-        accesslog.finish(record, state.metrics)
-        return error_response(error, headers={"x-request-id": record.request_id})
+        return _refuse(state, record, error)
     streaming = False
     try:
         await call.forward(route.path, body)
@@ -365,3 +388,16 @@ async def serve(request: Request, state: GatewayState, route: Route) -> Response
     finally:
         if not streaming:
             await call.close()
+
+
+def new_record(request: Request, route: Route) -> RequestRecord:
+    return RequestRecord(request_id=accesslog.request_id(request.headers.get("x-request-id")), route=route.name)
+
+
+async def serve(request: Request, state: GatewayState, route: Route) -> Response:
+    record = new_record(request, route)
+    try:
+        submission = await read_submission(request, state, record)
+    except GatewayError as error:
+        return _refuse(state, record, error)
+    return await run(state, route, submission, record)

@@ -124,6 +124,13 @@ class RateLimitSettings(_Section):
     )
 
 
+class QueueSettings(_Section):
+    workers: int = Field(default=1, ge=0, description="queue workers inside `bulkhead serve` (0: none)")
+    result_ttl_s: int = Field(default=86_400, ge=60, description="how long finished results can be polled")
+    reclaim_after_s: float = Field(default=60.0, gt=0, description="a job claimed this long ago is taken over")
+    max_batch: int = Field(default=100, ge=1, description="requests in one queued batch")
+
+
 class RoutingSettings(_Section):
     load_factor: float = Field(default=1.25, ge=1.0, description="a replica above this × mean in-flight spills")
     min_slack: int = Field(default=4, ge=0, description="...but never below mean + this many requests")
@@ -175,6 +182,7 @@ class Settings(_Section):
     )
     routing: RoutingSettings = RoutingSettings()
     rate_limits: RateLimitSettings = RateLimitSettings()
+    queue: QueueSettings = QueueSettings()
     isolation: IsolationSettings = IsolationSettings()
     admission: AdmissionSettings = AdmissionSettings()
     log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$")

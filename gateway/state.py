@@ -16,6 +16,7 @@ from gateway.capacity import CapacityMonitor
 from gateway.counting import PromptCounter
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Upstream
+from gateway.queue import JobQueue
 from gateway.ratelimit import RateLimiter
 from gateway.routing import Router
 from gateway.settings import Settings
@@ -41,6 +42,7 @@ class GatewayState:
     salts: CacheSalts
     markers: MarkerRegistry
     limiter: RateLimiter
+    queue: JobQueue
     webhook: Webhook | None = None
     redis: Redis | None = None
     # Per-instance concurrency per tenant; a shared budget across instances is the rate limiter's job.

@@ -28,7 +28,12 @@ def hash_key(key: str) -> str:
 
 class TenantDirectory:
     def __init__(self, tenants: Iterable[TenantSettings]) -> None:
-        self._by_hash = {key_hash: tenant for tenant in tenants for key_hash in tenant.key_hashes}
+        listed = list(tenants)
+        self._by_hash = {key_hash: tenant for tenant in listed for key_hash in tenant.key_hashes}
+        self._by_id = {tenant.id: tenant for tenant in listed}
+
+    def by_id(self, tenant_id: str) -> TenantSettings | None:
+        return self._by_id.get(tenant_id)
 
     def authenticate(self, authorization: str | None) -> TenantSettings:
         if not authorization:

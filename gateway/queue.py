@@ -1,0 +1,183 @@
+"""The async (queued) API: jobs stored durably before they are accepted, run by workers, results kept a while.
+
+With Redis, jobs go into the stream `bulkhead:jobs`, read by the consumer group `bulkhead-workers`. A worker
+marks a job running, runs each item through the normal pipeline, stores each item's result, marks the job done,
+and only then acknowledges it. A worker that dies leaves its job pending; after `reclaim_after_s` another worker
+claims it (XAUTOCLAIM) and carries on: items whose results are already stored are not run again, so the tenant
+sees exactly one result per item. Results live under a key that includes the tenant, so another tenant's poll
+finds nothing (404, not 403). Without Redis the queue is in this process's memory and is not durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from isolation.redis_text import text, text_fields
+
+STREAM = "bulkhead:jobs"
+GROUP = "bulkhead-workers"
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    tenant: str
+    route: str  # "chat" or "completions"
+    items: list[dict[str, Any]]
+
+    @classmethod
+    def new(cls, tenant: str, route: str, items: list[dict[str, Any]]) -> Job:
+        return cls(uuid.uuid4().hex, tenant, route, items)
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"id": self.id, "tenant": self.tenant, "route": self.route, "items": self.items})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Job:
+        data = orjson.loads(raw)
+        return cls(data["id"], data["tenant"], data["route"], data["items"])
+
+
+@dataclass
+class JobStatus:
+    status: str  # queued, running, done
+    items: int
+    results: dict[int, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Claimed:
+    entry: str
+    job: Job
+
+
+class JobQueue(Protocol):
+    durable: bool
+
+    async def enqueue(self, job: Job) -> None: ...
+
+    async def status(self, tenant: str, job_id: str) -> JobStatus | None: ...
+
+    async def claim(self, consumer: str, wait_s: float) -> list[Claimed]: ...
+
+    async def set_running(self, job: Job) -> None: ...
+
+    async def store_result(self, job: Job, index: int, result: Any) -> None: ...
+
+    async def finish(self, claimed: Claimed) -> None: ...
+
+
+def _key(tenant: str, job_id: str) -> str:
+    return f"bulkhead:job:{tenant}:{job_id}"
+
+
+class RedisJobQueue:
+    durable = True
+
+    def __init__(self, redis: Redis, result_ttl_s: int, reclaim_after_s: float) -> None:
+        self._redis = redis
+        self._ttl = result_ttl_s
+        self._reclaim_ms = int(reclaim_after_s * 1000)
+        self._group_ready = False
+
+    async def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            await self._redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    async def enqueue(self, job: Job) -> None:
+        await self._ensure_group()
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(_key(job.tenant, job.id), mapping={"status": "queued", "items": len(job.items)})
+            pipe.expire(_key(job.tenant, job.id), self._ttl)
+            pipe.xadd(STREAM, {"job": job.encode()})
+            await pipe.execute()
+
+    async def status(self, tenant: str, job_id: str) -> JobStatus | None:
+        fields = text_fields(await self._redis.hgetall(_key(tenant, job_id)))
+        if not fields:
+            return None
+        results = {int(k[7:]): orjson.loads(v) for k, v in fields.items() if k.startswith("result:")}
+        return JobStatus(fields["status"], int(fields["items"]), results)
+
+    async def claim(self, consumer: str, wait_s: float) -> list[Claimed]:
+        await self._ensure_group()
+        # First what a dead worker left behind for too long, then new jobs.
+        reclaimed = await self._redis.xautoclaim(STREAM, GROUP, consumer, self._reclaim_ms, start_id="0-0", count=8)
+        entries = list(reclaimed[1]) if reclaimed else []
+        if not entries:
+            answer: Any = await self._redis.xreadgroup(
+                GROUP, consumer, {STREAM: ">"}, count=8, block=int(wait_s * 1000)
+            )
+            # RESP2 answers a list of [stream, entries] pairs, RESP3 a mapping: take the entries either way.
+            per_stream = answer.values() if isinstance(answer, dict) else [pair[1] for pair in answer or []]
+            entries = [entry for stream_entries in per_stream for entry in stream_entries]
+        return [Claimed(text(entry_id), Job.decode(fields[b"job"])) for entry_id, fields in entries if fields]
+
+    async def set_running(self, job: Job) -> None:
+        await self._redis.hset(_key(job.tenant, job.id), "status", "running")
+
+    async def store_result(self, job: Job, index: int, result: Any) -> None:
+        await self._redis.hset(_key(job.tenant, job.id), f"result:{index}", orjson.dumps(result))
+
+    async def finish(self, claimed: Claimed) -> None:
+        job = claimed.job
+        await self._redis.hset(_key(job.tenant, job.id), "status", "done")
+        # Acknowledged only once the results are stored: a crash before this line means the job is run again.
+        await self._redis.xack(STREAM, GROUP, claimed.entry)
+        await self._redis.xdel(STREAM, claimed.entry)
+
+
+class MemoryJobQueue:
+    """The embedded default: the same behaviour in this process, gone when it stops."""
+
+    durable = False
+
+    def __init__(self, result_ttl_s: int) -> None:
+        self._ttl = result_ttl_s
+        self._pending: deque[Claimed] = deque()
+        self._arrived = asyncio.Event()
+        self._statuses: dict[tuple[str, str], tuple[float, JobStatus]] = {}
+
+    async def enqueue(self, job: Job) -> None:
+        self._statuses[(job.tenant, job.id)] = (time.monotonic(), JobStatus("queued", len(job.items)))
+        self._pending.append(Claimed(job.id, job))
+        self._arrived.set()
+
+    async def status(self, tenant: str, job_id: str) -> JobStatus | None:
+        found = self._statuses.get((tenant, job_id))
+        if found is None or time.monotonic() - found[0] > self._ttl:
+            return None
+        return found[1]
+
+    async def claim(self, consumer: str, wait_s: float) -> list[Claimed]:
+        if not self._pending:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), wait_s)
+            except TimeoutError:
+                return []
+        return [self._pending.popleft()] if self._pending else []
+
+    async def set_running(self, job: Job) -> None:
+        self._statuses[(job.tenant, job.id)][1].status = "running"
+
+    async def store_result(self, job: Job, index: int, result: Any) -> None:
+        self._statuses[(job.tenant, job.id)][1].results[index] = result
+
+    async def finish(self, claimed: Claimed) -> None:
+        self._statuses[(claimed.job.tenant, claimed.job.id)][1].status = "done"

@@ -1,0 +1,174 @@
+"""The Workers-style surface: `POST /accounts/{account_id}/ai/run/{model}`, its async (queued) form, and polling.
+
+A translation at the edges only: the body becomes an OpenAI chat (`messages`) or completion (`prompt`) request and
+runs through the very same pipeline as /v1 (admission, salting, canaries, scanning, verification); the answer is
+put in the Workers envelope `{"result", "success", "errors", "messages"}`. The account id must be the key's tenant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway import inference
+from gateway.errors import GatewayError, InvalidRequest, ModelNotAllowed, NotFound, error_response
+from gateway.inference import CHAT, COMPLETIONS, RelayResponse, Submission
+from gateway.queue import Job, JobQueue
+from gateway.schemas import validate
+from gateway.state import GatewayState
+
+DATA = b"data: "
+
+
+def envelope(result: Any, status: int, errors: list[dict[str, Any]] | None = None) -> Response:
+    body = {"result": result, "success": not errors, "errors": errors or [], "messages": []}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def failure(error: GatewayError) -> Response:
+    return envelope(None, error.status, [{"code": error.status, "message": error.message, "type": error.code}])
+
+
+def to_openai(model: str, body: dict[str, Any]) -> tuple[inference.Route, dict[str, Any]]:
+    payload = {k: v for k, v in body.items() if k not in ("queueRequest", "requests")}
+    payload["model"] = model
+    if "messages" in payload:
+        return CHAT, payload
+    if "prompt" in payload:
+        return COMPLETIONS, payload
+    raise InvalidRequest("The body needs `messages` (chat) or `prompt` (completion).", param="messages")
+
+
+def result_of(route: inference.Route, status: int, body: dict[str, Any]) -> Response:
+    if status != 200:
+        error = body.get("error", {})
+        return envelope(None, status, [{"code": status, "message": error.get("message"), "type": error.get("code")}])
+    choice = (body.get("choices") or [{}])[0]
+    text = choice.get("message", {}).get("content") if route is CHAT else choice.get("text")
+    return envelope({"response": text or "", "usage": body.get("usage")}, 200)
+
+
+async def _workers_stream(events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+    """OpenAI chunks as Workers' `data: {"response": "..."}` lines; errors and [DONE] pass as they are."""
+    async with aclosing(events):
+        async for piece in events:
+            out = _workers_events(piece)
+            if out:
+                yield out
+
+
+def _workers_events(piece: bytes) -> bytes:
+    out = []
+    for event in piece.split(b"\n\n"):
+        if not event:
+            continue
+        if not event.startswith(DATA) or event == b"data: [DONE]":
+            out.append(event + b"\n\n")
+            continue
+        chunk = orjson.loads(event[len(DATA) :])
+        if "error" in chunk:
+            out.append(event + b"\n\n")
+            continue
+        choice = (chunk.get("choices") or [{}])[0]
+        text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+        line: dict[str, Any] = {"response": text or ""}
+        if chunk.get("usage"):
+            line["usage"] = chunk["usage"]
+        if text or "usage" in line:
+            out.append(DATA + orjson.dumps(line) + b"\n\n")
+    return b"".join(out)
+
+
+def _state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+async def run_model(request: Request) -> Response:
+    state = _state(request)
+    model = request.path_params["model"]
+    record = inference.new_record(request, CHAT)
+    try:
+        submission = await inference.read_submission(request, state, record)
+        if request.path_params["account_id"] != submission.tenant.id:
+            raise ModelNotAllowed("This API key does not belong to that account.", param="account_id")
+        queued = submission.payload.get("queueRequest") is True or request.query_params.get("queueRequest") == "true"
+        if queued:
+            return await _enqueue(state, model, submission)
+        route, payload = to_openai(model, submission.payload)
+    except GatewayError as error:
+        return failure(error)
+    record.route = route.name
+    response = await inference.run(state, route, Submission(submission.tenant, payload, submission.session), record)
+    if isinstance(response, RelayResponse):
+        response.transform(_workers_stream)
+        return response
+    return result_of(route, response.status_code, orjson.loads(bytes(response.body)))
+
+
+async def _enqueue(state: GatewayState, model: str, submission: Submission) -> Response:
+    requests = submission.payload.get("requests", [submission.payload])
+    if not isinstance(requests, list) or not requests or not all(isinstance(r, dict) for r in requests):
+        raise InvalidRequest("`requests` must be a non-empty list of request bodies.", param="requests")
+    if len(requests) > state.settings.queue.max_batch:
+        raise InvalidRequest(f"At most {state.settings.queue.max_batch} requests per batch.", param="requests")
+    items, routes = [], set()
+    for body in requests:
+        route, payload = to_openai(model, body)
+        payload["stream"] = False
+        # Checked now, so that a bad item is refused at once instead of failing later in a worker.
+        parsed = validate(route.schema, payload)
+        inference.resolve_model(state, submission.tenant, parsed.model)
+        items.append(payload)
+        routes.add(route.name)
+    if len(routes) > 1:
+        raise InvalidRequest("A batch is all chat (`messages`) or all completion (`prompt`) requests.")
+    job = Job.new(submission.tenant.id, routes.pop(), items)
+    await state.queue.enqueue(job)
+    return envelope({"status": "queued", "request_id": job.id}, 202)
+
+
+async def _poll(request: Request, queue: JobQueue, tenant: str) -> dict[str, Any]:
+    status = await queue.status(tenant, request.path_params["request_id"])
+    if status is None:
+        # 404 whether it never existed or is another tenant's: nothing to learn from the difference.
+        raise NotFound("No such request.")
+    results = [status.results.get(i) for i in range(status.items)] if status.status == "done" else None
+    return {"status": status.status, "request_id": request.path_params["request_id"], "results": results}
+
+
+async def poll_workers(request: Request) -> Response:
+    state = _state(request)
+    try:
+        tenant = state.tenants.authenticate(request.headers.get("authorization"))
+        if request.path_params["account_id"] != tenant.id:
+            raise ModelNotAllowed("This API key does not belong to that account.", param="account_id")
+        polled = await _poll(request, state.queue, tenant.id)
+    except GatewayError as error:
+        return failure(error)
+    return envelope(polled, 200)
+
+
+async def poll_openai(request: Request) -> Response:
+    state = _state(request)
+    try:
+        tenant = state.tenants.authenticate(request.headers.get("authorization"))
+        polled = await _poll(request, state.queue, tenant.id)
+    except GatewayError as error:
+        return error_response(error)
+    return Response(orjson.dumps(polled), media_type="application/json")
+
+
+def routes() -> list[Route]:
+    # The poll route first: `{model:path}` would otherwise swallow ".../requests/{id}".
+    return [
+        Route("/accounts/{account_id}/ai/run/{model:path}/requests/{request_id}", poll_workers, methods=["GET"]),
+        Route("/accounts/{account_id}/ai/run/{model:path}", run_model, methods=["POST"]),
+        Route("/v1/requests/{request_id}", poll_openai, methods=["GET"]),
+    ]

@@ -1,0 +1,154 @@
+"""The Workers-style surface and the async (queued) API, on the same pipeline as /v1."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import redis
+
+from gateway.tenants import hash_key
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, forwarded
+from tests.redis_server import redis_server
+
+RUN = f"/accounts/alice/ai/run/{MODEL}"
+
+
+async def test_run_chat_and_prompt_in_the_workers_envelope(
+    client: httpx.AsyncClient, gateway_url: str, sim_url: str
+) -> None:
+    chat = await client.post(
+        f"{gateway_url}{RUN}", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, headers=auth()
+    )
+    assert chat.status_code == 200, chat.text
+    body = chat.json()
+    assert body["success"] is True and body["errors"] == [] and body["messages"] == []
+    assert body["result"]["response"] and body["result"]["usage"]["completion_tokens"] == 3
+    prompt = await client.post(f"{gateway_url}{RUN}", json={"prompt": "Once", "max_tokens": 2}, headers=auth())
+    assert prompt.json()["result"]["usage"]["completion_tokens"] == 2
+    # The same pipeline: the tenant's marker and salt went upstream exactly as on /v1.
+    sent = forwarded(sim_url)[0]["body"]
+    assert "cache_salt" in sent and sent["messages"][0]["content"].startswith("CNRY-")
+
+
+async def test_errors_come_in_the_envelope(client: httpx.AsyncClient, gateway_url: str, sim_url: str) -> None:
+    other_account = await client.post(
+        f"{gateway_url}/accounts/bob/ai/run/{MODEL}", json={"prompt": "x"}, headers=auth(ALICE_KEY)
+    )
+    assert other_account.status_code == 403
+    assert other_account.json()["success"] is False
+    bad = await client.post(f"{gateway_url}{RUN}", json={"prompt": "x", "max_tokens": 0}, headers=auth())
+    assert bad.status_code == 400
+    assert bad.json()["success"] is False and "max_tokens" in bad.json()["errors"][0]["message"]
+    neither = await client.post(f"{gateway_url}{RUN}", json={"max_tokens": 3}, headers=auth())
+    assert neither.status_code == 400
+    assert forwarded(sim_url) == []
+
+
+async def test_run_streams_response_lines(client: httpx.AsyncClient, gateway_url: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    async with client.stream("POST", f"{gateway_url}{RUN}", json=body, headers=auth()) as response:
+        text = (await response.aread()).decode()
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    lines = [orjson.loads(e) for e in events[:-1]]
+    assert all(set(line) <= {"response", "usage"} for line in lines)
+    assert len([line for line in lines if line["response"]]) == 4
+
+
+async def wait_done(client: httpx.AsyncClient, url: str, key: str, timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        polled = (await client.get(url, headers=auth(key))).json()
+        if polled["result"]["status"] == "done":
+            result: dict[str, Any] = polled["result"]
+            return result
+        assert time.monotonic() < deadline, polled
+        await asyncio.sleep(0.1)
+
+
+async def test_queued_batch_in_memory(client: httpx.AsyncClient, gateway_url: str, sim_url: str) -> None:
+    batch = {"requests": [{"prompt": f"item {n}", "max_tokens": 2} for n in range(3)]}
+    accepted = await client.post(f"{gateway_url}{RUN}?queueRequest=true", json=batch, headers=auth())
+    assert accepted.status_code == 202
+    request_id = accepted.json()["result"]["request_id"]
+    assert accepted.json()["result"]["status"] == "queued"
+    poll = f"{gateway_url}{RUN}/requests/{request_id}"
+    done = await wait_done(client, poll, ALICE_KEY)
+    assert [r["status"] for r in done["results"]] == [200, 200, 200]
+    assert all(r["body"]["usage"]["completion_tokens"] == 2 for r in done["results"])
+    assert len(forwarded(sim_url)) == 3
+    # Tenant-scoped: another tenant gets 404 (not 403) on both surfaces.
+    assert (
+        await client.get(f"{gateway_url}/accounts/bob/ai/run/{MODEL}/requests/{request_id}", headers=auth(BOB_KEY))
+    ).status_code == 404
+    assert (await client.get(f"{gateway_url}/v1/requests/{request_id}", headers=auth(BOB_KEY))).status_code == 404
+    openai_side = (await client.get(f"{gateway_url}/v1/requests/{request_id}", headers=auth())).json()
+    assert openai_side["status"] == "done" and len(openai_side["results"]) == 3
+
+
+async def test_a_bad_item_refuses_the_whole_batch(client: httpx.AsyncClient, gateway_url: str, sim_url: str) -> None:
+    batch = {"queueRequest": True, "requests": [{"prompt": "ok"}, {"prompt": "bad", "max_tokens": -1}]}
+    refused = await client.post(f"{gateway_url}{RUN}", json=batch, headers=auth())
+    assert refused.status_code == 400 and refused.json()["success"] is False
+    await asyncio.sleep(0.3)
+    assert forwarded(sim_url) == []
+
+
+def worker_process(config: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway", "worker", "--config", str(config), "--workers", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+async def test_a_killed_worker_leaves_its_job_to_another(
+    client: httpx.AsyncClient, make_gateway_process: Any, make_sim: Any, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    sim_url = make_sim(ttft_ms=700)
+    with redis_server() as redis_url:
+        store = redis.Redis.from_url(redis_url)
+        config: dict[str, Any] = {
+            "redis_url": redis_url,
+            "backends": [{"name": "sim", "url": sim_url}],
+            "models": [{"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir)}],
+            "tenants": [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}],
+            "queue": {"workers": 0, "reclaim_after_s": 1.0},
+        }
+        gateway_url = make_gateway_process(config)
+        config_file = tmp_path / "worker.yaml"
+        config_file.write_text(orjson.dumps(config).decode())
+        first = worker_process(config_file)
+        second: subprocess.Popen[bytes] | None = None
+        try:
+            batch = {"requests": [{"prompt": f"item {n}", "max_tokens": 2} for n in range(4)]}
+            accepted = await client.post(f"{gateway_url}{RUN}?queueRequest=true", json=batch, headers=auth())
+            request_id = accepted.json()["result"]["request_id"]
+            poll = f"{gateway_url}{RUN}/requests/{request_id}"
+            deadline = time.monotonic() + 20
+            while (await client.get(poll, headers=auth())).json()["result"]["status"] != "running":
+                assert time.monotonic() < deadline, "the first worker never took the job"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.9)  # mid-job: about one of the four items done
+            first.send_signal(signal.SIGKILL)
+            first.wait(timeout=10)
+            second = worker_process(config_file)
+            done = await wait_done(client, poll, ALICE_KEY, timeout=40)
+            assert len(done["results"]) == 4 and all(r["status"] == 200 for r in done["results"])
+            assert len(set(orjson.dumps(r["body"]) for r in done["results"])) == 4, "exactly one result per item"
+            requests = forwarded(sim_url)
+            assert 4 <= len(requests) <= 5, "at most the item in flight when the worker died ran twice"
+        finally:
+            for process in (first, second):
+                if process is not None and process.poll() is None:
+                    process.terminate()
+                    process.wait(timeout=10)
+            store.close()
