@@ -7,7 +7,8 @@ Aho-Corasick and Hyperscan (see BENCHMARKS.md), this is as fast for chunks of mo
 
 A stream is scanned piece by piece. Only a tail that could still grow into a marker (`c`, `cn`, `cnr`, or
 `cnry` and fewer than 20 code characters, in normal form) is held back; everything before it is released at
-once, so a marker split across any chunk boundaries is still seen whole, before any of it is released.
+once, so a marker split across any chunk boundaries is still seen whole, before any of it is released. (Where
+candidates overlap, as in `CNRY CNRY-…`, the part they share goes out with the first, and the second is still found.)
 """
 
 from __future__ import annotations
@@ -63,28 +64,36 @@ class StreamScanner:
 
     def __init__(self) -> None:
         self._held = ""
+        # The normal form of the end of a reported hit that could also be the start of another candidate: that text
+        # went out with the hit (edited, if the hit was a marker), and a marker overlapping it must still be found.
+        self._carry = b""
 
     def scan(self, piece: str) -> Scan:
         text = self._held + piece if self._held else piece
-        normal = normalize(text)
+        carry = self._carry
+        normal = carry + normalize(text)
         matches = [m.start() for m in _CANDIDATE.finditer(normal)]
         hold = _hold_from(normal)
         if not matches and hold is None:
-            self._held = ""
+            self._held, self._carry = "", b""
             return Scan(text, [], len(text))
-        positions = _positions(text)
+        # A hit that began in the carry starts, for this text, at its first character.
+        positions = [0] * len(carry) + _positions(text)
         hits = [
             Hit(normal[at : at + NORMAL_LENGTH], positions[at], positions[at + NORMAL_LENGTH - 1] + 1) for at in matches
         ]
         release = len(text) if hold is None else positions[hold]
-        # A whole marker is never cut in two by the hold: its tail cannot start another one that matters.
+        # A whole hit is never cut in two: it goes out with its edit, and the part of it that could begin another
+        # candidate (`cnry…` after `CNRY `, say) is carried to the next piece instead of held.
         release = max([release, *(hit.end for hit in hits)])
+        released = len(carry) + len(normalize(text[:release]))
+        self._carry = normal[hold:released] if hold is not None and hold < released else b""
         self._held = text[release:]
         return Scan(text, hits, release)
 
     def flush(self) -> str:
         """The end of the stream: what was held can no longer become a marker."""
-        held, self._held = self._held, ""
+        held, self._held, self._carry = self._held, "", b""
         return held
 
 
@@ -100,7 +109,11 @@ def apply_edits(text: str, edits: list[tuple[Hit, str]]) -> str:
     out, at = [], 0
     for hit, replacement in sorted(edits, key=lambda edit: edit[0].start):
         if hit.start < at:
-            continue  # overlapping candidates: the first one's edit covers it
+            # Overlapping candidates: the first one's edit covers the shared part, this one's covers the rest.
+            if hit.end > at:
+                out.append(replacement)
+                at = hit.end
+            continue
         out.append(text[at : hit.start])
         out.append(replacement)
         at = hit.end
