@@ -14,6 +14,7 @@ GatewayError                       status, type, code, param, message
 │   └── RateLimitExceeded          rate_limit_exceeded: requests or tokens per minute
 └── UpstreamError                  api_error: the backend could not give a usable answer
     ├── RateLimitUnavailable 503   the rate-limit store is down and the policy is fail_closed
+    ├── QueueUnavailable    503    the async queue's store is down: nothing was accepted
     ├── BackendUnavailable  503    no healthy backend for the model
     │   └── CapacityUnknown 503    no limit known for the model: nothing is forwarded blind
     ├── BackendUnreachable  502    connect refused / reset / DNS
@@ -119,6 +120,11 @@ class UpstreamError(GatewayError):
 class RateLimitUnavailable(UpstreamError):
     status = 503
     code = "rate_limit_unavailable"
+
+
+class QueueUnavailable(UpstreamError):
+    status = 503
+    code = "queue_unavailable"
 
 
 class BackendUnavailable(UpstreamError):

@@ -12,12 +12,20 @@ from contextlib import aclosing
 from typing import Any
 
 import orjson
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import inference
-from gateway.errors import GatewayError, InvalidRequest, ModelNotAllowed, NotFound, error_response
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    ModelNotAllowed,
+    NotFound,
+    QueueUnavailable,
+    error_response,
+)
 from gateway.inference import CHAT, COMPLETIONS, RelayResponse, Submission
 from gateway.queue import Job, JobQueue
 from gateway.schemas import validate
@@ -130,12 +138,18 @@ async def _enqueue(state: GatewayState, model: str, submission: Submission) -> R
     if len(routes) > 1:
         raise InvalidRequest("A batch is all chat (`messages`) or all completion (`prompt`) requests.")
     job = Job.new(submission.tenant.id, routes.pop(), items)
-    await state.queue.enqueue(job)
+    try:
+        await state.queue.enqueue(job)
+    except (RedisError, OSError) as exc:
+        raise QueueUnavailable("The queue cannot take requests right now; nothing was queued. Retry shortly.") from exc
     return envelope({"status": "queued", "request_id": job.id}, 202)
 
 
 async def _poll(request: Request, queue: JobQueue, tenant: str) -> dict[str, Any]:
-    status = await queue.status(tenant, request.path_params["request_id"])
+    try:
+        status = await queue.status(tenant, request.path_params["request_id"])
+    except (RedisError, OSError) as exc:
+        raise QueueUnavailable("Queued requests cannot be looked up right now; retry shortly.") from exc
     if status is None:
         # 404 whether it never existed or is another tenant's: nothing to learn from the difference.
         raise NotFound("No such request.")

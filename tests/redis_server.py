@@ -51,3 +51,58 @@ def redis_server() -> Iterator[str]:
         finally:
             process.terminate()
             process.wait(timeout=10)
+
+
+class OwnRedis:
+    """A redis-server of the test's own, with an append-only file, that can be stopped and started again."""
+
+    def __init__(self, workdir: str) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._workdir = workdir
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed")
+        self._process = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--dir",
+                self._workdir,
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while not _answers(self.port):
+            if time.monotonic() > deadline or self._process.poll() is not None:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+            self._process = None
+
+
+@contextmanager
+def own_redis() -> Iterator[OwnRedis]:
+    with tempfile.TemporaryDirectory() as workdir:
+        server = OwnRedis(workdir)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()

@@ -156,9 +156,7 @@ def test_an_unreachable_endpoint_exits_2() -> None:
     assert "ConnectError" in done.stdout
 
 
-async def test_a_refused_key_or_a_missing_model_cannot_run(
-    make_sim: SimFactory, make_gateway: GatewayFactory
-) -> None:
+async def test_a_refused_key_or_a_missing_model_cannot_run(make_sim: SimFactory, make_gateway: GatewayFactory) -> None:
     gateway = make_gateway({"sim": make_sim()})
 
     refused = await audit(gateway, keys=(ALICE_KEY, "bk-not-a-key-0123456789"))

@@ -16,7 +16,7 @@ import redis
 
 from gateway.tenants import hash_key
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, forwarded
-from tests.redis_server import redis_server
+from tests.redis_server import own_redis, redis_server
 
 RUN = f"/accounts/alice/ai/run/{MODEL}"
 
@@ -152,3 +152,57 @@ async def test_a_killed_worker_leaves_its_job_to_another(
                     process.terminate()
                     process.wait(timeout=10)
             store.close()
+
+
+async def test_redis_restarted_under_load(
+    client: httpx.AsyncClient, make_gateway_process: Any, make_sim: Any, tokenizer_dir: Path
+) -> None:
+    """Every accepted async job completes, and serving goes on through the outage (fail_open)."""
+    sim_url = make_sim(ttft_ms=50)
+    with own_redis() as server:
+        config: dict[str, Any] = {
+            "redis_url": server.url,
+            "backends": [{"name": "sim", "url": sim_url}],
+            "models": [{"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir)}],
+            "tenants": [
+                {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": {"requests_per_minute": 100000}}
+            ],
+            "queue": {"workers": 1, "reclaim_after_s": 1.0},
+            "upstream": {"health_interval_s": 0.5},
+        }
+        gateway_url = make_gateway_process(config)
+        accepted: list[str] = []
+        statuses: list[int] = []
+
+        async def load(seconds: float) -> None:
+            end = time.monotonic() + seconds
+            n = 0
+            while time.monotonic() < end:
+                n += 1
+                chat = await client.post(
+                    f"{gateway_url}/v1/chat/completions",
+                    json={"model": MODEL, "messages": [{"role": "user", "content": f"turn {n}"}], "max_tokens": 2},
+                    headers=auth(),
+                )
+                statuses.append(chat.status_code)
+                queued = await client.post(
+                    f"{gateway_url}{RUN}?queueRequest=true",
+                    json={"prompt": f"job {n}", "max_tokens": 2},
+                    headers=auth(),
+                )
+                if queued.status_code == 202:
+                    accepted.append(queued.json()["result"]["request_id"])
+                else:
+                    assert queued.status_code == 503 and queued.json()["errors"][0]["type"] == "queue_unavailable"
+
+        loader = asyncio.create_task(load(4.0))
+        await asyncio.sleep(1.0)
+        server.stop()
+        await asyncio.sleep(1.0)
+        server.start()
+        await loader
+        assert statuses and set(statuses) == {200}, "serving went on while Redis was down"
+        assert len(accepted) > 5
+        for request_id in accepted:
+            done = await wait_done(client, f"{gateway_url}{RUN}/requests/{request_id}", ALICE_KEY, timeout=30)
+            assert done["results"][0]["status"] == 200
