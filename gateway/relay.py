@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from gateway.sse import DONE, EventSplitter
-from isolation.guard import LeakBlocked, OutputGuard
+from isolation.guard import LeakBlocked, OutputGuard, place
 
 DATA = b"data: "
 ENVELOPE = ("id", "object", "created", "model")
@@ -81,13 +81,7 @@ class StreamFilter:
         for key, text in held.items():
             index, _, field = key.partition(":")
             choice = choices.setdefault(int(index), {"index": int(index), "finish_reason": None})
-            if field == "text":
-                choice["text"] = text
-            elif field.startswith("tool:"):
-                call = {"index": int(field[5:]), "function": {"arguments": text}}
-                choice.setdefault("delta", {}).setdefault("tool_calls", []).append(call)
-            else:
-                choice.setdefault("delta", {})[field] = text
+            place(choice, field, text)
         return DATA + orjson.dumps({**self._envelope, "choices": list(choices.values())}) + b"\n\n"
 
     async def _event(self, event: bytes) -> bytes | None:

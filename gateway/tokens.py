@@ -177,9 +177,10 @@ class ModelTokenizer:
         return self.count_text(self.render_chat(messages, tools, add_generation_prompt, template_kwargs), False)
 
     def count_text(self, text: str, add_special_tokens: bool) -> int:
-        # encode_batch releases the GIL while it works (encode does not), so a huge prompt counted in a worker
-        # thread leaves the event loop running.
-        return len(self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        # encode_batch_fast releases the GIL while it works (encode does not) and computes no offsets, and len() of
+        # the Encoding builds no list: building and freeing `.ids` and the full Encoding held the GIL ~140 ms
+        # after a 1M-token count, which stalled every other request (BENCHMARKS.md, admission).
+        return len(self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0])
 
     def encode_chat(
         self,

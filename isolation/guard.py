@@ -40,6 +40,25 @@ def _text_slots(choice: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], s
                     yield f"{index}:tool:{call.get('index', position)}", function, "arguments"
 
 
+def place(choice: dict[str, Any], field: str, text: str) -> None:
+    """Append text to one of a streamed choice's texts, by the scanner key's field part."""
+    if field == "text":
+        choice["text"] = (choice.get("text") or "") + text
+        return
+    delta = choice.setdefault("delta", {})
+    if not field.startswith("tool:"):
+        delta[field] = (delta.get(field) or "") + text
+        return
+    index = int(field[len("tool:") :])
+    calls = delta.setdefault("tool_calls", [])
+    call = next((c for c in calls if c.get("index") == index), None)
+    if call is None:
+        call = {"index": index, "function": {"arguments": ""}}
+        calls.append(call)
+    function = call.setdefault("function", {})
+    function["arguments"] = (function.get("arguments") or "") + text
+
+
 class OutputGuard:
     def __init__(self, registry: MarkerRegistry, tenant: str, policy: LeakPolicy, on_leak: LeakHandler) -> None:
         self._registry = registry
@@ -55,16 +74,22 @@ class OutputGuard:
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
-            finished = choice.get("finish_reason") is not None
             for key, holder, name in _text_slots(choice):
                 scanner = self._scanners.setdefault(key, StreamScanner())
                 original = holder[name]
                 released = await self._release(scanner, original)
-                if finished:
-                    released += scanner.flush()
                 if released != original:
                     holder[name] = released
                     changed = True
+            if choice.get("finish_reason") is not None:
+                # Nothing more comes for this choice: what was held goes out with its last chunk, even when that
+                # chunk carries none of the fields (OpenAI's closing chunk has `delta: {}`).
+                prefix = f"{choice.get('index', 0)}:"
+                for key in [k for k in self._scanners if k.startswith(prefix)]:
+                    rest = self._scanners.pop(key).flush()
+                    if rest:
+                        place(choice, key.partition(":")[2], rest)
+                        changed = True
         return changed
 
     async def check_body(self, body: dict[str, Any]) -> bool:

@@ -1,0 +1,77 @@
+"""`bulkhead audit`: its arguments, and running it from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import httpx
+import orjson
+from rich.console import Console
+
+from isolation.audit.config import AuditConfig
+from isolation.audit.render import ProgressBars, print_report
+from isolation.audit.report import Report
+from isolation.audit.runner import run_audit
+
+# A few connections are all an audit needs (its burst is four streams); more would only add load.
+CLIENT_LIMITS = httpx.Limits(max_connections=8, max_keepalive_connections=8)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--endpoint", required=True, help="base URL of an OpenAI-compatible server or gateway")
+    parser.add_argument("--model", required=True, help="the model name as the endpoint serves it")
+    parser.add_argument(
+        "--key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="API key; give it twice to audit across two tenants (A, then B). Never printed or written",
+    )
+    parser.add_argument("--limit", type=int, help="context window in tokens (default: the endpoint's max_model_len)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report here as JSON")
+    parser.add_argument("--max-requests", type=int, default=300, help="most requests in all, every route (300)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole audit (600)")
+    parser.add_argument("--rate", type=float, default=2.0, help="requests per second, in bursts of 4 at most (2)")
+    parser.add_argument("--rounds", type=int, default=3, help="canary rounds (3); interleaving runs rounds - 1")
+    parser.add_argument("--seed", type=int, help="seed for the probes' order and prompts, to replay a run")
+
+
+def config_from(args: argparse.Namespace) -> AuditConfig:
+    return AuditConfig(
+        endpoint=args.endpoint,
+        model=args.model,
+        keys=tuple(args.key),
+        limit=args.limit,
+        max_requests=args.max_requests,
+        timeout_s=args.timeout,
+        rate=args.rate,
+        rounds=args.rounds,
+        seed=args.seed,
+    )
+
+
+async def audit(config: AuditConfig, progress: ProgressBars) -> Report:
+    async with httpx.AsyncClient(limits=CLIENT_LIMITS, follow_redirects=False) as client:
+        with progress:
+            return await run_audit(config, client, progress)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from(args)
+    except ValueError as exc:
+        print(f"bulkhead audit: {exc}", file=sys.stderr)
+        return 2
+    # Progress goes to stderr, the report to stdout, so `> report.txt` keeps only the report.
+    report = asyncio.run(audit(config, ProgressBars(Console(stderr=True))))
+    # No highlighting: rich would colour numbers and paths inside the endpoint's own text.
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = 120  # rich's 80 columns for a pipe would fold every finding into a narrow column
+    print_report(report, console)
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(report.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
+    return report.exit_code

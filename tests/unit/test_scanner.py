@@ -1,0 +1,546 @@
+"""Canary markers end to end without HTTP: the streaming scanner's guarantees as properties, the registry's epochs,
+keys and shared store, and the output guard on OpenAI-shaped chunks and bodies."""
+
+from __future__ import annotations
+
+import base64
+import random
+import re
+import secrets
+import string
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.asyncio import Redis
+
+from isolation.guard import LeakBlocked, OutputGuard
+from isolation.leaks import REDACTED, LeakPolicy
+from isolation.markers import (
+    CODE_LENGTH,
+    NORMAL_LENGTH,
+    CanaryKey,
+    MarkerRegistry,
+    Owner,
+    RedisMarkerStore,
+    make_marker,
+    normal_form,
+)
+from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all
+from tests.redis_server import redis_server
+
+KEY = CanaryKey("k1", b"canary-test-secret-0123456789abcdef")
+EPOCH_S = 3600
+NOW = 1_000_000 * EPOCH_S + 17.0  # a fixed instant: epoch 1,000,000, far from the real clock's
+EPOCH = 1_000_000
+BASE32 = string.ascii_uppercase + "234567"
+# Characters that vanish in the normal form: what models and markdown put between or around a marker's characters.
+DECORATION = " -\n\t*_`.:\u200b\u200c\u200d\ufeff"
+PARTIAL = re.compile(rb"c(?:n(?:r(?:y[a-z2-7]{0,%d})?)?)?" % (CODE_LENGTH - 1))
+
+
+def registry_at(now: float = NOW, keys: list[CanaryKey] | None = None, tenants: tuple[str, ...] = ()) -> MarkerRegistry:
+    registry = MarkerRegistry(keys or [KEY], EPOCH_S)
+    registry.rotate(now)
+    registry.add_tenants(tenants)
+    return registry
+
+
+# --- The stream, as the guard drives it -------------------------------------------------------------------------
+
+
+@dataclass
+class Streamed:
+    """What a scanner made of a text fed in pieces; `found` holds each hit with where its scan's text began."""
+
+    output: str = ""
+    released: str = ""
+    found: list[tuple[int, Hit]] = field(default_factory=list)
+
+
+def stream(pieces: list[str], strip: bytes | None = None) -> Streamed:
+    """Scan `pieces` in order; hits whose normal form is `strip` are cut out of the output, as the guard does."""
+    scanner = StreamScanner()
+    result = Streamed()
+    for piece in pieces:
+        scan = scanner.scan(piece)
+        assert scan.text.endswith(piece)  # what was held back, then the new piece
+        result.found += [(len(result.released), hit) for hit in scan.hits]
+        released = scan.text[: scan.release]
+        result.released += released
+        result.output += apply_edits(released, [(hit, "") for hit in scan.hits if hit.normal == strip])
+    rest = scanner.flush()
+    result.released += rest
+    result.output += rest
+    return result
+
+
+def split(text: str, cuts: list[int]) -> list[str]:
+    bounds = [0, *sorted(cuts), len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@st.composite
+def markers(draw: st.DrawFn) -> str:
+    key = CanaryKey(draw(st.text(min_size=1, max_size=8)), draw(st.binary(min_size=16, max_size=64)))
+    return make_marker(key, draw(st.text(min_size=1, max_size=40)), draw(st.integers(0, 2**40)))
+
+
+@st.composite
+def decorated(draw: st.DrawFn, marker: str) -> str:
+    """The marker as a model might write it: any case, any vanishing characters between and around its own."""
+    if draw(st.booleans()):
+        return marker
+    chars = marker.replace("-", "")
+    gaps = st.one_of(st.just(""), st.just("-"), st.text(alphabet=DECORATION, min_size=1, max_size=3))
+    cases = st.sampled_from([str.upper, str.lower])
+    body = "".join(draw(cases)(char) + (draw(gaps) if n < len(chars) - 1 else "") for n, char in enumerate(chars))
+    wrap = draw(st.sampled_from(["", "**", "`", "_", "\n"]))
+    return wrap + body + wrap
+
+
+# Text that touches a marker and makes scanning harder: partial prefixes, and candidates overlapping the marker.
+BEFORE = st.sampled_from(["", "c", "cn", "C N R", "cnr", "CNRY", "CNRY-", "cnry-ab2", "CNRY CNRY-", "abc", "x\u200bc"])
+AFTER = st.sampled_from(["", "ABC234", "c", "cnry", "\n", " etc", "9"])
+
+
+@st.composite
+def marked_streams(draw: st.DrawFn) -> tuple[str, bytes, list[str]]:
+    """(a text holding one marker, the marker's normal form, the text cut into pieces at arbitrary points)"""
+    marker = draw(markers())
+    text = (
+        draw(st.text(max_size=60)) + draw(BEFORE) + draw(decorated(marker)) + draw(AFTER) + draw(st.text(max_size=60))
+    )
+    if draw(st.booleans()):
+        pieces = list(text)  # one character at a time
+    else:
+        pieces = split(text, draw(st.lists(st.integers(0, len(text)), max_size=len(text))))
+    return text, normal_form(marker), pieces
+
+
+@settings(max_examples=400, deadline=None)
+@given(marked_streams())
+def test_a_marker_is_found_once_whole_whatever_its_decoration_and_chunking(case: tuple[str, bytes, list[str]]) -> None:
+    text, normal, pieces = case
+    result = stream(pieces)
+    assert result.released == text  # nothing lost, nothing added, nothing reordered
+    mine = [(offset, hit) for offset, hit in result.found if hit.normal == normal]
+    assert len(mine) == 1
+    before, hit = mine[0]
+    assert len(normal) == NORMAL_LENGTH and normal.startswith(b"cnry")
+    # The same text scanned whole finds it too.
+    assert normal in [h.normal for h in scan_all(text)]
+    # Nothing of the marker went out before the scan that found it, except what it shares with a candidate
+    # found earlier (as in `CNRY CNRY-…`), which went out with that candidate and its edit.
+    at = normalize(text).index(normal)
+    gone = len(normalize(text[:before]))
+    span = normalize(text[before + hit.start : before + hit.end])
+    if gone > at:
+        earlier = [len(normalize(text[: o + h.end])) for o, h in result.found if o < before]
+        assert any(end - NORMAL_LENGTH <= at and end >= gone for end in earlier), (at, gone, earlier)
+        assert normal.endswith(span) and span
+    else:
+        assert span == normal
+    # Stripped as the guard strips the tenant's own marker, no whole marker is left in what goes out.
+    assert normal not in normalize(stream(pieces, strip=normal).output)
+
+
+def longest_partial(normal: bytes) -> int:
+    """Where the longest tail of `normal` that is a proper prefix of a marker's normal form begins (len: none)."""
+    starts = range(max(0, len(normal) - NORMAL_LENGTH + 1), len(normal))
+    return next((at for at in starts if PARTIAL.fullmatch(normal, at)), len(normal))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(alphabet="cnryCNRYaz27 -*\u200b", max_size=12), max_size=8))
+def test_the_hold_is_exactly_the_tail_that_could_still_become_a_marker(pieces: list[str]) -> None:
+    scanner, seen, released, hit_end = StreamScanner(), "", 0, 0
+    for piece in pieces:
+        scan = scanner.scan(piece)
+        seen += piece
+        hit_end = max([hit_end, *(len(normalize(seen[: released + hit.end])) for hit in scan.hits)])
+        released += scan.release
+        held = seen[released:]
+        normal = normalize(seen)
+        # The tail that could still grow into a marker, less what already went out as part of a hit.
+        tail = max(longest_partial(normal), hit_end)
+        assert normalize(held) == normal[tail:], (seen, held)
+        if tail < len(normal) and tail != hit_end:
+            assert held[0] in "cC"  # nothing in front of the tail is held
+
+
+@pytest.mark.parametrize(
+    ("text", "held"),
+    [
+        ("hello world", ""),
+        ("I like the abc", "c"),
+        ("cnrz", ""),
+        ("cnry1", ""),  # 1 is not base32
+        ("see **C", "C"),
+        ("C-N", "C-N"),
+        ("x CNRY-ABC", "CNRY-ABC"),
+        ("CNRY-" + "A" * 19, "CNRY-" + "A" * 19),
+        ("CNRY-" + "A" * 20 + " after", ""),
+        ("c\u200b", "c\u200b"),
+    ],
+)
+def test_only_what_could_start_a_marker_is_held(text: str, held: str) -> None:
+    scanner = StreamScanner()
+    scan = scanner.scan(text)
+    assert scan.text[scan.release :] == held
+    assert scanner.flush() == held
+    assert scanner.flush() == ""
+
+
+def test_a_held_tail_that_cannot_grow_is_released_with_the_next_piece() -> None:
+    scanner = StreamScanner()
+    assert scanner.scan("abc").release == 2
+    scan = scanner.scan("at and more")
+    assert (scan.text, scan.release) == ("cat and more", len("cat and more"))
+
+
+def test_a_marker_overlapping_an_earlier_candidate_is_still_found_in_a_stream() -> None:
+    victim = make_marker(KEY, "victim", EPOCH)
+    text = f"Sure: CNRY {victim} done"
+    assert [hit.normal for hit in scan_all(text)] == [b"cnry" + normal_form(victim)[:20], normal_form(victim)]
+    for size in range(1, len(text) + 1):
+        found = [hit.normal for _, hit in stream(split(text, list(range(size, len(text), size)))).found]
+        assert normal_form(victim) in found, size
+
+
+def test_overlapping_edits_cover_both_candidates() -> None:
+    text = "0123456789"
+    first, second = Hit(b"a", 2, 6), Hit(b"b", 4, 8)
+    assert apply_edits(text, [(first, "X"), (second, "Y")]) == "01XY89"
+    assert apply_edits(text, [(second, ""), (first, "")]) == "0189"
+    assert apply_edits(text, [(first, "X"), (Hit(b"c", 3, 5), "Y")]) == "01X6789"
+
+
+# --- Nothing is found in benign text -------------------------------------------------------------------------------
+
+BENIGN_BYTES = 10_500_000
+PROSE_WORDS = (
+    "the of and to in is that it for on with as was be by this are or at from but not have an they which one you "
+    "cancel concern crypto cnn cranberry scenery cn cr cry crying zinc tenancy canary country synchrony"
+).split()
+
+
+def stdlib_source(limit: int) -> str:
+    """Python's own source files (code, docstrings, comments), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        parts.append(source)
+        size += len(source)
+        if size >= limit:
+            break
+    return "".join(parts)
+
+
+def prose(rng: random.Random, size: int) -> str:
+    words = rng.choices(PROSE_WORDS, k=size // 5)
+    return " ".join(w.capitalize() if rng.random() < 0.1 else w for w in words)[:size]
+
+
+def base32_tokens(rng: random.Random, size: int) -> str:
+    """Random [A-Z2-7]{20..40} tokens, a third of them dressed as markers (`CNRY-…`) that nobody registered."""
+    tokens, total = [], 0
+    while total < size:
+        token = "".join(rng.choices(BASE32, k=rng.randint(20, 40)))
+        token = f"CNRY-{token}" if rng.random() < 1 / 3 else token
+        tokens.append(token)
+        total += len(token) + 1
+    return " ".join(tokens)
+
+
+def tenant_text(rng: random.Random, size: int) -> str:
+    """Another tenant's conversation without markers: prose, ids, hashes, base64 blobs, tool-call JSON."""
+    parts, total = [], 0
+    while total < size:
+        blob = base64.b64encode(rng.randbytes(48)).decode()
+        b32 = base64.b32encode(rng.randbytes(15)).decode()
+        part = (
+            f'{{"role": "tool", "content": "order {rng.randint(0, 10**9)} for cnry@example.com", '
+            f'"id": "{rng.randbytes(16).hex()}", "blob": "{blob}", "b32": "{b32}"}}'
+            f"\n{prose(rng, 200)}\n"
+        )
+        parts.append(part)
+        total += len(part)
+    return "".join(parts)
+
+
+def benign_corpus() -> Iterator[tuple[str, str]]:
+    rng = random.Random(5)
+    yield "stdlib source", stdlib_source(6_000_000)
+    yield "prose", prose(rng, 2_000_000)
+    yield "base32 tokens", base32_tokens(rng, 1_500_000)
+    yield "another tenant", tenant_text(rng, 1_000_000)
+
+
+@pytest.mark.slow
+def test_no_registered_marker_is_found_in_ten_megabytes_of_benign_text() -> None:
+    registry = registry_at(tenants=tuple(f"tenant-{n}" for n in range(100_000)))
+    assert len(registry) == 200_000  # two live epochs; 100 bits: no two of them collide
+    rng = random.Random(7)
+    scanned, candidates = 0, 0
+    for name, text in benign_corpus():
+        scanner, released, at = StreamScanner(), [], 0
+        while at < len(text):
+            size = rng.choice((1, 4, 16, 32, 64, 300))
+            scan = scanner.scan(text[at : at + size])
+            at += size
+            released.append(scan.text[: scan.release])
+            for hit in scan.hits:
+                candidates += 1
+                assert registry.owner(hit.normal) is None, (name, hit)
+        released.append(scanner.flush())
+        assert "".join(released) == text, name
+        assert all(registry.owner(hit.normal) is None for hit in scan_all(text)), name
+        scanned += len(text)
+    assert scanned >= BENIGN_BYTES - 500_000
+    assert candidates > 10_000  # the fake `CNRY-` tokens were seen as candidates, and resolved to nobody
+
+
+# --- The registry -------------------------------------------------------------------------------------------------
+
+
+def test_markers_are_cnry_and_100_bits_of_base32() -> None:
+    codes = [make_marker(KEY, f"t{n}", EPOCH) for n in range(3000)]
+    assert all(re.fullmatch(r"CNRY-[A-Z2-7]{20}", code) for code in codes)
+    # Every one of the 20 code characters carries its full 5 bits: each takes all 32 values across tenants.
+    for position in range(5, 5 + CODE_LENGTH):
+        assert {code[position] for code in codes} == set(BASE32), position
+    assert len(set(codes)) == len(codes)
+    assert normal_form(codes[0]) == b"cnry" + codes[0][5:].lower().encode()
+    assert len(normal_form(codes[0])) == NORMAL_LENGTH
+
+
+def test_a_marker_is_stable_within_an_epoch_and_secret() -> None:
+    one, two = registry_at(), registry_at(NOW + EPOCH_S - 20)  # another instance, later in the same epoch
+    assert one.marker("acme") == one.marker("acme") == two.marker("acme") == make_marker(KEY, "acme", EPOCH)
+    assert one.marker("acme") != one.marker("acme2")
+    other_secret = CanaryKey("k1", b"another-secret-0123456789abcdef!")
+    assert registry_at(keys=[other_secret]).marker("acme") != one.marker("acme")
+    assert one.owner(normal_form(one.marker("acme"))) == Owner("acme", EPOCH, "k1")
+
+
+def test_the_current_and_previous_epochs_are_live_and_older_ones_are_not() -> None:
+    registry = registry_at(tenants=("acme",))
+    assert registry.live_epochs == (EPOCH, EPOCH - 1)
+    for epoch, live in ((EPOCH + 1, False), (EPOCH, True), (EPOCH - 1, True), (EPOCH - 2, False)):
+        owner = registry.owner(normal_form(make_marker(KEY, "acme", epoch)))
+        assert owner == (Owner("acme", epoch, "k1") if live else None), epoch
+    assert registry.rotate(NOW + 60) is False
+    assert registry.rotate(NOW + EPOCH_S) is True
+    assert registry.marker("acme") == make_marker(KEY, "acme", EPOCH + 1)
+    assert registry.owner(normal_form(make_marker(KEY, "acme", EPOCH))) == Owner("acme", EPOCH, "k1")
+    assert registry.owner(normal_form(make_marker(KEY, "acme", EPOCH - 1))) is None
+    assert len(registry) == 2
+
+
+def test_a_marker_made_with_a_retired_key_is_still_recognised() -> None:
+    new, old = CanaryKey("k2", b"the-new-secret-0123456789abcdef"), KEY
+    registry = registry_at(keys=[new, old], tenants=("acme",))
+    assert registry.marker("acme") == make_marker(new, "acme", EPOCH)
+    assert registry.owner(normal_form(make_marker(old, "acme", EPOCH))) == Owner("acme", EPOCH, "k1")
+    assert registry.owner(normal_form(make_marker(old, "acme", EPOCH - 1))) == Owner("acme", EPOCH - 1, "k1")
+    assert registry.owner(normal_form(make_marker(new, "acme", EPOCH))) == Owner("acme", EPOCH, "k2")
+    assert len(registry) == 4
+    with pytest.raises(ValueError):
+        MarkerRegistry([], EPOCH_S)
+
+
+async def test_instances_with_different_secrets_recognise_each_others_markers_through_redis() -> None:
+    # An epoch of its own (far from the real clock's), so the hashes this test writes are no other test's.
+    now = (10**9 + secrets.randbelow(10**6)) * EPOCH_S + 1.0
+    epoch = int(now // EPOCH_S)
+    names = [f"bulkhead:canary-markers:{epoch}", f"bulkhead:canary-markers:{epoch - 1}"]
+    with redis_server() as url:
+        async with Redis.from_url(url) as redis:
+            try:
+                a_key = CanaryKey("a", secrets.token_bytes(32))
+                b_key = CanaryKey("b", secrets.token_bytes(32))
+                a = MarkerRegistry([a_key], EPOCH_S, RedisMarkerStore(redis, batch=2))
+                b = MarkerRegistry([b_key], EPOCH_S, RedisMarkerStore(redis))
+                a.rotate(now)
+                b.rotate(now)
+                a.add_tenants(["alice", "carol", "dave"])
+                alice = normal_form(a.marker("alice"))
+                assert b.owner(alice) is None and await b.resolve(alice) is None  # not published yet
+                await a.publish()
+                assert await b.resolve(alice) == Owner("alice", epoch, "a")
+                previous = normal_form(make_marker(a_key, "dave", epoch - 1))
+                assert await b.resolve(previous) == Owner("dave", epoch - 1, "a")
+                assert await b.resolve(normal_form(make_marker(a_key, "dave", epoch - 2))) is None
+                assert await b.resolve(b"cnry" + b"a" * CODE_LENGTH) is None
+                assert b.owner(alice) is None  # looked up, not copied into b's own table
+                assert await redis.hlen(names[0]) == 3
+                assert 0 < await redis.ttl(names[0]) <= 3 * EPOCH_S
+            finally:
+                await redis.delete(*names)
+
+
+# --- The output guard ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Leaks:
+    owners: list[Owner] = field(default_factory=list)
+
+    async def __call__(self, owner: Owner) -> None:
+        self.owners.append(owner)
+
+
+@pytest.fixture
+def registry() -> MarkerRegistry:
+    return registry_at(tenants=("alice", "bob"))
+
+
+def guard_for(registry: MarkerRegistry, policy: LeakPolicy = LeakPolicy.BLOCK) -> tuple[OutputGuard, Leaks]:
+    leaks = Leaks()
+    return OutputGuard(registry, "alice", policy, leaks), leaks
+
+
+def delta_chunk(finish: str | None = None, index: int = 0, **delta: Any) -> dict[str, Any]:
+    return {"object": "chat.completion.chunk", "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+
+def pieces_of(text: str, size: int = 3) -> list[str]:
+    return [text[at : at + size] for at in range(0, len(text), size)]
+
+
+async def relay_content(guard: OutputGuard, text: str, size: int = 3, field: str = "content") -> str:
+    """Stream `text` as delta chunks of `size` characters and a closing chunk; what the tenant would read."""
+    out = []
+    for piece in pieces_of(text, size):
+        chunk = delta_chunk(**{field: piece})
+        await guard.check_chunk(chunk)
+        out.append(chunk["choices"][0]["delta"][field])
+    closing = delta_chunk("stop", **{field: ""})
+    await guard.check_chunk(closing)
+    out.append(closing["choices"][0]["delta"][field])
+    return "".join(out)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 40])
+async def test_the_tenants_own_marker_is_stripped_across_chunks(registry: MarkerRegistry, size: int) -> None:
+    guard, leaks = guard_for(registry)
+    mine = registry.marker("alice")
+    assert await relay_content(guard, f"Hello **{mine}** world", size) == "Hello **** world"
+    assert leaks.owners == []
+
+
+async def test_another_tenants_marker_is_blocked_before_any_of_it_goes_out(registry: MarkerRegistry) -> None:
+    guard, leaks = guard_for(registry)
+    out = []
+    with pytest.raises(LeakBlocked):
+        for piece in pieces_of(f"Here you go: {registry.marker('bob')} and the rest", 2):
+            chunk = delta_chunk(content=piece)
+            await guard.check_chunk(chunk)
+            out.append(chunk["choices"][0]["delta"]["content"])
+    assert "".join(out) == "Here you go: "
+    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+
+
+async def test_redact_replaces_another_tenants_marker(registry: MarkerRegistry) -> None:
+    guard, leaks = guard_for(registry, LeakPolicy.REDACT)
+    text = f"a {registry.marker('bob').lower()} b"
+    assert await relay_content(guard, text, 4) == f"a {REDACTED} b"
+    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+
+
+async def test_alert_lets_the_answer_through_unchanged(registry: MarkerRegistry) -> None:
+    guard, leaks = guard_for(registry, LeakPolicy.ALERT)
+    text = f"a {registry.marker('bob')} b"
+    assert await relay_content(guard, text, 5) == text
+    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+
+
+async def test_reasoning_text_is_scanned(registry: MarkerRegistry) -> None:
+    guard, leaks = guard_for(registry, LeakPolicy.REDACT)
+    text = f"thinking about {registry.marker('bob')}"
+    assert await relay_content(guard, text, 3, field="reasoning_content") == f"thinking about {REDACTED}"
+    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+
+
+async def test_tool_call_arguments_are_scanned(registry: MarkerRegistry) -> None:
+    guard, leaks = guard_for(registry)
+    arguments = '{"note": "' + registry.marker("alice") + '", "leak": "' + registry.marker("bob") + '"}'
+    released = []
+    with pytest.raises(LeakBlocked):
+        for piece in pieces_of(arguments, 4):
+            call = {"index": 0, "id": "call_1", "type": "function", "function": {"arguments": piece}}
+            chunk = delta_chunk(tool_calls=[call])
+            await guard.check_chunk(chunk)
+            released.append(call["function"]["arguments"])
+    assert "".join(released) == '{"note": "", "leak": "'  # her own stripped; nothing of bob's went out
+    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+
+
+async def test_choices_and_fields_are_scanned_as_separate_streams(registry: MarkerRegistry) -> None:
+    guard, leaks = guard_for(registry)
+    mine = registry.marker("alice")
+    # Half a marker in choice 0 and the other half in choice 1 (or in another field) is no marker.
+    first = delta_chunk(content=mine[:12])
+    second = delta_chunk(index=1, content=mine[12:])
+    third = delta_chunk(reasoning_content=mine[12:])
+    for chunk in (first, second, third):
+        await guard.check_chunk(chunk)
+    assert second["choices"][0]["delta"]["content"] == mine[12:]
+    assert third["choices"][0]["delta"]["reasoning_content"] == mine[12:]
+    assert guard.held() == {"0:content": mine[:12]}
+    assert leaks.owners == []
+
+
+async def test_text_held_at_the_finish_is_flushed_into_the_finishing_chunk(registry: MarkerRegistry) -> None:
+    guard, _ = guard_for(registry)
+    first = delta_chunk(content="tic")
+    assert await guard.check_chunk(first) is True
+    assert first["choices"][0]["delta"]["content"] == "ti"
+    last = delta_chunk("stop", content=" tac")
+    await guard.check_chunk(last)
+    assert last["choices"][0]["delta"]["content"] == "c tac"
+    assert guard.held() == {}
+    completion = {"choices": [{"index": 0, "text": "C-N", "finish_reason": "length"}]}
+    await guard.check_chunk(completion)
+    assert completion["choices"][0]["text"] == "C-N"
+
+
+async def test_what_a_stream_without_a_finish_still_held_is_handed_over(registry: MarkerRegistry) -> None:
+    guard, _ = guard_for(registry)
+    await guard.check_chunk(delta_chunk(content="abc"))
+    await guard.check_chunk({"choices": [{"index": 1, "text": "CNRY-AB", "finish_reason": None}]})
+    assert guard.held() == {"0:content": "c", "1:text": "CNRY-AB"}
+    assert guard.held() == {}
+
+
+async def test_text_held_at_a_finish_without_the_field_is_flushed_into_that_chunk(registry: MarkerRegistry) -> None:
+    guard, _ = guard_for(registry)
+    await guard.check_chunk(delta_chunk(content="etc"))
+    last = delta_chunk("stop")
+    await guard.check_chunk(last)
+    assert last["choices"][0]["delta"].get("content") == "c"
+
+
+async def test_a_whole_answer_is_checked(registry: MarkerRegistry) -> None:
+    guard, leaks = guard_for(registry)
+    body: dict[str, Any] = {
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": f"ok {registry.marker('alice')}."}}]
+    }
+    assert await guard.check_body(body) is True
+    assert body["choices"][0]["message"]["content"] == "ok ."
+    assert await guard.check_body({"choices": [{"index": 0, "text": "nothing here, etc"}]}) is False
+    with pytest.raises(LeakBlocked):
+        await guard.check_body({"choices": [{"index": 0, "text": f"{registry.marker('bob')}"}]})
+    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
