@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
@@ -183,13 +183,13 @@ async def rotate_markers(registry: MarkerRegistry, metrics: GatewayMetrics) -> N
                 log.warning("canary markers not published to Redis: %s", type(exc).__name__)
 
 
-async def watch_redis(redis: Redis, metrics: GatewayMetrics, interval: float) -> None:
+async def watch_redis(redis: Redis, gauge: Gauge, interval: float) -> None:
     while True:
         try:
             await redis.ping()
-            metrics.redis_up.set(1)
+            gauge.set(1)
         except (RedisError, OSError):
-            metrics.redis_up.set(0)
+            gauge.set(0)
         await asyncio.sleep(interval)
 
 
@@ -207,8 +207,8 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        metrics = GatewayMetrics()
         redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
+        metrics = GatewayMetrics(with_redis=redis is not None)
         store: Store = RedisStore(redis) if redis is not None else MemoryStore()
         pool = ReplicaPool(settings.backends, metrics, store)
         capacity = CapacityMonitor(settings.models, pool, metrics)
@@ -257,8 +257,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     asyncio.create_task(capacity.watch(client, settings.upstream.capacity_refresh_s, timeout)),
                     asyncio.create_task(rotate_markers(markers, metrics)),
                 ]
-                if redis is not None:
-                    tasks.append(asyncio.create_task(watch_redis(redis, metrics, settings.upstream.health_interval_s)))
+                if redis is not None and metrics.redis_up is not None:
+                    interval = settings.upstream.health_interval_s
+                    tasks.append(asyncio.create_task(watch_redis(redis, metrics.redis_up, interval)))
                 state = app.state.gateway
                 name = f"{socket.gethostname()}-{os.getpid()}"
                 tasks += [asyncio.create_task(work(state, state.queue, f"{name}-{n}")) for n in range(workers)]

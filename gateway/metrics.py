@@ -11,7 +11,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, with_redis: bool = False) -> None:
         # `_created` series double every counter's size on the wire and no dashboard or alert of ours reads them.
         disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
         self.registry = CollectorRegistry()
@@ -143,6 +143,9 @@ class GatewayMetrics:
             "Rate-limit checks that could not reach Redis (served by local limits, or 503 under fail_closed).",
             registry=self.registry,
         )
-        self.redis_up = Gauge(
-            "bulkhead_redis_up", "1 when the last ping to the configured Redis answered.", registry=self.registry
+        # Only with Redis configured: a gauge stuck at 0 in a Redis-less gateway would page as "Redis down".
+        self.redis_up = (
+            Gauge("bulkhead_redis_up", "1 when the last ping to the configured Redis answered.", registry=self.registry)
+            if with_redis
+            else None
         )

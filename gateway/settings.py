@@ -222,10 +222,17 @@ def _unique(what: str, names: list[str]) -> None:
         seen.add(name)
 
 
+# Kubernetes injects service links for a Service named bulkhead-redis as BULKHEAD_REDIS_PORT=tcp://..., and so on;
+# they are not settings (a setting's nested keys are joined by a double underscore, never a single one).
+_SERVICE_LINK = re.compile(
+    r"(?<!_)_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)$"
+)
+
+
 def _env_overrides(environ: Mapping[str, str]) -> dict[tuple[str, ...], tuple[str, Any]]:
     overrides: dict[tuple[str, ...], tuple[str, Any]] = {}
     for variable, raw in environ.items():
-        if not variable.startswith(ENV_PREFIX):
+        if not variable.startswith(ENV_PREFIX) or _SERVICE_LINK.search(variable):
             continue
         path = tuple(part.lower() for part in variable[len(ENV_PREFIX) :].split("__"))
         try:

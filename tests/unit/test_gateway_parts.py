@@ -66,3 +66,13 @@ def test_duplicate_key_hashes_are_refused() -> None:
     tenants = f'[{{"id": "a", "key_hashes": ["{same}"]}}, {{"id": "b", "key_hashes": ["{same}"]}}]'
     with pytest.raises(SettingsError, match="appears twice"):
         load_settings(None, {"BULKHEAD_TENANTS": tenants})
+
+
+def test_kubernetes_service_links_are_not_settings() -> None:
+    environ = {
+        "BULKHEAD_REDIS_PORT": "tcp://10.0.0.7:6379",
+        "BULKHEAD_REDIS_PORT_6379_TCP_ADDR": "10.0.0.7",
+        "BULKHEAD_REDIS_SERVICE_HOST": "10.0.0.7",
+        "BULKHEAD_LISTEN__PORT": "9100",
+    }
+    assert load_settings(None, environ).listen.port == 9100
