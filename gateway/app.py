@@ -36,6 +36,7 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
+from gateway.prober import run_prober
 from gateway.proxy import Upstream, make_client, make_transport
 from gateway.queue import MemoryJobQueue, RedisJobQueue
 from gateway.ratelimit import RateLimiter, RedisBuckets
@@ -261,6 +262,8 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     interval = settings.upstream.health_interval_s
                     tasks.append(asyncio.create_task(watch_redis(redis, metrics.redis_up, interval)))
                 state = app.state.gateway
+                if settings.isolation.prober.enabled:
+                    tasks.append(asyncio.create_task(run_prober(state, client)))
                 name = f"{socket.gethostname()}-{os.getpid()}"
                 tasks += [asyncio.create_task(work(state, state.queue, f"{name}-{n}")) for n in range(workers)]
                 try:

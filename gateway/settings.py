@@ -161,9 +161,19 @@ class CanarySettings(_Section):
         return self
 
 
+class ProberSettings(_Section):
+    enabled: bool = Field(default=False, description="probe every replica for cross-request leaks continuously")
+    interval_s: float = Field(default=600.0, ge=1, description="pause between two passes over the replicas")
+    rate: float = Field(default=1.0, gt=0, description="probe requests per second to one replica")
+    max_requests: int = Field(default=40, ge=10, description="requests per replica per pass")
+    time_limit_s: float = Field(default=120.0, gt=0, description="time per replica per pass")
+    quarantine: bool = Field(default=True, description="quarantine a replica with a critical finding")
+
+
 class IsolationSettings(_Section):
     events_max: int = Field(default=10_000, ge=100, description="isolation events kept (Redis stream or memory)")
     canary: CanarySettings = CanarySettings()
+    prober: ProberSettings = ProberSettings()
 
 
 class AdmissionSettings(_Section):

@@ -67,6 +67,7 @@ class OutputGuard:
         self._on_leak = on_leak
         self._scanners: dict[str, StreamScanner] = {}
         self._reported: set[str] = set()
+        self._unknown: set[bytes] = set()
 
     async def check_chunk(self, chunk: dict[str, Any]) -> bool:
         """Scan and edit one streamed chunk in place; True when it changed."""
@@ -118,8 +119,12 @@ class OutputGuard:
             return released
         edits: list[tuple[Hit, str]] = []
         for hit in scan.hits:
+            if hit.normal in self._unknown:
+                continue
             owner = await self._registry.resolve(hit.normal)
             if owner is None:
+                # A model can be made to write marker-shaped strings over and over: ask the store once per answer.
+                self._unknown.add(hit.normal)
                 continue
             if owner.tenant == self._tenant:
                 edits.append((hit, ""))

@@ -37,7 +37,7 @@ class CanaryKey:
     secret: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Owner:
     tenant: str
     epoch: int

@@ -3,7 +3,9 @@
 Text is first put in the markers' normal form (lower case, only [a-z0-9]: bold, spaces, hyphens and zero-width
 characters inside a marker vanish) by C-level string operations; one fixed-form pattern then finds every
 candidate, and a dictionary lookup says whose it is — 1k or 100k live markers cost the same. Measured against
-Aho-Corasick and Hyperscan (see BENCHMARKS.md), this is as fast for chunks of model output and far smaller.
+Aho-Corasick and Hyperscan (BENCHMARKS.md): 2–3× their per-chunk time (still ~3 µs at 100k markers), but
+adding a tenant is a dict insert instead of a rebuild, memory is a fraction, and markers made by other
+instances are found without knowing them in advance.
 
 A stream is scanned piece by piece. Only a tail that could still grow into a marker (`c`, `cn`, `cnr`, or
 `cnry` and fewer than 20 code characters, in normal form) is held back; everything before it is released at
