@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -148,6 +148,16 @@ def build_counters(
     return counters
 
 
+def make_redis(settings: Settings) -> Redis | None:
+    """The process's one Redis pool: bounded, and a request waits for a free connection instead of failing."""
+    if settings.redis_url is None:
+        return None
+    pool = BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_max_connections, timeout=settings.redis_pool_timeout_s
+    )
+    return Redis.from_pool(pool)
+
+
 def salt_secret(settings: Settings) -> bytes:
     if settings.cache_salt_secret is not None:
         return settings.cache_salt_secret.encode()
@@ -208,7 +218,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        redis = Redis.from_url(settings.redis_url) if settings.redis_url else None
+        redis = make_redis(settings)
         metrics = GatewayMetrics(with_redis=redis is not None)
         store: Store = RedisStore(redis) if redis is not None else MemoryStore()
         pool = ReplicaPool(settings.backends, metrics, store)

@@ -186,6 +186,8 @@ class AdmissionSettings(_Section):
 class Settings(_Section):
     listen: ListenSettings = ListenSettings()
     redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
+    redis_max_connections: int = Field(default=64, ge=1, description="the Redis pool's size; more wait their turn")
+    redis_pool_timeout_s: float = Field(default=5.0, gt=0, description="longest wait for a free Redis connection")
     admin_token: str | None = Field(default=None, min_length=16, repr=False, description="for /admin/*")
     cache_salt_secret: str | None = Field(
         default=None, min_length=16, repr=False, description="per-tenant cache_salt = HMAC(this, tenant)"

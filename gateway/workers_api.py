@@ -7,6 +7,7 @@ put in the Workers envelope `{"result", "success", "errors", "messages"}`. The a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
@@ -32,6 +33,8 @@ from gateway.schemas import validate
 from gateway.state import GatewayState
 
 DATA = b"data: "
+
+log = logging.getLogger("bulkhead.queue")
 
 
 def envelope(result: Any, status: int, errors: list[dict[str, Any]] | None = None) -> Response:
@@ -141,6 +144,7 @@ async def _enqueue(state: GatewayState, model: str, submission: Submission) -> R
     try:
         await state.queue.enqueue(job)
     except (RedisError, OSError) as exc:
+        log.error("queue: job not stored: %s: %s", type(exc).__name__, exc)
         raise QueueUnavailable("The queue cannot take requests right now; nothing was queued. Retry shortly.") from exc
     return envelope({"status": "queued", "request_id": job.id}, 202)
 
