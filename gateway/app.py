@@ -246,7 +246,6 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     capacity=capacity,
                     counters=build_counters(settings, tokenizers, pool, upstream, executor),
                     events=events,
-                    executor=executor,
                     router=Router(pool, metrics, settings.routing, random.Random()),
                     salts=CacheSalts(salt_secret(settings)),
                     markers=markers,

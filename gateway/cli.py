@@ -103,13 +103,21 @@ def with_demo_tenant(settings: Settings, key: str) -> Settings:
     return settings.model_copy(update={"tenants": [demo]})
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _settings(args: argparse.Namespace) -> Settings | None:
+    """The settings, with logging set up by them; None (after saying why) when they are bad."""
     try:
         settings = load_settings(args.config, os.environ)
     except SettingsError as exc:
         print(f"bulkhead: bad settings: {exc}", file=sys.stderr)
-        return 2
+        return None
     configure_logging(settings.log_level)
+    return settings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if settings is None:
+        return 2
     with contextlib.ExitStack() as stack:
         if not settings.backends:
             tokenizer = cached_tokenizer(_cache_root())
@@ -150,12 +158,9 @@ def _print_banner(settings: Settings, demo_key: str | None) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    try:
-        settings = load_settings(args.config, os.environ)
-    except SettingsError as exc:
-        print(f"bulkhead: bad settings: {exc}", file=sys.stderr)
+    settings = _settings(args)
+    if settings is None:
         return 2
-    configure_logging(settings.log_level)
     if settings.redis_url is None:
         print(
             "bulkhead worker: needs redis_url (without Redis the queue lives inside `bulkhead serve`)", file=sys.stderr

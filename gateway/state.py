@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +36,6 @@ class GatewayState:
     capacity: CapacityMonitor
     counters: dict[str, PromptCounter]
     events: EventLog
-    executor: ThreadPoolExecutor
     router: Router
     salts: CacheSalts
     markers: MarkerRegistry

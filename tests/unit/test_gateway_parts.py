@@ -9,7 +9,7 @@ import pytest
 from gateway.body import parse_json_object
 from gateway.errors import AuthenticationFailed, InvalidRequest
 from gateway.settings import SettingsError, TenantSettings, load_settings
-from gateway.sse import EventSplitter, usage_of
+from gateway.sse import EventSplitter
 from gateway.tenants import TenantDirectory, hash_key, new_api_key
 
 
@@ -22,14 +22,6 @@ def test_event_splitter_yields_only_whole_events_across_any_boundaries() -> None
             events.extend(splitter.feed(stream[start : start + size]))
         assert events == [b'data: {"a": 1}\n\n', b'data: {"b": 2}\n\n', b"data: [DONE]\n\n"], size
         assert splitter.rest() == b""
-
-
-def test_usage_is_found_only_in_a_real_usage_object() -> None:
-    usage_chunk = b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\n'
-    assert usage_of(usage_chunk) == ({"prompt_tokens": 3, "completion_tokens": 2}, True)
-    quoted = b'data: {"choices": [{"delta": {"content": "\\"usage\\":{"}}]}\n\n'
-    assert usage_of(quoted) == (None, False)
-    assert usage_of(b'data: {"choices": [], "usage": null}\n\n') == (None, False)
 
 
 def test_depth_limit_counts_levels() -> None:
