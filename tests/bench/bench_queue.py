@@ -25,13 +25,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter, RedisBuckets
 from gateway.settings import TenantSettings
 from gateway.tenants import hash_key
+from tests.bench.load import percentile
 from tests.bench.processes import BENCH_KEY, MODEL, Workspace, child, free_port
 from tests.redis_server import own_redis
-
-
-def percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
 async def limiter_cost(limiter: RateLimiter, tenant: TenantSettings, calls: int) -> tuple[list[float], list[float]]:
@@ -68,8 +64,8 @@ async def part_one(redis_url: str, calls: int) -> None:
     print("| --- | --- | --- | --- | --- |")
     for name, (admits, settles) in results.items():
         print(
-            f"| {name} | {percentile(admits, 0.5):.0f} | {percentile(admits, 0.99):.0f} "
-            f"| {percentile(settles, 0.5):.0f} | {percentile(settles, 0.99):.0f} |"
+            f"| {name} | {percentile(admits, 50):.0f} | {percentile(admits, 99):.0f} "
+            f"| {percentile(settles, 50):.0f} | {percentile(settles, 99):.0f} |"
         )
 
 
@@ -121,8 +117,8 @@ async def drive_queue(url: str, jobs: int) -> None:
     print("| enqueue all (s) | all done (s) | jobs/s | enqueue→done p50 (ms) | p99 (ms) | mean (ms) |")
     print("| --- | --- | --- | --- | --- | --- |")
     print(
-        f"| {enqueued:.2f} | {total:.2f} | {jobs / total:.0f} | {percentile(waits, 0.5):.0f} "
-        f"| {percentile(waits, 0.99):.0f} | {statistics.mean(waits):.0f} |"
+        f"| {enqueued:.2f} | {total:.2f} | {jobs / total:.0f} | {percentile(waits, 50):.0f} "
+        f"| {percentile(waits, 99):.0f} | {statistics.mean(waits):.0f} |"
     )
 
 
