@@ -47,7 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.backends import Replica, ReplicaPool
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Reason, Router
-from gateway.settings import BackendSettings, ModelSettings
+from gateway.settings import BackendSettings, ModelSettings, RoutingSettings
 from gateway.store import MemoryStore
 from gateway.tenants import hash_key
 from isolation.sim.tinymodel import cached_tokenizer
@@ -112,7 +112,9 @@ class Fleet:
         for replica in list(pool.replicas.values())[:healthy]:
             pool.set_health(replica, True)
         model = ModelSettings(name=MODEL, backends=[b.name for b in backends])
-        router = Router(pool, metrics, load_factor=load_factor, tracked_sessions=TRACKED, rng=random.Random(0))
+        # min_slack 0: part 1 measures the load-factor bound itself (the gateway's default slack is 4 requests).
+        routing = RoutingSettings(load_factor=load_factor, tracked_sessions=TRACKED, min_slack=0)
+        router = Router(pool, metrics, routing, rng=random.Random(0))
         return cls(pool, router, model, metrics)
 
     @property
