@@ -54,6 +54,8 @@ from isolation.salts import CacheSalts
 
 log = logging.getLogger("bulkhead")
 
+SHUTDOWN_WAIT_S = 5.0
+
 
 def _state(request: Request) -> GatewayState:
     state: GatewayState = request.app.state.gateway
@@ -280,7 +282,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 finally:
                     for task in tasks:
                         task.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
+                    # Bounded: a task that swallows its cancellation (seen: a blocking XREADGROUP under uvloop)
+                    # must not keep the process from exiting.
+                    await asyncio.wait(tasks, timeout=SHUTDOWN_WAIT_S)
                     if redis is not None:
                         await redis.aclose()
 

@@ -73,6 +73,8 @@ class JobQueue(Protocol):
 
     async def store_result(self, job: Job, index: int, result: Any) -> None: ...
 
+    async def keep(self, claimed: Claimed, consumer: str) -> None: ...
+
     async def finish(self, claimed: Claimed) -> None: ...
 
 
@@ -132,7 +134,12 @@ class RedisJobQueue:
         await self._redis.hset(_key(job.tenant, job.id), "status", "running")
 
     async def store_result(self, job: Job, index: int, result: Any) -> None:
-        await self._redis.hset(_key(job.tenant, job.id), f"result:{index}", orjson.dumps(result))
+        # First write wins: a result the tenant may already have read never changes.
+        await self._redis.hsetnx(_key(job.tenant, job.id), f"result:{index}", orjson.dumps(result))
+
+    async def keep(self, claimed: Claimed, consumer: str) -> None:
+        """Reset the job's idle time: a live worker on a long job must not look dead to the others."""
+        await self._redis.xclaim(STREAM, GROUP, consumer, 0, [claimed.entry], justid=True)
 
     async def finish(self, claimed: Claimed) -> None:
         job = claimed.job
@@ -177,7 +184,10 @@ class MemoryJobQueue:
         self._statuses[(job.tenant, job.id)][1].status = "running"
 
     async def store_result(self, job: Job, index: int, result: Any) -> None:
-        self._statuses[(job.tenant, job.id)][1].results[index] = result
+        self._statuses[(job.tenant, job.id)][1].results.setdefault(index, result)
+
+    async def keep(self, claimed: Claimed, consumer: str) -> None:
+        """Nothing to do: in memory no other worker can take a job over."""
 
     async def finish(self, claimed: Claimed) -> None:
         self._statuses[(claimed.job.tenant, claimed.job.id)][1].status = "done"

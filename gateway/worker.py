@@ -19,7 +19,7 @@ log = logging.getLogger("bulkhead.worker")
 ROUTES = {inference.CHAT.name: inference.CHAT, inference.COMPLETIONS.name: inference.COMPLETIONS}
 
 
-async def process(state: GatewayState, queue: JobQueue, claimed: Claimed) -> None:
+async def process(state: GatewayState, queue: JobQueue, claimed: Claimed, name: str) -> None:
     job = claimed.job
     status = await queue.status(job.tenant, job.id)
     done = set(status.results) if status is not None else set()
@@ -29,6 +29,7 @@ async def process(state: GatewayState, queue: JobQueue, claimed: Claimed) -> Non
     for index, payload in enumerate(job.items):
         if index in done:
             continue  # stored before an earlier worker died: never run twice
+        await queue.keep(claimed, name)
         result: dict[str, Any]
         if tenant is None:
             result = {
@@ -55,7 +56,7 @@ async def work(state: GatewayState, queue: JobQueue, name: str) -> None:
     while True:
         try:
             for claimed in await queue.claim(name, wait_s=1.0):
-                await process(state, queue, claimed)
+                await process(state, queue, claimed, name)
         except (RedisError, OSError) as exc:
             log.warning("worker %s waits for the queue's store: %s", name, type(exc).__name__)
             await asyncio.sleep(1.0)

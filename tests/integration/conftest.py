@@ -74,7 +74,11 @@ def make_gateway_process(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], 
         for process in processes:
             process.terminate()
         for process in processes:
-            process.wait(timeout=15)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()  # a gateway that hangs at shutdown must not outlive the test as an orphan
+                process.wait()
 
 
 @pytest.fixture

@@ -206,3 +206,26 @@ async def test_redis_restarted_under_load(
         for request_id in accepted:
             done = await wait_done(client, f"{gateway_url}{RUN}/requests/{request_id}", ALICE_KEY, timeout=30)
             assert done["results"][0]["status"] == 200
+
+
+async def test_a_live_worker_keeps_its_long_job(
+    client: httpx.AsyncClient, make_gateway_process: Any, make_sim: Any, tokenizer_dir: Path
+) -> None:
+    """A job running longer than reclaim_after_s is not taken over while its worker is alive: no item runs twice."""
+    sim_url = make_sim(ttft_ms=600)
+    with own_redis() as server:
+        config: dict[str, Any] = {
+            "redis_url": server.url,
+            "backends": [{"name": "sim", "url": sim_url}],
+            "models": [{"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir)}],
+            "tenants": [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}],
+            "queue": {"workers": 2, "reclaim_after_s": 1.0},
+        }
+        gateway_url = make_gateway_process(config)
+        batch = {"requests": [{"prompt": f"slow item {n}", "max_tokens": 2} for n in range(4)]}
+        accepted = await client.post(f"{gateway_url}{RUN}?queueRequest=true", json=batch, headers=auth())
+        request_id = accepted.json()["result"]["request_id"]
+        done = await wait_done(client, f"{gateway_url}{RUN}/requests/{request_id}", ALICE_KEY, timeout=30)
+        assert [r["status"] for r in done["results"]] == [200] * 4
+        await asyncio.sleep(1.5)  # a second worker taking the job over would run items again by now
+        assert len(forwarded(sim_url)) == 4
