@@ -8,7 +8,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from gateway.app import create_app
+from gateway.serving import free_port
 from gateway.settings import Settings, SettingsError, TenantSettings, load_settings
 from gateway.tenants import hash_key, new_api_key
 from isolation.audit import command as audit_command
@@ -55,17 +55,10 @@ def _cache_root() -> Path:
     return Path.home() / ".cache" / "bulkhead"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextlib.contextmanager
 def embedded_simulator(tokenizer: Path) -> Iterator[str]:
     """A `bulkhead sim` child process on a free loopback port, for running with no backend configured."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "gateway", "sim", "--port", str(port), "--tokenizer", str(tokenizer)]
     child = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"

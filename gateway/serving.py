@@ -23,6 +23,14 @@ STARTUP_TIMEOUT_S = 10.0
 GRACEFUL_SHUTDOWN_S = 2
 
 
+def free_port() -> int:
+    """A loopback port that is free now; whoever binds it next may lose a race, which is fine on loopback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 @contextmanager
 def run_server(app: ASGIApp) -> Iterator[str]:
     """Run `app` until the block ends; yields its base URL (`http://127.0.0.1:PORT`)."""

@@ -10,6 +10,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from gateway.serving import free_port
+
 
 def _answers(port: int) -> bool:
     try:
@@ -18,13 +20,6 @@ def _answers(port: int) -> bool:
             return sock.recv(16).startswith(b"+PONG")
     except OSError:
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextmanager

@@ -40,6 +40,7 @@ from typing import Any
 
 import httpx
 
+from gateway.serving import free_port
 from gateway.tenants import hash_key, new_api_key
 from isolation.sim.tinymodel import cached_tokenizer
 
@@ -57,13 +58,6 @@ class Service:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _die_with_parent() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from gateway.serving import free_port
 from gateway.tenants import hash_key
 from isolation.sim.tinymodel import build_tokenizer
 
@@ -40,14 +40,6 @@ class Server:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
-
-
-def free_port() -> int:
-    # The port is free when this returns; the child binds it a moment later. Good enough on a bench machine.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def log_tail(log: Path, lines: int = 25) -> str:
