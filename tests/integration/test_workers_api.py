@@ -12,11 +12,10 @@ from typing import Any
 
 import httpx
 import orjson
-import redis
 
 from gateway.tenants import hash_key
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, forwarded
-from tests.redis_server import own_redis, redis_server
+from tests.redis_server import own_redis
 
 RUN = f"/accounts/alice/ai/run/{MODEL}"
 
@@ -102,6 +101,18 @@ async def test_a_bad_item_refuses_the_whole_batch(client: httpx.AsyncClient, gat
     assert forwarded(sim_url) == []
 
 
+def queue_config(redis_url: str, sim_url: str, tokenizer_dir: Path, **extra: Any) -> dict[str, Any]:
+    """Settings for a gateway with Redis in front of one simulator, tenant alice (limits and queue in `extra`)."""
+    limits = extra.pop("limits", {})
+    return {
+        "redis_url": redis_url,
+        "backends": [{"name": "sim", "url": sim_url}],
+        "models": [{"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir)}],
+        "tenants": [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": limits}],
+        **extra,
+    }
+
+
 def worker_process(config: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "gateway", "worker", "--config", str(config), "--workers", "1"],
@@ -114,15 +125,9 @@ async def test_a_killed_worker_leaves_its_job_to_another(
     client: httpx.AsyncClient, make_gateway_process: Any, make_sim: Any, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
     sim_url = make_sim(ttft_ms=700)
-    with redis_server() as redis_url:
-        store = redis.Redis.from_url(redis_url)
-        config: dict[str, Any] = {
-            "redis_url": redis_url,
-            "backends": [{"name": "sim", "url": sim_url}],
-            "models": [{"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir)}],
-            "tenants": [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}],
-            "queue": {"workers": 0, "reclaim_after_s": 1.0},
-        }
+    # A Redis of the test's own: another test's workers on a shared one could take this job.
+    with own_redis() as server:
+        config = queue_config(server.url, sim_url, tokenizer_dir, queue={"workers": 0, "reclaim_after_s": 1.0})
         gateway_url = make_gateway_process(config)
         config_file = tmp_path / "worker.yaml"
         config_file.write_text(orjson.dumps(config).decode())
@@ -151,7 +156,6 @@ async def test_a_killed_worker_leaves_its_job_to_another(
                 if process is not None and process.poll() is None:
                     process.terminate()
                     process.wait(timeout=10)
-            store.close()
 
 
 async def test_redis_restarted_under_load(
@@ -160,16 +164,14 @@ async def test_redis_restarted_under_load(
     """Every accepted async job completes, and serving goes on through the outage (fail_open)."""
     sim_url = make_sim(ttft_ms=50)
     with own_redis() as server:
-        config: dict[str, Any] = {
-            "redis_url": server.url,
-            "backends": [{"name": "sim", "url": sim_url}],
-            "models": [{"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir)}],
-            "tenants": [
-                {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": {"requests_per_minute": 100000}}
-            ],
-            "queue": {"workers": 1, "reclaim_after_s": 1.0},
-            "upstream": {"health_interval_s": 0.5},
-        }
+        config = queue_config(
+            server.url,
+            sim_url,
+            tokenizer_dir,
+            limits={"requests_per_minute": 100000},
+            queue={"workers": 1, "reclaim_after_s": 1.0},
+            upstream={"health_interval_s": 0.5},
+        )
         gateway_url = make_gateway_process(config)
         accepted: list[str] = []
         statuses: list[int] = []
@@ -214,13 +216,7 @@ async def test_a_live_worker_keeps_its_long_job(
     """A job running longer than reclaim_after_s is not taken over while its worker is alive: no item runs twice."""
     sim_url = make_sim(ttft_ms=600)
     with own_redis() as server:
-        config: dict[str, Any] = {
-            "redis_url": server.url,
-            "backends": [{"name": "sim", "url": sim_url}],
-            "models": [{"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir)}],
-            "tenants": [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}],
-            "queue": {"workers": 2, "reclaim_after_s": 1.0},
-        }
+        config = queue_config(server.url, sim_url, tokenizer_dir, queue={"workers": 2, "reclaim_after_s": 1.0})
         gateway_url = make_gateway_process(config)
         batch = {"requests": [{"prompt": f"slow item {n}", "max_tokens": 2} for n in range(4)]}
         accepted = await client.post(f"{gateway_url}{RUN}?queueRequest=true", json=batch, headers=auth())
