@@ -192,8 +192,10 @@ class InferenceCall:
         self.state.metrics.in_flight.dec()
         accesslog.finish(self.record, self.state.metrics)
         used = (self.record.prompt_tokens or 0) + (self.record.completion_tokens or 0)
-        # Off the answer's path: the settlement is a Redis round trip the client need not wait for.
-        self.state.background(self.state.limiter.settle(self.tenant, self.reserved_tokens, used))
+        settlement = self.state.limiter.settlement(self.tenant, self.reserved_tokens, used)
+        if settlement is not None:
+            # Off the answer's path: the settlement is a Redis round trip the client need not wait for.
+            self.state.background(settlement)
 
     def fail(self, error: GatewayError) -> Response:
         self.record.status, self.record.error_code = error.status, error.code

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -214,7 +215,13 @@ class RateLimiter:
             raise error
         return limit_headers
 
-    async def settle(self, tenant: TenantSettings, reserved: int, used: int) -> None:
+    def settlement(self, tenant: TenantSettings, reserved: int, used: int) -> Coroutine[Any, Any, None] | None:
+        """The work that settles a reservation with the real usage, or None when there is nothing to settle
+        (no token limit, or exactly what was reserved): most requests then cost no task at all."""
         quota = quota_of(tenant)
-        if quota is not None and quota.tokens_per_minute and used != reserved:
-            await self._call(tenant.id, quota, used - reserved, take=False)
+        if quota is None or not quota.tokens_per_minute or used == reserved:
+            return None
+        return self._settle(tenant.id, quota, used - reserved)
+
+    async def _settle(self, tenant: str, quota: Quota, tokens: int) -> None:
+        await self._call(tenant, quota, tokens, take=False)
