@@ -72,8 +72,7 @@ def check_request_limits(state: GatewayState, tenant: TenantSettings, request: I
     output = request.requested_output
     cap = min(limits.max_output_tokens, tenant.limits.max_output_tokens or limits.max_output_tokens)
     if output is not None and output > cap:
-        uses_new_name = isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None
-        param = "max_completion_tokens" if uses_new_name else "max_tokens"
+        param = request.output_param
         raise InvalidRequest(f"{param} is {output}; at most {cap} output tokens may be requested.", param=param)
     if request.n > limits.max_n:
         raise InvalidRequest(f"n is {request.n}; at most {limits.max_n} choices may be requested.", param="n")
@@ -88,8 +87,7 @@ def upstream_body(
     else:
         payload.pop("cache_salt", None)
     if admission.max_tokens is not None:
-        key = "max_completion_tokens" if payload.get("max_completion_tokens") is not None else "max_tokens"
-        payload[key] = admission.max_tokens
+        payload[request.output_param] = admission.max_tokens
     if request.stream:
         # Usage is always asked of the backend, to verify and account for every stream; what the client did not
         # ask for is taken out again. With continuous usage the very first chunk can be verified.

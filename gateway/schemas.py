@@ -116,6 +116,11 @@ class _Generation(_Strict):
     def requested_output(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def output_param(self) -> str:
+        """The field that sets the output length: errors name it, and a clamp writes it."""
+        return "max_tokens"
+
 
 class ChatCompletionRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -128,6 +133,10 @@ class ChatCompletionRequest(_Generation):
     @property
     def requested_output(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def output_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 class CompletionRequest(_Generation):
