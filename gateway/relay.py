@@ -46,7 +46,7 @@ class StreamFilter:
         self._guard = guard
         self._splitter = EventSplitter()
         self._done = False
-        self._envelope: dict[str, Any] = {}
+        self._last: dict[str, Any] = {}  # the last chunk with choices: its id, model... frame a closing chunk
         self.usage: dict[str, Any] | None = None
 
     async def feed(self, chunk: bytes) -> bytes:
@@ -82,7 +82,8 @@ class StreamFilter:
             index, _, field = key.partition(":")
             choice = choices.setdefault(int(index), {"index": int(index), "finish_reason": None})
             place(choice, field, text)
-        return DATA + orjson.dumps({**self._envelope, "choices": list(choices.values())}) + b"\n\n"
+        envelope = {k: self._last[k] for k in ENVELOPE if k in self._last}
+        return DATA + orjson.dumps({**envelope, "choices": list(choices.values())}) + b"\n\n"
 
     async def _event(self, event: bytes) -> bytes | None:
         if event == DONE:
@@ -98,7 +99,7 @@ class StreamFilter:
             raise StreamWithheld("the backend sent an event that is not a JSON object")
         changed = False
         if self._guard is not None and chunk.get("choices"):
-            self._envelope = {k: chunk[k] for k in ENVELOPE if k in chunk}
+            self._last = chunk
             try:
                 changed = await self._guard.check_chunk(chunk)
             except LeakBlocked as exc:
