@@ -38,6 +38,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.prober import run_prober
 from gateway.proxy import Upstream, make_client, make_transport
+from gateway.quarantine import QuarantineBudget
 from gateway.queue import MemoryJobQueue, RedisJobQueue
 from gateway.ratelimit import RateLimiter, RedisBuckets
 from gateway.routing import Router
@@ -263,6 +264,10 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     ),
                     webhook=make_webhook(settings, client),
                     redis=redis,
+                    client=client,
+                    quarantines=QuarantineBudget(
+                        settings.isolation.quarantine.max_per_replica, settings.isolation.quarantine.window_s
+                    ),
                 )
                 tasks = [
                     asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
@@ -274,7 +279,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     tasks.append(asyncio.create_task(watch_redis(redis, metrics.redis_up, interval)))
                 state = app.state.gateway
                 if settings.isolation.prober.enabled:
-                    tasks.append(asyncio.create_task(run_prober(state, client)))
+                    tasks.append(asyncio.create_task(run_prober(state)))
                 name = f"{socket.gethostname()}-{os.getpid()}"
                 tasks += [asyncio.create_task(work(state, state.queue, f"{name}-{n}")) for n in range(workers)]
                 try:

@@ -1,5 +1,7 @@
-"""What happens when an answer is withheld or leaks: metric, operators' alert line, stored event, webhook,
-and — for a leak — the replica out of rotation on every instance."""
+"""What happens when an answer is withheld or leaks: metric, operators' alert line, stored event and webhook.
+
+What a leak does to its replica is decided in quarantine.py, before the event is reported here.
+"""
 
 from __future__ import annotations
 
@@ -24,12 +26,7 @@ async def report(event: IsolationEvent, state: GatewayState) -> None:
     log.error(orjson.dumps({"event": "isolation", **event.fields()}).decode())
     if state.webhook is not None:
         state.background(state.webhook.send(event))
-    replica = state.pool.replicas.get(event.replica)
     try:
         await state.events.append(event)
-        if event.kind == LEAK and replica is not None and state.settings.isolation.canary.quarantine_on_leak:
-            await state.pool.set_admin_state(replica, "quarantined", f"canary leak in request {event.request_id}")
     except (RedisError, OSError) as exc:
-        log.error("isolation event %s not stored or shared: %s", event.request_id, type(exc).__name__)
-        if event.kind == LEAK and replica is not None:
-            replica.admin_state = "quarantined"  # at least here, when the store cannot tell the others
+        log.error("isolation event %s not stored: %s", event.request_id, type(exc).__name__)

@@ -18,9 +18,10 @@ from gateway import accesslog
 from gateway.accesslog import RequestRecord
 from gateway.admission import Admission, admit
 from gateway.body import parse_json_object, read_body
-from gateway.counting import Prompt
+from gateway.counting import LocalCounter, Prompt
 from gateway.errors import (
     AnswerWithheld,
+    BackendBadResponse,
     ConcurrencyLimited,
     GatewayError,
     InvalidRequest,
@@ -31,15 +32,17 @@ from gateway.errors import (
 )
 from gateway.incidents import LEAK, report
 from gateway.proxy import map_transport_error, parse_json_body
-from gateway.relay import StreamFilter, StreamWithheld, UsageWanted, filtered
+from gateway.quarantine import on_leak
+from gateway.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, filtered
 from gateway.routing import SESSION_HEADER, Decision, session_id
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, InferenceRequest, validate
 from gateway.settings import ModelSettings, TenantSettings
 from gateway.sse import DONE
 from gateway.state import GatewayState
+from isolation.channels import prune
 from isolation.events import IsolationEvent
 from isolation.guard import LeakBlocked, OutputGuard
-from isolation.inject import inject_chat, inject_completion
+from isolation.inject import completion_prefix, hide_injected, inject_chat, inject_completion
 from isolation.leaks import LeakPolicy
 from isolation.markers import Owner
 from isolation.verify import usage_problem
@@ -67,15 +70,22 @@ def resolve_model(state: GatewayState, tenant: TenantSettings, name: str) -> Mod
     return model
 
 
-def check_request_limits(state: GatewayState, tenant: TenantSettings, request: InferenceRequest) -> None:
+def check_request_limits(
+    state: GatewayState, tenant: TenantSettings, model: ModelSettings, request: InferenceRequest
+) -> int:
+    """Refuse outputs and choices over the caps; return the output size a request without max_tokens gets."""
     limits = state.settings.limits
     output = request.requested_output
     cap = min(limits.max_output_tokens, tenant.limits.max_output_tokens or limits.max_output_tokens)
     if output is not None and output > cap:
         param = request.output_param
         raise InvalidRequest(f"{param} is {output}; at most {cap} output tokens may be requested.", param=param)
-    if request.n > limits.max_n:
-        raise InvalidRequest(f"n is {request.n}; at most {limits.max_n} choices may be requested.", param="n")
+    for name, choices in (("n", request.n), ("best_of", getattr(request, "best_of", None))):
+        if choices is not None and choices > limits.max_n:
+            raise InvalidRequest(f"{name} is {choices}; at most {limits.max_n} choices may be requested.", param=name)
+    # The legacy completions API defaults to 16 tokens (OpenAI's and vLLM's default); chat to the model's reserve.
+    default = 16 if isinstance(request, CompletionRequest) else model.default_output_reserve
+    return min(default, cap)
 
 
 def upstream_body(
@@ -86,8 +96,8 @@ def upstream_body(
         payload["cache_salt"] = salt
     else:
         payload.pop("cache_salt", None)
-    if admission.max_tokens is not None:
-        payload[request.output_param] = admission.max_tokens
+    # Always: without it the engine would generate up to its whole window, past what admission reserved.
+    payload[request.output_param] = admission.max_tokens
     if request.stream:
         # Usage is always asked of the backend, to verify and account for every stream; what the client did not
         # ask for is taken out again. With continuous usage the very first chunk can be verified.
@@ -100,15 +110,16 @@ def upstream_body(
     return orjson.dumps(payload)
 
 
-def plant_marker(state: GatewayState, tenant: TenantSettings, payload: dict[str, Any], chat: bool) -> None:
+def plant_marker(state: GatewayState, tenant: TenantSettings, payload: dict[str, Any], chat: bool) -> str | None:
+    """The tenant's marker, when one was put into the prompt."""
     canary = state.settings.isolation.canary
     if not canary.enabled:
-        return
+        return None
     marker = state.markers.marker(tenant.id)
     if chat:
         inject_chat(payload, marker, canary.placement)
-    else:
-        inject_completion(payload, marker)
+        return marker
+    return marker if inject_completion(payload, marker) else None
 
 
 class RelayResponse(StreamingResponse):
@@ -156,8 +167,10 @@ class InferenceCall:
         decision: Decision,
         limit_headers: dict[str, str],
         reserved_tokens: int,
+        echo_prefix: str = "",
     ) -> None:
         self.state = state
+        self.echo_prefix = echo_prefix
         self.limit_headers = limit_headers
         self.reserved_tokens = reserved_tokens
         self.record = record
@@ -171,6 +184,7 @@ class InferenceCall:
         self.response: httpx.Response | None = None
         self.finished = False
         self._closed = False
+        self._injected_observed = False
         state.tenant_in_flight[tenant.id] += 1
         self.replica.in_flight += 1
         state.metrics.in_flight.inc()
@@ -181,8 +195,7 @@ class InferenceCall:
         self._closed = True
         if self.response is not None:
             await self.response.aclose()
-        if self.admission.counting is not None and not self.admission.counting.done():
-            self.admission.counting.cancel()
+        self.admission.cancel()
         if not self.finished and self.record.status == 200:
             self.record.status, self.record.error_code = 499, "client_disconnected"
         self.state.tenant_in_flight[self.tenant.id] -= 1
@@ -200,6 +213,24 @@ class InferenceCall:
         return error_response(error, headers={"x-request-id": self.record.request_id, **self.limit_headers})
 
     async def forward(self, path: str, body: bytes) -> None:
+        try:
+            await self._open(path, body)
+        except InvalidRequest as refusal:
+            # The backend's own words about the request: they can quote the prompt, markers included.
+            refusal.message = await self.scrub(refusal.message)
+            raise
+        self.state.metrics.routed.labels(self.replica.name, self.decision.reason.value).inc()
+
+    async def scrub(self, text: str) -> str:
+        guard = self.output_guard()
+        if guard is None:
+            return text
+        try:
+            return await guard.check_text(text)
+        except LeakBlocked as exc:
+            raise withheld() from exc
+
+    async def _open(self, path: str, body: bytes) -> None:
         upstream = self.state.upstream
         try:
             self.response = await upstream.open(self.replica, path, body, self.record.request_id)
@@ -212,15 +243,11 @@ class InferenceCall:
             self.replica, self.record.backend = fallback, fallback.name
             fallback.in_flight += 1
             self.response = await upstream.open(fallback, path, body, self.record.request_id)
-        self.state.metrics.routed.labels(self.replica.name, self.decision.reason.value).inc()
 
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
         """Raise StreamWithheld (after recording the event) when the backend's accounting does not add up."""
         sent = await self.admission.prompt_tokens()
-        output = self.admission.max_tokens or self.request.requested_output
-        problem = usage_problem(
-            usage, sent, self.model.usage_tolerance, None if output is None else output * self.request.n
-        )
+        problem = usage_problem(usage, sent, self.model.usage_tolerance, self.admission.max_tokens * self.request.n)
         if problem is None:
             return
         event = IsolationEvent(
@@ -245,30 +272,49 @@ class InferenceCall:
             victim_tenant=owner.tenant,
             epoch=str(owner.epoch),
         )
-        await report(event, self.state)
+        await on_leak(event, self.state)
+
+    async def view_usage(self, usage: dict[str, Any]) -> None:
+        """The backend's usage as the tenant sees it and is charged: without the tokens the gateway injected."""
+        injected = await self.admission.injected_tokens()
+        if not self._injected_observed:
+            self._injected_observed = True
+            self.state.metrics.injected_tokens.labels(self.model.name).observe(injected)
+        hide_injected(usage, injected)
 
     def output_guard(self) -> OutputGuard | None:
         canary = self.state.settings.isolation.canary
         if not canary.enabled:
             return None
-        return OutputGuard(self.state.markers, self.tenant.id, LeakPolicy(canary.policy), self.leak)
+        policy = LeakPolicy(canary.policy)
+        counter = self.state.counters[self.model.name]
+        decode = counter.tokenizer.decode if isinstance(counter, LocalCounter) else None
+        return OutputGuard(self.state.markers, self.tenant.id, policy, self.leak, self.echo_prefix, decode)
 
     async def complete(self) -> Response:
         assert self.response is not None
         raw = await self.state.upstream.read(self.replica, self.response)
         body = parse_json_body(self.replica, raw)
         self.record.mark_first_byte()
+        removed = prune(body)
+        changed = bool(removed)
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
-        if usage is not None:
-            self.record.take_usage(usage)
         guard = self.output_guard()
         try:
+            if guard is not None and removed:
+                await guard.check_removed(removed)
             if self.model.verify_usage:
                 await self.check_usage(usage)
-            if guard is not None and await guard.check_body(body):
-                raw = orjson.dumps(body)
+            if usage is not None:
+                await self.view_usage(usage)
+                self.record.take_usage(usage)
+                changed = True
+            if guard is not None:
+                changed |= await guard.check_body(body)
         except (StreamWithheld, LeakBlocked) as exc:
             raise withheld() from exc
+        if changed:
+            raw = orjson.dumps(body)
         self.finished = True
         headers = {"x-request-id": self.record.request_id, **self.limit_headers}
         return Response(raw, media_type="application/json", headers=headers)
@@ -278,7 +324,7 @@ class InferenceCall:
         record = self.record
         wanted = UsageWanted(final=self.request.include_usage, every_chunk=self.request.continuous_usage)
         check = self.check_usage if self.model.verify_usage else None
-        stream_filter = StreamFilter(wanted, check, self.model.continuous_usage, self.output_guard())
+        stream_filter = StreamFilter(wanted, check, self.view_usage, self.model.continuous_usage, self.output_guard())
         try:
             async for piece in filtered(self.response.aiter_raw(), stream_filter):
                 record.mark_first_byte()
@@ -288,6 +334,9 @@ class InferenceCall:
             yield self._error_event(error)
         except StreamWithheld:
             yield self._error_event(withheld())
+        except StreamFailed:
+            error = BackendBadResponse(f"Backend '{self.replica.name}' reported an error in the middle of the answer.")
+            yield self._error_event(error)
         except GatewayError as error:
             yield self._error_event(error)
         else:
@@ -338,29 +387,43 @@ async def _admit(
     parsed = validate(route.schema, payload)
     model = resolve_model(state, tenant, parsed.model)
     record.model, record.stream = model.name, parsed.stream
-    check_request_limits(state, tenant, parsed)
+    default_output = check_request_limits(state, tenant, model, parsed)
     cap = tenant.limits.max_concurrent_requests
     if cap is not None and state.tenant_in_flight[tenant.id] >= cap:
         raise ConcurrencyLimited(
             f"This API key already has {cap} requests in flight on this gateway; the limit is {cap}."
         )
     chat = isinstance(parsed, ChatCompletionRequest)
-    plant_marker(state, tenant, payload, chat)
-    prompt = Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
+    own = Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
+    marker = plant_marker(state, tenant, payload, chat)
+    sent = own if marker is None else Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
     admission = await admit(
-        prompt,
+        sent,
+        own,
         parsed.requested_output,
+        default_output,
         model,
         tenant,
         state.capacity.limit(model, tenant),
         state.counters[model.name],
         state.metrics,
     )
-    output = admission.max_tokens or parsed.requested_output or model.default_output_reserve
-    reserved = admission.estimate + output * parsed.n
+    reserved = admission.estimate + admission.max_tokens * parsed.n
     limit_headers = await state.limiter.admit(tenant, reserved)
     decision = state.router.choose(model, tenant.id, submission.session)
-    call = InferenceCall(state, record, tenant, model, parsed, admission, decision, limit_headers, reserved)
+    echo = isinstance(parsed, CompletionRequest) and parsed.echo and marker is not None
+    call = InferenceCall(
+        state,
+        record,
+        tenant,
+        model,
+        parsed,
+        admission,
+        decision,
+        limit_headers,
+        reserved,
+        completion_prefix(marker) if echo and marker is not None else "",
+    )
     return call, upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.id))
 
 

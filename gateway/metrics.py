@@ -93,6 +93,21 @@ class GatewayMetrics:
             buckets=PROMPT_TOKEN_BUCKETS,
             registry=self.registry,
         )
+        self.injected_tokens = Histogram(
+            "bulkhead_injected_prompt_tokens",
+            "Prompt tokens the gateway adds to a request for isolation (canary markers): the engine's cost, which "
+            "tenants neither see in their usage nor pay for.",
+            ["model"],
+            buckets=(0, 8, 16, 32, 64, 128, 256, 512, 1024),
+            registry=self.registry,
+        )
+        self.quarantines = Counter(
+            "bulkhead_quarantines",
+            "Automatic quarantine decisions after a leak, by replica and outcome (quarantined, probing, confirmed, "
+            "unconfirmed, bounded, disabled).",
+            ["replica", "outcome"],
+            registry=self.registry,
+        )
         self.isolation_events = Counter(
             "bulkhead_isolation_events",
             "Answers withheld because they could not be shown safe, by kind (usage_mismatch, leak).",

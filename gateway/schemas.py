@@ -1,30 +1,53 @@
 """The request bodies the gateway accepts, as strict pydantic models; the OpenAPI document is built from them.
 
 Validation is strict (no "5" for 5, no 1 for true) so that what the schema says is exactly what passes.
-Unknown top-level fields are allowed and forwarded, as vLLM accepts and ignores them; every field the
-gateway or the engine acts on is checked here first.
+Every field the gateway forwards is listed here — the OpenAI parameters and vLLM's sampling and output
+parameters — and anything else is refused with a 400 naming it (every field of a request is a control: an
+unknown one could be an engine control the gateway has never heard of). Three kinds of known vLLM fields are
+refused on purpose, each with its reason (REFUSED): fields that change what the engine processes in ways the
+gateway cannot count, engine-control fields no tenant may set, and fields that would make the engine return
+the prompt, i.e. the gateway's injected canary text. Sizes that cost the engine (stop strings, schemas,
+grammars, token lists) are bounded.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import re
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import InvalidRequest
 
 ModelName = Annotated[str, Field(min_length=1, max_length=256)]
 OutputTokens = Annotated[int, Field(ge=1)]
-Stop = str | Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)]
+INT64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+ShortText = Annotated[str, Field(max_length=256)]
+Stop = Annotated[str, Field(max_length=256)] | Annotated[list[ShortText], Field(max_length=16)]
+Logprobs = Annotated[int, Field(ge=0, le=20)]  # vLLM's default --max-logprobs
+
+# What structured output may cost the engine's grammar compiler: a JSON schema, regex or grammar above this is
+# refused (a 5,000-property schema takes seconds to compile and is a denial of service, not a use case).
+MAX_GRAMMAR_BYTES = 32 * 1024
+MAX_TOKEN_LIST = 1024
+T = TypeVar("T")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def _bounded(value: T, what: str) -> T:
+    if value is not None and len(orjson.dumps(value)) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"{what} is larger than {MAX_GRAMMAR_BYTES} bytes")
+    return value
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 class TextPart(_Strict):
@@ -47,11 +70,21 @@ class FunctionDefinition(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class Tool(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatMessage(_Strict):
@@ -60,6 +93,14 @@ class ChatMessage(_Strict):
     name: Annotated[str, Field(max_length=256)] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An assistant message handed back as the SDK returned it: its reasoning is rendered by templates that use it;
+    # the output-only fields come back as null.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
@@ -68,17 +109,86 @@ class ChatMessage(_Strict):
         return self
 
 
-# vLLM extensions that change what the engine processes in ways the gateway does not reproduce when it counts
-# tokens: accepting them would make the count (and so the verification of the answer) wrong.
-UNCOUNTABLE_FIELDS = (
-    "chat_template",
-    "continue_final_message",
-    "documents",
-    "add_special_tokens",
-    "truncate_prompt_tokens",
-    "prompt_embeds",
-    "mm_processor_kwargs",
-)
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    # "schema" is a BaseModel attribute; the alias keeps the wire name.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _size(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _bounded(value, "the schema")
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured outputs: one constraint, each bounded in size."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[ShortText], Field(min_length=1, max_length=256)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: ShortText | None = None
+
+    @field_validator("json_", "regex", "grammar")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return _bounded(value, "a structured output constraint")
+
+
+class RepetitionDetection(_Strict):
+    max_pattern_size: Annotated[int, Field(ge=0, le=1024)] = 0
+    min_pattern_size: Annotated[int, Field(ge=0, le=1024)] = 0
+    min_count: Annotated[int, Field(ge=0, le=1024)] = 0
+
+
+# Known vLLM fields that are refused, with the reason the tenant is told. None of them is in the schema (so the
+# OpenAPI document refuses them too); this table only gives the 400 its reason.
+UNCOUNTABLE = "it changes what the engine processes in a way the gateway cannot count exactly"
+ENGINE_CONTROL = "it is an engine-control field, which the gateway never takes from a client"
+ECHOES_PROMPT = "it would return the prompt as the engine saw it, including text the gateway adds for isolation"
+REFUSED: dict[str, str] = {
+    "chat_template": UNCOUNTABLE,
+    "continue_final_message": UNCOUNTABLE,
+    "documents": UNCOUNTABLE,
+    "add_special_tokens": UNCOUNTABLE,
+    "truncate_prompt_tokens": UNCOUNTABLE,
+    "truncation_side": UNCOUNTABLE,
+    "prompt_embeds": UNCOUNTABLE,
+    "mm_processor_kwargs": UNCOUNTABLE,
+    "media_io_kwargs": UNCOUNTABLE,
+    "kv_transfer_params": ENGINE_CONTROL,
+    "ec_transfer_params": ENGINE_CONTROL,
+    "vllm_xargs": ENGINE_CONTROL,
+    "request_id": ENGINE_CONTROL,
+    "priority": ENGINE_CONTROL,
+    "data_parallel_rank": ENGINE_CONTROL,
+    "session_id": ENGINE_CONTROL,
+    "routed_experts_prompt_start": ENGINE_CONTROL,
+    "mm_payload": ENGINE_CONTROL,
+    "return_mm_kwargs": ENGINE_CONTROL,
+    "return_token_offsets": ENGINE_CONTROL,
+    "prompt_logprobs": ECHOES_PROMPT,
+    "return_token_ids": ECHOES_PROMPT,
+    "return_tokens_as_token_ids": "it turns answer tokens into ids the gateway would have to decode to scan",
+    "return_prompt_text": ECHOES_PROMPT,
+}
+
+
+def _refuse_known(data: Any) -> Any:
+    if isinstance(data, dict):
+        for name in data.keys() & REFUSED.keys():
+            raise ValueError(f"'{name}' is not accepted: {REFUSED[name]}")
+    return data
 
 
 class _Generation(_Strict):
@@ -91,26 +201,52 @@ class _Generation(_Strict):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    seed: int | None = None
+    seed: INT64 | None = None
     stop: Stop | None = None
-    user: Annotated[str, Field(max_length=256)] | None = None
+    user: ShortText | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None = None
+    response_format: ResponseFormat | None = None
+    # Overwritten with the tenant's own salt (or removed): accepted so clients that send one keep working.
+    cache_salt: Annotated[str, Field(max_length=1024)] | None = None
+    # vLLM's sampling and output parameters.
+    use_beam_search: bool = False
+    top_k: Annotated[int, Field(ge=-1, le=100_000)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    length_penalty: Annotated[float, Field(ge=-100, le=100)] = 1.0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_LIST)] | None = None
+    bad_words: Annotated[list[ShortText], Field(max_length=64)] | None = None
+    logprob_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=64)] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    thinking_token_budget: Annotated[int, Field(ge=-1)] | None = None
+    repetition_detection: RepetitionDetection | None = None
+    stream_interval: Annotated[int, Field(ge=1, le=1024)] | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _countable(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in UNCOUNTABLE_FIELDS:
-                if name in data:
-                    raise ValueError(f"'{name}' is not accepted: the gateway must count exactly what the engine gets")
-        return data
+    def _refused(cls, data: Any) -> Any:
+        return _refuse_known(data)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and not all(key.isascii() and key.isdigit() and len(key) <= 10 for key in value):
+            raise ValueError("logit_bias keys must be token ids")
+        return value
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        return self.stream_options is not None and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def requested_output(self) -> int | None:
@@ -118,7 +254,7 @@ class _Generation(_Strict):
 
     @property
     def output_param(self) -> str:
-        """The field that sets the output length: errors name it, and a clamp writes it."""
+        """The field that sets the output length: errors name it, and the gateway writes it upstream."""
         return "max_tokens"
 
 
@@ -127,8 +263,23 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: OutputTokens | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool = False
+    top_logprobs: Logprobs | None = None
+    include_reasoning: bool = True
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    # A chat echo prepends the last message, which carries the tenant's marker when it is a user turn.
+    echo: Literal[False] | None = None
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _no_echo(cls, value: Any) -> Any:
+        if value is True:
+            raise ValueError(f"not accepted: {ECHOES_PROMPT}")
+        return value
 
     @property
     def requested_output(self) -> int | None:
@@ -140,13 +291,22 @@ class ChatCompletionRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)]
     echo: bool = False
+    logprobs: Logprobs | None = None
+    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+
+    @model_validator(mode="after")
+    def _echo_tokens(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None and isinstance(self.prompt, str):
+            raise ValueError(f"'echo' with 'logprobs' is not accepted: {ECHOES_PROMPT}")
+        return self
 
 
 InferenceRequest = ChatCompletionRequest | CompletionRequest
 
 
+_NAMED = re.compile(r"^'(\w+)'")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
@@ -160,6 +320,12 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     return "".join(parts).lstrip(".")
 
 
+def _reason(error: Any) -> str:
+    if error["type"] == "extra_forbidden":
+        return "not a field the gateway accepts (it forwards only the fields listed in /openapi.json)"
+    return str(error["msg"]).removeprefix("Value error, ")
+
+
 def validate(
     schema: type[ChatCompletionRequest] | type[CompletionRequest], payload: dict[str, Any]
 ) -> InferenceRequest:
@@ -167,7 +333,10 @@ def validate(
         return schema.model_validate(payload)
     except ValidationError as exc:
         errors = exc.errors()
-        param = _field_path(tuple(errors[0]["loc"]))
-        reasons = list(dict.fromkeys(e["msg"] for e in errors if _field_path(tuple(e["loc"])) == param))
+        path = _field_path(tuple(errors[0]["loc"]))
+        reasons = list(dict.fromkeys(_reason(e) for e in errors if _field_path(tuple(e["loc"])) == path))
         message = " or ".join(reasons[:3])
-        raise InvalidRequest(f"{param}: {message}" if param else message, param=param or None) from exc
+        if not path and (named := _NAMED.match(message)):
+            # A check of the whole body names its field first in its message.
+            raise InvalidRequest(message, param=named.group(1)) from exc
+        raise InvalidRequest(f"{path}: {message}" if path else message, param=path or None) from exc

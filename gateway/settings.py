@@ -75,7 +75,9 @@ class ModelSettings(_Section):
     kv_capacity_tokens: int | None = Field(
         default=None, ge=1, description="a KV pool the gateway cannot see, e.g. a disaggregated prefill pool"
     )
-    default_output_reserve: int = Field(default=16, ge=1, description="output room assumed without max_tokens")
+    default_output_reserve: int = Field(
+        default=4096, ge=1, description="chat output sent upstream without max_tokens, cut to the room left"
+    )
     usage_tolerance: int = Field(default=0, ge=0, description="allowed |backend prompt_tokens - our count|")
     limit_by_kv_capacity: bool = Field(
         default=True, description="also cap prompts at the KV capacity the backends report, not only their window"
@@ -170,10 +172,18 @@ class ProberSettings(_Section):
     quarantine: bool = Field(default=True, description="quarantine a replica with a critical finding")
 
 
+class QuarantineSettings(_Section):
+    max_per_replica: int = Field(
+        default=1, ge=0, description="automatic quarantines of one replica per window (per instance); more are counted"
+    )
+    window_s: float = Field(default=3600.0, gt=0)
+
+
 class IsolationSettings(_Section):
     events_max: int = Field(default=10_000, ge=100, description="isolation events kept (Redis stream or memory)")
     canary: CanarySettings = CanarySettings()
     prober: ProberSettings = ProberSettings()
+    quarantine: QuarantineSettings = QuarantineSettings()
 
 
 class AdmissionSettings(_Section):

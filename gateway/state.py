@@ -6,8 +6,9 @@ import asyncio
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import httpx
 from redis.asyncio import Redis
 
 from gateway.backends import ReplicaPool
@@ -25,6 +26,9 @@ from isolation.leaks import Webhook
 from isolation.markers import MarkerRegistry
 from isolation.salts import CacheSalts
 
+if TYPE_CHECKING:  # quarantine.py works on the state, so it cannot be imported before it
+    from gateway.quarantine import QuarantineBudget
+
 
 @dataclass
 class GatewayState:
@@ -41,6 +45,8 @@ class GatewayState:
     markers: MarkerRegistry
     limiter: RateLimiter
     queue: JobQueue
+    client: httpx.AsyncClient  # the process's one HTTP client, for everything but the proxied hop
+    quarantines: QuarantineBudget
     webhook: Webhook | None = None
     redis: Redis | None = None
     # Per-instance concurrency per tenant; a shared budget across instances is the rate limiter's job.

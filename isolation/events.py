@@ -28,6 +28,10 @@ class IsolationEvent:
     detail: str
     victim_tenant: str = ""  # for leaks: whose marker it was (operators only; never told to the recipient)
     epoch: str = ""  # for leaks: the marker's epoch
+    # For leaks: what became of the replica (quarantined, probing, bounded, disabled, none), and for the outcome
+    # of a confirmation probe, whether the probe saw the replica mix requests (yes / no).
+    action: str = ""
+    confirmed: str = ""
     time: float = field(default_factory=time.time)
 
     def fields(self) -> dict[str, str]:

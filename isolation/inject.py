@@ -36,8 +36,35 @@ def inject_chat(payload: dict[str, Any], marker: str, placement: Placement) -> N
     payload["messages"] = messages
 
 
-def inject_completion(payload: dict[str, Any], marker: str) -> None:
-    # Only in front: text after the prompt would change what the model continues. Token-id prompts are left as
-    # they are (the gateway would have to tokenize the marker in the backend's vocabulary).
-    if isinstance(payload.get("prompt"), str):
-        payload["prompt"] = f"{marker}\n{payload['prompt']}"
+def inject_completion(payload: dict[str, Any], marker: str) -> bool:
+    """Put the marker in front of a text prompt; False when nothing was injected.
+
+    Only in front: text after the prompt would change what the model continues. Token-id prompts are left as
+    they are (the gateway would have to tokenize the marker in the backend's vocabulary).
+    """
+    if not isinstance(payload.get("prompt"), str):
+        return False
+    payload["prompt"] = completion_prefix(marker) + payload["prompt"]
+    return True
+
+
+def completion_prefix(marker: str) -> str:
+    """What inject_completion puts in front of a text prompt: an echo of the prompt starts with it."""
+    return f"{marker}\n"
+
+
+def hide_injected(usage: dict[str, Any], injected: int) -> None:
+    """Take the injected tokens out of an answer's usage, in place: the tenant neither sees nor pays for them.
+
+    Cached prompt tokens are a prefix of the sent prompt, which holds the system text's marker (and the markers of
+    earlier turns): they are taken out of the cached count too, and it never exceeds the tenant's prompt.
+    """
+    prompt = usage.get("prompt_tokens")
+    if not injected or not isinstance(prompt, int):
+        return
+    usage["prompt_tokens"] = own = max(0, prompt - injected)
+    if isinstance(usage.get("total_tokens"), int):
+        usage["total_tokens"] -= prompt - own
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        details["cached_tokens"] = min(own, max(0, details["cached_tokens"] - injected))

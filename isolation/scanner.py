@@ -1,7 +1,9 @@
 """Finding canary markers in decoded model output, as it streams, at a cost that does not grow with tenants.
 
 Text is first put in the markers' normal form (lower case, only [a-z0-9]: bold, spaces, hyphens and zero-width
-characters inside a marker vanish) by C-level string operations; one fixed-form pattern then finds every
+characters inside a marker vanish; text with non-ASCII characters is first folded by Unicode compatibility
+decomposition, NFKD, so full-width, mathematical or accented look-alikes of a marker's letters become those
+letters) by C-level string operations; one fixed-form pattern then finds every
 candidate, and a dictionary lookup says whose it is — 1k or 100k live markers cost the same. Measured against
 Aho-Corasick and Hyperscan (BENCHMARKS.md): 2–3× their per-chunk time (still ~3 µs at 100k markers), but
 adding a tenant is a dict insert instead of a rebuild, memory is a fraction, and markers made by other
@@ -16,6 +18,7 @@ candidates overlap, as in `CNRY CNRY-…`, the part they share goes out with the
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 
 from isolation.markers import CODE_LENGTH, NORMAL_LENGTH
@@ -26,6 +29,10 @@ _NOT_ALNUM = bytes(b for b in range(256) if not (ord("a") <= b <= ord("z") or or
 
 
 def normalize(text: str) -> bytes:
+    if not text.isascii():
+        # NFKD, not NFKC: decomposition works character by character, so the normal form of a text is the normal
+        # forms of its characters joined (which _positions relies on), and an accented letter keeps its base.
+        text = unicodedata.normalize("NFKD", text)
     return text.lower().encode("ascii", "ignore").translate(None, _NOT_ALNUM)
 
 
@@ -38,7 +45,10 @@ class Hit:
     end: int
 
 
-@dataclass(frozen=True)
+_NO_HITS: list[Hit] = []  # shared by every scan that found nothing: never appended to
+
+
+@dataclass(frozen=True, slots=True)
 class Scan:
     text: str  # what was held back before, plus the new piece
     hits: list[Hit]
@@ -70,10 +80,18 @@ class StreamScanner:
         # went out with the hit (edited, if the hit was a marker), and a marker overlapping it must still be found.
         self._carry = b""
 
+    @property
+    def holding(self) -> bool:
+        """Text is held back: it could still become a marker with what comes next."""
+        return bool(self._held)
+
     def scan(self, piece: str) -> Scan:
         text = self._held + piece if self._held else piece
         carry = self._carry
         normal = carry + normalize(text)
+        if b"c" not in normal:  # no candidate and nothing that could start one: most pieces, decided here
+            self._held, self._carry = "", b""
+            return Scan(text, _NO_HITS, len(text))
         matches = [m.start() for m in _CANDIDATE.finditer(normal)]
         hold = _hold_from(normal)
         if not matches and hold is None:

@@ -96,11 +96,26 @@ async def test_exact_limit_for_chat_counts_the_template(
     # vLLM would have taken it and silently cut the output; the gateway refuses instead.
 
 
-async def test_default_output_reserve_applies_without_max_tokens(client: httpx.AsyncClient, gateway_url: str) -> None:
+async def test_without_max_tokens_the_default_output_is_sent_cut_to_fit(
+    client: httpx.AsyncClient, gateway_url: str, sim_url: str
+) -> None:
+    # The engine always gets the output size admission reserved: without one it would generate up to its window.
     fits = {"model": MODEL, "prompt": [5] * (2048 - 16)}
     assert (await client.post(f"{gateway_url}{COMPLETIONS}", json=fits, headers=auth())).status_code == 200
-    over = {"model": MODEL, "prompt": [5] * (2048 - 15)}
-    response = await client.post(f"{gateway_url}{COMPLETIONS}", json=over, headers=auth())
+    assert forwarded(sim_url)[-1]["body"]["max_tokens"] == 16, "the completions API's default"
+    # A default is not a request: a prompt that leaves less room gets what is left, not a 400.
+    tight = {"model": MODEL, "prompt": [5] * (2048 - 5)}
+    response = await client.post(f"{gateway_url}{COMPLETIONS}", json=tight, headers=auth())
+    assert response.status_code == 200
+    assert forwarded(sim_url)[-1]["body"]["max_tokens"] == 5
+    assert response.json()["usage"]["completion_tokens"] == 5
+    chat = await client.post(f"{gateway_url}{CHAT}", json=chat_body(), headers=auth())
+    assert chat.status_code == 200
+    sent = forwarded(sim_url)[-1]["body"]
+    room = 2048 - httpx.post(f"{sim_url}/tokenize", json={"model": MODEL, "messages": sent["messages"]}).json()["count"]
+    assert sent["max_tokens"] == min(room, 4096), "chat's default_output_reserve, cut to the room"
+    full = {"model": MODEL, "prompt": [5] * 2048}
+    response = await client.post(f"{gateway_url}{COMPLETIONS}", json=full, headers=auth())
     assert response.status_code == 400
     assert "leaves 16 tokens for output (the default)" in response.json()["error"]["message"]
 

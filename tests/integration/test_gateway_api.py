@@ -28,9 +28,19 @@ async def test_chat_completion_is_relayed_with_usage(client: httpx.AsyncClient, 
     [record] = forwarded(sim_url)
     assert record["path"] == "/v1/chat/completions"
     sent = record["body"]
-    counted = (await client.post(f"{sim_url}/tokenize", json={"model": MODEL, "messages": sent["messages"]})).json()
-    assert body["usage"]["prompt_tokens"] == counted["count"]
-    # What went upstream: the request, plus the tenant's canary marker and cache salt.
+
+    async def count(messages: list[dict[str, Any]]) -> int:
+        answer = await client.post(f"{sim_url}/tokenize", json={"model": MODEL, "messages": messages})
+        counted: int = answer.json()["count"]
+        return counted
+
+    # The tenant's usage is its own prompt's: the markers the gateway added are the gateway's cost.
+    own, with_markers = await count(chat_body("Hi 世界")["messages"]), await count(sent["messages"])
+    assert body["usage"]["prompt_tokens"] == own < with_markers
+    assert body["usage"]["total_tokens"] == own + body["usage"]["completion_tokens"]
+    # What went upstream: the request, plus the tenant's canary marker and cache salt, and the output room that
+    # admission reserved (the model's default_output_reserve, cut to the room the 2,048-token window leaves).
+    assert sent.pop("max_tokens") == 2048 - with_markers
     salt = sent.pop("cache_salt")
     assert len(salt) == 32 and int(salt, 16) >= 0
     system, user = sent.pop("messages")

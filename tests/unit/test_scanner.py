@@ -499,7 +499,7 @@ async def test_choices_and_fields_are_scanned_as_separate_streams(registry: Mark
         await guard.check_chunk(chunk)
     assert second["choices"][0]["delta"]["content"] == mine[12:]
     assert third["choices"][0]["delta"]["reasoning_content"] == mine[12:]
-    assert guard.held() == {"0:content": mine[:12]}
+    assert guard.closing() == [{"index": 0, "finish_reason": None, "delta": {"content": mine[:12]}}]
     assert leaks.owners == []
 
 
@@ -511,7 +511,7 @@ async def test_text_held_at_the_finish_is_flushed_into_the_finishing_chunk(regis
     last = delta_chunk("stop", content=" tac")
     await guard.check_chunk(last)
     assert last["choices"][0]["delta"]["content"] == "c tac"
-    assert guard.held() == {}
+    assert guard.closing() == []
     completion = {"choices": [{"index": 0, "text": "C-N", "finish_reason": "length"}]}
     await guard.check_chunk(completion)
     assert completion["choices"][0]["text"] == "C-N"
@@ -521,8 +521,11 @@ async def test_what_a_stream_without_a_finish_still_held_is_handed_over(registry
     guard, _ = guard_for(registry)
     await guard.check_chunk(delta_chunk(content="abc"))
     await guard.check_chunk({"choices": [{"index": 1, "text": "CNRY-AB", "finish_reason": None}]})
-    assert guard.held() == {"0:content": "c", "1:text": "CNRY-AB"}
-    assert guard.held() == {}
+    assert guard.closing() == [
+        {"index": 0, "finish_reason": None, "delta": {"content": "c"}},
+        {"index": 1, "finish_reason": None, "text": "CNRY-AB"},
+    ]
+    assert guard.closing() == []
 
 
 async def test_text_held_at_a_finish_without_the_field_is_flushed_into_that_chunk(registry: MarkerRegistry) -> None:
