@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--fault",
         choices=FAULTS,
         default="none",
-        help="stale-kv: answer over-capacity prompts from stale KV blocks of earlier requests (the incident)",
+        help="stale-kv: answer over-capacity prompts from stale KV blocks of earlier requests (the incident); "
+        "stale-kv-logprobs / stale-kv-tool-names: the same, leaked through logprobs / a tool call's name",
     )
     sim.set_defaults(run=_sim)
 

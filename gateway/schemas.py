@@ -332,7 +332,9 @@ def validate(
     try:
         return schema.model_validate(payload)
     except ValidationError as exc:
-        errors = exc.errors()
+        # The deepest error is the most specific: for a union (a stop string or a list of them), the branch that
+        # matched the input's shape goes deeper.
+        errors = sorted(exc.errors(), key=lambda error: -len(error["loc"]))
         path = _field_path(tuple(errors[0]["loc"]))
         reasons = list(dict.fromkeys(_reason(e) for e in errors if _field_path(tuple(e["loc"])) == path))
         message = " or ".join(reasons[:3])

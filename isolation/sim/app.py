@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
@@ -39,9 +40,11 @@ from isolation.sim.detokenizer import Detokenizer
 from isolation.sim.engine import Engine, Run
 from isolation.sim.errors import SimError, bad_request, model_not_found, render_sim_error
 from isolation.sim.generation import WordVocabulary
+from isolation.sim.logprobs import Scorer
 from isolation.sim.metrics import build_registry, render
 from isolation.sim.protocol import (
     ChatPrompt,
+    CompletionRequest,
     JsonObject,
     Sampling,
     TextPrompt,
@@ -106,6 +109,7 @@ class _Endpoints:
         self.registry = registry
         self.request_log = request_log
         self.vocab_size = int(tokenizer.tokenizer.get_vocab_size(with_added_tokens=True))
+        self.scorer = Scorer(engine.vocabulary, engine.detokenizer)
 
     async def models(self, request: Request) -> Response:
         now = int(time.time())
@@ -138,13 +142,16 @@ class _Endpoints:
     async def chat_completions(self, request: Request) -> Response:
         chat = parse_chat(await self._read_body(request, record=True))
         self._check_model(chat.sampling.model)
-        return await self._generate(request, self._encode_chat(chat.prompt), chat.sampling, ChatReply)
+        prompt = chat.prompt
+        reply = partial(ChatReply, role=prompt.response_role, echo=prompt.echoed(), tools=bool(prompt.tools))
+        return await self._generate(request, self._encode_chat(prompt), chat.sampling, reply)
 
     async def completions(self, request: Request) -> Response:
         completion = parse_completion(await self._read_body(request, record=True))
         self._check_model(completion.sampling.model)
         prompt_ids = self._encode_text(completion.prompt)
-        return await self._generate(request, prompt_ids, completion.sampling, CompletionReply)
+        reply = partial(CompletionReply, echo=self._echoed(completion, prompt_ids))
+        return await self._generate(request, prompt_ids, completion.sampling, reply)
 
     async def tokenize(self, request: Request) -> Response:
         body = await self._read_body(request, record=False)
@@ -216,6 +223,15 @@ class _Endpoints:
         encoding = self.tokenizer.tokenizer.encode(prompt.prompt, add_special_tokens=prompt.add_special_tokens)
         return list(encoding.ids)
 
+    def _echoed(self, completion: CompletionRequest, prompt_ids: list[int]) -> str:
+        """The prompt's text as vLLM echoes it: as sent, or decoded with its special tokens; none at all when
+        token ids are returned too."""
+        extras = completion.sampling.extras
+        if not extras.echo or extras.token_ids:
+            return ""
+        prompt = completion.prompt.prompt
+        return prompt if isinstance(prompt, str) else self.engine.detokenizer.decode_all(prompt_ids)
+
     def _check_token_ids(self, ids: list[int], param: str) -> list[int]:
         out_of_range = [token_id for token_id in ids if not 0 <= token_id < self.vocab_size]
         if out_of_range:
@@ -223,10 +239,12 @@ class _Endpoints:
         return ids
 
     async def _generate(
-        self, request: Request, prompt_ids: Sequence[int], sampling: Sampling, reply_type: type[Reply]
+        self, request: Request, prompt_ids: Sequence[int], sampling: Sampling, make_reply: Callable[..., Reply]
     ) -> Response:
-        run = await self.engine.admit(prompt_ids, sampling.n, sampling.max_tokens, sampling.cache_salt)
-        reply = reply_type(run=run, sampling=sampling, model=self.config.model, vocabulary=self.engine.vocabulary)
+        run = await self.engine.admit(prompt_ids, sampling.n, sampling.max_tokens, sampling.cache_salt, sampling.extras)
+        reply = make_reply(
+            run=run, sampling=sampling, model=self.config.model, vocabulary=self.engine.vocabulary, scorer=self.scorer
+        )
         if sampling.stream:
             return EngineStream(self.engine, reply)
         try:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
-Fault = Literal["none", "stale-kv"]
+Fault = Literal["none", "stale-kv", "stale-kv-logprobs", "stale-kv-tool-names"]
 FAULTS: tuple[str, ...] = get_args(Fault)
 
 
@@ -19,6 +19,9 @@ class SimConfig:
     `fault` decides what happens to a prompt that fits max_model_len but not the KV cache: "none" refuses it
     with vLLM's context-length 400 (naming the cache's size), "stale-kv" reproduces the incident: the prompt
     is swapped for a one-token placeholder and answered from freed KV blocks of earlier requests, with 200.
+    The two other stale faults answer the same way but leak through another channel: "stale-kv-logprobs" shows
+    an ordinary text and puts the stale tokens in its logprobs only; "stale-kv-tool-names" answers a chat
+    request that carries tools with a tool call named by the stale text (without tools it is "stale-kv").
     """
 
     tokenizer_dir: Path

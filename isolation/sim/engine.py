@@ -20,7 +20,13 @@ The stale-kv fault is the incident this project exists for (and SGLang issue #30
 swapped for a one-token placeholder (its first token, never written to the cache) and still decoded, and the
 decoder reads pages it does not own. The simulator answers with the tokens freed blocks still hold, most
 recently freed first, i.e. earlier requests' prompts and answers, with HTTP 200 and prompt_tokens = 1. With no
-freed block holding anything, the placeholder gets an ordinary answer.
+freed block holding anything, the placeholder gets an ordinary answer. The other stale faults differ only in
+where those tokens surface: "stale-kv-logprobs" answers with ordinary words (as many as there are stale
+tokens) and reports the stale tokens as the sampled ones in logprobs; "stale-kv-tool-names" marks the run so
+that a chat reply to a request with tools becomes a tool call named by the stale text.
+
+Between the length checks and the cache, the engine refuses more logprobs than vLLM's --max-logprobs allows,
+where vLLM's engine verifies its sampling parameters.
 """
 
 from __future__ import annotations
@@ -35,26 +41,34 @@ from typing import Literal
 
 from isolation.sim.config import SimConfig
 from isolation.sim.detokenizer import Detokenizer
-from isolation.sim.errors import context_length_exceeded, max_tokens_too_small
+from isolation.sim.errors import context_length_exceeded, max_tokens_too_small, too_many_logprobs
 from isolation.sim.generation import WordVocabulary
 from isolation.sim.kvcache import BlockTable, KVCache
+from isolation.sim.protocol import PLAIN, Extras
 
 FinishReason = Literal["stop", "length"]
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 @dataclass(eq=False)
 class Run:
     """One admitted request: every choice's tokens, decided at admission, and how many have been produced."""
 
-    prompt_tokens: int
+    prompt_ids: Sequence[int]  # what the engine was given: the prompt, or a stale-kv placeholder
     outputs: tuple[tuple[int, ...], ...]  # one answer per choice, all the same length
     finish_reason: FinishReason
     admitted_at: float  # time.monotonic(); tokens are due relative to it
     ttft_s: float = 0.0  # the configured TTFT, shortened by the share of the prompt found in the prefix cache
     table: BlockTable | None = None  # the KV blocks it holds; None for a stale-kv placeholder
     pieces: tuple[str, ...] | None = None  # each output token's text when it is not a vocabulary word (stale-kv)
+    logprob_ids: tuple[int, ...] | None = None  # sampled tokens logprobs report instead of the outputs' (a leak)
+    tool_name: bool = False  # a stale reply that a chat request with tools gets as a tool call's name
     produced: int = 0
     state: Literal["running", "finished", "aborted"] = "running"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
     @property
     def length(self) -> int:
@@ -105,7 +119,9 @@ class Engine:
         """Fraction of KV blocks held by requests (freed blocks that still serve prefix hits count as free)."""
         return self.cache.usage()
 
-    async def admit(self, prompt_ids: Sequence[int], n: int, max_tokens: int | None, salt: str | None) -> Run:
+    async def admit(
+        self, prompt_ids: Sequence[int], n: int, max_tokens: int | None, salt: str | None, extras: Extras = PLAIN
+    ) -> Run:
         """Start a request, or raise the SimError vLLM would answer with before generating anything.
 
         Every choice's natural answer is output_tokens long, cut to max_tokens and to the window's room.
@@ -115,16 +131,20 @@ class Engine:
         if count > window:
             raise context_length_exceeded(window, count)
         capacity = self.cache.capacity_tokens
-        if count > capacity:
-            if self.config.fault == "none":
-                raise context_length_exceeded(capacity, count)
-            return self._admit_placeholder(prompt_ids[:1], n, max_tokens)
-        budget = _output_budget(window, count, max_tokens)
+        over_capacity = count > capacity
+        if over_capacity and self.config.fault == "none":
+            raise context_length_exceeded(capacity, count)
+        engine_prompt = prompt_ids[:1] if over_capacity else prompt_ids
+        budget = _output_budget(window, len(engine_prompt), max_tokens)
+        if extras is not PLAIN:
+            self._check_logprobs(extras)
+        if over_capacity:
+            return self._admit_placeholder(engine_prompt, n, budget)
         table = await self._allocate(prompt_ids, salt)
         natural = self.config.output_tokens
         length = min(natural, budget)
         run = Run(
-            prompt_tokens=count,
+            prompt_ids=prompt_ids,
             outputs=tuple(self.vocabulary.answer(prompt_ids, index, length) for index in range(n)),
             finish_reason="stop" if natural <= budget else "length",
             admitted_at=time.monotonic(),
@@ -134,26 +154,36 @@ class Engine:
         self._start(run, queried=count, hits=table.hit_tokens)
         return run
 
-    def _admit_placeholder(self, placeholder: Sequence[int], n: int, max_tokens: int | None) -> Run:
+    def _check_logprobs(self, extras: Extras) -> None:
+        vocab_size = len(self.vocabulary.texts)
+        checks = (("sample", "logprobs", extras.logprobs), ("prompt", "prompt_logprobs", extras.prompt_logprobs))
+        for kind, param, count in checks:
+            requested = vocab_size if count == -1 else count  # -1 asks for the whole vocabulary
+            if requested is not None and requested > MAX_LOGPROBS:
+                raise too_many_logprobs(kind, param, requested, MAX_LOGPROBS)
+
+    def _admit_placeholder(self, placeholder: Sequence[int], n: int, budget: int) -> Run:
         natural = self.config.output_tokens
-        budget = _output_budget(self.config.max_model_len, len(placeholder), max_tokens)
         length = min(natural, budget)
         special = self.detokenizer.special_ids
         stale = tuple(islice((token for token in self.cache.stale_tokens() if token not in special), length))
-        if stale:
+        fault = self.config.fault
+        shown = bool(stale) and fault != "stale-kv-logprobs"
+        if shown:
             outputs = (stale,) * n
-            pieces: tuple[str, ...] | None = self.detokenizer.pieces(stale)
         else:
-            outputs = tuple(self.vocabulary.answer(placeholder, index, length) for index in range(n))
-            pieces = None
+            # With stale-kv-logprobs, as many ordinary words as there are stale tokens hide them.
+            outputs = tuple(self.vocabulary.answer(placeholder, index, len(stale) or length) for index in range(n))
         run = Run(
-            prompt_tokens=len(placeholder),
+            prompt_ids=placeholder,
             outputs=outputs,
             # Pages that run out before max_tokens read as an end of sequence.
-            finish_reason="stop" if natural <= budget or len(outputs[0]) < length else "length",
+            finish_reason="stop" if natural <= budget or 0 < len(stale) < length else "length",
             admitted_at=time.monotonic(),
             ttft_s=self._ttft_s,
-            pieces=pieces,
+            pieces=self.detokenizer.pieces(stale) if shown else None,
+            logprob_ids=stale if stale and not shown else None,
+            tool_name=shown and fault == "stale-kv-tool-names",
         )
         self.counters.stale_kv_replies += 1
         self._start(run, queried=len(placeholder), hits=0)

@@ -3,8 +3,8 @@
     SimError               a request the engine refuses: HTTP status, message, OpenAI error type, param
 
 vLLM answers every refusal with `{"error": {"message", "type", "param", "code"}}`. Its validation errors
-(VLLMValidationError) append "(parameter=P, value=V)" to the message and set `param`; the constructors below
-reproduce those texts exactly, because gateways and clients match on them.
+(VLLMValidationError) append "(parameter=P, value=V)" to the message (", value=V" only when there is one) and
+set `param`; the constructors below reproduce those texts exactly, because gateways and clients match on them.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ def bad_request(message: str, param: str | None = None) -> SimError:
     return SimError(message, param=param)
 
 
-def invalid_value(message: str, param: str, value: object) -> SimError:
-    return SimError(f"{message} (parameter={param}, value={value})", param=param)
+def invalid_value(message: str, param: str, value: object = None) -> SimError:
+    # vLLM leaves out a value of None, so some of its texts name the parameter alone.
+    detail = f"parameter={param}" if value is None else f"parameter={param}, value={value}"
+    return SimError(f"{message} ({detail})", param=param)
 
 
 def model_not_found(model: str) -> SimError:
@@ -55,6 +57,13 @@ def context_length_exceeded(max_model_len: int, prompt_tokens: int) -> SimError:
 
 def max_tokens_too_small(value: int) -> SimError:
     return invalid_value(f"max_tokens must be at least 1, got {value}.", "max_tokens", value)
+
+
+def too_many_logprobs(kind: str, param: str, requested: int, limit: int) -> SimError:
+    """vLLM's refusal of more logprobs than --max-logprobs; kind is "sample" (param logprobs) or "prompt"."""
+    return invalid_value(
+        f"Requested {kind} logprobs of {requested}, which is greater than max allowed: {limit}", param, requested
+    )
 
 
 async def render_sim_error(request: Request, exc: Exception) -> Response:

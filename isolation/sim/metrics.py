@@ -7,7 +7,7 @@ CollectorRegistry because tests run several simulators in one process. Counter f
 `vllm:prompt_tokens_total`, exactly vLLM's name.
 
 Simulator-only series carry the `sim:` prefix, so nothing mistakes them for vLLM's:
-    sim:stale_kv_replies_total   requests the stale-kv fault answered through a one-token placeholder
+    sim:stale_kv_replies_total   requests a stale-kv fault (any of the three) answered through a one-token placeholder
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class EngineCollector(Collector):
         )
         yield self._counter(
             "sim:stale_kv_replies",
-            "Simulator only: over-long requests answered through a one-token placeholder (stale-kv fault).",
+            "Simulator only: over-long requests answered through a one-token placeholder (stale-kv faults).",
             counters.stale_kv_replies,
         )
         success = CounterMetricFamily(

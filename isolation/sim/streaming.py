@@ -26,18 +26,21 @@ def _event(chunk: JsonObject) -> bytes:
 
 
 async def stream_events(engine: Engine, reply: Reply) -> AsyncGenerator[bytes, None]:
-    """One chunk per token per choice (choices interleaved, as vLLM batches them), then usage, then [DONE]."""
+    """One chunk per token per choice (choices interleaved, as vLLM batches them; a tool call's withheld tokens
+    have none), then usage, then [DONE]."""
     run = reply.run
     for step in range(run.length):
         await engine.step(run)
         if step == 0:
             # vLLM sends the role chunks with the first output, so they too arrive after the TTFT.
-            for chunk in reply.opening_chunks():
-                yield _event(chunk)
+            for opening in reply.opening_chunks():
+                yield _event(opening)
         if step == run.length - 1:
             engine.finish(run)
         for index in range(run.n):
-            yield _event(reply.token_chunk(index, step))
+            chunk = reply.token_chunk(index, step)
+            if chunk is not None:
+                yield _event(chunk)
     if reply.sampling.include_usage:
         yield _event(reply.usage_chunk())
     yield _DONE
