@@ -196,3 +196,39 @@ async def test_redact_and_alert_policies(
     assert event["kind"] == "leak" and event["victim_tenant"] == "alice"
     replicas = await client.get(f"{gateway_url}/admin/replicas", headers={"authorization": f"Bearer {ADMIN}"})
     assert replicas.json()["replicas"][0]["state"] == "healthy"
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+SIDE_CHANNELS = [
+    ("stale-kv-logprobs", {"logprobs": True, "top_logprobs": 3}),
+    ("stale-kv-tool-names", {"tools": TOOLS}),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("fault", "extra"), SIDE_CHANNELS, ids=[fault for fault, _ in SIDE_CHANNELS])
+async def test_a_leak_through_a_side_channel_is_caught(
+    client: httpx.AsyncClient,
+    make_gateway: Any,
+    make_sim: Any,
+    tokenizer_dir: Path,
+    fault: str,
+    extra: dict[str, Any],
+    stream: bool,
+) -> None:
+    # The engine's visible text is harmless; alice's stale tokens ride in the logprobs, or in a tool call's name.
+    sim = make_sim(num_gpu_blocks=16, output_tokens=64, fault=fault)
+    gateway_url = make_gateway({"sim": sim}, models=canaries_only(tokenizer_dir, ["sim"]), admin_token=ADMIN)
+    await alice_fills_the_cache(client, gateway_url, "a")
+    response = await client.post(
+        f"{gateway_url}{CHAT}", json=over_capacity(stream=stream, **extra), headers=auth(BOB_KEY)
+    )
+    assert "CNRY" not in response.text.upper() and "merger" not in response.text
+    if stream:
+        assert response.status_code == 200
+        events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
+        assert orjson.loads(events[-2])["error"]["code"] == "answer_withheld" and events[-1] == "[DONE]"
+    else:
+        assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld"
+    events = await client.get(f"{gateway_url}/admin/isolation-events", headers={"authorization": f"Bearer {ADMIN}"})
+    assert [(e["kind"], e["tenant"], e["victim_tenant"]) for e in events.json()["events"]][0] == ("leak", "bob", "alice")
