@@ -300,6 +300,7 @@ def test_over_length_prompts_never_reach_vllm(
         assert response.json()["error"]["code"] == "context_length_exceeded"
 
     # A request that fits, as a control: the log and the counters are live, and it is the only one that arrived.
+    injected_before = metric(metrics_of(http, gateway), "bulkhead_injected_prompt_tokens_sum")
     control = http.post(f"{gateway}{CHAT}", json=chat_body("Fits.", max_tokens=1), headers=auth())
     assert control.status_code == 200, control.text
     after = wait_for_metric(
@@ -307,8 +308,11 @@ def test_over_length_prompts_never_reach_vllm(
     )
     assert inference_posts(vllm) == posts + 1
     assert metric(after, "vllm:request_success_total") == metric(before, "vllm:request_success_total") + 1
+    # vLLM processed the tenant's prompt and the gateway's markers; the tenant's usage shows only its own.
+    injected = metric(metrics_of(http, gateway), "bulkhead_injected_prompt_tokens_sum") - injected_before
+    assert injected > 0
     assert metric(after, "vllm:prompt_tokens_total") == (
-        metric(before, "vllm:prompt_tokens_total") + control.json()["usage"]["prompt_tokens"]
+        metric(before, "vllm:prompt_tokens_total") + control.json()["usage"]["prompt_tokens"] + injected
     )
 
     # vLLM itself refuses such a prompt too, but only after it has received it.
