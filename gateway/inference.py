@@ -289,7 +289,9 @@ class InferenceCall:
         policy = LeakPolicy(canary.policy)
         counter = self.state.counters[self.model.name]
         decode = counter.tokenizer.decode if isinstance(counter, LocalCounter) else None
-        return OutputGuard(self.state.markers, self.tenant.id, policy, self.leak, self.echo_prefix, decode)
+        stop = self.request.stop
+        stops = frozenset([stop] if isinstance(stop, str) else stop or ())
+        return OutputGuard(self.state.markers, self.tenant.id, policy, self.leak, self.echo_prefix, decode, stops)
 
     async def complete(self) -> Response:
         assert self.response is not None

@@ -99,11 +99,20 @@ class StreamFilter:
         return DATA + orjson.dumps({**envelope, "choices": choices}) + b"\n\n"
 
     async def _event(self, event: bytes) -> bytes | None:
+        try:
+            return await self._checked_event(event)
+        except LeakBlocked as exc:
+            raise StreamWithheld("another tenant's canary marker") from exc
+
+    async def _checked_event(self, event: bytes) -> bytes | None:
         if event == DONE:
             self._done = True
             return None
         if not event.startswith(DATA):
-            return None  # comments, named events, retry hints: nothing vLLM sends, and nothing to scan
+            # Comments, named events, retry hints: nothing vLLM sends, so nothing goes out; but a leak there is one.
+            if self._guard is not None:
+                await self._guard.check_removed(_sse_fields(event))
+            return None
         try:
             chunk = orjson.loads(event[len(DATA) :])
         except orjson.JSONDecodeError as exc:
@@ -111,18 +120,17 @@ class StreamFilter:
         if not isinstance(chunk, dict):
             raise StreamWithheld("the backend sent an event that is not a JSON object")
         if "error" in chunk:
+            if self._guard is not None:
+                await self._guard.check_removed([("error", chunk)])
             raise StreamFailed
         removed = prune(chunk)
         changed = bool(removed)
         if self._guard is not None:
-            try:
-                if removed:
-                    await self._guard.check_removed(removed)
-                if chunk.get("choices"):
-                    self._last = chunk
-                    changed |= await self._guard.check_chunk(chunk)
-            except LeakBlocked as exc:
-                raise StreamWithheld("another tenant's canary marker") from exc
+            if removed:
+                await self._guard.check_removed(removed)
+            changed |= await self._guard.check_chunk(chunk)
+            if chunk.get("choices"):
+                self._last = chunk
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             if self._check is not None and not self._checked:
@@ -137,6 +145,15 @@ class StreamFilter:
             if not self._wanted.every_chunk:
                 del chunk["usage"]
         return DATA + orjson.dumps(chunk) + b"\n\n" if changed else event
+
+
+def _sse_fields(event: bytes) -> list[tuple[str, str]]:
+    """An event's lines as (where, value): each SSE field (a comment's is "") is a stream of its own."""
+    fields = []
+    for line in event.decode("utf-8", errors="replace").splitlines():
+        name, _, value = line.partition(":")
+        fields.append((f"sse.{name}", value.removeprefix(" ")))
+    return fields
 
 
 async def filtered(source: AsyncIterator[bytes], stream_filter: StreamFilter) -> AsyncIterator[bytes]:

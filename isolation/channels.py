@@ -1,11 +1,16 @@
 """What an OpenAI-style answer may carry to a tenant, field by field, and the pruning that holds answers to it.
 
-docs/channels.md is the inventory in prose. Every field an engine can fill is a channel: texts are scanned by the
-guard (guard.py); a field outside the inventory may be absent or null, and any other value of it is removed before
-the answer goes out, since it could carry text, token ids or bytes that no scan looks at (vLLM's prompt_token_ids,
-prompt_logprobs, token_ids, prompt_text, kv_transfer_params, routed_experts... and whatever a later version adds).
-Numbers must be numbers. A logprob's `bytes` is rewritten from the token text it stands for (vLLM derives it the
-same way), so it carries nothing the scan did not see.
+docs/channels.md is the inventory in prose. Every field an engine can fill is a channel:
+- a field outside the inventory may be absent or null; any other value of it is removed before the answer goes
+  out, since it could carry text, token ids or bytes that no scan looks at (vLLM's prompt_token_ids,
+  prompt_logprobs, token_ids, prompt_text, kv_transfer_params, routed_experts... and whatever a later version
+  adds);
+- a field with a closed set of values (object, role, finish_reason, a tool call's type, service_tier) carries one
+  of them, or is removed: it is no channel at all;
+- numbers must be numbers, texts must be strings;
+- a logprob's `bytes` is rewritten from the token text it stands for (vLLM derives it the same way).
+Whatever is removed is handed back with where it was (`Removed`), for the guard to scan anyway: an engine that
+leaks through a field the gateway drops is still an isolation event. What stays is scanned by the guard.
 
 Pruning leaves an answer that already fits untouched, so the relay only re-serializes what changed.
 """
@@ -27,203 +32,217 @@ COMPLETION_LOGPROBS = frozenset({"text_offset", "token_logprobs", "tokens", "top
 USAGE = frozenset({"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"})
 PROMPT_DETAILS = frozenset({"cached_tokens"})
 
+OBJECTS = frozenset({"chat.completion", "chat.completion.chunk", "text_completion"})
+ROLES = frozenset({"assistant", "user", "system", "developer", "tool"})
+FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call", "abort", "error"})
+SERVICE_TIERS = frozenset({"auto", "default", "flex", "scale", "priority"})
+TOOL_TYPES = frozenset({"function"})
+
 # Texts that grow over a stream, by where they sit: a choice's message or delta, or the choice itself.
 MESSAGE_TEXTS = ("content", "reasoning", "reasoning_content", "refusal")
-CHOICE_TEXTS = ("text",)
-# Strings that stand alone (ids, names of things, reasons): scanned whole wherever they appear.
-TOP_STRINGS = ("id", "object", "model", "system_fingerprint", "service_tier")
-CHOICE_STRINGS = ("finish_reason", "stop_reason")
-
-
-# Every helper below removes what does not fit and appends what it removed to `removed`: the guard scans that too,
-# so an engine that leaks through a field the gateway drops is still an isolation event.
-
-
-def _prune(holder: dict[str, Any], allowed: frozenset[str], removed: list[Any]) -> None:
-    for key in holder.keys() - allowed:
-        if holder[key] is not None:
-            removed.append(holder.pop(key))
-
-
-def _typed(holder: dict[str, Any], kinds: tuple[type, ...], removed: list[Any], *names: str) -> None:
-    """Null every named field whose value is not of one of these types (nor null)."""
-    for name in names:
-        value = holder.get(name)
-        if value is not None and type(value) not in kinds:
-            removed.append(value)
-            holder[name] = None
-
+# Strings that stand alone: the same value on every chunk of a stream (the guard holds them to it).
+ENVELOPE = ("id", "model", "system_fingerprint")
 
 NUMBER = (int, float)
 TEXT = (str,)
 
+# (where it was, e.g. "choice.token_ids", and the value) for everything pruning removed.
+Removed = list[tuple[str, Any]]
 
-def _objects(holder: dict[str, Any], name: str, removed: list[Any]) -> list[dict[str, Any]]:
+
+def _prune(holder: dict[str, Any], allowed: frozenset[str], where: str, removed: Removed) -> None:
+    if holder.keys() <= allowed:
+        return
+    for key in holder.keys() - allowed:
+        if holder[key] is not None:
+            removed.append((f"{where}.{key}", holder.pop(key)))
+
+
+def _typed(holder: dict[str, Any], kinds: tuple[type, ...], where: str, removed: Removed, *names: str) -> None:
+    """Null every named field whose value is not of one of these types (nor null)."""
+    for name in names:
+        value = holder.get(name)
+        if value is not None and type(value) not in kinds:
+            removed.append((f"{where}.{name}", value))
+            holder[name] = None
+
+
+def _closed(holder: dict[str, Any], name: str, values: frozenset[str], where: str, removed: Removed) -> None:
+    value = holder.get(name)
+    if value is not None and value not in values:
+        removed.append((f"{where}.{name}", value))
+        holder[name] = None
+
+
+def _objects(holder: dict[str, Any], name: str, where: str, removed: Removed) -> list[dict[str, Any]]:
     """The objects listed under `name`; anything else there (a non-list, a non-object item) is removed."""
     value = holder.get(name)
     if value is None:
         return []
-    if not isinstance(value, list):
-        removed.append(value)
+    if type(value) is not list:
+        removed.append((f"{where}.{name}", value))
         holder[name] = []
         return []
-    kept = [item for item in value if isinstance(item, dict)]
-    if len(kept) != len(value):
-        removed.extend(item for item in value if not isinstance(item, dict))
-        holder[name] = kept
+    if all(type(item) is dict for item in value):
+        return value
+    removed.extend((f"{where}.{name}", item) for item in value if type(item) is not dict)
+    holder[name] = kept = [item for item in value if type(item) is dict]
     return kept
 
 
-def prune(answer: dict[str, Any]) -> list[Any]:
+def prune(answer: dict[str, Any]) -> Removed:
     """Remove, in place, everything the inventory does not allow; returns what was removed (empty: untouched)."""
-    removed: list[Any] = []
-    _prune(answer, TOP, removed)
-    _typed(answer, NUMBER, removed, "created")
-    _typed(answer, TEXT, removed, *TOP_STRINGS)
+    removed: Removed = []
+    _prune(answer, TOP, "answer", removed)
+    _typed(answer, NUMBER, "answer", removed, "created")
+    _typed(answer, TEXT, "answer", removed, *ENVELOPE)
+    _closed(answer, "object", OBJECTS, "answer", removed)
+    _closed(answer, "service_tier", SERVICE_TIERS, "answer", removed)
     usage = answer.get("usage")
     if usage is not None:
         _prune_usage(answer, usage, removed)
-    for choice in _objects(answer, "choices", removed):
+    for choice in _objects(answer, "choices", "answer", removed):
         _prune_choice(choice, removed)
     return removed
 
 
-def _prune_usage(answer: dict[str, Any], usage: Any, removed: list[Any]) -> None:
-    if not isinstance(usage, dict):
-        removed.append(answer.pop("usage"))
+def _prune_usage(answer: dict[str, Any], usage: Any, removed: Removed) -> None:
+    if type(usage) is not dict:
+        removed.append(("answer.usage", answer.pop("usage")))
         return
-    _prune(usage, USAGE, removed)
-    _typed(usage, (int,), removed, "prompt_tokens", "completion_tokens", "total_tokens")
+    _prune(usage, USAGE, "usage", removed)
+    _typed(usage, (int,), "usage", removed, "prompt_tokens", "completion_tokens", "total_tokens")
     details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict):
-        _prune(details, PROMPT_DETAILS, removed)
-        _typed(details, (int,), removed, "cached_tokens")
+    if type(details) is dict:
+        _prune(details, PROMPT_DETAILS, "usage.details", removed)
+        _typed(details, (int,), "usage.details", removed, "cached_tokens")
     else:
-        _typed(usage, (dict,), removed, "prompt_tokens_details")
+        _typed(usage, (dict,), "usage", removed, "prompt_tokens_details")
 
 
-def _prune_choice(choice: dict[str, Any], removed: list[Any]) -> None:
-    _prune(choice, CHOICE, removed)
-    _typed(choice, (int,), removed, "index")
-    _typed(choice, TEXT, removed, "finish_reason", "text")
-    _typed(choice, (int, str), removed, "stop_reason")
+def _prune_choice(choice: dict[str, Any], removed: Removed) -> None:
+    _prune(choice, CHOICE, "choice", removed)
+    _typed(choice, (int,), "choice", removed, "index")
+    _typed(choice, TEXT, "choice", removed, "text")
+    _typed(choice, (int, str), "choice", removed, "stop_reason")
+    _closed(choice, "finish_reason", FINISH_REASONS, "choice", removed)
     for name in ("message", "delta"):
-        _typed(choice, (dict,), removed, name)
-        if isinstance(message := choice.get(name), dict):
+        message = choice.get(name)
+        if type(message) is dict:
             _prune_message(message, removed)
-    _typed(choice, (dict,), removed, "logprobs")
-    if isinstance(logprobs := choice.get("logprobs"), dict):
+        elif message is not None:
+            removed.append((f"choice.{name}", choice.pop(name)))
+    logprobs = choice.get("logprobs")
+    if type(logprobs) is dict:
         _prune_logprobs(logprobs, removed)
+    elif logprobs is not None:
+        removed.append(("choice.logprobs", logprobs))
+        choice["logprobs"] = None
 
 
-def _prune_message(message: dict[str, Any], removed: list[Any]) -> None:
-    _prune(message, MESSAGE, removed)
-    _typed(message, TEXT, removed, "role", *MESSAGE_TEXTS)
-    for call in _objects(message, "tool_calls", removed):
-        _prune(call, TOOL_CALL, removed)
-        _typed(call, (int,), removed, "index")
-        _typed(call, TEXT, removed, "id", "type")
-        _typed(call, (dict,), removed, "function")
-        if isinstance(function := call.get("function"), dict):
-            _prune(function, FUNCTION, removed)
-            _typed(function, TEXT, removed, *FUNCTION)
+def _prune_message(message: dict[str, Any], removed: Removed) -> None:
+    _prune(message, MESSAGE, "message", removed)
+    _typed(message, TEXT, "message", removed, *MESSAGE_TEXTS)
+    _closed(message, "role", ROLES, "message", removed)
+    for call in _objects(message, "tool_calls", "message", removed):
+        _prune(call, TOOL_CALL, "tool", removed)
+        _typed(call, (int,), "tool", removed, "index")
+        _typed(call, TEXT, "tool", removed, "id")
+        _closed(call, "type", TOOL_TYPES, "tool", removed)
+        function = call.get("function")
+        if type(function) is dict:
+            _prune(function, FUNCTION, "tool.function", removed)
+            _typed(function, TEXT, "tool.function", removed, *FUNCTION)
+        elif function is not None:
+            removed.append(("tool.function", call.pop("function")))
 
 
-def _prune_logprobs(logprobs: dict[str, Any], removed: list[Any]) -> None:
+def _prune_logprobs(logprobs: dict[str, Any], removed: Removed) -> None:
     if "tokens" in logprobs:
         _prune_completion_logprobs(logprobs, removed)
         return
-    _prune(logprobs, CHAT_LOGPROBS, removed)
-    for entry in _objects(logprobs, "content", removed):
-        _prune_entry(entry, ENTRY, removed)
-        for alternative in _objects(entry, "top_logprobs", removed):
-            _prune_entry(alternative, ALTERNATIVE, removed)
+    _prune(logprobs, CHAT_LOGPROBS, "logprobs", removed)
+    for entry in _objects(logprobs, "content", "logprobs", removed):
+        _prune_entry(entry, ENTRY, "entry", removed)
+        if entry.get("top_logprobs"):
+            for alternative in _objects(entry, "top_logprobs", "entry", removed):
+                _prune_entry(alternative, ALTERNATIVE, "alternative", removed)
 
 
-def _prune_entry(entry: dict[str, Any], allowed: frozenset[str], removed: list[Any]) -> None:
-    _prune(entry, allowed, removed)
-    _typed(entry, NUMBER, removed, "logprob")
+def _prune_entry(entry: dict[str, Any], allowed: frozenset[str], where: str, removed: Removed) -> None:
+    _prune(entry, allowed, where, removed)
+    logprob = entry.get("logprob")
+    if logprob is not None and type(logprob) not in NUMBER:
+        removed.append((f"{where}.logprob", logprob))
+        entry["logprob"] = None
     token = entry.get("token")
-    if not isinstance(token, str):
-        removed.append(token)
+    if type(token) is not str:
+        removed.append((f"{where}.token", token))
         entry["token"] = token = ""
-    if entry.get("bytes") is not None:
+    raw = entry.get("bytes")
+    if raw is not None:
         # Rewritten, not trusted: the token's own bytes, as vLLM computes them (a partial UTF-8 token is U+FFFD).
-        encoded = list(token.encode("utf-8", errors="replace"))
-        if entry["bytes"] != encoded:
-            removed.append(entry["bytes"])
-            entry["bytes"] = encoded
+        encoded = token.encode("utf-8", errors="replace")
+        try:
+            same = bytes(raw) == encoded
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            removed.append((f"{where}.bytes", raw))
+            entry["bytes"] = list(encoded)
 
 
-def _prune_completion_logprobs(logprobs: dict[str, Any], removed: list[Any]) -> None:
-    _prune(logprobs, COMPLETION_LOGPROBS, removed)
+def _prune_completion_logprobs(logprobs: dict[str, Any], removed: Removed) -> None:
+    _prune(logprobs, COMPLETION_LOGPROBS, "logprobs", removed)
     for name, kinds in (("tokens", TEXT), ("text_offset", NUMBER), ("token_logprobs", NUMBER)):
         values = logprobs.get(name)
         if values is None:
             continue
-        if not isinstance(values, list):
-            removed.append(values)
+        if type(values) is not list:
+            removed.append((f"logprobs.{name}", values))
             logprobs[name] = values = []
         for position, value in enumerate(values):
             if type(value) not in kinds and (value is not None or kinds is TEXT):
-                removed.append(value)
+                removed.append((f"logprobs.{name}", value))
                 values[position] = "" if kinds is TEXT else None
-    if logprobs.get("top_logprobs") is not None and not isinstance(logprobs["top_logprobs"], list):
-        removed.append(logprobs.pop("top_logprobs"))
+    if logprobs.get("top_logprobs") is not None and type(logprobs["top_logprobs"]) is not list:
+        removed.append(("logprobs.top_logprobs", logprobs.pop("top_logprobs")))
     steps = _list(logprobs.get("top_logprobs"))
     for position, step in enumerate(steps):
-        if step is not None and not (isinstance(step, dict) and all(type(v) in NUMBER for v in step.values())):
-            removed.append(step)
+        if step is not None and not (type(step) is dict and all(type(v) in NUMBER for v in step.values())):
+            removed.append(("logprobs.top_logprobs", step))
             steps[position] = None
 
 
 def _list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else []
+    return value if type(value) is list else []
 
 
 def texts(choice: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], str]]:
     """(stream key, the dict holding a text, the text's key) for every growing text of one (pruned) choice."""
-    for name in CHOICE_TEXTS:
-        if isinstance(choice.get(name), str):
-            yield name, choice, name
+    if type(choice.get("text")) is str:
+        yield "text", choice, "text"
     for holder in (choice.get("delta"), choice.get("message")):
-        if not isinstance(holder, dict):
+        if holder is None:
             continue
         for name in MESSAGE_TEXTS:
-            if isinstance(holder.get(name), str):
+            if type(holder.get(name)) is str:
                 yield name, holder, name
         for position, call in enumerate(holder.get("tool_calls") or ()):
             function = call.get("function")
-            if isinstance(function, dict):
+            if function is not None:
                 slot = f"tool:{call.get('index', position)}"
-                for name in FUNCTION:
-                    if isinstance(function.get(name), str):
+                for name in ("name", "arguments"):
+                    if type(function.get(name)) is str:
                         yield f"{slot}:{name}", function, name
-
-
-def strings(answer: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
-    """(holder, key) of every string that stands alone in a (pruned) answer: ids, model, roles, reasons."""
-    for name in TOP_STRINGS:
-        if isinstance(answer.get(name), str):
-            yield answer, name
-    for choice in answer.get("choices") or ():
-        for name in CHOICE_STRINGS:
-            if isinstance(choice.get(name), str):
-                yield choice, name
-        for holder in (choice.get("delta"), choice.get("message")):
-            if not isinstance(holder, dict):
-                continue
-            if isinstance(holder.get("role"), str):
-                yield holder, "role"
-            for call in holder.get("tool_calls") or ():
-                for name in ("id", "type"):
-                    if isinstance(call.get(name), str):
-                        yield call, name
 
 
 # Token-level fields: per position, the chosen token and its alternatives (chat: logprobs.content[]; completions:
 # the parallel lists of logprobs). Each sequence is a stream of its own for the scanner: "lp" the chosen tokens,
 # "lp<r>" the alternatives of rank r.
+
+
+_RANKS = tuple(f"lp{rank}" for rank in range(64))
 
 
 def token_streams(logprobs: dict[str, Any]) -> dict[str, list[str]]:
@@ -235,10 +254,11 @@ def token_streams(logprobs: dict[str, Any]) -> dict[str, list[str]]:
         entries = logprobs.get("content") or []
         chosen = [entry["token"] for entry in entries]
         steps = [[alt["token"] for alt in entry.get("top_logprobs") or ()] for entry in entries]
+    steps += [[]] * (len(chosen) - len(steps))  # a completion's top_logprobs may be shorter than its tokens
     streams = {"lp": chosen}
-    for position, alternatives in enumerate(steps):
-        for rank, token in enumerate(alternatives):
-            streams.setdefault(f"lp{rank}", [""] * len(chosen))[position] = token
+    for rank in range(max(map(len, steps), default=0)):
+        key = _RANKS[rank] if rank < len(_RANKS) else f"lp{rank}"
+        streams[key] = [alternatives[rank] if rank < len(alternatives) else "" for alternatives in steps]
     return streams
 
 

@@ -1,6 +1,6 @@
 """Canary checks on everything an OpenAI-style answer carries, streamed or whole (docs/channels.md).
 
-An answer is pruned to the fields of the inventory first (channels.prune). What remains is scanned, in three kinds:
+An answer is pruned to the inventory first (channels.prune). What remains is checked, by kind:
 - texts that grow over a stream — each choice's content, reasoning, refusal, completion text, tool-call names and
   arguments — each a stream of its own, with the scanner's minimal hold-back (a marker split across chunks of
   one field is found; fields never run into each other);
@@ -9,25 +9,31 @@ An answer is pruned to the fields of the inventory first (channels.prune). What 
   logprobs go out only once no stream that the event wrote holds anything back, and are otherwise joined to a
   later event's. Nothing of a held tail leaves in another field (the token that mirrors held content waits with
   it);
-- every other string (ids, model, roles, finish and stop reasons): whole, on its own.
+- strings that stand alone — the envelope's id, model and system_fingerprint, a tool call's id — are scanned
+  whole where they first appear, and every later chunk carries that same value: a value an engine changes
+  mid-stream (a marker spread over the ids of several chunks) never goes out;
+- a string stop_reason must be one of the request's own stop strings.
 The tenant's own marker is stripped (and logprob positions overlapping it are removed); another tenant's is a
 leak, handled by the deployment's policy. A completion echo's copy of the injected prefix is removed first.
+What pruning removed never goes out, but it is scanned all the same (check_removed), each field as a stream of
+its own across the answer, so an engine leaking through a field the gateway drops is still a leak event.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from isolation.channels import drop, join, positions, strings, texts, token_streams
+from isolation.channels import ENVELOPE, Removed, drop, join, texts, token_streams
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import MarkerRegistry, Owner
-from isolation.scanner import Hit, StreamScanner, apply_edits
+from isolation.scanner import Hit, StreamScanner, apply_edits, scan_all, suspects
 
 LeakHandler = Callable[[Owner], Awaitable[None]]
 Decode = Callable[[list[int]], str]  # the model's tokenizer: token ids to text
-CLEAN_STRINGS_KEPT = 64
+IDS_KEPT = 64  # token ids of a dropped field decoded together: far more than one marker's tokens
 
 
 class LeakBlocked(Exception):
@@ -60,14 +66,26 @@ class _Choice:
     echo: str  # what is left to strip of the injected prefix that a completion echo repeats
     scanners: dict[str, StreamScanner] = field(default_factory=dict)
     held_logprobs: dict[str, Any] | None = None  # logprobs of earlier events, waiting for a hold to clear
-    held_lengths: dict[str, list[int]] = field(default_factory=dict)  # per token stream: text length per position
     dropped: set[int] = field(default_factory=set)  # held positions that overlap a stripped marker
+    tool_ids: dict[int, str] = field(default_factory=dict)  # the id each tool call was first given
 
     def scanner(self, key: str) -> StreamScanner:
         scanner = self.scanners.get(key)
         if scanner is None:
             scanner = self.scanners[key] = StreamScanner()
         return scanner
+
+
+@dataclass
+class _Sink:
+    """One dropped field across an answer: its texts as a stream, its byte lists as UTF-8, its token ids."""
+
+    scanner: StreamScanner = field(default_factory=StreamScanner)
+    bytes_scanner: StreamScanner = field(default_factory=StreamScanner)
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+    ids: list[int] = field(default_factory=list)
 
 
 class OutputGuard:
@@ -79,21 +97,24 @@ class OutputGuard:
         on_leak: LeakHandler,
         echo_prefix: str = "",
         decode: Decode | None = None,
+        stops: frozenset[str] = frozenset(),
     ) -> None:
         self._registry = registry
-        self._decode = decode
         self._tenant = tenant
         self._policy = policy
         self._on_leak = on_leak
         self._echo_prefix = echo_prefix
+        self._decode = decode
+        self._stops = stops
         self._choices: dict[int, _Choice] = {}
-        self._clean: set[str] = set()
+        self._envelope: dict[str, str] = {}
+        self._sinks: dict[str, _Sink] = {}
         self._reported: set[str] = set()
         self._unknown: set[bytes] = set()
 
     async def check_chunk(self, chunk: dict[str, Any]) -> bool:
         """Scan and edit one streamed chunk (pruned: channels.prune) in place; True when it changed."""
-        changed = await self._strings(chunk)
+        changed = await self._hold_envelope(chunk)
         for choice in chunk.get("choices") or ():
             index = choice.get("index") or 0
             state = self._choices.get(index)
@@ -109,7 +130,7 @@ class OutputGuard:
 
     async def check_body(self, body: dict[str, Any]) -> bool:
         """Scan and edit a whole (non-streamed, pruned) answer in place; True when it changed."""
-        changed = await self._strings(body)
+        changed = await self._hold_envelope(body)
         for choice in body.get("choices") or ():
             changed |= await self._choice(_Choice(self._echo_prefix), choice, final=True)
         return changed
@@ -134,15 +155,96 @@ class OutputGuard:
         self._choices.clear()
         return closing
 
+    async def check_text(self, text: str) -> str:
+        """A text that stands on its own (an id, a backend's error message): the tenant's own marker stripped,
+        another's handled by policy."""
+        scanner = StreamScanner()
+        return await self._release(scanner, text) + scanner.flush()
+
+    async def check_removed(self, removed: Removed) -> None:
+        """Scan what never goes out (pruned fields, stray SSE lines, a backend's error event): another tenant's
+        marker there is an engine leaking all the same — a leak event, and under block the answer is withheld."""
+        for where, value in removed:
+            sink = self._sinks.get(where)
+            if sink is None:
+                sink = self._sinks[where] = _Sink()
+            for kind, item in _contents(value):
+                if kind == "text":
+                    await self._detect(sink.scanner.scan(item).hits)
+                    continue
+                if all(0 <= number < 256 for number in item):
+                    await self._detect(sink.bytes_scanner.scan(sink.decoder.decode(bytes(item))).hits)
+                if self._decode is not None:
+                    sink.ids = (sink.ids + item)[-IDS_KEPT:]
+                    try:
+                        decoded = self._decode(sink.ids)
+                    except (OverflowError, TypeError, ValueError):
+                        continue  # not ids of this vocabulary
+                    await self._detect(scan_all(decoded))
+
+    async def _detect(self, hits: list[Hit]) -> None:
+        for hit in hits:
+            await self._verdict(hit)
+
+    async def _hold_envelope(self, answer: dict[str, Any]) -> bool:
+        """Scan the envelope's strings where they first appear, and hold every later chunk to those values."""
+        changed = False
+        for name in ENVELOPE:
+            value = answer.get(name)
+            if value is None:
+                continue
+            first = self._envelope.get(name)
+            if first is None:
+                await self.check_removed([(f"envelope.{name}", value)])  # seeds the stream a change would continue
+                self._envelope[name] = first = await self.check_text(value)
+            elif value != first:
+                await self.check_removed([(f"envelope.{name}", value)])
+            if value != first:
+                answer[name] = first
+                changed = True
+        return changed
+
+    async def _hold_tool_ids(self, state: _Choice, choice: dict[str, Any]) -> bool:
+        changed = False
+        for holder in (choice.get("delta"), choice.get("message")):
+            for position, call in enumerate((holder or {}).get("tool_calls") or ()):
+                value = call.get("id")
+                if value is None:
+                    continue
+                index = call.get("index", position)
+                first = state.tool_ids.get(index)
+                if first is None:
+                    await self.check_removed([("tool.id", value)])
+                    state.tool_ids[index] = first = await self.check_text(value)
+                elif value != first:
+                    await self.check_removed([("tool.id", value)])
+                if value != first:
+                    call["id"] = first
+                    changed = True
+        return changed
+
     async def _choice(self, state: _Choice, choice: dict[str, Any], final: bool) -> bool:
         changed = False
-        if state.echo and isinstance(choice.get("text"), str):
+        if state.echo and type(choice.get("text")) is str:
             changed = self._strip_echo(state, choice)
+        stop = choice.get("stop_reason")
+        if type(stop) is str and stop not in self._stops:
+            await self.check_removed([("choice.stop_reason", stop)])
+            choice["stop_reason"] = None
+            changed = True
+        if state.tool_ids or _has_tool_calls(choice):
+            changed |= await self._hold_tool_ids(state, choice)
+        slots = list(texts(choice))
+        logprobs = choice.get("logprobs")
+        streams = token_streams(logprobs) if logprobs is not None else {}
+        # One pass over every text of this event finds the few that a scanner must look at.
+        flagged = suspects([holder[name] for _, holder, name in slots] + ["".join(p) for p in streams.values()])
         holding = False
-        seen = set()
-        for key, holder, name in texts(choice):
-            scanner = state.scanner(key)
-            seen.add(key)
+        for position, (key, holder, name) in enumerate(slots):
+            scanner = state.scanners.get(key)
+            if flagged is not None and position not in flagged and (scanner is None or scanner.idle):
+                continue
+            scanner = scanner or state.scanner(key)
             original = holder[name]
             released = await self._release(scanner, original)
             if final:
@@ -151,9 +253,10 @@ class OutputGuard:
             if released != original:
                 holder[name] = released
                 changed = True
-        if choice.get("logprobs") is not None or state.held_logprobs is not None:
-            changed |= await self._logprobs(state, choice, holding, final)
+        if logprobs is not None or state.held_logprobs is not None:
+            changed |= await self._logprobs(state, choice, streams, flagged, len(slots), holding, final)
         if final:
+            seen = {key for key, _, _ in slots}
             for key, scanner in state.scanners.items():
                 rest = scanner.flush()
                 if rest and key not in seen and not key.startswith("lp"):
@@ -170,30 +273,38 @@ class OutputGuard:
         choice["text"], state.echo = text[size:], state.echo[size:]
         return size > 0
 
-    async def _logprobs(self, state: _Choice, choice: dict[str, Any], holding: bool, final: bool) -> bool:
+    async def _logprobs(
+        self,
+        state: _Choice,
+        choice: dict[str, Any],
+        streams: dict[str, list[str]],
+        flagged: set[int] | None,
+        first: int,
+        holding: bool,
+        final: bool,
+    ) -> bool:
         """Scan this event's token-level streams; release the choice's logprobs, or hold them with the held text."""
         new = choice.get("logprobs")
         held = state.held_logprobs
-        first = positions(held) if held is not None else 0
-        streams = token_streams(new) if new is not None else {}
-        for key, pieces in streams.items():
-            scanner = state.scanner(key)
-            lengths = state.held_lengths.setdefault(key, [0] * first)
-            piece = "".join(pieces)
-            scan = scanner.scan(piece)
-            lengths += [len(p) for p in pieces]
+        found = []
+        for position, (key, pieces) in enumerate(streams.items(), start=first):
+            scanner = state.scanners.get(key)
+            if flagged is not None and position not in flagged and (scanner is None or scanner.idle):
+                continue
+            scanner = scanner or state.scanner(key)
+            scan = scanner.scan("".join(pieces))
             if scan.hits:
-                # Where the scanned text starts among this stream's held positions: after what was released of them.
-                start = sum(lengths) - len(scan.text)
-                for hit in scan.hits:
-                    if await self._verdict(hit) is not None:
-                        state.dropped |= _overlapping(lengths, start + hit.start, start + hit.end)
+                found.append((key, scan))
             holding |= scanner.holding
-        if new is not None:
-            for key, lengths in state.held_lengths.items():
-                if key not in streams:  # a rank of alternatives this event did not have
-                    lengths += [0] * positions(new)
         joined = new if held is None else join(held, new)
+        for key, scan in found:
+            assert joined is not None
+            # The scanned text ends where this stream's text of all held and new positions ends.
+            lengths = [len(piece) for piece in token_streams(joined)[key]]
+            start = sum(lengths) - len(scan.text)
+            for hit in scan.hits:
+                if await self._verdict(hit) is not None:
+                    state.dropped |= _overlapping(lengths, start + hit.start, start + hit.end)
         if holding and not final:
             state.held_logprobs = joined
             choice["logprobs"] = None
@@ -202,54 +313,8 @@ class OutputGuard:
         if joined is not None and dropped:
             drop(joined, dropped)
         choice["logprobs"] = joined
-        state.held_logprobs, state.held_lengths, state.dropped = None, {}, set()
+        state.held_logprobs, state.dropped = None, set()
         return held is not None or bool(dropped)
-
-    async def check_removed(self, removed: list[Any]) -> None:
-        """Scan what pruning took out of an answer. It never goes out, but another tenant's marker in it is an engine
-        leaking all the same: an isolation event, and under block the whole answer is withheld."""
-        for text in self._texts_in(removed):
-            await self.check_text(text)
-
-    def _texts_in(self, value: Any) -> Iterator[str]:
-        if isinstance(value, str):
-            yield value
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                yield str(key)
-                yield from self._texts_in(item)
-        elif isinstance(value, list) and value and all(type(item) is int for item in value):
-            # Bytes or token ids: read both ways.
-            if all(0 <= item < 256 for item in value):
-                yield bytes(value).decode("utf-8", errors="replace")
-            if self._decode is not None:
-                try:
-                    yield self._decode(value)
-                except (OverflowError, TypeError, ValueError):
-                    pass  # not ids of this vocabulary
-        elif isinstance(value, list):
-            for item in value:
-                yield from self._texts_in(item)
-
-    async def check_text(self, text: str) -> str:
-        """A text that stands on its own (an id, a backend's error message): the tenant's own marker stripped,
-        another's handled by policy."""
-        scanner = StreamScanner()
-        return await self._release(scanner, text) + scanner.flush()
-
-    async def _strings(self, answer: dict[str, Any]) -> bool:
-        changed = False
-        for holder, name in strings(answer):
-            value = holder[name]
-            if value in self._clean:
-                continue
-            checked = await self.check_text(value)
-            if checked != value:
-                holder[name] = checked
-                changed = True
-            elif len(self._clean) < CLEAN_STRINGS_KEPT:
-                self._clean.add(value)
-        return changed
 
     async def _release(self, scanner: StreamScanner, piece: str) -> str:
         scan = scanner.scan(piece)
@@ -281,6 +346,33 @@ class OutputGuard:
         if self._policy is LeakPolicy.BLOCK:
             raise LeakBlocked
         return REDACTED if self._policy is LeakPolicy.REDACT else None
+
+
+def _has_tool_calls(choice: dict[str, Any]) -> bool:
+    return any((holder or {}).get("tool_calls") for holder in (choice.get("delta"), choice.get("message")))
+
+
+def _contents(value: Any) -> Iterator[tuple[str, Any]]:
+    """The texts ("text", str) and integer lists ("ints", list) in a removed value, in document order.
+
+    Keys count as text only in maps of numbers (a completion's token → logprob): elsewhere they are field names,
+    whose letters would only break up the text between them.
+    """
+    if type(value) is str:
+        yield "text", value
+    elif type(value) is dict:
+        numbers = all(type(item) in (int, float) for item in value.values())
+        for key, item in value.items():
+            if numbers:
+                yield "text", str(key)
+            else:
+                yield from _contents(item)
+    elif type(value) is list:
+        if value and all(type(item) is int for item in value):
+            yield "ints", value
+        else:
+            for item in value:
+                yield from _contents(item)
 
 
 def _overlapping(lengths: list[int], start: int, end: int) -> set[int]:

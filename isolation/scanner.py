@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from isolation.markers import CODE_LENGTH, NORMAL_LENGTH
@@ -28,12 +29,31 @@ _PARTIAL = re.compile(rb"c(?:n(?:r(?:y[a-z2-7]{0,%d})?)?)?" % (CODE_LENGTH - 1))
 _NOT_ALNUM = bytes(b for b in range(256) if not (ord("a") <= b <= ord("z") or ord("0") <= b <= ord("9")))
 
 
+_NOT_ALNUM_NOR_NUL = bytes(b for b in _NOT_ALNUM if b != 0)
+# In normal forms joined by NUL: a candidate, or a text that ends in something that could still start one.
+_SUSPECT = re.compile(rb"cnry|c(?:n(?:r(?:y[a-z2-7]{0,%d})?)?)?(?:\x00|\Z)" % (CODE_LENGTH - 1))
+
+
 def normalize(text: str) -> bytes:
     if not text.isascii():
         # NFKD, not NFKC: decomposition works character by character, so the normal form of a text is the normal
         # forms of its characters joined (which _positions relies on), and an accented letter keeps its base.
         text = unicodedata.normalize("NFKD", text)
     return text.lower().encode("ascii", "ignore").translate(None, _NOT_ALNUM)
+
+
+def suspects(texts: Sequence[str]) -> set[int] | None:
+    """Which of these texts a scanner with nothing held must look at: those whose normal form holds "cnry" or ends
+    in something that could still start a marker. The rest would pass through a scanner unchanged. One C-level
+    pass over all of them at once, the common case being an empty answer. None when it cannot tell (a text holds
+    a NUL, the separator): scan them all."""
+    joined = "\x00".join(texts)
+    if joined.count("\x00") != len(texts) - 1:
+        return None
+    if not joined.isascii():
+        joined = unicodedata.normalize("NFKD", joined)
+    normal = joined.lower().encode("ascii", "ignore").translate(None, _NOT_ALNUM_NOR_NUL)
+    return {normal.count(b"\x00", 0, match.start()) for match in _SUSPECT.finditer(normal)}
 
 
 @dataclass(frozen=True)
@@ -46,6 +66,7 @@ class Hit:
 
 
 _NO_HITS: list[Hit] = []  # shared by every scan that found nothing: never appended to
+_NO_MATCHES: list[int] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,18 +106,22 @@ class StreamScanner:
         """Text is held back: it could still become a marker with what comes next."""
         return bool(self._held)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing held or carried: a piece that `suspects` clears passes through unchanged."""
+        return not self._held and not self._carry
+
     def scan(self, piece: str) -> Scan:
         text = self._held + piece if self._held else piece
         carry = self._carry
-        normal = carry + normalize(text)
-        if b"c" not in normal:  # no candidate and nothing that could start one: most pieces, decided here
-            self._held, self._carry = "", b""
-            return Scan(text, _NO_HITS, len(text))
-        matches = [m.start() for m in _CANDIDATE.finditer(normal)]
+        normal = carry + normalize(text) if carry else normalize(text)
+        # Most pieces are decided by two C-level searches: no "cnry" (no candidate) and no "c" near the end (nothing
+        # that could still start one).
+        matches = [m.start() for m in _CANDIDATE.finditer(normal)] if b"cnry" in normal else _NO_MATCHES
         hold = _hold_from(normal)
         if not matches and hold is None:
             self._held, self._carry = "", b""
-            return Scan(text, [], len(text))
+            return Scan(text, _NO_HITS, len(text))
         # A hit that began in the carry starts, for this text, at its first character.
         positions = [0] * len(carry) + _positions(text)
         hits = [

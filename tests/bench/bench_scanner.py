@@ -259,27 +259,42 @@ def measure_matcher(matcher: str, markers: int) -> dict[str, Any]:
     return row
 
 
-def guard_cost(markers: int = 100_000, size: int = 16) -> dict[str, Any]:
-    """In a child process: OutputGuard.check_chunk on OpenAI-shaped chunks, what the gateway runs per chunk."""
+def guard_cost(markers: int = 100_000, size: int = 16, top_logprobs: int | None = None) -> dict[str, Any]:
+    """In a child process: what the relay runs per chunk — channels.prune, then OutputGuard.check_chunk — on
+    OpenAI-shaped chat chunks, plain or with the chunk's logprobs entry and `top_logprobs` alternatives."""
+    from isolation.channels import prune
     from isolation.guard import OutputGuard
     from isolation.leaks import LeakPolicy
 
     registry, _ = build_ours([f"tenant-{n}" for n in range(markers // 2)])
     text, planted = model_output([registry.marker("tenant-0")])
     pieces = [text[at : at + size] for at in range(0, len(text), size)]
+    rng = random.Random(1)
+
+    def entry(token: str) -> dict[str, Any]:
+        return {"token": token, "logprob": -0.25, "bytes": list(token.encode())}
+
+    def chunk(piece: str) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}
+        if top_logprobs is not None:
+            # The chosen token first among its alternatives, as vLLM lists them; the others are other pieces.
+            alternatives = [entry(piece)] + [entry(rng.choice(pieces)) for _ in range(top_logprobs - 1)]
+            choice["logprobs"] = {"content": [{**entry(piece), "top_logprobs": alternatives}]}
+        return {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+                "choices": [choice]}  # fmt: skip
 
     async def on_leak(owner: object) -> None:
         raise AssertionError("the planted markers are the tenant's own")
 
     async def one_pass(guarded: bool) -> float:
-        chunks = [
-            {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": p}}]} for p in pieces
-        ]
+        chunks = [chunk(p) for p in pieces]
         guard = OutputGuard(registry, "tenant-0", LeakPolicy.BLOCK, on_leak)
         started = time.perf_counter()
-        for chunk in chunks:
+        for each in chunks:
             if guarded:
-                await guard.check_chunk(chunk)
+                if removed := prune(each):
+                    await guard.check_removed(removed)
+                await guard.check_chunk(each)
         return time.perf_counter() - started
 
     async def passes() -> tuple[float, float]:
@@ -291,6 +306,7 @@ def guard_cost(markers: int = 100_000, size: int = 16) -> dict[str, Any]:
     return {
         "markers": len(registry),
         "chunk_chars": size,
+        "top_logprobs": top_logprobs,
         "check_chunk_us": round((guarded - bare) / len(pieces) * 1e6, 2),
         "planted": planted,
     }
@@ -336,24 +352,34 @@ class Scenario:
     concurrency: int
     max_tokens: int
     share: int  # requests, as a multiple of --requests
+    top_logprobs: int | None = None  # ask for logprobs with this many alternatives per token
 
     @property
     def name(self) -> str:
-        return f"chat stream c={self.concurrency}, {self.max_tokens} tokens"
+        logprobs = "" if self.top_logprobs is None else f", logprobs top {self.top_logprobs}"
+        return f"chat stream c={self.concurrency}, {self.max_tokens} tokens{logprobs}"
 
     def request(self) -> Request:
-        payload = {
+        payload: dict[str, Any] = {
             "model": MODEL,
             "messages": [{"role": "user", "content": "Write a few lines about bulkheads on ships."}],
             "max_tokens": self.max_tokens,
             "stream": True,
         }
+        if self.top_logprobs is not None:
+            payload |= {"logprobs": True, "top_logprobs": self.top_logprobs}
         return Request(CHAT_PATH, orjson.dumps(payload), HEADERS, True)
 
 
 # Two answer lengths at c=1 split the added cost into a part per chunk (the slope) and a part per request
-# (planting the marker, counting the longer prompt); c=16 shows it under contention.
-SCENARIOS = (Scenario(1, 16, 1), Scenario(1, OUTPUT_TOKENS, 1), Scenario(16, OUTPUT_TOKENS, 4))
+# (planting the marker, counting the longer prompt), plain and with logprobs; c=16 shows it under contention.
+SCENARIOS = (
+    Scenario(1, 16, 1),
+    Scenario(1, OUTPUT_TOKENS, 1),
+    Scenario(16, OUTPUT_TOKENS, 4),
+    Scenario(1, 16, 1, top_logprobs=5),
+    Scenario(1, OUTPUT_TOKENS, 1, top_logprobs=5),
+)
 
 
 @contextlib.contextmanager
@@ -420,9 +446,10 @@ def summary(scenario: Scenario, on: Side, off: Side, chunks: int) -> dict[str, A
     }
 
 
-def split_cost(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """From the two c=1 rows: added CPU per chunk (slope) and per request (intercept), in µs."""
-    short, long = (row for row in rows if row["concurrency"] == 1)
+def split_cost(rows: Sequence[dict[str, Any]], logprobs: bool) -> dict[str, float]:
+    """From the two c=1 rows (with logprobs or without): added CPU per chunk (slope) and per request (intercept),
+    in µs."""
+    short, long = (row for row in rows if row["concurrency"] == 1 and ("logprobs" in row["scenario"]) == logprobs)
     per_chunk = (long["added_cpu_ms_per_req"] - short["added_cpu_ms_per_req"]) * 1000
     per_chunk /= long["chunks_per_answer"] - short["chunks_per_answer"]
     per_request = short["added_cpu_ms_per_req"] * 1000 - per_chunk * short["chunks_per_answer"]
@@ -520,28 +547,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     matchers = run_matchers(args.matchers, MARKER_COUNTS)
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
         guard = pool.submit(guard_cost).result()
+        guard_logprobs = pool.submit(guard_cost, top_logprobs=5).result()
     print(table([row for row in matchers if "skipped" not in row], MATCHER_COLUMNS))
     notes = {row["matcher"]: row.get("skipped") or row["note"] for row in matchers}
     print("\n".join(f"- {matcher}: {note}" for matcher, note in notes.items()))
-    print(
-        f"- OutputGuard.check_chunk (ours, in the gateway's shape): {guard['check_chunk_us']} µs per "
-        f"{guard['chunk_chars']}-character chat delta chunk with {guard['markers']} live markers"
-    )
-    report: dict[str, Any] = {"revision": revision(), "matchers": matchers, "guard": guard}
+    for row, shape in ((guard, "chat delta chunk"), (guard_logprobs, "chat delta chunk with logprobs, top 5")):
+        print(
+            f"- prune + OutputGuard.check_chunk (ours, in the gateway's shape): {row['check_chunk_us']} µs per "
+            f"{row['chunk_chars']}-character {shape}, {row['markers']} live markers"
+        )
+    report: dict[str, Any] = {
+        "revision": revision(),
+        "matchers": matchers,
+        "guard": guard,
+        "guard_logprobs": guard_logprobs,
+    }
     if not args.skip_gateway:
         try:
             report["gateway"] = run_gateway_part(args.requests, args.rounds)
         except LoadError as exc:
             print(f"bench_scanner: a request failed, so the gateway part measured nothing: {exc}", file=sys.stderr)
             return 1
-        report["gateway_split"] = split_cost(report["gateway"])
+        report["gateway_split"] = split_cost(report["gateway"], logprobs=False)
+        report["gateway_split_logprobs"] = split_cost(report["gateway"], logprobs=True)
         print()
         print(table(report["gateway"], GATEWAY_COLUMNS))
-        split = report["gateway_split"]
-        print(
-            f"- added gateway CPU, from the two c=1 rows: {split['added_cpu_us_per_chunk']} µs per chunk, "
-            f"{split['added_cpu_us_per_request']} µs per request"
-        )
+        for key, what in (("gateway_split", "plain"), ("gateway_split_logprobs", "with logprobs, top 5")):
+            split = report[key]
+            print(
+                f"- added gateway CPU ({what}), from its two c=1 rows: {split['added_cpu_us_per_chunk']} µs per "
+                f"chunk, {split['added_cpu_us_per_request']} µs per request"
+            )
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 0

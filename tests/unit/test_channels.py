@@ -97,9 +97,23 @@ def test_fields_outside_the_inventory_are_removed_and_handed_over() -> None:
     body["choices"][0]["message"]["content"] = 5  # a text field must be a string
     body["created"] = "yesterday"  # a number must be a number
     body["usage"]["completion_tokens_details"] = {"note": "x"}
+    body["object"] = "chat.completion, and a story"  # a closed set of values: no channel
     removed = prune(body)
     assert sorted(map(str, removed)) == sorted(
-        map(str, [[1, 2, 3], {"remote_block_ids": [7]}, "text", [4], {"data": "x"}, 5, "yesterday", {"note": "x"}])
+        map(
+            str,
+            [
+                ("answer.prompt_token_ids", [1, 2, 3]),
+                ("answer.kv_transfer_params", {"remote_block_ids": [7]}),
+                ("answer.brand_new_field", "text"),
+                ("choice.token_ids", [4]),
+                ("message.audio", {"data": "x"}),
+                ("message.content", 5),
+                ("answer.created", "yesterday"),
+                ("usage.completion_tokens_details", {"note": "x"}),
+                ("answer.object", "chat.completion, and a story"),
+            ],
+        )
     )
     assert "prompt_token_ids" not in body and "kv_transfer_params" not in body and "brand_new_field" not in body
     assert body["choices"][0]["message"]["content"] is None and body["created"] is None
@@ -111,7 +125,7 @@ def test_logprob_bytes_are_derived_from_the_token() -> None:
     chunk["choices"][0]["logprobs"]["content"][0]["bytes"] = list(b"CNRY secret")
     chunk["choices"][0]["logprobs"]["content"][0]["top_logprobs"][1]["bytes"] = [1, 2]
     removed = prune(chunk)
-    assert removed == [list(b"CNRY secret"), [1, 2]]
+    assert removed == [("entry.bytes", list(b"CNRY secret")), ("alternative.bytes", [1, 2])]
     first = chunk["choices"][0]["logprobs"]["content"][0]
     assert first["bytes"] == list("é".encode()) and first["top_logprobs"][1]["bytes"] == [ord("e")]
 
@@ -120,7 +134,8 @@ def test_completion_logprobs_are_typed() -> None:
     choice = {"index": 0, "text": "a", "logprobs": {"tokens": ["a", 7], "token_logprobs": [-1.0, "x"],
               "top_logprobs": [{"a": -1.0}, {"b": "high"}], "text_offset": [0, 1], "extra": "y"}}  # fmt: skip
     answer = {"choices": [choice]}
-    assert sorted(map(str, prune(answer))) == sorted(map(str, [7, "x", {"b": "high"}, "y"]))
+    removed = [value for _, value in prune(answer)]
+    assert sorted(map(str, removed)) == sorted(map(str, [7, "x", {"b": "high"}, "y"]))
     assert choice["logprobs"] == {"tokens": ["a", ""], "token_logprobs": [-1.0, None],
                                   "top_logprobs": [{"a": -1.0}, None], "text_offset": [0, 1]}  # fmt: skip
 
@@ -244,6 +259,33 @@ async def test_tool_call_names_and_stray_strings_are_scanned(registry: MarkerReg
         assert leaks.owners == [Owner("bob", EPOCH, "k1")]
 
 
+@pytest.mark.parametrize("name", ["id", "model", "system_fingerprint"])
+async def test_the_envelope_keeps_its_first_value_so_nothing_can_be_spread_over_it(
+    registry: MarkerRegistry, name: str
+) -> None:
+    guard, leaks = guard_for(registry)
+    marker = registry.marker("bob")
+    first = {name: marker[:3], "choices": []}
+    await guard.check_chunk(first)
+    assert first[name] == marker[:3]  # "CNR": nothing yet
+    with pytest.raises(LeakBlocked):
+        for piece in pieces(marker[3:], 3):
+            chunk = {name: piece, "choices": []}
+            await guard.check_chunk(chunk)
+            assert chunk[name] == marker[:3], "a value that changes mid-stream never goes out"
+    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+
+
+async def test_a_stop_reason_is_one_of_the_requests_stop_strings(registry: MarkerRegistry) -> None:
+    guard = OutputGuard(registry, "alice", LeakPolicy.BLOCK, Leaks(), stops=frozenset({"END"}))
+    kept = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": "END"}]}
+    other = {"choices": [{"index": 1, "delta": {}, "finish_reason": "stop", "stop_reason": "something else"}]}
+    token = {"choices": [{"index": 2, "delta": {}, "finish_reason": "stop", "stop_reason": 128009}]}
+    for chunk in (kept, other, token):
+        await guard.check_chunk(chunk)
+    assert [c["choices"][0]["stop_reason"] for c in (kept, other, token)] == ["END", None, 128009]
+
+
 async def test_what_pruning_removed_is_scanned_too(registry: MarkerRegistry) -> None:
     marker = registry.marker("bob")
     ids = {marker: [9, 9, 9]}
@@ -255,9 +297,15 @@ async def test_what_pruning_removed_is_scanned_too(registry: MarkerRegistry) -> 
     assert leaks.owners == [Owner("bob", EPOCH, "k1")]
     guard, _ = guard_for(registry)
     with pytest.raises(LeakBlocked):
-        await guard.check_removed([{"nested": [list(f"..{marker}..".encode())]}])
+        await guard.check_removed([("x", {"nested": [list(f"..{marker}..".encode())]})])
+    # A dropped field spread over the chunks of a stream is read as one stream: text, and bytes.
+    for spread in ([("x", piece) for piece in pieces(marker, 2)], [("y", list(p.encode())) for p in pieces(marker, 5)]):
+        guard, _ = guard_for(registry)
+        with pytest.raises(LeakBlocked):
+            for removed in spread:
+                await guard.check_removed([removed])
     guard, _ = guard_for(registry)
-    await guard.check_removed([[1, 2, 300], {"k": None}, 4.5])  # nothing text-like: nothing to find
+    await guard.check_removed([("z", [1, 2, 300]), ("z", {"k": None}), ("z", 4.5)])  # nothing text-like
 
 
 @pytest.mark.parametrize("form", ["NFKC-fullwidth", "mathematical", "accented"])
