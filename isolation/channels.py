@@ -162,34 +162,35 @@ def _prune_logprobs(logprobs: dict[str, Any], removed: Removed) -> None:
         _prune_completion_logprobs(logprobs, removed)
         return
     _prune(logprobs, CHAT_LOGPROBS, "logprobs", removed)
-    for entry in _objects(logprobs, "content", "logprobs", removed):
-        _prune_entry(entry, ENTRY, "entry", removed)
+    _prune_entries(_objects(logprobs, "content", "logprobs", removed), ENTRY, "entry", removed)
+
+
+def _prune_entries(entries: list[dict[str, Any]], allowed: frozenset[str], where: str, removed: Removed) -> None:
+    # One loop, no call per entry: with top_logprobs this runs for every alternative of every token.
+    for entry in entries:
+        if not entry.keys() <= allowed:
+            _prune(entry, allowed, where, removed)
+        logprob = entry.get("logprob")
+        if logprob is not None and type(logprob) is not float and type(logprob) is not int:
+            removed.append((f"{where}.logprob", logprob))
+            entry["logprob"] = None
+        token = entry.get("token")
+        if type(token) is not str:
+            removed.append((f"{where}.token", token))
+            entry["token"] = token = ""
+        raw = entry.get("bytes")
+        if raw is not None:
+            # Rewritten, not trusted: the token's own bytes, as vLLM computes them (a partial UTF-8 token is U+FFFD).
+            encoded = token.encode("utf-8", errors="replace")
+            try:
+                same = bytes(raw) == encoded
+            except (TypeError, ValueError):
+                same = False
+            if not same:
+                removed.append((f"{where}.bytes", raw))
+                entry["bytes"] = list(encoded)
         if entry.get("top_logprobs"):
-            for alternative in _objects(entry, "top_logprobs", "entry", removed):
-                _prune_entry(alternative, ALTERNATIVE, "alternative", removed)
-
-
-def _prune_entry(entry: dict[str, Any], allowed: frozenset[str], where: str, removed: Removed) -> None:
-    _prune(entry, allowed, where, removed)
-    logprob = entry.get("logprob")
-    if logprob is not None and type(logprob) not in NUMBER:
-        removed.append((f"{where}.logprob", logprob))
-        entry["logprob"] = None
-    token = entry.get("token")
-    if type(token) is not str:
-        removed.append((f"{where}.token", token))
-        entry["token"] = token = ""
-    raw = entry.get("bytes")
-    if raw is not None:
-        # Rewritten, not trusted: the token's own bytes, as vLLM computes them (a partial UTF-8 token is U+FFFD).
-        encoded = token.encode("utf-8", errors="replace")
-        try:
-            same = bytes(raw) == encoded
-        except (TypeError, ValueError):
-            same = False
-        if not same:
-            removed.append((f"{where}.bytes", raw))
-            entry["bytes"] = list(encoded)
+            _prune_entries(_objects(entry, "top_logprobs", "entry", removed), ALTERNATIVE, "alternative", removed)
 
 
 def _prune_completion_logprobs(logprobs: dict[str, Any], removed: Removed) -> None:
@@ -250,12 +251,16 @@ def token_streams(logprobs: dict[str, Any]) -> dict[str, list[str]]:
     if "tokens" in logprobs:
         chosen: list[str] = logprobs["tokens"]
         steps = [list(step) if step else [] for step in _list(logprobs.get("top_logprobs"))]
+        steps += [[]] * (len(chosen) - len(steps))  # a completion's top_logprobs may be shorter than its tokens
     else:
         entries = logprobs.get("content") or []
         chosen = [entry["token"] for entry in entries]
         steps = [[alt["token"] for alt in entry.get("top_logprobs") or ()] for entry in entries]
-    steps += [[]] * (len(chosen) - len(steps))  # a completion's top_logprobs may be shorter than its tokens
     streams = {"lp": chosen}
+    if len(steps) == 1:  # a streamed chunk: one position
+        for rank, token in enumerate(steps[0]):
+            streams[_RANKS[rank] if rank < len(_RANKS) else f"lp{rank}"] = [token]
+        return streams
     for rank in range(max(map(len, steps), default=0)):
         key = _RANKS[rank] if rank < len(_RANKS) else f"lp{rank}"
         streams[key] = [alternatives[rank] if rank < len(alternatives) else "" for alternatives in steps]

@@ -34,6 +34,7 @@ from isolation.scanner import Hit, StreamScanner, apply_edits, scan_all, suspect
 LeakHandler = Callable[[Owner], Awaitable[None]]
 Decode = Callable[[list[int]], str]  # the model's tokenizer: token ids to text
 IDS_KEPT = 64  # token ids of a dropped field decoded together: far more than one marker's tokens
+_NONE: set[int] = set()
 
 
 class LeakBlocked(Exception):
@@ -232,13 +233,16 @@ class OutputGuard:
             await self.check_removed([("choice.stop_reason", stop)])
             choice["stop_reason"] = None
             changed = True
-        if state.tool_ids or _has_tool_calls(choice):
+        message = choice.get("delta") or choice.get("message")
+        if state.tool_ids or (message is not None and message.get("tool_calls")):
             changed |= await self._hold_tool_ids(state, choice)
         slots = list(texts(choice))
         logprobs = choice.get("logprobs")
         streams = token_streams(logprobs) if logprobs is not None else {}
-        # One pass over every text of this event finds the few that a scanner must look at.
+        # One pass over every text of this event finds the few that a scanner must look at; most events have none.
         flagged = suspects([holder[name] for _, holder, name in slots] + ["".join(p) for p in streams.values()])
+        if flagged == _NONE and state.held_logprobs is None and all(s.idle for s in state.scanners.values()):
+            return changed
         holding = False
         for position, (key, holder, name) in enumerate(slots):
             scanner = state.scanners.get(key)
@@ -346,10 +350,6 @@ class OutputGuard:
         if self._policy is LeakPolicy.BLOCK:
             raise LeakBlocked
         return REDACTED if self._policy is LeakPolicy.REDACT else None
-
-
-def _has_tool_calls(choice: dict[str, Any]) -> bool:
-    return any((holder or {}).get("tool_calls") for holder in (choice.get("delta"), choice.get("message")))
 
 
 def _contents(value: Any) -> Iterator[tuple[str, Any]]:
