@@ -34,7 +34,6 @@ from isolation.scanner import Hit, StreamScanner, apply_edits, scan_all, suspect
 LeakHandler = Callable[[Owner], Awaitable[None]]
 Decode = Callable[[list[int]], str]  # the model's tokenizer: token ids to text
 IDS_KEPT = 64  # token ids of a dropped field decoded together: far more than one marker's tokens
-_NONE: set[int] = set()
 
 
 class LeakBlocked(Exception):
@@ -241,7 +240,7 @@ class OutputGuard:
         streams = token_streams(logprobs) if logprobs is not None else {}
         # One pass over every text of this event finds the few that a scanner must look at; most events have none.
         flagged = suspects([holder[name] for _, holder, name in slots] + ["".join(p) for p in streams.values()])
-        if flagged == _NONE and state.held_logprobs is None and all(s.idle for s in state.scanners.values()):
+        if flagged is not None and not flagged and state.held_logprobs is None and _idle(state.scanners):
             return changed
         holding = False
         for position, (key, holder, name) in enumerate(slots):
@@ -350,6 +349,10 @@ class OutputGuard:
         if self._policy is LeakPolicy.BLOCK:
             raise LeakBlocked
         return REDACTED if self._policy is LeakPolicy.REDACT else None
+
+
+def _idle(scanners: dict[str, StreamScanner]) -> bool:
+    return all(scanner.idle for scanner in scanners.values()) if scanners else True
 
 
 def _contents(value: Any) -> Iterator[tuple[str, Any]]:

@@ -47,13 +47,21 @@ def suspects(texts: Sequence[str]) -> set[int] | None:
     in something that could still start a marker. The rest would pass through a scanner unchanged. One C-level
     pass over all of them at once, the common case being an empty answer. None when it cannot tell (a text holds
     a NUL, the separator): scan them all."""
-    joined = "\x00".join(texts)
-    if joined.count("\x00") != len(texts) - 1:
-        return None
-    if not joined.isascii():
-        joined = unicodedata.normalize("NFKD", joined)
-    normal = joined.lower().encode("ascii", "ignore").translate(None, _NOT_ALNUM_NOR_NUL)
+    if len(texts) <= 1:
+        normal = normalize(texts[0]) if texts else b""
+    else:
+        joined = "\x00".join(texts)
+        if joined.count("\x00") != len(texts) - 1:
+            return None
+        if not joined.isascii():
+            joined = unicodedata.normalize("NFKD", joined)
+        normal = joined.lower().encode("ascii", "ignore").translate(None, _NOT_ALNUM_NOR_NUL)
+    if b"c" not in normal:  # both a candidate and the start of one need a "c"
+        return _NOT_SUSPECT
     return {normal.count(b"\x00", 0, match.start()) for match in _SUSPECT.finditer(normal)}
+
+
+_NOT_SUSPECT: set[int] = set()  # shared: never added to
 
 
 @dataclass(frozen=True)

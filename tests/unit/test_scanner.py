@@ -31,7 +31,7 @@ from isolation.markers import (
     make_marker,
     normal_form,
 )
-from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all
+from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
 from tests.redis_server import redis_server
 
 KEY = CanaryKey("k1", b"canary-test-secret-0123456789abcdef")
@@ -547,3 +547,17 @@ async def test_a_whole_answer_is_checked(registry: MarkerRegistry) -> None:
     with pytest.raises(LeakBlocked):
         await guard.check_body({"choices": [{"index": 0, "text": f"{registry.marker('bob')}"}]})
     assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.text(alphabet="cnryCNRYaz27 -*\u200b\x00é\uff23", max_size=30), max_size=8))
+def test_suspects_names_every_text_an_idle_scanner_would_not_pass_through(texts: list[str]) -> None:
+    flagged = suspects(texts)
+    for index, text in enumerate(texts):
+        scanner = StreamScanner()
+        scan = scanner.scan(text)
+        untouched = not scan.hits and scan.release == len(text) and scanner.idle
+        if flagged is not None and index not in flagged:
+            assert untouched, (texts, index)
+    if flagged is None:
+        assert any("\x00" in text for text in texts)
