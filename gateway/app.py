@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
 import random
@@ -49,9 +51,11 @@ from gateway.tenants import TenantDirectory
 from gateway.tokens import ModelTokenizer, TokenizerLoadError
 from gateway.worker import work
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
+from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed
 from isolation.leaks import Webhook
 from isolation.markers import CanaryKey, MarkerRegistry, RedisMarkerStore
 from isolation.salts import CacheSalts
+from isolation.winnowing import Hasher, Shape
 
 log = logging.getLogger("bulkhead")
 
@@ -172,9 +176,15 @@ def salt_secret(settings: Settings) -> bytes:
     return secrets.token_bytes(32)
 
 
-async def marker_registry(settings: Settings, redis: Redis | None, metrics: GatewayMetrics) -> MarkerRegistry:
+def canary_keys(settings: Settings) -> list[CanaryKey]:
+    configured = settings.isolation.canary.keys
+    return [CanaryKey(k.id, k.secret.encode()) for k in configured] or [CanaryKey("random", secrets.token_bytes(32))]
+
+
+async def marker_registry(
+    settings: Settings, keys: list[CanaryKey], redis: Redis | None, metrics: GatewayMetrics
+) -> MarkerRegistry:
     canary = settings.isolation.canary
-    keys = [CanaryKey(k.id, k.secret.encode()) for k in canary.keys] or [CanaryKey("random", secrets.token_bytes(32))]
     registry = MarkerRegistry(keys, canary.epoch_s, RedisMarkerStore(redis) if redis is not None else None)
     registry.add_tenants(t.id for t in settings.tenants)
     metrics.canary_markers.set(len(registry))
@@ -207,6 +217,35 @@ async def watch_redis(redis: Redis, gauge: Gauge, interval: float) -> None:
         await asyncio.sleep(interval)
 
 
+def make_fingerprinter(
+    settings: Settings, key: CanaryKey, redis: Redis | None, executor: ThreadPoolExecutor, instance: str
+) -> Fingerprinter | None:
+    config = settings.isolation.fingerprints
+    if not config.enabled:
+        return None
+    # Every instance must hash alike to recognise each other's prompts: the key derives from the canary secret.
+    secret = hmac.new(key.secret, b"bulkhead prompt fingerprints", hashlib.sha256).digest()
+    hasher = Hasher(secret, Shape.for_fragments(config.min_fragment_tokens))
+    index = FingerprintIndex(config.ttl_s, config.max_entries)
+    feed = RedisFingerprintFeed(redis, instance, config.ttl_s) if redis is not None else None
+    return Fingerprinter(hasher, index, feed, executor, config.inline_chars)
+
+
+async def follow_fingerprints(fingerprinter: Fingerprinter, feed_ready: str | None, metrics: GatewayMetrics) -> None:
+    """Forget expired fingerprints every 30 s, and (with Redis) add the other instances' as they come."""
+    follower = None
+    if fingerprinter.feed is not None and feed_ready is not None:
+        follower = asyncio.create_task(fingerprinter.feed.follow(fingerprinter.index, feed_ready))
+    try:
+        while True:
+            fingerprinter.index.sweep(time.time())
+            metrics.fingerprints.set(len(fingerprinter.index))
+            await asyncio.sleep(30)
+    finally:
+        if follower is not None:
+            follower.cancel()
+
+
 def make_webhook(settings: Settings, client: httpx.AsyncClient) -> Webhook | None:
     canary = settings.isolation.canary
     if canary.webhook_url is None or canary.webhook_secret is None:
@@ -237,7 +276,16 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
             async with make_client(settings.upstream, transport) as client:
                 upstream = Upstream(transport, settings.upstream, pool, metrics)
                 await pool.refresh(client, timeout)
-                markers = await marker_registry(settings, redis, metrics)
+                keys = canary_keys(settings)
+                markers = await marker_registry(settings, keys, redis, metrics)
+                instance = f"{socket.gethostname()}-{os.getpid()}"
+                fingerprinter = make_fingerprinter(settings, keys[0], redis, executor, instance)
+                feed_ready = None
+                if fingerprinter is not None and fingerprinter.feed is not None:
+                    try:
+                        feed_ready = await fingerprinter.feed.catch_up(fingerprinter.index)
+                    except (RedisError, OSError) as exc:
+                        log.warning("fingerprints of other instances not read at start: %s", type(exc).__name__)
                 await capacity.refresh_all(client, timeout)
                 pool.on_recovered = lambda replica: capacity.refresh_soon(client, replica, timeout)
                 app.state.gateway = GatewayState(
@@ -265,6 +313,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     webhook=make_webhook(settings, client),
                     redis=redis,
                     client=client,
+                    fingerprints=fingerprinter,
                     quarantines=QuarantineBudget(
                         settings.isolation.quarantine.max_per_replica, settings.isolation.quarantine.window_s
                     ),
@@ -280,8 +329,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 state = app.state.gateway
                 if settings.isolation.prober.enabled:
                     tasks.append(asyncio.create_task(run_prober(state)))
-                name = f"{socket.gethostname()}-{os.getpid()}"
-                tasks += [asyncio.create_task(work(state, state.queue, f"{name}-{n}")) for n in range(workers)]
+                if fingerprinter is not None:
+                    tasks.append(asyncio.create_task(follow_fingerprints(fingerprinter, feed_ready, metrics)))
+                tasks += [asyncio.create_task(work(state, state.queue, f"{instance}-{n}")) for n in range(workers)]
                 try:
                     yield
                 finally:

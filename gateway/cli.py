@@ -25,6 +25,7 @@ from gateway.settings import Settings, SettingsError, TenantSettings, load_setti
 from gateway.tenants import hash_key, new_api_key
 from isolation.audit import command as audit_command
 from isolation.sim import FAULTS, SimConfig, create_sim_app
+from isolation.sim.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_GPU_BLOCKS, fault_blocks
 from isolation.sim.tinymodel import cached_tokenizer
 
 EMBEDDED_MODEL = "tiny-llama"
@@ -183,22 +184,54 @@ def _keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sim(args: argparse.Namespace) -> int:
+def _sized_for_fault(args: argparse.Namespace) -> bool:
+    """A stale fault and no KV cache size given: the cache is made smaller than the window, or the fault never shows."""
+    return args.fault != "none" and args.block_size is None and args.num_gpu_blocks is None
 
-    tokenizer = args.tokenizer or cached_tokenizer(_cache_root())
-    config = SimConfig(
-        tokenizer_dir=tokenizer,
+
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    """`bulkhead sim`'s settings; with a stale fault and no KV cache size given, a cache of half the window."""
+    block_size = DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size
+    blocks = args.num_gpu_blocks
+    if blocks is None:
+        blocks = fault_blocks(args.max_model_len, block_size) if _sized_for_fault(args) else DEFAULT_NUM_GPU_BLOCKS
+    return SimConfig(
+        tokenizer_dir=args.tokenizer or cached_tokenizer(_cache_root()),
         model=args.model,
         max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
+        block_size=block_size,
+        num_gpu_blocks=blocks,
         ttft_ms=args.ttft_ms,
         tokens_per_s=args.tokens_per_s,
         output_tokens=args.output_tokens,
         seed=args.seed,
         fault=args.fault,
     )
+
+
+def _say_kv_cache(config: SimConfig, sized: bool) -> None:
+    kv, window = config.kv_cache_size_tokens, config.max_model_len
+    if config.fault_unreachable:
+        print(
+            f"bulkhead sim: warning: --fault {config.fault} cannot trigger: the KV cache ({kv} tokens) is not smaller "
+            f"than the window (--max-model-len {window}), so the window refuses every prompt the fault acts on; "
+            "give fewer --num-gpu-blocks",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif sized:
+        print(
+            f"bulkhead sim: --fault {config.fault}: KV cache of {kv} tokens ({config.num_gpu_blocks} blocks of "
+            f"{config.block_size}), half the {window}-token window, so prompts between the two reach the fault "
+            "(--num-gpu-blocks and --block-size set it)",
+            flush=True,
+        )
+
+
+def _sim(args: argparse.Namespace) -> int:
+    config = sim_config(args)
     print(f"bulkhead sim: serving '{args.model}' on http://{args.host}:{args.port}", flush=True)
+    _say_kv_cache(config, _sized_for_fault(args))
     uvicorn.run(create_sim_app(config), host=args.host, port=args.port, access_log=False, log_level="warning")
     return 0
 
@@ -242,8 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--model", default=EMBEDDED_MODEL)
     sim.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer directory (default: a built tiny one)")
     sim.add_argument("--max-model-len", type=int, default=EMBEDDED_CONTEXT)
-    sim.add_argument("--block-size", type=int, default=16)
-    sim.add_argument("--num-gpu-blocks", type=int, default=1024)
+    # No defaults here: whether they were given decides how a fault's KV cache is sized (sim_config).
+    sim.add_argument("--block-size", type=int, help=f"tokens per KV block ({DEFAULT_BLOCK_SIZE})")
+    sim.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        help=f"KV blocks ({DEFAULT_NUM_GPU_BLOCKS}; with a --fault and neither this nor --block-size: half the window)",
+    )
     sim.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token")
     sim.add_argument("--tokens-per-s", type=float, default=0.0, help="decode speed; 0 = as fast as possible")
     sim.add_argument("--output-tokens", type=int, default=16, help="length of an answer max_tokens does not cut")

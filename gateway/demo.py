@@ -1,6 +1,6 @@
 """`bulkhead demo`: the 2026 stale-KV incident replayed on loopback, and what each defence catches.
 
-One simulated engine in `stale-kv` mode (a 2,048-token window over a 256-token KV cache) stands behind four
+One simulated engine in `stale-kv` mode (a 2,048-token window over a 256-token KV cache) stands behind five
 gateways that differ only in which defences are on. In each, tenant alice first sends a prompt with something
 confidential in it; then tenant bob sends a prompt over the KV capacity, which the engine answers — with HTTP
 200 — from the stale cache pages alice's request left behind.
@@ -36,6 +36,7 @@ class Layer:
     model: dict[str, Any]
     canary: bool
     caught: Callable[[httpx.Response, list[dict[str, str]]], str | None]
+    fingerprints: bool = False
 
 
 def _settings(engine: str, tokenizer: Path, layer: Layer) -> Settings:
@@ -46,7 +47,10 @@ def _settings(engine: str, tokenizer: Path, layer: Layer) -> Settings:
             "backends": [{"name": "engine", "url": engine}],
             "models": [{"name": MODEL, "backends": ["engine"], "tokenizer": str(tokenizer), **layer.model}],
             "tenants": [{"id": tenant, "key_hashes": [hash_key(key)]} for tenant, key in KEYS.items()],
-            "isolation": {"canary": {"enabled": layer.canary, "quarantine_on_leak": False}},
+            "isolation": {
+                "canary": {"enabled": layer.canary, "quarantine_on_leak": False},
+                "fingerprints": {"enabled": layer.fingerprints},
+            },
         }
     )
 
@@ -91,6 +95,13 @@ LAYERS = [
         {"limit_by_kv_capacity": False, "verify_usage": False},
         True,
         _event("leak"),
+    ),
+    Layer(
+        "4. prompt fingerprints (a fragment of alice's prompt in bob's answer, no marker needed)",
+        {"limit_by_kv_capacity": False, "verify_usage": False},
+        False,
+        _event("fingerprint_leak"),
+        fingerprints=True,
     ),
 ]
 UNGUARDED = Layer("no defences", {"limit_by_kv_capacity": False, "verify_usage": False}, False, _admission)

@@ -12,16 +12,17 @@ from redis.exceptions import RedisError
 
 from gateway.state import GatewayState
 from isolation.events import IsolationEvent
+from isolation.guard import FRAGMENT, MARKER
 
 log = logging.getLogger("bulkhead.isolation")
 
-LEAK = "leak"
+LEAKS = frozenset({MARKER, FRAGMENT})
 
 
 async def report(event: IsolationEvent, state: GatewayState) -> None:
     state.metrics.isolation_events.labels(event.kind, event.model, event.replica).inc()
-    if event.kind == LEAK:
-        state.metrics.leaks.labels(event.model, event.replica).inc()
+    if event.kind in LEAKS:
+        state.metrics.leaks.labels(event.model, event.replica, event.kind).inc()
     # ERROR level on purpose: every isolation event is a page; the line carries no keys, markers or text.
     log.error(orjson.dumps({"event": "isolation", **event.fields()}).decode())
     if state.webhook is not None:

@@ -30,7 +30,7 @@ from gateway.errors import (
     UpstreamError,
     error_response,
 )
-from gateway.incidents import LEAK, report
+from gateway.incidents import report
 from gateway.proxy import map_transport_error, parse_json_body
 from gateway.quarantine import on_leak
 from gateway.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, filtered
@@ -41,13 +41,17 @@ from gateway.sse import DONE
 from gateway.state import GatewayState
 from isolation.channels import prune
 from isolation.events import IsolationEvent
-from isolation.guard import LeakBlocked, OutputGuard
+from isolation.fingerprints import AnswerCheck
+from isolation.guard import FRAGMENT, MARKER, Leak, LeakBlocked, OutputGuard
 from isolation.inject import completion_prefix, hide_injected, inject_chat, inject_completion
 from isolation.leaks import LeakPolicy
-from isolation.markers import Owner
 from isolation.verify import usage_problem
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
+LEAK_DETAILS = {
+    MARKER: "another tenant's canary marker in the answer",
+    FRAGMENT: "a fragment of another tenant's recent prompt to this replica in the answer",
+}
 
 
 @dataclass(frozen=True)
@@ -167,9 +171,11 @@ class InferenceCall:
         decision: Decision,
         limit_headers: dict[str, str],
         reserved_tokens: int,
+        prompt: Prompt,
         echo_prefix: str = "",
     ) -> None:
         self.state = state
+        self.prompt = prompt  # the tenant's own, without what the gateway injects
         self.echo_prefix = echo_prefix
         self.limit_headers = limit_headers
         self.reserved_tokens = reserved_tokens
@@ -220,6 +226,10 @@ class InferenceCall:
             refusal.message = await self.scrub(refusal.message)
             raise
         self.state.metrics.routed.labels(self.replica.name, self.decision.reason.value).inc()
+        if self.state.fingerprints is not None:
+            # Off the answer's path: what it protects is a later answer to another tenant.
+            texts = list(self.prompt.contents())
+            self.state.background(self.state.fingerprints.register(self.tenant.id, self.replica.name, texts))
 
     async def scrub(self, text: str) -> str:
         guard = self.output_guard()
@@ -261,16 +271,17 @@ class InferenceCall:
         await report(event, self.state)
         raise StreamWithheld(problem)
 
-    async def leak(self, owner: Owner) -> None:
+    async def leak(self, leak: Leak) -> None:
+        detail = LEAK_DETAILS[leak.kind]
         event = IsolationEvent(
-            kind=LEAK,
+            kind=leak.kind,
             request_id=self.record.request_id,
             tenant=self.tenant.id,
             model=self.model.name,
             replica=self.replica.name,
-            detail="another tenant's canary marker in the answer",
-            victim_tenant=owner.tenant,
-            epoch=str(owner.epoch),
+            detail=detail,
+            victim_tenant=leak.victim,
+            epoch=leak.epoch,
         )
         await on_leak(event, self.state)
 
@@ -283,15 +294,26 @@ class InferenceCall:
         hide_injected(usage, injected)
 
     def output_guard(self) -> OutputGuard | None:
-        canary = self.state.settings.isolation.canary
-        if not canary.enabled:
+        canary, fingerprints = self.state.settings.isolation.canary, self.state.fingerprints
+        if not canary.enabled and fingerprints is None:
             return None
-        policy = LeakPolicy(canary.policy)
         counter = self.state.counters[self.model.name]
         decode = counter.tokenizer.decode if isinstance(counter, LocalCounter) else None
         stop = self.request.stop
         stops = frozenset([stop] if isinstance(stop, str) else stop or ())
-        return OutputGuard(self.state.markers, self.tenant.id, policy, self.leak, self.echo_prefix, decode, stops)
+        fragments = None
+        if fingerprints is not None:
+            fragments = AnswerCheck(fingerprints.index, fingerprints.hasher, self.replica.name, self.tenant.id)
+        return OutputGuard(
+            self.state.markers,
+            self.tenant.id,
+            LeakPolicy(canary.policy),
+            self.leak,
+            self.echo_prefix,
+            decode,
+            stops,
+            fragments,
+        )
 
     async def complete(self) -> Response:
         assert self.response is not None
@@ -424,6 +446,7 @@ async def _admit(
         decision,
         limit_headers,
         reserved,
+        own,
         completion_prefix(marker) if echo and marker is not None else "",
     )
     return call, upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.id))

@@ -139,8 +139,14 @@ class GatewayMetrics:
         )
         self.leaks = Counter(
             "bulkhead_isolation_leaks",
-            "Answers that carried another tenant's canary marker, by model and replica.",
-            ["model", "replica"],
+            "Answers that carried another tenant's data, by model, replica and how it was recognised (kind: leak, a "
+            "canary marker; fingerprint_leak, a fragment of its prompt).",
+            ["model", "replica", "kind"],
+            registry=self.registry,
+        )
+        self.fingerprints = Gauge(
+            "bulkhead_prompt_fingerprints",
+            "Fingerprints of recent prompts this instance checks answers against (its own and other instances').",
             registry=self.registry,
         )
         self.canary_markers = Gauge(

@@ -179,9 +179,22 @@ class QuarantineSettings(_Section):
     window_s: float = Field(default=3600.0, gt=0)
 
 
+class FingerprintSettings(_Section):
+    enabled: bool = Field(default=True, description="fingerprint prompts, find their fragments in other answers")
+    min_fragment_tokens: int = Field(
+        default=32, ge=4, le=512, description="a shared fragment of this many words or more is always found"
+    )
+    ttl_s: float = Field(default=1800.0, gt=0, description="how long a prompt's fingerprints are kept")
+    max_entries: int = Field(default=5_000_000, ge=1000, description="fingerprints kept per instance (~100 B each)")
+    inline_chars: int = Field(
+        default=65_536, ge=0, description="prompts up to this size are fingerprinted on the event loop"
+    )
+
+
 class IsolationSettings(_Section):
     events_max: int = Field(default=10_000, ge=100, description="isolation events kept (Redis stream or memory)")
     canary: CanarySettings = CanarySettings()
+    fingerprints: FingerprintSettings = FingerprintSettings()
     prober: ProberSettings = ProberSettings()
     quarantine: QuarantineSettings = QuarantineSettings()
 

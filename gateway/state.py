@@ -22,6 +22,7 @@ from gateway.routing import Router
 from gateway.settings import Settings
 from gateway.tenants import TenantDirectory
 from isolation.events import EventLog
+from isolation.fingerprints import Fingerprinter
 from isolation.leaks import Webhook
 from isolation.markers import MarkerRegistry
 from isolation.salts import CacheSalts
@@ -47,6 +48,7 @@ class GatewayState:
     queue: JobQueue
     client: httpx.AsyncClient  # the process's one HTTP client, for everything but the proxied hop
     quarantines: QuarantineBudget
+    fingerprints: Fingerprinter | None = None
     webhook: Webhook | None = None
     redis: Redis | None = None
     # Per-instance concurrency per tenant; a shared budget across instances is the rate limiter's job.

@@ -26,12 +26,27 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from isolation.channels import ENVELOPE, Removed, drop, join, texts, token_streams
+from isolation.channels import ENVELOPE, Removed, drop, join, positions, texts, token_streams
+from isolation.fingerprints import AnswerCheck
 from isolation.leaks import REDACTED, LeakPolicy
-from isolation.markers import MarkerRegistry, Owner
+from isolation.markers import MarkerRegistry
 from isolation.scanner import Hit, StreamScanner, apply_edits, scan_all, suspects
+from isolation.winnowing import AnswerGrams
 
-LeakHandler = Callable[[Owner], Awaitable[None]]
+MARKER = "leak"
+FRAGMENT = "fingerprint_leak"
+
+
+@dataclass(frozen=True)
+class Leak:
+    """Another tenant's data in an answer: whose, and how it was recognised (MARKER or FRAGMENT)."""
+
+    victim: str
+    kind: str
+    epoch: str = ""  # a marker's epoch
+
+
+LeakHandler = Callable[[Leak], Awaitable[None]]
 Decode = Callable[[list[int]], str]  # the model's tokenizer: token ids to text
 IDS_KEPT = 64  # token ids of a dropped field decoded together: far more than one marker's tokens
 
@@ -68,6 +83,8 @@ class _Choice:
     held_logprobs: dict[str, Any] | None = None  # logprobs of earlier events, waiting for a hold to clear
     dropped: set[int] = field(default_factory=set)  # held positions that overlap a stripped marker
     tool_ids: dict[int, str] = field(default_factory=dict)  # the id each tool call was first given
+    grams: dict[str, AnswerGrams] = field(default_factory=dict)  # per stream: its k-grams, for fingerprints
+    tainted: set[str] = field(default_factory=set)  # streams redacted for a fragment: the rest of them is too
 
     def scanner(self, key: str) -> StreamScanner:
         scanner = self.scanners.get(key)
@@ -98,8 +115,10 @@ class OutputGuard:
         echo_prefix: str = "",
         decode: Decode | None = None,
         stops: frozenset[str] = frozenset(),
+        fragments: AnswerCheck | None = None,
     ) -> None:
         self._registry = registry
+        self._fragments = fragments
         self._tenant = tenant
         self._policy = policy
         self._on_leak = on_leak
@@ -109,7 +128,7 @@ class OutputGuard:
         self._choices: dict[int, _Choice] = {}
         self._envelope: dict[str, str] = {}
         self._sinks: dict[str, _Sink] = {}
-        self._reported: set[str] = set()
+        self._reported: set[tuple[str, str]] = set()
         self._unknown: set[bytes] = set()
 
     async def check_chunk(self, chunk: dict[str, Any]) -> bool:
@@ -238,6 +257,8 @@ class OutputGuard:
         slots = list(texts(choice))
         logprobs = choice.get("logprobs")
         streams = token_streams(logprobs) if logprobs is not None else {}
+        if self._fragments is not None:
+            changed |= await self._find_fragments(state, slots, streams, choice)
         # One pass over every text of this event finds the few that a scanner must look at; most events have none.
         flagged = suspects([holder[name] for _, holder, name in slots] + ["".join(p) for p in streams.values()])
         if flagged is not None and not flagged and state.held_logprobs is None and _idle(state.scanners):
@@ -266,6 +287,39 @@ class OutputGuard:
                     place(choice, key, rest)
                     changed = True
         return changed
+
+    async def _find_fragments(
+        self,
+        state: _Choice,
+        slots: list[tuple[str, dict[str, Any], str]],
+        streams: dict[str, list[str]],
+        choice: dict[str, Any],
+    ) -> bool:
+        """Check every stream of this event for a fragment of another tenant's recent prompt. Under redact, a text
+        where one is found is redacted from there on, and the event's logprobs positions are dropped."""
+        changed = False
+        for key, holder, name in slots:
+            if await self._fragment(state, key, holder[name]) or key in state.tainted:
+                state.tainted.add(key)
+                holder[name] = REDACTED if holder[name] else ""
+                changed = True
+        if any([await self._fragment(state, key, "".join(pieces)) for key, pieces in streams.items()]):
+            held = positions(state.held_logprobs) if state.held_logprobs is not None else 0
+            state.dropped |= set(range(held, held + positions(choice["logprobs"])))
+            changed = True
+        return changed
+
+    async def _fragment(self, state: _Choice, key: str, piece: str) -> bool:
+        """Feed one piece of one stream to its k-grams; True when it ends a fragment of another tenant's prompt
+        (reported, and under block raised)."""
+        assert self._fragments is not None
+        grams = state.grams.get(key)
+        if grams is None:
+            grams = state.grams[key] = AnswerGrams(self._fragments.hasher)
+        victim = self._fragments.victim(*grams.feed(piece))
+        if victim is None:
+            return False
+        return await self._leak(Leak(victim, FRAGMENT)) is not None
 
     def _strip_echo(self, state: _Choice, choice: dict[str, Any]) -> bool:
         text: str = choice["text"]
@@ -343,9 +397,14 @@ class OutputGuard:
             return None
         if owner.tenant == self._tenant:
             return ""
-        if owner.tenant not in self._reported:  # one event per victim and answer, however often it shows
-            self._reported.add(owner.tenant)
-            await self._on_leak(owner)
+        return await self._leak(Leak(owner.tenant, MARKER, str(owner.epoch)))
+
+    async def _leak(self, leak: Leak) -> str | None:
+        """Report another tenant's data (once per victim, kind and answer); raises LeakBlocked under block, else
+        what replaces it (REDACTED under redact, None to leave it under alert)."""
+        if (leak.victim, leak.kind) not in self._reported:
+            self._reported.add((leak.victim, leak.kind))
+            await self._on_leak(leak)
         if self._policy is LeakPolicy.BLOCK:
             raise LeakBlocked
         return REDACTED if self._policy is LeakPolicy.REDACT else None

@@ -1,22 +1,25 @@
-"""Canary probe: identity A's markers must never reach identity B's answers, nor B's reach A's.
+"""Canary probe: identity A's markers and probe text must never reach identity B's answers, nor B's reach A's.
 
-Each round, A sends a prompt made only of its own random markers (it fills KV pages that are then freed but
-keep their contents, as GPU memory does), and B at once sends the prompts a broken engine answers from such
-pages: one just over the effective limit, and one just inside the advertised window (over a KV cache the
-endpoint may not reveal). B also sends a normal prompt carrying its own markers, before or after, at random.
-The order inside a round is what the incident needs: the victim's pages are the most recently freed when the
-over-long request arrives. Every answer, A's included, is scanned for the other identity's markers.
+Each round, A sends a prompt of its own random probe text, words with its markers among them (it fills KV pages
+that are then freed but keep their contents, as GPU memory does), and B at once sends the prompts a broken
+engine answers from such pages: one just over the effective limit, and one just inside the advertised window
+(over a KV cache the endpoint may not reveal). B also sends a normal prompt carrying its own markers, before or
+after, at random. The order inside a round is what the incident needs: the victim's pages are the most recently
+freed when the over-long request arrives. Every answer, A's included, is checked for the other identity's
+markers and for runs of its probe text (canaries.py): a 16-token answer cannot hold a whole marker, but it can
+hold a run.
 """
 
 from __future__ import annotations
 
+from isolation.audit.canaries import evidence
 from isolation.audit.config import Identity
 from isolation.audit.context import Probe, ProbeContext
 from isolation.audit.exchange import Exchange, Prompt
 from isolation.audit.findings import ProbeResult, around
 
 NAME = "canary"
-FILL_MAX = 512  # tokens of markers per fill: several pages' worth, without a heavy prompt
+FILL_MAX = 512  # tokens of probe text per fill: several pages' worth, without a heavy prompt
 FILL_MIN = 32
 FILL_ANSWER = 8  # A's own answer does not matter; its prompt's pages do
 
@@ -45,23 +48,22 @@ def _check(ctx: ProbeContext, result: ProbeResult, exchange: Exchange, fills: in
     leaks = ctx.book.foreign(exchange.text, exchange.identity)
     if not leaks:
         return
-    owner = leaks[0].owner
-    counted = exchange.prompt_tokens
+    first = leaks[0]  # a marker when there is one: the strongest evidence
     result.find(
         "critical",
-        f"identity {owner}'s canary marker in identity {exchange.identity}'s answer",
-        f"{len(leaks)} of {owner}'s random markers (made for this run, sent only by {owner}) came back to "
-        f"{exchange.identity} for a '{exchange.prompt.label}' prompt, HTTP {exchange.status}, reported "
-        f"prompt_tokens {counted}, after {fills} fill(s) by {owner}",
+        f"identity {first.owner}'s {first.what} in identity {exchange.identity}'s answer",
+        f"{evidence(leaks)} came back to {exchange.identity} for a '{exchange.prompt.label}' prompt, "
+        f"HTTP {exchange.status}, reported prompt_tokens {exchange.prompt_tokens}, after {fills} fill(s) by "
+        f"{first.owner}",
         exchange,
-        excerpt=around(exchange.text, leaks[0].start, leaks[0].end),
+        excerpt=around(exchange.text, first.start, first.end),
     )
 
 
 async def _fill(ctx: ProbeContext, result: ProbeResult, state: _FillSize, a: Identity) -> Exchange | None:
-    """A's marker prompt, halved until the endpoint takes it (a hidden limit may be far below the advertised)."""
+    """A's probe text, halved until the endpoint takes it (a hidden limit may be far below the advertised)."""
     while state.fill_budget >= FILL_MIN:
-        prompt = await ctx.prompts.markers(a, state.fill_budget, "canary fill")
+        prompt = await ctx.probe_text(a, state.fill_budget, "canary fill")
         exchange = await ctx.endpoint.chat(a, prompt, max_tokens=FILL_ANSWER, stream=ctx.next_stream())
         if exchange.answered:
             return exchange

@@ -7,10 +7,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from isolation.audit.canaries import MarkerBook
+from isolation.audit.canaries import CanaryBook
 from isolation.audit.config import Identity
 from isolation.audit.discovery import EndpointFacts
 from isolation.audit.endpoint import Endpoint
+from isolation.audit.exchange import Prompt
 from isolation.audit.findings import ProbeResult
 from isolation.audit.prompts import PromptBuilder
 
@@ -37,7 +38,7 @@ class ProbeContext:
     facts: EndpointFacts
     identities: tuple[Identity, Identity]
     prompts: PromptBuilder
-    book: MarkerBook
+    book: CanaryBook
     rng: random.Random
     rounds: int
     answer_tokens: int
@@ -51,6 +52,12 @@ class ProbeContext:
         """Alternate streaming and not, from a random start, so every probe covers both however short it is."""
         self._stream = not self._stream
         return self._stream
+
+    async def probe_text(self, identity: Identity, budget: int, label: str) -> Prompt:
+        """A prompt of the identity's random probe text, remembered as theirs: every answer is checked for it."""
+        prompt = await self.prompts.probe_text(identity, budget, label)
+        self.book.remember(identity.name, prompt.content)
+        return prompt
 
 
 @dataclass(frozen=True)

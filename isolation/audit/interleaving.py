@@ -1,9 +1,10 @@
 """Interleaving probe: concurrent streams of both identities must each carry only their own request's text.
 
 Each round starts four streams at once (two per identity, each prompt made of its identity's markers) and
-checks that no answer holds the other identity's markers, and that no stream carries chunks of another: a
-relay or batcher that mixes up connections shows it as a chunk `id` of a concurrent stream inside a stream
-whose ids are otherwise its own (a gateway that gives every chunk one constant id is not flagged).
+checks that no answer holds the other identity's markers (nor a run of the probe text it sent in the canary
+probe), and that no stream carries chunks of another: a relay or batcher that mixes up connections shows it as
+a chunk `id` of a concurrent stream inside a stream whose ids are otherwise its own (a gateway that gives every
+chunk one constant id is not flagged).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+from isolation.audit.canaries import evidence
 from isolation.audit.context import Probe, ProbeContext
 from isolation.audit.exchange import Exchange
 from isolation.audit.findings import ProbeResult, around
@@ -24,13 +26,13 @@ def _rounds(ctx: ProbeContext) -> int:
     return max(1, ctx.rounds - 1)
 
 
-def _check_markers(ctx: ProbeContext, result: ProbeResult, exchange: Exchange) -> None:
+def _check_leaks(ctx: ProbeContext, result: ProbeResult, exchange: Exchange) -> None:
     leaks = ctx.book.foreign(exchange.text, exchange.identity)
     if leaks:
         result.find(
             "critical",
-            f"identity {leaks[0].owner}'s canary marker in identity {exchange.identity}'s concurrent stream",
-            f"{len(leaks)} marker(s) of a request that was streaming at the same time",
+            f"identity {leaks[0].owner}'s {leaks[0].what} in identity {exchange.identity}'s concurrent stream",
+            f"{evidence(leaks)}, seen while streams of both identities ran at once",
             exchange,
             excerpt=around(exchange.text, leaks[0].start, leaks[0].end),
         )
@@ -70,7 +72,7 @@ async def _run(ctx: ProbeContext, result: ProbeResult) -> None:
         for stream in streams:
             if not stream.answered:
                 result.note(f"interleaved stream of {stream.identity}: not answered ({stream.error})")
-            _check_markers(ctx, result, stream)
+            _check_leaks(ctx, result, stream)
         _check_ids(result, list(streams))
         ctx.observer.step(NAME)
 

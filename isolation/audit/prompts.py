@@ -1,4 +1,5 @@
-"""Prompts of chosen token counts: filler for the length probes, marker-dense text for the canary probes.
+"""Prompts of chosen token counts: filler for the length probes, probe text and marker-dense text for the canary
+probes.
 
 With the endpoint's /tokenize (vLLM: POST /tokenize with `messages` counts the chat template too) sizes are
 exact: a few counts of a growing filler find the word count that hits the target, and every count is cached
@@ -6,6 +7,12 @@ because the filler is one fixed word sequence per run. Without it, sizes are low
 common short English words, each at least one token in every BPE or SentencePiece vocabulary, so a prompt of
 N words is at least N tokens and an over-limit probe is over the limit for sure; an at-limit one may then be
 a little over, and is reported as estimated.
+
+Probe text (the canary fills) is random words of PROBE_WORDS with one of the identity's markers after every
+SEGMENT of them: the markers are the strongest evidence of a leak, the words show one in as few as RUN_WORDS
+tokens (runs.py). PROBE_WORDS are 256 common words, none of them filler (an answer that echoes its own filler
+prompt must match nothing), each one token in the simulator's tokenizer and, being common English, in those of
+common models, so a 16-token page holds a run. They are drawn with the run's seed, like everything here.
 """
 
 from __future__ import annotations
@@ -22,6 +29,24 @@ FILLER_WORDS = (
     "can if will has more when there they so no we may out up what about into than its only other new some time "
     "could these two first then do any like over such after most also"
 ).split()
+PROBE_WORDS = (
+    "above accept add address again against allow already always another apart appear assume back base basic "
+    "because become been before begin best better between big blank block body both break build call came cannot "
+    "case cause certain change character check clear close come common complete complex connect contain content "
+    "context continue control convert correct count create current custom day deep define different does doing "
+    "done double drop due during each effect either else empty enable end ensure entire even ever every example "
+    "except expand expect extra fact fall fast few field file fill finally find fix follow form format found full "
+    "further get given goal going group hand handle happen here hold how ignore initial inside instead item just "
+    "keep know large last later leading least left length less letter level limit line list little local long "
+    "look lost low made main make manual many mark match meaning meet might much must name need negative next "
+    "normal note nothing now often old open option order otherwise page part pass past path per phase pick place "
+    "point position possible present previous prior process public put quote range read real reason reference "
+    "remain remember remove replace reset rest result right rule safe same save says scan second see send "
+    "sentence set short should simply since single size small sort source space split stand standard start state "
+    "still strict support sure switch take test through too top total towards transfer type under unless until "
+    "used useful using usual valid value version want way where whether while who wrong zero"
+).split()
+SEGMENT = 32  # probe words before each marker: a short page shows a run, a 64-token one a whole marker
 SEARCH_STEPS = 8  # counts per target; a vocabulary where words are ~1 token needs two or three
 TEMPLATE_ALLOWANCE = 32  # tokens a chat template may add around the content, when it cannot be counted
 
@@ -35,6 +60,7 @@ class PromptBuilder:
         self._words: list[str] = []
         self._filler_counts: dict[int, int] = {}
         self._marker_tokens: int | None = None  # one marker's tokens; all markers have one form
+        self._segment_tokens: int | None = None  # SEGMENT probe words and a marker: probe text's unit
 
     async def count(self, content: str) -> int:
         body = {"model": self._endpoint.model, "messages": [{"role": "user", "content": content}]}
@@ -122,3 +148,42 @@ class PromptBuilder:
 
     def _marker_text(self, identity: Identity, count: int) -> str:
         return " ".join(self._rng.choice(identity.markers) for _ in range(count))
+
+    async def probe_text(self, identity: Identity, budget: int, label: str) -> Prompt:
+        """Probe text of the identity, as much as fits in `budget` tokens; it starts with words, so that its first
+        page (the one a stale-KV engine shows first) holds a run.
+        """
+        # More items than can fit: each word and each marker is at least one token.
+        items = self._probe_items(identity, max(budget, SEGMENT + 1))
+        if not self.exact:
+            return self._probe_estimate(items, budget - TEMPLATE_ALLOWANCE, label)
+        base = await self._filler_count(0)
+        if self._segment_tokens is None:
+            self._segment_tokens = max(1, await self.count(" ".join(items[: SEGMENT + 1])) - base)
+        count = max(1, min(len(items), (budget - base) * (SEGMENT + 1) // self._segment_tokens))
+        content = " ".join(items[:count])
+        tokens = await self.count(content)
+        if tokens > budget and count > 1:
+            # The estimate is an average; every item is at least one token, so one fewer per token over fits.
+            content = " ".join(items[: max(1, count - (tokens - budget))])
+            tokens = await self.count(content)
+        return Prompt(content, tokens, True, label)
+
+    def _probe_items(self, identity: Identity, count: int) -> list[str]:
+        return [
+            self._rng.choice(identity.markers) if index % (SEGMENT + 1) == SEGMENT else self._rng.choice(PROBE_WORDS)
+            for index in range(count)
+        ]
+
+    @staticmethod
+    def _probe_estimate(items: list[str], room: int, label: str) -> Prompt:
+        """Without /tokenize: as many items as fit in `room` characters, since ASCII is at most a token a character."""
+        taken: list[str] = []
+        used = -1  # characters: the items and a space between each two
+        for item in items:
+            used += len(item) + 1
+            if used > room and taken:
+                break
+            taken.append(item)
+        # Each item is at least one token: the count reported is that lower bound.
+        return Prompt(" ".join(taken), len(taken), False, label)

@@ -16,7 +16,7 @@ import httpx
 
 from isolation.audit import accounting, canary, interleaving, overlength
 from isolation.audit.budget import Budget
-from isolation.audit.canaries import MarkerBook
+from isolation.audit.canaries import CanaryBook
 from isolation.audit.config import AuditConfig, Identity, make_identities
 from isolation.audit.context import Observer, Probe, ProbeContext, Quiet
 from isolation.audit.discovery import EndpointFacts, discover
@@ -78,7 +78,7 @@ def _context(
         facts=facts,
         identities=identities,
         prompts=PromptBuilder(endpoint, identities[0], facts.exact_counts, rng),
-        book=MarkerBook(identities),
+        book=CanaryBook(identities),
         rng=rng,
         rounds=rounds,
         answer_tokens=answer_tokens,

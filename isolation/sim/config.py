@@ -8,6 +8,17 @@ from typing import Literal, get_args
 
 Fault = Literal["none", "stale-kv", "stale-kv-logprobs", "stale-kv-tool-names"]
 FAULTS: tuple[str, ...] = get_args(Fault)
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_NUM_GPU_BLOCKS = 1024
+
+
+def fault_blocks(max_model_len: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The KV cache a stale fault gets when none is given: half the window, in whole blocks (at least one).
+
+    A stale fault acts only on prompts the window admits and the cache cannot hold; with the default cache
+    (16,384 tokens) over the default window (2,048) there are none, and the fault could never show.
+    """
+    return max(1, max_model_len // 2 // block_size)
 
 
 @dataclass(frozen=True)
@@ -27,8 +38,8 @@ class SimConfig:
     tokenizer_dir: Path
     model: str = "tiny-llama"
     max_model_len: int = 2048
-    block_size: int = 16
-    num_gpu_blocks: int = 1024
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_gpu_blocks: int = DEFAULT_NUM_GPU_BLOCKS
     ttft_ms: float = 0.0
     tokens_per_s: float = 0.0  # 0 means no pacing at all, the fast path the overhead benchmarks rely on
     output_tokens: int = 16
@@ -50,6 +61,11 @@ class SimConfig:
     @property
     def kv_cache_size_tokens(self) -> int:
         return self.block_size * self.num_gpu_blocks
+
+    @property
+    def fault_unreachable(self) -> bool:
+        """A stale fault with a cache at least as large as the window: every prompt it would act on is refused first."""
+        return self.fault != "none" and self.kv_cache_size_tokens >= self.max_model_len
 
     @property
     def paced(self) -> bool:

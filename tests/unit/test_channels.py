@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isolation.channels import prune, token_streams
-from isolation.guard import LeakBlocked, OutputGuard
+from isolation.guard import Leak, LeakBlocked, OutputGuard
 from isolation.leaks import LeakPolicy
-from isolation.markers import MarkerRegistry, Owner
+from isolation.markers import MarkerRegistry
 from isolation.scanner import normalize
 from tests.unit.test_scanner import EPOCH, Leaks, registry_at
 
@@ -167,7 +167,7 @@ async def test_a_marker_only_in_logprobs_is_blocked_before_any_of_it_goes_out(
             await guard.check_chunk(chunk)
             released += (chunk["choices"][0]["logprobs"] or {}).get("content") or []
     assert b"cnry" not in normalize(tokens_of(released))
-    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
 
 
 @pytest.mark.parametrize("rank", [0, 2])
@@ -178,7 +178,7 @@ async def test_a_marker_in_one_rank_of_alternatives_is_a_leak(registry: MarkerRe
             alternatives = ["p", "q", "r"]
             alternatives[rank] = piece
             await guard.check_chunk(chat_chunk("z", ["z"], [alternatives]))
-    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
 
 
 async def test_logprobs_wait_with_the_content_they_mirror(registry: MarkerRegistry) -> None:
@@ -216,7 +216,7 @@ async def test_own_marker_leaves_neither_content_nor_logprobs(before: str, after
     content, entries = await relay(guard, chunks)
     assert content == before + after
     assert tokens_of(entries) == before + after, "the marker's positions are gone, the rest is in order"
-    assert leaks.owners == []
+    assert leaks.found == []
 
 
 def _cut(text: str, cuts: list[int]) -> list[str]:
@@ -256,7 +256,7 @@ async def test_tool_call_names_and_stray_strings_are_scanned(registry: MarkerReg
         guard, leaks = guard_for(registry)
         with pytest.raises(LeakBlocked):
             await guard.check_chunk(stray)
-        assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+        assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
 
 
 @pytest.mark.parametrize("name", ["id", "model", "system_fingerprint"])
@@ -273,7 +273,7 @@ async def test_the_envelope_keeps_its_first_value_so_nothing_can_be_spread_over_
             chunk = {name: piece, "choices": []}
             await guard.check_chunk(chunk)
             assert chunk[name] == marker[:3], "a value that changes mid-stream never goes out"
-    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
 
 
 async def test_a_stop_reason_is_one_of_the_requests_stop_strings(registry: MarkerRegistry) -> None:
@@ -294,7 +294,7 @@ async def test_what_pruning_removed_is_scanned_too(registry: MarkerRegistry) -> 
     body["prompt_token_ids"] = [9, 9, 9]
     with pytest.raises(LeakBlocked):
         await guard.check_removed(prune(body))
-    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
     guard, _ = guard_for(registry)
     with pytest.raises(LeakBlocked):
         await guard.check_removed([("x", {"nested": [list(f"..{marker}..".encode())]})])
@@ -321,4 +321,4 @@ async def test_look_alike_letters_are_folded(registry: MarkerRegistry, form: str
     guard, leaks = guard_for(registry)
     with pytest.raises(LeakBlocked):
         await guard.check_body({"choices": [{"index": 0, "message": {"content": f"see {text}"}}]})
-    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]

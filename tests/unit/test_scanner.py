@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
-from isolation.guard import LeakBlocked, OutputGuard
+from isolation.guard import Leak, LeakBlocked, OutputGuard
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import (
     CODE_LENGTH,
@@ -396,10 +396,10 @@ async def test_instances_with_different_secrets_recognise_each_others_markers_th
 
 @dataclass
 class Leaks:
-    owners: list[Owner] = field(default_factory=list)
+    found: list[Leak] = field(default_factory=list)
 
-    async def __call__(self, owner: Owner) -> None:
-        self.owners.append(owner)
+    async def __call__(self, leak: Leak) -> None:
+        self.found.append(leak)
 
 
 @pytest.fixture
@@ -438,7 +438,7 @@ async def test_the_tenants_own_marker_is_stripped_across_chunks(registry: Marker
     guard, leaks = guard_for(registry)
     mine = registry.marker("alice")
     assert await relay_content(guard, f"Hello **{mine}** world", size) == "Hello **** world"
-    assert leaks.owners == []
+    assert leaks.found == []
 
 
 async def test_another_tenants_marker_is_blocked_before_any_of_it_goes_out(registry: MarkerRegistry) -> None:
@@ -450,28 +450,28 @@ async def test_another_tenants_marker_is_blocked_before_any_of_it_goes_out(regis
             await guard.check_chunk(chunk)
             out.append(chunk["choices"][0]["delta"]["content"])
     assert "".join(out) == "Here you go: "
-    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
 
 
 async def test_redact_replaces_another_tenants_marker(registry: MarkerRegistry) -> None:
     guard, leaks = guard_for(registry, LeakPolicy.REDACT)
     text = f"a {registry.marker('bob').lower()} b"
     assert await relay_content(guard, text, 4) == f"a {REDACTED} b"
-    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
 
 
 async def test_alert_lets_the_answer_through_unchanged(registry: MarkerRegistry) -> None:
     guard, leaks = guard_for(registry, LeakPolicy.ALERT)
     text = f"a {registry.marker('bob')} b"
     assert await relay_content(guard, text, 5) == text
-    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
 
 
 async def test_reasoning_text_is_scanned(registry: MarkerRegistry) -> None:
     guard, leaks = guard_for(registry, LeakPolicy.REDACT)
     text = f"thinking about {registry.marker('bob')}"
     assert await relay_content(guard, text, 3, field="reasoning_content") == f"thinking about {REDACTED}"
-    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
 
 
 async def test_tool_call_arguments_are_scanned(registry: MarkerRegistry) -> None:
@@ -485,7 +485,7 @@ async def test_tool_call_arguments_are_scanned(registry: MarkerRegistry) -> None
             await guard.check_chunk(chunk)
             released.append(call["function"]["arguments"])
     assert "".join(released) == '{"note": "", "leak": "'  # her own stripped; nothing of bob's went out
-    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
 
 
 async def test_choices_and_fields_are_scanned_as_separate_streams(registry: MarkerRegistry) -> None:
@@ -500,7 +500,7 @@ async def test_choices_and_fields_are_scanned_as_separate_streams(registry: Mark
     assert second["choices"][0]["delta"]["content"] == mine[12:]
     assert third["choices"][0]["delta"]["reasoning_content"] == mine[12:]
     assert guard.closing() == [{"index": 0, "finish_reason": None, "delta": {"content": mine[:12]}}]
-    assert leaks.owners == []
+    assert leaks.found == []
 
 
 async def test_text_held_at_the_finish_is_flushed_into_the_finishing_chunk(registry: MarkerRegistry) -> None:
@@ -546,7 +546,7 @@ async def test_a_whole_answer_is_checked(registry: MarkerRegistry) -> None:
     assert await guard.check_body({"choices": [{"index": 0, "text": "nothing here, etc"}]}) is False
     with pytest.raises(LeakBlocked):
         await guard.check_body({"choices": [{"index": 0, "text": f"{registry.marker('bob')}"}]})
-    assert leaks.owners == [Owner("bob", EPOCH, "k1")]
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
 
 
 @settings(max_examples=400, deadline=None)

@@ -1,0 +1,270 @@
+"""Whose recent prompt a fingerprint comes from, on which replica: the index every answer is checked against.
+
+Each gateway instance keeps the index in its own memory, so checking an answer is a dict lookup per k-gram and
+never a network round trip. Instances share what they add through a Redis stream (`bulkhead:fingerprints`):
+every instance appends the fingerprints of the prompts it forwards and follows the stream, adding the others'.
+A fresh instance reads the last `ttl_s` of the stream before it serves. Without Redis the index is this
+process's alone.
+
+An entry is one int: when it expires, whose it is (a tenant, or SHARED once two tenants have sent it — common
+text is no evidence), and a bitmask of the replicas it went to (bit crc32(name) mod 32: every instance agrees
+without coordinating). About 100 bytes per fingerprint in the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import zlib
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from isolation.redis_text import text
+from isolation.winnowing import Fingerprints, Hasher
+
+log = logging.getLogger("bulkhead.isolation")
+
+STREAM_KEY = "bulkhead:fingerprints"
+SHARED = 0xFFFFFFFF
+_LOW = 0xFFFFFFFF
+
+
+def replica_bit(replica: str) -> int:
+    return 1 << (zlib.crc32(replica.encode()) % 32)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The fingerprints of one forwarded prompt, and whose it was and where it went."""
+
+    tenant: str
+    replica: str
+    at: float  # wall-clock time it was forwarded
+    fingerprints: Fingerprints
+
+
+class FingerprintIndex:
+    def __init__(self, ttl_s: float, max_entries: int) -> None:
+        self.ttl_s = ttl_s
+        self._max = max_entries
+        self._entries: dict[int, int] = {}
+        self._tenants: list[str] = []
+        self._tenant_ids: dict[str, int] = {}
+        self._batches: deque[tuple[float, Fingerprints]] = deque()  # in the order added, for expiry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, prompt: Prompt) -> None:
+        expires = int(prompt.at + self.ttl_s)
+        tenant = self._tenant_ids.get(prompt.tenant)
+        if tenant is None:
+            tenant = self._tenant_ids[prompt.tenant] = len(self._tenants)
+            self._tenants.append(prompt.tenant)
+        bit = replica_bit(prompt.replica)
+        entries = self._entries
+        fresh = (expires << 64) | (tenant << 32) | bit
+        for fingerprint in prompt.fingerprints.tolist():
+            old = entries.get(fingerprint)
+            if old is None:
+                entries[fingerprint] = fresh
+                continue
+            owner = (old >> 32) & _LOW
+            entries[fingerprint] = (
+                (max(expires, old >> 64) << 64) | ((owner if owner == tenant else SHARED) << 32) | (old & _LOW) | bit
+            )
+        self._batches.append((prompt.at + self.ttl_s, prompt.fingerprints))
+        if len(entries) > self._max:
+            self._evict()
+
+    def victim(self, fingerprint: int, replica_bit: int, recipient: str, now: float) -> str | None:
+        """The tenant whose prompt this fingerprint is, when it counts against `recipient` on that replica."""
+        entry = self._entries.get(fingerprint)
+        if entry is None or entry >> 64 < now or not entry & replica_bit:
+            return None
+        owner = (entry >> 32) & _LOW
+        if owner == SHARED:
+            return None
+        tenant = self._tenants[owner]
+        return None if tenant == recipient else tenant
+
+    def sweep(self, now: float) -> int:
+        """Forget what expired; returns how many entries went."""
+        before = len(self._entries)
+        while self._batches and self._batches[0][0] < now:
+            self._forget(self._batches.popleft()[1], now)
+        return before - len(self._entries)
+
+    def _evict(self) -> None:
+        # Oldest prompts first, even unexpired: memory is bounded, and the newest pages are the likeliest to leak.
+        while len(self._entries) > self._max * 0.9 and self._batches:
+            self._forget(self._batches.popleft()[1], float("inf"))
+
+    def _forget(self, fingerprints: Fingerprints, now: float) -> None:
+        entries = self._entries
+        for fingerprint in fingerprints.tolist():
+            entry = entries.get(fingerprint)
+            if entry is not None and entry >> 64 < now:
+                del entries[fingerprint]
+
+
+class RedisFingerprintFeed:
+    """The stream that carries every instance's prompt fingerprints to the others, trimmed to the last ttl_s."""
+
+    def __init__(self, redis: Redis, instance: str, ttl_s: float, key: str = STREAM_KEY) -> None:
+        self._redis = redis
+        self._instance = instance
+        self._ttl_ms = int(ttl_s * 1000)
+        self._key = key
+
+    async def publish(self, prompt: Prompt) -> None:
+        oldest = int(prompt.at * 1000) - self._ttl_ms
+        fields = {
+            "i": self._instance,
+            "t": prompt.tenant,
+            "r": prompt.replica,
+            "a": repr(prompt.at),
+            "f": prompt.fingerprints.astype("<u8").tobytes(),
+        }
+        await self._redis.xadd(self._key, fields, minid=oldest, approximate=True)  # type: ignore[arg-type]
+
+    async def catch_up(self, index: FingerprintIndex) -> str:
+        """Add what every other instance published in the last ttl_s; returns where the stream was read to."""
+        last = start = f"{int(time.time() * 1000) - self._ttl_ms}-0"
+        while True:
+            entries: Any = await self._redis.xrange(self._key, min=start, count=1000)
+            if not entries:
+                return last
+            for entry_id, fields in entries:
+                last = text(entry_id)
+                self._ingest(index, fields)
+            start = f"({last}"  # exclusive: the next page after the last entry read
+
+    async def follow(self, index: FingerprintIndex, last: str) -> None:
+        """Add every other instance's prompts to the index as they come, from `last` on, until cancelled."""
+        while True:
+            try:
+                answer: Any = await self._redis.xread({self._key: last}, count=500, block=1000)
+            except (RedisError, OSError) as exc:
+                log.warning("fingerprints from other instances not read: %s", type(exc).__name__)
+                await asyncio.sleep(1.0)
+                continue
+            # RESP2 answers a list of [stream, entries] pairs, RESP3 a mapping: take the entries either way.
+            per_stream = answer.values() if isinstance(answer, dict) else [pair[1] for pair in answer or []]
+            for entries in per_stream:
+                for entry_id, fields in entries:
+                    last = text(entry_id)
+                    self._ingest(index, fields)
+
+    def _ingest(self, index: FingerprintIndex, fields: dict[bytes, bytes]) -> None:
+        prompt = self._decode(fields)
+        if prompt is not None:
+            index.add(prompt)
+
+    def _decode(self, fields: dict[bytes, bytes]) -> Prompt | None:
+        if fields.get(b"i") == self._instance.encode():
+            return None  # this instance added its own directly
+        try:
+            return Prompt(
+                text(fields[b"t"]),
+                text(fields[b"r"]),
+                float(fields[b"a"]),
+                np.frombuffer(fields[b"f"], dtype="<u8").astype(np.uint64),
+            )
+        except (KeyError, ValueError) as exc:
+            log.warning("a fingerprint entry could not be read: %s", type(exc).__name__)
+            return None
+
+
+CACHED_TEXTS = 10_000  # texts whose fingerprints are kept: a conversation resends its history every turn
+CACHE_FROM_CHARS = 256  # shorter texts are cheaper to fingerprint again than to look up
+
+
+class Fingerprinter:
+    """Fingerprints every forwarded prompt and puts them in the index (and, with Redis, in the shared stream)."""
+
+    def __init__(
+        self,
+        hasher: Hasher,
+        index: FingerprintIndex,
+        feed: RedisFingerprintFeed | None,
+        executor: Executor,
+        inline_chars: int,
+    ) -> None:
+        self.hasher = hasher
+        self.index = index
+        self.feed = feed
+        self._executor = executor
+        self._inline_chars = inline_chars
+        self._cache: OrderedDict[bytes, Fingerprints] = OrderedDict()
+
+    async def register(self, tenant: str, replica: str, texts: Sequence[str]) -> None:
+        """Fingerprint a prompt's texts (off the event loop when large) and make them known to every instance."""
+        at = time.time()
+        if sum(map(len, texts)) <= self._inline_chars:
+            prompt = self._add(tenant, replica, at, texts)
+        else:
+            work = self._add
+            prompt = await asyncio.get_running_loop().run_in_executor(self._executor, work, tenant, replica, at, texts)
+        if self.feed is not None and len(prompt.fingerprints):
+            try:
+                await self.feed.publish(prompt)
+            except (RedisError, OSError) as exc:
+                log.warning("prompt fingerprints not shared with other instances: %s", type(exc).__name__)
+
+    def _add(self, tenant: str, replica: str, at: float, texts: Sequence[str]) -> Prompt:
+        parts = [self._fingerprints(text) for text in texts]
+        fingerprints = np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.uint64)
+        prompt = Prompt(tenant, replica, at, fingerprints)
+        self.index.add(prompt)
+        return prompt
+
+    def _fingerprints(self, text: str) -> Fingerprints:
+        if len(text) < CACHE_FROM_CHARS:
+            return self.hasher.fingerprints(text)
+        digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+        found = self._cache.get(digest)
+        if found is None:
+            found = self._cache[digest] = self.hasher.fingerprints(text)
+            if len(self._cache) > CACHED_TEXTS:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(digest)
+        return found
+
+
+@dataclass
+class AnswerCheck:
+    """What one answer is checked against: the index, the replica that answered it, and who receives it."""
+
+    index: FingerprintIndex
+    hasher: Hasher
+    replica: str
+    recipient: str
+    clock: Callable[[], float] = time.time
+    _bit: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._bit = replica_bit(self.replica)
+
+    def victim(self, grams: list[int], unfinished: int | None) -> str | None:
+        """Whose prompt one of these grams comes from, when that is a leak to this recipient."""
+        if unfinished is not None:
+            grams = [*grams, unfinished]
+        if not grams:
+            return None
+        now = self.clock()
+        for gram in grams:
+            victim = self.index.victim(gram, self._bit, self.recipient, now)
+            if victim is not None:
+                return victim
+        return None

@@ -1,0 +1,145 @@
+"""Winnowed fingerprints of text, and the streaming k-gram hashes an answer is checked with.
+
+Text is read as words: NFKD for non-ASCII text, case folded, runs of letters and digits (a CJK character is a word
+of its own), so whitespace, punctuation and case do not matter. Every word is hashed with a secret key (keyed
+BLAKE2b; a process keeps a bounded cache of word hashes, so common words cost a dict lookup); a k-gram's hash is
+a polynomial of its k word hashes, modulo 2**64. The store never sees a word, and nothing in it can be checked
+against a guessed text without the key.
+
+Winnowing (Schleimer, Wilkerson, Aiken 2003) keeps, of every window of w consecutive k-gram hashes, the smallest
+(the rightmost on ties): any fragment of at least w + k - 1 words that two texts share contains a whole window,
+so at least one k-gram of it is among the kept fingerprints. An answer is checked k-gram by k-gram (all of them),
+so a fragment of that length is found wherever it stands in the prompt. About 2 / (w + 1) of a text's k-grams are
+kept. Large texts are hashed with numpy, array at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+MASK = (1 << 64) - 1
+BASE = 0x9E3779B97F4A7C15  # odd, so multiplying by it is a bijection modulo 2**64
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
+WORD = re.compile(rf"[{_CJK}]|[^\W_{_CJK}]+")
+WORD_CJK = re.compile(rf"[{_CJK}]")
+WORD_CACHE = 500_000  # distinct words whose hashes a process keeps (~60 MB at most)
+
+Fingerprints = npt.NDArray[np.uint64]
+
+
+def words(text: str) -> list[str]:
+    if not text.isascii():
+        text = unicodedata.normalize("NFKD", text)
+    return WORD.findall(text.casefold())
+
+
+@dataclass(frozen=True)
+class Shape:
+    """k words per gram, w grams per window: fragments of k + w - 1 words or more are always found."""
+
+    k: int
+    w: int
+
+    @classmethod
+    def for_fragments(cls, min_fragment: int) -> Shape:
+        # Longer grams make chance matches rarer, shorter ones keep more fingerprints per window; 3/8 of the
+        # fragment balances the two (12 and 21 for 32 words).
+        k = max(2, (min_fragment * 3) // 8)
+        return cls(k, min_fragment - k + 1)
+
+    @property
+    def min_fragment(self) -> int:
+        return self.k + self.w - 1
+
+
+class Hasher:
+    """Keyed word hashes and the k-gram polynomial; one per process, shared by every request."""
+
+    def __init__(self, key: bytes, shape: Shape) -> None:
+        self._key = key
+        self.shape = shape
+        self._cache: dict[str, int] = {}
+        self._top = pow(BASE, shape.k - 1, 1 << 64)  # the weight of a gram's first word
+        self._powers = np.array([pow(BASE, shape.k - 1 - j, 1 << 64) for j in range(shape.k)], dtype=np.uint64)
+
+    def word(self, word: str) -> int:
+        found = self._cache.get(word)
+        if found is None:
+            if len(self._cache) >= WORD_CACHE:
+                self._cache.clear()
+            digest = hashlib.blake2b(word.encode(), key=self._key, digest_size=8).digest()
+            found = self._cache[word] = int.from_bytes(digest, "little")
+        return found
+
+    def fingerprints(self, text: str) -> Fingerprints:
+        """The winnowed fingerprints of one text (a message, a prompt), without repeats."""
+        k, w = self.shape.k, self.shape.w
+        hashes = np.fromiter(map(self.word, words(text)), dtype=np.uint64)
+        if len(hashes) < k:
+            return np.empty(0, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            grams = (np.lib.stride_tricks.sliding_window_view(hashes, k) * self._powers).sum(axis=1, dtype=np.uint64)
+        if len(grams) <= w:  # shorter than one window: its smallest gram, as a window cut short would keep
+            kept: Fingerprints = grams[[len(grams) - 1 - int(np.argmin(grams[::-1]))]]
+            return kept
+        windows = np.lib.stride_tricks.sliding_window_view(grams, w)
+        rightmost = w - 1 - np.argmin(windows[:, ::-1], axis=1)
+        return np.unique(grams[np.arange(len(windows)) + rightmost])
+
+    def gram(self, window: deque[int], word: int) -> int:
+        """The hash of the gram that `word` ends, given the k - 1 word hashes before it (oldest first)."""
+        value = 0
+        for part in window:
+            value = (value * BASE + part) & MASK
+        return (value * BASE + word) & MASK
+
+
+class AnswerGrams:
+    """One text of an answer as it streams: every k-gram it completes, and one for the word still being written.
+
+    A word cut by a chunk boundary is not known until the next chunk, so each piece also yields the gram its
+    unfinished last word would end if nothing followed: a fragment that ends with this piece is found before the
+    piece goes out.
+    """
+
+    def __init__(self, hasher: Hasher) -> None:
+        self._hasher = hasher
+        self._window: deque[int] = deque(maxlen=hasher.shape.k - 1)
+        self._open = ""  # the raw characters of a word the next piece may continue
+
+    def feed(self, piece: str) -> tuple[list[int], int | None]:
+        """(the grams completed by this piece, the gram of its unfinished last word or None)."""
+        text = self._open + piece
+        self._open = _open_tail(text)
+        hasher, full = self._hasher, self._window.maxlen
+        grams = []
+        for word in words(text[: len(text) - len(self._open)]):
+            value = hasher.word(word)
+            if len(self._window) == full:
+                grams.append(hasher.gram(self._window, value))
+            self._window.append(value)
+        if not self._open or len(self._window) != full:
+            return grams, None
+        unfinished = "".join(words(self._open))
+        return grams, hasher.gram(self._window, hasher.word(unfinished)) if unfinished else None
+
+
+def _open_tail(text: str) -> str:
+    """The characters `text` ends with that a following piece could extend into a longer word."""
+    at = len(text)
+    while at > 0 and _continues_word(text[at - 1]):
+        at -= 1
+    return text[at:]
+
+
+def _continues_word(char: str) -> bool:
+    if char.isascii():
+        return char.isalnum()
+    return (char.isalnum() or unicodedata.category(char).startswith("M")) and not WORD_CJK.match(char)

@@ -1,0 +1,208 @@
+"""Prompt fingerprints without HTTP: winnowing's guarantee (any shared fragment of the minimum length is found,
+at any position, however it is chunked or cased), the index's rules (shared text, own prompts, replicas,
+expiry, a memory bound), the Redis feed between instances, and the guard's use of them."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.asyncio import Redis
+
+from isolation.fingerprints import AnswerCheck, FingerprintIndex, Prompt, RedisFingerprintFeed
+from isolation.guard import FRAGMENT, Leak, LeakBlocked, OutputGuard
+from isolation.leaks import REDACTED, LeakPolicy
+from isolation.winnowing import AnswerGrams, Hasher, Shape, words
+from tests.redis_server import redis_server
+from tests.unit.test_scanner import Leaks, registry_at
+
+KEY = b"fingerprint-test-key-0123456789ab"
+SHAPE = Shape.for_fragments(32)
+VOCABULARY = [f"w{n}x" for n in range(3000)] + ["the", "of", "and", "a", "to"]
+
+
+@pytest.fixture(scope="module")
+def hasher() -> Hasher:
+    return Hasher(KEY, SHAPE)
+
+
+def document(seed: int, length: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(VOCABULARY) for _ in range(length))
+
+
+def found(hasher: Hasher, fingerprints: set[int], pieces: list[str]) -> bool:
+    grams = AnswerGrams(hasher)
+    for piece in pieces:
+        complete, unfinished = grams.feed(piece)
+        if any(g in fingerprints for g in complete) or unfinished in fingerprints:
+            return True
+    return False
+
+
+def test_the_shape_for_32_words() -> None:
+    assert (SHAPE.k, SHAPE.w, SHAPE.min_fragment) == (12, 21, 32)
+
+
+def test_words_ignore_case_space_and_punctuation() -> None:
+    assert words("Hello,  WORLD!\n café_Ｃａｆé 東京") == ["hello", "world", "cafe", "cafe", "東", "京"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    length=st.integers(32, 120),
+    where=st.floats(0, 1),
+    cut=st.integers(1, 40),
+    upper=st.booleans(),
+)
+def test_any_fragment_of_the_minimum_length_is_found(
+    hasher: Hasher, seed: int, length: int, where: float, cut: int, upper: bool
+) -> None:
+    text = document(seed, 3000)
+    fingerprints = set(hasher.fingerprints(text).tolist())
+    all_words = text.split()
+    start = int(where * (len(all_words) - length))
+    fragment = "  ".join(all_words[start : start + length])
+    fragment = fragment.upper() if upper else fragment
+    pieces = [fragment[at : at + cut] for at in range(0, len(fragment), cut)]
+    assert found(hasher, fingerprints, pieces), (start, length)
+
+
+def test_short_fragments_and_other_text_are_not_found(hasher: Hasher) -> None:
+    text = document(1, 3000)
+    fingerprints = set(hasher.fingerprints(text).tolist())
+    all_words = text.split()
+    assert not found(hasher, fingerprints, [" ".join(all_words[100 : 100 + SHAPE.k - 1])])
+    assert not found(hasher, fingerprints, [document(2, 3000)])
+
+
+def test_about_two_in_w_plus_one_grams_are_kept(hasher: Hasher) -> None:
+    kept = len(hasher.fingerprints(document(3, 20_000)))
+    assert 0.8 < kept / (20_000 * 2 / (SHAPE.w + 1)) < 1.2
+
+
+def prompt(tenant: str, replica: str, fingerprints: list[int], at: float = 1000.0) -> Prompt:
+    return Prompt(tenant, replica, at, np.array(fingerprints, dtype=np.uint64))
+
+
+def test_the_index_counts_only_another_tenants_unshared_prompt_on_the_same_replica() -> None:
+    index = FingerprintIndex(ttl_s=60, max_entries=1000)
+    index.add(prompt("alice", "r1", [1, 2, 3]))
+    index.add(prompt("bob", "r1", [3]))  # both sent it: common text, no evidence
+    index.add(prompt("alice", "r2", [2]))
+    check = AnswerCheck(index, Hasher(KEY, SHAPE), "r1", "carol", clock=lambda: 1010.0)
+    assert check.victim([1], None) == "alice"
+    assert check.victim([3], None) is None
+    assert AnswerCheck(index, check.hasher, "r1", "alice", clock=check.clock).victim([1], None) is None
+    assert AnswerCheck(index, check.hasher, "r3", "carol", clock=check.clock).victim([1], None) is None
+    assert AnswerCheck(index, check.hasher, "r2", "carol", clock=check.clock).victim([2], None) == "alice"
+    assert AnswerCheck(index, check.hasher, "r1", "carol", clock=lambda: 1061.0).victim([1], None) is None
+
+
+def test_the_index_forgets_expired_prompts_and_stays_bounded() -> None:
+    index = FingerprintIndex(ttl_s=60, max_entries=1000)
+    index.add(prompt("alice", "r1", list(range(500)), at=1000.0))
+    index.add(prompt("bob", "r1", list(range(500, 900)), at=1030.0))
+    assert index.sweep(1070.0) == 500 and len(index) == 400
+    for n in range(10):
+        index.add(prompt("bob", "r1", list(range(10_000 * (n + 1), 10_000 * (n + 1) + 400)), at=1040.0))
+    assert len(index) <= 1000
+
+
+async def test_instances_share_fingerprints_through_redis() -> None:
+    with redis_server() as url:
+        redis = Redis.from_url(url)
+        await redis.delete("bulkhead:fingerprints")
+        one, two = FingerprintIndex(1800, 10_000), FingerprintIndex(1800, 10_000)
+        feed_one = RedisFingerprintFeed(redis, "one", 1800)
+        feed_two = RedisFingerprintFeed(redis, "two", 1800)
+        await feed_one.publish(prompt("alice", "r1", [7, 8], at=time.time()))
+        last = await feed_two.catch_up(two)  # a fresh instance reads what is already there
+        assert len(two) == 2 and len(one) == 0
+        follower = asyncio.create_task(feed_two.follow(two, last))
+        await feed_one.publish(prompt("bob", "r1", [9], at=time.time()))
+        for _ in range(50):
+            if len(two) == 3:
+                break
+            await asyncio.sleep(0.05)
+        follower.cancel()
+        assert len(two) == 3
+        await feed_two.publish(prompt("carol", "r1", [10], at=time.time()))
+        await feed_two.catch_up(two)
+        assert len(two) == 3, "an instance does not read back its own"
+        await redis.aclose()
+
+
+def guard_with(
+    index: FingerprintIndex, hasher: Hasher, policy: LeakPolicy = LeakPolicy.BLOCK, recipient: str = "alice"
+) -> tuple[OutputGuard, Leaks]:
+    leaks = Leaks()
+    check = AnswerCheck(index, hasher, "r1", recipient)
+    return OutputGuard(registry_at(tenants=("alice", "bob")), recipient, policy, leaks, fragments=check), leaks
+
+
+def delta(text: str) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+
+
+@pytest.fixture
+def bobs_document(hasher: Hasher) -> tuple[FingerprintIndex, str]:
+    index = FingerprintIndex(1800, 100_000)
+    text = document(5, 2000)
+    index.add(Prompt("bob", "r1", time.time(), hasher.fingerprints(text)))
+    return index, text
+
+
+async def test_a_fragment_of_another_tenants_prompt_is_blocked_in_the_chunk_that_ends_it(
+    hasher: Hasher, bobs_document: tuple[FingerprintIndex, str]
+) -> None:
+    index, text = bobs_document
+    guard, leaks = guard_with(index, hasher)
+    fragment = " ".join(text.split()[700:740])
+    released = []
+    with pytest.raises(LeakBlocked):
+        for at in range(0, len(fragment), 4):
+            chunk = delta(fragment[at : at + 4])
+            await guard.check_chunk(chunk)
+            released.append(chunk["choices"][0]["delta"]["content"])
+    assert len(words("".join(released))) < SHAPE.min_fragment
+    assert leaks.found == [Leak("bob", FRAGMENT)]
+
+
+async def test_fragments_in_logprobs_and_redaction(hasher: Hasher, bobs_document: tuple[FingerprintIndex, str]) -> None:
+    index, text = bobs_document
+    fragment = " ".join(text.split()[10:50])
+    guard, leaks = guard_with(index, hasher)
+    with pytest.raises(LeakBlocked):
+        for at in range(0, len(fragment), 6):
+            piece = fragment[at : at + 6]
+            entry = {"token": piece, "logprob": -1.0, "top_logprobs": []}
+            await guard.check_chunk({"choices": [{"index": 0, "delta": {"content": "ok "}, "logprobs": {
+                "content": [entry]}, "finish_reason": None}]})  # fmt: skip
+    guard, leaks = guard_with(index, hasher, LeakPolicy.REDACT)
+    out = []
+    for at in range(0, len(fragment), 6):
+        chunk = delta(fragment[at : at + 6])
+        await guard.check_chunk(chunk)
+        out.append(chunk["choices"][0]["delta"]["content"])
+    assert out[-1] == REDACTED and leaks.found == [Leak("bob", FRAGMENT)]
+
+
+async def test_the_recipients_own_prompt_and_short_overlaps_are_never_flagged(
+    hasher: Hasher, bobs_document: tuple[FingerprintIndex, str]
+) -> None:
+    index, text = bobs_document
+    bob, bobs = guard_with(index, hasher, recipient="bob")
+    await bob.check_chunk(delta(" ".join(text.split()[:200])))  # a model quoting bob's own document to bob
+    assert bobs.found == []
+    guard, leaks = guard_with(index, hasher)
+    short = " ".join(text.split()[300 : 300 + SHAPE.k - 1])
+    await guard.check_chunk(delta(f"{short} and then something else entirely"))
+    assert leaks.found == []
