@@ -224,6 +224,11 @@ def make_fingerprinter(
     if not config.enabled:
         return None
     # Every instance must hash alike to recognise each other's prompts: the key derives from the canary secret.
+    if redis is not None and not settings.isolation.canary.keys:
+        log.warning(
+            "isolation.canary.keys is not set: each gateway instance fingerprints prompts with a random key of its "
+            "own, so no instance recognises another's prompts in an answer; set the same keys on every instance"
+        )
     secret = hmac.new(key.secret, b"bulkhead prompt fingerprints", hashlib.sha256).digest()
     hasher = Hasher(secret, Shape.for_fragments(config.min_fragment_tokens))
     index = FingerprintIndex(config.ttl_s, config.max_entries)
@@ -233,13 +238,13 @@ def make_fingerprinter(
 
 async def follow_fingerprints(fingerprinter: Fingerprinter, feed_ready: str | None, metrics: GatewayMetrics) -> None:
     """Forget expired fingerprints every 30 s, and (with Redis) add the other instances' as they come."""
+    metrics.fingerprints.set_function(lambda: len(fingerprinter.index))
     follower = None
     if fingerprinter.feed is not None and feed_ready is not None:
         follower = asyncio.create_task(fingerprinter.feed.follow(fingerprinter.index, feed_ready))
     try:
         while True:
             fingerprinter.index.sweep(time.time())
-            metrics.fingerprints.set(len(fingerprinter.index))
             await asyncio.sleep(30)
     finally:
         if follower is not None:
@@ -279,7 +284,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 keys = canary_keys(settings)
                 markers = await marker_registry(settings, keys, redis, metrics)
                 instance = f"{socket.gethostname()}-{os.getpid()}"
-                fingerprinter = make_fingerprinter(settings, keys[0], redis, executor, instance)
+                # Random too: several apps can run in one process (tests, the demo), and must not skip each other.
+                feed_name = f"{instance}-{secrets.token_hex(4)}"
+                fingerprinter = make_fingerprinter(settings, keys[0], redis, executor, feed_name)
                 feed_ready = None
                 if fingerprinter is not None and fingerprinter.feed is not None:
                     try:

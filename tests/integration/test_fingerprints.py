@@ -1,0 +1,126 @@
+"""Leaks without a marker, over real HTTP: a stale-KV engine answering one tenant from another's long document is
+caught by prompt fingerprints alone (canaries off), across two gateway instances sharing one Redis, and text that
+several tenants send is never evidence."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gateway.app import create_app
+from gateway.serving import run_server
+from gateway.tokens import ModelTokenizer
+from tests.integration.adversary import Adversary, Plan
+from tests.integration.support import ALICE_KEY, BOB_KEY, auth, chat_body, gateway_settings, metric
+from tests.integration.test_canaries import canaries_only
+from tests.redis_server import redis_server
+
+CHAT = "/v1/chat/completions"
+ADMIN = "admin-token-0123456789"
+# The key every instance hashes with derives from the canary secret: instances that share prompts share it.
+SECRET = [{"id": "k1", "secret": "fingerprint-test-secret-0123456789"}]
+FINGERPRINTS_ONLY = {"canary": {"enabled": False, "quarantine_on_leak": False, "keys": SECRET}}
+VOCABULARY = (
+    "ledger orchid quokka harbour meadow copper lantern violet summit tunnel anchor beacon cobalt delta ember "
+    "falcon granite hazel ivory jasper kettle lagoon marble nectar onyx pepper quartz raven saffron tundra umber "
+    "velvet willow yarrow zephyr amber birch cedar dune fjord glacier heron iris juniper kelp lotus maple"
+).split()
+
+
+def document(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(VOCABULARY) for _ in range(words))
+
+
+async def events(client: httpx.AsyncClient, gateway_url: str) -> list[dict[str, str]]:
+    answer = await client.get(f"{gateway_url}/admin/isolation-events", headers={"authorization": f"Bearer {ADMIN}"})
+    found: list[dict[str, str]] = answer.json()["events"]
+    return found
+
+
+def stale_kv_gateway(make_gateway: Any, make_sim: Any, tokenizer_dir: Path, **overrides: Any) -> tuple[str, str]:
+    sim = make_sim(num_gpu_blocks=64, output_tokens=160, fault="stale-kv")
+    gateway_url = make_gateway(
+        {"sim": sim}, models=canaries_only(tokenizer_dir, ["sim"]), admin_token=ADMIN, isolation=FINGERPRINTS_ONLY,
+        **overrides,
+    )  # fmt: skip
+    return sim, gateway_url
+
+
+async def bob_sends_his_document(client: httpx.AsyncClient, gateway_url: str, text: str) -> None:
+    body = chat_body(f"Please review this document:\n{text}", max_tokens=4)
+    response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth(BOB_KEY))
+    assert response.status_code == 200, response.text
+
+
+# Over the engine's 1,024-token KV cache, inside its 2,048-token window: answered from stale pages.
+OVER_CAPACITY = chat_body("Summarise this contract clause by clause. " * 75, max_tokens=160)
+
+
+def assert_withheld_for_bob(response: httpx.Response, text: str, found: list[dict[str, str]]) -> None:
+    assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld", response.text
+    assert not any(word in response.text for word in text.split()[:50])
+    [leak] = [e for e in found if e["kind"] == "fingerprint_leak"]
+    assert (leak["tenant"], leak["victim_tenant"], leak["replica"]) == ("alice", "bob", "sim")
+
+
+async def test_a_stale_page_of_a_long_document_is_caught_by_fingerprints_alone(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path
+) -> None:
+    sim, gateway_url = stale_kv_gateway(make_gateway, make_sim, tokenizer_dir)
+    text = document(1, 250)
+    await bob_sends_his_document(client, gateway_url, text)
+    response = await client.post(f"{gateway_url}{CHAT}", json=OVER_CAPACITY, headers=auth(ALICE_KEY))
+    stale = metric((await client.get(f"{sim}/metrics")).text, "sim:stale_kv_replies_total")
+    assert stale == 1, "the engine really answered from stale pages"
+    assert_withheld_for_bob(response, text, await events(client, gateway_url))
+    assert not [e for e in await events(client, gateway_url) if e["kind"] == "leak"], "no marker was there to see"
+
+
+async def test_two_gateway_instances_on_one_redis_share_what_they_fingerprint(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path
+) -> None:
+    with redis_server() as redis_url:
+        sim, first = stale_kv_gateway(make_gateway, make_sim, tokenizer_dir, redis_url=redis_url)
+        second = make_gateway(
+            {"sim": sim}, models=canaries_only(tokenizer_dir, ["sim"]), admin_token=ADMIN,
+            isolation=FINGERPRINTS_ONLY, redis_url=redis_url,
+        )  # fmt: skip
+        text = document(3, 250)
+        await bob_sends_his_document(client, first, text)
+        deadline = time.monotonic() + 5
+        while metric((await client.get(f"{second}/metrics")).text, "bulkhead_prompt_fingerprints") == 0:
+            assert time.monotonic() < deadline, "the second instance never received bob's fingerprints"
+            await asyncio.sleep(0.05)
+        response = await client.post(f"{second}{CHAT}", json=OVER_CAPACITY, headers=auth(ALICE_KEY))
+        assert_withheld_for_bob(response, text, await events(client, second))
+
+
+async def test_text_that_several_tenants_send_is_no_evidence(client: httpx.AsyncClient, tokenizer_dir: Path) -> None:
+    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    licence, private = document(5, 120), document(6, 120)
+
+    async def ask(key: str, content: str) -> httpx.Response:
+        return await client.post(f"{gateway_url}{CHAT}", json=chat_body(content, max_tokens=4), headers=auth(key))
+
+    with run_server(adversary.app()) as backend:
+        settings = gateway_settings(
+            {"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=FINGERPRINTS_ONLY
+        )
+        with run_server(create_app(settings)) as gateway_url:
+            for key in (BOB_KEY, ALICE_KEY):  # both tenants send the same public text
+                assert (await ask(key, f"What does this licence allow?\n{licence}")).status_code == 200
+            adversary.plan = Plan("content")  # bob is answered with alice's prompt: the licence
+            answer = await ask(BOB_KEY, "And this?")
+            assert answer.status_code == 200 and licence.split()[40] in answer.text
+            assert await events(client, gateway_url) == []
+            # The control: alice's own notes are no public text.
+            assert (await ask(ALICE_KEY, f"My notes: {private}")).status_code == 200
+            adversary.plan = Plan("content")
+            assert (await ask(BOB_KEY, "And this?")).status_code == 502
+            assert [e["kind"] for e in await events(client, gateway_url)] == ["fingerprint_leak"]
