@@ -85,6 +85,7 @@ class _Choice:
     tool_ids: dict[int, str] = field(default_factory=dict)  # the id each tool call was first given
     grams: dict[str, AnswerGrams] = field(default_factory=dict)  # per stream: its k-grams, for fingerprints
     tainted: set[str] = field(default_factory=set)  # streams redacted for a fragment: the rest of them is too
+    mirror: str | None = None  # the text whose grams the chosen logprob tokens share so far
 
     def scanner(self, key: str) -> StreamScanner:
         scanner = self.scanners.get(key)
@@ -295,19 +296,40 @@ class OutputGuard:
         streams: dict[str, list[str]],
         choice: dict[str, Any],
     ) -> bool:
-        """Check every stream of this event for a fragment of another tenant's recent prompt. Under redact, a text
-        where one is found is redacted from there on, and the event's logprobs positions are dropped."""
-        changed = False
+        """Check this event's texts and chosen logprob tokens for a fragment of another tenant's recent prompt.
+        Under redact, a text where one is found is redacted from there on, and the event's logprob positions are
+        dropped. (Alternatives of other ranks are scanned for markers, not fingerprinted: a leaked fragment is in
+        the tokens an engine chose.)"""
+        chosen = "".join(streams["lp"]) if "lp" in streams else None
+        # The chosen tokens usually spell exactly the event's one text: their grams would be the same, so they are
+        # fed once, until the first event where they differ (from then on the tokens are a stream of their own).
+        mirrors = chosen is not None and len(slots) == 1 and chosen == slots[0][1][slots[0][2]]
+        mirrored = state.mirror
+        if mirrored is not None and not (mirrors and slots[0][0] == mirrored):
+            # They part: the tokens go on from where the text's grams are now, before this event.
+            state.grams["lp"] = state.grams[mirrored].copy() if mirrored in state.grams else self._new_grams()
+            state.mirror = mirrored = None
+        elif mirrored is None and mirrors and "lp" not in state.grams:
+            state.mirror = mirrored = slots[0][0]
+        changed = found = False
         for key, holder, name in slots:
-            if await self._fragment(state, key, holder[name]) or key in state.tainted:
+            hit = await self._fragment(state, key, holder[name])
+            found |= hit and key == mirrored
+            if hit or key in state.tainted:
                 state.tainted.add(key)
                 holder[name] = REDACTED if holder[name] else ""
                 changed = True
-        if any([await self._fragment(state, key, "".join(pieces)) for key, pieces in streams.items()]):
+        if chosen is not None and mirrored is None:
+            found |= await self._fragment(state, "lp", chosen)
+        if found:
             held = positions(state.held_logprobs) if state.held_logprobs is not None else 0
             state.dropped |= set(range(held, held + positions(choice["logprobs"])))
             changed = True
         return changed
+
+    def _new_grams(self) -> AnswerGrams:
+        assert self._fragments is not None
+        return AnswerGrams(self._fragments.hasher)
 
     async def _fragment(self, state: _Choice, key: str, piece: str) -> bool:
         """Feed one piece of one stream to its k-grams; True when it ends a fragment of another tenant's prompt
@@ -315,7 +337,7 @@ class OutputGuard:
         assert self._fragments is not None
         grams = state.grams.get(key)
         if grams is None:
-            grams = state.grams[key] = AnswerGrams(self._fragments.hasher)
+            grams = state.grams[key] = self._new_grams()
         victim = self._fragments.victim(*grams.feed(piece))
         if victim is None:
             return False

@@ -66,7 +66,7 @@ class Hasher:
         self._key = key
         self.shape = shape
         self._cache: dict[str, int] = {}
-        self._top = pow(BASE, shape.k - 1, 1 << 64)  # the weight of a gram's first word
+        self.oldest = pow(BASE, shape.k - 2, 1 << 64)  # the weight of the oldest of the k - 1 words before a gram
         self._powers = np.array([pow(BASE, shape.k - 1 - j, 1 << 64) for j in range(shape.k)], dtype=np.uint64)
 
     def word(self, word: str) -> int:
@@ -93,12 +93,6 @@ class Hasher:
         rightmost = w - 1 - np.argmin(windows[:, ::-1], axis=1)
         return np.unique(grams[np.arange(len(windows)) + rightmost])
 
-    def gram(self, window: deque[int], word: int) -> int:
-        """The hash of the gram that `word` ends, given the k - 1 word hashes before it (oldest first)."""
-        value = 0
-        for part in window:
-            value = (value * BASE + part) & MASK
-        return (value * BASE + word) & MASK
 
 
 class AnswerGrams:
@@ -106,29 +100,39 @@ class AnswerGrams:
 
     A word cut by a chunk boundary is not known until the next chunk, so each piece also yields the gram its
     unfinished last word would end if nothing followed: a fragment that ends with this piece is found before the
-    piece goes out.
+    piece goes out. The last k - 1 word hashes are kept as their polynomial too, so a gram costs O(1).
     """
 
     def __init__(self, hasher: Hasher) -> None:
         self._hasher = hasher
-        self._window: deque[int] = deque(maxlen=hasher.shape.k - 1)
+        self._window: deque[int] = deque()
+        self._prefix = 0  # the polynomial of the word hashes in the window, oldest first
         self._open = ""  # the raw characters of a word the next piece may continue
+
+    def copy(self) -> AnswerGrams:
+        twin = AnswerGrams(self._hasher)
+        twin._window, twin._prefix, twin._open = deque(self._window), self._prefix, self._open
+        return twin
 
     def feed(self, piece: str) -> tuple[list[int], int | None]:
         """(the grams completed by this piece, the gram of its unfinished last word or None)."""
-        text = self._open + piece
+        text = self._open + piece if self._open else piece
         self._open = _open_tail(text)
-        hasher, full = self._hasher, self._window.maxlen
+        hasher, window, full = self._hasher, self._window, self._hasher.shape.k - 1
         grams = []
-        for word in words(text[: len(text) - len(self._open)]):
+        for word in words(text[: len(text) - len(self._open)] if self._open else text):
             value = hasher.word(word)
-            if len(self._window) == full:
-                grams.append(hasher.gram(self._window, value))
-            self._window.append(value)
-        if not self._open or len(self._window) != full:
+            if len(window) == full:
+                grams.append((self._prefix * BASE + value) & MASK)
+                self._prefix = (self._prefix - window.popleft() * hasher.oldest) & MASK
+            self._prefix = (self._prefix * BASE + value) & MASK
+            window.append(value)
+        if not self._open or len(window) != full:
             return grams, None
         unfinished = "".join(words(self._open))
-        return grams, hasher.gram(self._window, hasher.word(unfinished)) if unfinished else None
+        if not unfinished:
+            return grams, None
+        return grams, (self._prefix * BASE + hasher.word(unfinished)) & MASK
 
 
 def _open_tail(text: str) -> str:

@@ -206,3 +206,25 @@ async def test_the_recipients_own_prompt_and_short_overlaps_are_never_flagged(
     short = " ".join(text.split()[300 : 300 + SHAPE.k - 1])
     await guard.check_chunk(delta(f"{short} and then something else entirely"))
     assert leaks.found == []
+
+
+async def test_tokens_that_stop_mirroring_the_text_are_read_on_their_own(
+    hasher: Hasher, bobs_document: tuple[FingerprintIndex, str]
+) -> None:
+    index, text = bobs_document
+    fragment = text.split()[200:240]
+    guard, leaks = guard_with(index, hasher)
+
+    def event(content: str, token: str | None) -> dict[str, Any]:
+        logprobs = None if token is None else {"content": [{"token": token, "logprob": -1.0, "top_logprobs": []}]}
+        return {"choices": [{"index": 0, "delta": {"content": content}, "logprobs": logprobs, "finish_reason": None}]}
+
+    # The tokens spell the text for a while (read once), then the text goes on benign while the tokens carry bob's
+    # words; an event without logprobs in between must not make the two look alike again.
+    for word in fragment[:10]:
+        await guard.check_chunk(event(f" {word}", f" {word}"))
+    await guard.check_chunk(event(" meanwhile", None))
+    with pytest.raises(LeakBlocked):
+        for word in fragment[10:]:
+            await guard.check_chunk(event(" fine", f" {word}"))
+    assert leaks.found == [Leak("bob", FRAGMENT)]
