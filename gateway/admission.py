@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from gateway.backends import Replica
 from gateway.capacity import PromptLimit
 from gateway.counting import Prompt, PromptCounter
 from gateway.errors import CapacityUnknown, ContextLengthExceeded
@@ -79,9 +80,11 @@ async def admit(
     limit: PromptLimit | None,
     counter: PromptCounter,
     metrics: GatewayMetrics,
+    replica: Replica | None = None,
 ) -> Admission:
     """Admit `sent` (the prompt with the gateway's markers; `own` is the tenant's, the same object when nothing was
-    added) with `requested_output` tokens of output, or without one with up to `default_output`, cut to fit."""
+    added) with `requested_output` tokens of output, or without one with up to `default_output`, cut to fit.
+    A backend that counts prompts is asked at `replica` first, the one the request is routed to."""
     if limit is None:
         raise CapacityUnknown(
             f"The capacity of model '{model.name}' is not known yet (no context_window configured and no backend "
@@ -100,15 +103,15 @@ async def admit(
         raise _refuse(metrics, model, limit, f"at least {lower} tokens{added}", lower, output, explicit, param)
     upper = counter.upper_bound(sent)
     if upper is not None and upper + output <= limit.tokens and not counter.is_cheap(sent):
-        counting = asyncio.ensure_future(counter.count(sent))
-        own_counting = counting if own is sent else asyncio.ensure_future(counter.count(own))
+        counting = asyncio.ensure_future(counter.count(sent, replica))
+        own_counting = counting if own is sent else asyncio.ensure_future(counter.count(own, replica))
         estimate = upper if own is sent else (counter.upper_bound(own) or upper)
         return Admission(estimate=estimate, max_tokens=output, sent=counting, own=own_counting)
 
     if own is sent:
-        counted = own_count = await counter.count(sent)
+        counted = own_count = await counter.count(sent, replica)
     else:
-        counted, own_count = await asyncio.gather(counter.count(sent), counter.count(own))
+        counted, own_count = await asyncio.gather(counter.count(sent, replica), counter.count(own, replica))
     metrics.prompt_tokens.labels(model.name).observe(counted)
     if counted + output <= limit.tokens:
         return Admission(estimate=own_count, max_tokens=output, sent=counted, own=own_count)

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.backends import ReplicaPool
-from gateway.errors import BackendUnavailable, InvalidRequest, UpstreamError
+from gateway.backends import Replica, ReplicaPool
+from gateway.errors import BackendTimeout, BackendUnavailable, BackendUnreachable, InvalidRequest, UpstreamError
 from gateway.proxy import Upstream
 from gateway.settings import ModelSettings
 from gateway.tokens import ChatTemplateError, ModelTokenizer, vocab_size
@@ -87,7 +87,9 @@ class PromptCounter(Protocol):
 
     def is_cheap(self, prompt: Prompt) -> bool: ...
 
-    async def count(self, prompt: Prompt) -> int: ...
+    async def count(self, prompt: Prompt, replica: Replica | None = None) -> int:
+        """The exact count; a counter that asks backends asks `replica` first."""
+        ...
 
 
 def _utf8_length(text: str) -> int:
@@ -154,7 +156,7 @@ class LocalCounter:
     def is_cheap(self, prompt: Prompt) -> bool:
         return prompt.token_ids is not None or prompt.size() <= self._inline_chars
 
-    async def count(self, prompt: Prompt) -> int:
+    async def count(self, prompt: Prompt, replica: Replica | None = None) -> int:
         if self.is_cheap(prompt):
             return self.count_now(prompt)
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.count_now, prompt)
@@ -196,14 +198,29 @@ class BackendCounter:
     def is_cheap(self, prompt: Prompt) -> bool:
         return prompt.token_ids is not None
 
-    async def count(self, prompt: Prompt) -> int:
+    async def count(self, prompt: Prompt, replica: Replica | None = None) -> int:
+        """Asked of `replica` first, then of the model's other routable replicas: a replica that dies between
+        routing and counting costs the client nothing while another one can count."""
         if prompt.token_ids is not None:
             return len(prompt.token_ids)
         replicas = self._pool.routable(self._model)
-        if not replicas:
-            raise BackendUnavailable(f"No healthy backend for model '{self._model.name}' can count this prompt.")
-        replica = random.choice(replicas)
+        if replica is not None and replica in replicas:
+            replicas.remove(replica)
+            replicas.insert(0, replica)
+        else:
+            random.shuffle(replicas)
         body = orjson.dumps(prompt.tokenize_body(self._model.name))
+        failure: UpstreamError | None = None
+        for candidate in replicas:
+            try:
+                return await self._ask(candidate, body)
+            except (BackendUnreachable, BackendTimeout) as exc:
+                failure = exc  # /tokenize changes nothing: asking another replica is safe
+        if failure is not None:
+            raise failure
+        raise BackendUnavailable(f"No healthy backend for model '{self._model.name}' can count this prompt.")
+
+    async def _ask(self, replica: Replica, body: bytes) -> int:
         response = await self._upstream.open(replica, "/tokenize", body, "tokenize")
         try:
             answer = orjson.loads(await self._upstream.read(replica, response))

@@ -22,7 +22,6 @@ from gateway.counting import LocalCounter, Prompt
 from gateway.errors import (
     AnswerWithheld,
     BackendBadResponse,
-    ConcurrencyLimited,
     GatewayError,
     InvalidRequest,
     ModelNotAllowed,
@@ -37,6 +36,7 @@ from gateway.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWante
 from gateway.routing import SESSION_HEADER, Decision, session_id
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, InferenceRequest, validate
 from gateway.settings import ModelSettings, TenantSettings
+from gateway.slot import Slot
 from gateway.sse import DONE
 from gateway.state import GatewayState
 from isolation.channels import prune
@@ -169,16 +169,15 @@ class InferenceCall:
         request: InferenceRequest,
         admission: Admission,
         decision: Decision,
-        limit_headers: dict[str, str],
-        reserved_tokens: int,
+        slot: Slot,
         prompt: Prompt,
         echo_prefix: str = "",
     ) -> None:
         self.state = state
+        self.slot = slot
         self.prompt = prompt  # the tenant's own, without what the gateway injects
         self.echo_prefix = echo_prefix
-        self.limit_headers = limit_headers
-        self.reserved_tokens = reserved_tokens
+        self.limit_headers = slot.limit_headers
         self.record = record
         self.tenant = tenant
         self.model = model
@@ -191,9 +190,6 @@ class InferenceCall:
         self.finished = False
         self._closed = False
         self._injected_observed = False
-        state.tenant_in_flight[tenant.id] += 1
-        self.replica.in_flight += 1
-        state.metrics.in_flight.inc()
 
     async def close(self) -> None:
         if self._closed:
@@ -204,15 +200,8 @@ class InferenceCall:
         self.admission.cancel()
         if not self.finished and self.record.status == 200:
             self.record.status, self.record.error_code = 499, "client_disconnected"
-        self.state.tenant_in_flight[self.tenant.id] -= 1
-        self.replica.in_flight -= 1
-        self.state.metrics.in_flight.dec()
         accesslog.finish(self.record, self.state.metrics)
-        used = (self.record.prompt_tokens or 0) + (self.record.completion_tokens or 0)
-        settlement = self.state.limiter.settlement(self.tenant, self.reserved_tokens, used)
-        if settlement is not None:
-            # Off the answer's path: the settlement is a Redis round trip the client need not wait for.
-            self.state.background(settlement)
+        self.slot.release((self.record.prompt_tokens or 0) + (self.record.completion_tokens or 0))
 
     def fail(self, error: GatewayError) -> Response:
         self.record.status, self.record.error_code = error.status, error.code
@@ -249,9 +238,8 @@ class InferenceCall:
             fallback = self.decision.fail_over() if error.before_sending else None
             if fallback is None:
                 raise
-            self.replica.in_flight -= 1
+            self.slot.assign(fallback)
             self.replica, self.record.backend = fallback, fallback.name
-            fallback.in_flight += 1
             self.response = await upstream.open(fallback, path, body, self.record.request_id)
 
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
@@ -412,29 +400,31 @@ async def _admit(
     model = resolve_model(state, tenant, parsed.model)
     record.model, record.stream = model.name, parsed.stream
     default_output = check_request_limits(state, tenant, model, parsed)
-    cap = tenant.limits.max_concurrent_requests
-    if cap is not None and state.tenant_in_flight[tenant.id] >= cap:
-        raise ConcurrencyLimited(
-            f"This API key already has {cap} requests in flight on this gateway; the limit is {cap}."
+    slot = Slot(state, tenant)
+    try:
+        chat = isinstance(parsed, ChatCompletionRequest)
+        own = Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
+        marker = plant_marker(state, tenant, payload, chat)
+        sent = own if marker is None else Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
+        # Routed first: a backend that counts the prompt should be the one that will serve it.
+        decision = state.router.choose(model, tenant.id, submission.session)
+        slot.assign(decision.replica)
+        admission = await admit(
+            sent,
+            own,
+            parsed.requested_output,
+            default_output,
+            model,
+            tenant,
+            state.capacity.limit(model, tenant),
+            state.counters[model.name],
+            state.metrics,
+            decision.replica,
         )
-    chat = isinstance(parsed, ChatCompletionRequest)
-    own = Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
-    marker = plant_marker(state, tenant, payload, chat)
-    sent = own if marker is None else Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
-    admission = await admit(
-        sent,
-        own,
-        parsed.requested_output,
-        default_output,
-        model,
-        tenant,
-        state.capacity.limit(model, tenant),
-        state.counters[model.name],
-        state.metrics,
-    )
-    reserved = admission.estimate + admission.max_tokens * parsed.n
-    limit_headers = await state.limiter.admit(tenant, reserved)
-    decision = state.router.choose(model, tenant.id, submission.session)
+        await slot.reserve(admission.estimate + admission.max_tokens * parsed.n)
+    except BaseException:
+        slot.release()
+        raise
     echo = isinstance(parsed, CompletionRequest) and parsed.echo and marker is not None
     call = InferenceCall(
         state,
@@ -444,8 +434,7 @@ async def _admit(
         parsed,
         admission,
         decision,
-        limit_headers,
-        reserved,
+        slot,
         own,
         completion_prefix(marker) if echo and marker is not None else "",
     )

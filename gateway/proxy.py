@@ -127,10 +127,15 @@ class Upstream:
     async def _send(self, request: httpx.Request) -> httpx.Response:
         try:
             return await self._transport.handle_async_request(request)
-        except httpx.RemoteProtocolError:
-            # A kept-alive connection that the backend closed as we reused it: it answered nothing and processed
-            # nothing, so once more, on a fresh connection. A backend that really is broken fails again.
-            return await self._transport.handle_async_request(request)
+        except httpx.RemoteProtocolError as first:
+            # Most likely a kept-alive connection the backend closed as it was reused: nothing was read, so once
+            # more to the same backend. But a backend that died with the request in hand looks the same, so the
+            # request may have reached it: if it is gone now, that must not read as "never sent" (which would let
+            # the request go to another replica too).
+            try:
+                return await self._transport.handle_async_request(request)
+            except httpx.ConnectError as exc:
+                raise first from exc
 
     async def read(self, replica: Replica, response: httpx.Response, limit: int | None = None) -> bytes:
         chunks: list[bytes] = []

@@ -1,0 +1,63 @@
+"""One request's claim on shared capacity: taken at once, given back exactly once.
+
+What an admitted request holds — its place under the tenant's concurrency cap, the in-flight gauge, its
+replica's in-flight count, and its rate-limit reservation — is one Slot. The cap is checked and taken with no
+await in between, so two requests of a tenant at its cap cannot both pass while the first is still being counted.
+Everything comes back through one idempotent `release`, whichever way the request ends: its answer, an error
+before or after forwarding, a client gone, a cancellation. A reservation the request never used is refunded.
+"""
+
+from __future__ import annotations
+
+from gateway.backends import Replica
+from gateway.errors import ConcurrencyLimited
+from gateway.settings import TenantSettings
+from gateway.state import GatewayState
+
+
+class Slot:
+    def __init__(self, state: GatewayState, tenant: TenantSettings) -> None:
+        """Take the tenant's place under its cap now, or raise ConcurrencyLimited."""
+        cap = tenant.limits.max_concurrent_requests
+        held = state.tenant_in_flight
+        if cap is not None and held[tenant.id] >= cap:
+            raise ConcurrencyLimited(
+                f"This API key already has {cap} requests in flight on this gateway; the limit is {cap}."
+            )
+        held[tenant.id] += 1
+        state.metrics.in_flight.inc()
+        self._state = state
+        self._tenant = tenant
+        self.replica: Replica | None = None
+        self.reserved = 0
+        self.limit_headers: dict[str, str] = {}
+        self._released = False
+
+    async def reserve(self, tokens: int) -> None:
+        """Take one request and `tokens` from the tenant's rate limits, or raise RateLimited."""
+        self.limit_headers = await self._state.limiter.admit(self._tenant, tokens)
+        self.reserved = tokens
+
+    def assign(self, replica: Replica) -> None:
+        """Count the request against this replica (and no longer against the one it had, if any)."""
+        if self.replica is not None:
+            self.replica.in_flight -= 1
+        replica.in_flight += 1
+        self.replica = replica
+
+    def release(self, used_tokens: int = 0) -> None:
+        """Give everything back; the reservation is settled to `used_tokens` (0: refunded)."""
+        if self._released:
+            return
+        self._released = True
+        state, tenant = self._state, self._tenant.id
+        state.tenant_in_flight[tenant] -= 1
+        if state.tenant_in_flight[tenant] <= 0:
+            del state.tenant_in_flight[tenant]  # the counter holds only tenants with requests in flight
+        state.metrics.in_flight.dec()
+        if self.replica is not None:
+            self.replica.in_flight -= 1
+        settlement = state.limiter.settlement(self._tenant, self.reserved, used_tokens)
+        if settlement is not None:
+            # Off the answer's path: the settlement is a Redis round trip the client need not wait for.
+            state.background(settlement)
