@@ -19,6 +19,9 @@ import httpx
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -160,7 +163,13 @@ def make_redis(settings: Settings) -> Redis | None:
     if settings.redis_url is None:
         return None
     pool = BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=settings.redis_max_connections, timeout=settings.redis_pool_timeout_s
+        settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=settings.redis_pool_timeout_s,
+        # After a Redis restart every pooled connection is dead: a command that meets one is sent again on a fresh
+        # connection (it never reached the server), instead of failing one request per stale connection.
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
+        retry_on_error=[RedisConnectionError],
     )
     return Redis.from_pool(pool)
 

@@ -1,11 +1,13 @@
 """The async (queued) API: jobs stored durably before they are accepted, run by workers, results kept a while.
 
 With Redis, jobs go into the stream `bulkhead:jobs`, read by the consumer group `bulkhead-workers`. A worker
-marks a job running, runs each item through the normal pipeline, stores each item's result, marks the job done,
+claims one job at a time and keeps it claimed while it works (worker.py renews the claim), marks it running
+(counting the attempt), runs each item through the normal pipeline, stores each item's result, marks the job done,
 and only then acknowledges it. A worker that dies leaves its job pending; after `reclaim_after_s` another worker
 claims it (XAUTOCLAIM) and carries on: items whose results are already stored are not run again, so the tenant
-sees exactly one result per item. Results live under a key that includes the tenant, so another tenant's poll
-finds nothing (404, not 403). Without Redis the queue is in this process's memory and is not durable.
+sees exactly one result per item. A job whose attempts keep failing ends `failed`. Results live under a key that
+includes the tenant, so another tenant's poll finds nothing (404, not 403). Without Redis the queue is in this
+process's memory and is not durable.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ class Job:
 
 @dataclass
 class JobStatus:
-    status: str  # queued, running, done
+    status: str  # queued, running, done, failed
     items: int
     results: dict[int, Any] = field(default_factory=dict)
+    attempts: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,19 +66,28 @@ class Claimed:
 class JobQueue(Protocol):
     durable: bool
 
+    @property
+    def keep_every_s(self) -> float: ...
+
     async def enqueue(self, job: Job) -> None: ...
 
     async def status(self, tenant: str, job_id: str) -> JobStatus | None: ...
 
     async def claim(self, consumer: str, wait_s: float) -> list[Claimed]: ...
 
-    async def set_running(self, job: Job) -> None: ...
+    async def start(self, job: Job) -> int:
+        """Mark the job running; returns which attempt at it this is (1 for the first)."""
+        ...
 
     async def store_result(self, job: Job, index: int, result: Any) -> None: ...
 
     async def keep(self, claimed: Claimed, consumer: str) -> None: ...
 
-    async def finish(self, claimed: Claimed) -> None: ...
+    async def finish(self, claimed: Claimed, status: str = "done") -> None: ...
+
+    async def abandon(self, claimed: Claimed) -> None:
+        """Give a job that failed back, to be claimed again (by this worker or another)."""
+        ...
 
 
 def _key(tenant: str, job_id: str) -> str:
@@ -114,24 +126,29 @@ class RedisJobQueue:
         if not fields:
             return None
         results = {int(k[7:]): orjson.loads(v) for k, v in fields.items() if k.startswith("result:")}
-        return JobStatus(fields["status"], int(fields["items"]), results)
+        return JobStatus(fields["status"], int(fields["items"]), results, int(fields.get("attempts", 0)))
 
     async def claim(self, consumer: str, wait_s: float) -> list[Claimed]:
         await self._ensure_group()
+        # One job at a time: a job claimed but left waiting behind another would look abandoned to the others.
         # First what a dead worker left behind for too long, then new jobs.
-        reclaimed = await self._redis.xautoclaim(STREAM, GROUP, consumer, self._reclaim_ms, start_id="0-0", count=8)
+        reclaimed = await self._redis.xautoclaim(STREAM, GROUP, consumer, self._reclaim_ms, start_id="0-0", count=1)
         entries = list(reclaimed[1]) if reclaimed else []
         if not entries:
             answer: Any = await self._redis.xreadgroup(
-                GROUP, consumer, {STREAM: ">"}, count=8, block=int(wait_s * 1000)
+                GROUP, consumer, {STREAM: ">"}, count=1, block=int(wait_s * 1000)
             )
             # RESP2 answers a list of [stream, entries] pairs, RESP3 a mapping: take the entries either way.
             per_stream = answer.values() if isinstance(answer, dict) else [pair[1] for pair in answer or []]
             entries = [entry for stream_entries in per_stream for entry in stream_entries]
         return [Claimed(text(entry_id), Job.decode(fields[b"job"])) for entry_id, fields in entries if fields]
 
-    async def set_running(self, job: Job) -> None:
-        await self._redis.hset(_key(job.tenant, job.id), "status", "running")
+    async def start(self, job: Job) -> int:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(_key(job.tenant, job.id), "status", "running")
+            pipe.hincrby(_key(job.tenant, job.id), "attempts", 1)
+            _, attempts = await pipe.execute()
+        return int(attempts)
 
     async def store_result(self, job: Job, index: int, result: Any) -> None:
         # First write wins: a result the tenant may already have read never changes.
@@ -141,12 +158,20 @@ class RedisJobQueue:
         """Reset the job's idle time: a live worker on a long job must not look dead to the others."""
         await self._redis.xclaim(STREAM, GROUP, consumer, 0, [claimed.entry], justid=True)
 
-    async def finish(self, claimed: Claimed) -> None:
+    async def finish(self, claimed: Claimed, status: str = "done") -> None:
         job = claimed.job
-        await self._redis.hset(_key(job.tenant, job.id), "status", "done")
+        await self._redis.hset(_key(job.tenant, job.id), "status", status)
         # Acknowledged only once the results are stored: a crash before this line means the job is run again.
         await self._redis.xack(STREAM, GROUP, claimed.entry)
         await self._redis.xdel(STREAM, claimed.entry)
+
+    async def abandon(self, claimed: Claimed) -> None:
+        """Nothing to do: the entry stays pending, and XAUTOCLAIM hands it out again after reclaim_after_s."""
+
+    @property
+    def keep_every_s(self) -> float:
+        """How often a worker must renew its claim for the job not to look abandoned."""
+        return self._reclaim_ms / 3000
 
 
 class MemoryJobQueue:
@@ -180,8 +205,11 @@ class MemoryJobQueue:
                 return []
         return [self._pending.popleft()] if self._pending else []
 
-    async def set_running(self, job: Job) -> None:
-        self._statuses[(job.tenant, job.id)][1].status = "running"
+    async def start(self, job: Job) -> int:
+        status = self._statuses[(job.tenant, job.id)][1]
+        status.status = "running"
+        status.attempts += 1
+        return status.attempts
 
     async def store_result(self, job: Job, index: int, result: Any) -> None:
         self._statuses[(job.tenant, job.id)][1].results.setdefault(index, result)
@@ -189,5 +217,13 @@ class MemoryJobQueue:
     async def keep(self, claimed: Claimed, consumer: str) -> None:
         """Nothing to do: in memory no other worker can take a job over."""
 
-    async def finish(self, claimed: Claimed) -> None:
-        self._statuses[(claimed.job.tenant, claimed.job.id)][1].status = "done"
+    async def finish(self, claimed: Claimed, status: str = "done") -> None:
+        self._statuses[(claimed.job.tenant, claimed.job.id)][1].status = status
+
+    async def abandon(self, claimed: Claimed) -> None:
+        self._pending.append(claimed)
+        self._arrived.set()
+
+    @property
+    def keep_every_s(self) -> float:
+        return 3600.0  # in memory no other worker can take a job over

@@ -1,62 +1,107 @@
-"""Queue workers: claim jobs, run every item through the normal pipeline, store the results, then acknowledge."""
+"""Queue workers: claim a job, run every item through the normal pipeline, store the results, then acknowledge.
+
+Each item runs once unless a worker dies while running it. A worker renews its claim while it works, so a live
+worker's job never looks abandoned; it stores every result (retrying through a store outage, first write wins)
+before it acknowledges; and an exception of any kind leaves the job to be claimed again — after MAX_ATTEMPTS
+attempts it ends `failed`, with an error result for every item that has none.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, TypeVar
 
 import orjson
 from redis.exceptions import RedisError
 
 from gateway import inference
 from gateway.accesslog import RequestRecord
-from gateway.queue import Claimed, JobQueue
+from gateway.errors import AuthenticationFailed, GatewayError
+from gateway.queue import Claimed, Job, JobQueue
 from gateway.state import GatewayState
 
 log = logging.getLogger("bulkhead.worker")
 
 ROUTES = {inference.CHAT.name: inference.CHAT, inference.COMPLETIONS.name: inference.COMPLETIONS}
+MAX_ATTEMPTS = 3
+T = TypeVar("T")
 
 
-async def process(state: GatewayState, queue: JobQueue, claimed: Claimed, name: str) -> None:
-    job = claimed.job
-    status = await queue.status(job.tenant, job.id)
-    done = set(status.results) if status is not None else set()
-    await queue.set_running(job)
+async def stored(operation: Callable[[], Awaitable[T]], what: str) -> T:
+    """Retry a store operation until the store answers: what a worker has done must not be lost to an outage."""
+    pause = 0.2
+    while True:
+        try:
+            return await operation()
+        except (RedisError, OSError) as exc:
+            log.warning("worker waits for the queue's store to %s: %s", what, type(exc).__name__)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)
+
+
+def error_result(error: GatewayError) -> dict[str, Any]:
+    return {"status": error.status, "body": error.body()}
+
+
+async def run_item(state: GatewayState, job: Job, index: int) -> dict[str, Any]:
     tenant = state.tenants.by_id(job.tenant)
+    if tenant is None:
+        return error_result(AuthenticationFailed("The tenant no longer exists."))
     route = ROUTES[job.route]
-    for index, payload in enumerate(job.items):
+    record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
+    response = await inference.run(state, route, inference.Submission(tenant, dict(job.items[index])), record)
+    return {"status": response.status_code, "body": orjson.loads(bytes(response.body))}
+
+
+async def process(state: GatewayState, queue: JobQueue, claimed: Claimed) -> None:
+    job = claimed.job
+    attempt = await stored(partial(queue.start, job), "mark a job running")
+    status = await stored(partial(queue.status, job.tenant, job.id), "read a job")
+    done = set(status.results) if status is not None else set()
+    if attempt > MAX_ATTEMPTS:
+        failed = GatewayError(f"The request could not be run in {MAX_ATTEMPTS} attempts.", code="job_failed")
+        for index in range(len(job.items)):
+            if index not in done:
+                await stored(partial(queue.store_result, job, index, error_result(failed)), "store a result")
+        await stored(partial(queue.finish, claimed, "failed"), "finish a job")
+        return
+    for index in range(len(job.items)):
         if index in done:
             continue  # stored before an earlier worker died: never run twice
-        await queue.keep(claimed, name)
-        result: dict[str, Any]
-        if tenant is None:
-            result = {
-                "status": 401,
-                "body": {
-                    "error": {
-                        "message": "The tenant no longer exists.",
-                        "type": "authentication_error",
-                        "param": None,
-                        "code": "invalid_api_key",
-                    }
-                },
-            }
-        else:
-            record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
-            response = await inference.run(state, route, inference.Submission(tenant, dict(payload)), record)
-            result = {"status": response.status_code, "body": orjson.loads(bytes(response.body))}
-        await queue.store_result(job, index, result)
-    await queue.finish(claimed)
+        result = await run_item(state, job, index)
+        await stored(partial(queue.store_result, job, index, result), "store a result")
+    await stored(partial(queue.finish, claimed), "finish a job")
+
+
+async def keep_claimed(queue: JobQueue, claimed: Claimed, name: str) -> None:
+    """Renew the claim while the job is worked on, however long one item takes."""
+    while True:
+        await asyncio.sleep(queue.keep_every_s)
+        try:
+            await queue.keep(claimed, name)
+        except (RedisError, OSError) as exc:
+            log.warning("worker %s could not renew its claim: %s", name, type(exc).__name__)
 
 
 async def work(state: GatewayState, queue: JobQueue, name: str) -> None:
-    """Run until cancelled; a store outage pauses the worker, it never loses a claimed job."""
+    """Run until cancelled; a store outage pauses the worker, and a job that fails goes back to the queue."""
     while True:
         try:
-            for claimed in await queue.claim(name, wait_s=1.0):
-                await process(state, queue, claimed, name)
+            claims = await queue.claim(name, wait_s=1.0)
         except (RedisError, OSError) as exc:
             log.warning("worker %s waits for the queue's store: %s", name, type(exc).__name__)
             await asyncio.sleep(1.0)
+            continue
+        for claimed in claims:
+            keeper = asyncio.create_task(keep_claimed(queue, claimed, name))
+            try:
+                await process(state, queue, claimed)
+            except Exception:
+                # Whatever it was, the job is not lost: it is claimed again, and fails for good after MAX_ATTEMPTS.
+                log.exception("worker %s failed on job %s; it will be tried again", name, claimed.job.id)
+                await stored(partial(queue.abandon, claimed), "give a job back")
+            finally:
+                keeper.cancel()

@@ -157,7 +157,8 @@ async def _poll(request: Request, queue: JobQueue, tenant: str) -> dict[str, Any
     if status is None:
         # 404 whether it never existed or is another tenant's: nothing to learn from the difference.
         raise NotFound("No such request.")
-    results = [status.results.get(i) for i in range(status.items)] if status.status == "done" else None
+    finished = status.status in ("done", "failed")
+    results = [status.results.get(i) for i in range(status.items)] if finished else None
     return {"status": status.status, "request_id": request.path_params["request_id"], "results": results}
 
 

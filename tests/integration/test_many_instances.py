@@ -420,8 +420,9 @@ async def held_by(store: Redis, consumer: str) -> dict[str, int]:
             if fields is None:
                 continue  # finished and deleted meanwhile
             job = orjson.loads(fields[b"job"])
-            # The job's hash (gateway/queue.py): status, items, and one result:<i> field per item stored.
-            held[job["id"]] = await store.hlen(f"bulkhead:job:{job['tenant']}:{job['id']}") - 2
+            # The job's hash (gateway/queue.py): status, items, attempts, and one result:<i> field per item stored.
+            fields = await store.hkeys(f"bulkhead:job:{job['tenant']}:{job['id']}")
+            held[job["id"]] = sum(1 for name in fields if name.startswith(b"result:"))
     return held
 
 
@@ -431,7 +432,7 @@ async def jobs_until_one_is_held(
     """Jobs sent to one gateway until its own worker is early in one of them; returns job id → tenant.
 
     A job is added only while none waits unclaimed, so each goes to an idle worker rather than piling up for
-    whichever worker comes back first (a worker takes up to eight at once)."""
+    whichever worker comes back first."""
     jobs: dict[str, str] = {}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -62,11 +62,13 @@ async def test_run_streams_response_lines(client: httpx.AsyncClient, gateway_url
     assert len([line for line in lines if line["response"]]) == 4
 
 
-async def wait_done(client: httpx.AsyncClient, url: str, key: str, timeout: float = 30) -> dict[str, Any]:
+async def wait_done(
+    client: httpx.AsyncClient, url: str, key: str, timeout: float = 30, status: str = "done"
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         polled = (await client.get(url, headers=auth(key))).json()
-        if polled["result"]["status"] == "done":
+        if polled["result"]["status"] == status:
             result: dict[str, Any] = polled["result"]
             return result
         assert time.monotonic() < deadline, polled

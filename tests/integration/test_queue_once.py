@@ -1,0 +1,87 @@
+"""The queue runs each item once: two worker processes, one killed with -9 mid-load and Redis restarted (AOF)
+under 60 jobs — every accepted job is done, and the engine ran items again no more often than items were cut off
+mid-inference; a job that keeps failing ends `failed` with an error per item instead of vanishing."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import redis
+
+from tests.integration.support import ALICE_KEY, auth, forwarded, metric
+from tests.integration.test_workers_api import RUN, queue_config, wait_done, worker_process
+from tests.redis_server import own_redis
+
+JOBS = 60
+ITEMS = 2
+
+
+def engine_runs(sim_url: str) -> int:
+    return len([r for r in forwarded(sim_url) if r["path"] == "/v1/completions"])
+
+
+def aborts(sim_url: str) -> float:
+    return metric(httpx.get(f"{sim_url}/metrics").text, "vllm:request_success_total", finished_reason="abort")
+
+
+async def test_each_item_runs_once_through_a_killed_worker_and_a_redis_restart(
+    client: httpx.AsyncClient, make_gateway_process: Any, make_sim: Any, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    sim_url = make_sim(ttft_ms=120)
+    with own_redis() as server:
+        config = queue_config(server.url, sim_url, tokenizer_dir, queue={"workers": 0, "reclaim_after_s": 1.0})
+        gateway_url = make_gateway_process(config)
+        config_file = tmp_path / "worker.yaml"
+        config_file.write_text(orjson.dumps(config).decode())
+        workers = [worker_process(config_file), worker_process(config_file)]
+        try:
+            jobs = []
+            for n in range(JOBS):
+                batch = {"requests": [{"prompt": f"job {n} item {i}", "max_tokens": 2} for i in range(ITEMS)]}
+                accepted = await client.post(f"{gateway_url}{RUN}?queueRequest=true", json=batch, headers=auth())
+                assert accepted.status_code == 202, accepted.text
+                jobs.append(accepted.json()["result"]["request_id"])
+            deadline = time.monotonic() + 20
+            while engine_runs(sim_url) < JOBS // 3:
+                assert time.monotonic() < deadline, "the workers never got going"
+                await asyncio.sleep(0.05)
+            workers[0].send_signal(signal.SIGKILL)  # mid-item, most likely
+            workers[0].wait(timeout=10)
+            server.stop()  # the survivor waits out the outage with what it has done in hand
+            await asyncio.sleep(1.0)
+            server.start()
+            workers.append(worker_process(config_file))
+            for job in jobs:
+                done = await wait_done(client, f"{gateway_url}{RUN}/requests/{job}", ALICE_KEY, timeout=60)
+                assert [result["status"] for result in done["results"]] == [200] * ITEMS, done
+        finally:
+            for process in workers:
+                if process.poll() is None:
+                    process.terminate()
+                    process.wait(timeout=10)
+    extra = engine_runs(sim_url) - JOBS * ITEMS
+    assert 0 <= extra <= aborts(sim_url), (extra, aborts(sim_url))
+
+
+async def test_a_job_that_keeps_failing_ends_failed_with_an_error_per_item(
+    client: httpx.AsyncClient, make_gateway_process: Any, make_sim: Any, tokenizer_dir: Path
+) -> None:
+    sim_url = make_sim()
+    with own_redis() as server:
+        config = queue_config(server.url, sim_url, tokenizer_dir, queue={"workers": 1, "reclaim_after_s": 0.3})
+        gateway_url = make_gateway_process(config)
+        # A job whose items cannot even be read (written straight into the stream, as a corrupted entry would be).
+        job = {"id": "broken", "tenant": "alice", "route": "completions", "items": [7, 8]}
+        store = redis.Redis.from_url(server.url)
+        store.hset("bulkhead:job:alice:broken", mapping={"status": "queued", "items": 2})
+        store.xadd("bulkhead:jobs", {"job": orjson.dumps(job)})
+        done = await wait_done(client, f"{gateway_url}{RUN}/requests/broken", ALICE_KEY, timeout=30, status="failed")
+        assert [result["body"]["error"]["code"] for result in done["results"]] == ["job_failed"] * 2
+        assert store.hget("bulkhead:job:alice:broken", "attempts") == b"4"
+        store.close()

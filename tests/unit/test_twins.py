@@ -1,0 +1,414 @@
+"""The twins behind one Protocol each (rate-limit buckets, job queue, event log, store): one suite, run against the
+in-memory and the Redis implementation alike, with the same assertions, so neither can drift from the other.
+
+Everything a test writes is named with its own random prefix (tenants, replicas, stream keys), in a Redis database
+of its own, so these tests can share a Redis with any other suite running at the same time and clean up only
+what they wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from gateway.queue import STREAM, Job, JobQueue, JobStatus, MemoryJobQueue, RedisJobQueue
+from gateway.ratelimit import Buckets, MemoryBuckets, Quota, RedisBuckets, Verdict
+from gateway.store import ADMIN_KEY, FAILURES_KEY, MemoryStore, RedisStore, Store
+from isolation.events import STREAM_KEY, EventLog, IsolationEvent, MemoryEventLog, RedisEventLog
+from isolation.redis_text import text
+from tests.redis_server import redis_server
+
+TWINS = ["memory", "redis"]
+# Not database 0, where every gateway under test keeps its queue: a worker of a gateway test running at the same
+# time would otherwise claim the jobs enqueued here (and change their status) from the shared stream.
+TWIN_DATABASE = 15
+# Levels come back from Lua as text with 14 significant digits: equal up to this much.
+EPS = 1e-6
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with redis_server() as url:
+        yield f"{url.rsplit('/', 1)[0]}/{TWIN_DATABASE}"
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"twin-{uuid.uuid4().hex[:12]}-"
+
+
+@asynccontextmanager
+async def redis_for(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Redis | None]:
+    """None for the memory twin; for the Redis twin a client, and afterwards everything named with `prefix` is
+    deleted (never the whole database: other runs of this suite may be using it right now)."""
+    if request.param == "memory":
+        yield None
+        return
+    async with Redis.from_url(request.getfixturevalue("redis_url")) as redis:
+        try:
+            yield redis
+        finally:
+            await forget(redis, prefix)
+
+
+async def forget(redis: Redis, prefix: str) -> None:
+    keys = [key async for key in redis.scan_iter(match=f"*{prefix}*")]
+    if keys:
+        await redis.delete(*keys)
+    # Keys whose names are fixed by the code under test: only our fields and entries go.
+    for shared in (ADMIN_KEY, FAILURES_KEY):
+        ours = [field for field in await redis.hkeys(shared) if text(field).startswith(prefix)]
+        if ours:
+            await redis.hdel(shared, *ours)
+    for entry, fields in await redis.xrange(STREAM) or []:
+        if entry is not None and fields and Job.decode(fields[b"job"]).tenant.startswith(prefix):
+            await redis.xdel(STREAM, entry)
+
+
+# --- Rate-limit buckets -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=TWINS)
+async def buckets(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Buckets]:
+    async with redis_for(request, prefix) as redis:
+        yield MemoryBuckets() if redis is None else RedisBuckets(redis)
+
+
+class Refill:
+    """Buckets refill continuously, so a level read later may be a little higher than the arithmetic says: by at
+    most limit/60 per second since the clock started. Bounding it by the real elapsed time keeps the checks exact
+    (a missing deduction of even one token fails) without depending on how fast the machine is."""
+
+    def __init__(self) -> None:
+        self._start = time.monotonic()
+
+    def most(self, limit: int) -> float:
+        return limit / 60 * (time.monotonic() - self._start) + EPS
+
+
+def assert_left(verdict: Verdict, quota: Quota, requests: float, tokens: float, refill: Refill) -> None:
+    assert requests - EPS <= verdict.requests_left <= requests + refill.most(quota.requests_per_minute)
+    assert tokens - EPS <= verdict.tokens_left <= tokens + refill.most(quota.tokens_per_minute)
+
+
+async def test_requests_per_minute_allow_exactly_the_limit_then_refuse(buckets: Buckets, prefix: str) -> None:
+    quota = Quota(requests_per_minute=3, tokens_per_minute=0)
+    refill = Refill()
+    for left in (2, 1, 0):
+        verdict = await buckets.take(f"{prefix}a", quota, 1000)
+        assert verdict.allowed
+        assert_left(verdict, quota, left, 0, refill)
+    refused = await buckets.take(f"{prefix}a", quota, 0)
+    assert not refused.allowed
+    # One request comes back every 60/3 s; a little has refilled already.
+    assert 20 - refill.most(quota.requests_per_minute) * 20 <= refused.retry_after_s <= 20
+
+
+async def test_tokens_per_minute_allow_exactly_the_limit_then_refuse(buckets: Buckets, prefix: str) -> None:
+    quota = Quota(requests_per_minute=60, tokens_per_minute=100)
+    refill = Refill()
+    for taken in range(1, 11):
+        verdict = await buckets.take(f"{prefix}a", quota, 10)
+        assert verdict.allowed
+        assert_left(verdict, quota, 60 - taken, 100 - 10 * taken, refill)
+    refused = await buckets.take(f"{prefix}a", quota, 10)
+    assert not refused.allowed
+    # The tokens bucket is the short one: 10 tokens at 100/min take 6 s to come back.
+    assert 6 - refill.most(quota.tokens_per_minute) * 0.6 <= refused.retry_after_s <= 6
+
+
+async def test_a_take_larger_than_the_limit_is_refused_even_on_a_full_bucket(buckets: Buckets, prefix: str) -> None:
+    verdict = await buckets.take(f"{prefix}a", Quota(60, 100), 101)
+    assert not verdict.allowed
+    assert verdict.retry_after_s == pytest.approx(0.6)
+    assert (verdict.requests_left, verdict.tokens_left) == (60, 100)
+
+
+async def test_a_take_deducts_exactly_the_tokens_asked(buckets: Buckets, prefix: str) -> None:
+    quota = Quota(requests_per_minute=60, tokens_per_minute=1000)
+    refill = Refill()
+    first = await buckets.take(f"{prefix}a", quota, 37)
+    # A new bucket starts full, so the first level is exact.
+    assert (first.allowed, first.requests_left, first.tokens_left) == (True, 59, 963)
+    assert_left(await buckets.take(f"{prefix}a", quota, 100), quota, 58, 863, refill)
+    assert_left(await buckets.take(f"{prefix}a", quota, 0), quota, 57, 863, refill)
+
+
+async def test_settle_charges_an_overrun_and_refunds_the_unused_part(buckets: Buckets, prefix: str) -> None:
+    quota = Quota(requests_per_minute=60, tokens_per_minute=1000)
+    refill = Refill()
+    await buckets.take(f"{prefix}a", quota, 500)
+    await buckets.settle(f"{prefix}a", quota, 200)
+    # Settling never costs a request: only the takes (this one included) do.
+    assert_left(await buckets.take(f"{prefix}a", quota, 0), quota, 58, 300, refill)
+    await buckets.settle(f"{prefix}a", quota, -150)
+    assert_left(await buckets.take(f"{prefix}a", quota, 0), quota, 57, 450, refill)
+
+
+async def test_an_overrun_settled_beyond_the_level_overdraws_the_bucket(buckets: Buckets, prefix: str) -> None:
+    quota = Quota(requests_per_minute=60, tokens_per_minute=1000)
+    refill = Refill()
+    await buckets.take(f"{prefix}a", quota, 900)
+    await buckets.settle(f"{prefix}a", quota, 600)
+    refused = await buckets.take(f"{prefix}a", quota, 1)
+    assert not refused.allowed
+    assert_left(refused, quota, 59, -500, refill)
+    # 501 tokens at 1000/min: 30.06 s.
+    assert 30.06 - refill.most(quota.tokens_per_minute) * 0.06 <= refused.retry_after_s <= 30.06 + EPS
+
+
+async def test_a_refund_never_lifts_a_bucket_above_its_limit(buckets: Buckets, prefix: str) -> None:
+    quota = Quota(requests_per_minute=60, tokens_per_minute=1000)
+    await buckets.take(f"{prefix}a", quota, 100)
+    await buckets.settle(f"{prefix}a", quota, -500)
+    verdict = await buckets.take(f"{prefix}a", quota, 0)
+    assert verdict.tokens_left == 1000
+
+
+async def test_a_refused_take_deducts_nothing(buckets: Buckets, prefix: str) -> None:
+    quota = Quota(requests_per_minute=2, tokens_per_minute=100)
+    refill = Refill()
+    assert_left(await buckets.take(f"{prefix}a", quota, 90), quota, 1, 10, refill)
+    for _ in range(3):
+        refused = await buckets.take(f"{prefix}a", quota, 50)
+        assert not refused.allowed
+        assert_left(refused, quota, 1, 10, refill)
+    # Neither the request nor the tokens of the refused takes were taken: the last request and 10 tokens remain.
+    allowed = await buckets.take(f"{prefix}a", quota, 10)
+    assert allowed.allowed
+    assert_left(allowed, quota, 0, 0, refill)
+
+
+async def test_buckets_refill_at_the_limit_per_minute(buckets: Buckets, prefix: str) -> None:
+    quota = Quota(requests_per_minute=0, tokens_per_minute=600)  # 10 tokens a second
+    before_empty = time.monotonic()
+    assert (await buckets.take(f"{prefix}a", quota, 600)).allowed
+    emptied = time.monotonic()
+    refused = await buckets.take(f"{prefix}a", quota, 1)
+    assert not refused.allowed
+    assert 0 < refused.retry_after_s <= 0.1
+    await asyncio.sleep(0.3)
+    before_read = time.monotonic()
+    level = (await buckets.take(f"{prefix}a", quota, 0)).tokens_left
+    read = time.monotonic()
+    # Redis refills on its own clock, which ran between these two of ours; 0.01 token of slack for the clocks.
+    assert 10 * (before_read - emptied) - 0.01 <= level <= 10 * (read - before_empty) + 0.01
+    assert (await buckets.take(f"{prefix}a", quota, 1)).allowed
+
+
+async def test_tenants_have_buckets_of_their_own(buckets: Buckets, prefix: str) -> None:
+    quota = Quota(requests_per_minute=1, tokens_per_minute=10)
+    assert (await buckets.take(f"{prefix}a", quota, 10)).allowed
+    assert not (await buckets.take(f"{prefix}a", quota, 1)).allowed
+    other = await buckets.take(f"{prefix}b", quota, 10)
+    assert (other.allowed, other.requests_left, other.tokens_left) == (True, 0, 0)
+
+
+# --- Job queues ---------------------------------------------------------------------------------------------------
+
+QueueFactory = Callable[[int], JobQueue]
+
+
+@pytest.fixture(params=TWINS)
+async def make_queue(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[QueueFactory]:
+    """`make_queue(result_ttl_s)`. Only enqueue, status, start and store_result are used here: claiming and
+    finishing are another suite's."""
+    async with redis_for(request, prefix) as redis:
+        if redis is None:
+            yield MemoryJobQueue
+        else:
+            yield lambda ttl: RedisJobQueue(redis, ttl, reclaim_after_s=30)
+
+
+def seen(status: JobStatus | None) -> tuple[str, int, dict[int, Any]] | None:
+    """What a tenant's poll shows: the state, the number of items and the results so far. (Attempts are left out:
+    they belong to the claim-and-retry logic, which is being reworked and is tested with it.)"""
+    return None if status is None else (status.status, status.items, status.results)
+
+
+def job_of(tenant: str, items: int = 3, job_id: str | None = None) -> Job:
+    job = Job.new(tenant, "chat", [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(items)])
+    return job if job_id is None else Job(job_id, job.tenant, job.route, job.items)
+
+
+async def test_an_enqueued_job_is_found_queued_by_its_tenant(make_queue: QueueFactory, prefix: str) -> None:
+    queue = make_queue(60)
+    job = job_of(f"{prefix}a")
+    await queue.enqueue(job)
+    assert seen(await queue.status(job.tenant, job.id)) == ("queued", 3, {})
+
+
+async def test_another_tenant_never_finds_the_job(make_queue: QueueFactory, prefix: str) -> None:
+    queue = make_queue(60)
+    job = job_of(f"{prefix}a")
+    await queue.enqueue(job)
+    await queue.start(job)
+    await queue.store_result(job, 0, {"answer": "a's"})
+    assert await queue.status(f"{prefix}b", job.id) is None
+    assert await queue.status(job.tenant, uuid.uuid4().hex) is None
+    assert await queue.status(job.tenant, "") is None
+
+
+async def test_two_tenants_with_the_same_job_id_see_only_their_own(make_queue: QueueFactory, prefix: str) -> None:
+    queue = make_queue(60)
+    a, b = job_of(f"{prefix}a", items=2, job_id="same"), job_of(f"{prefix}b", items=1, job_id="same")
+    await queue.enqueue(a)
+    await queue.enqueue(b)
+    await queue.start(a)
+    await queue.store_result(a, 0, {"answer": "a's"})
+    await queue.store_result(b, 0, {"answer": "b's"})
+    assert seen(await queue.status(a.tenant, "same")) == ("running", 2, {0: {"answer": "a's"}})
+    assert seen(await queue.status(b.tenant, "same")) == ("queued", 1, {0: {"answer": "b's"}})
+
+
+async def test_results_are_kept_per_item(make_queue: QueueFactory, prefix: str) -> None:
+    queue = make_queue(60)
+    job = job_of(f"{prefix}a")
+    results: dict[int, Any] = {2: {"choices": [{"text": "ünï", "n": 2}], "usage": None}, 0: {"error": {"code": 400}}}
+    await queue.enqueue(job)
+    await queue.start(job)
+    for index, result in results.items():
+        await queue.store_result(job, index, result)
+    assert seen(await queue.status(job.tenant, job.id)) == ("running", 3, results)
+
+
+async def test_the_first_result_stored_for_an_item_wins(make_queue: QueueFactory, prefix: str) -> None:
+    queue = make_queue(60)
+    job = job_of(f"{prefix}a")
+    await queue.enqueue(job)
+    await queue.store_result(job, 1, {"answer": "first"})
+    await queue.store_result(job, 1, {"answer": "second"})
+    status = await queue.status(job.tenant, job.id)
+    assert status is not None and status.results == {1: {"answer": "first"}}
+
+
+async def test_a_job_and_its_results_are_gone_after_the_result_ttl(make_queue: QueueFactory, prefix: str) -> None:
+    queue = make_queue(1)  # Redis expires keys in whole seconds: 1 is the shortest TTL it has
+    job = job_of(f"{prefix}a")
+    await queue.enqueue(job)
+    await queue.start(job)
+    await queue.store_result(job, 0, {"answer": "a's"})
+    assert await queue.status(job.tenant, job.id) is not None
+    await asyncio.sleep(1.1)
+    assert await queue.status(job.tenant, job.id) is None
+
+
+# --- Event logs ---------------------------------------------------------------------------------------------------
+
+LogFactory = Callable[[int], EventLog]
+
+
+@pytest.fixture(params=TWINS)
+async def make_log(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[LogFactory]:
+    """`make_log(capacity)`; the Redis twin writes a stream of this test's own."""
+    async with redis_for(request, prefix) as redis:
+        if redis is None:
+            yield MemoryEventLog
+        else:
+            yield lambda capacity: RedisEventLog(redis, capacity, key=f"{STREAM_KEY}:{prefix}")
+
+
+def event(number: int) -> IsolationEvent:
+    return IsolationEvent("leak", f"req-{number}", "tenant-a", "model", "replica-1", f"event {number}")
+
+
+async def test_recent_returns_the_newest_first_up_to_the_limit(make_log: LogFactory) -> None:
+    log = make_log(10)
+    events = [event(n) for n in range(5)]
+    for one in events:
+        await log.append(one)
+    assert await log.recent(3) == events[:1:-1]
+    assert await log.recent(5) == events[::-1]
+    assert await log.recent(100) == events[::-1]
+
+
+async def test_the_log_is_capped_at_its_capacity(make_log: LogFactory) -> None:
+    log = make_log(5)
+    # More than one Redis stream node (100 entries by default), or approximate trimming would have nothing to drop.
+    events = [event(n) for n in range(300)]
+    for one in events:
+        await log.append(one)
+    kept = await log.recent(1000)
+    assert 5 <= len(kept) < len(events)
+    assert kept == events[::-1][: len(kept)]
+    if isinstance(log, MemoryEventLog):
+        assert len(kept) == 5  # the memory ring is exact; Redis trims whole nodes only, keeping at least 5
+    assert await log.recent(5) == events[:-6:-1]
+
+
+async def test_every_field_survives_the_log(make_log: LogFactory) -> None:
+    log = make_log(10)
+    full = IsolationEvent(
+        kind="leak",
+        request_id="req-1",
+        tenant="tenant-b",
+        model="llama-3",
+        replica="replica-2",
+        detail="marker of another tenant in the answer: ünïcode, spaces, = and : kept",
+        victim_tenant="tenant-a",
+        epoch="20061",
+        action="quarantined",
+        confirmed="yes",
+        time=1_733_000_000.123456,
+    )
+    bare = IsolationEvent("probe", "req-2", "tenant-c", "m", "r", "")
+    await log.append(full)
+    await log.append(bare)
+    assert await log.recent(2) == [bare, full]
+
+
+def test_event_fields_round_trip() -> None:
+    original = IsolationEvent("probe", "r", "t", "m", "rep", "d", action="probing", confirmed="no", time=12.5)
+    fields = original.fields()
+    assert all(isinstance(value, str) for value in fields.values())
+    assert (fields["action"], fields["confirmed"], fields["time"]) == ("probing", "no", "12.5")
+    assert IsolationEvent.from_fields(fields) == original
+
+
+# --- Stores -------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=TWINS)
+async def store(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Store]:
+    async with redis_for(request, prefix) as redis:
+        yield MemoryStore() if redis is None else RedisStore(redis)
+
+
+def mine(states: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """What this test wrote: the Redis twin's hashes are shared by every replica any test names."""
+    return {name: value for name, value in states.items() if name.startswith(prefix)}
+
+
+async def test_admin_states_are_set_replaced_and_released(store: Store, prefix: str) -> None:
+    a, b = f"{prefix}a", f"{prefix}b"
+    assert mine(await store.admin_states(), prefix) == {}
+    await store.set_admin_state(a, "quarantined")
+    await store.set_admin_state(b, "draining")
+    assert mine(await store.admin_states(), prefix) == {a: "quarantined", b: "draining"}
+    await store.set_admin_state(b, "quarantined")
+    await store.set_admin_state(a, None)
+    await store.set_admin_state(f"{prefix}never-set", None)
+    assert mine(await store.admin_states(), prefix) == {b: "quarantined"}
+
+
+async def test_failures_are_counted_per_replica(store: Store, prefix: str) -> None:
+    a, b = f"{prefix}a", f"{prefix}b"
+    for replica in (a, b, a, a):
+        await store.report_failure(replica)
+    assert mine(await store.failures(), prefix) == {a: 3, b: 1}
+
+
+async def test_what_a_store_returns_is_a_copy(store: Store, prefix: str) -> None:
+    await store.set_admin_state(f"{prefix}a", "draining")
+    await store.report_failure(f"{prefix}a")
+    (await store.admin_states()).clear()
+    (await store.failures()).clear()
+    assert mine(await store.admin_states(), prefix) == {f"{prefix}a": "draining"}
+    assert mine(await store.failures(), prefix) == {f"{prefix}a": 1}
