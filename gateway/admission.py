@@ -70,6 +70,16 @@ def _refuse(
     )
 
 
+def known(model: ModelSettings, limit: PromptLimit | None) -> PromptLimit:
+    """The model's limit, or CapacityUnknown: nothing is forwarded blind."""
+    if limit is None:
+        raise CapacityUnknown(
+            f"The capacity of model '{model.name}' is not known yet (no context_window configured and no backend "
+            "has reported its max_model_len); the request was not forwarded."
+        )
+    return limit
+
+
 async def admit(
     sent: Prompt,
     own: Prompt,
@@ -85,11 +95,7 @@ async def admit(
     """Admit `sent` (the prompt with the gateway's markers; `own` is the tenant's, the same object when nothing was
     added) with `requested_output` tokens of output, or without one with up to `default_output`, cut to fit.
     A backend that counts prompts is asked at `replica` first, the one the request is routed to."""
-    if limit is None:
-        raise CapacityUnknown(
-            f"The capacity of model '{model.name}' is not known yet (no context_window configured and no backend "
-            "has reported its max_model_len); the request was not forwarded."
-        )
+    limit = known(model, limit)
     explicit = requested_output is not None
     output = requested_output if requested_output is not None else default_output
     # An output size the tenant did not ask for is only a default: it is cut to the room the prompt leaves.

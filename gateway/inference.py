@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import accesslog
 from gateway.accesslog import RequestRecord
-from gateway.admission import Admission, admit
+from gateway.admission import Admission, admit, known
 from gateway.body import parse_json_object, read_body
 from gateway.counting import LocalCounter, Prompt
 from gateway.errors import (
@@ -406,7 +406,8 @@ async def _admit(
         own = Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
         marker = plant_marker(state, tenant, payload, chat)
         sent = own if marker is None else Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
-        # Routed first: a backend that counts the prompt should be the one that will serve it.
+        limit = known(model, state.capacity.limit(model, tenant))
+        # Routed before counting: a backend that counts the prompt should be the one that will serve it.
         decision = state.router.choose(model, tenant.id, submission.session)
         slot.assign(decision.replica)
         admission = await admit(
@@ -416,7 +417,7 @@ async def _admit(
             default_output,
             model,
             tenant,
-            state.capacity.limit(model, tenant),
+            limit,
             state.counters[model.name],
             state.metrics,
             decision.replica,

@@ -785,8 +785,10 @@ async def _chunk_cost(live_prompts: int) -> dict[str, Any]:
     started = time.perf_counter()
     swept = index.sweep(now + 30)  # the sweep every 30 s: the prompts that arrived in the oldest 30 s expire
     sweep_s = time.perf_counter() - started
-    while len(index) <= index._max:  # fill it to max_entries, then one prompt more makes it evict
-        index.add(Prompt("tenant-0", REPLICA, now + 30, rng.integers(1, 2**63, 1000, dtype=np.uint64)))
+    limit = gateway.settings.isolation.fingerprints.max_entries
+    while len(index) < limit:  # fill it to max_entries, then one prompt more makes it evict
+        size = min(1000, limit - len(index))
+        index.add(Prompt("tenant-0", REPLICA, now + 30, rng.integers(1, 2**63, size, dtype=np.uint64)))
     full = len(index)
     started = time.perf_counter()
     index.add(Prompt("tenant-0", REPLICA, now + 30, rng.integers(1, 2**63, 50, dtype=np.uint64)))

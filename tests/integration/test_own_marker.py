@@ -68,9 +68,11 @@ async def test_the_tokens_per_minute_charge_leaves_the_markers_out(
     used = first.json()["usage"]["total_tokens"]
     second = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth())
     # What is left after the first was settled: the limit, less what alice used by her own usage, less the second's
-    # reservation (its prompt and one output token).
+    # reservation (its prompt and one output token) — plus what refilled meanwhile (167 tokens a second), far less
+    # than the ~50 tokens the markers would have cost.
     second_reserved = second.json()["usage"]["prompt_tokens"] + 1
-    assert int(second.headers["x-ratelimit-remaining-tokens"]) == 10_000 - used - second_reserved
+    expected = 10_000 - used - second_reserved
+    assert expected <= int(second.headers["x-ratelimit-remaining-tokens"]) <= expected + 20
 
 
 @pytest.mark.parametrize("stream", [False, True])
