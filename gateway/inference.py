@@ -27,9 +27,9 @@ from gateway.errors import (
     ModelNotAllowed,
     ModelNotFound,
     UpstreamError,
-    error_response,
 )
 from gateway.incidents import report
+from gateway.outcome import DONE, Answer, Event, Outcome, Stream
 from gateway.proxy import map_transport_error, parse_json_body
 from gateway.quarantine import on_leak
 from gateway.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, filtered
@@ -37,7 +37,7 @@ from gateway.routing import SESSION_HEADER, Decision, session_id
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, InferenceRequest, validate
 from gateway.settings import ModelSettings, TenantSettings
 from gateway.slot import Slot
-from gateway.sse import DONE
+from gateway.sse import DONE as SSE_DONE
 from gateway.state import GatewayState
 from isolation.channels import prune
 from isolation.events import IsolationEvent
@@ -48,6 +48,7 @@ from isolation.leaks import LeakPolicy
 from isolation.verify import usage_problem
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
+DATA = b"data: "
 LEAK_DETAILS = {
     MARKER: "another tenant's canary marker in the answer",
     FRAGMENT: "a fragment of another tenant's recent prompt to this replica in the answer",
@@ -129,15 +130,10 @@ def plant_marker(state: GatewayState, tenant: TenantSettings, payload: dict[str,
 class RelayResponse(StreamingResponse):
     """A stream that stops its upstream the moment the client goes away, not at the next chunk's send."""
 
-    def __init__(self, call: InferenceCall, events: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
-        super().__init__(events, media_type=SSE_MEDIA_TYPE, headers=headers)
-        self._call = call
-        self._events = events
-
-    def transform(self, wrap: Callable[[AsyncGenerator[bytes, None]], AsyncGenerator[bytes, None]]) -> None:
-        """Reshape the relayed events (another API surface) without leaving the stream's lifecycle."""
-        self._events = wrap(self._events)
-        self.body_iterator = self._events
+    def __init__(self, stream: Stream, render: Callable[[Event], bytes]) -> None:
+        self._stream = stream
+        self._rendered = _rendered(stream, render)
+        super().__init__(self._rendered, media_type=SSE_MEDIA_TYPE, headers=stream.headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def stream_then_stop(scope: anyio.CancelScope) -> None:
@@ -151,10 +147,35 @@ class RelayResponse(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
-            # A generator that never started would skip its own cleanup; the call's close runs regardless.
+            # A generator that never started would skip its own cleanup; the stream's close runs regardless.
             with anyio.CancelScope(shield=True):
-                await self._events.aclose()
-                await self._call.close()
+                await self._rendered.aclose()
+                await self._stream.events.aclose()
+                await self._stream.close()
+
+
+async def _rendered(stream: Stream, render: Callable[[Event], bytes]) -> AsyncGenerator[bytes, None]:
+    async for event in stream.events:
+        out = render(event)
+        if out:
+            yield out
+
+
+def openai_event(event: Event) -> bytes:
+    """One event of a stream as OpenAI's server-sent events: a chunk, the error that ends it, or [DONE]."""
+    if isinstance(event, GatewayError):
+        return DATA + orjson.dumps(event.body()) + b"\n\n" + SSE_DONE
+    if event is DONE:
+        return SSE_DONE
+    return DATA + orjson.dumps(event) + b"\n\n"
+
+
+def openai_response(outcome: Outcome) -> Response:
+    """The OpenAI routes' edge: an answer as JSON (the backend's own bytes when unchanged), a stream as SSE."""
+    if isinstance(outcome, Stream):
+        return RelayResponse(outcome, openai_event)
+    content = outcome.raw if outcome.raw is not None else orjson.dumps(outcome.body)
+    return Response(content, status_code=outcome.status, media_type="application/json", headers=outcome.headers)
 
 
 class InferenceCall:
@@ -203,9 +224,9 @@ class InferenceCall:
         accesslog.finish(self.record, self.state.metrics)
         self.slot.release((self.record.prompt_tokens or 0) + (self.record.completion_tokens or 0))
 
-    def fail(self, error: GatewayError) -> Response:
+    def fail(self, error: GatewayError) -> Answer:
         self.record.status, self.record.error_code = error.status, error.code
-        return error_response(error, headers={"x-request-id": self.record.request_id, **self.limit_headers})
+        return Answer.refusal(error, {"x-request-id": self.record.request_id, **self.limit_headers})
 
     async def forward(self, path: str, body: bytes) -> None:
         try:
@@ -303,7 +324,7 @@ class InferenceCall:
             fragments,
         )
 
-    async def complete(self) -> Response:
+    async def complete(self) -> Answer:
         assert self.response is not None
         raw = await self.state.upstream.read(self.replica, self.response)
         body = parse_json_body(self.replica, raw)
@@ -325,44 +346,46 @@ class InferenceCall:
                 changed |= await guard.check_body(body)
         except (StreamWithheld, LeakBlocked) as exc:
             raise withheld() from exc
-        if changed:
-            raw = orjson.dumps(body)
         self.finished = True
         headers = {"x-request-id": self.record.request_id, **self.limit_headers}
-        return Response(raw, media_type="application/json", headers=headers)
+        return Answer(200, body, headers, None if changed else raw)
 
-    async def relay(self) -> AsyncGenerator[bytes, None]:
+    async def relay(self) -> AsyncGenerator[Event, None]:
         assert self.response is not None
         record = self.record
         wanted = UsageWanted(final=self.request.include_usage, every_chunk=self.request.continuous_usage)
         check = self.check_usage if self.model.verify_usage else None
         stream_filter = StreamFilter(wanted, check, self.view_usage, self.model.continuous_usage, self.output_guard())
+        last: Event | None = None
         try:
-            async for piece in filtered(self.response.aiter_raw(), stream_filter):
+            async for event in filtered(self.response.aiter_raw(), stream_filter):
                 record.mark_first_byte()
-                yield piece
-        except httpx.HTTPError as exc:
-            error: GatewayError = self.state.upstream.fail(self.replica, map_transport_error(self.replica, exc))
-            yield self._error_event(error)
-        except StreamWithheld:
-            yield self._error_event(withheld())
-        except StreamFailed:
-            error = BackendBadResponse(f"Backend '{self.replica.name}' reported an error in the middle of the answer.")
-            yield self._error_event(error)
-        except GatewayError as error:
-            yield self._error_event(error)
-        else:
+                yield event
             self.finished = True
+            last = DONE if stream_filter.done else None
+        except httpx.HTTPError as exc:
+            last = self._ended(self.state.upstream.fail(self.replica, map_transport_error(self.replica, exc)))
+        except StreamWithheld:
+            last = self._ended(withheld())
+        except StreamFailed:
+            last = self._ended(
+                BackendBadResponse(f"Backend '{self.replica.name}' reported an error in the middle of the answer.")
+            )
+        except GatewayError as error:
+            last = self._ended(error)
         finally:
             if stream_filter.usage is not None:
                 record.take_usage(stream_filter.usage)
-            # Before the stream's last frame goes out, so the log and metrics are complete when the client is.
+            # Before the stream's last event goes out, so the log and metrics are complete when the client is.
             await self.close()
+        if last is not None:
+            yield last
 
-    def _error_event(self, error: GatewayError) -> bytes:
+    def _ended(self, error: GatewayError) -> GatewayError:
+        """The stream ends with this error (in an event of its own, then [DONE])."""
         self.finished = True
         self.record.status, self.record.error_code = error.status, error.code
-        return b"data: " + orjson.dumps(error.body()) + b"\n\n" + DONE
+        return error
 
 
 def withheld() -> AnswerWithheld:
@@ -442,14 +465,14 @@ async def _admit(
     return call, upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.id))
 
 
-def _refuse(state: GatewayState, record: RequestRecord, error: GatewayError) -> Response:
+def _refuse(state: GatewayState, record: RequestRecord, error: GatewayError) -> Answer:
     record.status, record.error_code = error.status, error.code
     accesslog.finish(record, state.metrics)
-    return error_response(error, headers={"x-request-id": record.request_id})
+    return Answer.refusal(error, {"x-request-id": record.request_id})
 
 
-async def run(state: GatewayState, route: Route, submission: Submission, record: RequestRecord) -> Response:
-    """The whole pipeline for one request, whatever surface it came in by."""
+async def run(state: GatewayState, route: Route, submission: Submission, record: RequestRecord) -> Outcome:
+    """The whole pipeline for one request, whatever surface it came in by; the surface renders the outcome."""
     try:
         call, body = await _admit(state, route, submission, record)
     except GatewayError as error:
@@ -460,7 +483,7 @@ async def run(state: GatewayState, route: Route, submission: Submission, record:
         if call.request.stream:
             streaming = True
             headers = {"x-request-id": record.request_id, "cache-control": "no-cache", **call.limit_headers}
-            return RelayResponse(call, call.relay(), headers)
+            return Stream(call.relay(), headers, call.close)
         return await call.complete()
     except GatewayError as error:
         return call.fail(error)
@@ -474,9 +497,10 @@ def new_record(request: Request, route: Route) -> RequestRecord:
 
 
 async def serve(request: Request, state: GatewayState, route: Route) -> Response:
+    """The OpenAI routes."""
     record = new_record(request, route)
     try:
         submission = await read_submission(request, state, record)
     except GatewayError as error:
-        return _refuse(state, record, error)
-    return await run(state, route, submission, record)
+        return openai_response(_refuse(state, record, error))
+    return openai_response(await run(state, route, submission, record))

@@ -1,4 +1,4 @@
-"""A backend's SSE stream turned into what the tenant may see.
+"""A backend's SSE stream turned into the chunks the tenant may see (each edge renders them: outcome.py).
 
 Every event is parsed (the checks need its fields) and pruned to the answer's inventory (isolation/channels.py);
 anything that is not a `data:` event of a JSON object does not go out. Its texts go through the canary guard (own
@@ -57,56 +57,54 @@ class StreamFilter:
         self._check = check
         self._view = view
         self._checked = check is None
-        self._held: list[bytes] | None = [] if hold_until_checked and check is not None else None
+        self._held: list[dict[str, Any]] | None = [] if hold_until_checked and check is not None else None
         self._guard = guard
         self._splitter = EventSplitter()
-        self._done = False
+        self.done = False  # the backend ended its stream with [DONE]
         self._last: dict[str, Any] = {}  # the last chunk with choices: its id, model... frame a closing chunk
         self.usage: dict[str, Any] | None = None  # the last usage, as the tenant sees it
 
-    async def feed(self, chunk: bytes) -> bytes:
-        """What of these bytes may go to the tenant now (b"" while held back)."""
+    async def feed(self, chunk: bytes) -> list[dict[str, Any]]:
+        """The chunks of these bytes that may go to the tenant now (none while held back)."""
         out = []
         for event in self._splitter.feed(chunk):
             passed = await self._event(event)
-            if passed:
+            if passed is not None:
                 out.append(passed)
         if self._held is not None:
             if not self._checked:
                 self._held.extend(out)
-                return b""
+                return []
             out = self._held + out
             self._held = None
-        return b"".join(out)
+        return out
 
-    async def close(self) -> bytes:
+    async def close(self) -> list[dict[str, Any]]:
         """The end of the stream: a stream that never reported usage cannot be verified."""
         rest = self._splitter.rest()
-        # An event the backend did not end with a blank line is still an event, scanned like the others.
+        # An event the backend did not end with a blank line is still an event, checked like the others.
         last = await self._event(rest.rstrip() + b"\n\n") if rest.strip() else None
         if not self._checked:
             raise StreamWithheld("the stream ended without reporting usage, so it cannot be verified")
-        # [DONE] was kept back so that a failed check can still end the stream with an error instead.
-        held = b"".join(self._held) if self._held else b""
-        return held + (last or b"") + self._tail() + (DONE if self._done else b"")
+        tail = self._tail()
+        return [*(self._held or ()), *(() if last is None else (last,)), *(() if tail is None else (tail,))]
 
-    def _tail(self) -> bytes:
+    def _tail(self) -> dict[str, Any] | None:
         """What the guard still held when the stream ended without a finish_reason, as one last chunk."""
         choices = self._guard.closing() if self._guard is not None else []
         if not choices:
-            return b""
-        envelope = {k: self._last[k] for k in ENVELOPE if k in self._last}
-        return DATA + orjson.dumps({**envelope, "choices": choices}) + b"\n\n"
+            return None
+        return {**{k: self._last[k] for k in ENVELOPE if k in self._last}, "choices": choices}
 
-    async def _event(self, event: bytes) -> bytes | None:
+    async def _event(self, event: bytes) -> dict[str, Any] | None:
         try:
             return await self._checked_event(event)
         except LeakBlocked as exc:
-            raise StreamWithheld("another tenant's canary marker") from exc
+            raise StreamWithheld("another tenant's data in the answer") from exc
 
-    async def _checked_event(self, event: bytes) -> bytes | None:
+    async def _checked_event(self, event: bytes) -> dict[str, Any] | None:
         if event == DONE:
-            self._done = True
+            self.done = True
             return None
         if not event.startswith(DATA):
             # Comments, named events, retry hints: nothing vLLM sends, so nothing goes out; but a leak there is one.
@@ -124,11 +122,10 @@ class StreamFilter:
                 await self._guard.check_removed([("error", chunk)])
             raise StreamFailed
         removed = prune(chunk)
-        changed = bool(removed)
         if self._guard is not None:
             if removed:
                 await self._guard.check_removed(removed)
-            changed |= await self._guard.check_chunk(chunk)
+            await self._guard.check_chunk(chunk)
             if chunk.get("choices"):
                 self._last = chunk
         usage = chunk.get("usage")
@@ -138,13 +135,11 @@ class StreamFilter:
                 self._checked = True
             await self._view(usage)
             self.usage = usage
-            changed = True
             if chunk.get("choices") == []:
-                wanted = self._wanted.final or self._wanted.every_chunk
-                return DATA + orjson.dumps(chunk) + b"\n\n" if wanted else None
+                return chunk if self._wanted.final or self._wanted.every_chunk else None
             if not self._wanted.every_chunk:
                 del chunk["usage"]
-        return DATA + orjson.dumps(chunk) + b"\n\n" if changed else event
+        return chunk
 
 
 def _sse_fields(event: bytes) -> list[tuple[str, str]]:
@@ -156,11 +151,9 @@ def _sse_fields(event: bytes) -> list[tuple[str, str]]:
     return fields
 
 
-async def filtered(source: AsyncIterator[bytes], stream_filter: StreamFilter) -> AsyncIterator[bytes]:
+async def filtered(source: AsyncIterator[bytes], stream_filter: StreamFilter) -> AsyncIterator[dict[str, Any]]:
     async for chunk in source:
-        passed = await stream_filter.feed(chunk)
-        if passed:
-            yield passed
-    rest = await stream_filter.close()
-    if rest:
-        yield rest
+        for event in await stream_filter.feed(chunk):
+            yield event
+    for event in await stream_filter.close():
+        yield event

@@ -14,12 +14,12 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, TypeVar
 
-import orjson
 from redis.exceptions import RedisError
 
 from gateway import inference
 from gateway.accesslog import RequestRecord
 from gateway.errors import AuthenticationFailed, GatewayError
+from gateway.outcome import Answer
 from gateway.queue import Claimed, Job, JobQueue
 from gateway.state import GatewayState
 
@@ -52,8 +52,9 @@ async def run_item(state: GatewayState, job: Job, index: int) -> dict[str, Any]:
         return error_result(AuthenticationFailed("The tenant no longer exists."))
     route = ROUTES[job.route]
     record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
-    response = await inference.run(state, route, inference.Submission(tenant, dict(job.items[index])), record)
-    return {"status": response.status_code, "body": orjson.loads(bytes(response.body))}
+    outcome = await inference.run(state, route, inference.Submission(tenant, dict(job.items[index])), record)
+    assert isinstance(outcome, Answer), "queued items are never streamed (workers_api sets stream: false)"
+    return {"status": outcome.status, "body": outcome.body}
 
 
 async def process(state: GatewayState, queue: JobQueue, claimed: Claimed) -> None:

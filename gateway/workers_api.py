@@ -8,8 +8,6 @@ put in the Workers envelope `{"result", "success", "errors", "messages"}`. The a
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from typing import Any
 
 import orjson
@@ -28,6 +26,7 @@ from gateway.errors import (
     error_response,
 )
 from gateway.inference import CHAT, COMPLETIONS, RelayResponse, Submission
+from gateway.outcome import Answer, Event, Stream
 from gateway.queue import Job, JobQueue
 from gateway.schemas import validate
 from gateway.state import GatewayState
@@ -56,44 +55,28 @@ def to_openai(model: str, body: dict[str, Any]) -> tuple[inference.Route, dict[s
     raise InvalidRequest("The body needs `messages` (chat) or `prompt` (completion).", param="messages")
 
 
-def result_of(route: inference.Route, status: int, body: dict[str, Any]) -> Response:
-    if status != 200:
+def workers_answer(route: inference.Route, answer: Answer) -> Response:
+    """An answer in the Workers envelope: the text and the usage, or the error."""
+    body = answer.body
+    if answer.status != 200:
         error = body.get("error", {})
-        return envelope(None, status, [{"code": status, "message": error.get("message"), "type": error.get("code")}])
+        errors = [{"code": answer.status, "message": error.get("message"), "type": error.get("code")}]
+        return envelope(None, answer.status, errors)
     choice = (body.get("choices") or [{}])[0]
     text = choice.get("message", {}).get("content") if route is CHAT else choice.get("text")
     return envelope({"response": text or "", "usage": body.get("usage")}, 200)
 
 
-async def _workers_stream(events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
-    """OpenAI chunks as Workers' `data: {"response": "..."}` lines; errors and [DONE] pass as they are."""
-    async with aclosing(events):
-        async for piece in events:
-            out = _workers_events(piece)
-            if out:
-                yield out
-
-
-def _workers_events(piece: bytes) -> bytes:
-    out = []
-    for event in piece.split(b"\n\n"):
-        if not event:
-            continue
-        if not event.startswith(DATA) or event == b"data: [DONE]":
-            out.append(event + b"\n\n")
-            continue
-        chunk = orjson.loads(event[len(DATA) :])
-        if "error" in chunk:
-            out.append(event + b"\n\n")
-            continue
-        choice = (chunk.get("choices") or [{}])[0]
-        text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
-        line: dict[str, Any] = {"response": text or ""}
-        if chunk.get("usage"):
-            line["usage"] = chunk["usage"]
-        if text or "usage" in line:
-            out.append(DATA + orjson.dumps(line) + b"\n\n")
-    return b"".join(out)
+def workers_event(event: Event) -> bytes:
+    """One event of a stream as Workers' `data: {"response": "..."}` lines; the error and [DONE] as OpenAI's."""
+    if not isinstance(event, dict):
+        return inference.openai_event(event)
+    choice = (event.get("choices") or [{}])[0]
+    text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+    line: dict[str, Any] = {"response": text or ""}
+    if event.get("usage"):
+        line["usage"] = event["usage"]
+    return DATA + orjson.dumps(line) + b"\n\n" if text or "usage" in line else b""
 
 
 def _state(request: Request) -> GatewayState:
@@ -116,11 +99,10 @@ async def run_model(request: Request) -> Response:
     except GatewayError as error:
         return failure(error)
     record.route = route.name
-    response = await inference.run(state, route, Submission(submission.tenant, payload, submission.session), record)
-    if isinstance(response, RelayResponse):
-        response.transform(_workers_stream)
-        return response
-    return result_of(route, response.status_code, orjson.loads(bytes(response.body)))
+    outcome = await inference.run(state, route, Submission(submission.tenant, payload, submission.session), record)
+    if isinstance(outcome, Stream):
+        return RelayResponse(outcome, workers_event)
+    return workers_answer(route, outcome)
 
 
 async def _enqueue(state: GatewayState, model: str, submission: Submission) -> Response:
