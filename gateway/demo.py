@@ -110,7 +110,7 @@ UNGUARDED = Layer("no defences", {"limit_by_kv_capacity": False, "verify_usage":
 def _replay(client: httpx.Client, gateway: str) -> tuple[httpx.Response, list[dict[str, str]]]:
     confidential = _ask(client, gateway, "alice", f"{SECRET} " * 4, 4)
     confidential.raise_for_status()
-    response = _ask(client, gateway, "bob", "Summarise this contract clause by clause. " * 45, 64)
+    response = _ask(client, gateway, "bob", "Summarise this contract clause by clause. " * 45, 192)
     events = client.get(f"{gateway}/admin/isolation-events", headers={"authorization": f"Bearer {ADMIN}"})
     return response, events.json()["events"]
 
@@ -123,7 +123,7 @@ def run_demo(tokenizer: Path) -> int:
     # The gateways' own alert lines would drown the story; the demo prints what they caught instead.
     logging.getLogger().setLevel(logging.CRITICAL)
     engine_config = SimConfig(
-        tokenizer_dir=tokenizer, model=MODEL, num_gpu_blocks=16, output_tokens=64, fault="stale-kv"
+        tokenizer_dir=tokenizer, model=MODEL, num_gpu_blocks=16, output_tokens=192, fault="stale-kv"
     )
     _line("Bulkhead demo: the 2026 stale-KV incident, replayed on loopback")
     _line("  engine : simulator in stale-kv mode, 2,048-token window, KV cache of 256 tokens (16 blocks x 16)")

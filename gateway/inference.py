@@ -312,7 +312,9 @@ class InferenceCall:
         stops = frozenset([stop] if isinstance(stop, str) else stop or ())
         fragments = None
         if fingerprints is not None:
-            fragments = AnswerCheck(fingerprints.index, fingerprints.hasher, self.replica.name, self.tenant.id)
+            fragments = AnswerCheck(
+                fingerprints.index, fingerprints.hasher, self.replica.name, self.tenant.id, self.prompt.contents
+            )
         return OutputGuard(
             self.state.markers,
             self.tenant.id,

@@ -19,7 +19,7 @@ import logging
 import time
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from isolation.redis_text import text
-from isolation.winnowing import Fingerprints, Hasher
+from isolation.winnowing import AnswerGrams, Fingerprints, Hasher, winnow
 
 log = logging.getLogger("bulkhead.isolation")
 
@@ -50,6 +50,9 @@ class Prompt:
     replica: str
     at: float  # wall-clock time it was forwarded
     fingerprints: Fingerprints
+    # Other tenants' fingerprints this prompt holds too (among all its grams, kept or not): text they share,
+    # whatever winnowing kept on either side.
+    shared: Fingerprints = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
 
 
 class FingerprintIndex:
@@ -82,9 +85,19 @@ class FingerprintIndex:
             entries[fingerprint] = (
                 (max(expires, old >> 64) << 64) | ((owner if owner == tenant else SHARED) << 32) | (old & _LOW) | bit
             )
+        for fingerprint in prompt.shared.tolist():
+            old = entries.get(fingerprint)
+            if old is not None:
+                entries[fingerprint] = (old & ~(_LOW << 32)) | (SHARED << 32)
         self._batches.append((prompt.at + self.ttl_s, prompt.fingerprints))
         if len(entries) > self._max:
             self._evict()
+
+    def others(self, grams: Fingerprints, tenant: str) -> Fingerprints:
+        """Those of these grams that are fingerprints of another tenant's prompt."""
+        entries, mine = self._entries, self._tenant_ids.get(tenant)
+        found = [g for g in grams.tolist() if (entry := entries.get(g)) is not None and (entry >> 32) & _LOW != mine]
+        return np.array(found, dtype=np.uint64)
 
     def victim(self, fingerprint: int, replica_bit: int, recipient: str, now: float) -> str | None:
         """The tenant whose prompt this fingerprint is, when it counts against `recipient` on that replica."""
@@ -134,6 +147,7 @@ class RedisFingerprintFeed:
             "r": prompt.replica,
             "a": repr(prompt.at),
             "f": prompt.fingerprints.astype("<u8").tobytes(),
+            "s": prompt.shared.astype("<u8").tobytes(),
         }
         await self._redis.xadd(self._key, fields, minid=oldest, approximate=True)  # type: ignore[arg-type]
 
@@ -179,6 +193,7 @@ class RedisFingerprintFeed:
                 text(fields[b"r"]),
                 float(fields[b"a"]),
                 np.frombuffer(fields[b"f"], dtype="<u8").astype(np.uint64),
+                np.frombuffer(fields.get(b"s", b""), dtype="<u8").astype(np.uint64),
             )
         except (KeyError, ValueError) as exc:
             log.warning("a fingerprint entry could not be read: %s", type(exc).__name__)
@@ -205,7 +220,7 @@ class Fingerprinter:
         self.feed = feed
         self._executor = executor
         self._inline_chars = inline_chars
-        self._cache: OrderedDict[bytes, Fingerprints] = OrderedDict()
+        self._cache: OrderedDict[bytes, tuple[Fingerprints, Fingerprints]] = OrderedDict()
 
     async def register(self, tenant: str, replica: str, texts: Sequence[str]) -> None:
         """Fingerprint a prompt's texts (off the event loop when large) and make them known to every instance."""
@@ -222,49 +237,77 @@ class Fingerprinter:
                 log.warning("prompt fingerprints not shared with other instances: %s", type(exc).__name__)
 
     def _add(self, tenant: str, replica: str, at: float, texts: Sequence[str]) -> Prompt:
-        parts = [self._fingerprints(text) for text in texts]
-        fingerprints = np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.uint64)
-        prompt = Prompt(tenant, replica, at, fingerprints)
+        kept, every = zip(*map(self._fingerprints, texts), strict=True) if texts else ((), ())
+        empty = np.empty(0, dtype=np.uint64)
+        fingerprints = np.unique(np.concatenate(kept)) if kept else empty
+        shared = self.index.others(np.unique(np.concatenate(every)), tenant) if every else empty
+        prompt = Prompt(tenant, replica, at, fingerprints, shared)
         self.index.add(prompt)
         return prompt
 
-    def _fingerprints(self, text: str) -> Fingerprints:
+    def _fingerprints(self, text: str) -> tuple[Fingerprints, Fingerprints]:
+        """(the kept fingerprints, every gram) of one text."""
         if len(text) < CACHE_FROM_CHARS:
-            return self.hasher.fingerprints(text)
+            return self._both(text)
         digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
         found = self._cache.get(digest)
         if found is None:
-            found = self._cache[digest] = self.hasher.fingerprints(text)
+            found = self._cache[digest] = self._both(text)
             if len(self._cache) > CACHED_TEXTS:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(digest)
         return found
 
+    def _both(self, text: str) -> tuple[Fingerprints, Fingerprints]:
+        grams = self.hasher.grams(text)
+        return winnow(grams, self.hasher.shape.w), grams
+
 
 @dataclass
 class AnswerCheck:
-    """What one answer is checked against: the index, the replica that answered it, and who receives it."""
+    """What one answer is checked against: the index, the replica that answered it, and who receives it.
+
+    A fragment counts once two of one victim's fingerprints are found at different places of one text of the
+    answer, close enough to belong to one fragment of the minimum length (which always holds two: winnowing.py).
+    A fingerprint that the recipient's own prompt also holds never counts, whoever else sent it: the model may
+    quote the recipient's own text, and winnowing may have kept that gram on the other tenant's side only.
+    """
 
     index: FingerprintIndex
     hasher: Hasher
     replica: str
     recipient: str
+    own_texts: Callable[[], Iterable[str]] = tuple  # the recipient's prompt, read only if a gram matches
     clock: Callable[[], float] = time.time
     _bit: int = field(init=False)
+    _own: set[int] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._bit = replica_bit(self.replica)
 
-    def victim(self, grams: list[int], unfinished: int | None) -> str | None:
-        """Whose prompt one of these grams comes from, when that is a leak to this recipient."""
+    def feed(self, grams: AnswerGrams, piece: str) -> str | None:
+        """Read one more piece of a text; the victim, once it carries a fragment of another tenant's prompt."""
+        complete, unfinished = grams.feed(piece)
+        span = self.hasher.shape.min_fragment - self.hasher.shape.k
+        candidates = [(pair, True) for pair in complete]
         if unfinished is not None:
-            grams = [*grams, unfinished]
-        if not grams:
-            return None
-        now = self.clock()
-        for gram in grams:
+            candidates.append((unfinished, False))
+        now = None
+        for (position, gram), final in candidates:
+            now = now or self.clock()
             victim = self.index.victim(gram, self._bit, self.recipient, now)
-            if victim is not None:
+            if victim is None or gram in self._own_grams():
+                continue
+            last = grams.hits.get(victim)
+            if last is not None and 0 < position - last <= span:
                 return victim
+            if final:  # a word still being written may become another: it can complete a pair, not start one
+                grams.hits[victim] = position
         return None
+
+    def _own_grams(self) -> set[int]:
+        if self._own is None:
+            self._own = {int(g) for text in self.own_texts() for g in self.hasher.grams(text).tolist()}
+        return self._own
+

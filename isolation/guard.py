@@ -215,10 +215,12 @@ class OutputGuard:
                 continue
             first = self._envelope.get(name)
             if first is None:
-                await self.check_removed([(f"envelope.{name}", value)])  # seeds the stream a change would continue
                 self._envelope[name] = first = await self.check_text(value)
             elif value != first:
-                await self.check_removed([(f"envelope.{name}", value)])
+                where = f"envelope.{name}"
+                if where not in self._sinks:  # the value it changes from starts the stream a marker could span
+                    await self.check_removed([(where, first)])
+                await self.check_removed([(where, value)])
             if value != first:
                 answer[name] = first
                 changed = True
@@ -234,9 +236,10 @@ class OutputGuard:
                 index = call.get("index", position)
                 first = state.tool_ids.get(index)
                 if first is None:
-                    await self.check_removed([("tool.id", value)])
                     state.tool_ids[index] = first = await self.check_text(value)
                 elif value != first:
+                    if "tool.id" not in self._sinks:
+                        await self.check_removed([("tool.id", first)])
                     await self.check_removed([("tool.id", value)])
                 if value != first:
                     call["id"] = first
@@ -338,7 +341,7 @@ class OutputGuard:
         grams = state.grams.get(key)
         if grams is None:
             grams = state.grams[key] = self._new_grams()
-        victim = self._fragments.victim(*grams.feed(piece))
+        victim = self._fragments.feed(grams, piece)
         if victim is None:
             return False
         return await self._leak(Leak(victim, FRAGMENT)) is not None

@@ -8,9 +8,12 @@ against a guessed text without the key.
 
 Winnowing (Schleimer, Wilkerson, Aiken 2003) keeps, of every window of w consecutive k-gram hashes, the smallest
 (the rightmost on ties): any fragment of at least w + k - 1 words that two texts share contains a whole window,
-so at least one k-gram of it is among the kept fingerprints. An answer is checked k-gram by k-gram (all of them),
-so a fragment of that length is found wherever it stands in the prompt. About 2 / (w + 1) of a text's k-grams are
-kept. Large texts are hashed with numpy, array at a time.
+so at least one k-gram of it is among the kept fingerprints. The gateway asks for two: the windows are half as
+long as the fragment allows, so any fragment of the minimum length holds two disjoint windows and at least two
+kept k-grams, at different positions — and one chance 12-word match (a line of boilerplate) is not evidence. An
+answer is checked k-gram by k-gram (all of them), so a fragment of that length is found wherever it stands in the
+prompt. About 2 / (w + 1) of a text's k-grams are kept. Large texts are hashed with numpy, array at a time, and
+read in pieces so that no single C call holds the GIL (and so the event loop) for long.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def words(text: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Shape:
-    """k words per gram, w grams per window: fragments of k + w - 1 words or more are always found."""
+    """k words per gram, w grams per window: a fragment of k + 2w - 1 words or more holds two kept grams."""
 
     k: int
     w: int
@@ -50,13 +53,13 @@ class Shape:
     @classmethod
     def for_fragments(cls, min_fragment: int) -> Shape:
         # Longer grams make chance matches rarer, shorter ones keep more fingerprints per window; 3/8 of the
-        # fragment balances the two (12 and 21 for 32 words).
+        # fragment balances the two (12 words a gram, windows of 10 for 32 words).
         k = max(2, (min_fragment * 3) // 8)
-        return cls(k, min_fragment - k + 1)
+        return cls(k, max(1, (min_fragment - k + 1) // 2))
 
     @property
     def min_fragment(self) -> int:
-        return self.k + self.w - 1
+        return self.k + 2 * self.w - 1
 
 
 class Hasher:
@@ -78,21 +81,52 @@ class Hasher:
             found = self._cache[word] = int.from_bytes(digest, "little")
         return found
 
+    def grams(self, text: str) -> Fingerprints:
+        """Every k-gram hash of one text, in order."""
+        hashes = np.fromiter(map(self.word, _pieced_words(text)), dtype=np.uint64)
+        if len(hashes) < self.shape.k:
+            return np.empty(0, dtype=np.uint64)
+        windows = np.lib.stride_tricks.sliding_window_view(hashes, self.shape.k)
+        with np.errstate(over="ignore"):
+            grams: Fingerprints = (windows * self._powers).sum(axis=1, dtype=np.uint64)
+        return grams
+
     def fingerprints(self, text: str) -> Fingerprints:
         """The winnowed fingerprints of one text (a message, a prompt), without repeats."""
-        k, w = self.shape.k, self.shape.w
-        hashes = np.fromiter(map(self.word, words(text)), dtype=np.uint64)
-        if len(hashes) < k:
-            return np.empty(0, dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            grams = (np.lib.stride_tricks.sliding_window_view(hashes, k) * self._powers).sum(axis=1, dtype=np.uint64)
-        if len(grams) <= w:  # shorter than one window: its smallest gram, as a window cut short would keep
-            kept: Fingerprints = grams[[len(grams) - 1 - int(np.argmin(grams[::-1]))]]
-            return kept
-        windows = np.lib.stride_tricks.sliding_window_view(grams, w)
-        rightmost = w - 1 - np.argmin(windows[:, ::-1], axis=1)
-        return np.unique(grams[np.arange(len(windows)) + rightmost])
+        return winnow(self.grams(text), self.shape.w)
 
+
+
+def winnow(grams: Fingerprints, w: int) -> Fingerprints:
+    """The smallest of every window of w grams (the rightmost on ties), without repeats."""
+    if len(grams) == 0:
+        return grams
+    if len(grams) <= w:  # shorter than one window: its smallest gram, as a window cut short would keep
+        kept: Fingerprints = grams[[len(grams) - 1 - int(np.argmin(grams[::-1]))]]
+        return kept
+    windows = np.lib.stride_tricks.sliding_window_view(grams, w)
+    rightmost = w - 1 - np.argmin(windows[:, ::-1], axis=1)
+    return np.unique(grams[np.arange(len(windows)) + rightmost])
+
+
+PIECE_CHARS = 65_536
+
+
+def _pieced_words(text: str) -> list[str]:
+    """words(text), read in pieces cut at white space: each C call on a piece is short, so a huge prompt read on a
+    worker thread never holds the GIL long enough to stall the event loop."""
+    if len(text) <= PIECE_CHARS:
+        return words(text)
+    found: list[str] = []
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + PIECE_CHARS)
+        if end < len(text):
+            cut = text.rfind(" ", start, end)
+            end = cut + 1 if cut > start else end
+        found += words(text[start:end])
+        start = end
+    return found
 
 
 class AnswerGrams:
@@ -108,14 +142,18 @@ class AnswerGrams:
         self._window: deque[int] = deque()
         self._prefix = 0  # the polynomial of the word hashes in the window, oldest first
         self._open = ""  # the raw characters of a word the next piece may continue
+        self._words = 0  # complete words read so far
+        self.hits: dict[str, int] = {}  # the checker's memory: per victim, the position of this text's last hit
 
     def copy(self) -> AnswerGrams:
         twin = AnswerGrams(self._hasher)
         twin._window, twin._prefix, twin._open = deque(self._window), self._prefix, self._open
+        twin._words, twin.hits = self._words, dict(self.hits)
         return twin
 
-    def feed(self, piece: str) -> tuple[list[int], int | None]:
-        """(the grams completed by this piece, the gram of its unfinished last word or None)."""
+    def feed(self, piece: str) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
+        """(the (position, gram) pairs this piece completes, that of its unfinished last word or None); a gram's
+        position is the index in this text of the word that ends it."""
         text = self._open + piece if self._open else piece
         self._open = _open_tail(text)
         hasher, window, full = self._hasher, self._window, self._hasher.shape.k - 1
@@ -123,16 +161,17 @@ class AnswerGrams:
         for word in words(text[: len(text) - len(self._open)] if self._open else text):
             value = hasher.word(word)
             if len(window) == full:
-                grams.append((self._prefix * BASE + value) & MASK)
+                grams.append((self._words, (self._prefix * BASE + value) & MASK))
                 self._prefix = (self._prefix - window.popleft() * hasher.oldest) & MASK
             self._prefix = (self._prefix * BASE + value) & MASK
             window.append(value)
+            self._words += 1
         if not self._open or len(window) != full:
             return grams, None
         unfinished = "".join(words(self._open))
         if not unfinished:
             return grams, None
-        return grams, (self._prefix * BASE + hasher.word(unfinished)) & MASK
+        return grams, (self._words, (self._prefix * BASE + hasher.word(unfinished)) & MASK)
 
 
 def _open_tail(text: str) -> str:

@@ -14,10 +14,10 @@ alert, so a whole answer is scanned), every prompt and answer on one replica.
 
 Part 1, detection. Ten victims send one document each (1k, 4k, 16k, 64k and 200k tokens, two of each), next to
 40 other tenants. A leaky backend answers another tenant with L words (8 to 256) of a victim's user turn as the
-engine saw it: from its first word (the marker's, where one was planted), up to its last word, or from a random
-word in between; verbatim, reformatted (ASCII letters' case flipped at random, every run of white space replaced
-by a space, two, a tab or line breaks), or cut mid-word at both ends; between a few sentences of the recipient's
-own answer. Three guards:
+engine saw it: from its first word (the marker's, where one was planted), from one of the next L - 1 words (near
+start), from a random word in between (middle), or up to its last word (end); verbatim, reformatted (ASCII
+letters' case flipped at random, every run of white space replaced by a space, two, a tab or line breaks), or cut
+mid-word at both ends; between a few sentences of the recipient's own answer. Three guards:
   canaries      the prompt sent with markers (inject_chat, placement both); the guard without fragments
   fingerprints  the prompt sent without markers; the guard with AnswerCheck
   both          the prompt sent with markers; the guard with AnswerCheck
@@ -28,8 +28,10 @@ Part 2, false positives. 200 tenants' documents (1k to 50k tokens) are registere
 licence and reference topics, /usr/share/common-licenses where present) are each sent by eight of them with a
 question. At least --fp-mb MB of benign answers are scanned: (a) answers quoting a public text (to a sender, or
 to a tenant that did not send it), (b) answers quoting the recipient's own document (as sent, marker included,
-or as written), (c) prose and code unrelated to any prompt (other modules). Target: no leak event. (d), apart:
-quotes of a text that only one tenant sent, to another tenant: by design these are flagged.
+or as written), (c) prose and code unrelated to any prompt (other modules). Target: no leak event. Each
+fingerprint event is explained: the k words of the answer that matched, and which tenants had sent them (the
+recipient itself, several tenants, or only the tenant named). (d), apart: quotes of a text that only one tenant
+sent, in another tenant's answer, by length: by design these are flagged.
 
 Part 3, cost. Fingerprinting prompts of 1k tokens to 1M tokens (wall and CPU time, the event loop's longest stall
 while `register` runs, fingerprints); the index's memory per fingerprint (RSS and tracemalloc over 1M); what the
@@ -92,7 +94,7 @@ CODE_SHARE = 0.3  # of a document's paragraphs
 PARTS = ("detection", "false-positives", "cost", "redis")
 
 LENGTHS = (8, 16, 24, 31, 32, 48, 64, 128, 256)
-POSITIONS = ("start", "middle", "end")
+POSITIONS = ("start", "near start", "middle", "end")
 VARIANTS = ("verbatim", "reformatted", "cut")
 CONFIGS = ("canaries", "fingerprints", "both")
 VICTIM_SIZES = (1_000, 4_000, 16_000, 64_000, 200_000)
@@ -144,16 +146,20 @@ class Gateway:
     settings: Settings
     registry: MarkerRegistry
     fingerprinter: Fingerprinter
+    texts: dict[str, list[str]] | None = None  # what each tenant registered, in normal form: to explain a verdict
+    prompts: dict[str, list[str]] = field(default_factory=dict)  # as sent: each bench tenant sends one prompt
 
     @classmethod
-    def start(cls, tenants: Sequence[str], executor: ThreadPoolExecutor, redis: Redis | None = None) -> Gateway:
+    def start(
+        cls, tenants: Sequence[str], executor: ThreadPoolExecutor, redis: Redis | None = None, keep: bool = False
+    ) -> Gateway:
         settings = bench_settings()
         keys = canary_keys(settings)
         registry = MarkerRegistry(keys, settings.isolation.canary.epoch_s)
         registry.add_tenants(tenants)
         fingerprinter = make_fingerprinter(settings, keys[0], redis, executor, "bench")
         assert fingerprinter is not None
-        return cls(settings, registry, fingerprinter)
+        return cls(settings, registry, fingerprinter, {} if keep else None)
 
     def sent(self, tenant: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The messages as the gateway forwards them: the tenant's marker planted."""
@@ -164,7 +170,34 @@ class Gateway:
 
     async def register(self, tenant: str, messages: list[dict[str, Any]]) -> None:
         """As the gateway does once it forwards a chat prompt: the tenant's own texts, without markers."""
-        await self.fingerprinter.register(tenant, REPLICA, [m["content"] for m in messages])
+        texts = [m["content"] for m in messages]
+        await self.fingerprinter.register(tenant, REPLICA, texts)
+        self.prompts.setdefault(tenant, []).extend(texts)
+        if self.texts is not None:
+            self.texts.setdefault(tenant, []).extend(normal_words(text) for text in texts)
+
+    def senders(self, phrase: Sequence[str]) -> list[str]:
+        """The tenants that registered these words, in this order, in one of their texts."""
+        assert self.texts is not None
+        needle = " " + " ".join(phrase) + " "
+        return sorted(tenant for tenant, texts in self.texts.items() if any(needle in text for text in texts))
+
+    def explain(self, before: str, recipient: str, victim: str) -> dict[str, Any]:
+        """The k words of an answer, ending where a leak was reported, that the victim sent; who else sent them."""
+        k, found = self.fingerprinter.hasher.shape.k, words(before)
+        for back in range(4):  # the piece that ended the gram may have ended a word or two more
+            gram = found[max(0, len(found) - k - back) : len(found) - back]
+            senders = self.senders(gram)
+            if victim in senders:
+                why = (
+                    "the recipient's own text"
+                    if recipient in senders
+                    else "text other tenants sent too"
+                    if len(senders) > 1
+                    else "text only the victim sent"
+                )
+                return {"words": " ".join(gram), "sent_by": len(senders), "why": why}
+        return {"words": " ".join(found[-k:]), "sent_by": 0, "why": "not in the victim's texts"}
 
     def guard(
         self, recipient: str, fragments: bool, policy: LeakPolicy = LeakPolicy.ALERT
@@ -173,7 +206,13 @@ class Gateway:
         leaks = Leaks()
         check = None
         if fragments:
-            check = AnswerCheck(self.fingerprinter.index, self.fingerprinter.hasher, REPLICA, recipient)
+            check = AnswerCheck(
+                self.fingerprinter.index,
+                self.fingerprinter.hasher,
+                REPLICA,
+                recipient,
+                lambda: self.prompts.get(recipient, ()),  # as the gateway passes the request's own prompt
+            )
         return OutputGuard(self.registry, recipient, policy, leaks, fragments=check), leaks
 
 
@@ -314,6 +353,8 @@ class Turn:
         last = len(self.spans) - length
         if position == "start":
             return 0
+        if position == "near start":  # overlapping the first `length` words, without the first one
+            return rng.randint(1, max(1, min(length - 1, last)))
         if position == "end":
             return last
         return rng.randint(length, last - length) if last >= 2 * length else rng.randint(1, max(1, last - 1))
@@ -366,9 +407,8 @@ async def _detection(trials: int, seed: int) -> dict[str, Any]:
     ]
     others = [f"tenant-{n}" for n in range(DETECTION_OTHERS)] + ["recipient"]
     tenants = [victim for victim, _ in victims] + others
-    registered: dict[str, str] = {}  # each tenant's own texts in normal form, to explain a miss
     with ThreadPoolExecutor(2, "bench-fingerprints") as executor:
-        gateway = Gateway.start(tenants, executor)
+        gateway = Gateway.start(tenants, executor, keep=True)
         turns: dict[tuple[str, bool], Turn] = {}
         for number, (victim, size) in enumerate(victims):
             messages = [
@@ -376,7 +416,6 @@ async def _detection(trials: int, seed: int) -> dict[str, Any]:
                 {"role": "user", "content": document(size, seed + 1000 + number, code)},
             ]
             await gateway.register(victim, messages)
-            registered[victim] = normal_words(messages[1]["content"])
             turns[victim, False] = Turn.of(messages[1]["content"])
             turns[victim, True] = Turn.of(gateway.sent(victim, messages)[-1]["content"])
         for number, tenant in enumerate(others):
@@ -385,7 +424,6 @@ async def _detection(trials: int, seed: int) -> dict[str, Any]:
                 {"role": "user", "content": document(2_000, seed + 2000 + number, code)},
             ]
             await gateway.register(tenant, messages)
-            registered[tenant] = normal_words(messages[1]["content"])
         print(
             f"  detection: {len(gateway.fingerprinter.index)} fingerprints of {len(tenants)} tenants", file=sys.stderr
         )
@@ -409,11 +447,13 @@ async def _detection(trials: int, seed: int) -> dict[str, Any]:
                 await relay(guard, leaks, pieces)
                 answers, chunks = answers + 1, chunks + len(pieces)
                 hits = [(chunk, leak) for chunk, leak in leaks.found if leak.victim == victim and leak.kind in expected]
-                wrong += [
-                    f"{config}: {leak.kind} of {leak.victim}, fragment of {victim}"
-                    for _, leak in leaks.found
-                    if leak.victim != victim
-                ]
+                for chunk, leak in leaks.found:
+                    if leak.victim != victim:
+                        before = "".join(pieces[: chunk + 1])
+                        wrong.append(
+                            {"config": config, "kind": leak.kind, "named": leak.victim, "fragment_of": victim,
+                             **gateway.explain(before, "recipient", leak.victim)}
+                        )  # fmt: skip
                 ends_in = bisect.bisect_left(list(itertools.accumulate(map(len, pieces))), fragment_end)
                 late += bool(hits) and min(chunk for chunk, _ in hits) > ends_in
                 if config == "both" and hits:
@@ -424,8 +464,8 @@ async def _detection(trials: int, seed: int) -> dict[str, Any]:
                     sized = by_size.setdefault((config, size), [0, 0])
                     sized[0], sized[1] = sized[0] + bool(hits), sized[1] + 1
                     if not hits and config != "canaries":
-                        core = normal_words(turn.text[turn.spans[start][0] : turn.spans[start + length - 1][1]])
-                        shared = [t for t, text in registered.items() if t != victim and core in text]
+                        core = words(turn.text[turn.spans[start][0] : turn.spans[start + length - 1][1]])
+                        shared = [t for t in gateway.senders(core) if t != victim]
                         misses.append(
                             {
                                 "config": config,
@@ -468,6 +508,7 @@ class Category:
     seconds: float = 0.0
     events: Counter[str] = field(default_factory=Counter)  # by kind
     flagged: int = 0  # answers with any leak event
+    why: Counter[str] = field(default_factory=Counter)  # fingerprint events, by what the words were
     examples: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -493,7 +534,7 @@ async def _false_positives(megabytes: float, seed: int) -> dict[str, Any]:
     public = public_texts()
     rng = random.Random(seed)
     with ThreadPoolExecutor(2, "bench-fingerprints") as executor:
-        gateway = Gateway.start(background, executor)
+        gateway = Gateway.start(background, executor, keep=True)
         own: dict[str, tuple[Turn, Turn]] = {}  # as written, as sent
         for number, tenant in enumerate(background):
             tokens = BACKGROUND_SIZES[number % len(BACKGROUND_SIZES)]
@@ -538,7 +579,11 @@ async def _false_positives(megabytes: float, seed: int) -> dict[str, Any]:
 
         def own_answer() -> tuple[str, str]:
             recipient = rng.choice(background)
-            return recipient, quotes(own[recipient][int(rng.random() < 0.5)], rng, QUOTE_WORDS)
+            written, sent = own[recipient]
+            answer = quotes(written if rng.random() < 0.5 else sent, rng, QUOTE_WORDS)
+            if rng.random() < 0.2:  # the turn's start as sent, its marker first
+                answer = sent.excerpt(0, rng.choice(QUOTE_WORDS), "verbatim", rng) + "\n\n" + answer
+            return recipient, answer
 
         def unrelated_answer() -> tuple[str, str]:
             parts = [answer_prose(rng, rng.randint(200, 1500))]
@@ -575,6 +620,7 @@ async def _false_positives(megabytes: float, seed: int) -> dict[str, Any]:
                 "leak_events": c.events.get(MARKER, 0),
                 "fingerprint_events": c.events.get(FRAGMENT, 0),
                 "answers_flagged": c.flagged,
+                "why": dict(c.why),
                 "examples": c.examples,
             }
             for name, c in categories.items()
@@ -595,16 +641,14 @@ async def scan_benign(gateway: Gateway, category: Category, recipient: str, answ
     category.flagged += bool(leaks.found)
     for chunk, leak in leaks.found:
         category.events[leak.kind] += 1
+        upto = sum(map(len, pieces[: chunk + 1]))
+        explained = gateway.explain(answer[:upto], recipient, leak.victim) if leak.kind == FRAGMENT else {}
+        category.why[explained.get("why", "marker")] += 1
         if len(category.examples) < 5:
-            upto = sum(map(len, pieces[: chunk + 1]))
             category.examples.append(
-                {
-                    "recipient": recipient,
-                    "victim": leak.victim,
-                    "kind": leak.kind,
-                    "answer_before_event": answer[max(0, upto - 300) : upto],
-                }
-            )
+                {"recipient": recipient, "victim": leak.victim, "kind": leak.kind, **explained,
+                 "answer_before_event": answer[max(0, upto - 200) : upto]}
+            )  # fmt: skip
 
 
 async def single_sender_quotes(
@@ -830,16 +874,17 @@ async def _redis(sizes: Sequence[int], seed: int) -> list[dict[str, Any]]:
         for number, tokens in enumerate(sizes):
             text = document(tokens, seed + number, code)
             prompt = Prompt("tenant-0123", REPLICA, time.time(), gateway.fingerprinter.hasher.fingerprints(text))
-            memory = int(await redis.memory_usage("bulkhead:fingerprints", samples=0) or 0)
             before = await stats()
             await feed.publish(prompt)
             after = await stats()
-            grown = int(await redis.memory_usage("bulkhead:fingerprints", samples=0) or 0) - memory
+            memory = int(await redis.memory_usage("bulkhead:fingerprints", samples=0) or 0)
             latencies = []
-            for _ in range(REPEATS):
+            more = max(REPEATS, 500_000 // feed_entry_bytes(prompt.fingerprints))  # small entries share a node
+            for _ in range(more):  # more entries of the same size, in a stream that exists
                 started = time.perf_counter()
                 await feed.publish(prompt)
                 latencies.append(time.perf_counter() - started)
+            grown = (int(await redis.memory_usage("bulkhead:fingerprints", samples=0) or 0) - memory) / more
             index = FingerprintIndex(1800, 10_000_000)
             before_read = await stats()
             await reader.catch_up(index)  # the stream holds this size's entries only
@@ -852,10 +897,10 @@ async def _redis(sizes: Sequence[int], seed: int) -> list[dict[str, Any]]:
                     "fingerprints": len(prompt.fingerprints),
                     "entry_bytes": feed_entry_bytes(prompt.fingerprints),
                     "xadd_wire_bytes": after[0] - before[0] - info_in,
-                    "stream_memory_bytes": grown,
+                    "stream_memory_bytes": round(grown),
                     "xadd_ms_p50": round(statistics.median(latencies) * 1000, 2),
                     "read_by_each_other_instance_bytes": round(
-                        (after_read[1] - before_read[1] - info_out) / (REPEATS + 1)
+                        (after_read[1] - before_read[1] - info_out) / (more + 1)
                     ),
                 }
             )
@@ -902,7 +947,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m tests.bench.bench_fingerprints", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--trials", type=int, default=20, help="answers per (guard, L, position, variant)")
+    parser.add_argument("--trials", type=int, default=40, help="answers per (guard, L, position, variant)")
     parser.add_argument("--fp-mb", type=float, default=10.0, help="MB of benign answers scanned, (a)+(b)+(c)")
     parser.add_argument("--live-prompts", type=int, default=100_000, help="prompts in the index for the chunk cost")
     parser.add_argument("--cost-tokens", type=int, default=1_000_000, help="the big prompt fingerprinted")
@@ -956,6 +1001,8 @@ def print_report(report: dict[str, Any]) -> None:
         )
         for miss in detection["misses_at_min_or_longer"][:20]:
             print(f"- MISSED at ≥ 32 words: {miss}")
+        for wrong in detection["wrong_victim"][:10]:
+            print(f"- another victim named: {wrong}")
     if "false_positives" in report:
         fp = report["false_positives"]
         rows = [{"category": name, **values} for name, values in fp["categories"].items()]
@@ -971,12 +1018,15 @@ def print_report(report: dict[str, Any]) -> None:
                     ("µs/chunk", "us_per_chunk"),
                     ("marker leaks", "leak_events"),
                     ("fingerprint leaks", "fingerprint_events"),
+                    ("answers flagged", "answers_flagged"),
                 ],
             )
         )
         for name, values in fp["categories"].items():
+            print(f"- {name}: the words that matched were {values['why'] or 'none'}")
+        for name, values in fp["categories"].items():
             for example in values["examples"]:
-                print(f"- {name}: {example}")
+                print(f"  - {name}: {example}")
         print("\n(d) a quote of a text only one tenant sent, in another's answer:")
         print(
             table(fp["single_sender"], [("quote words", "quote_words"), ("answers", "answers"), ("flagged", "flagged")])
@@ -1003,6 +1053,12 @@ def print_report(report: dict[str, Any]) -> None:
                 f"- index memory ({row['how']}, {row['fingerprints']} fingerprints): "
                 f"{row['bytes_per_fingerprint']} B per fingerprint, {row['of_which_arrays']} of them the arrays"
             )
+        biggest = max(report["fingerprinting"]["rows"], key=lambda row: (row["prompt_tokens"], row["fingerprints"]))
+        per_print = max(row["bytes_per_fingerprint"] for row in report["index_memory"])
+        print(
+            f"- a {biggest['prompt_tokens']:,}-token prompt: {biggest['fingerprints']:,} fingerprints, "
+            f"{biggest['fingerprints'] * per_print / 1e6:.1f} MB in the index"
+        )
         cost = report["chunk_cost"]
         print(
             f"\nper chunk, {cost['live_prompts']} live prompts ({cost['live_fingerprints']} fingerprints, "
