@@ -107,8 +107,9 @@ async def admit(
     if lower + least_output > limit.tokens:
         added = "" if own is sent else " (including what the gateway adds for isolation)"
         raise _refuse(metrics, model, limit, f"at least {lower} tokens{added}", lower, output, explicit, param)
-    upper = counter.upper_bound(sent)
-    if upper is not None and upper + output <= limit.tokens and not counter.is_cheap(sent):
+    # A cheap prompt is counted exactly right away: its upper bound (a template render) would be work thrown away.
+    upper = None if counter.is_cheap(sent) else counter.upper_bound(sent)
+    if upper is not None and upper + output <= limit.tokens:
         counting = asyncio.ensure_future(counter.count(sent, replica))
         own_counting = counting if own is sent else asyncio.ensure_future(counter.count(own, replica))
         estimate = upper if own is sent else (counter.upper_bound(own) or upper)

@@ -42,7 +42,7 @@ from gateway.errors import (
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.prober import run_prober
-from gateway.proxy import Upstream, make_client, make_transport
+from gateway.proxy import Upstream, make_client, make_session
 from gateway.quarantine import QuarantineBudget
 from gateway.queue import MemoryJobQueue, RedisJobQueue
 from gateway.ratelimit import RateLimiter, RedisBuckets
@@ -286,9 +286,8 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
         )
         timeout = settings.upstream.connect_timeout_s
         with ThreadPoolExecutor(settings.admission.tokenizer_threads, "bulkhead-tokens") as executor:
-            transport = make_transport(settings.upstream)
-            async with make_client(settings.upstream, transport) as client:
-                upstream = Upstream(transport, settings.upstream, pool, metrics)
+            async with make_client(settings.upstream) as client, make_session(settings.upstream) as session:
+                upstream = Upstream(session, settings.upstream, pool, metrics)
                 await pool.refresh(client, timeout)
                 keys = canary_keys(settings)
                 markers = await marker_registry(settings, keys, redis, metrics)

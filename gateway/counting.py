@@ -223,7 +223,7 @@ class BackendCounter:
     async def _ask(self, replica: Replica, body: bytes) -> int:
         response = await self._upstream.open(replica, "/tokenize", body, "tokenize")
         try:
-            answer = orjson.loads(await self._upstream.read(replica, response))
+            answer = orjson.loads(await response.read())
         except orjson.JSONDecodeError as exc:
             raise UpstreamError(f"Backend '{replica.name}' answered /tokenize with something not JSON.") from exc
         finally:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import httpx
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -30,7 +29,7 @@ from gateway.errors import (
 )
 from gateway.incidents import report
 from gateway.outcome import DONE, Answer, Event, Outcome, Stream
-from gateway.proxy import map_transport_error, parse_json_body
+from gateway.proxy import UpstreamResponse, parse_json_body
 from gateway.quarantine import on_leak
 from gateway.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, filtered
 from gateway.routing import SESSION_HEADER, Decision, session_id
@@ -207,7 +206,7 @@ class InferenceCall:
         self.decision = decision
         self.replica = decision.replica
         record.backend = self.replica.name
-        self.response: httpx.Response | None = None
+        self.response: UpstreamResponse | None = None
         self.finished = False
         self._closed = False
         self._injected_observed = False
@@ -328,7 +327,7 @@ class InferenceCall:
 
     async def complete(self) -> Answer:
         assert self.response is not None
-        raw = await self.state.upstream.read(self.replica, self.response)
+        raw = await self.response.read()
         body = parse_json_body(self.replica, raw)
         self.record.mark_first_byte()
         removed = prune(body)
@@ -360,13 +359,11 @@ class InferenceCall:
         stream_filter = StreamFilter(wanted, check, self.view_usage, self.model.continuous_usage, self.output_guard())
         last: Event | None = None
         try:
-            async for event in filtered(self.response.aiter_raw(), stream_filter):
+            async for event in filtered(self.response.chunks(), stream_filter):
                 record.mark_first_byte()
                 yield event
             self.finished = True
             last = DONE if stream_filter.done else None
-        except httpx.HTTPError as exc:
-            last = self._ended(self.state.upstream.fail(self.replica, map_transport_error(self.replica, exc)))
         except StreamWithheld:
             last = self._ended(withheld())
         except StreamFailed:

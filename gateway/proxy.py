@@ -1,13 +1,19 @@
-"""Forwarding to a backend replica: one shared httpx client, upstream failures mapped to clear gateway errors.
+"""Forwarding to a backend replica, and upstream failures mapped to clear gateway errors.
 
-Only the headers named here go upstream: the client's own headers (hop-by-hop ones, cookies, its API key)
-never do. The upstream is always opened as a stream, so a non-stream answer and a stream share one path.
+The proxied request and its stream go through one aiohttp session per process: measured side by side, it serves
+well over twice the requests per CPU second of httpx's connection pool on this hop (BENCHMARKS.md, issue 15).
+Everything else (health checks, capacity reads, webhooks, probes) uses the process's httpx client, where cost does
+not matter. Only the headers named here go upstream: the client's own headers (hop-by-hop ones, cookies, its API
+key) never do. The upstream is always read as a stream, so a non-stream answer and a stream share one path.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
 
@@ -15,7 +21,6 @@ from gateway.backends import Replica, ReplicaPool
 from gateway.errors import (
     BackendBadResponse,
     BackendTimeout,
-    BackendUnavailable,
     BackendUnreachable,
     GatewayError,
     InvalidRequest,
@@ -29,72 +34,110 @@ RELAYED_STATUSES = frozenset({400, 413, 422})
 MAX_ERROR_BODY = 64 * 1024
 
 
-def make_transport(settings: UpstreamSettings) -> httpx.AsyncHTTPTransport:
-    return httpx.AsyncHTTPTransport(
+def make_client(settings: UpstreamSettings) -> httpx.AsyncClient:
+    """The process's httpx client: health checks, capacity discovery, webhooks, probes."""
+    return httpx.AsyncClient(
         limits=httpx.Limits(
             max_connections=settings.max_connections,
             max_keepalive_connections=settings.max_keepalive_connections,
             keepalive_expiry=settings.keepalive_expiry_s,
         ),
-        trust_env=False,
-    )
-
-
-def make_client(settings: UpstreamSettings, transport: httpx.AsyncHTTPTransport) -> httpx.AsyncClient:
-    """The process's one client (health checks, capacity discovery); requests use its transport directly."""
-    return httpx.AsyncClient(
-        transport=transport,
-        timeout=_timeout(settings),
+        timeout=httpx.Timeout(
+            connect=settings.connect_timeout_s,
+            read=settings.read_timeout_s,
+            write=settings.write_timeout_s,
+            pool=settings.pool_timeout_s,
+        ),
         # The gateway never follows a backend elsewhere, and never trusts proxy variables of its environment.
         follow_redirects=False,
         trust_env=False,
     )
 
 
-def _timeout(settings: UpstreamSettings) -> httpx.Timeout:
-    return httpx.Timeout(
-        connect=settings.connect_timeout_s,
-        read=settings.read_timeout_s,
-        write=settings.write_timeout_s,
-        pool=settings.pool_timeout_s,
+def make_session(settings: UpstreamSettings) -> aiohttp.ClientSession:
+    """The process's session for the proxied hop; the lifespan closes it."""
+    connector = aiohttp.TCPConnector(
+        limit=settings.max_connections,
+        limit_per_host=0,
+        # Below the backend's idle timeout (uvicorn and vLLM: 5 s), or reusing a connection races its close.
+        keepalive_timeout=settings.keepalive_expiry_s,
+    )
+    timeout = aiohttp.ClientTimeout(
+        total=None,
+        connect=settings.pool_timeout_s + settings.connect_timeout_s,  # a free connection, then connecting
+        sock_connect=settings.connect_timeout_s,
+        sock_read=settings.read_timeout_s,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        trust_env=False,
+        skip_auto_headers=("User-Agent",),
     )
 
 
-def map_transport_error(replica: Replica, exc: httpx.HTTPError) -> UpstreamError:
+def map_transport_error(replica: Replica, exc: BaseException) -> UpstreamError:
     name = replica.name
-    if isinstance(exc, httpx.ConnectTimeout):
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        # No free connection in time, or no connection made: either way nothing was sent.
         return BackendTimeout(f"Connecting to backend '{name}' timed out.", before_sending=True)
-    if isinstance(exc, httpx.PoolTimeout):
-        return BackendUnavailable(f"Backend '{name}' is at its connection limit; no connection freed in time.")
-    if isinstance(exc, httpx.TimeoutException):
-        return BackendTimeout(f"Backend '{name}' stopped answering (read or write timed out).")
-    if isinstance(exc, httpx.ConnectError):
+    if isinstance(exc, aiohttp.ClientConnectorError):
         return BackendUnreachable(f"Backend '{name}' refused the connection or cannot be reached.", before_sending=True)
-    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
+    if isinstance(exc, asyncio.TimeoutError):
+        return BackendTimeout(f"Backend '{name}' stopped answering (read timed out).")
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError | aiohttp.ClientOSError):
         return BackendUnreachable(f"Backend '{name}' closed the connection before answering completely.")
     return BackendBadResponse(f"Backend '{name}' could not be used: {type(exc).__name__}.")
+
+
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 def error_kind(error: UpstreamError) -> str:
     return error.code.removeprefix("backend_")
 
 
+class UpstreamResponse:
+    """An open 200 answer from a replica: its body as it arrives, failures mapped to gateway errors."""
+
+    def __init__(self, upstream: Upstream, replica: Replica, response: aiohttp.ClientResponse) -> None:
+        self._upstream = upstream
+        self._replica = replica
+        self._response = response
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as the network delivers it: a chunk is forwarded as soon as it arrives."""
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except TRANSPORT_ERRORS as exc:
+            raise self._upstream.fail(self._replica, map_transport_error(self._replica, exc)) from exc
+
+    async def read(self, limit: int | None = None) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks():
+            parts.append(chunk)
+            size += len(chunk)
+            if limit is not None and size >= limit:
+                break
+        return b"".join(parts)
+
+    async def aclose(self) -> None:
+        """A body read to its end frees the connection for the next request; one cut short is closed, which is
+        how the replica learns the client went away (vLLM aborts the request)."""
+        if self._response.content.at_eof():
+            self._response.release()
+        else:
+            self._response.close()
+
+
 class Upstream:
-    """Inference calls on the shared client's transport.
-
-    Going to the transport skips what a proxy hop never needs from httpx.AsyncClient (cookie jars, redirects,
-    auth flows, URL merging): about a tenth of the gateway's CPU per request when measured.
-    """
-
     def __init__(
-        self,
-        transport: httpx.AsyncHTTPTransport,
-        settings: UpstreamSettings,
-        pool: ReplicaPool,
-        metrics: GatewayMetrics,
+        self, session: aiohttp.ClientSession, settings: UpstreamSettings, pool: ReplicaPool, metrics: GatewayMetrics
     ) -> None:
-        self._transport = transport
-        self._timeout = _timeout(settings).as_dict()
+        self._session = session
         self._pool = pool
         self._metrics = metrics
 
@@ -104,51 +147,36 @@ class Upstream:
             self._pool.mark_failed(replica, error.message)
         return error
 
-    async def open(self, replica: Replica, path: str, body: bytes, request_id: str) -> httpx.Response:
-        """Send the request; return the open 200 response, or raise the gateway error its failure means."""
+    async def open(self, replica: Replica, path: str, body: bytes, request_id: str) -> UpstreamResponse:
+        """Send the request; return the open 200 answer, or raise the gateway error its failure means."""
         headers = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": request_id}
         if replica.api_key:
             headers["authorization"] = f"Bearer {replica.api_key}"
-        request = httpx.Request(
-            "POST", replica.url + path, content=body, headers=headers, extensions={"timeout": self._timeout}
-        )
         try:
-            response = await self._send(request)
-        except httpx.HTTPError as exc:
+            response = await self._send(replica.url + path, body, headers)
+        except TRANSPORT_ERRORS as exc:
             raise self.fail(replica, map_transport_error(replica, exc)) from exc
-        if response.status_code == 200:
-            return response
+        answer = UpstreamResponse(self, replica, response)
+        if response.status == 200:
+            return answer
         try:
-            raw = await self.read(replica, response, MAX_ERROR_BODY)
+            raw = await answer.read(MAX_ERROR_BODY)
         finally:
-            await response.aclose()
-        raise self._refusal(replica, response.status_code, raw)
+            await answer.aclose()
+        raise self._refusal(replica, response.status, raw)
 
-    async def _send(self, request: httpx.Request) -> httpx.Response:
+    async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
         try:
-            return await self._transport.handle_async_request(request)
-        except httpx.RemoteProtocolError as first:
+            return await self._session.post(url, data=body, headers=headers)
+        except aiohttp.ServerDisconnectedError as first:
             # Most likely a kept-alive connection the backend closed as it was reused: nothing was read, so once
             # more to the same backend. But a backend that died with the request in hand looks the same, so the
             # request may have reached it: if it is gone now, that must not read as "never sent" (which would let
             # the request go to another replica too).
             try:
-                return await self._transport.handle_async_request(request)
-            except httpx.ConnectError as exc:
+                return await self._session.post(url, data=body, headers=headers)
+            except aiohttp.ClientConnectorError as exc:
                 raise first from exc
-
-    async def read(self, replica: Replica, response: httpx.Response, limit: int | None = None) -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async for chunk in response.aiter_raw():
-                chunks.append(chunk)
-                size += len(chunk)
-                if limit is not None and size >= limit:
-                    break
-        except httpx.HTTPError as exc:
-            raise self.fail(replica, map_transport_error(replica, exc)) from exc
-        return b"".join(chunks)
 
     def _refusal(self, replica: Replica, status: int, raw: bytes) -> GatewayError:
         message = _error_message(raw)

@@ -1,6 +1,6 @@
 """How much latency and throughput the gateway adds over calling the backend directly.
 
-    python -m tests.bench.bench_overhead [--requests N] [--json out.json] [--profile profile.txt]
+    python -m tests.bench.bench_overhead [--requests N] [--json out.json] [--profile profile.txt] [--baseline DIR]
 
 One simulator (ttft 0, unpaced tokens, so the backend costs next to nothing) and one gateway in front of it run
 as child processes. Each scenario sends the same requests straight to the simulator and through the gateway,
@@ -9,12 +9,16 @@ runs can differ by more than the overhead being measured, and interleaving sprea
 
 "Added" is the gateway's percentile minus the direct one. Requests are not paired, so it is the difference of
 two distributions, not a per-request difference; at concurrency 32 both include client-side queueing.
+
+With `--baseline DIR` (a checkout of another revision, e.g. `git worktree add /tmp/old <commit>`), that revision's
+gateway runs in front of the same simulator too and takes its turn in every round: new against old, side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import subprocess
@@ -68,6 +72,8 @@ class Result:
     direct: Batch
     gateway: Batch
     gateway_cpu_s: float | None
+    baseline: Batch | None = None
+    baseline_cpu_s: float | None = None
 
     def summary(self) -> dict[str, Any]:
         def ms(values: list[float], q: float) -> float:
@@ -75,6 +81,17 @@ class Result:
 
         d, g = self.direct, self.gateway
         cpu = self.gateway_cpu_s
+        old: dict[str, Any] = {}
+        if self.baseline is not None:
+            b, old_cpu = self.baseline, self.baseline_cpu_s
+            old = {
+                "baseline_added_p50_ms": round(ms(b.latencies, 50) - ms(d.latencies, 50), 3),
+                "baseline_added_p99_ms": round(ms(b.latencies, 99) - ms(d.latencies, 99), 3),
+                "baseline_ttfb_added_p50_ms": round(ms(b.first_bytes, 50) - ms(d.first_bytes, 50), 3),
+                "baseline_rps": round(b.throughput, 1),
+                "baseline_cpu_ms_per_request": None if old_cpu is None else round(old_cpu / len(b.latencies) * 1000, 3),
+                "new_over_old_rps": round(g.throughput / b.throughput, 3) if b.throughput else None,
+            }
         return {
             "scenario": self.scenario.name,
             "stream": self.scenario.stream,
@@ -92,6 +109,7 @@ class Result:
             "gateway_rps": round(g.throughput, 1),
             "throughput_ratio": round(g.throughput / d.throughput, 3) if d.throughput else None,
             "gateway_cpu_ms_per_request": None if cpu is None else round(cpu / len(g.latencies) * 1000, 3),
+            **old,
         }
 
 
@@ -101,37 +119,58 @@ def _cpu_used(pid: int, before: float | None) -> float | None:
 
 
 async def _measure(
-    scenario: Scenario, direct: Target, gateway: Target, gateway_pid: int, requests: int, rounds: int
+    scenario: Scenario, direct: Target, gateways: Sequence[tuple[Target, int]], requests: int, rounds: int
 ) -> Result:
+    """Every target in turn each round (the order rotating), the gateways' CPU counted around their own batches."""
     request, per_round = scenario.request(), math.ceil(requests / rounds)
-    totals = {direct.name: Batch(), gateway.name: Batch()}
-    gateway_cpu: list[float | None] = []
+    targets = [direct, *(target for target, _ in gateways)]
+    pids = {target.name: pid for target, pid in gateways}
+    totals = {target.name: Batch() for target in targets}
+    cpu: dict[str, list[float | None]] = {name: [] for name in pids}
     for round_no in range(rounds):
-        # Alternate which target goes first, so neither always runs on the warmer (or the noisier) half.
-        for target in (direct, gateway) if round_no % 2 == 0 else (gateway, direct):
-            cpu_before = processes.cpu_seconds(gateway_pid)
+        # Rotate which target goes first, so none always runs on the warmer (or the noisier) part of a round.
+        for target in targets[round_no % len(targets) :] + targets[: round_no % len(targets)]:
+            pid = pids.get(target.name)
+            before = processes.cpu_seconds(pid) if pid is not None else None
             totals[target.name].extend(await run_batch(target, request, scenario.concurrency, per_round))
-            if target is gateway:
-                gateway_cpu.append(_cpu_used(gateway_pid, cpu_before))
-    cpu = None if None in gateway_cpu else sum(c for c in gateway_cpu if c is not None)
-    return Result(scenario, totals[direct.name], totals[gateway.name], cpu)
+            if pid is not None:
+                cpu[target.name].append(_cpu_used(pid, before))
+
+    def spent(name: str) -> float | None:
+        return None if None in cpu[name] else sum(c for c in cpu[name] if c is not None)
+
+    gateway = gateways[0][0].name
+    baseline = gateways[1][0].name if len(gateways) > 1 else None
+    return Result(
+        scenario,
+        totals[direct.name],
+        totals[gateway],
+        spent(gateway),
+        totals[baseline] if baseline else None,
+        spent(baseline) if baseline else None,
+    )
 
 
 async def _warm_up(targets: Sequence[Target], requests: int) -> None:
-    # Fill both keep-alive pools (client→gateway and gateway→simulator) and touch every code path once.
+    # Fill every keep-alive pool (client→gateway and gateway→simulator) and touch every code path once.
     for scenario in (Scenario(False, HIGH_CONCURRENCY), Scenario(True, HIGH_CONCURRENCY)):
         for target in targets:
             await run_batch(target, scenario.request(), HIGH_CONCURRENCY, requests)
 
 
-async def run_scenarios(sim: Server, gw: Server, requests: int, rounds: int, warmup: int) -> list[Result]:
-    async with new_session(HIGH_CONCURRENCY) as direct_session, new_session(HIGH_CONCURRENCY) as gateway_session:
-        direct = Target("direct", sim.url, direct_session)
-        gateway = Target("gateway", gw.url, gateway_session)
-        await _warm_up((direct, gateway), warmup)
+async def run_scenarios(
+    sim: Server, gateways: Sequence[Server], requests: int, rounds: int, warmup: int
+) -> list[Result]:
+    async with contextlib.AsyncExitStack() as stack:
+        direct = Target("direct", sim.url, await stack.enter_async_context(new_session(HIGH_CONCURRENCY)))
+        named = []
+        for name, server in zip(("gateway", "baseline"), gateways, strict=False):
+            session = await stack.enter_async_context(new_session(HIGH_CONCURRENCY))
+            named.append((Target(name, server.url, session), server.process.pid))
+        await _warm_up([direct, *(target for target, _ in named)], warmup)
         results = []
         for scenario in SCENARIOS:
-            result = await _measure(scenario, direct, gateway, gw.process.pid, requests, rounds)
+            result = await _measure(scenario, direct, named, requests, rounds)
             print(f"  measured {scenario.name}", file=sys.stderr, flush=True)
             results.append(result)
         return results
@@ -154,16 +193,32 @@ COLUMNS = [
 ]
 
 
-def render_table(summaries: Sequence[dict[str, Any]]) -> str:
+BASELINE_COLUMNS = [
+    ("scenario", "scenario"),
+    ("old added p50", "baseline_added_p50_ms"),
+    ("new added p50", "added_p50_ms"),
+    ("old added p99", "baseline_added_p99_ms"),
+    ("new added p99", "added_p99_ms"),
+    ("old TTFB added p50", "baseline_ttfb_added_p50_ms"),
+    ("new TTFB added p50", "ttfb_added_p50_ms"),
+    ("old req/s", "baseline_rps"),
+    ("new req/s", "gateway_rps"),
+    ("new/old", "new_over_old_rps"),
+    ("old CPU ms/req", "baseline_cpu_ms_per_request"),
+    ("new CPU ms/req", "gateway_cpu_ms_per_request"),
+]
+
+
+def render_table(summaries: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]] = COLUMNS) -> str:
     """A Markdown table (readable as plain text too); latencies in milliseconds."""
-    rows = [[title for title, _ in COLUMNS], ["---"] * len(COLUMNS)]
+    rows = [[title for title, _ in columns], ["---"] * len(columns)]
     for summary in summaries:
-        row = [str(summary[key]) for _, key in COLUMNS]
+        row = [str(summary.get(key, "—")) for _, key in columns]
         if not summary["stream"]:
             # A non-stream answer arrives in one piece: its first byte is its last, already in "added".
-            row[7] = row[8] = "—"
+            row = ["—" if "ttfb" in key else cell for (_, key), cell in zip(columns, row, strict=True)]
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     return "\n".join(
         "| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |" for row in rows
     )
@@ -181,6 +236,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="gateway log level; INFO writes one access-log line per request (default WARNING)",
     )
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    parser.add_argument("--baseline", type=Path, help="a checkout of another revision, measured side by side")
     parser.add_argument("--profile", type=Path, help="then profile the gateway under load; write the report here")
     parser.add_argument("--profile-requests", type=int, default=6000, help="requests sent to the profiled gateway")
     parser.add_argument("--profile-stream", action="store_true", help="profile under stream requests instead")
@@ -202,24 +258,34 @@ def _profile(workspace: Workspace, sim: Server, args: argparse.Namespace) -> dic
     return summary
 
 
-def _revision() -> str:
+def _revision(checkout: Path | None = None) -> str:
     """The commit measured, and whether gateway/ differed from it: overhead numbers belong to a code state."""
+    git = ["git", *(("-C", str(checkout)) if checkout else ())]
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "gateway"], capture_output=True, text=True, check=True)
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "gateway"], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return commit.stdout.strip() + (" + uncommitted changes in gateway/" if dirty.stdout.strip() else "")
 
 
 def _run(workspace: Workspace, args: argparse.Namespace) -> dict[str, Any]:
-    with workspace.simulator(OUTPUT_TOKENS) as sim:
-        with workspace.gateway(sim.url) as gw:
-            print(f"simulator {sim.url}, gateway {gw.url} (log level {args.log_level})", file=sys.stderr)
-            results = asyncio.run(run_scenarios(sim, gw, args.requests, args.rounds, args.warmup))
+    with workspace.simulator(OUTPUT_TOKENS) as sim, contextlib.ExitStack() as stack:
+        gateways = [stack.enter_context(workspace.gateway(sim.url))]
+        if args.baseline is not None:
+            gateways.append(stack.enter_context(workspace.gateway(sim.url, code=args.baseline)))
+        names = ", ".join(f"{name} {gw.url}" for name, gw in zip(("gateway", "baseline"), gateways, strict=False))
+        print(f"simulator {sim.url}, {names} (log level {args.log_level})", file=sys.stderr)
+        results = asyncio.run(run_scenarios(sim, gateways, args.requests, args.rounds, args.warmup))
+        stack.close()
         summaries = [result.summary() for result in results]
         print(render_table(summaries))
+        if args.baseline is not None:
+            print(f"\nagainst {args.baseline} ({_revision(args.baseline)}), in the same rounds:")
+            print(render_table(summaries, BASELINE_COLUMNS))
         report: dict[str, Any] = {"revision": _revision(), "log_level": args.log_level, "scenarios": summaries}
+        if args.baseline is not None:
+            report["baseline_revision"] = _revision(args.baseline)
         if args.profile is not None:
             report["profile"] = _profile(workspace, sim, args)
     return report

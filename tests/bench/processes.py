@@ -78,17 +78,28 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def _clean_environment() -> dict[str, str]:
+def _clean_environment(code: Path | None = None) -> dict[str, str]:
     # BULKHEAD_* variables would override the benchmark's settings file: results must not depend on the shell.
-    return {name: value for name, value in os.environ.items() if not name.startswith("BULKHEAD_")}
+    env = {name: value for name, value in os.environ.items() if not name.startswith("BULKHEAD_")}
+    if code is not None:
+        env["PYTHONPATH"] = str(code)  # ahead of the editable install: that checkout's gateway runs
+    return env
 
 
 @contextlib.contextmanager
-def child(command: Sequence[str], port: int, log: Path, ready_path: str) -> Iterator[Server]:
-    """Run `command` (which listens on `port`) until the block ends; its stdout and stderr go to `log`."""
+def child(
+    command: Sequence[str], port: int, log: Path, ready_path: str, code: Path | None = None
+) -> Iterator[Server]:
+    """Run `command` (which listens on `port`) until the block ends; its stdout and stderr go to `log`. With
+    `code`, the packages of that checkout (another revision, for a side-by-side run) are the ones imported."""
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_clean_environment()
+            command,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=_clean_environment(code),
+            cwd=code,
         )
         server = Server(f"http://127.0.0.1:{port}", process, log)
         try:
@@ -147,14 +158,17 @@ class Workspace:
         command = _simulator_command(port, self.tokenizer_dir, output_tokens)
         return child(command, port, self.root / f"sim-{port}.log", "/health")
 
-    def gateway(self, backend_url: str, wrapper: Sequence[str] = ()) -> contextlib.AbstractContextManager[Server]:
-        """The gateway in front of `backend_url`; `wrapper` runs it under a tool (`python -m pyinstrument ...`)."""
+    def gateway(
+        self, backend_url: str, wrapper: Sequence[str] = (), code: Path | None = None
+    ) -> contextlib.AbstractContextManager[Server]:
+        """The gateway in front of `backend_url`; `wrapper` runs it under a tool (`python -m pyinstrument ...`),
+        `code` from another checkout."""
         port = free_port()
         config = self.root / f"gateway-{port}.yaml"
         settings = _gateway_settings(port, backend_url, self.tokenizer_dir, self.log_level)
         config.write_text(yaml.safe_dump(settings), encoding="utf-8")
         command = [*(wrapper or [sys.executable]), "-m", "gateway", "serve", "--config", str(config)]
-        return child(command, port, self.root / f"gateway-{port}.log", "/readyz")
+        return child(command, port, self.root / f"gateway-{port}.log", "/readyz", code)
 
 
 def cpu_seconds(pid: int) -> float | None:
