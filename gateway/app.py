@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -110,7 +110,7 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def openapi(request: Request) -> Response:
@@ -247,13 +247,14 @@ def make_fingerprinter(
 
 async def follow_fingerprints(fingerprinter: Fingerprinter, feed_ready: str | None, metrics: GatewayMetrics) -> None:
     """Forget expired fingerprints every 30 s, and (with Redis) add the other instances' as they come."""
-    metrics.fingerprints.set_function(lambda: len(fingerprinter.index))
+    metrics.track(metrics.fingerprints, lambda: len(fingerprinter.index))
     follower = None
     if fingerprinter.feed is not None and feed_ready is not None:
         follower = asyncio.create_task(fingerprinter.feed.follow(fingerprinter.index, feed_ready))
     try:
         while True:
             fingerprinter.index.sweep(time.time())
+            metrics.refresh()
             await asyncio.sleep(30)
     finally:
         if follower is not None:
@@ -357,6 +358,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     await asyncio.wait(tasks, timeout=SHUTDOWN_WAIT_S)
                     if redis is not None:
                         await redis.aclose()
+                    metrics.close()
 
     app = Starlette(
         routes=[

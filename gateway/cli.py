@@ -19,6 +19,7 @@ import orjson
 import uvicorn
 from starlette.applications import Starlette
 
+from gateway import multiprocess
 from gateway.app import create_app
 from gateway.serving import free_port
 from gateway.settings import Settings, SettingsError, TenantSettings, load_settings
@@ -112,6 +113,11 @@ def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if settings is None:
         return 2
+    count = multiprocess.process_count(args.workers or settings.workers)
+    refusal = multiprocess.refusal(settings, count, "serve")
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     with contextlib.ExitStack() as stack:
         if not settings.backends:
             tokenizer = cached_tokenizer(_cache_root())
@@ -121,7 +127,10 @@ def _serve(args: argparse.Namespace) -> int:
         if not settings.tenants:
             demo_key = new_api_key()
             settings = with_demo_tenant(settings, demo_key)
-        _print_banner(settings, demo_key)
+        _print_banner(settings, demo_key, count)
+        if count > 1:
+            multiprocess.serve(settings, count)
+            return 0
         config = uvicorn.Config(
             create_app(settings),
             host=settings.listen.host,
@@ -134,9 +143,9 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_banner(settings: Settings, demo_key: str | None) -> None:
+def _print_banner(settings: Settings, demo_key: str | None, processes: int) -> None:
     address = f"http://{settings.listen.host}:{settings.listen.port}"
-    lines = [f"bulkhead: listening on {address}"]
+    lines = [f"bulkhead: listening on {address}" + (f" with {processes} worker processes" if processes > 1 else "")]
     for backend in settings.backends:
         lines.append(f"bulkhead: backend '{backend.name}' at {backend.url}")
     lines.append(f"bulkhead: state in {'redis' if settings.redis_url else 'memory (this process only)'}")
@@ -160,13 +169,16 @@ def _worker(args: argparse.Namespace) -> int:
             "bulkhead worker: needs redis_url (without Redis the queue lives inside `bulkhead serve`)", file=sys.stderr
         )
         return 2
-    app = create_app(settings, workers=args.workers)
-    print(f"bulkhead worker: {args.workers} worker(s) on the queue in {settings.redis_url.split('@')[-1]}", flush=True)
-    asyncio.run(_run_lifespan(app))
+    count = multiprocess.process_count(args.workers or settings.workers)
+    where = settings.redis_url.split("@")[-1]
+    print(f"bulkhead worker: {count} process(es) of {args.concurrency} queue worker(s) on {where}", flush=True)
+    if count > 1:
+        return multiprocess.run_queue_workers(settings, count, args.concurrency)
+    asyncio.run(run_lifespan(create_app(settings, workers=args.concurrency)))
     return 0
 
 
-async def _run_lifespan(app: Starlette) -> None:
+async def run_lifespan(app: Starlette) -> None:
     """The app's lifespan (state, background tasks, queue workers) without an HTTP listener, until SIGTERM/SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -246,17 +258,34 @@ def _audit(args: argparse.Namespace) -> int:
     return audit_command.run(args)
 
 
+WORKERS_HELP = "processes, or auto (one per core); default: the settings' workers (1); more than 1 needs redis_url"
+
+
+def _workers(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of processes or 'auto': {value!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError("at least 1 process")
+    return count
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bulkhead", description="Multi-tenant LLM gateway in front of vLLM.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the gateway")
     serve.add_argument("--config", type=Path, help="YAML settings file (BULKHEAD_* variables override it)")
+    serve.add_argument("--workers", type=_workers, help=WORKERS_HELP)
     serve.set_defaults(run=_serve)
 
     worker = commands.add_parser("worker", help="run queue workers for the async API (needs redis_url)")
     worker.add_argument("--config", type=Path, help="YAML settings file (BULKHEAD_* variables override it)")
-    worker.add_argument("--workers", type=int, default=2, help="concurrent workers in this process")
+    worker.add_argument("--workers", type=_workers, help=WORKERS_HELP)
+    worker.add_argument("--concurrency", type=int, default=2, help="queue workers in each process (default 2)")
     worker.set_defaults(run=_worker)
 
     keys = commands.add_parser("keys", help="manage tenant API keys")

@@ -1,20 +1,59 @@
-"""Every Prometheus metric the gateway exports, defined once, in a registry owned by one app instance."""
+"""Every Prometheus metric the gateway exports, defined once, in a registry owned by one app instance.
+
+Under `--workers N` (PROMETHEUS_MULTIPROC_DIR set before the process starts) every process writes its values to
+prometheus_client's multiprocess files and /metrics reads them all, so a scrape of any process sees the machine's
+totals: counters and histograms summed, each gauge combined as its `multiprocess_mode` says.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 # Prompt sizes span tiny chat turns to million-token contexts.
 PROMPT_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 # Gateway latency is dominated by the engine; buckets reach from sub-millisecond overhead to long generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+MULTIPROC_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+_LIVE_FILE = re.compile(r"^gauge_live\w+_(\d+)\.db$")
+
+
+def clear_metric_files(directory: Path) -> None:
+    """Remove the value files of an earlier run (prometheus_client's rule: the directory starts empty)."""
+    for file in directory.glob("*.db"):
+        file.unlink(missing_ok=True)
+
+
+def _forget_dead_processes(directory: Path) -> None:
+    """A process killed without its shutdown leaves its live gauges (in-flight requests) behind: drop them."""
+    for file in directory.glob("gauge_live*.db"):
+        match = _LIVE_FILE.match(file.name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]  # unannotated upstream
+        except PermissionError:  # alive, another user's
+            pass
 
 
 class GatewayMetrics:
     def __init__(self, with_redis: bool = False) -> None:
         # `_created` series double every counter's size on the wire and no dashboard or alert of ours reads them.
         disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
+        directory = os.environ.get(MULTIPROC_DIR_VARIABLE)
+        self.shared_directory = Path(directory) if directory else None
+        if self.shared_directory is not None:
+            _forget_dead_processes(self.shared_directory)
         self.registry = CollectorRegistry()
+        self._tracked: list[tuple[Gauge, Callable[[], float]]] = []
         self.requests = Counter(
             "bulkhead_requests",
             "Requests answered, by model, route and HTTP status.",
@@ -36,7 +75,10 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.in_flight = Gauge(
-            "bulkhead_in_flight_requests", "Inference requests being served now.", registry=self.registry
+            "bulkhead_in_flight_requests",
+            "Inference requests being served now.",
+            registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.upstream_errors = Counter(
             "bulkhead_upstream_errors",
@@ -49,6 +91,7 @@ class GatewayMetrics:
             "1 when the backend's last health check passed.",
             ["backend"],
             registry=self.registry,
+            multiprocess_mode="livemostrecent",
         )
         self.tokens = Counter(
             "bulkhead_tokens",
@@ -61,24 +104,28 @@ class GatewayMetrics:
             "max_model_len a backend reports in /v1/models.",
             ["backend"],
             registry=self.registry,
+            multiprocess_mode="livemostrecent",
         )
         self.backend_kv_capacity = Gauge(
             "bulkhead_backend_kv_capacity_tokens",
             "KV cache capacity a backend reports (num_gpu_blocks × block_size).",
             ["backend"],
             registry=self.registry,
+            multiprocess_mode="livemostrecent",
         )
         self.model_context_window = Gauge(
             "bulkhead_model_context_window_tokens",
             "The context window a model advertises.",
             ["model"],
             registry=self.registry,
+            multiprocess_mode="livemostrecent",
         )
         self.model_capacity = Gauge(
             "bulkhead_model_capacity_tokens",
             "What a model's deployment can really hold: the least of its backends' windows and KV capacities.",
             ["model"],
             registry=self.registry,
+            multiprocess_mode="livemostrecent",
         )
         self.admission_rejections = Counter(
             "bulkhead_admission_rejections",
@@ -119,12 +166,14 @@ class GatewayMetrics:
             "1 for the state a replica is in (healthy, unhealthy, quarantined, draining).",
             ["backend", "state"],
             registry=self.registry,
+            multiprocess_mode="livemostrecent",
         )
         self.replica_in_flight = Gauge(
             "bulkhead_replica_in_flight_requests",
             "Requests in flight per replica, from this instance.",
             ["backend"],
             registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.routed = Counter(
             "bulkhead_routed_requests",
@@ -148,11 +197,13 @@ class GatewayMetrics:
             "bulkhead_prompt_fingerprints",
             "Fingerprints of recent prompts this instance checks answers against (its own and other instances').",
             registry=self.registry,
+            multiprocess_mode="livemax",
         )
         self.canary_markers = Gauge(
             "bulkhead_canary_markers",
             "Canary markers this instance recognises (tenants × live epochs × keys).",
             registry=self.registry,
+            multiprocess_mode="livemax",
         )
         self.ratelimit_rejections = Counter(
             "bulkhead_ratelimit_rejections",
@@ -166,7 +217,38 @@ class GatewayMetrics:
         )
         # Only with Redis configured: a gauge stuck at 0 in a Redis-less gateway would page as "Redis down".
         self.redis_up = (
-            Gauge("bulkhead_redis_up", "1 when the last ping to the configured Redis answered.", registry=self.registry)
+            Gauge(
+                "bulkhead_redis_up",
+                "1 when the last ping to the configured Redis answered.",
+                registry=self.registry,
+                multiprocess_mode="livemin",
+            )
             if with_redis
             else None
         )
+
+    def track(self, gauge: Gauge, read: Callable[[], float]) -> None:
+        """`gauge` reads `read()`: when scraped; under --workers, at this process's scrapes and refreshes."""
+        if self.shared_directory is None:
+            gauge.set_function(read)
+        else:
+            self._tracked.append((gauge, read))
+
+    def refresh(self) -> None:
+        """Write the tracked gauges' values where the other processes' scrapes read them."""
+        for gauge, read in self._tracked:
+            gauge.set(read())
+
+    def render(self) -> bytes:
+        """The exposition text: this registry's, or under --workers every process's."""
+        if self.shared_directory is None:
+            return generate_latest(self.registry)
+        self.refresh()
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, str(self.shared_directory))  # type: ignore[no-untyped-call]
+        return generate_latest(merged)
+
+    def close(self) -> None:
+        """At the process's shutdown: its live gauges stop counting (its counters stay in the totals)."""
+        if self.shared_directory is not None:
+            mark_process_dead(os.getpid(), str(self.shared_directory))  # type: ignore[no-untyped-call]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -208,6 +208,9 @@ class AdmissionSettings(_Section):
 
 class Settings(_Section):
     listen: ListenSettings = ListenSettings()
+    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        default=1, description="gateway processes on the port (`auto`: one per core); more than 1 needs redis_url"
+    )
     redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
     redis_max_connections: int = Field(default=64, ge=1, description="the Redis pool's size; more wait their turn")
     redis_pool_timeout_s: float = Field(default=5.0, gt=0, description="longest wait for a free Redis connection")

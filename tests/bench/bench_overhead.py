@@ -12,6 +12,8 @@ two distributions, not a per-request difference; at concurrency 32 both include 
 
 With `--baseline DIR` (a checkout of another revision, e.g. `git worktree add /tmp/old <commit>`), that revision's
 gateway runs in front of the same simulator too and takes its turn in every round: new against old, side by side.
+With `--workers N`, the second gateway is this code with `--workers N` instead, and both use a redis-server of the
+benchmark's own (N processes need one): N processes against one, side by side; CPU counts every process.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import orjson
 from tests.bench import processes
 from tests.bench.load import Batch, LoadError, Request, Target, new_session, percentile, run_batch
 from tests.bench.processes import BENCH_KEY, MODEL, Server, Workspace
+from tests.redis_server import own_redis
 
 CHAT_PATH = "/v1/chat/completions"
 # Sent to the simulator too (it ignores the key), so both targets receive the very same bytes.
@@ -193,20 +196,22 @@ COLUMNS = [
 ]
 
 
-BASELINE_COLUMNS = [
-    ("scenario", "scenario"),
-    ("old added p50", "baseline_added_p50_ms"),
-    ("new added p50", "added_p50_ms"),
-    ("old added p99", "baseline_added_p99_ms"),
-    ("new added p99", "added_p99_ms"),
-    ("old TTFB added p50", "baseline_ttfb_added_p50_ms"),
-    ("new TTFB added p50", "ttfb_added_p50_ms"),
-    ("old req/s", "baseline_rps"),
-    ("new req/s", "gateway_rps"),
-    ("new/old", "new_over_old_rps"),
-    ("old CPU ms/req", "baseline_cpu_ms_per_request"),
-    ("new CPU ms/req", "gateway_cpu_ms_per_request"),
-]
+def comparison_columns(first: str, second: str) -> list[tuple[str, str]]:
+    """The side-by-side table: `first` is the gateway measured, `second` the other one (old, or N processes)."""
+    return [
+        ("scenario", "scenario"),
+        (f"{second} added p50", "baseline_added_p50_ms"),
+        (f"{first} added p50", "added_p50_ms"),
+        (f"{second} added p99", "baseline_added_p99_ms"),
+        (f"{first} added p99", "added_p99_ms"),
+        (f"{second} TTFB added p50", "baseline_ttfb_added_p50_ms"),
+        (f"{first} TTFB added p50", "ttfb_added_p50_ms"),
+        (f"{second} req/s", "baseline_rps"),
+        (f"{first} req/s", "gateway_rps"),
+        (f"{first}/{second}", "new_over_old_rps"),
+        (f"{second} CPU ms/req", "baseline_cpu_ms_per_request"),
+        (f"{first} CPU ms/req", "gateway_cpu_ms_per_request"),
+    ]
 
 
 def render_table(summaries: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]] = COLUMNS) -> str:
@@ -236,7 +241,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="gateway log level; INFO writes one access-log line per request (default WARNING)",
     )
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
-    parser.add_argument("--baseline", type=Path, help="a checkout of another revision, measured side by side")
+    comparison = parser.add_mutually_exclusive_group()
+    comparison.add_argument("--baseline", type=Path, help="a checkout of another revision, measured side by side")
+    comparison.add_argument("--workers", type=int, help="measure `serve --workers N` against one process")
     parser.add_argument("--profile", type=Path, help="then profile the gateway under load; write the report here")
     parser.add_argument("--profile-requests", type=int, default=6000, help="requests sent to the profiled gateway")
     parser.add_argument("--profile-stream", action="store_true", help="profile under stream requests instead")
@@ -271,7 +278,14 @@ def _revision(checkout: Path | None = None) -> str:
 
 def _run(workspace: Workspace, args: argparse.Namespace) -> dict[str, Any]:
     with workspace.simulator(OUTPUT_TOKENS) as sim, contextlib.ExitStack() as stack:
-        gateways = [stack.enter_context(workspace.gateway(sim.url))]
+        if args.workers is not None:
+            redis_url = stack.enter_context(own_redis()).url
+            gateways = [
+                stack.enter_context(workspace.gateway(sim.url, workers=args.workers, redis_url=redis_url)),
+                stack.enter_context(workspace.gateway(sim.url, redis_url=redis_url)),
+            ]
+        else:
+            gateways = [stack.enter_context(workspace.gateway(sim.url))]
         if args.baseline is not None:
             gateways.append(stack.enter_context(workspace.gateway(sim.url, code=args.baseline)))
         names = ", ".join(f"{name} {gw.url}" for name, gw in zip(("gateway", "baseline"), gateways, strict=False))
@@ -282,8 +296,13 @@ def _run(workspace: Workspace, args: argparse.Namespace) -> dict[str, Any]:
         print(render_table(summaries))
         if args.baseline is not None:
             print(f"\nagainst {args.baseline} ({_revision(args.baseline)}), in the same rounds:")
-            print(render_table(summaries, BASELINE_COLUMNS))
+            print(render_table(summaries, comparison_columns("new", "old")))
+        if args.workers is not None:
+            print(f"\n`serve --workers {args.workers}` (the gateway above) against one process, both on Redis:")
+            print(render_table(summaries, comparison_columns(f"{args.workers} procs", "1 proc")))
         report: dict[str, Any] = {"revision": _revision(), "log_level": args.log_level, "scenarios": summaries}
+        if args.workers is not None:
+            report["workers"] = args.workers
         if args.baseline is not None:
             report["baseline_revision"] = _revision(args.baseline)
         if args.profile is not None:

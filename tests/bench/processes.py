@@ -114,16 +114,19 @@ def child(
             stop(process)
 
 
-def _simulator_command(port: int, tokenizer_dir: Path, output_tokens: int) -> list[str]:
-    # ttft 0 and no token pacing: the simulator answers as fast as it can, so what the gateway adds shows.
+def _simulator_command(port: int, tokenizer_dir: Path, output_tokens: int, tokens_per_s: float) -> list[str]:
+    # ttft 0 and (by default) no token pacing: the simulator answers as fast as it can, so what the gateway adds
+    # shows.
     return [
         *(sys.executable, "-m", "gateway", "sim", "--port", str(port), "--tokenizer", str(tokenizer_dir)),
         *("--max-model-len", str(CONTEXT_WINDOW), "--output-tokens", str(output_tokens)),
-        *("--ttft-ms", "0", "--tokens-per-s", "0"),
+        *("--ttft-ms", "0", "--tokens-per-s", str(tokens_per_s)),
     ]
 
 
-def _gateway_settings(port: int, backend_url: str, tokenizer_dir: Path, log_level: str) -> dict[str, Any]:
+def _gateway_settings(
+    port: int, backend_url: str, tokenizer_dir: Path, log_level: str, redis_url: str | None
+) -> dict[str, Any]:
     # Configured as in production: the model's tokenizer and window are known. The tenant has no caps:
     # the benchmark measures cost, not admission control.
     model = {"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir), "context_window": CONTEXT_WINDOW}
@@ -137,6 +140,7 @@ def _gateway_settings(port: int, backend_url: str, tokenizer_dir: Path, log_leve
         "upstream": {"keepalive_expiry_s": KEEPALIVE_EXPIRY_S},
         "models": [model],
         "tenants": [{"id": "bench", "key_hashes": [hash_key(BENCH_KEY)], "models": ["*"]}],
+        **({"redis_url": redis_url} if redis_url else {}),
     }
 
 
@@ -153,30 +157,39 @@ class Workspace:
         # The tiny model's tokenizer, shared by simulator and gateway as a real deployment shares one model.
         return cls(root, build_tokenizer(root / "tokenizer"), log_level)
 
-    def simulator(self, output_tokens: int) -> contextlib.AbstractContextManager[Server]:
+    def simulator(self, output_tokens: int, tokens_per_s: float = 0.0) -> contextlib.AbstractContextManager[Server]:
         port = free_port()
-        command = _simulator_command(port, self.tokenizer_dir, output_tokens)
+        command = _simulator_command(port, self.tokenizer_dir, output_tokens, tokens_per_s)
         return child(command, port, self.root / f"sim-{port}.log", "/health")
 
     def gateway(
-        self, backend_url: str, wrapper: Sequence[str] = (), code: Path | None = None
+        self,
+        backend_url: str,
+        wrapper: Sequence[str] = (),
+        code: Path | None = None,
+        workers: int = 1,
+        redis_url: str | None = None,
     ) -> contextlib.AbstractContextManager[Server]:
         """The gateway in front of `backend_url`; `wrapper` runs it under a tool (`python -m pyinstrument ...`),
-        `code` from another checkout."""
+        `code` from another checkout, `workers` processes (with Redis at `redis_url`)."""
         port = free_port()
         config = self.root / f"gateway-{port}.yaml"
-        settings = _gateway_settings(port, backend_url, self.tokenizer_dir, self.log_level)
+        settings = _gateway_settings(port, backend_url, self.tokenizer_dir, self.log_level, redis_url)
         config.write_text(yaml.safe_dump(settings), encoding="utf-8")
         command = [*(wrapper or [sys.executable]), "-m", "gateway", "serve", "--config", str(config)]
+        if workers > 1:
+            command += ["--workers", str(workers)]
         return child(command, port, self.root / f"gateway-{port}.log", "/readyz", code)
 
 
 def cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU time the process has used so far (Linux /proc), or None where unavailable."""
+    """User plus system CPU time the process and its live children (worker processes) have used so far (Linux
+    /proc), or None where unavailable."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except (OSError, IndexError):
         return None
     # After the ")" that ends the command name, utime and stime are the 12th and 13th fields, in clock ticks.
     ticks = int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return ticks / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(int(child)) or 0.0 for child in children)
