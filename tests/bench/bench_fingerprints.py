@@ -460,7 +460,7 @@ async def _detection(trials: int, seed: int) -> dict[str, Any]:
                     caught_by["+".join(sorted({leak.kind for _, leak in hits}))] += 1
                 cell = cells.setdefault((config, length, position, variant), [0, 0])
                 cell[0], cell[1] = cell[0] + bool(hits), cell[1] + 1
-                if length >= gateway.settings.isolation.fingerprints.min_fragment_tokens:
+                if length >= gateway.fingerprinter.hasher.shape.min_fragment:  # what the shape guarantees
                     sized = by_size.setdefault((config, size), [0, 0])
                     sized[0], sized[1] = sized[0] + bool(hits), sized[1] + 1
                     if not hits and config != "canaries":
@@ -996,11 +996,11 @@ def print_report(report: dict[str, Any]) -> None:
         detection = report["detection"]
         print("\n" + detection_tables(detection))
         print(
-            f"- in 'both', caught by: {detection['caught_by_in_both']}; late: {detection['late']}; "
+            f"- in 'both', caught by: {detection['caught_by_in_both']}; late (any guard): {detection['late']}; "
             f"another victim named: {len(detection['wrong_victim'])}; {detection['us_per_chunk']} µs per chunk"
         )
         for miss in detection["misses_at_min_or_longer"][:20]:
-            print(f"- MISSED at ≥ 32 words: {miss}")
+            print(f"- MISSED at the guaranteed length or longer: {miss}")
         for wrong in detection["wrong_victim"][:10]:
             print(f"- another victim named: {wrong}")
     if "false_positives" in report:
