@@ -125,7 +125,7 @@ def _simulator_command(port: int, tokenizer_dir: Path, output_tokens: int, token
 
 
 def _gateway_settings(
-    port: int, backend_url: str, tokenizer_dir: Path, log_level: str, redis_url: str | None
+    port: int, backend_url: str, tokenizer_dir: Path, log_level: str, redis_url: str | None = None
 ) -> dict[str, Any]:
     # Configured as in production: the model's tokenizer and window are known. The tenant has no caps:
     # the benchmark measures cost, not admission control.
