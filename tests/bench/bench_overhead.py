@@ -1,6 +1,7 @@
 """How much latency and throughput the gateway adds over calling the backend directly.
 
-    python -m tests.bench.bench_overhead [--requests N] [--json out.json] [--profile profile.txt] [--baseline DIR]
+    python -m tests.bench.bench_overhead [--requests N] [--json out.json] [--profile profile.txt]
+                                         [--baseline DIR | --workers N] [--peer litellm]
 
 One simulator (ttft 0, unpaced tokens, so the backend costs next to nothing) and one gateway in front of it run
 as child processes. Each scenario sends the same requests straight to the simulator and through the gateway,
@@ -14,6 +15,11 @@ With `--baseline DIR` (a checkout of another revision, e.g. `git worktree add /t
 gateway runs in front of the same simulator too and takes its turn in every round: new against old, side by side.
 With `--workers N`, the second gateway is this code with `--workers N` instead, and both use a redis-server of the
 benchmark's own (N processes need one): N processes against one, side by side; CPU counts every process.
+
+With `--peer litellm`, the LiteLLM proxy (pinned, in its own virtualenv: `python -m tests.bench.litellm_env install`)
+runs in front of the same simulator, one worker, no database, no callbacks, nothing sent anywhere, taking the same
+key, and it too takes its turn in every round: every number measured for the gateway is measured for LiteLLM on
+the same requests, and a table sets them side by side. It combines with --baseline or --workers (one more target).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from tests.bench import processes
+from tests.bench import litellm_env, processes
 from tests.bench.load import Batch, LoadError, Request, Target, new_session, percentile, run_batch
 from tests.bench.processes import BENCH_KEY, MODEL, Server, Workspace
 from tests.redis_server import own_redis
@@ -43,6 +49,7 @@ CHAT_PATH = "/v1/chat/completions"
 HEADERS = {"content-type": "application/json", "authorization": f"Bearer {BENCH_KEY}"}
 OUTPUT_TOKENS = 16  # a short answer: per-request cost dominates, which is what the gateway adds
 HIGH_CONCURRENCY = 32
+PEERS = ("litellm",)  # other gateways measured side by side (--peer); each name is also its targets' and keys' name
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,31 @@ class Scenario:
 SCENARIOS = [Scenario(False, 1), Scenario(False, HIGH_CONCURRENCY), Scenario(True, 1), Scenario(True, HIGH_CONCURRENCY)]
 
 
+def _ms(values: list[float], q: float) -> float:
+    return round(percentile(values, q) * 1000, 3)
+
+
+def _ratio(a: Batch, b: Batch) -> float | None:
+    """a's throughput over b's."""
+    return round(a.throughput / b.throughput, 3) if b.throughput else None
+
+
+def _side(prefix: str, other: Batch, cpu_s: float | None, direct: Batch) -> dict[str, Any]:
+    """What the gateway's columns say, for another target measured in the same rounds (an old revision, a peer)."""
+    d, o = direct, other
+    return {
+        f"{prefix}_p50_ms": _ms(o.latencies, 50),
+        f"{prefix}_p99_ms": _ms(o.latencies, 99),
+        f"{prefix}_added_p50_ms": round(_ms(o.latencies, 50) - _ms(d.latencies, 50), 3),
+        f"{prefix}_added_p99_ms": round(_ms(o.latencies, 99) - _ms(d.latencies, 99), 3),
+        f"{prefix}_ttfb_added_p50_ms": round(_ms(o.first_bytes, 50) - _ms(d.first_bytes, 50), 3),
+        f"{prefix}_ttfb_added_p99_ms": round(_ms(o.first_bytes, 99) - _ms(d.first_bytes, 99), 3),
+        f"{prefix}_rps": round(o.throughput, 1),
+        f"{prefix}_throughput_ratio": _ratio(o, d),
+        f"{prefix}_cpu_ms_per_request": None if cpu_s is None else round(cpu_s / len(o.latencies) * 1000, 3),
+    }
+
+
 @dataclass
 class Result:
     scenario: Scenario
@@ -77,43 +109,38 @@ class Result:
     gateway_cpu_s: float | None
     baseline: Batch | None = None
     baseline_cpu_s: float | None = None
+    peer: str | None = None  # one of PEERS
+    peer_batch: Batch | None = None
+    peer_cpu_s: float | None = None
 
     def summary(self) -> dict[str, Any]:
-        def ms(values: list[float], q: float) -> float:
-            return round(percentile(values, q) * 1000, 3)
-
         d, g = self.direct, self.gateway
         cpu = self.gateway_cpu_s
-        old: dict[str, Any] = {}
-        if self.baseline is not None:
-            b, old_cpu = self.baseline, self.baseline_cpu_s
-            old = {
-                "baseline_added_p50_ms": round(ms(b.latencies, 50) - ms(d.latencies, 50), 3),
-                "baseline_added_p99_ms": round(ms(b.latencies, 99) - ms(d.latencies, 99), 3),
-                "baseline_ttfb_added_p50_ms": round(ms(b.first_bytes, 50) - ms(d.first_bytes, 50), 3),
-                "baseline_rps": round(b.throughput, 1),
-                "baseline_cpu_ms_per_request": None if old_cpu is None else round(old_cpu / len(b.latencies) * 1000, 3),
-                "new_over_old_rps": round(g.throughput / b.throughput, 3) if b.throughput else None,
-            }
-        return {
+        summary = {
             "scenario": self.scenario.name,
             "stream": self.scenario.stream,
             "concurrency": self.scenario.concurrency,
             "requests_per_target": len(g.latencies),
-            "direct_p50_ms": ms(d.latencies, 50),
-            "direct_p99_ms": ms(d.latencies, 99),
-            "gateway_p50_ms": ms(g.latencies, 50),
-            "gateway_p99_ms": ms(g.latencies, 99),
-            "added_p50_ms": round(ms(g.latencies, 50) - ms(d.latencies, 50), 3),
-            "added_p99_ms": round(ms(g.latencies, 99) - ms(d.latencies, 99), 3),
-            "ttfb_added_p50_ms": round(ms(g.first_bytes, 50) - ms(d.first_bytes, 50), 3),
-            "ttfb_added_p99_ms": round(ms(g.first_bytes, 99) - ms(d.first_bytes, 99), 3),
+            "direct_p50_ms": _ms(d.latencies, 50),
+            "direct_p99_ms": _ms(d.latencies, 99),
+            "gateway_p50_ms": _ms(g.latencies, 50),
+            "gateway_p99_ms": _ms(g.latencies, 99),
+            "added_p50_ms": round(_ms(g.latencies, 50) - _ms(d.latencies, 50), 3),
+            "added_p99_ms": round(_ms(g.latencies, 99) - _ms(d.latencies, 99), 3),
+            "ttfb_added_p50_ms": round(_ms(g.first_bytes, 50) - _ms(d.first_bytes, 50), 3),
+            "ttfb_added_p99_ms": round(_ms(g.first_bytes, 99) - _ms(d.first_bytes, 99), 3),
             "direct_rps": round(d.throughput, 1),
             "gateway_rps": round(g.throughput, 1),
-            "throughput_ratio": round(g.throughput / d.throughput, 3) if d.throughput else None,
+            "throughput_ratio": _ratio(g, d),
             "gateway_cpu_ms_per_request": None if cpu is None else round(cpu / len(g.latencies) * 1000, 3),
-            **old,
         }
+        if self.baseline is not None:
+            summary |= _side("baseline", self.baseline, self.baseline_cpu_s, d)
+            summary["new_over_old_rps"] = _ratio(g, self.baseline)
+        if self.peer is not None and self.peer_batch is not None:
+            summary |= _side(self.peer, self.peer_batch, self.peer_cpu_s, d)
+            summary[f"gateway_over_{self.peer}_rps"] = _ratio(g, self.peer_batch)
+        return summary
 
 
 def _cpu_used(pid: int, before: float | None) -> float | None:
@@ -124,7 +151,8 @@ def _cpu_used(pid: int, before: float | None) -> float | None:
 async def _measure(
     scenario: Scenario, direct: Target, gateways: Sequence[tuple[Target, int]], requests: int, rounds: int
 ) -> Result:
-    """Every target in turn each round (the order rotating), the gateways' CPU counted around their own batches."""
+    """Every target in turn each round (the order rotating), the gateways' CPU counted around their own batches.
+    `gateways` are named "gateway" (always), "baseline", or a peer's name (see PEERS)."""
     request, per_round = scenario.request(), math.ceil(requests / rounds)
     targets = [direct, *(target for target, _ in gateways)]
     pids = {target.name: pid for target, pid in gateways}
@@ -142,15 +170,17 @@ async def _measure(
     def spent(name: str) -> float | None:
         return None if None in cpu[name] else sum(c for c in cpu[name] if c is not None)
 
-    gateway = gateways[0][0].name
-    baseline = gateways[1][0].name if len(gateways) > 1 else None
+    peer = next((name for name in PEERS if name in totals), None)
     return Result(
         scenario,
         totals[direct.name],
-        totals[gateway],
-        spent(gateway),
-        totals[baseline] if baseline else None,
-        spent(baseline) if baseline else None,
+        totals["gateway"],
+        spent("gateway"),
+        totals.get("baseline"),
+        spent("baseline") if "baseline" in totals else None,
+        peer,
+        totals[peer] if peer else None,
+        spent(peer) if peer else None,
     )
 
 
@@ -162,12 +192,13 @@ async def _warm_up(targets: Sequence[Target], requests: int) -> None:
 
 
 async def run_scenarios(
-    sim: Server, gateways: Sequence[Server], requests: int, rounds: int, warmup: int
+    sim: Server, gateways: Sequence[tuple[str, Server]], requests: int, rounds: int, warmup: int
 ) -> list[Result]:
+    """`gateways`: (name, server) pairs, named as `_measure` wants them."""
     async with contextlib.AsyncExitStack() as stack:
         direct = Target("direct", sim.url, await stack.enter_async_context(new_session(HIGH_CONCURRENCY)))
         named = []
-        for name, server in zip(("gateway", "baseline"), gateways, strict=False):
+        for name, server in gateways:
             session = await stack.enter_async_context(new_session(HIGH_CONCURRENCY))
             named.append((Target(name, server.url, session), server.process.pid))
         await _warm_up([direct, *(target for target, _ in named)], warmup)
@@ -196,21 +227,43 @@ COLUMNS = [
 ]
 
 
-def comparison_columns(first: str, second: str) -> list[tuple[str, str]]:
-    """The side-by-side table: `first` is the gateway measured, `second` the other one (old, or N processes)."""
+def comparison_columns(
+    first: str, second: str, prefix: str = "baseline", ratio: str = "new_over_old_rps"
+) -> list[tuple[str, str]]:
+    """The side-by-side table: `first` is the gateway measured, `second` the other one (old, N processes, a peer),
+    whose keys start with `prefix`; `ratio` is the key of first's req/s over second's."""
     return [
         ("scenario", "scenario"),
-        (f"{second} added p50", "baseline_added_p50_ms"),
+        (f"{second} added p50", f"{prefix}_added_p50_ms"),
         (f"{first} added p50", "added_p50_ms"),
-        (f"{second} added p99", "baseline_added_p99_ms"),
+        (f"{second} added p99", f"{prefix}_added_p99_ms"),
         (f"{first} added p99", "added_p99_ms"),
-        (f"{second} TTFB added p50", "baseline_ttfb_added_p50_ms"),
+        (f"{second} TTFB added p50", f"{prefix}_ttfb_added_p50_ms"),
         (f"{first} TTFB added p50", "ttfb_added_p50_ms"),
-        (f"{second} req/s", "baseline_rps"),
+        (f"{second} req/s", f"{prefix}_rps"),
         (f"{first} req/s", "gateway_rps"),
-        (f"{first}/{second}", "new_over_old_rps"),
-        (f"{second} CPU ms/req", "baseline_cpu_ms_per_request"),
+        (f"{first}/{second}", ratio),
+        (f"{second} CPU ms/req", f"{prefix}_cpu_ms_per_request"),
         (f"{first} CPU ms/req", "gateway_cpu_ms_per_request"),
+    ]
+
+
+def side_columns(label: str, prefix: str) -> list[tuple[str, str]]:
+    """COLUMNS for another target measured in the same rounds (its keys start with `prefix`)."""
+    return [
+        ("scenario", "scenario"),
+        ("direct p50", "direct_p50_ms"),
+        ("direct p99", "direct_p99_ms"),
+        (f"{label} p50", f"{prefix}_p50_ms"),
+        (f"{label} p99", f"{prefix}_p99_ms"),
+        ("added p50", f"{prefix}_added_p50_ms"),
+        ("added p99", f"{prefix}_added_p99_ms"),
+        ("TTFB added p50", f"{prefix}_ttfb_added_p50_ms"),
+        ("TTFB added p99", f"{prefix}_ttfb_added_p99_ms"),
+        ("direct req/s", "direct_rps"),
+        (f"{label} req/s", f"{prefix}_rps"),
+        (f"{label}/direct", f"{prefix}_throughput_ratio"),
+        (f"{label} CPU ms/req", f"{prefix}_cpu_ms_per_request"),
     ]
 
 
@@ -244,12 +297,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     comparison = parser.add_mutually_exclusive_group()
     comparison.add_argument("--baseline", type=Path, help="a checkout of another revision, measured side by side")
     comparison.add_argument("--workers", type=int, help="measure `serve --workers N` against one process")
+    parser.add_argument(
+        "--peer",
+        choices=PEERS,
+        help="also measure this peer in every round (first: python -m tests.bench.litellm_env install)",
+    )
     parser.add_argument("--profile", type=Path, help="then profile the gateway under load; write the report here")
     parser.add_argument("--profile-requests", type=int, default=6000, help="requests sent to the profiled gateway")
     parser.add_argument("--profile-stream", action="store_true", help="profile under stream requests instead")
     args = parser.parse_args(argv)
     if args.requests < args.rounds or args.rounds < 1:
         parser.error("--requests must be at least --rounds, and --rounds at least 1")
+    if args.peer == "litellm" and litellm_env.find_python() is None:
+        parser.error(f"{litellm_env.LITELLM_SPEC} is not installed: python -m tests.bench.litellm_env install")
     return args
 
 
@@ -288,9 +348,12 @@ def _run(workspace: Workspace, args: argparse.Namespace) -> dict[str, Any]:
             gateways = [stack.enter_context(workspace.gateway(sim.url))]
         if args.baseline is not None:
             gateways.append(stack.enter_context(workspace.gateway(sim.url, code=args.baseline)))
-        names = ", ".join(f"{name} {gw.url}" for name, gw in zip(("gateway", "baseline"), gateways, strict=False))
+        named = list(zip(("gateway", "baseline"), gateways, strict=False))
+        if args.peer == "litellm":
+            named.append(("litellm", stack.enter_context(workspace.litellm(sim.url))))
+        names = ", ".join(f"{name} {server.url}" for name, server in named)
         print(f"simulator {sim.url}, {names} (log level {args.log_level})", file=sys.stderr)
-        results = asyncio.run(run_scenarios(sim, gateways, args.requests, args.rounds, args.warmup))
+        results = asyncio.run(run_scenarios(sim, named, args.requests, args.rounds, args.warmup))
         stack.close()
         summaries = [result.summary() for result in results]
         print(render_table(summaries))
@@ -300,11 +363,25 @@ def _run(workspace: Workspace, args: argparse.Namespace) -> dict[str, Any]:
         if args.workers is not None:
             print(f"\n`serve --workers {args.workers}` (the gateway above) against one process, both on Redis:")
             print(render_table(summaries, comparison_columns(f"{args.workers} procs", "1 proc")))
+        if args.peer == "litellm":
+            print(f"\nLiteLLM {litellm_env.LITELLM_VERSION} (one worker, no database) in front of the same simulator:")
+            print(render_table(summaries, side_columns("LiteLLM", "litellm")))
+            print("\nLiteLLM against the gateway (this code, the first table), in the same rounds:")
+            versus = comparison_columns("gateway", "LiteLLM", "litellm", "gateway_over_litellm_rps")
+            print(render_table(summaries, versus))
         report: dict[str, Any] = {"revision": _revision(), "log_level": args.log_level, "scenarios": summaries}
         if args.workers is not None:
             report["workers"] = args.workers
         if args.baseline is not None:
             report["baseline_revision"] = _revision(args.baseline)
+        if args.peer == "litellm":
+            report["peer"] = {
+                "name": "litellm",
+                "package": litellm_env.LITELLM_SPEC,
+                "workers": 1,
+                "environment": litellm_env.PROXY_ENVIRONMENT,
+                "config": litellm_env.proxy_config("<simulator>", "<the bench key>"),
+            }
         if args.profile is not None:
             report["profile"] = _profile(workspace, sim, args)
     return report
@@ -317,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = _run(Workspace.create(Path(tmp), args.log_level), args)
         except LoadError as exc:
             print(f"bench_overhead: a request failed, so nothing was measured: {exc}", file=sys.stderr)
+            print("(the last lines of each server's log are above)", file=sys.stderr)
             return 1
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -1,4 +1,5 @@
-"""The benchmark's servers: a simulator and a gateway as real child processes on free loopback ports.
+"""The benchmark's servers: a simulator and a gateway (and, to compare with, the LiteLLM proxy) as real child
+processes on free loopback ports.
 
 Real processes, not in-process threads, because that is how the gateway runs in production: its own
 interpreter, its own event loop (uvloop) and parser (httptools), and no GIL shared with the load generator.
@@ -16,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import yaml
 from gateway.serving import free_port
 from gateway.tenants import hash_key
 from isolation.sim.tinymodel import build_tokenizer
+from tests.bench import litellm_env
 
 MODEL = "tiny-llama"
 CONTEXT_WINDOW = 2048  # the simulator's default max_model_len
@@ -78,28 +80,35 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def _clean_environment(code: Path | None = None) -> dict[str, str]:
+def _clean_environment(code: Path | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     # BULKHEAD_* variables would override the benchmark's settings file: results must not depend on the shell.
     env = {name: value for name, value in os.environ.items() if not name.startswith("BULKHEAD_")}
     if code is not None:
         env["PYTHONPATH"] = str(code)  # ahead of the editable install: that checkout's gateway runs
-    return env
+    return {**env, **(extra or {})}
 
 
 @contextlib.contextmanager
 def child(
-    command: Sequence[str], port: int, log: Path, ready_path: str, code: Path | None = None
+    command: Sequence[str],
+    port: int,
+    log: Path,
+    ready_path: str,
+    code: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> Iterator[Server]:
     """Run `command` (which listens on `port`) until the block ends; its stdout and stderr go to `log`. With
-    `code`, the packages of that checkout (another revision, for a side-by-side run) are the ones imported."""
+    `code`, the packages of that checkout (another revision, for a side-by-side run) are the ones imported;
+    `env` is added to its environment; it runs in `cwd` (else `code`, else here)."""
     with log.open("wb") as sink:
         process = subprocess.Popen(
             command,
             stdout=sink,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=_clean_environment(code),
-            cwd=code,
+            env=_clean_environment(code, env),
+            cwd=cwd or code,
         )
         server = Server(f"http://127.0.0.1:{port}", process, log)
         try:
@@ -180,6 +189,19 @@ class Workspace:
         if workers > 1:
             command += ["--workers", str(workers)]
         return child(command, port, self.root / f"gateway-{port}.log", "/readyz", code)
+
+    def litellm(self, backend_url: str) -> contextlib.AbstractContextManager[Server]:
+        """The LiteLLM proxy (tests/bench/litellm_env.py: its own virtualenv, one worker, no database, nothing
+        sent anywhere) in front of `backend_url`, taking the benchmark's key. It runs in the scratch directory, so
+        nothing of this checkout is on its import path."""
+        python = litellm_env.find_python()
+        if python is None:
+            raise RuntimeError("LiteLLM is not installed (run: python -m tests.bench.litellm_env install)")
+        port = free_port()
+        config = litellm_env.write_config(self.root / f"litellm-{port}.yaml", backend_url, BENCH_KEY)
+        command = litellm_env.proxy_command(python, config, port)
+        log = self.root / f"litellm-{port}.log"
+        return child(command, port, log, "/health/liveliness", env=litellm_env.PROXY_ENVIRONMENT, cwd=self.root)
 
 
 def cpu_seconds(pid: int) -> float | None:
