@@ -54,7 +54,7 @@ from gateway.tenants import TenantDirectory
 from gateway.tokens import ModelTokenizer, TokenizerLoadError
 from gateway.worker import work
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
-from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed
+from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed, public_fingerprints
 from isolation.leaks import Webhook
 from isolation.markers import CanaryKey, MarkerRegistry, RedisMarkerStore
 from isolation.salts import CacheSalts
@@ -240,7 +240,18 @@ def make_fingerprinter(
         )
     secret = hmac.new(key.secret, b"bulkhead prompt fingerprints", hashlib.sha256).digest()
     hasher = Hasher(secret, Shape.for_fragments(config.min_fragment_tokens))
-    index = FingerprintIndex(config.ttl_s, config.max_entries)
+    public: frozenset[int] = frozenset()
+    if config.public_texts:
+        started = time.monotonic()
+        try:
+            public, files = public_fingerprints(hasher, config.public_texts)
+        except OSError as exc:
+            where = "isolation.fingerprints.public_texts"
+            raise SettingsError(f"{where}: cannot read {exc.filename}: {exc.strerror}") from exc
+        log.info(
+            "public texts: %d fingerprints from %d files in %.1f s", len(public), files, time.monotonic() - started
+        )
+    index = FingerprintIndex(config.ttl_s, config.max_entries, public)
     feed = RedisFingerprintFeed(redis, instance, config.ttl_s) if redis is not None else None
     return Fingerprinter(hasher, index, feed, executor, config.inline_chars)
 

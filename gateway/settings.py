@@ -189,6 +189,10 @@ class FingerprintSettings(_Section):
     inline_chars: int = Field(
         default=65_536, ge=0, description="prompts up to this size are fingerprinted on the event loop"
     )
+    public_texts: list[Path] = Field(
+        default_factory=list,
+        description="files or directories of public text (licences, standard libraries): never evidence of a leak",
+    )
 
 
 class IsolationSettings(_Section):

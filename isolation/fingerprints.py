@@ -9,11 +9,16 @@ process's alone.
 An entry is one int: when it expires, whose it is (a tenant, or SHARED once two tenants have sent it — common
 text is no evidence), and a bitmask of the replicas it went to (bit crc32(name) mod 32: every instance agrees
 without coordinating). About 100 bytes per fingerprint in the index.
+
+Public texts (`isolation.fingerprints.public_texts`, as a plagiarism detector's base files) are fingerprinted once
+at start: their fingerprints are never evidence, whoever sends them — licences, a language's standard library, the
+boilerplate a model writes by itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
 import time
@@ -22,6 +27,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,9 +62,10 @@ class Prompt:
 
 
 class FingerprintIndex:
-    def __init__(self, ttl_s: float, max_entries: int) -> None:
+    def __init__(self, ttl_s: float, max_entries: int, public: frozenset[int] = frozenset()) -> None:
         self.ttl_s = ttl_s
         self._max = max_entries
+        self.public = public
         self._entries: dict[int, int] = {}
         self._tenants: list[str] = []
         self._tenant_ids: dict[str, int] = {}
@@ -105,7 +112,7 @@ class FingerprintIndex:
         if entry is None or entry >> 64 < now or not entry & replica_bit:
             return None
         owner = (entry >> 32) & _LOW
-        if owner == SHARED:
+        if owner == SHARED or fingerprint in self.public:
             return None
         tenant = self._tenants[owner]
         return None if tenant == recipient else tenant
@@ -128,6 +135,26 @@ class FingerprintIndex:
             entry = entries.get(fingerprint)
             if entry is not None and entry >> 64 < now:
                 del entries[fingerprint]
+
+
+def public_fingerprints(hasher: Hasher, paths: Sequence[Path]) -> tuple[frozenset[int], int]:
+    """The fingerprints of every text file under these paths (files, or directories read recursively), and how many
+    files were read; a file that is not UTF-8 text is skipped. Raises OSError for a path that cannot be read."""
+    found: set[int] = set()
+    files = 0
+    for path in paths:
+        if not path.exists():
+            raise FileNotFoundError(errno.ENOENT, "no such file or directory", str(path))
+        for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            if not file.is_file():
+                continue
+            try:
+                content = file.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue
+            found.update(hasher.fingerprints(content).tolist())
+            files += 1
+    return frozenset(found), files
 
 
 class RedisFingerprintFeed:
@@ -310,4 +337,3 @@ class AnswerCheck:
         if self._own is None:
             self._own = {int(g) for text in self.own_texts() for g in self.hasher.grams(text).tolist()}
         return self._own
-

@@ -96,7 +96,6 @@ class Hasher:
         return winnow(self.grams(text), self.shape.w)
 
 
-
 def winnow(grams: Fingerprints, w: int) -> Fingerprints:
     """The smallest of every window of w grams (the rightmost on ties), without repeats."""
     if len(grams) == 0:

@@ -123,10 +123,13 @@ SPACES = (" ", "  ", "\t", "\n", "\n\n", " \n")
 # --- The gateway's isolation objects, wired as gateway/app.py wires them ------------------------------------------
 
 
-def bench_settings() -> Settings:
+def bench_settings(public: Sequence[Path] = ()) -> Settings:
     raw = processes._gateway_settings(8000, "http://127.0.0.1:9", Path("unused"), "WARNING")
     raw["models"][0].pop("tokenizer")
-    raw["isolation"] = {"canary": {"keys": [{"id": "bench", "secret": SECRET}], "policy": "alert"}}
+    raw["isolation"] = {
+        "canary": {"keys": [{"id": "bench", "secret": SECRET}], "policy": "alert"},
+        "fingerprints": {"public_texts": [str(path) for path in public]},
+    }
     return Settings.model_validate(raw)
 
 
@@ -151,9 +154,14 @@ class Gateway:
 
     @classmethod
     def start(
-        cls, tenants: Sequence[str], executor: ThreadPoolExecutor, redis: Redis | None = None, keep: bool = False
+        cls,
+        tenants: Sequence[str],
+        executor: ThreadPoolExecutor,
+        redis: Redis | None = None,
+        keep: bool = False,
+        public: Sequence[Path] = (),
     ) -> Gateway:
-        settings = bench_settings()
+        settings = bench_settings(public)
         keys = canary_keys(settings)
         registry = MarkerRegistry(keys, settings.isolation.canary.epoch_s)
         registry.add_tenants(tenants)
@@ -396,11 +404,11 @@ def normal_words(text: str) -> str:
 # --- Part 1: detection --------------------------------------------------------------------------------------------
 
 
-def measure_detection(trials: int, seed: int) -> dict[str, Any]:
-    return asyncio.run(_detection(trials, seed))
+def measure_detection(trials: int, seed: int, public: Sequence[Path] = ()) -> dict[str, Any]:
+    return asyncio.run(_detection(trials, seed, public))
 
 
-async def _detection(trials: int, seed: int) -> dict[str, Any]:
+async def _detection(trials: int, seed: int, public: Sequence[Path]) -> dict[str, Any]:
     (code,) = code_pools([0.2])
     victims = [
         (f"victim-{n}", VICTIM_SIZES[n % len(VICTIM_SIZES)]) for n in range(len(VICTIM_SIZES) * VICTIMS_PER_SIZE)
@@ -408,7 +416,7 @@ async def _detection(trials: int, seed: int) -> dict[str, Any]:
     others = [f"tenant-{n}" for n in range(DETECTION_OTHERS)] + ["recipient"]
     tenants = [victim for victim, _ in victims] + others
     with ThreadPoolExecutor(2, "bench-fingerprints") as executor:
-        gateway = Gateway.start(tenants, executor, keep=True)
+        gateway = Gateway.start(tenants, executor, keep=True, public=public)
         turns: dict[tuple[str, bool], Turn] = {}
         for number, (victim, size) in enumerate(victims):
             messages = [
@@ -512,8 +520,8 @@ class Category:
     examples: list[dict[str, Any]] = field(default_factory=list)
 
 
-def measure_false_positives(megabytes: float, seed: int) -> dict[str, Any]:
-    return asyncio.run(_false_positives(megabytes, seed))
+def measure_false_positives(megabytes: float, seed: int, public: Sequence[Path] = ()) -> dict[str, Any]:
+    return asyncio.run(_false_positives(megabytes, seed, public))
 
 
 def quotes(turn: Turn, rng: random.Random, lengths: Sequence[int]) -> str:
@@ -528,13 +536,13 @@ def quotes(turn: Turn, rng: random.Random, lengths: Sequence[int]) -> str:
     return "\n\n".join(parts)
 
 
-async def _false_positives(megabytes: float, seed: int) -> dict[str, Any]:
+async def _false_positives(megabytes: float, seed: int, base: Sequence[Path]) -> dict[str, Any]:
     prompts_code, answers_code = code_pools([0.65, 0.35])
     background = [f"tenant-{n}" for n in range(BACKGROUND)]
     public = public_texts()
     rng = random.Random(seed)
     with ThreadPoolExecutor(2, "bench-fingerprints") as executor:
-        gateway = Gateway.start(background, executor, keep=True)
+        gateway = Gateway.start(background, executor, keep=True, public=base)
         own: dict[str, tuple[Turn, Turn]] = {}  # as written, as sent
         for number, tenant in enumerate(background):
             tokens = BACKGROUND_SIZES[number % len(BACKGROUND_SIZES)]
@@ -953,6 +961,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--cost-tokens", type=int, default=1_000_000, help="the big prompt fingerprinted")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--public-texts",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="isolation.fingerprints.public_texts for the detection and false-positive parts (e.g. Python's lib dir)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     return parser.parse_args(argv)
 
@@ -971,9 +986,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         print(f"{part}...", file=sys.stderr, flush=True)
         if part == "detection":
-            report["detection"] = in_child(measure_detection, args.trials, args.seed)
+            report["detection"] = in_child(measure_detection, args.trials, args.seed, args.public_texts)
         elif part == "false-positives":
-            report["false_positives"] = in_child(measure_false_positives, args.fp_mb, args.seed)
+            report["false_positives"] = in_child(measure_false_positives, args.fp_mb, args.seed, args.public_texts)
         elif part == "cost":
             report["fingerprinting"] = in_child(measure_fingerprinting, args.cost_tokens, args.seed)
             report["index_memory"] = [

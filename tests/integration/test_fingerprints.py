@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from gateway.app import create_app
 from gateway.serving import run_server
+from gateway.settings import SettingsError
 from gateway.tokens import ModelTokenizer
 from tests.integration.adversary import Adversary, Plan
 from tests.integration.support import ALICE_KEY, BOB_KEY, auth, chat_body, gateway_settings, metric
@@ -127,3 +129,38 @@ async def test_text_that_several_tenants_send_is_no_evidence(client: httpx.Async
             adversary.plan = Plan("content")
             assert (await ask(BOB_KEY, "And this?")).status_code == 502
             assert [e["kind"] for e in await events(client, gateway_url)] == ["fingerprint_leak"]
+
+
+async def test_public_texts_are_no_evidence_even_when_only_one_tenant_sent_them(
+    client: httpx.AsyncClient, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    licence, private = document(15, 120), document(16, 120)
+    (tmp_path / "public").mkdir()
+    (tmp_path / "public" / "LICENSE").write_text(licence)
+    isolation = {**FINGERPRINTS_ONLY, "fingerprints": {"public_texts": [str(tmp_path / "public")]}}
+
+    async def ask(key: str, content: str) -> httpx.Response:
+        return await client.post(f"{gateway_url}{CHAT}", json=chat_body(content, max_tokens=4), headers=auth(key))
+
+    with run_server(adversary.app()) as backend:
+        settings = gateway_settings({"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=isolation)
+        with run_server(create_app(settings)) as gateway_url:
+            # The licence alone: words of alice's own around it would be hers (a question before it, say).
+            assert (await ask(ALICE_KEY, licence)).status_code == 200
+            adversary.plan = Plan("content")  # bob is answered with alice's prompt: the public licence
+            answer = await ask(BOB_KEY, "And this?")
+            assert answer.status_code == 200 and licence.split()[40] in answer.text
+            assert await events(client, gateway_url) == []
+            assert (await ask(ALICE_KEY, f"My notes: {private}")).status_code == 200
+            adversary.plan = Plan("content")
+            assert (await ask(BOB_KEY, "And this?")).status_code == 502
+            assert [e["kind"] for e in await events(client, gateway_url)] == ["fingerprint_leak"]
+
+
+async def test_an_unreadable_public_text_stops_the_start(tokenizer_dir: Path, sim_url: str, tmp_path: Path) -> None:
+    isolation = {"fingerprints": {"public_texts": [str(tmp_path / "missing")]}}
+    app = create_app(gateway_settings({"sim": sim_url}, tokenizer_dir, isolation=isolation))
+    with pytest.raises(SettingsError, match="public_texts: cannot read .*missing"):
+        async with app.router.lifespan_context(app):
+            pass

@@ -22,6 +22,7 @@ from isolation.fingerprints import (
     FingerprintIndex,
     Prompt,
     RedisFingerprintFeed,
+    public_fingerprints,
     replica_bit,
 )
 from isolation.guard import FRAGMENT, Leak, LeakBlocked, OutputGuard
@@ -126,6 +127,24 @@ def test_text_two_tenants_send_in_different_surroundings_is_shared_whatever_winn
     # Every gram of the passage that either side kept is shared now: bob quoting it is no leak of alice's.
     check = AnswerCheck(index, hasher, "r1", "bob")
     assert check.feed(AnswerGrams(hasher), passage + " .") is None
+
+
+def test_public_texts_are_never_evidence_whoever_sent_them(hasher: Hasher, tmp_path: Any) -> None:
+    licence, private = document(21, 200), document(22, 200)
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "licence.txt").write_text(f"LICENCE\n{licence}\n")
+    (tmp_path / "texts" / "binary.bin").write_bytes(bytes(range(256)))  # not text: skipped
+    public, files = public_fingerprints(hasher, [tmp_path / "texts"])
+    assert files == 1 and public
+    index = FingerprintIndex(1800, 100_000, public)
+    fingerprinter = Fingerprinter(hasher, index, None, ThreadPoolExecutor(1), 10**9)
+    # Only alice ever sent the licence, inside her own prompt: still not hers to leak.
+    asyncio.run(fingerprinter.register("alice", "r1", [f"{private} {licence}"]))
+    check = AnswerCheck(index, hasher, "r1", "bob")
+    assert check.feed(AnswerGrams(hasher), " ".join(licence.split()[20:120]) + " .") is None
+    assert check.feed(AnswerGrams(hasher), " ".join(private.split()[20:120]) + " .") == "alice"
+    with pytest.raises(FileNotFoundError):
+        public_fingerprints(hasher, [tmp_path / "missing"])
 
 
 def test_one_chance_match_is_not_evidence_and_two_are(hasher: Hasher, bobs_document: Any) -> None:
