@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.metrics import GatewayMetrics
 
@@ -23,6 +25,31 @@ def request_id(header: str | None) -> str:
     if header and _REQUEST_ID.match(header):
         return header
     return uuid.uuid4().hex
+
+
+class RequestIdHeader:
+    """ASGI middleware: every answer carries `x-request-id`, so a client can quote it and an operator find it.
+
+    Routes that log a request set the header themselves (the id of its log line and isolation events); this adds
+    it to every other answer (health, metrics, admin, unknown routes) with the caller's id or a new one.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                if "x-request-id" not in headers:
+                    headers["x-request-id"] = request_id(Headers(scope=scope).get("x-request-id"))
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 @dataclass

@@ -1,19 +1,25 @@
-"""The operators' API under /admin: a separate admin token (never a tenant key), off unless one is configured."""
+"""The operators' API under /admin: a separate admin token (never a tenant key), off unless one is configured.
+
+Replicas and isolation events here; tenants and their keys in admin_tenants.py, under the same token.
+"""
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway import admin_tenants
 from gateway.backends import Replica
 from gateway.errors import AuthenticationFailed, GatewayError, InvalidRequest, NotFound, error_response
 from gateway.state import GatewayState
 from gateway.store import AdminState
+from gateway.tenants import reaching_store
 
 Handler = Callable[[Request, GatewayState], Awaitable[Response]]
 
@@ -53,12 +59,22 @@ def _describe(replica: Replica, state: GatewayState) -> dict[str, object]:
     }
 
 
-async def isolation_events(request: Request, state: GatewayState) -> Response:
+def _limit(request: Request) -> int:
     limit = request.query_params.get("limit", "100")
     if not limit.isdigit() or not 1 <= int(limit) <= 10_000:
         raise InvalidRequest("limit must be an integer from 1 to 10000.", param="limit")
-    recent = await state.events.recent(int(limit))
+    return int(limit)
+
+
+async def isolation_events(request: Request, state: GatewayState) -> Response:
+    recent = await state.events.recent(_limit(request))
     return _json({"events": [e.fields() for e in recent]})
+
+
+async def audit_events(request: Request, state: GatewayState) -> Response:
+    with reaching_store():
+        recent = await state.audit.recent(_limit(request))
+    return _json({"events": [asdict(e) for e in recent]})
 
 
 async def list_replicas(request: Request, state: GatewayState) -> Response:
@@ -78,8 +94,19 @@ def _set_state(target: AdminState | None) -> Handler:
 
 
 def routes() -> list[Route]:
+    tenants, tenant = "/admin/tenants", "/admin/tenants/{tenant}"
     return [
         Route("/admin/isolation-events", _authorized(isolation_events), methods=["GET"]),
+        Route("/admin/audit-events", _authorized(audit_events), methods=["GET"]),
+        Route(tenants, _authorized(admin_tenants.list_tenants), methods=["GET"]),
+        Route(tenants, _authorized(admin_tenants.create_tenant), methods=["POST"]),
+        Route(tenant, _authorized(admin_tenants.show_tenant), methods=["GET"]),
+        Route(tenant, _authorized(admin_tenants.update_tenant), methods=["PATCH"]),
+        Route(tenant, _authorized(admin_tenants.delete_tenant), methods=["DELETE"]),
+        Route(f"{tenant}/keys", _authorized(admin_tenants.list_keys), methods=["GET"]),
+        Route(f"{tenant}/keys", _authorized(admin_tenants.create_key), methods=["POST"]),
+        Route(f"{tenant}/keys/{{key_id}}", _authorized(admin_tenants.revoke_key), methods=["DELETE"]),
+        Route(f"{tenant}/keys/{{key_id}}/rotate", _authorized(admin_tenants.rotate_key), methods=["POST"]),
         Route("/admin/replicas", _authorized(list_replicas), methods=["GET"]),
         Route("/admin/replicas/{name}/quarantine", _authorized(_set_state("quarantined")), methods=["POST"]),
         Route("/admin/replicas/{name}/drain", _authorized(_set_state("draining")), methods=["POST"]),

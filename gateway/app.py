@@ -25,14 +25,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import admin, inference, workers_api
+from gateway import admin, catalog, inference, workers_api
+from gateway.accesslog import RequestIdHeader
+from gateway.auditlog import MemoryAuditLog, RedisAuditLog
 from gateway.backends import ReplicaPool
 from gateway.capacity import CapacityMonitor
 from gateway.counting import BackendCounter, LocalCounter, PromptCounter
+from gateway.directory import MemoryDirectoryStore, RedisDirectoryStore
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -76,20 +80,6 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     return await inference.serve(request, _state(request), inference.COMPLETIONS)
-
-
-async def list_models(request: Request) -> Response:
-    state = _state(request)
-    try:
-        tenant = state.tenants.authenticate(request.headers.get("authorization"))
-    except GatewayError as error:
-        return error_response(error)
-    data = [
-        {"id": m.name, "object": "model", "created": 0, "owned_by": "bulkhead", "max_model_len": m.context_window}
-        for m in state.settings.models
-        if tenant.may_use(m.name)
-    ]
-    return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
 async def healthz(request: Request) -> Response:
@@ -288,6 +278,15 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         redis = make_redis(settings)
         metrics = GatewayMetrics(with_redis=redis is not None)
+        directory = RedisDirectoryStore(redis) if redis is not None else MemoryDirectoryStore()
+        tenants = TenantDirectory(settings.tenants, directory, settings.tenant_directory, metrics)
+        try:
+            await tenants.start()
+        except SettingsError as exc:
+            log.error("bulkhead: bad settings: %s", exc)  # the line to read, above uvicorn's traceback
+            if redis is not None:
+                await redis.aclose()
+            raise
         store: Store = RedisStore(redis) if redis is not None else MemoryStore()
         pool = ReplicaPool(settings.backends, metrics, store)
         capacity = CapacityMonitor(settings.models, pool, metrics)
@@ -303,6 +302,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 await pool.refresh(client, timeout)
                 keys = canary_keys(settings)
                 markers = await marker_registry(settings, keys, redis, metrics)
+                tenants.joined = markers.publish_tenants
                 instance = f"{socket.gethostname()}-{os.getpid()}"
                 # Random too: several apps can run in one process (tests, the demo), and must not skip each other.
                 feed_name = f"{instance}-{secrets.token_hex(4)}"
@@ -317,7 +317,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 pool.on_recovered = lambda replica: capacity.refresh_soon(client, replica, timeout)
                 app.state.gateway = GatewayState(
                     settings=settings,
-                    tenants=TenantDirectory(settings.tenants),
+                    tenants=tenants,
                     pool=pool,
                     upstream=upstream,
                     metrics=metrics,
@@ -344,11 +344,17 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     quarantines=QuarantineBudget(
                         settings.isolation.quarantine.max_per_replica, settings.isolation.quarantine.window_s
                     ),
+                    audit=(
+                        RedisAuditLog(redis, settings.tenant_directory.audit_events_max)
+                        if redis is not None
+                        else MemoryAuditLog(settings.tenant_directory.audit_events_max)
+                    ),
                 )
                 tasks = [
                     asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
                     asyncio.create_task(capacity.watch(client, settings.upstream.capacity_refresh_s, timeout)),
                     asyncio.create_task(rotate_markers(markers, metrics)),
+                    asyncio.create_task(tenants.follow()),
                 ]
                 if redis is not None and metrics.redis_up is not None:
                     interval = settings.upstream.health_interval_s
@@ -375,7 +381,8 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models", catalog.list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", catalog.retrieve_model, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
@@ -384,6 +391,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
             *workers_api.routes(),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _unexpected},
+        middleware=[Middleware(RequestIdHeader)],
         lifespan=lifespan,
     )
     app.state.openapi = orjson.dumps(openapi_document())

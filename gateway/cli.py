@@ -1,4 +1,4 @@
-"""The `bulkhead` command: serve, demo, sim, keys, audit."""
+"""The `bulkhead` command: serve, demo, sim, keys, tenants, audit."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import orjson
 import uvicorn
 from starlette.applications import Starlette
 
-from gateway import multiprocess
+from gateway import multiprocess, tenant_commands
 from gateway.app import create_app
 from gateway.serving import free_port
 from gateway.settings import Settings, SettingsError, TenantSettings, load_settings
@@ -124,7 +124,8 @@ def _serve(args: argparse.Namespace) -> int:
             url = stack.enter_context(embedded_simulator(tokenizer))
             settings = with_embedded_backend(settings, url, tokenizer)
         demo_key = None
-        if not settings.tenants:
+        # With an admin token, tenants are made at runtime (and a demo id could clash with one in Redis).
+        if not settings.tenants and settings.admin_token is None:
             demo_key = new_api_key()
             settings = with_demo_tenant(settings, demo_key)
         _print_banner(settings, demo_key, count)
@@ -149,6 +150,8 @@ def _print_banner(settings: Settings, demo_key: str | None, processes: int) -> N
     for backend in settings.backends:
         lines.append(f"bulkhead: backend '{backend.name}' at {backend.url}")
     lines.append(f"bulkhead: state in {'redis' if settings.redis_url else 'memory (this process only)'}")
+    if not settings.tenants and demo_key is None:
+        lines.append(f"bulkhead: no tenants in the settings: make them with `bulkhead tenants create --url {address}`")
     if demo_key is not None:
         model = settings.models[0].name if settings.models else "MODEL"
         lines.append(f"bulkhead: demo tenant API key (shown once, valid for this run): {demo_key}")
@@ -194,6 +197,10 @@ def _keys_create(args: argparse.Namespace) -> int:
     print("Add its hash to the tenant in your config:")
     print(f'  - id: {args.tenant}\n    key_hashes: ["{hash_key(key)}"]')
     return 0
+
+
+def _tenants(args: argparse.Namespace) -> int:
+    return tenant_commands.run(args, os.environ)
 
 
 def _sized_for_fault(args: argparse.Namespace) -> bool:
@@ -293,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     create = key_commands.add_parser("create", help="make a new API key and print its hash for the config")
     create.add_argument("--tenant", required=True)
     create.set_defaults(run=_keys_create)
+
+    tenant_commands.add_parser(commands).set_defaults(run=_tenants)
 
     demo = commands.add_parser("demo", help="replay the stale-KV incident and show what each defence catches")
     demo.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer directory (default: a built tiny one)")

@@ -6,15 +6,18 @@ GatewayError                       status, type, code, param, message
 ├── BodyTooLarge          413      invalid_request_error / request_too_large
 ├── AuthenticationFailed  401      authentication_error / invalid_api_key
 ├── ModelNotAllowed       403      permission_error / model_not_allowed
+├── TenantDisabled        403      permission_error / tenant_disabled (the key is good, its tenant is switched off)
 ├── ModelNotFound         404      not_found_error / model_not_found
 ├── NotFound              404      not_found_error / not_found (unknown route)
 ├── MethodNotAllowed      405      invalid_request_error / method_not_allowed
+├── Conflict              409      invalid_request_error / conflict (an id that exists, a config-managed tenant)
 ├── RateLimited           429      rate_limit_error (Retry-After and x-ratelimit-* headers)
 │   ├── ConcurrencyLimited         concurrency_limit_exceeded: too many in flight on this instance
 │   └── RateLimitExceeded          rate_limit_exceeded: requests or tokens per minute
 └── UpstreamError                  api_error: the backend could not give a usable answer
     ├── RateLimitUnavailable 503   the rate-limit store is down and the policy is fail_closed
     ├── QueueUnavailable    503    the async queue's store is down: nothing was accepted
+    ├── DirectoryUnavailable 503   the tenant directory's store cannot answer (or too many unknown keys at once)
     ├── BackendUnavailable  503    no healthy backend for the model
     │   └── CapacityUnknown 503    no limit known for the model: nothing is forwarded blind
     ├── BackendUnreachable  502    connect refused / reset / DNS
@@ -74,6 +77,12 @@ class ModelNotAllowed(GatewayError):
     code = "model_not_allowed"
 
 
+class TenantDisabled(GatewayError):
+    status = 403
+    type = "permission_error"
+    code = "tenant_disabled"
+
+
 class ModelNotFound(GatewayError):
     status = 404
     type = "not_found_error"
@@ -90,6 +99,12 @@ class MethodNotAllowed(GatewayError):
     status = 405
     type = "invalid_request_error"
     code = "method_not_allowed"
+
+
+class Conflict(GatewayError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
 
 
 class RateLimited(GatewayError):
@@ -125,6 +140,11 @@ class RateLimitUnavailable(UpstreamError):
 class QueueUnavailable(UpstreamError):
     status = 503
     code = "queue_unavailable"
+
+
+class DirectoryUnavailable(UpstreamError):
+    status = 503
+    code = "directory_unavailable"
 
 
 class BackendUnavailable(UpstreamError):

@@ -74,13 +74,19 @@ def resolve_model(state: GatewayState, tenant: TenantSettings, name: str) -> Mod
     return model
 
 
+def output_cap(state: GatewayState, tenant: TenantSettings) -> int:
+    """The most output tokens this tenant may ask for in one request."""
+    limits = state.settings.limits
+    return min(limits.max_output_tokens, tenant.limits.max_output_tokens or limits.max_output_tokens)
+
+
 def check_request_limits(
     state: GatewayState, tenant: TenantSettings, model: ModelSettings, request: InferenceRequest
 ) -> int:
     """Refuse outputs and choices over the caps; return the output size a request without max_tokens gets."""
     limits = state.settings.limits
     output = request.requested_output
-    cap = min(limits.max_output_tokens, tenant.limits.max_output_tokens or limits.max_output_tokens)
+    cap = output_cap(state, tenant)
     if output is not None and output > cap:
         param = request.output_param
         raise InvalidRequest(f"{param} is {output}; at most {cap} output tokens may be requested.", param=param)
@@ -405,7 +411,7 @@ class Submission:
 
 
 async def read_submission(request: Request, state: GatewayState, record: RequestRecord) -> Submission:
-    tenant = state.tenants.authenticate(request.headers.get("authorization"))
+    tenant = await state.tenants.authenticate(request.headers.get("authorization"))
     record.tenant = tenant.id
     session = session_id(request.headers.get(SESSION_HEADER))
     limits = state.settings.limits
@@ -464,7 +470,8 @@ async def _admit(
     return call, upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.id))
 
 
-def _refuse(state: GatewayState, record: RequestRecord, error: GatewayError) -> Answer:
+def refuse(state: GatewayState, record: RequestRecord, error: GatewayError) -> Answer:
+    """A request refused before it ran: logged, and answered with its request id."""
     record.status, record.error_code = error.status, error.code
     accesslog.finish(record, state.metrics)
     return Answer.refusal(error, {"x-request-id": record.request_id})
@@ -475,7 +482,7 @@ async def run(state: GatewayState, route: Route, submission: Submission, record:
     try:
         call, body = await _admit(state, route, submission, record)
     except GatewayError as error:
-        return _refuse(state, record, error)
+        return refuse(state, record, error)
     streaming = False
     try:
         await call.forward(route.path, body)
@@ -495,11 +502,15 @@ def new_record(request: Request, route: Route) -> RequestRecord:
     return RequestRecord(request_id=accesslog.request_id(request.headers.get("x-request-id")), route=route.name)
 
 
-async def serve(request: Request, state: GatewayState, route: Route) -> Response:
-    """The OpenAI routes."""
+async def serve(
+    request: Request, state: GatewayState, route: Route, admit_tenant: Callable[[TenantSettings], None] | None = None
+) -> Response:
+    """The OpenAI routes; `admit_tenant` refuses a key the route does not serve (another account's, on its routes)."""
     record = new_record(request, route)
     try:
         submission = await read_submission(request, state, record)
+        if admit_tenant is not None:
+            admit_tenant(submission.tenant)
     except GatewayError as error:
-        return openai_response(_refuse(state, record, error))
+        return openai_response(refuse(state, record, error))
     return openai_response(await run(state, route, submission, record))

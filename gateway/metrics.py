@@ -215,6 +215,17 @@ class GatewayMetrics:
             "Rate-limit checks that could not reach Redis (served by local limits, or 503 under fail_closed).",
             registry=self.registry,
         )
+        self.key_lookups = Counter(
+            "bulkhead_tenant_key_lookups",
+            "API keys not held in memory, by outcome: read from the tenant directory (store), refused without a read "
+            "for want of a valid check (bad_check) or as recently unknown (unknown), or refused with 503 over "
+            "tenant_directory.cold_lookups_per_s (busy).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.keys_held = Gauge(
+            "bulkhead_tenant_keys_held", "Runtime API keys held in this instance's memory.", registry=self.registry
+        )
         # Only with Redis configured: a gauge stuck at 0 in a Redis-less gateway would page as "Redis down".
         self.redis_up = (
             Gauge(

@@ -35,10 +35,15 @@ class Job:
     tenant: str
     route: str  # "chat" or "completions"
     items: list[dict[str, Any]]
+    # The caller's label for each item (Workers AI's `external_reference`), handed back with its result; never sent
+    # upstream, so it is kept apart from the items.
+    references: list[str | None] = field(default_factory=list)
 
     @classmethod
-    def new(cls, tenant: str, route: str, items: list[dict[str, Any]]) -> Job:
-        return cls(uuid.uuid4().hex, tenant, route, items)
+    def new(
+        cls, tenant: str, route: str, items: list[dict[str, Any]], references: list[str | None] | None = None
+    ) -> Job:
+        return cls(uuid.uuid4().hex, tenant, route, items, references or [])
 
     def encode(self) -> bytes:
         return orjson.dumps({"id": self.id, "tenant": self.tenant, "route": self.route, "items": self.items})
@@ -55,6 +60,7 @@ class JobStatus:
     items: int
     results: dict[int, Any] = field(default_factory=dict)
     attempts: int = 0
+    references: list[str | None] = field(default_factory=list)  # the job's, one per item (or none at all)
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,9 @@ class RedisJobQueue:
         await self._ensure_group()
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(_key(job.tenant, job.id), mapping={"status": "queued", "items": len(job.items)})
+            if any(reference is not None for reference in job.references):
+                # With the status, not in the stream's entry: a poll reads the hash alone.
+                pipe.hset(_key(job.tenant, job.id), "references", orjson.dumps(job.references))
             pipe.expire(_key(job.tenant, job.id), self._ttl)
             pipe.xadd(STREAM, {"job": job.encode()})
             await pipe.execute()
@@ -126,7 +135,8 @@ class RedisJobQueue:
         if not fields:
             return None
         results = {int(k[7:]): orjson.loads(v) for k, v in fields.items() if k.startswith("result:")}
-        return JobStatus(fields["status"], int(fields["items"]), results, int(fields.get("attempts", 0)))
+        references = orjson.loads(fields.get("references", "[]"))
+        return JobStatus(fields["status"], int(fields["items"]), results, int(fields.get("attempts", 0)), references)
 
     async def claim(self, consumer: str, wait_s: float) -> list[Claimed]:
         await self._ensure_group()
@@ -186,7 +196,8 @@ class MemoryJobQueue:
         self._statuses: dict[tuple[str, str], tuple[float, JobStatus]] = {}
 
     async def enqueue(self, job: Job) -> None:
-        self._statuses[(job.tenant, job.id)] = (time.monotonic(), JobStatus("queued", len(job.items)))
+        status = JobStatus("queued", len(job.items), references=list(job.references))
+        self._statuses[(job.tenant, job.id)] = (time.monotonic(), status)
         self._pending.append(Claimed(job.id, job))
         self._arrived.set()
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 ENV_PREFIX = "BULKHEAD_"
 KEY_HASH_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
+TENANT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
 class SettingsError(Exception):
@@ -103,7 +104,7 @@ class TenantLimits(_Section):
 
 
 class TenantSettings(_Section):
-    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    id: str = Field(pattern=TENANT_ID_PATTERN)
     key_hashes: list[str] = Field(min_length=1)
     models: list[str] = Field(default_factory=lambda: ["*"], description='model names, or "*" for all')
     limits: TenantLimits = TenantLimits()
@@ -118,6 +119,21 @@ class TenantSettings(_Section):
 
     def may_use(self, model: str) -> bool:
         return "*" in self.models or model in self.models
+
+
+class TenantDirectorySettings(_Section):
+    resync_s: float = Field(
+        default=30.0, gt=0, description="re-read every cached key and tenant (pub/sub invalidates at once)"
+    )
+    cache_keys: int = Field(default=100_000, ge=1, description="runtime API keys kept in this instance's memory")
+    negative_ttl_s: float = Field(
+        default=30.0, gt=0, le=3600, description="an unknown key is refused without asking Redis for this long"
+    )
+    negative_keys: int = Field(default=100_000, ge=1, description="unknown keys remembered (~150 B each)")
+    cold_lookups_per_s: float = Field(
+        default=1000.0, gt=0, description="Redis reads for keys not in memory, per instance; beyond: 503"
+    )
+    audit_events_max: int = Field(default=10_000, ge=100, description="admin changes kept (Redis stream or memory)")
 
 
 class RateLimitSettings(_Section):
@@ -224,6 +240,7 @@ class Settings(_Section):
     )
     routing: RoutingSettings = RoutingSettings()
     rate_limits: RateLimitSettings = RateLimitSettings()
+    tenant_directory: TenantDirectorySettings = TenantDirectorySettings()
     queue: QueueSettings = QueueSettings()
     isolation: IsolationSettings = IsolationSettings()
     admission: AdmissionSettings = AdmissionSettings()

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from redis.asyncio import Redis
 
+from gateway.auditlog import AuditLog
 from gateway.backends import ReplicaPool
 from gateway.capacity import CapacityMonitor
 from gateway.counting import PromptCounter
@@ -48,6 +49,7 @@ class GatewayState:
     queue: JobQueue
     client: httpx.AsyncClient  # the process's one HTTP client, for everything but the proxied hop
     quarantines: QuarantineBudget
+    audit: AuditLog  # admin changes (the tenant directory's), in Redis or in memory
     fingerprints: Fingerprinter | None = None
     webhook: Webhook | None = None
     redis: Redis | None = None

@@ -47,9 +47,9 @@ def error_result(error: GatewayError) -> dict[str, Any]:
 
 
 async def run_item(state: GatewayState, job: Job, index: int) -> dict[str, Any]:
-    tenant = state.tenants.by_id(job.tenant)
+    tenant = await state.tenants.by_id(job.tenant)
     if tenant is None:
-        return error_result(AuthenticationFailed("The tenant no longer exists."))
+        return error_result(AuthenticationFailed("The tenant no longer exists or is disabled."))
     route = ROUTES[job.route]
     record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
     outcome = await inference.run(state, route, inference.Submission(tenant, dict(job.items[index])), record)

@@ -1,25 +1,40 @@
-"""The Workers-style surface: `POST /accounts/{account_id}/ai/run/{model}`, its async (queued) form, and polling.
+"""The Workers AI surface: a client written for Cloudflare Workers AI works here by changing only the host.
 
-A translation at the edges only: the body becomes an OpenAI chat (`messages`) or completion (`prompt`) request and
-runs through the very same pipeline as /v1 (admission, salting, canaries, scanning, verification); the answer is
-put in the Workers envelope `{"result", "success", "errors", "messages"}`. The account id must be the key's tenant.
+Under `/accounts/{account_id}` (and the same under `/client/v4`, Cloudflare's API root):
+
+    POST ai/run/{model}                   run: `messages`, or `prompt`; `stream: true` answers `{"response"}` lines
+    POST ai/run/{model}?queueRequest=true queue one request or a batch (`requests`, each with its
+                                          `external_reference`); answers `{"status": "queued", "request_id", "model"}`
+    POST ai/run/{model}  {"request_id"}   poll (with or without the flag): `queued` / `running`, then `responses`
+    GET  ai/run/{model}/requests/{id}     the same poll, as a GET (ours)
+    ai/v1/chat/completions, ai/v1/completions, ai/v1/models[/{model}]: the OpenAI-compatible routes
+
+A translation at the edges only: every request runs through the very same pipeline as /v1 (admission, salting,
+canaries, scanning, verification), and each answer is rendered here from the pipeline's outcome, in Workers AI's
+envelope `{"result", "success", "errors", "messages"}` with Workers AI's error codes (WORKERS_ERRORS). The account
+id must be the key's tenant. docs/workers-compat.md sets every documented behaviour next to this one.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import orjson
 from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
-from gateway import inference
+from gateway import accesslog, catalog, inference
+from gateway.accesslog import RequestRecord
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
+    MethodNotAllowed,
     ModelNotAllowed,
     NotFound,
     QueueUnavailable,
@@ -27,50 +42,196 @@ from gateway.errors import (
 )
 from gateway.inference import CHAT, COMPLETIONS, RelayResponse, Submission
 from gateway.outcome import Answer, Event, Stream
-from gateway.queue import Job, JobQueue
+from gateway.queue import Job, JobQueue, JobStatus
 from gateway.schemas import validate
+from gateway.settings import TenantSettings
+from gateway.sse import DONE as SSE_DONE
 from gateway.state import GatewayState
-
-DATA = b"data: "
 
 log = logging.getLogger("bulkhead.queue")
 
+DATA = b"data: "
+QUEUE_ROUTE = "queue"  # the access log's route for enqueueing and polling
+# Workers AI's default output for text generation (`max_tokens`, default 256, in every model's input schema).
+WORKERS_MAX_TOKENS = 256
 
-def envelope(result: Any, status: int, errors: list[dict[str, Any]] | None = None) -> Response:
+# Each gateway error code (the error tree's in errors.py, and those its raise sites set: `backend_rejected`,
+# `job_failed`, `account_mismatch`, …) → (Workers AI code, HTTP status as Workers AI answers it). Codes from Workers
+# AI's errors page, from its answers where the page lists none (5006 bad input, 5021 context window), and from
+# Cloudflare's API (7000, 7001, 7003, 10000); 8000-8004 are Bulkhead's own, for failures Workers AI has no code for.
+# docs/workers-compat.md gives the source of each.
+WORKERS_ERRORS: dict[str, tuple[int, int]] = {
+    "invalid_request": (5006, 400),
+    "backend_rejected": (5006, 400),
+    "incomplete_request": (3003, 400),
+    "context_length_exceeded": (5021, 413),
+    "request_too_large": (3006, 413),
+    "lora_unsupported": (5005, 405),
+    "invalid_api_key": (10000, 401),
+    "account_mismatch": (10000, 403),
+    "model_not_allowed": (5018, 403),
+    "tenant_disabled": (3023, 403),
+    "model_not_found": (5007, 400),
+    "not_found": (7000, 404),
+    "request_not_found": (7003, 404),
+    "method_not_allowed": (7001, 405),
+    "rate_limited": (3036, 429),
+    "concurrency_limit_exceeded": (3036, 429),
+    "rate_limit_exceeded": (3036, 429),
+    "backend_unavailable": (3040, 429),
+    "capacity_unknown": (3040, 429),
+    "backend_unreachable": (3040, 429),
+    "rate_limit_unavailable": (3040, 429),
+    "queue_unavailable": (3040, 429),
+    "directory_unavailable": (3040, 429),
+    "backend_timeout": (3007, 408),
+    "internal_error": (8000, 500),
+    "answer_withheld": (8001, 502),
+    "backend_error": (8002, 502),
+    "backend_bad_response": (8002, 502),
+    "job_failed": (8003, 500),
+    "conflict": (8004, 409),
+    "tenant_exists": (8004, 409),
+    "tenant_configured": (8004, 409),
+}
+UNMAPPED = 8000  # a code missing from the table (a test keeps the table complete): reported, never a KeyError
+
+
+# --- Errors ---------------------------------------------------------------------------------------------------------
+
+
+def workers_error(error: dict[str, Any], status: int) -> tuple[dict[str, Any], int]:
+    """An OpenAI error object as Workers AI reports it, and the HTTP status it goes with.
+
+    `code` is Workers AI's number; `type` keeps the gateway's own code (OpenAI's `error.code`) for our tools;
+    `source.pointer` names the offending field, as Cloudflare's API does.
+    """
+    code = error.get("code")
+    number, workers_status = WORKERS_ERRORS.get(code if isinstance(code, str) else "", (UNMAPPED, status))
+    reported: dict[str, Any] = {"code": number, "message": error.get("message"), "type": code}
+    param = error.get("param")
+    if isinstance(param, str) and param:
+        # "messages[0].content" → "/messages/0/content"
+        reported["source"] = {"pointer": "/" + re.sub(r"\[(\d+)\]", r".\1", param).replace(".", "/")}
+    return reported, workers_status
+
+
+def envelope(
+    result: Any, status: int, errors: list[dict[str, Any]] | None = None, headers: dict[str, str] | None = None
+) -> Response:
     body = {"result": result, "success": not errors, "errors": errors or [], "messages": []}
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
-def failure(error: GatewayError) -> Response:
-    return envelope(None, error.status, [{"code": error.status, "message": error.message, "type": error.code}])
+def failure(answer: Answer) -> Response:
+    """A refusal (an Answer whose body is an OpenAI error) in the Workers envelope, its headers kept."""
+    error, status = workers_error(answer.body.get("error") or {}, answer.status)
+    return envelope(None, status, [error], answer.headers)
 
 
-def to_openai(model: str, body: dict[str, Any]) -> tuple[inference.Route, dict[str, Any]]:
-    payload = {k: v for k, v in body.items() if k not in ("queueRequest", "requests")}
+def check_account(account_id: str, tenant: TenantSettings) -> None:
+    if account_id != tenant.id:
+        raise ModelNotAllowed(
+            "This API key does not belong to that account.", param="account_id", code="account_mismatch"
+        )
+
+
+# --- A Workers AI body as an OpenAI request -------------------------------------------------------------------------
+
+
+def to_openai(
+    state: GatewayState, tenant: TenantSettings, model: str, body: dict[str, Any]
+) -> tuple[inference.Route, dict[str, Any]]:
+    """A Workers AI text-generation body as the OpenAI request the pipeline runs.
+
+    `prompt` is templated as a user turn (Workers AI does so unless `raw: true`, which sends it as a completion);
+    the output defaults to Workers AI's 256 tokens; Workers-style tools become OpenAI tools; a stream always ends
+    with its usage line, as Workers AI's do.
+    """
+    payload = {k: v for k, v in body.items() if k != "queueRequest"}
+    raw = payload.pop("raw", False)
+    if not isinstance(raw, bool):
+        raise InvalidRequest("`raw` must be true or false.", param="raw")
+    _check_run_options(payload.pop("options", {}))
+    if "lora" in payload:
+        raise InvalidRequest("LoRA adapters are not served here.", param="lora", code="lora_unsupported")
+    if "requests" in payload:
+        raise InvalidRequest("`requests` is a batch: queue it with `?queueRequest=true`.", param="requests")
+    if "messages" in payload and "prompt" in payload:
+        raise InvalidRequest("Send `messages` or `prompt`, not both.", param="prompt")
+    if "messages" not in payload and "prompt" not in payload:
+        raise InvalidRequest(
+            "The body needs `messages` (chat) or `prompt`.", param="messages", code="incomplete_request"
+        )
     payload["model"] = model
-    if "messages" in payload:
-        return CHAT, payload
-    if "prompt" in payload:
-        return COMPLETIONS, payload
-    raise InvalidRequest("The body needs `messages` (chat) or `prompt` (completion).", param="messages")
+    if "max_tokens" not in payload and "max_completion_tokens" not in payload:
+        payload["max_tokens"] = min(WORKERS_MAX_TOKENS, inference.output_cap(state, tenant))
+    if isinstance(payload.get("tools"), list):
+        payload["tools"] = [_openai_tool(tool) for tool in payload["tools"]]
+    options = payload.get("stream_options")
+    if payload.get("stream") is True and (options is None or isinstance(options, dict)):
+        payload["stream_options"] = {**(options or {}), "include_usage": True}
+    if "prompt" in payload and not raw:
+        payload["messages"] = [{"role": "user", "content": payload.pop("prompt")}]
+    return (CHAT if "messages" in payload else COMPLETIONS), payload
 
 
-def workers_answer(route: inference.Route, answer: Answer) -> Response:
-    """An answer in the Workers envelope: the text and the usage, or the error."""
-    body = answer.body
-    if answer.status != 200:
-        error = body.get("error", {})
-        errors = [{"code": answer.status, "message": error.get("message"), "type": error.get("code")}]
-        return envelope(None, answer.status, errors)
+def _check_run_options(options: Any) -> None:
+    """`options.rejectIfBusy` asks Workers AI not to wait in a capacity queue; the gateway never does, so it has
+    nothing to change here, but anything else in `options` is refused like any unknown field."""
+    if not isinstance(options, dict) or any(k != "rejectIfBusy" or not isinstance(v, bool) for k, v in options.items()):
+        raise InvalidRequest("`options` takes `rejectIfBusy` (true or false) alone.", param="options")
+
+
+def _openai_tool(tool: Any) -> Any:
+    """Workers AI also takes a tool as `{name, description, parameters}`; OpenAI's form passes as it is."""
+    if isinstance(tool, dict) and "name" in tool and "function" not in tool:
+        return {"type": "function", "function": tool}
+    return tool
+
+
+# --- Answers in Workers AI's shapes ---------------------------------------------------------------------------------
+
+
+def workers_result(body: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI answer as Workers AI's text-generation result: `response`, `tool_calls` when any, `usage`."""
     choice = (body.get("choices") or [{}])[0]
-    text = choice.get("message", {}).get("content") if route is CHAT else choice.get("text")
-    return envelope({"response": text or "", "usage": body.get("usage")}, 200)
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, dict) else choice.get("text")
+    result: dict[str, Any] = {"response": text or ""}
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if isinstance(calls, list) and calls:
+        result["tool_calls"] = [_tool_call(call) for call in calls]
+    result["usage"] = body.get("usage")
+    return result
+
+
+def _tool_call(call: Any) -> dict[str, Any]:
+    """Workers AI's `{name, arguments}`, the arguments an object; OpenAI's are JSON text (kept as text if not JSON)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    function = function if isinstance(function, dict) else {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            pass  # not JSON: the model's text, as it wrote it
+    return {"name": function.get("name"), "arguments": arguments}
+
+
+def workers_answer(answer: Answer) -> Response:
+    if answer.status != 200:
+        return failure(answer)
+    return envelope(workers_result(answer.body), 200, headers=answer.headers)
 
 
 def workers_event(event: Event) -> bytes:
-    """One event of a stream as Workers' `data: {"response": "..."}` lines; the error and [DONE] as OpenAI's."""
-    if not isinstance(event, dict):
-        return inference.openai_event(event)
+    """One event of a stream as Workers AI's SSE lines: `{"response"}` chunks, the usage line, errors, [DONE]."""
+    if isinstance(event, GatewayError):
+        error, _ = workers_error(event.body()["error"], event.status)
+        return DATA + orjson.dumps({"errors": [error]}) + b"\n\n" + SSE_DONE
+    if not isinstance(event, dict):  # DONE
+        return SSE_DONE
     choice = (event.get("choices") or [{}])[0]
     text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
     line: dict[str, Any] = {"response": text or ""}
@@ -79,97 +240,274 @@ def workers_event(event: Event) -> bytes:
     return DATA + orjson.dumps(line) + b"\n\n" if text or "usage" in line else b""
 
 
-def _state(request: Request) -> GatewayState:
-    state: GatewayState = request.app.state.gateway
-    return state
+# --- The batch API --------------------------------------------------------------------------------------------------
 
 
-async def run_model(request: Request) -> Response:
-    state = _state(request)
-    model = request.path_params["model"]
-    record = inference.new_record(request, CHAT)
-    try:
-        submission = await inference.read_submission(request, state, record)
-        if request.path_params["account_id"] != submission.tenant.id:
-            raise ModelNotAllowed("This API key does not belong to that account.", param="account_id")
-        queued = submission.payload.get("queueRequest") is True or request.query_params.get("queueRequest") == "true"
-        if queued:
-            return await _enqueue(state, model, submission)
-        route, payload = to_openai(model, submission.payload)
-    except GatewayError as error:
-        return failure(error)
-    record.route = route.name
-    outcome = await inference.run(state, route, Submission(submission.tenant, payload, submission.session), record)
-    if isinstance(outcome, Stream):
-        return RelayResponse(outcome, workers_event)
-    return workers_answer(route, outcome)
+def is_queued(request: Request, body: dict[str, Any]) -> bool:
+    flag = body.get("queueRequest", False)
+    if not isinstance(flag, bool):
+        raise InvalidRequest("`queueRequest` must be true or false.", param="queueRequest")
+    return flag or request.query_params.get("queueRequest", "").lower() == "true"
 
 
-async def _enqueue(state: GatewayState, model: str, submission: Submission) -> Response:
-    requests = submission.payload.get("requests", [submission.payload])
-    if not isinstance(requests, list) or not requests or not all(isinstance(r, dict) for r in requests):
+def polled_id(body: dict[str, Any]) -> str:
+    """The id a poll (`{"request_id"}`, posted to the run URL) asks about."""
+    extra = sorted(set(body) - {"request_id", "queueRequest"})
+    if extra:
+        raise InvalidRequest(f"A poll carries `request_id` alone, not {', '.join(extra)}.", param=extra[0])
+    request_id = body["request_id"]
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequest("`request_id` must be the id a queued request was answered with.", param="request_id")
+    return request_id
+
+
+def _batch_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
+    if "requests" not in body:
+        return [{k: v for k, v in body.items() if k != "queueRequest"}]
+    extra = sorted(set(body) - {"requests", "queueRequest"})
+    if extra:
+        raise InvalidRequest(f"A batch has its fields in each of `requests`, not beside it: {', '.join(extra)}.")
+    bodies = body["requests"]
+    if not isinstance(bodies, list) or not bodies or not all(isinstance(b, dict) for b in bodies):
         raise InvalidRequest("`requests` must be a non-empty list of request bodies.", param="requests")
-    if len(requests) > state.settings.queue.max_batch:
+    return bodies
+
+
+def _queued_item(
+    state: GatewayState, tenant: TenantSettings, model: str, body: dict[str, Any], where: str | None
+) -> tuple[str, dict[str, Any], str | None]:
+    """One item of a batch (`where` it is in the body), checked now: a bad one is refused at once, not in a worker."""
+    item = dict(body)
+    reference = item.pop("external_reference", None)
+    try:
+        if reference is not None and not isinstance(reference, str):
+            raise InvalidRequest("`external_reference` must be a string.", param="external_reference")
+        route, payload = to_openai(state, tenant, model, item)
+        payload["stream"] = False  # a queued answer is stored whole
+        payload.pop("stream_options", None)
+        validate(route.schema, payload)
+    except InvalidRequest as error:
+        if where is not None:
+            error.message = f"{where}: {error.message}"
+            error.param = f"{where}.{error.param}" if error.param else where
+        raise
+    return route.name, payload, reference
+
+
+async def enqueue(state: GatewayState, tenant: TenantSettings, model: str, body: dict[str, Any]) -> dict[str, Any]:
+    bodies = _batch_bodies(body)
+    if len(bodies) > state.settings.queue.max_batch:
         raise InvalidRequest(f"At most {state.settings.queue.max_batch} requests per batch.", param="requests")
-    items, routes = [], set()
-    for body in requests:
-        route, payload = to_openai(model, body)
-        payload["stream"] = False
-        # Checked now, so that a bad item is refused at once instead of failing later in a worker.
-        parsed = validate(route.schema, payload)
-        inference.resolve_model(state, submission.tenant, parsed.model)
-        items.append(payload)
-        routes.add(route.name)
+    inference.resolve_model(state, tenant, model)
+    batch = "requests" in body
+    checked = [
+        _queued_item(state, tenant, model, item, f"requests[{index}]" if batch else None)
+        for index, item in enumerate(bodies)
+    ]
+    routes = {route for route, _, _ in checked}
     if len(routes) > 1:
-        raise InvalidRequest("A batch is all chat (`messages`) or all completion (`prompt`) requests.")
-    job = Job.new(submission.tenant.id, routes.pop(), items)
+        raise InvalidRequest("A batch is all chat or all raw completion (`raw: true`) requests.", param="requests")
+    job = Job.new(tenant.id, routes.pop(), [payload for _, payload, _ in checked], [ref for _, _, ref in checked])
     try:
         await state.queue.enqueue(job)
     except (RedisError, OSError) as exc:
         log.error("queue: job not stored: %s: %s", type(exc).__name__, exc)
         raise QueueUnavailable("The queue cannot take requests right now; nothing was queued. Retry shortly.") from exc
-    return envelope({"status": "queued", "request_id": job.id}, 202)
+    return {"status": "queued", "request_id": job.id, "model": model}
 
 
-async def _poll(request: Request, queue: JobQueue, tenant: str) -> dict[str, Any]:
+async def job_status(queue: JobQueue, tenant: str, request_id: str) -> JobStatus:
     try:
-        status = await queue.status(tenant, request.path_params["request_id"])
+        status = await queue.status(tenant, request_id)
     except (RedisError, OSError) as exc:
         raise QueueUnavailable("Queued requests cannot be looked up right now; retry shortly.") from exc
     if status is None:
-        # 404 whether it never existed or is another tenant's: nothing to learn from the difference.
-        raise NotFound("No such request.")
-    finished = status.status in ("done", "failed")
-    results = [status.results.get(i) for i in range(status.items)] if finished else None
-    return {"status": status.status, "request_id": request.path_params["request_id"], "results": results}
+        # The same whether it never existed, expired or is another tenant's: nothing to learn from the difference.
+        raise NotFound("No such request: its id is unknown, or its results have expired.", code="request_not_found")
+    return status
+
+
+def _finished(status: JobStatus) -> bool:
+    return status.status in ("done", "failed")
+
+
+def batch_result(request_id: str, status: JobStatus) -> dict[str, Any]:
+    """A poll's answer as Workers AI's: the state while in progress, then one response per item and the usage."""
+    if not _finished(status):
+        return {"status": status.status, "request_id": request_id}
+    references = status.references + [None] * (status.items - len(status.references))
+    responses = [item_response(i, status.results.get(i), references[i]) for i in range(status.items)]
+    return {"responses": responses, "usage": total_usage(status.results.values())}
+
+
+def item_response(index: int, stored: dict[str, Any] | None, reference: str | None) -> dict[str, Any]:
+    if stored is None:  # a finished job always has every item's result; an answer, not a 500, if not
+        stored = {"status": 500, "body": GatewayError("No result was stored for this request.").body()}
+    response: dict[str, Any] = {"id": index, "result": None, "success": stored["status"] == 200}
+    if response["success"]:
+        response["result"] = workers_result(stored["body"])
+    else:
+        response["errors"] = [workers_error(stored["body"].get("error") or {}, stored["status"])[0]]
+    response["external_reference"] = reference
+    return response
+
+
+def total_usage(results: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """The batch's usage: the sum over the items that were answered."""
+    total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    for stored in results:
+        usage = stored["body"].get("usage") if stored["status"] == 200 else None
+        for key in total:
+            value = usage.get(key) if isinstance(usage, dict) else None
+            total[key] += value if isinstance(value, int) else 0
+    return total
+
+
+def openai_poll(request_id: str, status: JobStatus) -> dict[str, Any]:
+    """The OpenAI surface's poll: the state, and each item's stored answer once finished."""
+    results = [status.results.get(i) for i in range(status.items)] if _finished(status) else None
+    return {"status": status.status, "request_id": request_id, "results": results}
+
+
+# --- Routes ---------------------------------------------------------------------------------------------------------
+
+
+def _state(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+def _queue_record(request: Request) -> RequestRecord:
+    return RequestRecord(request_id=accesslog.request_id(request.headers.get("x-request-id")), route=QUEUE_ROUTE)
+
+
+def _answered(state: GatewayState, record: RequestRecord, result: dict[str, Any]) -> Response:
+    accesslog.finish(record, state.metrics)
+    return envelope(result, 200, headers={"x-request-id": record.request_id})
+
+
+async def run_model(request: Request) -> Response:
+    """`POST …/ai/run/{model}`: run, queue, or poll."""
+    state = _state(request)
+    model = request.path_params["model"]
+    record = inference.new_record(request, CHAT)
+    try:
+        submission = await inference.read_submission(request, state, record)
+        tenant, body = submission.tenant, submission.payload
+        check_account(request.path_params["account_id"], tenant)
+        if "request_id" in body:
+            record.route = QUEUE_ROUTE
+            request_id = polled_id(body)
+            status = await job_status(state.queue, tenant.id, request_id)
+            return _answered(state, record, batch_result(request_id, status))
+        if is_queued(request, body):
+            record.route = QUEUE_ROUTE
+            return _answered(state, record, await enqueue(state, tenant, model, body))
+        route, payload = to_openai(state, tenant, model, body)
+    except GatewayError as error:
+        return failure(inference.refuse(state, record, error))
+    record.route = route.name
+    outcome = await inference.run(state, route, Submission(tenant, payload, submission.session), record)
+    if isinstance(outcome, Stream):
+        return RelayResponse(outcome, workers_event)
+    return workers_answer(outcome)
+
+
+async def _polled(request: Request, state: GatewayState, record: RequestRecord, account: str | None) -> JobStatus:
+    tenant = await state.tenants.authenticate(request.headers.get("authorization"))
+    record.tenant = tenant.id
+    if account is not None:
+        check_account(account, tenant)
+    return await job_status(state.queue, tenant.id, request.path_params["request_id"])
 
 
 async def poll_workers(request: Request) -> Response:
-    state = _state(request)
+    """`GET …/ai/run/{model}/requests/{id}`: the same answer as polling by POST."""
+    state, record = _state(request), _queue_record(request)
     try:
-        tenant = state.tenants.authenticate(request.headers.get("authorization"))
-        if request.path_params["account_id"] != tenant.id:
-            raise ModelNotAllowed("This API key does not belong to that account.", param="account_id")
-        polled = await _poll(request, state.queue, tenant.id)
+        status = await _polled(request, state, record, request.path_params["account_id"])
     except GatewayError as error:
-        return failure(error)
-    return envelope(polled, 200)
+        return failure(inference.refuse(state, record, error))
+    return _answered(state, record, batch_result(request.path_params["request_id"], status))
 
 
 async def poll_openai(request: Request) -> Response:
+    """`GET /v1/requests/{id}`: the poll for OpenAI clients, with each item's OpenAI answer."""
+    state, record = _state(request), _queue_record(request)
+    try:
+        status = await _polled(request, state, record, None)
+    except GatewayError as error:
+        return inference.openai_response(inference.refuse(state, record, error))
+    accesslog.finish(record, state.metrics)
+    content = orjson.dumps(openai_poll(request.path_params["request_id"], status))
+    return Response(content, media_type="application/json", headers={"x-request-id": record.request_id})
+
+
+def _account_check(request: Request) -> Callable[[TenantSettings], None]:
+    return partial(check_account, request.path_params["account_id"])
+
+
+async def account_chat(request: Request) -> Response:
+    return await inference.serve(request, _state(request), CHAT, _account_check(request))
+
+
+async def account_completions(request: Request) -> Response:
+    return await inference.serve(request, _state(request), COMPLETIONS, _account_check(request))
+
+
+async def _account_catalog(request: Request, answer: Callable[[GatewayState, TenantSettings], Any]) -> Response:
     state = _state(request)
     try:
-        tenant = state.tenants.authenticate(request.headers.get("authorization"))
-        polled = await _poll(request, state.queue, tenant.id)
+        tenant = await state.tenants.authenticate(request.headers.get("authorization"))
+        check_account(request.path_params["account_id"], tenant)
+        content = answer(state, tenant)
     except GatewayError as error:
         return error_response(error)
-    return Response(orjson.dumps(polled), media_type="application/json")
+    return Response(orjson.dumps(content), media_type="application/json")
+
+
+async def account_models(request: Request) -> Response:
+    return await _account_catalog(request, catalog.listing)
+
+
+async def account_model(request: Request) -> Response:
+    name = request.path_params["model"]
+    return await _account_catalog(request, lambda state, tenant: catalog.retrieve(state, tenant, name))
+
+
+async def unknown_route(request: Request) -> Response:
+    """Under the account and Cloudflare's API root, what matches no route is answered in the Workers envelope."""
+    method_only = any(route.matches(request.scope)[0] is Match.PARTIAL for route in request.app.router.routes)
+    if method_only:
+        error: GatewayError = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}.")
+    else:
+        error = NotFound(f"No route {request.method} {request.url.path}.")
+    reported, status = workers_error(error.body()["error"], error.status)
+    return envelope(None, status, [reported])
+
+
+ACCOUNT_ROUTES: list[tuple[str, Callable[[Request], Any], list[str]]] = [
+    # The GET poll first: `{model:path}` would otherwise swallow ".../requests/{id}".
+    ("/ai/run/{model:path}/requests/{request_id}", poll_workers, ["GET"]),
+    ("/ai/run/{model:path}", run_model, ["POST"]),
+    ("/ai/v1/chat/completions", account_chat, ["POST"]),
+    ("/ai/v1/completions", account_completions, ["POST"]),
+    ("/ai/v1/models", account_models, ["GET"]),
+    ("/ai/v1/models/{model:path}", account_model, ["GET"]),
+]
+ANY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+# Cloudflare's API root is `https://api.cloudflare.com/client/v4`: with it, a client changes only the host.
+ROOTS = ("", "/client/v4")
 
 
 def routes() -> list[Route]:
-    # The poll route first: `{model:path}` would otherwise swallow ".../requests/{id}".
-    return [
-        Route("/accounts/{account_id}/ai/run/{model:path}/requests/{request_id}", poll_workers, methods=["GET"]),
-        Route("/accounts/{account_id}/ai/run/{model:path}", run_model, methods=["POST"]),
-        Route("/v1/requests/{request_id}", poll_openai, methods=["GET"]),
+    account = [
+        Route(f"{root}/accounts/{{account_id}}{path}", endpoint, methods=methods)
+        for root in ROOTS
+        for path, endpoint, methods in ACCOUNT_ROUTES
     ]
+    # Last: they take only what no other route of the app matched (every method: Starlette's default is GET alone).
+    unknown = [
+        Route(f"{root}/{{rest:path}}", unknown_route, methods=ANY_METHOD) for root in ("/accounts", "/client/v4")
+    ]
+    return [*account, Route("/v1/requests/{request_id}", poll_openai, methods=["GET"]), *unknown]

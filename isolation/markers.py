@@ -114,9 +114,11 @@ class MarkerRegistry:
     def _add(self, tenant: str) -> None:
         self._tenants.add(tenant)
         for epoch in self.live_epochs:
-            for key in self._keys:
-                self._owners[normal_form(make_marker(key, tenant, epoch))] = Owner(tenant, epoch, key.key_id)
+            self._owners.update(self._made(tenant, epoch))
         self._current[tenant] = make_marker(self._keys[0], tenant, self.epoch)
+
+    def _made(self, tenant: str, epoch: int) -> dict[bytes, Owner]:
+        return {normal_form(make_marker(key, tenant, epoch)): Owner(tenant, epoch, key.key_id) for key in self._keys}
 
     def rotate(self, now: float) -> bool:
         """Move to the epoch of `now`; markers older than the previous epoch stop being live."""
@@ -135,6 +137,16 @@ class MarkerRegistry:
         for epoch in self.live_epochs:
             mine = {normal: owner for normal, owner in self._owners.items() if owner.epoch == epoch}
             await self._store.publish(epoch, mine, ttl_s=3 * self._epoch_s)
+
+    async def publish_tenants(self, tenants: Sequence[str]) -> None:
+        """Add tenants that appeared after start (made through the admin API) and publish their markers now, so
+        that an instance that never served them still recognises their markers in another tenant's answer."""
+        self.add_tenants(tenants)
+        if self._store is None:
+            return
+        for epoch in self.live_epochs:
+            made = {normal: owner for tenant in tenants for normal, owner in self._made(tenant, epoch).items()}
+            await self._store.publish(epoch, made, ttl_s=3 * self._epoch_s)
 
 
 class RedisMarkerStore:

@@ -28,7 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY",
-        help="API key; give it twice to audit across two tenants (A, then B). Never printed or written",
+        help="API key; give it twice to audit across two tenants (A, then B). Never printed or written. Visible to "
+        "every local user in the process list: prefer --key-file",
+    )
+    parser.add_argument(
+        "--key-file",
+        type=Path,
+        metavar="PATH",
+        help="a file with the API key, or two keys on two lines (A, then B); instead of --key",
     )
     parser.add_argument("--limit", type=int, help="context window in tokens (default: the endpoint's max_model_len)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report here as JSON")
@@ -39,11 +46,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="seed for the probes' order and prompts, to replay a run")
 
 
+def keys_from(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys given with --key, or read from --key-file (one a line; blank lines and # comments skipped)."""
+    if args.key_file is None:
+        return tuple(args.key)
+    if args.key:
+        raise ValueError("give the keys with --key or with --key-file, not both")
+    try:
+        lines = args.key_file.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read {args.key_file}: {exc.strerror}") from exc
+    keys = tuple(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise ValueError(f"{args.key_file} holds no key")
+    return keys
+
+
 def config_from(args: argparse.Namespace) -> AuditConfig:
     return AuditConfig(
         endpoint=args.endpoint,
         model=args.model,
-        keys=tuple(args.key),
+        keys=keys_from(args),
         limit=args.limit,
         max_requests=args.max_requests,
         timeout_s=args.timeout,

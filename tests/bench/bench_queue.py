@@ -100,7 +100,7 @@ async def drive_queue(url: str, jobs: int) -> None:
         async def enqueue(n: int) -> None:
             async with session.post(run, json={"prompt": f"job {n}", "max_tokens": 16}) as response:
                 body = await response.json()
-                if response.status != 202:
+                if response.status != 200:
                     raise RuntimeError(f"enqueue answered {response.status}: {body}")
                 queued[body["result"]["request_id"]] = time.perf_counter()
 

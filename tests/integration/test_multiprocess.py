@@ -210,7 +210,7 @@ async def test_queue_worker_processes_run_the_jobs(make_sim: Any, tokenizer_dir:
                         polls.append(f"{url}{RUN}/requests/{accepted.json()['result']['request_id']}")
                     for poll in polls:
                         done = await wait_done(client, poll, ALICE_KEY, timeout=30)
-                        assert [r["status"] for r in done["results"]] == [200, 200]
+                        assert [r["success"] for r in done["responses"]] == [True, True]
             workers.send_signal(signal.SIGTERM)
             assert workers.wait(timeout=30) == 0
         finally:

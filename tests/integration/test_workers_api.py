@@ -14,6 +14,7 @@ import httpx
 import orjson
 
 from gateway.tenants import hash_key
+from gateway.workers_api import workers_result
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, forwarded
 from tests.redis_server import own_redis
 
@@ -32,9 +33,41 @@ async def test_run_chat_and_prompt_in_the_workers_envelope(
     assert body["result"]["response"] and body["result"]["usage"]["completion_tokens"] == 3
     prompt = await client.post(f"{gateway_url}{RUN}", json={"prompt": "Once", "max_tokens": 2}, headers=auth())
     assert prompt.json()["result"]["usage"]["completion_tokens"] == 2
+    raw = await client.post(
+        f"{gateway_url}{RUN}", json={"prompt": "Once", "raw": True, "options": {"rejectIfBusy": True}}, headers=auth()
+    )
+    assert raw.status_code == 200, raw.text
+    sent = forwarded(sim_url)
     # The same pipeline: the tenant's marker and salt went upstream exactly as on /v1.
-    sent = forwarded(sim_url)[0]["body"]
-    assert "cache_salt" in sent and sent["messages"][0]["content"].startswith("CNRY-")
+    assert "cache_salt" in sent[0]["body"] and sent[0]["body"]["messages"][0]["content"].startswith("CNRY-")
+    # As on Workers AI: a prompt is templated as a user turn, unless `raw`; without max_tokens, 256 tokens.
+    assert sent[1]["path"] == "/v1/chat/completions" and sent[1]["body"]["messages"][-1]["content"].endswith("Once")
+    assert sent[2]["path"] == "/v1/completions" and sent[2]["body"]["max_tokens"] == 256
+
+
+async def test_workers_style_tools_go_upstream_as_openai_tools(
+    client: httpx.AsyncClient, gateway_url: str, sim_url: str
+) -> None:
+    weather = {"name": "weather", "description": "The weather in a city", "parameters": {"type": "object"}}
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [weather], "max_tokens": 3}
+    answer = await client.post(f"{gateway_url}{RUN}", json=body, headers=auth())
+    assert answer.status_code == 200, answer.text
+    assert forwarded(sim_url)[0]["body"]["tools"] == [{"type": "function", "function": weather}]
+
+
+def test_a_tool_call_is_rendered_as_workers_ai_renders_it() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    broken = {"id": "c2", "type": "function", "function": {"name": "weather", "arguments": "{not json"}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call, broken]}
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert workers_result({"choices": [{"index": 0, "message": message}], "usage": usage}) == {
+        "response": "",
+        "tool_calls": [
+            {"name": "weather", "arguments": {"city": "Paris"}},
+            {"name": "weather", "arguments": "{not json"},
+        ],
+        "usage": usage,
+    }
 
 
 async def test_errors_come_in_the_envelope(client: httpx.AsyncClient, gateway_url: str, sim_url: str) -> None:
@@ -47,7 +80,7 @@ async def test_errors_come_in_the_envelope(client: httpx.AsyncClient, gateway_ur
     assert bad.status_code == 400
     assert bad.json()["success"] is False and "max_tokens" in bad.json()["errors"][0]["message"]
     neither = await client.post(f"{gateway_url}{RUN}", json={"max_tokens": 3}, headers=auth())
-    assert neither.status_code == 400
+    assert neither.status_code == 400 and neither.json()["errors"][0]["code"] == 3003
     assert forwarded(sim_url) == []
 
 
@@ -60,17 +93,19 @@ async def test_run_streams_response_lines(client: httpx.AsyncClient, gateway_url
     lines = [orjson.loads(e) for e in events[:-1]]
     assert all(set(line) <= {"response", "usage"} for line in lines)
     assert len([line for line in lines if line["response"]]) == 4
+    # As Workers AI's streams end: an empty response with the usage, then [DONE].
+    assert lines[-1]["response"] == "" and lines[-1]["usage"]["completion_tokens"] == 4
 
 
-async def wait_done(
-    client: httpx.AsyncClient, url: str, key: str, timeout: float = 30, status: str = "done"
-) -> dict[str, Any]:
+async def wait_done(client: httpx.AsyncClient, url: str, key: str, timeout: float = 30) -> dict[str, Any]:
+    """Poll a queued request (GET) until it is finished; its `responses` and `usage`."""
     deadline = time.monotonic() + timeout
     while True:
         polled = (await client.get(url, headers=auth(key))).json()
-        if polled["result"]["status"] == status:
+        if "responses" in polled["result"]:
             result: dict[str, Any] = polled["result"]
             return result
+        assert polled["result"]["status"] in ("queued", "running"), polled
         assert time.monotonic() < deadline, polled
         await asyncio.sleep(0.1)
 
@@ -78,13 +113,14 @@ async def wait_done(
 async def test_queued_batch_in_memory(client: httpx.AsyncClient, gateway_url: str, sim_url: str) -> None:
     batch = {"requests": [{"prompt": f"item {n}", "max_tokens": 2} for n in range(3)]}
     accepted = await client.post(f"{gateway_url}{RUN}?queueRequest=true", json=batch, headers=auth())
-    assert accepted.status_code == 202
+    assert accepted.status_code == 200
     request_id = accepted.json()["result"]["request_id"]
-    assert accepted.json()["result"]["status"] == "queued"
+    assert accepted.json()["result"] == {"status": "queued", "request_id": request_id, "model": MODEL}
     poll = f"{gateway_url}{RUN}/requests/{request_id}"
     done = await wait_done(client, poll, ALICE_KEY)
-    assert [r["status"] for r in done["results"]] == [200, 200, 200]
-    assert all(r["body"]["usage"]["completion_tokens"] == 2 for r in done["results"])
+    assert [r["success"] for r in done["responses"]] == [True, True, True]
+    assert all(r["result"]["usage"]["completion_tokens"] == 2 for r in done["responses"])
+    assert done["usage"]["completion_tokens"] == 6
     assert len(forwarded(sim_url)) == 3
     # Tenant-scoped: another tenant gets 404 (not 403) on both surfaces.
     assert (
@@ -149,8 +185,8 @@ async def test_a_killed_worker_leaves_its_job_to_another(
             first.wait(timeout=10)
             second = worker_process(config_file)
             done = await wait_done(client, poll, ALICE_KEY, timeout=40)
-            assert len(done["results"]) == 4 and all(r["status"] == 200 for r in done["results"])
-            assert len(set(orjson.dumps(r["body"]) for r in done["results"])) == 4, "exactly one result per item"
+            assert len(done["responses"]) == 4 and all(r["success"] for r in done["responses"])
+            assert len(set(orjson.dumps(r["result"]) for r in done["responses"])) == 4, "exactly one result per item"
             requests = forwarded(sim_url)
             assert 4 <= len(requests) <= 5, "at most the item in flight when the worker died ran twice"
         finally:
@@ -194,10 +230,10 @@ async def test_redis_restarted_under_load(
                     json={"prompt": f"job {n}", "max_tokens": 2},
                     headers=auth(),
                 )
-                if queued.status_code == 202:
+                if queued.status_code == 200:
                     accepted.append(queued.json()["result"]["request_id"])
                 else:
-                    assert queued.status_code == 503 and queued.json()["errors"][0]["type"] == "queue_unavailable"
+                    assert queued.status_code == 429 and queued.json()["errors"][0]["type"] == "queue_unavailable"
 
         loader = asyncio.create_task(load(4.0))
         await asyncio.sleep(1.0)
@@ -209,7 +245,7 @@ async def test_redis_restarted_under_load(
         assert len(accepted) > 5
         for request_id in accepted:
             done = await wait_done(client, f"{gateway_url}{RUN}/requests/{request_id}", ALICE_KEY, timeout=30)
-            assert done["results"][0]["status"] == 200
+            assert done["responses"][0]["success"] is True
 
 
 async def test_a_live_worker_keeps_its_long_job(
@@ -224,6 +260,6 @@ async def test_a_live_worker_keeps_its_long_job(
         accepted = await client.post(f"{gateway_url}{RUN}?queueRequest=true", json=batch, headers=auth())
         request_id = accepted.json()["result"]["request_id"]
         done = await wait_done(client, f"{gateway_url}{RUN}/requests/{request_id}", ALICE_KEY, timeout=30)
-        assert [r["status"] for r in done["results"]] == [200] * 4
+        assert [r["success"] for r in done["responses"]] == [True] * 4
         await asyncio.sleep(1.5)  # a second worker taking the job over would run items again by now
         assert len(forwarded(sim_url)) == 4

@@ -30,14 +30,14 @@ def test_depth_limit_counts_levels() -> None:
         parse_json_object(b'{"a": [[1]]}', max_depth=2)
 
 
-def test_keys_are_random_and_only_hashes_authenticate() -> None:
+async def test_keys_are_random_and_only_hashes_authenticate() -> None:
     key = new_api_key()
     assert key.startswith("bk-") and len(key) > 40 and key != new_api_key()
     directory = TenantDirectory([TenantSettings(id="t", key_hashes=[hash_key(key)])])
-    assert directory.authenticate(f"Bearer {key}").id == "t"
-    assert directory.authenticate(f"bearer  {key}").id == "t"
+    assert (await directory.authenticate(f"Bearer {key}")).id == "t"
+    assert (await directory.authenticate(f"bearer  {key}")).id == "t"
     with pytest.raises(AuthenticationFailed):
-        directory.authenticate(f"Bearer {hash_key(key)}")
+        await directory.authenticate(f"Bearer {hash_key(key)}")
 
 
 def test_environment_overrides_the_file(tmp_path: Path) -> None:

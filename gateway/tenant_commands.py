@@ -1,0 +1,234 @@
+"""`bulkhead tenants ...`: tenants and their API keys, through a running gateway's admin API over HTTP.
+
+The admin token comes from `--admin-token-file` or the BULKHEAD_ADMIN_TOKEN variable (the one that sets the
+gateway's own `admin_token`), never from the command line, where every local user can read it in the process
+list. A new key is printed once, when it is made; it is kept nowhere. Exit codes: 0 done, 1 the gateway refused
+(its message is printed), 2 the command could not run (no token, gateway unreachable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+TOKEN_VARIABLE = "BULKHEAD_ADMIN_TOKEN"
+DEFAULT_URL = "http://127.0.0.1:8080"
+PAGE = 1000
+
+
+class CommandError(Exception):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def admin_token(token_file: Path | None, environ: Mapping[str, str]) -> str:
+    if token_file is not None:
+        try:
+            token = token_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise CommandError(f"cannot read {token_file}: {exc.strerror}", 2) from exc
+        if not token:
+            raise CommandError(f"{token_file} is empty", 2)
+        return token
+    token = environ.get(TOKEN_VARIABLE, "").strip()
+    if not token:
+        raise CommandError(f"no admin token: give --admin-token-file FILE or set {TOKEN_VARIABLE}", 2)
+    return token
+
+
+class AdminClient:
+    def __init__(self, url: str, token: str) -> None:
+        self._client = httpx.Client(
+            base_url=url.rstrip("/") + "/admin", headers={"authorization": f"Bearer {token}"}, timeout=30
+        )
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._client.close()
+
+    def call(self, method: str, path: str, body: object = None, **params: str) -> Any:
+        try:
+            response = self._client.request(method, path, json=body, params=params or None)
+        except httpx.HTTPError as exc:
+            raise CommandError(f"cannot reach {self._client.base_url}: {exc}", 2) from exc
+        if response.status_code == 204:
+            return None
+        try:
+            answer = orjson.loads(response.content)
+        except orjson.JSONDecodeError as exc:
+            raise CommandError(f"HTTP {response.status_code}, not a JSON answer: {response.text[:200]}", 1) from exc
+        if response.status_code >= 400:
+            error = answer.get("error", {}) if isinstance(answer, dict) else {}
+            raise CommandError(f"HTTP {response.status_code} {error.get('code')}: {error.get('message')}", 1)
+        return answer
+
+
+def _limit(text: str) -> tuple[str, int | str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"'{text}' is not NAME=VALUE")
+    return name, int(value) if value.isdigit() else value
+
+
+def _print_json(answer: object) -> None:
+    print(orjson.dumps(answer, option=orjson.OPT_INDENT_2).decode())
+
+
+def _table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+def _limits_text(limits: dict[str, Any]) -> str:
+    set_ = [f"{name}={value}" for name, value in limits.items() if value is not None and name != "on_output_overflow"]
+    return ",".join(set_) or "-"
+
+
+def _tenants_list(admin: AdminClient, args: argparse.Namespace) -> None:
+    tenants: list[dict[str, Any]] = []
+    after = ""
+    while True:
+        page = admin.call("GET", "/tenants", limit=str(PAGE), after=after)
+        tenants += page["tenants"]
+        if page["next"] is None:
+            break
+        after = page["next"]
+    if args.json:
+        _print_json(tenants)
+        return
+    rows = [
+        [t["id"], t["source"], "yes" if t["enabled"] else "no", ",".join(t["models"]) or "-", _limits_text(t["limits"])]
+        for t in tenants
+    ]
+    _table(rows, ["ID", "SOURCE", "ENABLED", "MODELS", "LIMITS"])
+
+
+def _keys_list(admin: AdminClient, args: argparse.Namespace) -> None:
+    keys = admin.call("GET", f"/tenants/{args.tenant}/keys")["keys"]
+    if args.json:
+        _print_json(keys)
+        return
+    rows = [
+        [
+            k["key_id"],
+            k["label"] or "-",
+            k["hash_prefix"],
+            k["created_at"] or "-",
+            (k["expires_at"] or "never") + (" (expired)" if k["expired"] else ""),
+            k["last_used_at"] or "-",
+        ]
+        for k in keys
+    ]
+    _table(rows, ["KEY ID", "LABEL", "HASH", "CREATED", "EXPIRES", "LAST USED"])
+
+
+def _new_key(answer: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.json:
+        _print_json(answer)
+        return
+    print(f"API key for tenant '{answer['tenant']}' (shown once; store it now): {answer['key']}")
+    print(f"key id: {answer['key_id']}" + (f", expires {answer['expires_at']}" if answer["expires_at"] else ""))
+    previous = answer.get("previous")
+    if previous is not None:
+        print(f"the previous key {previous['key_id']} stays valid until {previous['expires_at']}")
+
+
+def _run(args: argparse.Namespace, admin: AdminClient) -> None:
+    """One tenant command: the API call, and what it prints."""
+    match args.tenants_command, getattr(args, "keys_command", None):
+        case "create", _:
+            body: dict[str, Any] = {"id": args.tenant, "enabled": not args.disabled}
+            if args.model:
+                body["models"] = args.model
+            if args.limit:
+                body["limits"] = dict(args.limit)
+            _print_json(admin.call("POST", "/tenants", body))
+        case "list", _:
+            _tenants_list(admin, args)
+        case "show", _:
+            _print_json(admin.call("GET", f"/tenants/{args.tenant}"))
+        case ("disable" | "enable") as verb, _:
+            _print_json(admin.call("PATCH", f"/tenants/{args.tenant}", {"enabled": verb == "enable"}))
+        case "delete", _:
+            admin.call("DELETE", f"/tenants/{args.tenant}")
+            print(f"tenant '{args.tenant}' and all its keys deleted")
+        case "keys", "create":
+            body = {k: v for k, v in (("label", args.label), ("expires_at", args.expires_at)) if v is not None}
+            _new_key(admin.call("POST", f"/tenants/{args.tenant}/keys", body), args)
+        case "keys", "list":
+            _keys_list(admin, args)
+        case "keys", "revoke":
+            admin.call("DELETE", f"/tenants/{args.tenant}/keys/{args.key_id}")
+            print(f"key {args.key_id} of tenant '{args.tenant}' revoked")
+        case "keys", "rotate":
+            body = {"overlap_s": args.overlap_s, **({"label": args.label} if args.label else {})}
+            _new_key(admin.call("POST", f"/tenants/{args.tenant}/keys/{args.key_id}/rotate", body), args)
+
+
+def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    try:
+        with AdminClient(args.url, admin_token(args.admin_token_file, environ)) as admin:
+            _run(args, admin)
+    except CommandError as exc:
+        print(f"bulkhead tenants: {exc}", file=sys.stderr)
+        return exc.code
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """`bulkhead tenants`; the caller sets what runs it. No abbreviated options: `--admin-token SECRET` would be
+    taken for `--admin-token-file` and the secret read as a file name."""
+    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    common.add_argument("--url", default=DEFAULT_URL, help=f"the gateway's base URL ({DEFAULT_URL})")
+    common.add_argument(
+        "--admin-token-file", type=Path, metavar="FILE", help=f"a file holding the admin token (else ${TOKEN_VARIABLE})"
+    )
+    common.add_argument("--json", action="store_true", help="print the admin API's JSON answer")
+    tenant = argparse.ArgumentParser(add_help=False, allow_abbrev=False, parents=[common])
+    tenant.add_argument("tenant", metavar="TENANT", help="the tenant's id")
+
+    tenants = commands.add_parser("tenants", help="manage tenants and their API keys through a gateway's admin API")
+    verbs = tenants.add_subparsers(dest="tenants_command", required=True)
+    create = verbs.add_parser("create", parents=[tenant], allow_abbrev=False, help="create a tenant")
+    create.add_argument("--model", action="append", help='a model it may use (repeat; default "*": all)')
+    create.add_argument(
+        "--limit", action="append", type=_limit, metavar="NAME=VALUE", help="a limit, e.g. requests_per_minute=60"
+    )
+    create.add_argument("--disabled", action="store_true", help="create it disabled")
+    verbs.add_parser("list", parents=[common], allow_abbrev=False, help="every tenant, configured and managed")
+    verbs.add_parser("show", parents=[tenant], allow_abbrev=False, help="one tenant")
+    verbs.add_parser(
+        "disable",
+        parents=[tenant],
+        allow_abbrev=False,
+        help="refuse its keys on every instance (running requests finish)",
+    )
+    verbs.add_parser("enable", parents=[tenant], allow_abbrev=False, help="serve its keys again")
+    verbs.add_parser("delete", parents=[tenant], allow_abbrev=False, help="delete a tenant and all its keys")
+
+    keys = verbs.add_parser("keys", help="a tenant's API keys").add_subparsers(dest="keys_command", required=True)
+    key_create = keys.add_parser("create", parents=[tenant], allow_abbrev=False, help="a new key, printed once")
+    key_create.add_argument("--label", help="what the key is for")
+    key_create.add_argument("--expires-at", metavar="TIME", help="RFC 3339, e.g. 2027-01-01T00:00:00Z")
+    keys.add_parser("list", parents=[tenant], allow_abbrev=False, help="the tenant's keys (hash prefixes, never keys)")
+    revoke = keys.add_parser(
+        "revoke", parents=[tenant], allow_abbrev=False, help="refuse a key on every instance, at once"
+    )
+    revoke.add_argument("key_id", metavar="KEY_ID")
+    rotate = keys.add_parser(
+        "rotate", parents=[tenant], allow_abbrev=False, help="a new key; the old one valid --overlap-s more"
+    )
+    rotate.add_argument("key_id", metavar="KEY_ID")
+    rotate.add_argument("--overlap-s", type=float, default=0.0, help="seconds the old key stays valid (0)")
+    rotate.add_argument("--label", help='the new key\'s label (default: "rotated from KEY_ID")')
+    return tenants

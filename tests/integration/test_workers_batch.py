@@ -1,0 +1,201 @@
+"""Workers AI's batch protocol over raw HTTP, shape by shape, and polling scoped to the tenant on every path."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.conftest import GatewayFactory
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, forwarded
+from tests.integration.test_workers_api import RUN
+
+QUEUE = f"{RUN}?queueRequest=true"
+USAGE = ("prompt_tokens", "completion_tokens", "total_tokens")
+ENVELOPE = {"success": True, "errors": [], "messages": []}
+
+
+def chat(content: str, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 3, **extra}
+
+
+async def queue(client: httpx.AsyncClient, url: str, batch: dict[str, Any], key: str = ALICE_KEY) -> str:
+    accepted = await client.post(url, json=batch, headers=auth(key))
+    assert accepted.status_code == 200, accepted.text
+    request_id: str = accepted.json()["result"]["request_id"]
+    return request_id
+
+
+async def poll(client: httpx.AsyncClient, gateway: str, request_id: str, url: str = QUEUE) -> httpx.Response:
+    """The documented poll: `{"request_id"}` posted to the run URL."""
+    return await client.post(f"{gateway}{url}", json={"request_id": request_id}, headers=auth())
+
+
+async def until(client: httpx.AsyncClient, gateway: str, request_id: str, finished: bool) -> dict[str, Any]:
+    """Poll until the batch is running (finished=False) or has its responses (finished=True); that answer."""
+    deadline = time.monotonic() + 30
+    while True:
+        polled = await poll(client, gateway, request_id)
+        assert polled.status_code == 200, polled.text
+        result: dict[str, Any] = polled.json()["result"]
+        if ("responses" in result) == finished and (finished or result["status"] == "running"):
+            return result
+        assert time.monotonic() < deadline, result
+        await asyncio.sleep(0.02)
+
+
+async def test_queued_running_and_done_in_the_documented_shapes(
+    client: httpx.AsyncClient, make_gateway: GatewayFactory, make_sim: Any
+) -> None:
+    gateway = make_gateway({"sim": make_sim(ttft_ms=300)})
+    batch = {"requests": [chat("first", external_reference="ref-1"), chat("second"), chat("third")]}
+    accepted = await client.post(f"{gateway}{QUEUE}", json=batch, headers=auth())
+    assert accepted.status_code == 200
+    request_id = accepted.json()["result"]["request_id"]
+    assert accepted.json() == {"result": {"status": "queued", "request_id": request_id, "model": MODEL}, **ENVELOPE}
+    assert accepted.headers["x-request-id"]
+
+    running = await until(client, gateway, request_id, finished=False)
+    assert running == {"status": "running", "request_id": request_id}
+    done = await until(client, gateway, request_id, finished=True)
+    assert set(done) == {"responses", "usage"}
+    assert [(r["id"], r["success"], r["external_reference"]) for r in done["responses"]] == [
+        (0, True, "ref-1"),
+        (1, True, None),
+        (2, True, None),
+    ]
+    for response in done["responses"]:
+        assert set(response) == {"id", "result", "success", "external_reference"}
+        assert response["result"]["response"] and response["result"]["usage"]["completion_tokens"] == 3
+    usages = [r["result"]["usage"] for r in done["responses"]]
+    assert done["usage"] == {key: sum(usage[key] for usage in usages) for key in USAGE}
+    # Polling again answers the same; without the query flag, and by GET, too.
+    assert (await poll(client, gateway, request_id)).json()["result"] == done
+    assert (await poll(client, gateway, request_id, url=RUN)).json()["result"] == done
+    assert (await client.get(f"{gateway}{RUN}/requests/{request_id}", headers=auth())).json()["result"] == done
+
+
+async def test_a_batch_waiting_for_a_worker_is_queued(
+    client: httpx.AsyncClient, make_gateway: GatewayFactory, sim_url: str
+) -> None:
+    gateway = make_gateway({"sim": sim_url}, queue={"workers": 0})
+    request_id = await queue(client, f"{gateway}{RUN}", {"queueRequest": True, "requests": [chat("waits")]})
+    for url in (QUEUE, RUN, f"/client/v4{RUN}"):
+        polled = await poll(client, gateway, request_id, url)
+        assert polled.json() == {"result": {"status": "queued", "request_id": request_id}, **ENVELOPE}
+
+
+async def test_an_item_that_fails_is_a_failed_response_and_the_others_are_answered(
+    client: httpx.AsyncClient, gateway_url: str, sim_url: str
+) -> None:
+    too_long = "lorem ipsum dolor " * 3000  # over the 2048-token window: refused by admission, in the worker
+    batch = {"requests": [chat("fine", external_reference="a"), chat(too_long, external_reference="b")]}
+    request_id = await queue(client, f"{gateway_url}{QUEUE}", batch)
+    done = await until(client, gateway_url, request_id, finished=True)
+    good, bad = done["responses"]
+    assert good["success"] is True and good["external_reference"] == "a"
+    assert bad["id"] == 1 and bad["success"] is False and bad["result"] is None and bad["external_reference"] == "b"
+    [error] = bad["errors"]
+    assert error["code"] == 5021 and error["type"] == "context_length_exceeded" and "2048" in error["message"]
+    assert done["usage"] == {key: good["result"]["usage"][key] for key in USAGE}
+    assert len(forwarded(sim_url)) == 1
+
+
+@pytest.mark.parametrize(
+    ("batch", "code", "pointer"),
+    [
+        ({"requests": []}, 5006, "/requests"),
+        ({"requests": [chat("x"), "not a body"]}, 5006, "/requests"),
+        ({"requests": [chat("x", external_reference=7)]}, 5006, "/requests/0/external_reference"),
+        ({"requests": [chat("x"), chat("y", max_tokens=0)]}, 5006, "/requests/1/max_tokens"),
+        ({"requests": [chat("x"), {"prompt": "y", "raw": True}]}, 5006, "/requests"),
+        ({"requests": [chat("x")], "messages": []}, 5006, None),
+        ({"requests": [chat("x", lora="adapter")]}, 5005, "/requests/0/lora"),
+        ({"requests": [{"max_tokens": 3}]}, 3003, "/requests/0/messages"),
+    ],
+)
+async def test_a_bad_batch_is_refused_whole_and_nothing_runs(
+    client: httpx.AsyncClient, gateway_url: str, sim_url: str, batch: dict[str, Any], code: int, pointer: str | None
+) -> None:
+    refused = await client.post(f"{gateway_url}{QUEUE}", json=batch, headers=auth())
+    body = refused.json()
+    assert refused.status_code == (405 if code == 5005 else 400), body
+    assert body["success"] is False and body["result"] is None and body["messages"] == []
+    [error] = body["errors"]
+    assert error["code"] == code and error.get("source", {}).get("pointer") == pointer
+    await asyncio.sleep(0.2)
+    assert forwarded(sim_url) == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"request_id": 42},
+        {"request_id": ""},
+        {"request_id": "x", "messages": [{"role": "user", "content": "hi"}]},
+        {"queueRequest": "yes", "prompt": "hi"},
+    ],
+)
+async def test_a_malformed_poll_is_a_clear_400(
+    client: httpx.AsyncClient, gateway_url: str, body: dict[str, Any]
+) -> None:
+    refused = await client.post(f"{gateway_url}{RUN}", json=body, headers=auth())
+    assert refused.status_code == 400 and refused.json()["errors"][0]["code"] == 5006, refused.text
+
+
+async def test_over_max_batch_is_refused(client: httpx.AsyncClient, make_gateway: GatewayFactory, sim_url: str) -> None:
+    gateway = make_gateway({"sim": sim_url}, queue={"max_batch": 2})
+    refused = await client.post(f"{gateway}{QUEUE}", json={"requests": [chat("x")] * 3}, headers=auth())
+    assert refused.status_code == 400 and "At most 2" in refused.json()["errors"][0]["message"]
+
+
+def _polls(gateway: str, request_id: str) -> list[tuple[str, str, dict[str, Any] | None]]:
+    """Every way to poll a request as alice: (method, url, body)."""
+    body = {"request_id": request_id}
+    return [
+        ("POST", f"{gateway}{QUEUE}", body),
+        ("POST", f"{gateway}{RUN}", body),
+        ("POST", f"{gateway}/client/v4{QUEUE}", body),
+        ("POST", f"{gateway}/client/v4{RUN}", body),
+        ("GET", f"{gateway}{RUN}/requests/{request_id}", None),
+        ("GET", f"{gateway}/client/v4{RUN}/requests/{request_id}", None),
+        ("GET", f"{gateway}/v1/requests/{request_id}", None),
+    ]
+
+
+async def test_another_tenants_request_id_answers_exactly_as_an_unknown_one_on_every_path(
+    client: httpx.AsyncClient, make_gateway: GatewayFactory, sim_url: str
+) -> None:
+    gateway = make_gateway({"sim": sim_url}, queue={"workers": 0})
+    bobs = await queue(client, f"{gateway}/accounts/bob/ai/run/{MODEL}?queueRequest=true", {"prompt": "b"}, BOB_KEY)
+    alices = await queue(client, f"{gateway}{QUEUE}", {"prompt": "a"})
+    unknown, guessed = "0" * 32, bobs[:-1] + ("0" if bobs[-1] != "0" else "1")
+    paths = [_polls(gateway, request_id) for request_id in (bobs, unknown, guessed, alices)]
+    for theirs, nobodys, guess, own in zip(*paths, strict=True):
+        answers = [
+            await client.request(method, url, json=body, headers=auth())
+            for method, url, body in (theirs, nobodys, guess)
+        ]
+        assert {answer.status_code for answer in answers} == {404}, (theirs, answers[0].text)
+        assert len({answer.content for answer in answers}) == 1, theirs
+        mine = await client.request(own[0], own[1], json=own[2], headers=auth())
+        assert mine.status_code == 200, (own, mine.text)
+    envelope = (await client.post(f"{gateway}{RUN}", json={"request_id": bobs}, headers=auth())).json()
+    assert envelope["errors"][0]["code"] == 7003 and envelope["errors"][0]["type"] == "request_not_found"
+    # Bob's own key still finds it, on bob's account.
+    own = await client.post(f"{gateway}/accounts/bob/ai/run/{MODEL}", json={"request_id": bobs}, headers=auth(BOB_KEY))
+    assert own.json()["result"]["status"] == "queued"
+
+
+async def test_polling_on_another_account_is_refused_before_any_lookup(
+    client: httpx.AsyncClient, make_gateway: GatewayFactory, sim_url: str
+) -> None:
+    gateway = make_gateway({"sim": sim_url}, queue={"workers": 0})
+    alices = await queue(client, f"{gateway}{QUEUE}", {"prompt": "a"})
+    for request_id in (alices, "0" * 32):
+        bobs = f"{gateway}/accounts/bob/ai/run/{MODEL}"
+        answer = await client.post(bobs, json={"request_id": request_id}, headers=auth())
+        assert answer.status_code == 403 and answer.json()["errors"][0]["code"] == 10000
