@@ -10,15 +10,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
 
 import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from isolation.redis_text import text_fields
+from isolation.records import MemoryLog, RecordLog, RedisLog, as_fields
 
 log = logging.getLogger("bulkhead.audit")
 
@@ -41,7 +39,7 @@ class AuditEvent:
     time: float = field(default_factory=time.time)
 
     def fields(self) -> dict[str, str]:
-        return {key: str(value) for key, value in asdict(self).items()}
+        return as_fields(self)
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> AuditEvent:
@@ -55,36 +53,16 @@ class AuditEvent:
         )
 
 
-class AuditLog(Protocol):
-    async def append(self, event: AuditEvent) -> None: ...
-
-    async def recent(self, limit: int) -> list[AuditEvent]: ...
+AuditLog = RecordLog[AuditEvent]
 
 
-class MemoryAuditLog:
-    def __init__(self, capacity: int) -> None:
-        self._events: deque[AuditEvent] = deque(maxlen=capacity)
-
-    async def append(self, event: AuditEvent) -> None:
-        self._events.append(event)
-
-    async def recent(self, limit: int) -> list[AuditEvent]:
-        return list(self._events)[-limit:][::-1]
+class MemoryAuditLog(MemoryLog[AuditEvent]):
+    """The audit trail in this process's memory."""
 
 
-class RedisAuditLog:
+class RedisAuditLog(RedisLog[AuditEvent]):
     def __init__(self, redis: Redis, capacity: int, key: str = STREAM_KEY) -> None:
-        self._redis = redis
-        self._capacity = capacity
-        self._key = key
-
-    async def append(self, event: AuditEvent) -> None:
-        # Approximate trimming (~) keeps XADD O(1); the stream holds at least `capacity` events.
-        await self._redis.xadd(self._key, event.fields(), maxlen=self._capacity, approximate=True)  # type: ignore[arg-type]
-
-    async def recent(self, limit: int) -> list[AuditEvent]:
-        entries = await self._redis.xrevrange(self._key, count=limit)
-        return [AuditEvent.from_fields(text_fields(fields)) for _, fields in entries or []]
+        super().__init__(redis, capacity, key, AuditEvent.from_fields)
 
 
 async def record(trail: AuditLog, event: AuditEvent) -> None:

@@ -7,13 +7,11 @@ capped in-memory ring otherwise. An event names tenants, models and replicas, ne
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
-from isolation.redis_text import text_fields
+from isolation.records import MemoryLog, RecordLog, RedisLog, as_fields
 
 STREAM_KEY = "bulkhead:isolation-events"
 
@@ -35,40 +33,20 @@ class IsolationEvent:
     time: float = field(default_factory=time.time)
 
     def fields(self) -> dict[str, str]:
-        return {key: str(value) for key, value in asdict(self).items()}
+        return as_fields(self)
 
     @classmethod
     def from_fields(cls, fields: dict[str, str]) -> IsolationEvent:
         return cls(**{**fields, "time": float(fields["time"])})  # type: ignore[arg-type]
 
 
-class EventLog(Protocol):
-    async def append(self, event: IsolationEvent) -> None: ...
-
-    async def recent(self, limit: int) -> list[IsolationEvent]: ...
+EventLog = RecordLog[IsolationEvent]
 
 
-class MemoryEventLog:
-    def __init__(self, capacity: int) -> None:
-        self._events: deque[IsolationEvent] = deque(maxlen=capacity)
-
-    async def append(self, event: IsolationEvent) -> None:
-        self._events.append(event)
-
-    async def recent(self, limit: int) -> list[IsolationEvent]:
-        return list(self._events)[-limit:][::-1]
+class MemoryEventLog(MemoryLog[IsolationEvent]):
+    """Isolation events in this process's memory."""
 
 
-class RedisEventLog:
+class RedisEventLog(RedisLog[IsolationEvent]):
     def __init__(self, redis: Redis, capacity: int, key: str = STREAM_KEY) -> None:
-        self._redis = redis
-        self._capacity = capacity
-        self._key = key
-
-    async def append(self, event: IsolationEvent) -> None:
-        # Approximate trimming (~) keeps XADD O(1); the stream holds at least `capacity` events.
-        await self._redis.xadd(self._key, event.fields(), maxlen=self._capacity, approximate=True)  # type: ignore[arg-type]
-
-    async def recent(self, limit: int) -> list[IsolationEvent]:
-        entries = await self._redis.xrevrange(self._key, count=limit)
-        return [IsolationEvent.from_fields(text_fields(fields)) for _, fields in entries or []]
+        super().__init__(redis, capacity, key, IsolationEvent.from_fields)
