@@ -106,39 +106,25 @@ async def test_two_gateway_instances_on_one_redis_share_what_they_fingerprint(
         assert_withheld_for_bob(response, text, await events(client, second))
 
 
-async def test_text_that_several_tenants_send_is_no_evidence(client: httpx.AsyncClient, tokenizer_dir: Path) -> None:
-    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
-    licence, private = document(5, 120), document(6, 120)
-
-    async def ask(key: str, content: str) -> httpx.Response:
-        return await client.post(f"{gateway_url}{CHAT}", json=chat_body(content, max_tokens=4), headers=auth(key))
-
-    with run_server(adversary.app()) as backend:
-        settings = gateway_settings(
-            {"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=FINGERPRINTS_ONLY
-        )
-        with run_server(create_app(settings)) as gateway_url:
-            for key in (BOB_KEY, ALICE_KEY):  # both tenants send the same public text
-                assert (await ask(key, f"What does this licence allow?\n{licence}")).status_code == 200
-            adversary.plan = Plan("content")  # bob is answered with alice's prompt: the licence
-            answer = await ask(BOB_KEY, "And this?")
-            assert answer.status_code == 200 and licence.split()[40] in answer.text
-            assert await events(client, gateway_url) == []
-            # The control: alice's own notes are no public text.
-            assert (await ask(ALICE_KEY, f"My notes: {private}")).status_code == 200
-            adversary.plan = Plan("content")
-            assert (await ask(BOB_KEY, "And this?")).status_code == 502
-            assert [e["kind"] for e in await events(client, gateway_url)] == ["fingerprint_leak"]
-
-
-async def test_public_texts_are_no_evidence_even_when_only_one_tenant_sent_them(
-    client: httpx.AsyncClient, tokenizer_dir: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("listed", "senders", "prompt"),
+    [
+        (False, (BOB_KEY, ALICE_KEY), "What does this licence allow?\n{}"),
+        # Only alice sends it, alone: words of her own around it (a question before it) would be hers.
+        (True, (ALICE_KEY,), "{}"),
+    ],
+    ids=["sent by several tenants", "listed in public_texts, sent by one"],
+)
+async def test_public_text_is_no_evidence(
+    client: httpx.AsyncClient, tokenizer_dir: Path, tmp_path: Path, listed: bool, senders: tuple[str, ...], prompt: str
 ) -> None:
     adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
-    licence, private = document(15, 120), document(16, 120)
-    (tmp_path / "public").mkdir()
-    (tmp_path / "public" / "LICENSE").write_text(licence)
-    isolation = {**FINGERPRINTS_ONLY, "fingerprints": {"public_texts": [str(tmp_path / "public")]}}
+    licence, private = document(5, 120), document(6, 120)
+    isolation: dict[str, Any] = FINGERPRINTS_ONLY
+    if listed:
+        (tmp_path / "public").mkdir()
+        (tmp_path / "public" / "LICENSE").write_text(licence)
+        isolation = {**FINGERPRINTS_ONLY, "fingerprints": {"public_texts": [str(tmp_path / "public")]}}
 
     async def ask(key: str, content: str) -> httpx.Response:
         return await client.post(f"{gateway_url}{CHAT}", json=chat_body(content, max_tokens=4), headers=auth(key))
@@ -146,12 +132,13 @@ async def test_public_texts_are_no_evidence_even_when_only_one_tenant_sent_them(
     with run_server(adversary.app()) as backend:
         settings = gateway_settings({"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=isolation)
         with run_server(create_app(settings)) as gateway_url:
-            # The licence alone: words of alice's own around it would be hers (a question before it, say).
-            assert (await ask(ALICE_KEY, licence)).status_code == 200
-            adversary.plan = Plan("content")  # bob is answered with alice's prompt: the public licence
+            for key in senders:
+                assert (await ask(key, prompt.format(licence))).status_code == 200
+            adversary.plan = Plan("content")  # bob is answered with alice's prompt: the licence
             answer = await ask(BOB_KEY, "And this?")
             assert answer.status_code == 200 and licence.split()[40] in answer.text
             assert await events(client, gateway_url) == []
+            # The control: alice's own notes are no public text.
             assert (await ask(ALICE_KEY, f"My notes: {private}")).status_code == 200
             adversary.plan = Plan("content")
             assert (await ask(BOB_KEY, "And this?")).status_code == 502
