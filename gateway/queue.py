@@ -87,13 +87,25 @@ class JobQueue(Protocol):
 
     async def store_result(self, job: Job, index: int, result: Any) -> None: ...
 
-    async def keep(self, claimed: Claimed, consumer: str) -> None: ...
+    async def keep(self, claimed: Claimed, consumer: str) -> bool:
+        """Renew the claim; False once another worker has taken the job over (it is theirs from then on)."""
+        ...
 
     async def finish(self, claimed: Claimed, status: str = "done") -> None: ...
 
     async def abandon(self, claimed: Claimed) -> None:
         """Give a job that failed back, to be claimed again (by this worker or another)."""
         ...
+
+
+# Renew only a claim that is still this consumer's: XCLAIM alone would take back a job another worker has taken
+# over after an outage, and both would run it.
+_KEEP = """
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
+if #pending == 0 then return 0 end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[2], 'JUSTID')
+return 1
+"""
 
 
 def _key(tenant: str, job_id: str) -> str:
@@ -108,6 +120,7 @@ class RedisJobQueue:
         self._ttl = result_ttl_s
         self._reclaim_ms = int(reclaim_after_s * 1000)
         self._group_ready = False
+        self._keep = redis.register_script(_KEEP)
 
     async def _ensure_group(self) -> None:
         if self._group_ready:
@@ -164,9 +177,9 @@ class RedisJobQueue:
         # First write wins: a result the tenant may already have read never changes.
         await self._redis.hsetnx(_key(job.tenant, job.id), f"result:{index}", orjson.dumps(result))
 
-    async def keep(self, claimed: Claimed, consumer: str) -> None:
+    async def keep(self, claimed: Claimed, consumer: str) -> bool:
         """Reset the job's idle time: a live worker on a long job must not look dead to the others."""
-        await self._redis.xclaim(STREAM, GROUP, consumer, 0, [claimed.entry], justid=True)
+        return bool(await self._keep(keys=[STREAM], args=[GROUP, claimed.entry, consumer]))
 
     async def finish(self, claimed: Claimed, status: str = "done") -> None:
         job = claimed.job
@@ -225,8 +238,8 @@ class MemoryJobQueue:
     async def store_result(self, job: Job, index: int, result: Any) -> None:
         self._statuses[(job.tenant, job.id)][1].results.setdefault(index, result)
 
-    async def keep(self, claimed: Claimed, consumer: str) -> None:
-        """Nothing to do: in memory no other worker can take a job over."""
+    async def keep(self, claimed: Claimed, consumer: str) -> bool:
+        return True  # in memory no other worker can take a job over
 
     async def finish(self, claimed: Claimed, status: str = "done") -> None:
         self._statuses[(claimed.job.tenant, claimed.job.id)][1].status = status

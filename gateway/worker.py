@@ -57,7 +57,8 @@ async def run_item(state: GatewayState, job: Job, index: int) -> dict[str, Any]:
     return {"status": outcome.status, "body": outcome.body}
 
 
-async def process(state: GatewayState, queue: JobQueue, claimed: Claimed) -> None:
+async def process(state: GatewayState, queue: JobQueue, claimed: Claimed, name: str, lost: asyncio.Event) -> None:
+    """Run the job's items not yet done, until they are or another worker has taken the job over."""
     job = claimed.job
     attempt = await stored(partial(queue.start, job), "mark a job running")
     status = await stored(partial(queue.status, job.tenant, job.id), "read a job")
@@ -72,17 +73,24 @@ async def process(state: GatewayState, queue: JobQueue, claimed: Claimed) -> Non
     for index in range(len(job.items)):
         if index in done:
             continue  # stored before an earlier worker died: never run twice
+        if lost.is_set() or not await stored(partial(queue.keep, claimed, name), "renew a claim"):
+            # Our claim lapsed (a store outage longer than reclaim_after_s) and another worker has the job now:
+            # it runs what is left; only the item in flight when the claim went may have run twice.
+            log.warning("worker gave up job %s: another worker took it over", job.id)
+            return
         result = await run_item(state, job, index)
         await stored(partial(queue.store_result, job, index, result), "store a result")
     await stored(partial(queue.finish, claimed), "finish a job")
 
 
-async def keep_claimed(queue: JobQueue, claimed: Claimed, name: str) -> None:
-    """Renew the claim while the job is worked on, however long one item takes."""
+async def keep_claimed(queue: JobQueue, claimed: Claimed, name: str, lost: asyncio.Event) -> None:
+    """Renew the claim while the job is worked on, however long one item takes; set `lost` if it is gone."""
     while True:
         await asyncio.sleep(queue.keep_every_s)
         try:
-            await queue.keep(claimed, name)
+            if not await queue.keep(claimed, name):
+                lost.set()
+                return
         except (RedisError, OSError) as exc:
             log.warning("worker %s could not renew its claim: %s", name, type(exc).__name__)
 
@@ -97,9 +105,10 @@ async def work(state: GatewayState, queue: JobQueue, name: str) -> None:
             await asyncio.sleep(1.0)
             continue
         for claimed in claims:
-            keeper = asyncio.create_task(keep_claimed(queue, claimed, name))
+            lost = asyncio.Event()
+            keeper = asyncio.create_task(keep_claimed(queue, claimed, name, lost))
             try:
-                await process(state, queue, claimed)
+                await process(state, queue, claimed, name, lost)
             except Exception:
                 # Whatever it was, the job is not lost: it is claimed again, and fails for good after MAX_ATTEMPTS.
                 log.exception("worker %s failed on job %s; it will be tried again", name, claimed.job.id)

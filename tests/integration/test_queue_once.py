@@ -13,7 +13,9 @@ from typing import Any
 import httpx
 import orjson
 import redis
+from redis.asyncio import Redis
 
+from gateway.queue import Job, RedisJobQueue
 from tests.integration.support import ALICE_KEY, auth, forwarded, metric
 from tests.integration.test_workers_api import RUN, queue_config, wait_done, worker_process
 from tests.redis_server import own_redis
@@ -35,7 +37,9 @@ async def test_each_item_runs_once_through_a_killed_worker_and_a_redis_restart(
 ) -> None:
     sim_url = make_sim(ttft_ms=120)
     with own_redis() as server:
-        config = queue_config(server.url, sim_url, tokenizer_dir, queue={"workers": 0, "reclaim_after_s": 1.0})
+        # Longer than the outage below: the surviving worker keeps its claim through it (a claim that lapses is
+        # another worker's to take over — test_a_worker_whose_claim_lapsed_stops_where_another_took_over).
+        config = queue_config(server.url, sim_url, tokenizer_dir, queue={"workers": 0, "reclaim_after_s": 3.0})
         gateway_url = make_gateway_process(config)
         config_file = tmp_path / "worker.yaml"
         config_file.write_text(orjson.dumps(config).decode())
@@ -87,3 +91,21 @@ async def test_a_job_that_keeps_failing_ends_failed_with_an_error_per_item(
         assert [response["errors"][0]["type"] for response in done["responses"]] == ["job_failed"] * 2
         assert store.hget("bulkhead:job:alice:broken", "attempts") == b"4"
         store.close()
+
+
+async def test_a_worker_whose_claim_lapsed_stops_where_another_took_over() -> None:
+    with own_redis() as server:
+        store = Redis.from_url(server.url)
+        queue = RedisJobQueue(store, 60, reclaim_after_s=0.2)
+        job = Job(id="j1", tenant="alice", route="completions", items=[{"prompt": "x"}])
+        await queue.enqueue(job)
+        [first] = await queue.claim("worker-a", wait_s=1.0)
+        assert await queue.keep(first, "worker-a")
+        await asyncio.sleep(0.3)  # worker-a could not renew (an outage, say): its claim lapses
+        [taken] = await queue.claim("worker-b", wait_s=1.0)
+        assert taken.job.id == "j1"
+        # worker-a learns it has lost the job, and does not take it back; worker-b keeps it.
+        assert not await queue.keep(first, "worker-a")
+        assert await queue.keep(taken, "worker-b")
+        assert not await queue.keep(first, "worker-a")
+        await store.aclose()
