@@ -43,6 +43,7 @@ from gateway.errors import (
     NotFound,
     error_response,
 )
+from gateway.fairness import Gate
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.prober import run_prober
@@ -51,6 +52,7 @@ from gateway.quarantine import QuarantineBudget
 from gateway.queue import MemoryJobQueue, RedisJobQueue
 from gateway.ratelimit import RateLimiter, RedisBuckets
 from gateway.routing import Router
+from gateway.saturation import LoadMonitor
 from gateway.settings import Settings, SettingsError
 from gateway.state import GatewayState
 from gateway.store import MemoryStore, RedisStore, Store
@@ -315,6 +317,8 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                         log.warning("fingerprints of other instances not read at start: %s", type(exc).__name__)
                 await capacity.refresh_all(client, timeout)
                 pool.on_recovered = lambda replica: capacity.refresh_soon(client, replica, timeout)
+                router = Router(pool, metrics, settings.routing, random.Random())
+                load = LoadMonitor(settings.backends, pool, metrics)
                 app.state.gateway = GatewayState(
                     settings=settings,
                     tenants=tenants,
@@ -324,7 +328,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     capacity=capacity,
                     counters=build_counters(settings, tokenizers, pool, upstream, executor),
                     events=events,
-                    router=Router(pool, metrics, settings.routing, random.Random()),
+                    router=router,
+                    load=load,
+                    gate=Gate(pool, router, load, metrics),
                     salts=CacheSalts(salt_secret(settings)),
                     markers=markers,
                     queue=(
@@ -353,6 +359,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 tasks = [
                     asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
                     asyncio.create_task(capacity.watch(client, settings.upstream.capacity_refresh_s, timeout)),
+                    asyncio.create_task(load.watch(client, settings.upstream.load_interval_s, timeout)),
                     asyncio.create_task(rotate_markers(markers, metrics)),
                     asyncio.create_task(tenants.follow()),
                 ]

@@ -13,7 +13,9 @@ GatewayError                       status, type, code, param, message
 ├── Conflict              409      invalid_request_error / conflict (an id that exists, a config-managed tenant)
 ├── RateLimited           429      rate_limit_error (Retry-After and x-ratelimit-* headers)
 │   ├── ConcurrencyLimited         concurrency_limit_exceeded: too many in flight on this instance
-│   └── RateLimitExceeded          rate_limit_exceeded: requests or tokens per minute
+│   ├── RateLimitExceeded          rate_limit_exceeded: requests or tokens per minute
+│   └── CapacityExceeded           capacity_exceeded: the model's replicas are saturated and its queue can't wait
+├── ClientGone            499      the client went away before its request was forwarded (logged, never sent)
 └── UpstreamError                  api_error: the backend could not give a usable answer
     ├── RateLimitUnavailable 503   the rate-limit store is down and the policy is fail_closed
     ├── QueueUnavailable    503    the async queue's store is down: nothing was accepted
@@ -119,6 +121,16 @@ class ConcurrencyLimited(RateLimited):
 
 class RateLimitExceeded(RateLimited):
     code = "rate_limit_exceeded"
+
+
+class CapacityExceeded(RateLimited):
+    code = "capacity_exceeded"
+
+
+class ClientGone(GatewayError):
+    status = 499
+    type = "invalid_request_error"
+    code = "client_disconnected"
 
 
 class UpstreamError(GatewayError):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
@@ -99,13 +100,21 @@ def check_request_limits(
 
 
 def upstream_body(
-    payload: dict[str, Any], request: InferenceRequest, model: ModelSettings, admission: Admission, salt: str
+    payload: dict[str, Any],
+    request: InferenceRequest,
+    model: ModelSettings,
+    admission: Admission,
+    salt: str,
+    tenant: TenantSettings,
 ) -> bytes:
     if model.cache_salt:
         # Always the tenant's own: a salt the client chose could be another tenant's, and would join its cache.
         payload["cache_salt"] = salt
     else:
         payload.pop("cache_salt", None)
+    if model.fairness.forward_priority:
+        # The tenant's setting is the only source: a client's own `priority` is refused (schemas.ENGINE_CONTROL).
+        payload["priority"] = tenant.limits.priority
     # Always: without it the engine would generate up to its whole window, past what admission reserved.
     payload[request.output_param] = admission.max_tokens
     if request.stream:
@@ -408,6 +417,8 @@ class Submission:
     tenant: TenantSettings
     payload: dict[str, Any]
     session: str | None = None
+    batch: bool = False  # a queued job's: waits behind interactive requests, never refused for capacity
+    gone: Callable[[], Awaitable[None]] | None = None  # returns when the client has gone away
 
 
 async def read_submission(request: Request, state: GatewayState, record: RequestRecord) -> Submission:
@@ -416,7 +427,15 @@ async def read_submission(request: Request, state: GatewayState, record: Request
     session = session_id(request.headers.get(SESSION_HEADER))
     limits = state.settings.limits
     raw = await read_body(request, limits.max_body_bytes)
-    return Submission(tenant, parse_json_object(raw, limits.max_json_depth), session)
+    return Submission(
+        tenant, parse_json_object(raw, limits.max_json_depth), session, gone=partial(disconnected, request)
+    )
+
+
+async def disconnected(request: Request) -> None:
+    """Return once the client has gone (the body is read by then, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _admit(
@@ -428,7 +447,7 @@ async def _admit(
     model = resolve_model(state, tenant, parsed.model)
     record.model, record.stream = model.name, parsed.stream
     default_output = check_request_limits(state, tenant, model, parsed)
-    slot = Slot(state, tenant)
+    slot = Slot(state, tenant, model)
     try:
         chat = isinstance(parsed, ChatCompletionRequest)
         own = Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
@@ -451,6 +470,9 @@ async def _admit(
             decision.replica,
         )
         await slot.reserve(admission.estimate + admission.max_tokens * parsed.n)
+        decision = await state.gate.enter(
+            model, tenant, decision, submission.session, submission.batch, submission.gone, slot.assign
+        )
     except BaseException:
         slot.release()
         raise
@@ -467,7 +489,7 @@ async def _admit(
         own,
         completion_prefix(marker) if echo and marker is not None else "",
     )
-    return call, upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.id))
+    return call, upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.id), tenant)
 
 
 def refuse(state: GatewayState, record: RequestRecord, error: GatewayError) -> Answer:

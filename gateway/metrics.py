@@ -19,6 +19,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 PROMPT_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 # Gateway latency is dominated by the engine; buckets reach from sub-millisecond overhead to long generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)  # per tenant: few buckets
 MULTIPROC_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 _LIVE_FILE = re.compile(r"^gauge_live\w+_(\d+)\.db$")
 
@@ -222,6 +223,55 @@ class GatewayMetrics:
             "tenant_directory.cold_lookups_per_s (busy).",
             ["outcome"],
             registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "bulkhead_queue_depth",
+            "Requests waiting at this gateway for a saturated model, by model and tenant.",
+            ["model", "tenant"],
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self.queue_wait = Histogram(
+            "bulkhead_queue_wait_seconds",
+            "Time requests waited at the gateway for a saturated model, by model and tenant (placed or refused).",
+            ["model", "tenant"],
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.shed = Counter(
+            "bulkhead_shed_requests",
+            "Requests refused with 429 capacity_exceeded because a model was saturated, by reason: queue_full, "
+            "wait_too_long (refused at once), timed_out (after fairness.max_queue_wait_s).",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.model_saturated = Gauge(
+            "bulkhead_model_saturated",
+            "1 while no replica of the model has room and its requests queue at the gateway.",
+            ["model"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self.replica_running = Gauge(
+            "bulkhead_replica_requests_running",
+            "vllm:num_requests_running at the last read of the replica's /metrics.",
+            ["backend"],
+            registry=self.registry,
+            multiprocess_mode="livemostrecent",
+        )
+        self.replica_waiting = Gauge(
+            "bulkhead_replica_requests_waiting",
+            "vllm:num_requests_waiting at the last read of the replica's /metrics.",
+            ["backend"],
+            registry=self.registry,
+            multiprocess_mode="livemostrecent",
+        )
+        self.replica_kv_usage = Gauge(
+            "bulkhead_replica_kv_cache_usage",
+            "vllm:kv_cache_usage_perc at the last read of the replica's /metrics (1 = full).",
+            ["backend"],
+            registry=self.registry,
+            multiprocess_mode="livemostrecent",
         )
         self.keys_held = Gauge(
             "bulkhead_tenant_keys_held", "Runtime API keys held in this instance's memory.", registry=self.registry

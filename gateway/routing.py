@@ -15,6 +15,7 @@ import hashlib
 import math
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -92,6 +93,16 @@ class Router:
             raise BackendUnavailable(
                 f"No healthy backend for model '{model.name}' right now; its backends are checked continuously."
             )
+        return self._decide(replicas, tenant, session)
+
+    def place(
+        self, model: ModelSettings, tenant: str, session: str | None, room: Callable[[Replica], bool]
+    ) -> Decision | None:
+        """Choose among the routable replicas that have room (fairness.py); None when none has."""
+        replicas = [r for r in self._pool.routable(model) if room(r)]
+        return self._decide(replicas, tenant, session) if replicas else None
+
+    def _decide(self, replicas: list[Replica], tenant: str, session: str | None) -> Decision:
         if session is None:
             return self._two_choices(replicas)
         key = affinity_key(tenant, session)

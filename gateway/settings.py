@@ -55,17 +55,48 @@ class UpstreamSettings(_Section):
     )
     health_interval_s: float = Field(default=5.0, gt=0)
     capacity_refresh_s: float = Field(default=60.0, gt=0, description="re-read /v1/models and /metrics")
+    load_interval_s: float = Field(
+        default=1.0, gt=0, description="read every replica's load (running, waiting, KV usage) from its /metrics"
+    )
 
 
 class BackendSettings(_Section):
     name: str = Field(min_length=1)
     url: str = Field(pattern=r"^https?://[^\s/]+(/[^\s]*)?$")
     api_key: str | None = Field(default=None, repr=False)
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="the engine's --max-num-seqs; unset = learned from /metrics when it queues"
+    )
 
     @field_validator("url")
     @classmethod
     def _strip_slash(cls, value: str) -> str:
         return value.rstrip("/")
+
+
+class FairnessSettings(_Section):
+    """When every replica of a model is saturated, admitted requests wait at the gateway, fairly across tenants."""
+
+    enabled: bool = Field(default=True, description="queue at the gateway when the replicas are saturated")
+    max_queue_wait_s: float = Field(
+        default=30.0, gt=0, description="a request that would wait longer, or has waited this long, gets 429"
+    )
+    max_queue_depth: int = Field(default=1000, ge=1, description="requests queued for the model; beyond: 429")
+    max_waiting: int = Field(
+        default=0, ge=0, description="a replica with more requests than this waiting in its engine is saturated"
+    )
+    max_kv_usage: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="a replica whose KV cache is this full (vllm:kv_cache_usage_perc) is saturated",
+    )
+    batch_reserve: float = Field(
+        default=0.25, ge=0, lt=1, description="share of a replica's running slots queued (batch) jobs leave free"
+    )
+    forward_priority: bool = Field(
+        default=False, description="send the tenant's limits.priority as vLLM's priority (--scheduling-policy priority)"
+    )
 
 
 class ModelSettings(_Section):
@@ -90,6 +121,7 @@ class ModelSettings(_Section):
     continuous_usage: bool = Field(
         default=True, description="ask for usage on every stream chunk, so a stream is verified before any content"
     )
+    fairness: FairnessSettings = FairnessSettings()
 
 
 class TenantLimits(_Section):
@@ -100,6 +132,12 @@ class TenantLimits(_Section):
     tokens_per_minute: int | None = Field(default=None, ge=1, description="prompt + reserved output; 429 above")
     on_output_overflow: Literal["reject", "clamp"] = Field(
         default="reject", description="prompt + max_tokens over the limit: 400, or cut max_tokens to fit"
+    )
+    weight: float = Field(
+        default=1.0, ge=0.01, le=1000, description="share of a saturated model's capacity against other tenants"
+    )
+    priority: int = Field(
+        default=0, ge=-1000, le=1000, description="lower is served first when queued (vLLM's convention)"
     )
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from gateway.backends import Replica
 from gateway.errors import ConcurrencyLimited
-from gateway.settings import TenantSettings
+from gateway.settings import ModelSettings, TenantSettings
 from gateway.state import GatewayState
 
 
 class Slot:
-    def __init__(self, state: GatewayState, tenant: TenantSettings) -> None:
+    def __init__(self, state: GatewayState, tenant: TenantSettings, model: ModelSettings) -> None:
         """Take the tenant's place under its cap now, or raise ConcurrencyLimited."""
         cap = tenant.limits.max_concurrent_requests
         held = state.tenant_in_flight
@@ -28,6 +28,7 @@ class Slot:
         state.metrics.in_flight.inc()
         self._state = state
         self._tenant = tenant
+        self._model = model.name
         self.replica: Replica | None = None
         self.reserved = 0
         self.limit_headers: dict[str, str] = {}
@@ -38,11 +39,13 @@ class Slot:
         self.limit_headers = await self._state.limiter.admit(self._tenant, tokens)
         self.reserved = tokens
 
-    def assign(self, replica: Replica) -> None:
+    def assign(self, replica: Replica | None) -> None:
         """Count the request against this replica (and no longer against the one it had, if any)."""
         if self.replica is not None:
             self.replica.in_flight -= 1
-        replica.in_flight += 1
+            self._state.gate.released(self._model, finished=False)
+        if replica is not None:
+            replica.in_flight += 1
         self.replica = replica
 
     def release(self, used_tokens: int = 0) -> None:
@@ -57,6 +60,7 @@ class Slot:
         state.metrics.in_flight.dec()
         if self.replica is not None:
             self.replica.in_flight -= 1
+            state.gate.released(self._model, finished=True)
         settlement = state.limiter.settlement(self._tenant, self.reserved, used_tokens)
         if settlement is not None:
             # Off the answer's path: the settlement is a Redis round trip the client need not wait for.

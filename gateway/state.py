@@ -15,11 +15,13 @@ from gateway.auditlog import AuditLog
 from gateway.backends import ReplicaPool
 from gateway.capacity import CapacityMonitor
 from gateway.counting import PromptCounter
+from gateway.fairness import Gate
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Upstream
 from gateway.queue import JobQueue
 from gateway.ratelimit import RateLimiter
 from gateway.routing import Router
+from gateway.saturation import LoadMonitor
 from gateway.settings import Settings
 from gateway.tenants import TenantDirectory
 from isolation.events import EventLog
@@ -43,6 +45,8 @@ class GatewayState:
     counters: dict[str, PromptCounter]
     events: EventLog
     router: Router
+    load: LoadMonitor
+    gate: Gate
     salts: CacheSalts
     markers: MarkerRegistry
     limiter: RateLimiter

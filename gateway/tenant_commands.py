@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import orjson
 
+from gateway.settings import TenantLimits
+
 TOKEN_VARIABLE = "BULKHEAD_ADMIN_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8080"
 PAGE = 1000
@@ -90,7 +92,9 @@ def _table(rows: list[list[str]], header: list[str]) -> None:
 
 
 def _limits_text(limits: dict[str, Any]) -> str:
-    set_ = [f"{name}={value}" for name, value in limits.items() if value is not None and name != "on_output_overflow"]
+    """Only the limits that differ from the defaults: what the operator set."""
+    defaults = TenantLimits().model_dump(mode="json")
+    set_ = [f"{name}={value}" for name, value in limits.items() if value != defaults.get(name)]
     return ",".join(set_) or "-"
 
 

@@ -52,7 +52,9 @@ async def run_item(state: GatewayState, job: Job, index: int) -> dict[str, Any]:
         return error_result(AuthenticationFailed("The tenant no longer exists or is disabled."))
     route = ROUTES[job.route]
     record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
-    outcome = await inference.run(state, route, inference.Submission(tenant, dict(job.items[index])), record)
+    outcome = await inference.run(
+        state, route, inference.Submission(tenant, dict(job.items[index]), batch=True), record
+    )
     assert isinstance(outcome, Answer), "queued items are never streamed (workers_api sets stream: false)"
     return {"status": outcome.status, "body": outcome.body}
 
@@ -98,6 +100,9 @@ async def keep_claimed(queue: JobQueue, claimed: Claimed, name: str, lost: async
 async def work(state: GatewayState, queue: JobQueue, name: str) -> None:
     """Run until cancelled; a store outage pauses the worker, and a job that fails goes back to the queue."""
     while True:
+        # New work only while nothing waits at the gateway's fair queue: a backlog of jobs never delays
+        # interactive requests, and a job claimed is one that runs now, not one that waits holding its claim.
+        await state.gate.quiet()
         try:
             claims = await queue.claim(name, wait_s=1.0)
         except (RedisError, OSError) as exc:

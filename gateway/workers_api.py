@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -40,7 +41,7 @@ from gateway.errors import (
     QueueUnavailable,
     error_response,
 )
-from gateway.inference import CHAT, COMPLETIONS, RelayResponse, Submission
+from gateway.inference import CHAT, COMPLETIONS, RelayResponse
 from gateway.outcome import Answer, Event, Stream
 from gateway.queue import Job, JobQueue, JobStatus
 from gateway.schemas import validate
@@ -58,7 +59,7 @@ WORKERS_MAX_TOKENS = 256
 # Each gateway error code (the error tree's in errors.py, and those its raise sites set: `backend_rejected`,
 # `job_failed`, `account_mismatch`, …) → (Workers AI code, HTTP status as Workers AI answers it). Codes from Workers
 # AI's errors page, from its answers where the page lists none (5006 bad input, 5021 context window), and from
-# Cloudflare's API (7000, 7001, 7003, 10000); 8000-8004 are Bulkhead's own, for failures Workers AI has no code for.
+# Cloudflare's API (7000, 7001, 7003, 10000); 8000-8005 are Bulkhead's own, for failures Workers AI has no code for.
 # docs/workers-compat.md gives the source of each.
 WORKERS_ERRORS: dict[str, tuple[int, int]] = {
     "invalid_request": (5006, 400),
@@ -78,6 +79,7 @@ WORKERS_ERRORS: dict[str, tuple[int, int]] = {
     "rate_limited": (3036, 429),
     "concurrency_limit_exceeded": (3036, 429),
     "rate_limit_exceeded": (3036, 429),
+    "capacity_exceeded": (3040, 429),
     "backend_unavailable": (3040, 429),
     "capacity_unknown": (3040, 429),
     "backend_unreachable": (3040, 429),
@@ -91,6 +93,7 @@ WORKERS_ERRORS: dict[str, tuple[int, int]] = {
     "backend_bad_response": (8002, 502),
     "job_failed": (8003, 500),
     "conflict": (8004, 409),
+    "client_disconnected": (8005, 499),
     "tenant_exists": (8004, 409),
     "tenant_configured": (8004, 409),
 }
@@ -407,7 +410,7 @@ async def run_model(request: Request) -> Response:
     except GatewayError as error:
         return failure(inference.refuse(state, record, error))
     record.route = route.name
-    outcome = await inference.run(state, route, Submission(tenant, payload, submission.session), record)
+    outcome = await inference.run(state, route, replace(submission, payload=payload), record)
     if isinstance(outcome, Stream):
         return RelayResponse(outcome, workers_event)
     return workers_answer(outcome)

@@ -1,0 +1,160 @@
+"""How loaded each replica is, read from the engine itself, and how many more requests it can take now.
+
+Every `upstream.load_interval_s` each instance reads vLLM's `/metrics`: `vllm:num_requests_running`,
+`vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (summed, or for the KV the fullest, over engine
+cores). Between two reads, the instance's own requests are the only change it can see, so it adds them: the
+replica's requests now are running + waiting at the read plus this instance's in-flight count now minus the same
+count at the read. Those beyond the engine's running slots are waiting in the engine, and a replica with more
+than `fairness.max_waiting` waiting, or a KV cache at `fairness.max_kv_usage`, is saturated.
+
+The running slots are the backend's `max_num_seqs` when it is configured, else learned: a vLLM that queues
+runs as many as it can (its --max-num-seqs, or fewer when its KV cache is the limit), so the running count of a
+read with requests waiting is the slot count, and a later read that runs more without waiting raises it. Until
+a replica has been seen queueing its slots are unknown and it is never saturated: the gateway holds nothing back
+on a guess. A replica whose /metrics cannot be read (not vLLM, or down: health checks deal with that) is not
+saturated either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from gateway.backends import Replica, ReplicaPool
+from gateway.metrics import GatewayMetrics
+from gateway.settings import BackendSettings, FairnessSettings
+
+log = logging.getLogger("bulkhead.saturation")
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second: vLLM before 0.10
+UNLIMITED = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+@dataclass
+class ReplicaLoad:
+    """What the last read said, and this instance's in-flight count at that moment."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    in_flight_at_read: int = 0
+    slots: int | None = None  # the engine's running slots: configured, or learned from reads
+    configured: bool = False
+
+
+def _value(line: str, name: str) -> float | None:
+    """The sample's value if the exposition line is a sample of `name` (plain or labelled)."""
+    rest = line[len(name) :]
+    if rest.startswith("{"):
+        rest = rest[rest.rfind("}") + 1 :]
+    elif not rest.startswith(" "):
+        return None  # another metric whose name starts with this one
+    parts = rest.split()
+    try:
+        return float(parts[0]) if parts else None
+    except ValueError:
+        return None
+
+
+def parse_load(text: str) -> EngineLoad | None:
+    """The engine's load from its Prometheus exposition; None when it exposes no running count (not vLLM)."""
+    running: float | None = None
+    waiting = 0.0
+    kv = 0.0
+    # A scan of the three names: vLLM's exposition is large, and a full parse every second per replica is not free.
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        if line.startswith(RUNNING) and (value := _value(line, RUNNING)) is not None:
+            running = (running or 0.0) + value
+        elif line.startswith(WAITING) and (value := _value(line, WAITING)) is not None:
+            waiting += value
+        else:
+            for name in KV_USAGE:
+                if line.startswith(name) and (value := _value(line, name)) is not None:
+                    kv = max(kv, value)
+    if running is None:
+        return None
+    return EngineLoad(int(running), int(waiting), kv)
+
+
+class LoadMonitor:
+    def __init__(self, backends: list[BackendSettings], pool: ReplicaPool, metrics: GatewayMetrics) -> None:
+        self._pool = pool
+        self._metrics = metrics
+        self.loads: dict[str, ReplicaLoad] = {}
+        for backend in backends:
+            configured = backend.max_num_seqs is not None
+            self.loads[backend.name] = ReplicaLoad(slots=backend.max_num_seqs, configured=configured)
+        self.on_read: Callable[[], None] | None = None
+
+    def room(self, replica: Replica, fairness: FairnessSettings) -> int:
+        """How many more requests the replica takes before it is saturated (0 or less: it is)."""
+        free = self._free(replica, fairness)
+        return UNLIMITED if free is None else free + fairness.max_waiting
+
+    def batch_room(self, replica: Replica, fairness: FairnessSettings) -> int:
+        """Room for queued (batch) jobs: free running slots beyond the share kept for interactive requests."""
+        free = self._free(replica, fairness)
+        if free is None:
+            return UNLIMITED
+        slots = self.loads[replica.name].slots or 0
+        return free - (max(1, round(slots * fairness.batch_reserve)) if fairness.batch_reserve > 0 else 0)
+
+    def _free(self, replica: Replica, fairness: FairnessSettings) -> int | None:
+        """Running slots free now (negative: requests waiting in the engine); None when the slots are unknown."""
+        load = self.loads.get(replica.name)
+        if load is None or load.slots is None:
+            return None
+        if load.kv_usage >= fairness.max_kv_usage:
+            return -fairness.max_waiting - 1  # no room, not even for a request counted already
+        return load.slots - (load.running + load.waiting + replica.in_flight - load.in_flight_at_read)
+
+    def take(self, replica: Replica, engine: EngineLoad) -> None:
+        load = self.loads.setdefault(replica.name, ReplicaLoad())
+        load.running, load.waiting, load.kv_usage = engine.running, engine.waiting, engine.kv_usage
+        load.in_flight_at_read = replica.in_flight
+        if not load.configured:
+            if engine.waiting > 0 and engine.running > 0:
+                load.slots = engine.running
+            elif load.slots is not None and engine.running > load.slots:
+                load.slots = engine.running
+        metrics = self._metrics
+        metrics.replica_running.labels(replica.name).set(engine.running)
+        metrics.replica_waiting.labels(replica.name).set(engine.waiting)
+        metrics.replica_kv_usage.labels(replica.name).set(engine.kv_usage)
+
+    async def read(self, client: httpx.AsyncClient, replica: Replica, timeout: float) -> None:
+        try:
+            response = await client.get(f"{replica.url}/metrics", timeout=timeout)
+        except httpx.HTTPError as exc:
+            log.debug("load of backend %s not read: %s", replica.name, type(exc).__name__)
+            return
+        engine = parse_load(response.text) if response.status_code == 200 else None
+        if engine is not None:
+            self.take(replica, engine)
+
+    async def read_all(self, client: httpx.AsyncClient, timeout: float) -> None:
+        replicas = [r for r in self._pool.replicas.values() if r.healthy]
+        await asyncio.gather(*(self.read(client, r, timeout) for r in replicas))
+        if self.on_read is not None:
+            self.on_read()
+
+    async def watch(self, client: httpx.AsyncClient, interval: float, timeout: float) -> None:
+        """Read every replica's load forever; started and cancelled by the app's lifespan."""
+        while True:
+            await self.read_all(client, timeout)
+            await asyncio.sleep(interval)

@@ -1,0 +1,216 @@
+"""Fair sharing under overload, over real HTTP: a saturated replica makes requests queue at the gateway, the queue
+lets tenants take turns, and what cannot wait is refused at once with 429/3040 and never forwarded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.serving import run_server
+from tests.integration.support import (
+    ALICE_KEY,
+    BOB_KEY,
+    MODEL,
+    auth,
+    chat_body,
+    forwarded,
+    gateway_settings,
+    metric,
+)
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture
+def one_slot(tokenizer_dir: Path) -> Iterator[Callable[..., str]]:
+    """`one_slot(sim, **fairness)`: a gateway over one replica that runs one request at a time (max_num_seqs 1)."""
+    with ExitStack() as stack:
+
+        def start(sim: str, **fairness: Any) -> str:
+            model = {"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir), "context_window": 2048}
+            settings = gateway_settings(
+                {"sim": sim},
+                tokenizer_dir,
+                backends=[{"name": "sim", "url": sim, "max_num_seqs": 1}],
+                models=[{**model, "fairness": fairness}],
+                upstream={"load_interval_s": 0.1},
+            )
+            return stack.enter_context(run_server(create_app(settings)))
+
+        yield start
+
+
+def chats(sim: str) -> list[dict[str, Any]]:
+    return [r for r in forwarded(sim) if r["path"] == CHAT]
+
+
+def user_text(record: dict[str, Any]) -> str:
+    """The user's own words, after the canary marker the gateway put before them."""
+    return str(record["body"]["messages"][-1]["content"]).rsplit("\n", 1)[-1]
+
+
+async def until_queued(client: httpx.AsyncClient, gateway: str, depth: int) -> None:
+    """Wait until `depth` requests wait at the gateway (a cold first request can take a while)."""
+    deadline = time.monotonic() + 10
+    while metric(await metrics_of(client, gateway), "bulkhead_queue_depth", model=MODEL) != depth:
+        assert time.monotonic() < deadline, f"never {depth} queued"
+        await asyncio.sleep(0.02)
+
+
+async def until_running(client: httpx.AsyncClient, sim: str, running: int = 1) -> None:
+    deadline = time.monotonic() + 10
+    while metric((await client.get(f"{sim}/metrics")).text, "vllm:num_requests_running") != running:
+        assert time.monotonic() < deadline, f"the simulator never ran {running}"
+        await asyncio.sleep(0.02)
+
+
+async def metrics_of(client: httpx.AsyncClient, gateway: str) -> str:
+    return (await client.get(f"{gateway}/metrics")).text
+
+
+async def test_a_full_queue_refuses_at_once_with_retry_after_and_forwards_nothing(
+    client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
+) -> None:
+    sim = make_sim(ttft_ms=800)
+    gateway = one_slot(sim, max_queue_depth=1)
+    running = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("first"), headers=auth()))
+    await until_running(client, sim)
+    queued = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("second"), headers=auth()))
+    await until_queued(client, gateway, 1)
+    started = time.monotonic()
+    refused = await client.post(f"{gateway}{CHAT}", json=chat_body("third"), headers=auth(BOB_KEY))
+    assert time.monotonic() - started < 0.5, "refused at once, not after a wait"
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert error["code"] == "capacity_exceeded" and error["type"] == "rate_limit_error"
+    assert MODEL in error["message"]
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.headers["x-request-id"]
+    assert [a.status_code for a in await asyncio.gather(running, queued)] == [200, 200]
+    assert [user_text(r) for r in chats(sim)] == ["first", "second"]
+    text = await metrics_of(client, gateway)
+    assert metric(text, "bulkhead_shed_requests_total", model=MODEL, reason="queue_full") == 1
+    assert metric(text, "bulkhead_queue_depth", model=MODEL) == 0
+
+
+async def test_the_workers_route_answers_3040_when_the_model_is_at_capacity(
+    client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
+) -> None:
+    sim = make_sim(ttft_ms=800)
+    gateway = one_slot(sim, max_queue_depth=1)
+    run = f"{gateway}/accounts/alice/ai/run/{MODEL}"
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    first = asyncio.create_task(client.post(run, json=body, headers=auth()))
+    await until_running(client, sim)
+    second = asyncio.create_task(client.post(run, json=body, headers=auth()))
+    await until_queued(client, gateway, 1)
+    refused = await client.post(run, json=body, headers=auth())
+    assert refused.status_code == 429
+    envelope = refused.json()
+    assert envelope["success"] is False and envelope["errors"][0]["code"] == 3040
+    assert int(refused.headers["retry-after"]) >= 1
+    assert [a.status_code for a in await asyncio.gather(first, second)] == [200, 200]
+    assert len(chats(sim)) == 2
+
+
+async def test_a_request_that_waited_max_queue_wait_s_is_refused_and_never_sent(
+    client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
+) -> None:
+    sim = make_sim(ttft_ms=1500)
+    gateway = one_slot(sim, max_queue_wait_s=0.4)
+    running = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("first"), headers=auth()))
+    await until_running(client, sim)
+    started = time.monotonic()
+    waited = await client.post(f"{gateway}{CHAT}", json=chat_body("second"), headers=auth(BOB_KEY))
+    elapsed = time.monotonic() - started
+    assert waited.status_code == 429 and waited.json()["error"]["code"] == "capacity_exceeded"
+    assert 0.35 < elapsed < 1.2, elapsed
+    assert (await running).status_code == 200
+    assert [user_text(r) for r in chats(sim)] == ["first"]
+    text = await metrics_of(client, gateway)
+    assert metric(text, "bulkhead_shed_requests_total", model=MODEL, reason="timed_out") == 1
+    assert metric(text, "bulkhead_queue_wait_seconds_count", model=MODEL, tenant="bob") == 1
+
+
+async def test_a_client_that_disconnects_while_queued_leaves_the_queue_at_once(
+    client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
+) -> None:
+    sim = make_sim(ttft_ms=1500)
+    gateway = one_slot(sim)
+    running = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("first"), headers=auth()))
+    await until_running(client, sim)
+    with pytest.raises(httpx.ReadTimeout):
+        await client.post(f"{gateway}{CHAT}", json=chat_body("gone"), headers=auth(BOB_KEY), timeout=0.3)
+    deadline = time.monotonic() + 0.5
+    while metric(await metrics_of(client, gateway), "bulkhead_queue_depth", model=MODEL, tenant="bob") != 0:
+        assert time.monotonic() < deadline, "the gone request is still queued"
+        await asyncio.sleep(0.02)
+    assert not running.done(), "left while the first request still held the replica"
+    after = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("after"), headers=auth()))
+    assert (await running).status_code == 200
+    assert (await after).status_code == 200
+    assert [user_text(r) for r in chats(sim)] == ["first", "after"]
+
+
+async def test_queued_tenants_take_turns_instead_of_first_come_first_served(
+    client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
+) -> None:
+    sim = make_sim(ttft_ms=150)
+    gateway = one_slot(sim)
+
+    def send(key: str, text: str) -> asyncio.Task[httpx.Response]:
+        return asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body(text), headers=auth(key)))
+
+    burst = [send(ALICE_KEY, f"alice-{n}") for n in range(6)]
+    await until_queued(client, gateway, 5)
+    later = [send(BOB_KEY, f"bob-{n}") for n in range(2)]
+    answers = await asyncio.gather(*burst, *later)
+    assert all(a.status_code == 200 for a in answers)
+    order = [user_text(r) for r in chats(sim)]
+    assert sorted(order) == sorted([f"alice-{n}" for n in range(6)] + ["bob-0", "bob-1"])
+    # First come first served would put bob last (positions 6 and 7); in turns, each of bob's waits for at most
+    # one more of alice's.
+    assert order.index("bob-1") <= 4, order
+    assert order.index("bob-0") < order.index("bob-1")
+    text = await metrics_of(client, gateway)
+    assert metric(text, "bulkhead_queue_wait_seconds_count", model=MODEL, tenant="alice") >= 4
+
+
+async def test_with_fairness_off_nothing_queues_at_the_gateway(
+    client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
+) -> None:
+    sim = make_sim(ttft_ms=300)
+    gateway = one_slot(sim, enabled=False, max_queue_depth=1)
+    answers = await asyncio.gather(
+        *(client.post(f"{gateway}{CHAT}", json=chat_body(f"r{n}"), headers=auth()) for n in range(4))
+    )
+    assert [a.status_code for a in answers] == [200] * 4
+    assert metric(await metrics_of(client, gateway), "bulkhead_queue_wait_seconds_count", model=MODEL) == 0
+
+
+async def test_a_flood_is_bounded_by_the_queue_depth(
+    client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
+) -> None:
+    sim = make_sim(ttft_ms=1000)
+    gateway = one_slot(sim, max_queue_depth=20)
+    limits = httpx.Limits(max_connections=400)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as flood:
+        answers = await asyncio.gather(
+            *(flood.post(f"{gateway}{CHAT}", json=chat_body(f"f{n}"), headers=auth()) for n in range(200)),
+            return_exceptions=True,
+        )
+    statuses = [a.status_code for a in answers if isinstance(a, httpx.Response)]
+    assert len(statuses) == 200
+    refused = statuses.count(429)
+    # One runs, at most 20 wait; whatever the queue's rate tells, the rest is refused, and nothing else is sent.
+    assert refused >= 179
+    assert statuses.count(200) == 200 - refused
+    assert len(chats(sim)) == 200 - refused

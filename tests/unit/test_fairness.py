@@ -1,0 +1,214 @@
+"""The fair queue's order and the saturation estimate, on the gateway's real parts without HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from gateway.backends import Replica, ReplicaPool
+from gateway.errors import CapacityExceeded
+from gateway.fairness import Gate, RoundRobin, Waiter
+from gateway.metrics import GatewayMetrics
+from gateway.routing import Router
+from gateway.saturation import EngineLoad, LoadMonitor, parse_load
+from gateway.settings import BackendSettings, ModelSettings, RoutingSettings, TenantSettings
+from gateway.store import MemoryStore
+from gateway.tenants import hash_key
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+vllm:num_requests_running{engine="1",model_name="m"} 5.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 99.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+vllm:prompt_tokens_total{engine="0",model_name="m"} 12345.0
+"""
+
+
+def test_the_load_is_summed_over_engine_cores_and_the_kv_is_the_fullest() -> None:
+    assert parse_load(VLLM_METRICS) == EngineLoad(running=12, waiting=3, kv_usage=0.5)
+    assert parse_load("vllm:gpu_cache_usage_perc 0.75\nvllm:num_requests_running 2\n") == EngineLoad(2, 0, 0.75)
+    assert parse_load("# not vLLM\nhttp_requests_total 3\n") is None
+    assert parse_load('vllm:num_requests_running{a="b"} nonsense\n') is None
+
+
+LOOP = asyncio.new_event_loop()  # the waiters' futures need one; the round robin never touches them
+
+
+def waiter(tenant: str, weight: float = 1.0) -> Waiter:
+    return Waiter(tenant, weight, None, False, lambda replica: None, LOOP.create_future())
+
+
+@pytest.mark.parametrize("weights", [(1, 2, 4), (1, 1, 1), (0.5, 1, 3)])
+def test_backlogged_tenants_are_served_in_proportion_to_their_weights(weights: tuple[float, ...]) -> None:
+    rr = RoundRobin()
+    for tenant, weight in enumerate(weights):
+        for _ in range(2000):
+            rr.push(waiter(str(tenant), weight))
+    served = Counter(rr.pop().tenant for _ in range(1400))
+    total = sum(weights)
+    for tenant, weight in enumerate(weights):
+        assert served[str(tenant)] == pytest.approx(1400 * weight / total, rel=0.02), served
+
+
+def test_a_tenant_alone_gets_every_turn_and_keeps_its_order() -> None:
+    rr = RoundRobin()
+    first, second = waiter("a", 0.1), waiter("a", 0.1)
+    rr.push(first)
+    rr.push(second)
+    assert rr.pop() is first and rr.pop() is second and rr.size == 0
+
+
+def test_a_late_tenant_waits_behind_about_its_share_not_the_whole_backlog() -> None:
+    rr = RoundRobin()
+    for _ in range(100):
+        rr.push(waiter("heavy"))
+    assert rr.ahead("light", 1.0) == 1  # one of heavy's, then light's
+    assert rr.ahead("heavy", 1.0) == 100
+    assert rr.ahead("light", 0.5) == 2
+
+
+class Fixture:
+    def __init__(self, slots: int, **fairness: Any) -> None:
+        self.metrics = GatewayMetrics()
+        backends = [BackendSettings(name="r", url="http://r", max_num_seqs=slots)]
+        self.pool = ReplicaPool(backends, self.metrics, MemoryStore())
+        self.replica = self.pool.replicas["r"]
+        self.pool.set_health(self.replica, True)
+        self.model = ModelSettings.model_validate({"name": "m", "backends": ["r"], "fairness": fairness})
+        self.router = Router(self.pool, self.metrics, RoutingSettings(), random.Random(0))
+        self.monitor = LoadMonitor(backends, self.pool, self.metrics)
+        self.gate = Gate(self.pool, self.router, self.monitor, self.metrics)
+        self.placed: list[str] = []
+
+    def tenant(self, name: str, weight: float = 1.0, priority: int = 0) -> TenantSettings:
+        limits = {"weight": weight, "priority": priority}
+        return TenantSettings.model_validate({"id": name, "key_hashes": [hash_key(name * 20)], "limits": limits})
+
+    async def enter(self, tenant: TenantSettings, batch: bool = False) -> None:
+        """One request as inference._admit sends it: counted on its replica first, like Slot.assign does."""
+        holder: list[Replica | None] = [self.replica]
+        self.replica.in_flight += 1
+
+        def assign(replica: Replica | None) -> None:
+            if holder[0] is not None:
+                holder[0].in_flight -= 1
+                self.gate.released("m", finished=False)
+            if replica is not None:
+                replica.in_flight += 1
+            holder[0] = replica
+
+        decision = self.router.choose(self.model, tenant.id, None)
+        placed = await self.gate.enter(self.model, tenant, decision, None, batch, None, assign)
+        assert holder[0] is placed.replica
+        self.placed.append(tenant.id + ("/batch" if batch else ""))
+
+    def finish(self) -> None:
+        self.replica.in_flight -= 1
+        self.gate.released("m", finished=True)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_requests_queue_when_the_slots_are_taken_and_leave_one_per_freed_slot() -> None:
+    f = Fixture(slots=2)
+    alice, bob = f.tenant("alice"), f.tenant("bob")
+    tasks = [asyncio.create_task(f.enter(alice)) for _ in range(5)]
+    await settle()
+    assert f.placed == ["alice", "alice"] and f.gate.queued() == 3
+    later = asyncio.create_task(f.enter(bob))
+    await settle()
+    f.finish()
+    await settle()
+    f.finish()
+    await settle()
+    assert f.placed == ["alice", "alice", "alice", "bob"], "one of alice's waited before bob came: then turns"
+    assert f.replica.in_flight == 2
+    for _ in range(2):
+        f.finish()
+        await settle()
+    await asyncio.gather(*tasks, later)
+    assert f.gate.queued() == 0
+
+
+async def test_interactive_requests_go_before_batch_jobs_and_lower_priority_first() -> None:
+    f = Fixture(slots=1, batch_reserve=0)
+    first = asyncio.create_task(f.enter(f.tenant("a")))
+    await settle()
+    tasks = [
+        asyncio.create_task(f.enter(f.tenant("job"), batch=True)),
+        asyncio.create_task(f.enter(f.tenant("low", priority=5))),
+        asyncio.create_task(f.enter(f.tenant("high", priority=-5))),
+    ]
+    await settle()
+    for _ in range(3):
+        f.finish()
+        await settle()
+    await asyncio.gather(first, *tasks)
+    assert f.placed == ["a", "high", "low", "job/batch"]
+
+
+async def test_batch_jobs_leave_the_reserved_share_of_slots_free() -> None:
+    f = Fixture(slots=8, batch_reserve=0.25)
+    job = f.tenant("job")
+    batch = [asyncio.create_task(f.enter(job, batch=True)) for _ in range(8)]
+    await settle()
+    assert f.placed.count("job/batch") == 6, "two of eight slots are kept for interactive requests"
+    await asyncio.wait_for(f.enter(f.tenant("user")), 1)
+    await asyncio.wait_for(f.enter(f.tenant("user")), 1)
+    assert f.gate.queued() == 2
+    for task in batch:
+        task.cancel()
+
+
+async def test_an_unknown_slot_count_holds_nothing_back_until_the_engine_queues() -> None:
+    f = Fixture(slots=1)
+    f.monitor.loads["r"].slots, f.monitor.loads["r"].configured = None, False
+    for _ in range(3):
+        await asyncio.wait_for(f.enter(f.tenant("a")), 1)
+    # The engine says: 3 running, 2 waiting (another gateway sends too). Its slots are 3, and it is saturated.
+    f.monitor.take(f.replica, EngineLoad(running=3, waiting=2, kv_usage=0.1))
+    assert f.monitor.loads["r"].slots == 3
+    assert f.monitor.room(f.replica, f.model.fairness) < 0
+    # Later it runs 5 with nothing waiting: the slots were more than it showed.
+    f.monitor.take(f.replica, EngineLoad(running=5, waiting=0, kv_usage=0.1))
+    assert f.monitor.loads["r"].slots == 5
+
+
+async def test_a_full_kv_cache_saturates_a_replica_with_free_slots() -> None:
+    f = Fixture(slots=8, max_kv_usage=0.9)
+    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.95))
+    assert f.monitor.room(f.replica, f.model.fairness) <= 0
+    task = asyncio.create_task(f.enter(f.tenant("a")))
+    await settle()
+    assert f.gate.queued() == 1
+    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.5))
+    f.gate.pump()
+    await asyncio.wait_for(task, 1)
+
+
+async def test_refusals_name_the_model_and_say_when_to_retry() -> None:
+    f = Fixture(slots=1, max_queue_depth=2, max_queue_wait_s=5)
+    await f.enter(f.tenant("a"))
+    waiting = [asyncio.create_task(f.enter(f.tenant("a"))) for _ in range(2)]
+    await settle()
+    with pytest.raises(CapacityExceeded) as refused:
+        await f.enter(f.tenant("b"))
+    assert "'m'" in refused.value.message and refused.value.headers["retry-after"] == "5"
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert f.gate.queued() == 0
