@@ -225,6 +225,8 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         output_tokens=args.output_tokens,
         seed=args.seed,
         fault=args.fault,
+        max_num_seqs=args.max_num_seqs,
+        batch_slowdown=args.batch_slowdown,
     )
 
 
@@ -280,6 +282,26 @@ def _workers(value: str) -> int | str:
     return count
 
 
+def _at_least_one(value: str) -> int:
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {count}")
+    return count
+
+
+def _not_negative(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not number >= 0:  # refuses nan too
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bulkhead", description="Multi-tenant LLM gateway in front of vLLM.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -330,6 +352,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="stale-kv: answer over-capacity prompts from stale KV blocks of earlier requests (the incident); "
         "stale-kv-logprobs / stale-kv-tool-names: the same, leaked through logprobs / a tool call's name",
+    )
+    sim.add_argument(
+        "--max-num-seqs",
+        type=_at_least_one,
+        default=256,
+        help="requests running at once, as vLLM's --max-num-seqs; the rest wait, first come first served "
+        "(default %(default)s)",
+    )
+    sim.add_argument(
+        "--batch-slowdown",
+        type=_not_negative,
+        default=0.0,
+        help="how a full batch slows pacing: with R requests running, the TTFT and token interval are multiplied "
+        "by 1 + this x (R - 1) / --max-num-seqs (default %(default)s: no slowdown)",
     )
     sim.set_defaults(run=_sim)
 

@@ -5,8 +5,9 @@ vLLM's routes, with vLLM's shapes, status codes and error texts:
     POST /tokenize             POST /detokenize
     GET  /health               GET  /version                GET  /metrics
 
-Behind them, a paged KV cache with prefix caching keyed by cache_salt (kvcache.py) and, when configured, the
-incident's fault: over-long prompts answered from stale KV blocks (engine.py, SimConfig.fault).
+Behind them, a paged KV cache with prefix caching keyed by cache_salt (kvcache.py), a scheduler's capacity
+(SimConfig.max_num_seqs running at once, the rest queued; engine.py) and, when configured, the incident's
+fault: over-long prompts answered from stale KV blocks (engine.py, SimConfig.fault).
 
 Simulator-only inspection, for tests that must prove what a gateway did or did not forward:
     GET    /sim/requests   the last 1000 inference requests received (POSTs to the two completion routes,
@@ -37,7 +38,7 @@ from starlette.types import Receive
 from gateway.tokens import ChatTemplateError, ModelTokenizer
 from isolation.sim.config import SimConfig
 from isolation.sim.detokenizer import Detokenizer
-from isolation.sim.engine import Engine, Run
+from isolation.sim.engine import Abandoned, Engine, Run
 from isolation.sim.errors import SimError, bad_request, model_not_found, render_sim_error
 from isolation.sim.generation import WordVocabulary
 from isolation.sim.logprobs import Scorer
@@ -241,7 +242,17 @@ class _Endpoints:
     async def _generate(
         self, request: Request, prompt_ids: Sequence[int], sampling: Sampling, make_reply: Callable[..., Reply]
     ) -> Response:
-        run = await self.engine.admit(prompt_ids, sampling.n, sampling.max_tokens, sampling.cache_salt, sampling.extras)
+        try:
+            run = await self.engine.admit(
+                prompt_ids,
+                sampling.n,
+                sampling.max_tokens,
+                sampling.cache_salt,
+                sampling.extras,
+                abandoned=partial(_wait_for_disconnect, request.receive),
+            )
+        except Abandoned:
+            return _client_disconnected()
         reply = make_reply(
             run=run, sampling=sampling, model=self.config.model, vocabulary=self.engine.vocabulary, scorer=self.scorer
         )
@@ -252,10 +263,14 @@ class _Endpoints:
         finally:
             self.engine.release(run)
         if not finished:
-            # The client is gone and will never read this; vLLM answers the same way.
-            refusal = bad_request("Client disconnected")
-            return Response(refusal.body(), status_code=refusal.status, media_type="application/json")
+            return _client_disconnected()
         return _json(reply.body())
+
+
+def _client_disconnected() -> Response:
+    """What a request whose client has gone gets: nobody reads it, and vLLM answers the same way."""
+    refusal = bad_request("Client disconnected")
+    return Response(refusal.body(), status_code=refusal.status, media_type="application/json")
 
 
 async def _finish_unless_disconnected(engine: Engine, run: Run, receive: Receive) -> bool:

@@ -33,6 +33,14 @@ class SimConfig:
     The two other stale faults answer the same way but leak through another channel: "stale-kv-logprobs" shows
     an ordinary text and puts the stale tokens in its logprobs only; "stale-kv-tool-names" answers a chat
     request that carries tools with a tool call named by the stale text (without tools it is "stale-kv").
+
+    Capacity is what makes overload visible: with max_num_seqs (vLLM's --max-num-seqs) sequence slots, the
+    requests beyond them queue first come first served, as on a real engine, so a gateway's fairness under
+    overload can be measured against the simulator rather than assumed. batch_slowdown makes a full batch
+    slower per request, since a GPU's step time grows with its batch: R running requests stretch the TTFT and
+    the token interval by 1 + batch_slowdown × (R − 1) / max_num_seqs. It acts on pacing only; with no
+    ttft_ms and no tokens_per_s there is nothing to stretch, and 0 (the default) keeps every run at its
+    configured speed.
     """
 
     tokenizer_dir: Path
@@ -45,13 +53,15 @@ class SimConfig:
     output_tokens: int = 16
     seed: int = 0
     fault: Fault = "none"
+    max_num_seqs: int = 256  # vLLM's --max-num-seqs; 256 is its default on most GPUs
+    batch_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "block_size", "num_gpu_blocks", "output_tokens"):
+        for name in ("max_model_len", "block_size", "num_gpu_blocks", "output_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("ttft_ms", "tokens_per_s"):
-            if getattr(self, name) < 0:
+        for name in ("ttft_ms", "tokens_per_s", "batch_slowdown"):
+            if not getattr(self, name) >= 0:  # refuses nan too
                 raise ValueError(f"SimConfig.{name} must not be negative, got {getattr(self, name)}")
         if self.fault not in FAULTS:
             raise ValueError(f"SimConfig.fault must be one of {', '.join(FAULTS)}, got {self.fault!r}")

@@ -10,11 +10,26 @@ Admission, in vLLM's order: a prompt longer than max_model_len is refused; one l
 refused too, or, with the "stale-kv" fault, answered from stale blocks (below); then max_tokens is clipped to
 the window; then the prompt is written into the cache (kvcache.py), and the share of it found in the prefix
 cache is cut from the time to first token (ttft_ms × uncached / prompt tokens), so affinity routing pays off
-in benchmarks as it does on vLLM. When too few blocks are free the request waits, first come first served,
-and counts in num_requests_waiting until running requests finish and free theirs (a client that disconnects
-while waiting is noticed only once it is admitted).
-Generated tokens of the first choice are written after the prompt as they are produced (the other choices of
-n > 1 are not stored); when the cache is full they are simply not recorded (vLLM would preempt).
+in benchmarks as it does on vLLM. Generated tokens of the first choice are written after the prompt as they
+are produced (the other choices of n > 1 are not stored); when the cache is full they are simply not recorded
+(vLLM would preempt).
+
+Capacity, so that overload builds a queue as on a real engine and a gateway's fairness can be shown without a
+GPU: a request runs only in one of max_num_seqs sequence slots (vLLM's --max-num-seqs) and, unless it is a
+stale-kv placeholder, with enough free blocks for its prompt. Otherwise it waits in one queue, first come first
+served, and counts in num_requests_waiting; the head blocks the rest even when a later request would fit, as
+vLLM's FCFS scheduler does, so no request starves. Any run that ends frees a slot, so every end wakes the head.
+A client that disconnects while its request waits leaves the queue at once and counts as an abort, like one
+that disconnects while running: a gateway's test of cancellation must not depend on where upstream the request
+was. (The HTTP layer holds a waiting stream's 200 until it runs; vLLM sends the headers at once; a per-read
+timeout sees the same silence either way.)
+
+A batch also slows as it fills, as a GPU's step time grows with its batch: with batch_slowdown B and R runs,
+the time to first token (at admission) and each token interval (at each step) are stretched by
+1 + B × (R − 1) / max_num_seqs, so a lone run keeps the configured speed and a full batch is about 1 + B times
+slower. Each paced run keeps the time its next token is due and moves it on by one interval per token, instead
+of timing from the previous token's arrival, so slow consumers and event-loop jitter do not stretch answers.
+With no TTFT and no decode rate none of this runs: the overhead benchmarks' path costs what it did.
 
 The stale-kv fault is the incident this project exists for (and SGLang issue #30233): an over-long request is
 swapped for a one-token placeholder (its first token, never written to the cache) and still decoded, and the
@@ -34,8 +49,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice
 from typing import Literal
 
@@ -57,8 +73,9 @@ class Run:
     prompt_ids: Sequence[int]  # what the engine was given: the prompt, or a stale-kv placeholder
     outputs: tuple[tuple[int, ...], ...]  # one answer per choice, all the same length
     finish_reason: FinishReason
-    admitted_at: float  # time.monotonic(); tokens are due relative to it
+    admitted_at: float  # time.monotonic(); the first token is due ttft_s (slowed by the batch) after it
     ttft_s: float = 0.0  # the configured TTFT, shortened by the share of the prompt found in the prefix cache
+    next_due: float = 0.0  # paced runs only: when the next token is due (time.monotonic())
     table: BlockTable | None = None  # the KV blocks it holds; None for a stale-kv placeholder
     pieces: tuple[str, ...] | None = None  # each output token's text when it is not a vocabulary word (stale-kv)
     logprob_ids: tuple[int, ...] | None = None  # sampled tokens logprobs report instead of the outputs' (a leak)
@@ -77,6 +94,10 @@ class Run:
     @property
     def n(self) -> int:
         return len(self.outputs)
+
+
+class Abandoned(Exception):
+    """The client went away while its request waited for admission; nothing ran, and it counts as an abort."""
 
 
 @dataclass
@@ -100,8 +121,11 @@ class Engine:
         self.counters = EngineCounters()
         self._running: set[Run] = set()
         self._waiting: deque[asyncio.Event] = deque()
+        self._max_num_seqs = config.max_num_seqs
         self._ttft_s = config.ttft_ms / 1000
         self._interval_s = 1 / config.tokens_per_s if config.tokens_per_s > 0 else 0.0
+        self._paced = config.paced
+        self._slowdown_per_run = config.batch_slowdown / config.max_num_seqs
 
     @property
     def paced(self) -> bool:
@@ -120,11 +144,19 @@ class Engine:
         return self.cache.usage()
 
     async def admit(
-        self, prompt_ids: Sequence[int], n: int, max_tokens: int | None, salt: str | None, extras: Extras = PLAIN
+        self,
+        prompt_ids: Sequence[int],
+        n: int,
+        max_tokens: int | None,
+        salt: str | None,
+        extras: Extras = PLAIN,
+        abandoned: Callable[[], Awaitable[object]] | None = None,
     ) -> Run:
-        """Start a request, or raise the SimError vLLM would answer with before generating anything.
+        """Start a request, waiting for capacity if need be, or raise the SimError vLLM would answer with before
+        generating anything.
 
         Every choice's natural answer is output_tokens long, cut to max_tokens and to the window's room.
+        `abandoned` returns when the client has gone; a request still waiting then raises Abandoned.
         """
         count = len(prompt_ids)
         window = self.config.max_model_len
@@ -138,9 +170,29 @@ class Engine:
         budget = _output_budget(window, len(engine_prompt), max_tokens)
         if extras is not PLAIN:
             self._check_logprobs(extras)
+        start: Callable[[], Run | None]
         if over_capacity:
-            return self._admit_placeholder(engine_prompt, n, budget)
-        table = await self._allocate(prompt_ids, salt)
+            start = partial(self._start_placeholder, engine_prompt, n, budget)
+        else:
+            start = partial(self._start_prompt, prompt_ids, n, budget, salt)
+        if not self._waiting and len(self._running) < self._max_num_seqs and (run := start()) is not None:
+            return run
+        return await self._wait_turn(start, abandoned)
+
+    def _check_logprobs(self, extras: Extras) -> None:
+        vocab_size = len(self.vocabulary.texts)
+        checks = (("sample", "logprobs", extras.logprobs), ("prompt", "prompt_logprobs", extras.prompt_logprobs))
+        for kind, param, count in checks:
+            requested = vocab_size if count == -1 else count  # -1 asks for the whole vocabulary
+            if requested is not None and requested > MAX_LOGPROBS:
+                raise too_many_logprobs(kind, param, requested, MAX_LOGPROBS)
+
+    def _start_prompt(self, prompt_ids: Sequence[int], n: int, budget: int, salt: str | None) -> Run | None:
+        """Write the prompt into the cache and start its run, or None while too few blocks are free."""
+        table = self.cache.allocate(prompt_ids, salt)
+        if table is None:
+            return None
+        count = len(prompt_ids)
         natural = self.config.output_tokens
         length = min(natural, budget)
         run = Run(
@@ -154,15 +206,8 @@ class Engine:
         self._start(run, queried=count, hits=table.hit_tokens)
         return run
 
-    def _check_logprobs(self, extras: Extras) -> None:
-        vocab_size = len(self.vocabulary.texts)
-        checks = (("sample", "logprobs", extras.logprobs), ("prompt", "prompt_logprobs", extras.prompt_logprobs))
-        for kind, param, count in checks:
-            requested = vocab_size if count == -1 else count  # -1 asks for the whole vocabulary
-            if requested is not None and requested > MAX_LOGPROBS:
-                raise too_many_logprobs(kind, param, requested, MAX_LOGPROBS)
-
-    def _admit_placeholder(self, placeholder: Sequence[int], n: int, budget: int) -> Run:
+    def _start_placeholder(self, placeholder: Sequence[int], n: int, budget: int) -> Run:
+        """Start a stale-kv run; it reads the freed blocks only now, once it has its sequence slot."""
         natural = self.config.output_tokens
         length = min(natural, budget)
         special = self.detokenizer.special_ids
@@ -189,23 +234,30 @@ class Engine:
         self._start(run, queried=len(placeholder), hits=0)
         return run
 
-    async def _allocate(self, prompt_ids: Sequence[int], salt: str | None) -> BlockTable:
-        """Blocks for the prompt, waiting first come first served while too few are free."""
-        if not self._waiting:
-            table = self.cache.allocate(prompt_ids, salt)
-            if table is not None:
-                return table
+    async def _wait_turn(
+        self, start: Callable[[], Run | None], abandoned: Callable[[], Awaitable[object]] | None
+    ) -> Run:
+        """Queue until `start` succeeds at the head of the queue with a sequence slot free, or the client is gone."""
         turn = asyncio.Event()
         self._waiting.append(turn)
+        gone = None
+        if abandoned is not None:
+            gone = asyncio.ensure_future(abandoned())
+            gone.add_done_callback(lambda _: turn.set())
         try:
             while True:
-                if self._waiting[0] is turn:
-                    table = self.cache.allocate(prompt_ids, salt)
-                    if table is not None:
-                        return table
+                if gone is not None and gone.done():
+                    self.counters.request_success["abort"] += 1
+                    raise Abandoned
+                if self._waiting[0] is turn and len(self._running) < self._max_num_seqs:
+                    run = start()
+                    if run is not None:
+                        return run
                 turn.clear()
                 await turn.wait()
         finally:
+            if gone is not None:
+                gone.cancel()
             self._waiting.remove(turn)
             self._wake_next()
 
@@ -215,27 +267,31 @@ class Engine:
 
     def _start(self, run: Run, *, queried: int, hits: int) -> None:
         self._running.add(run)
+        if self._paced:
+            run.next_due = run.admitted_at + run.ttft_s * self._slowdown()
         self.counters.prompt_tokens += run.prompt_tokens
         self.counters.prefix_cache_queries += queried
         self.counters.prefix_cache_hits += hits
 
+    def _slowdown(self) -> float:
+        """How much the running batch stretches prefill and decode: 1 for a lone run or no batch_slowdown."""
+        return 1 + self._slowdown_per_run * (len(self._running) - 1)
+
     async def step(self, run: Run) -> None:
         """Wait until the run's next token is due, then count it as produced and write it to the cache."""
-        if self._interval_s or self._ttft_s:
-            # Due times are measured from admission, not from the previous token, so slow consumers
-            # and event-loop jitter do not stretch the whole answer.
-            due = run.admitted_at + run.ttft_s + run.produced * self._interval_s
-            delay = due - time.monotonic()
+        if self._paced:
+            delay = run.next_due - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
+            run.next_due += self._interval_s * self._slowdown()
         run.produced += 1
         if run.table is not None:
             self.cache.append(run.table, run.outputs[0][run.produced - 1 : run.produced])
 
     async def run_to_end(self, run: Run) -> None:
-        """Produce every remaining token (one sleep, not one per token) and finish the run."""
-        if self._interval_s or self._ttft_s:
-            due = run.admitted_at + run.ttft_s + (run.length - 1) * self._interval_s
+        """Produce every remaining token (one sleep, not one per token, at the batch's slowdown now) and finish."""
+        if self._paced:
+            due = run.next_due + (run.length - run.produced - 1) * self._interval_s * self._slowdown()
             delay = due - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -261,7 +317,7 @@ class Engine:
         self._running.discard(run)
         if run.table is not None:
             self.cache.free(run.table)
-            self._wake_next()
+        self._wake_next()  # a slot is free now, whether or not the run held blocks
         self.counters.generation_tokens += run.n * run.produced
         self.counters.request_success[reason] += 1
 
