@@ -4,8 +4,9 @@ A request goes straight on while its model has a replica with room (saturation.p
 in its model's queue, and each time a replica frees a running slot (one of this instance's requests ends, or a
 read of the engines' load shows room) the next request in fair order takes it, on a replica chosen then. The
 order: interactive requests before queued (batch) jobs; within those, lower `limits.priority` first; within a
-priority, tenants by deficit round robin weighted by `limits.weight`, and a tenant's own requests first come
-first served. Work-conserving: a tenant alone in the queue gets every slot that frees.
+priority, tenants by deficit round robin weighted by `limits.weight` (a tenant with nothing queued goes first),
+and a tenant's own requests first come first served. Work-conserving: a tenant alone in the queue gets every
+slot that frees.
 
 Bounded: a model's interactive queue holds at most `fairness.max_queue_depth` requests, and a request that
 would wait longer than `fairness.max_queue_wait_s` (its place in fair order over the model's recent completion
@@ -52,7 +53,12 @@ class Waiter:
 
 
 class RoundRobin:
-    """Deficit round robin over tenants (one request costs 1, a turn adds the tenant's weight); FIFO within one."""
+    """Deficit round robin over tenants (one request costs 1, a turn adds the tenant's weight); FIFO within one.
+
+    A tenant with nothing queued that sends a request goes to the head of the ring, as FQ-CoDel serves new flows
+    first: a light tenant waits for the next free slot, not for a turn of every backlogged tenant. It cannot take
+    more than its share this way: a tenant whose requests keep it queued is in the ring and takes turns.
+    """
 
     def __init__(self) -> None:
         self._tenants: OrderedDict[str, deque[Waiter]] = OrderedDict()
@@ -60,7 +66,11 @@ class RoundRobin:
         self.size = 0
 
     def push(self, waiter: Waiter) -> None:
-        self._tenants.setdefault(waiter.tenant, deque()).append(waiter)
+        waiting = self._tenants.get(waiter.tenant)
+        if waiting is None:
+            waiting = self._tenants[waiter.tenant] = deque()
+            self._tenants.move_to_end(waiter.tenant, last=False)
+        waiting.append(waiter)
         self.size += 1
 
     def remove(self, waiter: Waiter) -> bool:
@@ -94,6 +104,8 @@ class RoundRobin:
     def ahead(self, tenant: str, weight: float) -> float:
         """About how many queued requests leave before a new one of this tenant, in round-robin order."""
         own = len(self._tenants.get(tenant, ()))
+        if not own:
+            return 0  # it goes to the head of the ring
         turns = (own + 1) / weight
         return own + sum(min(len(w), turns * w[0].weight) for t, w in self._tenants.items() if t != tenant)
 

@@ -69,13 +69,16 @@ def test_a_tenant_alone_gets_every_turn_and_keeps_its_order() -> None:
     assert rr.pop() is first and rr.pop() is second and rr.size == 0
 
 
-def test_a_late_tenant_waits_behind_about_its_share_not_the_whole_backlog() -> None:
+def test_a_late_tenant_goes_first_then_waits_behind_about_its_share_not_the_whole_backlog() -> None:
     rr = RoundRobin()
     for _ in range(100):
         rr.push(waiter("heavy"))
-    assert rr.ahead("light", 1.0) == 1  # one of heavy's, then light's
+    assert rr.ahead("light", 1.0) == 0  # a tenant with nothing queued goes first
     assert rr.ahead("heavy", 1.0) == 100
-    assert rr.ahead("light", 0.5) == 2
+    rr.push(waiter("light"))
+    assert rr.ahead("light", 1.0) == 3  # its second: its first and about two turns of heavy
+    assert rr.ahead("light", 0.5) == 5
+    assert rr.pop().tenant == "light"
 
 
 class Fixture:
@@ -135,7 +138,7 @@ async def test_requests_queue_when_the_slots_are_taken_and_leave_one_per_freed_s
     await settle()
     f.finish()
     await settle()
-    assert f.placed == ["alice", "alice", "alice", "bob"], "one of alice's waited before bob came: then turns"
+    assert f.placed == ["alice", "alice", "bob", "alice"], "bob had nothing queued: the next free slot is his"
     assert f.replica.in_flight == 2
     for _ in range(2):
         f.finish()
