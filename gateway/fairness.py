@@ -6,7 +6,10 @@ read of the engines' load shows room) the next request in fair order takes it, o
 order: interactive requests before queued (batch) jobs; within those, lower `limits.priority` first; within a
 priority, tenants by deficit round robin weighted by `limits.weight` (a tenant with nothing queued goes first),
 and a tenant's own requests first come first served. Work-conserving: a tenant alone in the queue gets every
-slot that frees.
+slot that frees. While a tenant is backlogged and another was served lately with nothing queued now (a light
+tenant: one that sends less than its share), `fairness.light_reserve` slots per replica stay free for the light
+tenant's next request, which then starts at once instead of waiting for the next slot to free; when every
+recent tenant is backlogged, or one is alone, nothing is held back.
 
 Bounded: a model's interactive queue holds at most `fairness.max_queue_depth` requests, and a request that
 would wait longer than `fairness.max_queue_wait_s` (its place in fair order over the model's recent completion
@@ -38,6 +41,8 @@ from gateway.saturation import LoadMonitor
 from gateway.settings import ModelSettings, TenantSettings
 
 RATE_WINDOW_S = 10.0  # completions older than this say nothing about how fast the queue moves now
+LIGHT_WINDOW_S = 10.0  # a tenant placed this recently and with nothing queued is light
+LIGHT_SHARE = 4  # slots kept free for light tenants are at most a quarter of a replica's
 MIN_RATE_SAMPLES = 8
 MAX_RETRY_AFTER_S = 60
 
@@ -112,6 +117,10 @@ class RoundRobin:
     def depth(self, tenant: str) -> int:
         return len(self._tenants.get(tenant, ()))
 
+    def head(self) -> str:
+        """The tenant at the head of the ring: the next served (unless a weight under 1 makes it wait a turn)."""
+        return next(iter(self._tenants))
+
     def _forget(self, tenant: str) -> None:
         del self._tenants[tenant]
         self._deficit.pop(tenant, None)
@@ -126,6 +135,7 @@ class ModelQueue:
         self.size = 0
         self.interactive = 0
         self.completions: deque[float] = deque(maxlen=64)
+        self.recent: OrderedDict[str, float] = OrderedDict()  # tenant → when it was last placed, oldest first
 
     def push(self, waiter: Waiter, priority: int) -> None:
         key = (waiter.batch, priority)
@@ -142,8 +152,21 @@ class ModelQueue:
                 return True
         return False
 
-    def head_is_batch(self) -> bool:
-        return next(key for key, rr in self._classes.items() if rr.size)[0]
+    def head(self) -> tuple[bool, bool]:
+        """Whether the next waiter is a batch job's, and whether its tenant has more queued behind it."""
+        (batch, _), rr = next((key, rr) for key, rr in self._classes.items() if rr.size)
+        return batch, rr.depth(rr.head()) > 1
+
+    def served(self, tenant: str, now: float) -> None:
+        self.recent[tenant] = now
+        self.recent.move_to_end(tenant)
+
+    def light_tenants(self, now: float) -> bool:
+        """Whether a tenant served lately has nothing queued: its next request should find a slot free."""
+        recent = self.recent
+        while recent and now - next(iter(recent.values())) > LIGHT_WINDOW_S:
+            recent.popitem(last=False)
+        return any(not self.depth(tenant) for tenant in reversed(recent))
 
     def pop(self) -> Waiter:
         waiter = next(rr for rr in self._classes.values() if rr.size).pop()
@@ -218,11 +241,13 @@ class Gate:
             # Nobody it must let go first. Counted on its replica already: room for itself is room >= 0.
             here = monitor.batch_room if batch else monitor.room
             if here(decision.replica, fairness) >= 0:
+                queue.served(tenant.id, time.monotonic())
                 return decision
             assign(None)
             placed = self._router.place(model, tenant.id, session, self._room(model, batch))
             if placed is not None:
                 assign(placed.replica)
+                queue.served(tenant.id, time.monotonic())
                 return placed
         else:
             assign(None)
@@ -235,6 +260,7 @@ class Gate:
         )
         queue.push(waiter, priority)
         self._changed(queue, tenant.id)
+        self.pump()  # a light tenant's request, at the head of the ring, may take the slot kept free for it
         timeout = None if batch else fairness.max_queue_wait_s
         try:
             return await _wait(waiter.future, timeout, gone)
@@ -257,17 +283,25 @@ class Gate:
 
     def pump(self) -> None:
         """Place queued requests, in fair order, while their model has a replica with room."""
+        now = time.monotonic()
         for queue in self._queues.values():
             model = queue.model
+            light = None
             while queue.size:
-                batch = queue.head_is_batch()
-                room = self._room(model, batch)
+                batch, backlogged = queue.head()
+                spare = 0
+                if backlogged and not batch and model.fairness.light_reserve:
+                    # A tenant with more queued leaves slots free while a light tenant may come back.
+                    light = queue.light_tenants(now) if light is None else light
+                    spare = model.fairness.light_reserve if light else 0
+                room = self._room(model, batch, spare)
                 if not any(room(r) for r in self._pool.routable(model)):
                     break
                 waiter = queue.pop()
                 self._changed(queue, waiter.tenant)
                 if waiter.future.done():
                     continue  # gone or timed out: it is leaving on its own
+                queue.served(waiter.tenant, now)
                 placed = self._router.place(model, waiter.tenant, waiter.session, room)
                 assert placed is not None, "a replica with room was there a moment ago, with no await in between"
                 # Counted on the replica at once, by the waiter's own slot: whatever becomes of the waiter, its slot
@@ -276,11 +310,19 @@ class Gate:
                 waiter.future.set_result(placed)
             self._metrics.model_saturated.labels(model.name).set(0 if self.has_room(model, False) else 1)
 
-    def _room(self, model: ModelSettings, batch: bool) -> Callable[[Replica], bool]:
+    def _room(self, model: ModelSettings, batch: bool, spare: int = 0) -> Callable[[Replica], bool]:
+        """Whether a replica has room for one more request, and `spare` slots beyond it where it has enough."""
         fairness, monitor = model.fairness, self._monitor
         if batch:
             return lambda replica: monitor.batch_room(replica, fairness) >= 1
-        return lambda replica: monitor.room(replica, fairness) >= 1
+        if not spare:
+            return lambda replica: monitor.room(replica, fairness) >= 1
+
+        def fits(replica: Replica) -> bool:
+            kept = spare if (monitor.slots(replica) or 0) >= LIGHT_SHARE * spare else 0
+            return monitor.room(replica, fairness) >= 1 + kept
+
+        return fits
 
     def _refuse_early(self, queue: ModelQueue, tenant: TenantSettings, priority: int, now: float) -> None:
         fairness = queue.model.fairness

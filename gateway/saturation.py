@@ -114,6 +114,10 @@ class LoadMonitor:
         slots = self.loads[replica.name].slots or 0
         return free - (max(1, round(slots * fairness.batch_reserve)) if fairness.batch_reserve > 0 else 0)
 
+    def slots(self, replica: Replica) -> int | None:
+        load = self.loads.get(replica.name)
+        return None if load is None else load.slots
+
     def _free(self, replica: Replica, fairness: FairnessSettings) -> int | None:
         """Running slots free now (negative: requests waiting in the engine); None when the slots are unknown."""
         load = self.loads.get(replica.name)

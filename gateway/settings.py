@@ -91,6 +91,12 @@ class FairnessSettings(_Section):
         le=1,
         description="a replica whose KV cache is this full (vllm:kv_cache_usage_perc) is saturated",
     )
+    light_reserve: int = Field(
+        default=1,
+        ge=0,
+        description="slots per replica (of 4x as many or more) kept free, while others are backlogged, for tenants "
+        "lately served with nothing queued",
+    )
     batch_reserve: float = Field(
         default=0.25, ge=0, lt=1, description="share of a replica's running slots queued (batch) jobs leave free"
     )

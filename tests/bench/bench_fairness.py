@@ -26,7 +26,7 @@ import contextlib
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,10 @@ from tests.redis_server import own_redis
 
 SLOTS = 8
 MAX_QUEUE_WAIT_S = 5.0
+HEADER = (
+    "| phase | tenant | sent | served | shed | served/s | TTFT p50 ms | TTFT p99 ms | p99 / solo "
+    "| queued at the gateway, ms per request |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
 TENANTS = {"a": 1.0, "b": 1.0, "w1": 1.0, "w2": 2.0, "w4": 4.0}
 
 
@@ -63,6 +67,7 @@ class Phase:
     name: str
     samples: list[Sample] = field(default_factory=list)
     seconds: float = 0.0
+    waited_s: dict[str, float] = field(default_factory=dict)  # per tenant: seconds queued at the gateway(s)
 
     def of(self, tenant: str) -> list[Sample]:
         return [s for s in self.samples if s.tenant == tenant]
@@ -136,6 +141,27 @@ async def closed_loop(
             await stream_one(session, url, tenant, phase)
 
     await asyncio.gather(*(one_after_another() for _ in range(concurrency)))
+
+
+async def queue_waits(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, float]:
+    """Seconds each tenant's requests have waited in the gateways' fair queues so far."""
+    total: dict[str, float] = {}
+    for url in urls:
+        async with session.get(f"{url}/metrics") as response:
+            text = await response.text()
+        for line in text.splitlines():
+            if line.startswith("bulkhead_queue_wait_seconds_sum{"):
+                tenant = line.split('tenant="', 1)[1].split('"', 1)[0]
+                total[tenant] = total.get(tenant, 0.0) + float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@contextlib.asynccontextmanager
+async def waits_of(session: aiohttp.ClientSession, urls: list[str], phase: Phase) -> AsyncIterator[None]:
+    before = await queue_waits(session, urls)
+    yield
+    after = await queue_waits(session, urls)
+    phase.waited_s = {tenant: after[tenant] - before.get(tenant, 0.0) for tenant in after}
 
 
 async def engine_load(session: aiohttp.ClientSession, sim: str) -> tuple[float, float]:
@@ -243,9 +269,11 @@ def row(phase: Phase, tenant: str, solo_p99: float | None) -> str:
     ttfts = phase.ttfts_ms(tenant)
     p50, p99 = percentile(ttfts, 50), percentile(ttfts, 99)
     ratio = f"{p99 / solo_p99:.2f}" if solo_p99 else "—"
+    sent = len(phase.of(tenant))
+    waited = phase.waited_s.get(tenant, 0.0) * 1000 / sent if sent else 0.0
     return (
-        f"| {phase.name} | {tenant} | {len(phase.of(tenant))} | {phase.served(tenant)} | {phase.shed(tenant)} "
-        f"| {phase.served(tenant) / phase.seconds:.1f} | {p50:.0f} | {p99:.0f} | {ratio} |"
+        f"| {phase.name} | {tenant} | {sent} | {phase.served(tenant)} | {phase.shed(tenant)} "
+        f"| {phase.served(tenant) / phase.seconds:.1f} | {p50:.0f} | {p99:.0f} | {ratio} | {waited:.1f} |"
     )
 
 
@@ -266,10 +294,11 @@ async def run(workspace: Workspace, args: argparse.Namespace, redis_url: str) ->
                 phase = Phase(name, seconds=seconds)
                 before = await completed(session, sim.url)
                 began = time.monotonic()
-                await asyncio.gather(
-                    open_loop(session, urls, "a", rate_a, seconds, phase),
-                    open_loop(session, urls, "b", rate_b, seconds, phase),
-                )
+                async with waits_of(session, urls, phase):
+                    await asyncio.gather(
+                        open_loop(session, urls, "a", rate_a, seconds, phase),
+                        open_loop(session, urls, "b", rate_b, seconds, phase),
+                    )
                 phase.seconds = time.monotonic() - began
                 served = await completed(session, sim.url) - before
                 capacity[name] = served / phase.seconds
@@ -296,8 +325,7 @@ async def run(workspace: Workspace, args: argparse.Namespace, redis_url: str) ->
         solo_p99 = percentile(solo.ttfts_ms("b"), 99)
         print(f"\none replica: {SLOTS} slots, {args.ttft_ms:g} ms TTFT, {args.tokens_per_s:g} tokens/s, 16 tokens")
         print(f"B at {rate_b:g}/s, A at {rate_a:g}/s, {seconds:g} s per phase; max_queue_wait_s {MAX_QUEUE_WAIT_S:g}")
-        header = "| phase | tenant | sent | served | shed | served/s | TTFT p50 ms | TTFT p99 ms | p99 / solo |"
-        print(header + "\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print(HEADER)
         for phase in phases:
             for tenant in ("b", "a"):
                 if phase.of(tenant):
@@ -336,13 +364,14 @@ async def run(workspace: Workspace, args: argparse.Namespace, redis_url: str) ->
                 ids = await queue_jobs(session, fair.url, args.jobs)
                 await asyncio.sleep(2)
                 backlog = Phase(f"{args.jobs} jobs queued", seconds=seconds)
-                await open_loop(session, [fair.url], "b", rate_b, seconds, backlog)
+                async with waits_of(session, [fair.url], backlog):
+                    await open_loop(session, [fair.url], "b", rate_b, seconds, backlog)
                 done = await jobs_done(session, fair.url, ids)
         solo_p99 = percentile(solo.ttfts_ms("b"), 99)
         print(
             f"\nbatch backlog: {args.jobs} jobs, {args.queue_workers} queue workers; {done} done by the end of B's run"
         )
-        print(header + "\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print(HEADER)
         print(row(solo, "b", solo_p99))
         print(row(backlog, "b", solo_p99))
 
@@ -353,13 +382,14 @@ async def run(workspace: Workspace, args: argparse.Namespace, redis_url: str) ->
                 await open_loop(session, [one.url, two.url], "b", rate_b, seconds, solo)
                 await drained(session, sim.url)
                 both = Phase("burst, two instances", seconds=seconds)
-                await asyncio.gather(
-                    open_loop(session, [one.url, two.url], "a", rate_a, seconds, both),
-                    open_loop(session, [one.url, two.url], "b", rate_b, seconds, both),
-                )
+                async with waits_of(session, [one.url, two.url], both):
+                    await asyncio.gather(
+                        open_loop(session, [one.url, two.url], "a", rate_a, seconds, both),
+                        open_loop(session, [one.url, two.url], "b", rate_b, seconds, both),
+                    )
         solo_p99 = percentile(solo.ttfts_ms("b"), 99)
         print("\ntwo gateway instances, fair, one Redis; A and B alternate between them")
-        print(header + "\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print(HEADER)
         print(row(solo, "b", solo_p99))
         print(row(both, "b", solo_p99))
         print(row(both, "a", None))

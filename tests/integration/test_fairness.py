@@ -79,7 +79,7 @@ async def metrics_of(client: httpx.AsyncClient, gateway: str) -> str:
 async def test_a_full_queue_refuses_at_once_with_retry_after_and_forwards_nothing(
     client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
 ) -> None:
-    sim = make_sim(ttft_ms=800)
+    sim = make_sim(ttft_ms=1500)
     gateway = one_slot(sim, max_queue_depth=1)
     running = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("first"), headers=auth()))
     await until_running(client, sim)
@@ -104,7 +104,7 @@ async def test_a_full_queue_refuses_at_once_with_retry_after_and_forwards_nothin
 async def test_the_workers_route_answers_3040_when_the_model_is_at_capacity(
     client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
 ) -> None:
-    sim = make_sim(ttft_ms=800)
+    sim = make_sim(ttft_ms=1500)
     gateway = one_slot(sim, max_queue_depth=1)
     run = f"{gateway}/accounts/alice/ai/run/{MODEL}"
     body = {"messages": [{"role": "user", "content": "hi"}]}

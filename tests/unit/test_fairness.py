@@ -147,6 +147,41 @@ async def test_requests_queue_when_the_slots_are_taken_and_leave_one_per_freed_s
     assert f.gate.queued() == 0
 
 
+async def test_a_light_tenant_finds_a_slot_kept_free_while_another_is_backlogged() -> None:
+    f = Fixture(slots=8)
+    heavy, light = f.tenant("heavy"), f.tenant("light")
+    backlog = [asyncio.create_task(f.enter(heavy)) for _ in range(20)]
+    await settle()
+    assert f.placed.count("heavy") == 8, "alone, the heavy tenant takes every slot"
+    first = asyncio.create_task(f.enter(light))
+    await settle()
+    f.finish()
+    await settle()
+    await asyncio.wait_for(first, 1)  # the next free slot was the light tenant's
+    f.finish()  # its answer ends: it was served lately and has nothing queued
+    f.finish()
+    await settle()
+    assert f.placed.count("heavy") == 9 and f.replica.in_flight == 7, "one slot is kept free"
+    await asyncio.wait_for(f.enter(light), 1)  # at once, with no slot freed
+    assert f.replica.in_flight == 8
+    for task in backlog:
+        task.cancel()
+    await asyncio.gather(*backlog, return_exceptions=True)
+
+
+async def test_without_a_light_tenant_nothing_is_held_back() -> None:
+    f = Fixture(slots=8)
+    backlog = [asyncio.create_task(f.enter(f.tenant(name))) for name in ("x", "y") for _ in range(10)]
+    await settle()
+    for _ in range(4):
+        f.finish()
+        await settle()
+    assert f.replica.in_flight == 8, "both tenants backlogged: every slot is used"
+    for task in backlog:
+        task.cancel()
+    await asyncio.gather(*backlog, return_exceptions=True)
+
+
 async def test_interactive_requests_go_before_batch_jobs_and_lower_priority_first() -> None:
     f = Fixture(slots=1, batch_reserve=0)
     first = asyncio.create_task(f.enter(f.tenant("a")))
