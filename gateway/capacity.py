@@ -76,7 +76,9 @@ class CapacityMonitor:
     async def refresh(self, client: httpx.AsyncClient, replica: Replica, timeout: float) -> None:
         models = [m.name for m in self._models if replica.name in m.backends]
         try:
-            listed = await client.get(f"{replica.url}/v1/models", timeout=timeout)
+            # vLLM started with --api-key guards /v1/* (not /metrics): the key the gateway sends upstream.
+            auth = {"authorization": f"Bearer {replica.api_key}"} if replica.api_key else None
+            listed = await client.get(f"{replica.url}/v1/models", headers=auth, timeout=timeout)
             exposition = await client.get(f"{replica.url}/metrics", timeout=timeout)
         except httpx.HTTPError as exc:
             log.info("capacity of backend %s not read: %s", replica.name, type(exc).__name__)
