@@ -29,8 +29,9 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway import admin, catalog, inference, workers_api
+from gateway import admin, catalog, inference, readiness, workers_api
 from gateway.accesslog import RequestIdHeader
 from gateway.auditlog import MemoryAuditLog, RedisAuditLog
 from gateway.backends import ReplicaPool
@@ -89,16 +90,9 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    state = _state(request)
-    problems = [] if state.pool.any_healthy else ["no backend answers its health check"]
-    if state.redis is not None:
-        try:
-            await state.redis.ping()
-        except (RedisError, OSError) as exc:
-            problems.append(f"redis unreachable: {type(exc).__name__}")
-    if problems:
-        return JSONResponse({"status": "not ready", "problems": problems}, status_code=503)
-    return JSONResponse({"status": "ready"})
+    """200 while this instance can serve (what is degraded in the body), 503 when it cannot: see readiness.py."""
+    found = await readiness.check(_state(request))
+    return JSONResponse(found.body(), status_code=200 if found.ready else 503)
 
 
 async def metrics(request: Request) -> Response:
@@ -121,6 +115,37 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(GatewayError("The gateway failed unexpectedly; the failure has been logged."))
 
 
+class BadSettingsAtStart:
+    """ASGI middleware: settings that only the lifespan can find bad (a tenant id that is also in the tenant
+    directory, which needs Redis) fail the start with one line, not Starlette's traceback; the error is kept as
+    `app.state.bad_settings`, for the command to exit on."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        held: list[Message] = []
+
+        async def send_holding_failure(message: Message) -> None:
+            if message["type"] == "lifespan.startup.failed":
+                held.append(message)  # its message is the traceback: sent once the error is known
+                return
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_holding_failure)
+        except SettingsError as exc:
+            scope["app"].state.bad_settings = exc
+            await send({"type": "lifespan.startup.failed", "message": f"bulkhead: bad settings: {exc}"})
+        except BaseException:
+            for message in held:
+                await send(message)
+            raise
+
+
 def load_tokenizers(settings: Settings) -> dict[str, ModelTokenizer]:
     """Every configured tokenizer, loaded before serving so that a bad path stops the start."""
     loaded = {}
@@ -131,6 +156,17 @@ def load_tokenizers(settings: Settings) -> dict[str, ModelTokenizer]:
             except TokenizerLoadError as exc:
                 raise SettingsError(f"models[{index}].tokenizer: {exc}") from exc
     return loaded
+
+
+def check_files(settings: Settings) -> dict[str, ModelTokenizer]:
+    """The files the settings name, before serving, so that a bad path stops the start with one line: the
+    tokenizers loaded, the public texts looked for (read by the lifespan)."""
+    tokenizers = load_tokenizers(settings)
+    if settings.isolation.fingerprints.enabled:
+        for index, path in enumerate(settings.isolation.fingerprints.public_texts):
+            if not path.exists():
+                raise SettingsError(f"isolation.fingerprints.public_texts[{index}]: {path} does not exist")
+    return tokenizers
 
 
 def build_counters(
@@ -179,7 +215,17 @@ def salt_secret(settings: Settings) -> bytes:
 
 def canary_keys(settings: Settings) -> list[CanaryKey]:
     configured = settings.isolation.canary.keys
-    return [CanaryKey(k.id, k.secret.encode()) for k in configured] or [CanaryKey("random", secrets.token_bytes(32))]
+    if configured:
+        return [CanaryKey(k.id, k.secret.encode()) for k in configured]
+    isolation = settings.isolation
+    if settings.redis_url is not None and (isolation.canary.enabled or isolation.fingerprints.enabled):
+        log.warning(
+            "isolation.canary.keys is not set: each gateway instance makes its canary markers and prompt fingerprints "
+            "with a random key of its own, so a tenant's prompts differ between instances (their prefix cache hits "
+            "are lost) and no instance recognises another's markers or prompts in an answer; set the same keys on "
+            "every instance"
+        )
+    return [CanaryKey("random", secrets.token_bytes(32))]
 
 
 async def marker_registry(
@@ -224,12 +270,8 @@ def make_fingerprinter(
     config = settings.isolation.fingerprints
     if not config.enabled:
         return None
-    # Every instance must hash alike to recognise each other's prompts: the key derives from the canary secret.
-    if redis is not None and not settings.isolation.canary.keys:
-        log.warning(
-            "isolation.canary.keys is not set: each gateway instance fingerprints prompts with a random key of its "
-            "own, so no instance recognises another's prompts in an answer; set the same keys on every instance"
-        )
+    # Every instance must hash alike to recognise each other's prompts: the key derives from the canary secret (a
+    # random one is warned about where it is made).
     secret = hmac.new(key.secret, b"bulkhead prompt fingerprints", hashlib.sha256).digest()
     hasher = Hasher(secret, Shape.for_fragments(config.min_fragment_tokens))
     public: frozenset[int] = frozenset()
@@ -271,9 +313,21 @@ def make_webhook(settings: Settings, client: httpx.AsyncClient) -> Webhook | Non
     return Webhook(client, canary.webhook_url, canary.webhook_secret.encode())
 
 
+def warn_unreachable(pool: ReplicaPool) -> None:
+    for replica in pool.replicas.values():
+        if not replica.healthy:
+            log.warning(
+                "backend %s at %s does not answer its health check at start (%s): it gets no requests until it does",
+                replica.name,
+                replica.url,
+                replica.problem,
+            )
+
+
 def create_app(settings: Settings, workers: int | None = None) -> Starlette:
-    """The gateway; `workers` queue workers run inside it (default: settings.queue.workers)."""
-    tokenizers = load_tokenizers(settings)
+    """The gateway; `workers` queue workers run inside it (default: settings.queue.workers). A file the settings
+    name that is missing or bad raises SettingsError here, before anything is served."""
+    tokenizers = check_files(settings)
     workers = settings.queue.workers if workers is None else workers
 
     @contextlib.asynccontextmanager
@@ -284,8 +338,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
         tenants = TenantDirectory(settings.tenants, directory, settings.tenant_directory, metrics)
         try:
             await tenants.start()
-        except SettingsError as exc:
-            log.error("bulkhead: bad settings: %s", exc)  # the line to read, above uvicorn's traceback
+        except SettingsError:  # said in one line by BadSettingsAtStart
             if redis is not None:
                 await redis.aclose()
             raise
@@ -302,6 +355,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
             async with make_client(settings.upstream) as client, make_session(settings.upstream) as session:
                 upstream = Upstream(session, settings.upstream, pool, metrics)
                 await pool.refresh(client, timeout)
+                warn_unreachable(pool)
                 keys = canary_keys(settings)
                 markers = await marker_registry(settings, keys, redis, metrics)
                 tenants.joined = markers.publish_tenants
@@ -398,8 +452,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
             *workers_api.routes(),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _unexpected},
-        middleware=[Middleware(RequestIdHeader)],
+        middleware=[Middleware(BadSettingsAtStart), Middleware(RequestIdHeader)],
         lifespan=lifespan,
     )
     app.state.openapi = orjson.dumps(openapi_document())
+    app.state.bad_settings = None
     return app

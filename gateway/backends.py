@@ -37,6 +37,7 @@ class Replica:
     url: str
     api_key: str | None = field(default=None, repr=False)
     healthy: bool = False
+    problem: str = "not checked yet"  # why it is unhealthy, from its last failed check
     admin_state: AdminState | None = None
     in_flight: int = 0
 
@@ -71,6 +72,7 @@ class ReplicaPool:
         return [r for name in model.backends if (r := self.replicas[name]).routable]
 
     def set_health(self, replica: Replica, healthy: bool, reason: str = "") -> None:
+        replica.problem = "" if healthy else reason
         if replica.healthy != healthy:
             replica.healthy = healthy
             if healthy:

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,10 +20,10 @@ import orjson
 import uvicorn
 from starlette.applications import Starlette
 
-from gateway import multiprocess, tenant_commands
-from gateway.app import create_app
+from gateway import multiprocess, preflight, tenant_commands
+from gateway.app import check_files, create_app
 from gateway.serving import free_port
-from gateway.settings import Settings, SettingsError, TenantSettings, load_settings
+from gateway.settings import ListenSettings, Settings, SettingsError, TenantSettings, load_settings
 from gateway.tenants import hash_key, new_api_key
 from isolation.audit import command as audit_command
 from isolation.sim import FAULTS, SimConfig, create_sim_app
@@ -109,16 +110,47 @@ def _settings(args: argparse.Namespace) -> Settings | None:
     return settings
 
 
+def _listen_at(settings: Settings, host: str | None, port: int | None) -> Settings:
+    """The settings with `--host`/`--port` in place of listen.host/listen.port where given."""
+    listen = ListenSettings(host=host or settings.listen.host, port=settings.listen.port if port is None else port)
+    return settings.model_copy(update={"listen": listen})
+
+
+def _bind(settings: Settings, count: int) -> socket.socket | None:
+    """The listening socket (one process), or only the check that the address is free (uvicorn's supervisor binds
+    it again for the processes it starts); ListenError or SettingsError when the start cannot work."""
+    sock = preflight.listening_socket(settings.listen.host, settings.listen.port)
+    if count == 1:
+        return sock
+    sock.close()
+    check_files(settings)
+    return None
+
+
 def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if settings is None:
         return 2
+    settings = _listen_at(settings, args.host, args.port)
     count = multiprocess.process_count(args.workers or settings.workers)
-    refusal = multiprocess.refusal(settings, count, "serve")
+    refusal = multiprocess.refusal(settings, count, "serve") or (
+        None if args.allow_example_secrets else preflight.refusal(settings)
+    )
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2
+    try:
+        sock = _bind(settings, count)
+    except preflight.ListenError as exc:
+        print(f"bulkhead: {exc}", file=sys.stderr)
+        return 2
+    except SettingsError as exc:
+        print(f"bulkhead: bad settings: {exc}", file=sys.stderr)
+        return 2
     with contextlib.ExitStack() as stack:
+        if sock is not None:
+            stack.callback(sock.close)
+            settings = _listen_at(settings, None, sock.getsockname()[1])  # port 0: the one the system chose
         if not settings.backends:
             tokenizer = cached_tokenizer(_cache_root())
             url = stack.enter_context(embedded_simulator(tokenizer))
@@ -128,19 +160,31 @@ def _serve(args: argparse.Namespace) -> int:
         if not settings.tenants and settings.admin_token is None:
             demo_key = new_api_key()
             settings = with_demo_tenant(settings, demo_key)
-        _print_banner(settings, demo_key, count)
-        if count > 1:
+        if sock is None:
+            _print_banner(settings, demo_key, count)
             multiprocess.serve(settings, count)
             return 0
-        config = uvicorn.Config(
-            create_app(settings),
-            host=settings.listen.host,
-            port=settings.listen.port,
-            access_log=False,
-            log_config=None,
-            lifespan="on",
-        )
-        uvicorn.Server(config).run()
+        try:
+            app = create_app(settings)  # loads the tokenizers: a bad directory stops the start here
+        except SettingsError as exc:
+            print(f"bulkhead: bad settings: {exc}", file=sys.stderr)
+            return 2
+        _print_banner(settings, demo_key, count)
+        return _run(app, settings, sock)
+
+
+def _run(app: Starlette, settings: Settings, sock: socket.socket) -> int:
+    """Serve on the socket bound before the banner until SIGINT/SIGTERM; 2 when the lifespan finds the settings bad
+    (what only it can find, with Redis: a tenant id that is also in the tenant directory; it logged the line)."""
+    config = uvicorn.Config(
+        app, host=settings.listen.host, port=settings.listen.port, access_log=False, log_config=None, lifespan="on"
+    )
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except SystemExit:
+        if app.state.bad_settings is not None:
+            return 2
+        raise
     return 0
 
 
@@ -227,6 +271,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         fault=args.fault,
         max_num_seqs=args.max_num_seqs,
         batch_slowdown=args.batch_slowdown,
+        api_key=args.api_key,
     )
 
 
@@ -250,10 +295,17 @@ def _say_kv_cache(config: SimConfig, sized: bool) -> None:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    config = sim_config(args)
-    print(f"bulkhead sim: serving '{args.model}' on http://{args.host}:{args.port}", flush=True)
-    _say_kv_cache(config, _sized_for_fault(args))
-    uvicorn.run(create_sim_app(config), host=args.host, port=args.port, access_log=False, log_level="warning")
+    try:
+        sock = preflight.listening_socket(args.host, args.port, from_settings=False)
+    except preflight.ListenError as exc:
+        print(f"bulkhead sim: {exc}", file=sys.stderr)
+        return 2
+    with sock:
+        config = sim_config(args)
+        print(f"bulkhead sim: serving '{args.model}' on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+        _say_kv_cache(config, _sized_for_fault(args))
+        served = uvicorn.Config(create_sim_app(config), access_log=False, log_level="warning")
+        uvicorn.Server(served).run(sockets=[sock])
     return 0
 
 
@@ -280,6 +332,16 @@ def _workers(value: str) -> int | str:
     if count < 1:
         raise argparse.ArgumentTypeError("at least 1 process")
     return count
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0 to 65535, got {port}")
+    return port
 
 
 def _at_least_one(value: str) -> int:
@@ -309,6 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the gateway")
     serve.add_argument("--config", type=Path, help="YAML settings file (BULKHEAD_* variables override it)")
     serve.add_argument("--workers", type=_workers, help=WORKERS_HELP)
+    serve.add_argument("--host", help="address to listen on (default: the settings' listen.host, 127.0.0.1)")
+    serve.add_argument("--port", type=_port, help="port to listen on (default: the settings' listen.port, 8080)")
+    serve.add_argument(
+        preflight.ALLOW_FLAG,
+        action="store_true",
+        help="start even with the published example key hashes or placeholder secrets of deploy/ (demos only)",
+    )
     serve.set_defaults(run=_serve)
 
     worker = commands.add_parser("worker", help="run queue workers for the async API (needs redis_url)")
@@ -331,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = commands.add_parser("sim", help="run the vLLM-compatible engine simulator")
     sim.add_argument("--host", default="127.0.0.1")
-    sim.add_argument("--port", type=int, default=8000)
+    sim.add_argument("--port", type=_port, default=8000)
     sim.add_argument("--model", default=EMBEDDED_MODEL)
     sim.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer directory (default: a built tiny one)")
     sim.add_argument("--max-model-len", type=int, default=EMBEDDED_CONTEXT)
@@ -366,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="how a full batch slows pacing: with R requests running, the TTFT and token interval are multiplied "
         "by 1 + this x (R - 1) / --max-num-seqs (default %(default)s: no slowdown)",
+    )
+    sim.add_argument(
+        "--api-key", help="as vLLM's --api-key: /v1/* answers 401 without `Authorization: Bearer KEY` (default: none)"
     )
     sim.set_defaults(run=_sim)
 

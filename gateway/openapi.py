@@ -191,8 +191,12 @@ def openapi_document() -> dict[str, Any]:
             "/healthz": {"get": {"summary": "The process is up", "responses": {"200": {"description": "ok"}}}},
             "/readyz": {
                 "get": {
-                    "summary": "At least one backend answers",
-                    "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}},
+                    "summary": "This instance can serve: a backend is routable, and Redis answers where something "
+                    "configured needs it; the body names what is degraded",
+                    "responses": {
+                        "200": {"description": "ready, perhaps degraded"},
+                        "503": {"description": "cannot serve"},
+                    },
                 }
             },
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}},

@@ -201,6 +201,11 @@ class TenantDirectory:
         if metrics is not None:
             metrics.keys_held.set_function(lambda: len(self._held))
 
+    @property
+    def known_without_store(self) -> bool:
+        """Whether some key can be checked with the store unreachable: a tenant in the settings, or a key held here."""
+        return bool(self._by_id) or bool(self._held)
+
     # --- authentication (the hot path) -------------------------------------------------------------------------
 
     async def authenticate(self, authorization: str | None) -> TenantSettings:

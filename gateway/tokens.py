@@ -59,6 +59,13 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _read(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenizerLoadError(f"{file}: cannot read: {exc}") from exc
+
+
 def _token_text(value: object) -> str | None:
     if isinstance(value, str):
         return value
@@ -121,6 +128,11 @@ class ModelTokenizer:
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelTokenizer:
+        if not path.is_dir():
+            raise TokenizerLoadError(
+                f"{path} is not a directory: give a Hugging Face tokenizer directory, or leave it unset to count "
+                "with the backend's /tokenize"
+            )
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise TokenizerLoadError(f"{tokenizer_file} does not exist")
@@ -132,15 +144,20 @@ class ModelTokenizer:
         config_file = path / "tokenizer_config.json"
         if config_file.is_file():
             try:
-                config = json.loads(config_file.read_text(encoding="utf-8"))
+                config = json.loads(_read(config_file))
             except ValueError as exc:
                 raise TokenizerLoadError(f"{config_file}: {exc}") from exc
+            if not isinstance(config, dict):
+                raise TokenizerLoadError(f"{config_file}: not a JSON object")
         template_source = config.get("chat_template")
         template_file = path / "chat_template.jinja"
         if template_file.is_file():
-            template_source = template_file.read_text(encoding="utf-8")
+            template_source = _read(template_file)
+        try:
+            template = _compile_template(template_source) if isinstance(template_source, str) else None
+        except jinja2.TemplateError as exc:
+            raise TokenizerLoadError(f"{template_file if template_file.is_file() else config_file}: {exc}") from exc
         special = {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key))) is not None}
-        template = _compile_template(template_source) if isinstance(template_source, str) else None
         longest = max(
             len(tokenizer.decode([i], skip_special_tokens=False).encode()) for i in range(vocab_size(tokenizer))
         )

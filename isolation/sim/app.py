@@ -22,6 +22,7 @@ held by that app's endpoints: several simulators can run in one process without 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.tokens import ChatTemplateError, ModelTokenizer
 from isolation.sim.config import SimConfig
@@ -88,7 +89,26 @@ def create_sim_app(config: SimConfig) -> Starlette:
     )
     app.state.engine = engine
     app.state.request_log = endpoints.request_log
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyCheck, token=config.api_key)
     return app
+
+
+class ApiKeyCheck:
+    """vLLM's --api-key: every /v1 path needs `Authorization: Bearer <key>`, else 401 {"error": "Unauthorized"};
+    /health, /metrics, /tokenize and the rest stay open, as in vLLM's AuthenticationMiddleware."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self._app = app
+        self._expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                await _json({"error": "Unauthorized"}, 401)(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
 
 
 def _json(content: object, status_code: int = 200) -> Response:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -55,6 +55,7 @@ class SimConfig:
     fault: Fault = "none"
     max_num_seqs: int = 256  # vLLM's --max-num-seqs; 256 is its default on most GPUs
     batch_slowdown: float = 0.0
+    api_key: str | None = field(default=None, repr=False)  # vLLM's --api-key: /v1/* answers 401 without it
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "num_gpu_blocks", "output_tokens", "max_num_seqs"):

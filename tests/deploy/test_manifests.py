@@ -17,6 +17,7 @@ from gateway.app import create_app
 from gateway.settings import Settings, load_settings
 from tests.deploy.conftest import KUSTOMIZATIONS
 from tests.deploy.tools import DEPLOY, module
+from tests.e2e.vllm_env import VLLM_SPEC
 
 Object = dict[str, Any]
 BUILDS = [str(path.relative_to(DEPLOY / "kubernetes")) for path in KUSTOMIZATIONS]
@@ -43,33 +44,58 @@ def container(workload: Object, name: str) -> Object:
     return next(c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == name)
 
 
-def secret_value(objects: list[Object], ref: Object) -> str | None:
-    secrets = find(objects, "Secret", ref["name"])
+def secret_data(objects: list[Object], name: str) -> dict[str, str] | None:
+    """A Secret's keys and decoded values; None when the build has no such Secret."""
+    secrets = find(objects, "Secret", name)
     if not secrets:
         return None
-    data = secrets[0].get("data", {})
-    if ref["key"] in data:
-        return base64.b64decode(data[ref["key"]]).decode()
-    return secrets[0].get("stringData", {}).get(ref["key"])
+    data = {key: base64.b64decode(value).decode() for key, value in secrets[0].get("data", {}).items()}
+    return data | secrets[0].get("stringData", {})
 
 
-def gateway_environment(objects: list[Object], build: str) -> dict[str, str]:
-    """The gateway container's variables, resolved from the build's Secrets as the kubelet would."""
-    environ = {}
-    for variable in container(one(objects, "Deployment", GATEWAY), "gateway").get("env", []):
+def environment(objects: list[Object], build: str, workload: Object, name: str) -> dict[str, str]:
+    """A container's variables as the kubelet makes them: envFrom first, then env in order, each value's $(VAR)
+    filled in from the variables before it. A Secret the build lacks leaves its variables unset (and their
+    $(VAR) as written, as the kubelet does): only the base may lack one, its overlays provide them."""
+    spec = container(workload, name)
+    where = f"{build}: {workload['metadata']['name']}/{name}"
+    environ: dict[str, str] = {}
+    for source in spec.get("envFrom", []):
+        ref = source["secretRef"]
+        data = secret_data(objects, ref["name"])
+        assert data is not None or build == "base" or ref.get("optional"), f"{where}: no Secret {ref['name']}"
+        environ |= data or {}
+    for variable in spec.get("env", []):
         if "value" in variable:
-            environ[variable["name"]] = variable["value"]
+            environ[variable["name"]] = expand(variable["value"], environ)
             continue
         ref = variable["valueFrom"]["secretKeyRef"]
-        value = secret_value(objects, ref)
-        if value is not None:
-            environ[variable["name"]] = value
-        elif not find(objects, "Secret", ref["name"]):
-            # The base leaves the Secret to its overlays; a deployable overlay must provide it.
-            assert build == "base", f"{build}: no Secret {ref['name']} for {variable['name']}"
+        data = secret_data(objects, ref["name"])
+        if data is not None and ref["key"] in data:
+            environ[variable["name"]] = data[ref["key"]]
         else:
-            assert ref.get("optional"), f"{build}: Secret {ref['name']} has no key {ref['key']}"
+            assert build == "base" or ref.get("optional"), f"{where}: no Secret key {ref['name']}/{ref['key']}"
     return environ
+
+
+def expand(text: str, environ: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion: a defined variable's value; an undefined one as written; $$ is $."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: environ.get(m[1], m[0]) if m[1] else "$", text)
+
+
+def secrets_providing(objects: list[Object], spec: Object, variable: str) -> set[str]:
+    """The Secrets a container's `variable` may come from: one, where the build has its Secrets; in the base,
+    which has none, every Secret its envFrom names."""
+    for entry in spec.get("env", []):
+        if entry["name"] == variable:
+            ref = entry.get("valueFrom", {}).get("secretKeyRef")
+            return {ref["name"]} if ref else set()
+    found = set()
+    for source in spec.get("envFrom", []):
+        data = secret_data(objects, source["secretRef"]["name"])
+        if data is None or variable in data:
+            found.add(source["secretRef"]["name"])
+    return found
 
 
 def gateway_settings(objects: list[Object], build: str, tmp_path: Path) -> Settings:
@@ -86,7 +112,7 @@ def gateway_settings(objects: list[Object], build: str, tmp_path: Path) -> Setti
     config_map = one(objects, "ConfigMap", volume["configMap"]["name"])
     local = tmp_path / config_path.name
     local.write_text(config_map["data"][item["key"]], encoding="utf-8")
-    return load_settings(local, gateway_environment(objects, build))
+    return load_settings(local, environment(objects, build, deployment, "gateway"))
 
 
 def test_every_yaml_and_json_file_under_deploy_parses() -> None:
@@ -131,31 +157,29 @@ def test_gateway_settings_load_as_deployed(builds: dict[str, list[Object]], buil
 @pytest.mark.parametrize("build", BUILDS)
 def test_backends_are_the_vllm_pods(builds: dict[str, list[Object]], build: str, tmp_path: Path) -> None:
     objects = builds[build]
-    engines = {o["metadata"]["name"]: o for o in find(objects, "StatefulSet") if "vllm" in _image(o)}
-    assert engines, "no vLLM StatefulSet"
+    by_name = {e["metadata"]["name"]: e for e in engines(objects)}
+    assert by_name, "no vLLM StatefulSet"
     configured = set()
     for backend in gateway_settings(objects, build, tmp_path).backends:
         url = urlsplit(backend.url)
         pod, _, service_name = (url.hostname or "").partition(".")
         match = re.fullmatch(r"(.+)-(\d+)", pod)
-        assert match and match[1] in engines, f"backend {backend.name}: {url.hostname} is not a vLLM pod address"
-        engine, ordinal = engines[match[1]], int(match[2])
+        assert match and match[1] in by_name, f"backend {backend.name}: {url.hostname} is not a vLLM pod address"
+        engine, ordinal = by_name[match[1]], int(match[2])
         assert ordinal < engine["spec"].get("replicas", 1), f"backend {backend.name}: {pod} does not exist"
         assert service_name == engine["spec"]["serviceName"], f"backend {backend.name}: not its governing Service"
         service = one(objects, "Service", service_name)
         assert service["spec"].get("clusterIP") == "None", "per-pod addresses need a headless Service"
         assert url.port in _container_ports(engine, service), f"backend {backend.name}: port {url.port} not served"
         configured.add(pod)
-    pods = {f"{name}-{i}" for name, e in engines.items() for i in range(e["spec"].get("replicas", 1))}
+    pods = {f"{name}-{i}" for name, e in by_name.items() for i in range(e["spec"].get("replicas", 1))}
     assert pods == configured, f"vLLM pods that are not backends: {sorted(pods - configured)}"
 
 
 @pytest.mark.parametrize("build", BUILDS)
 def test_vllm_serves_the_configured_models(builds: dict[str, list[Object]], build: str, tmp_path: Path) -> None:
     settings = gateway_settings(builds[build], build, tmp_path)
-    for engine in find(builds[build], "StatefulSet"):
-        if "vllm" not in _image(engine):
-            continue
+    for engine in engines(builds[build]):
         spec = engine["spec"]["template"]["spec"]["containers"][0]
         args = dict(a.removeprefix("--").partition("=")[::2] for a in spec["args"])
         model = settings.model(args["served-model-name"])
@@ -209,16 +233,155 @@ def test_no_pod_gets_service_links(builds: dict[str, list[Object]], build: str) 
 def test_pods_are_bounded_and_unprivileged(builds: dict[str, list[Object]], build: str) -> None:
     for workload in workloads(builds[build]):
         pod = workload["spec"]["template"]["spec"]
-        for spec in pod["containers"]:
+        for spec in pod.get("initContainers", []) + pod["containers"]:
             where = f"{workload['metadata']['name']}/{spec['name']}"
             assert {"cpu", "memory"} <= spec["resources"]["requests"].keys(), where
             assert "memory" in spec["resources"]["limits"], where
-            assert spec["securityContext"]["allowPrivilegeEscalation"] is False, where
-            if "vllm" in spec["image"]:
-                continue  # vLLM's image runs as root and writes its caches
-            assert pod["securityContext"]["runAsNonRoot"] is True, where
-            assert spec["securityContext"]["readOnlyRootFilesystem"] is True, where
-            assert spec["securityContext"]["capabilities"]["drop"] == ["ALL"], where
+            context = spec.get("securityContext")
+            assert context, f"{where}: no securityContext"
+            assert context["allowPrivilegeEscalation"] is False, where
+            assert not context.get("privileged"), where
+            assert context["readOnlyRootFilesystem"] is True, where
+            assert context["capabilities"] == {"drop": ["ALL"]}, where
+            assert context.get("runAsNonRoot", pod["securityContext"].get("runAsNonRoot")) is True, where
+            seccomp = context.get("seccompProfile", pod["securityContext"].get("seccompProfile"))
+            assert seccomp == {"type": "RuntimeDefault"}, where
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_vllm_writes_only_to_its_volumes(builds: dict[str, list[Object]], build: str) -> None:
+    # Its root filesystem is read-only and its user is not root: the weights, every cache (under HOME), /tmp and
+    # shared memory must each be a writable volume.
+    for engine in engines(builds[build]):
+        spec = container(engine, "vllm")
+        variables = {v["name"]: v.get("value") for v in spec["env"]}
+        mounts = [Path(m["mountPath"]) for m in spec["volumeMounts"] if not m.get("readOnly")]
+        for path in (variables["HF_HOME"], variables["HOME"], "/tmp", "/dev/shm"):
+            assert path and any(Path(path).is_relative_to(m) for m in mounts), f"{path} is not on a writable volume"
+        assert variables.get("USER"), "torch's getpass.getuser() needs USER for a user /etc/passwd does not know"
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_pod_is_selected_by_a_network_policy(builds: dict[str, list[Object]], build: str) -> None:
+    policies = find(builds[build], "NetworkPolicy")
+    for workload in workloads(builds[build]):
+        labels = pod_labels(workload)
+        selecting = [p for p in policies if selects(p["spec"]["podSelector"], labels)]
+        assert [p for p in selecting if "Ingress" in p["spec"]["policyTypes"]], workload["metadata"]["name"]
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("name", ["vllm", "bulkhead-redis"])
+def test_only_gateways_reach_vllm_and_redis(builds: dict[str, list[Object]], build: str, name: str) -> None:
+    objects = builds[build]
+    target = one(objects, "StatefulSet", name)
+    ports = {p["containerPort"] for c in target["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+    selecting = [p for p in find(objects, "NetworkPolicy") if selects(p["spec"]["podSelector"], pod_labels(target))]
+    assert selecting, f"no NetworkPolicy selects the {name} pods: any pod can reach them"
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            assert rule.get("from"), f"{policy['metadata']['name']}: a rule without `from` admits every source"
+            for peer in rule["from"]:
+                assert peer.keys() == {"podSelector"}, f"{policy['metadata']['name']}: {peer} reaches beyond pods"
+                admitted = {
+                    w["metadata"]["name"] for w in workloads(objects) if selects(peer["podSelector"], pod_labels(w))
+                }
+                assert admitted == {GATEWAY}, f"{policy['metadata']['name']} admits {sorted(admitted)}"
+            assert rule.get("ports"), f"{policy['metadata']['name']}: a rule without `ports` opens every port"
+            assert {p["port"] for p in rule["ports"]} <= ports, policy["metadata"]["name"]
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_workload_has_a_disruption_budget(builds: dict[str, list[Object]], build: str) -> None:
+    budgets = find(builds[build], "PodDisruptionBudget")
+    for workload in workloads(builds[build]):
+        covering = [b for b in budgets if selects(b["spec"]["selector"], pod_labels(workload))]
+        assert len(covering) == 1, f"{workload['metadata']['name']}: {len(covering)} PodDisruptionBudgets"
+    for engine in engines(builds[build]):
+        budget = next(b for b in budgets if selects(b["spec"]["selector"], pod_labels(engine)))
+        assert budget["spec"].get("maxUnavailable") == 1, "a drain may take one vLLM pod at a time (minutes each)"
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_vllm_requires_the_key_the_gateway_sends(builds: dict[str, list[Object]], build: str, tmp_path: Path) -> None:
+    objects = builds[build]
+    gateway = container(one(objects, "Deployment", GATEWAY), "gateway")
+    backends = {b.name: b for b in gateway_settings(objects, build, tmp_path).backends}
+    for engine in engines(objects):
+        spec = container(engine, "vllm")
+        keys = [re.fullmatch(r"--api-key=\$\((\w+)\)", a) for a in spec["args"] if a.startswith("--api-key")]
+        assert len(keys) == 1 and keys[0], f"vLLM must take --api-key=$(VARIABLE) from a Secret: {spec['args']}"
+        variable = keys[0][1]
+        secrets = secrets_providing(objects, spec, variable)
+        assert secrets, f"vLLM's {variable} comes from no Secret"
+        assert secrets & secrets_providing(objects, gateway, variable), f"the gateway reads {variable} elsewhere"
+        # Where the build has its Secrets, the key itself; in the base, $(VARIABLE) as written on both sides.
+        key = expand(f"$({variable})", environment(objects, build, engine, "vllm"))
+        assert build == "base" or "$(" not in key, f"{build}: vLLM's {variable} is not set"
+        for name in [n for n in backends if n.startswith(f"{engine['metadata']['name']}-")]:
+            assert backends[name].api_key == key, f"backend {name} does not send vLLM's key"
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_redis_requires_the_password_in_the_gateway_url(
+    builds: dict[str, list[Object]], build: str, tmp_path: Path
+) -> None:
+    objects = builds[build]
+    redis = one(objects, "StatefulSet", "bulkhead-redis")
+    spec = container(redis, "redis")
+    gateway = container(one(objects, "Deployment", GATEWAY), "gateway")
+    reference = re.fullmatch(r"\$\((\w+)\)", spec["args"][spec["args"].index("--requirepass") + 1])
+    assert reference, "requirepass must be $(VARIABLE), from a Secret"
+    secrets = secrets_providing(objects, spec, reference[1])
+    assert secrets, f"Redis' {reference[1]} comes from no Secret"
+    assert secrets & secrets_providing(objects, gateway, reference[1]), f"the gateway reads {reference[1]} elsewhere"
+    variables = environment(objects, build, redis, "redis")
+    password = expand(reference[0], variables)
+    assert build == "base" or "$(" not in password, f"{build}: Redis' {reference[1]} is not set"
+    assert variables["REDISCLI_AUTH"] == password, "the probes' redis-cli must authenticate"
+    url = urlsplit(gateway_settings(objects, build, tmp_path).redis_url or "")
+    assert url.password == password, "the gateway's redis_url must carry Redis' password"
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_redis_has_memory_for_rewriting_its_append_only_file(builds: dict[str, list[Object]], build: str) -> None:
+    redis = container(one(builds[build], "StatefulSet", "bulkhead-redis"), "redis")
+    args = redis["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    # A rewrite forks: under writes, copy-on-write can double the data set, and buffers come on top.
+    maxmemory = redis_bytes(args[args.index("--maxmemory") + 1])
+    assert maxmemory <= 0.4 * quantity_bytes(redis["resources"]["limits"]["memory"])
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_grace_periods_let_streams_finish(builds: dict[str, list[Object]], build: str, tmp_path: Path) -> None:
+    objects = builds[build]
+    settings = gateway_settings(objects, build, tmp_path)
+    read_timeout = settings.upstream.read_timeout_s
+    # The gateway's own shutdown grace (whatever its setting is called) must fit in the pod's too.
+    graces = [v for k, v in _leaves(settings.model_dump()) if re.search(r"(grace|shutdown|drain)\w*_s$", k)]
+    deployment = one(objects, "Deployment", GATEWAY)
+    gateway = container(deployment, "gateway")
+    needed = _pre_stop_s(gateway) + max([read_timeout, *graces])
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > needed
+    for engine in engines(objects):
+        spec = container(engine, "vllm")
+        drain = int(next(a for a in spec["args"] if a.startswith("--shutdown-timeout=")).partition("=")[2])
+        assert drain >= read_timeout, "vLLM must let a stream run as long as the gateway waits for it"
+        assert engine["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > _pre_stop_s(spec) + drain
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_images_are_versioned_and_vllm_is_the_tested_one(builds: dict[str, list[Object]], build: str) -> None:
+    for workload in workloads(builds[build]):
+        for spec in workload["spec"]["template"]["spec"]["containers"]:
+            tagged = re.fullmatch(r"[^:@]+(:[\w.-]+)?(@sha256:[0-9a-f]{64})?", spec["image"])
+            assert tagged and (tagged[1] or tagged[2]), f"{spec['image']}: neither a tag nor a digest"
+            assert tagged[1] != ":latest", spec["image"]
+    tested = VLLM_SPEC.partition("==")[2]
+    for engine in engines(builds[build]):
+        assert _image(engine).partition("@")[0].endswith(f":v{tested}"), f"the e2e suite tests vLLM {tested}"
 
 
 def test_gateway_pod_matches_the_image(builds: dict[str, list[Object]]) -> None:
@@ -232,6 +395,52 @@ def test_gateway_pod_matches_the_image(builds: dict[str, list[Object]]) -> None:
     assert exposed and [p["containerPort"] for p in gateway["ports"]] == [int(exposed[1])]
     image = yaml.safe_load((DEPLOY / "image" / "bulkhead.yaml").read_text(encoding="utf-8"))
     assert image["listen"]["port"] == int(exposed[1])
+
+
+def engines(objects: list[Object]) -> list[Object]:
+    return [o for o in find(objects, "StatefulSet") if "vllm" in _image(o)]
+
+
+def pod_labels(workload: Object) -> dict[str, str]:
+    return dict(workload["spec"]["template"]["metadata"]["labels"])
+
+
+def selects(selector: Object, labels: dict[str, str]) -> bool:
+    assert not selector.get("matchExpressions"), "these checks read matchLabels only"
+    return bool(selector.get("matchLabels", {}).items() <= labels.items())
+
+
+def quantity_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (512Mi, 1G) in bytes."""
+    match = re.fullmatch(r"(\d+)([KMGT]i?)?", quantity)
+    assert match, quantity
+    number, unit = match.groups()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    return int(number) * scale.get(unit or "", 1)
+
+
+def redis_bytes(value: str) -> int:
+    """A Redis memory size (256mb, 1gb, 100m) in bytes: kb/mb/gb are powers of 1024, k/m/g of 1000."""
+    match = re.fullmatch(r"(\d+)([kmg]b?)?", value.lower())
+    assert match, value
+    number, unit = match.groups()
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "kb": 2**10, "mb": 2**20, "gb": 2**30}
+    return int(number) * scale.get(unit or "", 1)
+
+
+def _leaves(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    found = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            found += _leaves(value, f"{prefix}{key}.")
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            found.append((f"{prefix}{key}", value))
+    return found
+
+
+def _pre_stop_s(spec: Object) -> int:
+    command = spec.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    return int(command[1]) if command[:1] == ["sleep"] else 0
 
 
 def _image(workload: Object) -> str:

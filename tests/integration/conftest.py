@@ -41,22 +41,24 @@ def gateway_url(make_gateway: GatewayFactory, sim_url: str) -> str:
 
 
 @pytest.fixture
-def make_gateway_process(tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], str]]:
-    """`make_gateway_process(config)` runs `bulkhead serve` as its own OS process; returns its URL once ready."""
+def make_gateway_process(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """`make_gateway_process(config)` runs `bulkhead serve` as its own OS process; returns its URL once ready.
+    `log=path` keeps its log (stderr) in that file."""
     processes: list[subprocess.Popen[bytes]] = []
 
-    def start(config: dict[str, Any]) -> str:
+    def start(config: dict[str, Any], log: Path | None = None) -> str:
         path = tmp_path / f"bulkhead-{len(processes)}.yaml"
         path.write_text(json.dumps({"log_level": "WARNING", **config}))  # JSON is YAML
         port = free_port()
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "gateway", "serve", "--config", str(path)],
-                env={**os.environ, "BULKHEAD_LISTEN__PORT": str(port)},
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+        with open(log or os.devnull, "wb") as stderr:
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "gateway", "serve", "--config", str(path)],
+                    env={**os.environ, "BULKHEAD_LISTEN__PORT": str(port)},
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                )
             )
-        )
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
         while True:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -159,3 +161,157 @@ def test_demo_shows_every_layer_catching_the_incident(tokenizer_dir: Path) -> No
     assert out.count("CAUGHT") == 4 and "MISSED" not in out
     assert "context_length_exceeded" in out and "'usage_mismatch'" in out and "'leak'" in out
     assert "CNRY" not in out
+
+
+def one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def write_config(tmp_path: Path, settings: dict[str, object]) -> Path:
+    config = tmp_path / "bulkhead.yaml"
+    config.write_text(json.dumps(settings))  # JSON is YAML
+    return config
+
+
+def served_by_sim(sim_url: str, tokenizer_dir: Path, **more: object) -> dict[str, object]:
+    return {
+        "backends": [{"name": "sim", "url": sim_url}],
+        "models": [{"name": "tiny-llama", "backends": ["sim"], "tokenizer": str(tokenizer_dir)}],
+        "tenants": [{"id": "alice", "key_hashes": [hash_key("bk-alice-of-the-cli-tests")]}],
+        **more,
+    }
+
+
+@contextlib.contextmanager
+def serving(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[str]]:
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", *args], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+        )
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def test_a_missing_tokenizer_directory_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-tokenizer"
+    config = write_config(tmp_path, served_by_sim(f"http://127.0.0.1:{free_port()}", missing))
+    result = bulkhead("serve", "--config", str(config), "--port", str(free_port()))
+    assert result.returncode == 2
+    line = one_line(result.stderr)
+    assert line.startswith(f"bulkhead: bad settings: models[0].tokenizer: {missing} is not a directory"), line
+    assert result.stdout == ""
+
+
+def test_a_busy_port_is_one_line_naming_what_to_change_before_any_banner() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = bulkhead("serve", "--port", str(port))
+    assert result.returncode == 2
+    line = one_line(result.stderr)
+    assert f"cannot listen on 127.0.0.1:{port}: address already in use" in line
+    assert "--port" in line and "listen.port" in line and "BULKHEAD_LISTEN__PORT" in line
+    assert result.stdout == ""
+
+
+def test_sim_on_a_busy_port_is_one_line_naming_the_flag() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = bulkhead("sim", "--port", str(port))
+    assert result.returncode == 2
+    assert one_line(result.stderr) == (
+        f"bulkhead sim: cannot listen on 127.0.0.1:{port}: address already in use: another process listens there; "
+        "choose another with --port"
+    )
+    assert result.stdout == ""
+
+
+def test_host_and_port_flags_override_the_settings(sim_url: str, tokenizer_dir: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path, served_by_sim(sim_url, tokenizer_dir))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        # Both unusable: a port taken, an address (TEST-NET-1) no machine has.
+        busy = str(holder.getsockname()[1])
+        env = {**os.environ, "BULKHEAD_LISTEN__PORT": busy, "BULKHEAD_LISTEN__HOST": "192.0.2.1"}
+        port = free_port()
+        args = ["--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+        with serving(args, env, tmp_path / "gateway.log") as process:
+            assert process.stdout is not None
+            assert process.stdout.readline().strip() == f"bulkhead: listening on http://127.0.0.1:{port}"
+            wait_until_ready(process, f"http://127.0.0.1:{port}")
+
+
+def test_the_example_config_is_refused_for_its_published_keys() -> None:
+    result = bulkhead("serve", "--config", str(EXAMPLE), "--port", str(free_port()))
+    assert result.returncode == 2
+    line = one_line(result.stderr)
+    assert "tenants[0].key_hashes: tenant 'acme' accepts the published example key" in line
+    assert "bk-example-acme-do-not-use-in-production" in line and "--allow-example-secrets" in line
+    assert result.stdout == ""
+
+
+def test_a_placeholder_secret_is_refused(tmp_path: Path) -> None:
+    config = write_config(tmp_path, served_by_sim(f"http://127.0.0.1:{free_port()}", tmp_path))
+    env = {**os.environ, "BULKHEAD_ADMIN_TOKEN": "example-admin-token-replace-me"}
+    result = bulkhead("serve", "--config", str(config), env=env)
+    assert result.returncode == 2
+    assert "admin_token: a placeholder value" in one_line(result.stderr)
+
+
+def test_the_example_config_serves_with_the_flag(sim_url: str, tokenizer_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    model = {"name": "tiny-llama", "backends": ["vllm-a"], "tokenizer": str(tokenizer_dir)}
+    env = {
+        **os.environ,
+        "BULKHEAD_BACKENDS": json.dumps([{"name": "vllm-a", "url": sim_url}]),
+        "BULKHEAD_MODELS": json.dumps([model]),
+    }
+    args = ["--config", str(EXAMPLE), "--port", str(port), "--allow-example-secrets"]
+    with serving(args, env, tmp_path / "gateway.log") as process:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_ready(process, url)
+        response = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            headers={"authorization": "Bearer bk-example-acme-do-not-use-in-production"},
+        )
+        assert response.status_code == 200, response.text
+
+
+def test_start_warns_of_unreachable_backends_and_a_random_canary_key(
+    sim_url: str, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    settings = served_by_sim(sim_url, tokenizer_dir, redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    settings["backends"] = [{"name": "sim", "url": sim_url}, {"name": "dead", "url": dead}]
+    settings["models"] = [{"name": "tiny-llama", "backends": ["sim", "dead"], "tokenizer": str(tokenizer_dir)}]
+    config = write_config(tmp_path, settings)
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    with serving(["--config", str(config), "--port", str(port)], dict(os.environ), log) as process:
+        wait_until_ready(process, f"http://127.0.0.1:{port}")
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz").json()
+    assert ready["degraded"] == ["backend:dead", "redis"], ready
+    warnings = [
+        line["message"]
+        for line in map(json.loads, log.read_text().splitlines())
+        if line.get("level") == "WARNING" and line.get("logger") == "bulkhead"
+    ]
+    assert any(m.startswith(f"backend dead at {dead} does not answer its health check at start") for m in warnings)
+    assert any(m.startswith("isolation.canary.keys is not set") for m in warnings), warnings
+    assert any(m.startswith("cache_salt_secret is not set") for m in warnings), warnings

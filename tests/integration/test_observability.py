@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
+import time
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import orjson
 import pytest
 
+from gateway.tenants import hash_key
 from tests.integration.support import ALICE_KEY, auth, chat_body, metric
-from tests.redis_server import redis_server
+from tests.redis_server import free_port, own_redis
 
 CHAT = "/v1/chat/completions"
 
@@ -39,19 +45,54 @@ async def test_unknown_model_names_do_not_become_label_values(client: httpx.Asyn
 
 async def test_health_and_readiness(client: httpx.AsyncClient, gateway_url: str) -> None:
     assert (await client.get(f"{gateway_url}/healthz")).json() == {"status": "ok"}
-    assert (await client.get(f"{gateway_url}/readyz")).json() == {"status": "ready"}
+    ready = await client.get(f"{gateway_url}/readyz")
+    assert ready.json() == {"status": "ready", "ready": True, "degraded": [], "problems": []}
 
 
-async def test_readiness_checks_redis_when_configured(
+async def test_redis_down_with_fail_open_is_ready_and_says_it_is_degraded(
     client: httpx.AsyncClient, make_gateway: Any, sim_url: str
 ) -> None:
-    with redis_server() as redis_url:
-        gateway_url = make_gateway({"sim": sim_url}, redis_url=redis_url)
-        assert (await client.get(f"{gateway_url}/readyz")).status_code == 200
-    unreachable = make_gateway({"sim": sim_url}, redis_url="redis://127.0.0.1:1/0")
-    response = await client.get(f"{unreachable}/readyz")
-    assert response.status_code == 503
-    assert "redis unreachable" in response.json()["problems"][0]
+    with own_redis() as redis:
+        gateway_url = make_gateway({"sim": sim_url}, redis_url=redis.url)
+        assert (await client.get(f"{gateway_url}/readyz")).json()["degraded"] == []
+        redis.stop()
+        ready = await client.get(f"{gateway_url}/readyz")
+        assert ready.status_code == 200, ready.text
+        assert ready.json()["ready"] is True and ready.json()["degraded"] == ["redis"]
+        assert "redis unreachable" in ready.json()["problems"][0]
+        # ... and it is true: requests are served meanwhile.
+        served = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=2), headers=auth())
+        assert served.status_code == 200, served.text
+        redis.start()
+        assert (await client.get(f"{gateway_url}/readyz")).json()["degraded"] == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"rate_limits": {"on_store_failure": "fail_closed"}}, "fail_closed"),
+        # Every tenant in the (unreachable) tenant directory: no key can be checked.
+        ({"tenants": [], "admin_token": "admin-token-of-this-test"}, "tenant directory"),
+    ],
+)
+async def test_redis_down_with_something_that_needs_it_is_not_ready(
+    client: httpx.AsyncClient, make_gateway: Any, sim_url: str, overrides: dict[str, Any], reason: str
+) -> None:
+    gateway_url = make_gateway({"sim": sim_url}, redis_url=f"redis://127.0.0.1:{free_port()}/0", **overrides)
+    ready = await client.get(f"{gateway_url}/readyz")
+    assert ready.status_code == 503, ready.text
+    assert ready.json()["ready"] is False and ready.json()["degraded"] == ["redis"]
+    assert reason in ready.json()["problems"][0]
+
+
+async def test_readiness_names_a_backend_that_is_down_while_another_serves(
+    client: httpx.AsyncClient, make_gateway: Any, sim_url: str
+) -> None:
+    gateway_url = make_gateway({"sim": sim_url, "dead": f"http://127.0.0.1:{free_port()}"})
+    ready = await client.get(f"{gateway_url}/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["degraded"] == ["backend:dead"]
+    assert ready.json()["problems"] == ["backend dead is unhealthy"]
 
 
 async def test_one_json_log_line_per_request_without_secrets(
@@ -80,3 +121,32 @@ async def test_openapi_document_is_served(client: httpx.AsyncClient, gateway_url
     assert document["openapi"].startswith("3.")
     assert "ChatCompletionRequest" in document["components"]["schemas"]
     assert set(document["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+
+
+async def test_a_client_gone_mid_upload_is_one_access_log_line_with_499_and_no_error(
+    make_gateway_process: Any, sim_url: str, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "gateway.log"
+    config = {
+        "log_level": "INFO",
+        "backends": [{"name": "sim", "url": sim_url}],
+        "models": [{"name": "tiny-llama", "backends": ["sim"], "tokenizer": str(tokenizer_dir)}],
+        "tenants": [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}],
+    }
+    address = urlsplit(make_gateway_process(config, log=log))
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: {address.netloc}\r\nAuthorization: Bearer {ALICE_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {1024 * 1024}\r\n\r\n"
+    )
+    with socket.create_connection((address.hostname, address.port)) as sock:
+        sock.sendall(head.encode() + b'{"model": "tiny-llama", "messages": [' + b" " * 65536)
+        await asyncio.sleep(0.2)  # the gateway is reading the body when the client goes
+    requests: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 10
+    while not requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        lines = [orjson.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        requests = [line for line in lines if line.get("event") == "request"]
+    assert [(r["status"], r["error"], r["tenant"]) for r in requests] == [(499, "client_disconnected", "alice")]
+    text = log.read_text()
+    assert '"level":"ERROR"' not in text and "Traceback" not in text, text

@@ -183,5 +183,6 @@ async def test_a_tenant_both_in_the_settings_and_in_redis_stops_the_start_naming
         text=True,
         timeout=60,
     )
-    assert started.returncode != 0
-    assert f"tenants[1].id: tenant '{tenant_id}' is also in the tenant directory" in started.stderr
+    assert started.returncode == 2
+    assert f"bad settings: tenants[1].id: tenant '{tenant_id}' is also in the tenant directory" in started.stderr
+    assert "Traceback" not in started.stderr, started.stderr

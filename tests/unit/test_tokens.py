@@ -94,6 +94,25 @@ def test_decode_round_trips_any_unicode(tok: ModelTokenizer, text: str) -> None:
 def test_missing_tokenizer_file_is_a_load_error(tmp_path: Path) -> None:
     with pytest.raises(TokenizerLoadError):
         ModelTokenizer.from_dir(tmp_path)
+    with pytest.raises(TokenizerLoadError, match="is not a directory"):
+        ModelTokenizer.from_dir(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("chat_template.jinja", "{% for m in messages %}"),
+        ("tokenizer_config.json", "[]"),
+        ("tokenizer_config.json", "{"),
+    ],
+)
+def test_a_bad_file_beside_the_tokenizer_is_a_load_error_naming_it(
+    tokenizer_dir: Path, tmp_path: Path, name: str, content: str
+) -> None:
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    (tmp_path / name).write_text(content)
+    with pytest.raises(TokenizerLoadError, match=name):
+        ModelTokenizer.from_dir(tmp_path)
 
 
 def test_a_tokenizer_without_template_refuses_chat(tokenizer_dir: Path, tmp_path: Path) -> None:

@@ -1,0 +1,35 @@
+"""A vLLM started with --api-key (the Kubernetes manifests do): the gateway sends the backend's key on every /v1
+call it makes — the proxied request and the capacity read — and the engine refuses calls without it."""
+
+from __future__ import annotations
+
+import httpx
+
+from gateway.app import create_app
+from gateway.serving import run_server
+from tests.integration.support import MODEL, auth, chat_body, forwarded, gateway_settings, metric
+
+KEY = "sk-vllm-backend-0123456789"
+
+
+async def test_the_backend_key_reaches_every_v1_call_and_capacity_is_read(
+    client: httpx.AsyncClient, make_sim: object, tokenizer_dir: object
+) -> None:
+    sim = make_sim(api_key=KEY)  # type: ignore[operator]
+    assert (await client.get(f"{sim}/v1/models")).status_code == 401
+    wrong = await client.get(f"{sim}/v1/models", headers={"authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json() == {"error": "Unauthorized"}
+    assert (await client.get(f"{sim}/metrics")).status_code == 200  # open, as in vLLM
+    settings = gateway_settings(
+        {"sim": sim},
+        tokenizer_dir,  # type: ignore[arg-type]
+        backends=[{"name": "sim", "url": sim, "api_key": KEY}],
+        models=[{"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir)}],  # no window: discovered
+    )
+    with run_server(create_app(settings)) as gateway:
+        text = (await client.get(f"{gateway}/metrics")).text
+        assert metric(text, "bulkhead_backend_max_model_len_tokens", backend="sim") == 2048
+        answer = await client.post(f"{gateway}/v1/chat/completions", json=chat_body(max_tokens=2), headers=auth())
+        assert answer.status_code == 200, answer.text
+    [sent] = [r for r in forwarded(sim) if r["path"] == "/v1/chat/completions"]
+    assert sent["headers"]["authorization"] == f"Bearer {KEY}"
