@@ -76,13 +76,19 @@ async def metrics_of(client: httpx.AsyncClient, gateway: str) -> str:
     return (await client.get(f"{gateway}/metrics")).text
 
 
+async def occupy(client: httpx.AsyncClient, gateway: str, sim: str) -> asyncio.Task[httpx.Response]:
+    """Alice's request "first", once it holds the replica's one slot."""
+    running = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("first"), headers=auth()))
+    await until_running(client, sim)
+    return running
+
+
 async def test_a_full_queue_refuses_at_once_with_retry_after_and_forwards_nothing(
     client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
 ) -> None:
     sim = make_sim(ttft_ms=1500)
     gateway = one_slot(sim, max_queue_depth=1)
-    running = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("first"), headers=auth()))
-    await until_running(client, sim)
+    running = await occupy(client, gateway, sim)
     queued = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("second"), headers=auth()))
     await until_queued(client, gateway, 1)
     started = time.monotonic()
@@ -126,8 +132,7 @@ async def test_a_request_that_waited_max_queue_wait_s_is_refused_and_never_sent(
 ) -> None:
     sim = make_sim(ttft_ms=1500)
     gateway = one_slot(sim, max_queue_wait_s=0.4)
-    running = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("first"), headers=auth()))
-    await until_running(client, sim)
+    running = await occupy(client, gateway, sim)
     started = time.monotonic()
     waited = await client.post(f"{gateway}{CHAT}", json=chat_body("second"), headers=auth(BOB_KEY))
     elapsed = time.monotonic() - started
@@ -145,8 +150,7 @@ async def test_a_client_that_disconnects_while_queued_leaves_the_queue_at_once(
 ) -> None:
     sim = make_sim(ttft_ms=1500)
     gateway = one_slot(sim)
-    running = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("first"), headers=auth()))
-    await until_running(client, sim)
+    running = await occupy(client, gateway, sim)
     with pytest.raises(httpx.ReadTimeout):
         await client.post(f"{gateway}{CHAT}", json=chat_body("gone"), headers=auth(BOB_KEY), timeout=0.3)
     deadline = time.monotonic() + 0.5
