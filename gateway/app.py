@@ -232,7 +232,8 @@ async def marker_registry(
     settings: Settings, keys: list[CanaryKey], redis: Redis | None, metrics: GatewayMetrics
 ) -> MarkerRegistry:
     canary = settings.isolation.canary
-    registry = MarkerRegistry(keys, canary.epoch_s, RedisMarkerStore(redis) if redis is not None else None)
+    store = RedisMarkerStore(redis, prefix=settings.redis_key_prefix) if redis is not None else None
+    registry = MarkerRegistry(keys, canary.epoch_s, store)
     registry.add_tenants(t.id for t in settings.tenants)
     metrics.canary_markers.set(len(registry))
     try:
@@ -286,7 +287,11 @@ def make_fingerprinter(
             "public texts: %d fingerprints from %d files in %.1f s", len(public), files, time.monotonic() - started
         )
     index = FingerprintIndex(config.ttl_s, config.max_entries, public)
-    feed = RedisFingerprintFeed(redis, instance, config.ttl_s) if redis is not None else None
+    feed = (
+        RedisFingerprintFeed(redis, instance, config.ttl_s, prefix=settings.redis_key_prefix)
+        if redis is not None
+        else None
+    )
     return Fingerprinter(hasher, index, feed, executor, config.inline_chars)
 
 
@@ -333,8 +338,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         redis = make_redis(settings)
+        prefix = settings.redis_key_prefix  # starts every Redis name: deployments on one Redis share nothing
         metrics = GatewayMetrics(with_redis=redis is not None)
-        directory = RedisDirectoryStore(redis) if redis is not None else MemoryDirectoryStore()
+        directory = RedisDirectoryStore(redis, prefix=prefix) if redis is not None else MemoryDirectoryStore()
         tenants = TenantDirectory(settings.tenants, directory, settings.tenant_directory, metrics)
         try:
             await tenants.start()
@@ -342,11 +348,11 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
             if redis is not None:
                 await redis.aclose()
             raise
-        store: Store = RedisStore(redis) if redis is not None else MemoryStore()
+        store: Store = RedisStore(redis, prefix=prefix) if redis is not None else MemoryStore()
         pool = ReplicaPool(settings.backends, metrics, store)
         capacity = CapacityMonitor(settings.models, pool, metrics)
         events: EventLog = (
-            RedisEventLog(redis, settings.isolation.events_max)
+            RedisEventLog(redis, settings.isolation.events_max, prefix=prefix)
             if redis is not None
             else MemoryEventLog(settings.isolation.events_max)
         )
@@ -388,12 +394,12 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     salts=CacheSalts(salt_secret(settings)),
                     markers=markers,
                     queue=(
-                        RedisJobQueue(redis, settings.queue.result_ttl_s, settings.queue.reclaim_after_s)
+                        RedisJobQueue(redis, settings.queue.result_ttl_s, settings.queue.reclaim_after_s, prefix=prefix)
                         if redis is not None
                         else MemoryJobQueue(settings.queue.result_ttl_s)
                     ),
                     limiter=RateLimiter(
-                        RedisBuckets(redis) if redis is not None else None,
+                        RedisBuckets(redis, prefix=prefix) if redis is not None else None,
                         fail_open=settings.rate_limits.on_store_failure == "fail_open",
                         metrics=metrics,
                     ),
@@ -405,7 +411,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                         settings.isolation.quarantine.max_per_replica, settings.isolation.quarantine.window_s
                     ),
                     audit=(
-                        RedisAuditLog(redis, settings.tenant_directory.audit_events_max)
+                        RedisAuditLog(redis, settings.tenant_directory.audit_events_max, prefix=prefix)
                         if redis is not None
                         else MemoryAuditLog(settings.tenant_directory.audit_events_max)
                     ),

@@ -1,6 +1,6 @@
 """The audit trail of the admin API: every change is an event — who, what, when — in the log and in a store.
 
-Kept in a capped Redis stream (`bulkhead:audit-events`) when Redis is configured, so every instance writes to one
+Kept in a capped Redis stream (`{prefix}audit-events`) when Redis is configured, so every instance writes to one
 trail; in a capped in-memory ring otherwise. An event names tenants and key ids, never a key, a key's hash or the
 admin token: "who" is the token's id, a short hash of it.
 """
@@ -19,8 +19,6 @@ from redis.exceptions import RedisError
 from isolation.records import MemoryLog, RecordLog, RedisLog, as_fields
 
 log = logging.getLogger("bulkhead.audit")
-
-STREAM_KEY = "bulkhead:audit-events"
 
 
 def token_id(token: str) -> str:
@@ -61,8 +59,8 @@ class MemoryAuditLog(MemoryLog[AuditEvent]):
 
 
 class RedisAuditLog(RedisLog[AuditEvent]):
-    def __init__(self, redis: Redis, capacity: int, key: str = STREAM_KEY) -> None:
-        super().__init__(redis, capacity, key, AuditEvent.from_fields)
+    def __init__(self, redis: Redis, capacity: int, *, prefix: str) -> None:
+        super().__init__(redis, capacity, f"{prefix}audit-events", AuditEvent.from_fields)
 
 
 async def record(trail: AuditLog, event: AuditEvent) -> None:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.errors import BodyTooLarge, ClientGone, InvalidRequest
+from gateway.errors import BodyTooLarge, ClientGone, InvalidRequest, RequestTimeout
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
+async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
     """The whole body, or BodyTooLarge as soon as it passes max_bytes (never holding more than that); ClientGone
-    when the client disconnects before sending all of it."""
+    when the client disconnects before sending all of it; RequestTimeout when all of it takes longer than timeout_s
+    (edge.body_timeout_s: a total, since a body sent a byte at a time is never silent for long)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -22,14 +24,19 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise BodyTooLarge(f"Request body exceeds the limit of {max_bytes} bytes.")
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise BodyTooLarge(f"Request body exceeds the limit of {max_bytes} bytes.")
+                chunks.append(chunk)
     except ClientDisconnect:
         # Not a failure of ours: the request ends as one access-log line with 499, like a client gone later.
         raise ClientGone(f"The client went away after {size} bytes of its request body.") from None
+    except TimeoutError:
+        raise RequestTimeout(
+            f"The request body did not arrive within {timeout_s:g} s ({size} bytes came); send it faster."
+        ) from None
     return b"".join(chunks)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -12,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,7 @@ from starlette.applications import Starlette
 
 from gateway import multiprocess, preflight, tenant_commands
 from gateway.app import check_files, create_app
+from gateway.edge import EdgeConfig
 from gateway.serving import free_port
 from gateway.settings import ListenSettings, Settings, SettingsError, TenantSettings, load_settings
 from gateway.tenants import hash_key, new_api_key
@@ -32,6 +34,8 @@ from isolation.sim.tinymodel import cached_tokenizer
 
 EMBEDDED_MODEL = "tiny-llama"
 EMBEDDED_CONTEXT = 2048
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
 
 
 class _JsonLines(logging.Formatter):
@@ -58,12 +62,31 @@ def _cache_root() -> Path:
     return Path.home() / ".cache" / "bulkhead"
 
 
+def _die_with_parent() -> Callable[[], None] | None:
+    """For Popen's preexec_fn, on Linux: the child gets SIGTERM when this process ends, however it ends (even by
+    SIGKILL, where no cleanup of ours runs). prctl is looked up here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def arrange() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # the parent ended before prctl took effect
+            os._exit(1)
+
+    return arrange
+
+
 @contextlib.contextmanager
 def embedded_simulator(tokenizer: Path) -> Iterator[str]:
-    """A `bulkhead sim` child process on a free loopback port, for running with no backend configured."""
+    """A `bulkhead sim` child process on a free loopback port, for running with no backend configured.
+
+    It lives in its own session, so that a Ctrl-C at the terminal reaches only the gateway, which drains its streams
+    (served by the simulator) before it stops the simulator; and it dies with the gateway however that ends."""
     port = free_port()
     command = [sys.executable, "-m", "gateway", "sim", "--port", str(port), "--tokenizer", str(tokenizer)]
-    child = subprocess.Popen(command)
+    child = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent())
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -128,6 +151,8 @@ def _bind(settings: Settings, count: int) -> socket.socket | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # Until the server takes the signal over: SIGTERM ends the start as Ctrl-C does, through the cleanups.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     settings = _settings(args)
     if settings is None:
         return 2
@@ -173,14 +198,27 @@ def _serve(args: argparse.Namespace) -> int:
         return _run(app, settings, sock)
 
 
+@contextlib.contextmanager
+def signals_absorbed() -> Iterator[None]:
+    """Around uvicorn's Server.run: once shut down, uvicorn raises again the SIGINT/SIGTERM that stopped it, for the
+    handler it found to end the process (a KeyboardInterrupt traceback; for SIGTERM, death by the signal before any
+    cleanup of ours). The handler it finds here takes the signal and does nothing: the command returns, stops the
+    built-in simulator on its way out, and exits 0."""
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _run(app: Starlette, settings: Settings, sock: socket.socket) -> int:
     """Serve on the socket bound before the banner until SIGINT/SIGTERM; 2 when the lifespan finds the settings bad
     (what only it can find, with Redis: a tenant id that is also in the tenant directory; it logged the line)."""
-    config = uvicorn.Config(
-        app, host=settings.listen.host, port=settings.listen.port, access_log=False, log_config=None, lifespan="on"
-    )
+    config = EdgeConfig(app, settings.edge, host=settings.listen.host, port=settings.listen.port)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        with signals_absorbed():
+            uvicorn.Server(config).run(sockets=[sock])
     except SystemExit:
         if app.state.bad_settings is not None:
             return 2
@@ -305,7 +343,8 @@ def _sim(args: argparse.Namespace) -> int:
         print(f"bulkhead sim: serving '{args.model}' on http://{args.host}:{sock.getsockname()[1]}", flush=True)
         _say_kv_cache(config, _sized_for_fault(args))
         served = uvicorn.Config(create_sim_app(config), access_log=False, log_level="warning")
-        uvicorn.Server(served).run(sockets=[sock])
+        with signals_absorbed():
+            uvicorn.Server(served).run(sockets=[sock])
     return 0
 
 
@@ -449,5 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C before a server took over the signal (at start-up, in a client command)
+        return INTERRUPTED
     return code

@@ -11,15 +11,15 @@ a channel, so every instance hears of it in the same step the change is made, an
 instance can tell that nothing changed at all without reading what it holds). `MemoryDirectoryStore` is the
 embedded default: this process only, gone when it stops.
 
-Redis layout (namespace `bulkhead`):
-  {ns}:tenants               hash   tenant id → tenant JSON
-  {ns}:tenant-ids            zset   every tenant id (score 0), for listing in pages by id
-  {ns}:tenant-keys           hash   key hash → key JSON (with its tenant's id)
-  {ns}:tenant-keys:{tenant}  hash   key id → key hash: the tenant's keys
-  {ns}:tenant-key-used       hash   key id → last-used time
-  {ns}:tenant-key-check      string the secret of the keys' check (made by the first instance, read by the others)
-  {ns}:tenant-changes        channel: the id of every tenant that changed (itself or one of its keys)
-  {ns}:tenant-version        counter: changes made so far
+Redis layout (`{prefix}` is `redis_key_prefix`, `bulkhead:` by default):
+  {prefix}tenants               hash   tenant id → tenant JSON
+  {prefix}tenant-ids            zset   every tenant id (score 0), for listing in pages by id
+  {prefix}tenant-keys           hash   key hash → key JSON (with its tenant's id)
+  {prefix}tenant-keys:{tenant}  hash   key id → key hash: the tenant's keys
+  {prefix}tenant-key-used       hash   key id → last-used time
+  {prefix}tenant-key-check      string the secret of the keys' check (made by the first instance, read by the others)
+  {prefix}tenant-changes        channel: the id of every tenant that changed (itself or one of its keys)
+  {prefix}tenant-version        counter: changes made so far
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from isolation.redis_text import text
 
 log = logging.getLogger("bulkhead.directory")
 
-NAMESPACE = "bulkhead"
 RECONNECT_MAX_S = 5.0
 
 
@@ -344,15 +343,15 @@ return 0
 class RedisDirectoryStore:
     shared = True
 
-    def __init__(self, redis: Redis, namespace: str = NAMESPACE) -> None:
+    def __init__(self, redis: Redis, *, prefix: str) -> None:
         self._redis = redis
-        self._tenants = f"{namespace}:tenants"
-        self._ids = f"{namespace}:tenant-ids"
-        self._keys = f"{namespace}:tenant-keys"
-        self._used = f"{namespace}:tenant-key-used"
-        self.channel = f"{namespace}:tenant-changes"
-        self._check = f"{namespace}:tenant-key-check"
-        self._version = f"{namespace}:tenant-version"
+        self._tenants = f"{prefix}tenants"
+        self._ids = f"{prefix}tenant-ids"
+        self._keys = f"{prefix}tenant-keys"
+        self._used = f"{prefix}tenant-key-used"
+        self.channel = f"{prefix}tenant-changes"
+        self._check = f"{prefix}tenant-key-check"
+        self._version = f"{prefix}tenant-version"
         self._add_tenant = redis.register_script(_ADD_TENANT)
         self._remove_tenant = redis.register_script(_REMOVE_TENANT)
         self._add_key = redis.register_script(_ADD_KEY)

@@ -3,6 +3,7 @@
 GatewayError                       status, type, code, param, message
 ├── InvalidRequest        400      invalid_request_error (bad JSON, wrong types, bad values)
 │   └── ContextLengthExceeded 400  invalid_request_error / context_length_exceeded
+├── RequestTimeout        408      invalid_request_error / request_timeout (the body came too slowly; closes)
 ├── BodyTooLarge          413      invalid_request_error / request_too_large
 ├── AuthenticationFailed  401      authentication_error / invalid_api_key
 ├── ModelNotAllowed       403      permission_error / model_not_allowed
@@ -16,6 +17,9 @@ GatewayError                       status, type, code, param, message
 │   ├── RateLimitExceeded          rate_limit_exceeded: requests or tokens per minute
 │   └── CapacityExceeded           capacity_exceeded: the model's replicas are saturated and its queue can't wait
 ├── ClientGone            499      the client went away before its request was forwarded (logged, never sent)
+├── EdgeUnavailable       503      api_error, answered by the HTTP edge before the app (edge.py; closes)
+│   ├── ShuttingDown               shutting_down: the request arrived while this instance drains on SIGTERM
+│   └── TooManyConnections         too_many_connections: past edge.max_connections
 └── UpstreamError                  api_error: the backend could not give a usable answer
     ├── RateLimitUnavailable 503   the rate-limit store is down and the policy is fail_closed
     ├── QueueUnavailable    503    the async queue's store is down: nothing was accepted
@@ -59,6 +63,17 @@ class InvalidRequest(GatewayError):
 
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        # The rest of the body may still be on its way: the connection cannot carry another request.
+        self.headers["connection"] = "close"
 
 
 class BodyTooLarge(GatewayError):
@@ -131,6 +146,26 @@ class ClientGone(GatewayError):
     status = 499
     type = "invalid_request_error"
     code = "client_disconnected"
+
+
+class EdgeUnavailable(GatewayError):
+    status = 503
+    type = "api_error"
+    code = "unavailable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        # The connection ends with the answer (it is one too many, or its server is going); any instance may take
+        # the retry at once.
+        self.headers.update({"connection": "close", "retry-after": "1"})
+
+
+class ShuttingDown(EdgeUnavailable):
+    code = "shutting_down"
+
+
+class TooManyConnections(EdgeUnavailable):
+    code = "too_many_connections"
 
 
 class UpstreamError(GatewayError):

@@ -426,7 +426,7 @@ async def read_submission(request: Request, state: GatewayState, record: Request
     record.tenant = tenant.id
     session = session_id(request.headers.get(SESSION_HEADER))
     limits = state.settings.limits
-    raw = await read_body(request, limits.max_body_bytes)
+    raw = await read_body(request, limits.max_body_bytes, state.settings.edge.body_timeout_s)
     return Submission(
         tenant, parse_json_object(raw, limits.max_json_depth), session, gone=partial(disconnected, request)
     )

@@ -23,10 +23,11 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import uvicorn
 from starlette.applications import Starlette
+from uvicorn.supervisors.multiprocess import Multiprocess
 
 from gateway.app import create_app
+from gateway.edge import EdgeConfig
 from gateway.metrics import MULTIPROC_DIR_VARIABLE, clear_metric_files
 from gateway.settings import Settings
 
@@ -35,7 +36,7 @@ log = logging.getLogger("bulkhead.multiprocess")
 SETTINGS_FILE_VARIABLE = "_BULKHEAD_PROCESS_SETTINGS"  # not BULKHEAD_*: that prefix is read as settings
 QUEUE_WORKERS_VARIABLE = "_BULKHEAD_PROCESS_QUEUE_WORKERS"
 SHARED_STATE = "rate limits, the queue, isolation events, prompt fingerprints and tenants made at runtime"
-GRACEFUL_SHUTDOWN_S = 30
+GRACEFUL_SHUTDOWN_S = 30  # `bulkhead worker --workers N`: how long a queue worker process may take to stop
 START_FAILURE = 3  # a process that could not start: restarting it would fail the same way
 RESTART_PAUSE_S = 1.0
 
@@ -109,20 +110,29 @@ def process_app() -> Starlette:
     return create_app(_handed_settings())
 
 
+class _Supervisor(Multiprocess):
+    """uvicorn's supervisor, which also closes its own copy of the listening socket when it stops the processes:
+    else the port would still take connections, into a backlog no process reads, while they drain."""
+
+    def terminate_all(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+        super().terminate_all()
+
+
 def serve(settings: Settings, count: int) -> None:
-    """`count` processes on the settings' port, until SIGINT/SIGTERM; uvicorn's supervisor replaces one that dies."""
+    """`count` processes on the settings' port, until SIGINT/SIGTERM; uvicorn's supervisor replaces one that dies.
+    Each runs the edge as a single process does (edge.py), its limits per process."""
     with handed_over(settings):
-        uvicorn.run(
+        config = EdgeConfig(
             f"{__name__}:process_app",
+            settings.edge,
             factory=True,
             workers=count,
             host=settings.listen.host,
             port=settings.listen.port,
-            access_log=False,
-            log_config=None,
-            lifespan="on",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
+        _Supervisor(config, sockets=[config.bind_socket()]).run()
 
 
 def _queue_process() -> None:

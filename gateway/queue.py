@@ -1,9 +1,10 @@
 """The async (queued) API: jobs stored durably before they are accepted, run by workers, results kept a while.
 
-With Redis, jobs go into the stream `bulkhead:jobs`, read by the consumer group `bulkhead-workers`. A worker
-claims one job at a time and keeps it claimed while it works (worker.py renews the claim), marks it running
-(counting the attempt), runs each item through the normal pipeline, stores each item's result, marks the job done,
-and only then acknowledges it. A worker that dies leaves its job pending; after `reclaim_after_s` another worker
+With Redis, jobs go into the stream `{prefix}jobs` (`redis_key_prefix`), read by the consumer group
+`{prefix}-workers` (the prefix without its final colon: `bulkhead-workers` for the default). A worker claims one job
+at a time and keeps it claimed while it works (worker.py renews the claim), marks it running (counting the attempt),
+runs each item through the normal pipeline, stores each item's result, marks the job done, and only then
+acknowledges it. A worker that dies leaves its job pending; after `reclaim_after_s` another worker
 claims it (XAUTOCLAIM) and carries on: items whose results are already stored are not run again, so the tenant
 sees exactly one result per item. A job whose attempts keep failing ends `failed`. Results live under a key that
 includes the tenant, so another tenant's poll finds nothing (404, not 403). Without Redis the queue is in this
@@ -24,9 +25,6 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from isolation.redis_text import text, text_fields
-
-STREAM = "bulkhead:jobs"
-GROUP = "bulkhead-workers"
 
 
 @dataclass(frozen=True)
@@ -108,25 +106,31 @@ return 1
 """
 
 
-def _key(tenant: str, job_id: str) -> str:
-    return f"bulkhead:job:{tenant}:{job_id}"
-
-
 class RedisJobQueue:
+    """The stream `{prefix}jobs`, its consumer group, and one hash per job, `{prefix}job:{tenant}:{id}`."""
+
     durable = True
 
-    def __init__(self, redis: Redis, result_ttl_s: int, reclaim_after_s: float) -> None:
+    def __init__(self, redis: Redis, result_ttl_s: int, reclaim_after_s: float, *, prefix: str) -> None:
         self._redis = redis
+        self.stream = f"{prefix}jobs"
+        # `bulkhead-workers` with the default prefix, the name used before the prefix was a setting. (A group lives
+        # inside its stream, whose name keeps deployments apart already; the prefix is here for who reads XINFO.)
+        self.group = f"{prefix.removesuffix(':')}-workers"
+        self._jobs = f"{prefix}job:"
         self._ttl = result_ttl_s
         self._reclaim_ms = int(reclaim_after_s * 1000)
         self._group_ready = False
         self._keep = redis.register_script(_KEEP)
 
+    def _key(self, tenant: str, job_id: str) -> str:
+        return f"{self._jobs}{tenant}:{job_id}"
+
     async def _ensure_group(self) -> None:
         if self._group_ready:
             return
         try:
-            await self._redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+            await self._redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -135,16 +139,16 @@ class RedisJobQueue:
     async def enqueue(self, job: Job) -> None:
         await self._ensure_group()
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(_key(job.tenant, job.id), mapping={"status": "queued", "items": len(job.items)})
+            pipe.hset(self._key(job.tenant, job.id), mapping={"status": "queued", "items": len(job.items)})
             if any(reference is not None for reference in job.references):
                 # With the status, not in the stream's entry: a poll reads the hash alone.
-                pipe.hset(_key(job.tenant, job.id), "references", orjson.dumps(job.references))
-            pipe.expire(_key(job.tenant, job.id), self._ttl)
-            pipe.xadd(STREAM, {"job": job.encode()})
+                pipe.hset(self._key(job.tenant, job.id), "references", orjson.dumps(job.references))
+            pipe.expire(self._key(job.tenant, job.id), self._ttl)
+            pipe.xadd(self.stream, {"job": job.encode()})
             await pipe.execute()
 
     async def status(self, tenant: str, job_id: str) -> JobStatus | None:
-        fields = text_fields(await self._redis.hgetall(_key(tenant, job_id)))
+        fields = text_fields(await self._redis.hgetall(self._key(tenant, job_id)))
         if not fields:
             return None
         results = {int(k[7:]): orjson.loads(v) for k, v in fields.items() if k.startswith("result:")}
@@ -155,11 +159,13 @@ class RedisJobQueue:
         await self._ensure_group()
         # One job at a time: a job claimed but left waiting behind another would look abandoned to the others.
         # First what a dead worker left behind for too long, then new jobs.
-        reclaimed = await self._redis.xautoclaim(STREAM, GROUP, consumer, self._reclaim_ms, start_id="0-0", count=1)
+        reclaimed = await self._redis.xautoclaim(
+            self.stream, self.group, consumer, self._reclaim_ms, start_id="0-0", count=1
+        )
         entries = list(reclaimed[1]) if reclaimed else []
         if not entries:
             answer: Any = await self._redis.xreadgroup(
-                GROUP, consumer, {STREAM: ">"}, count=1, block=int(wait_s * 1000)
+                self.group, consumer, {self.stream: ">"}, count=1, block=int(wait_s * 1000)
             )
             # RESP2 answers a list of [stream, entries] pairs, RESP3 a mapping: take the entries either way.
             per_stream = answer.values() if isinstance(answer, dict) else [pair[1] for pair in answer or []]
@@ -168,25 +174,25 @@ class RedisJobQueue:
 
     async def start(self, job: Job) -> int:
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(_key(job.tenant, job.id), "status", "running")
-            pipe.hincrby(_key(job.tenant, job.id), "attempts", 1)
+            pipe.hset(self._key(job.tenant, job.id), "status", "running")
+            pipe.hincrby(self._key(job.tenant, job.id), "attempts", 1)
             _, attempts = await pipe.execute()
         return int(attempts)
 
     async def store_result(self, job: Job, index: int, result: Any) -> None:
         # First write wins: a result the tenant may already have read never changes.
-        await self._redis.hsetnx(_key(job.tenant, job.id), f"result:{index}", orjson.dumps(result))
+        await self._redis.hsetnx(self._key(job.tenant, job.id), f"result:{index}", orjson.dumps(result))
 
     async def keep(self, claimed: Claimed, consumer: str) -> bool:
         """Reset the job's idle time: a live worker on a long job must not look dead to the others."""
-        return bool(await self._keep(keys=[STREAM], args=[GROUP, claimed.entry, consumer]))
+        return bool(await self._keep(keys=[self.stream], args=[self.group, claimed.entry, consumer]))
 
     async def finish(self, claimed: Claimed, status: str = "done") -> None:
         job = claimed.job
-        await self._redis.hset(_key(job.tenant, job.id), "status", status)
+        await self._redis.hset(self._key(job.tenant, job.id), "status", status)
         # Acknowledged only once the results are stored: a crash before this line means the job is run again.
-        await self._redis.xack(STREAM, GROUP, claimed.entry)
-        await self._redis.xdel(STREAM, claimed.entry)
+        await self._redis.xack(self.stream, self.group, claimed.entry)
+        await self._redis.xdel(self.stream, claimed.entry)
 
     async def abandon(self, claimed: Claimed) -> None:
         """Nothing to do: the entry stays pending, and XAUTOCLAIM hands it out again after reclaim_after_s."""

@@ -120,11 +120,14 @@ class MemoryBuckets:
 
 
 class RedisBuckets:
-    def __init__(self, redis: Redis) -> None:
+    """A tenant's buckets are the hashes `{prefix}rate:{tenant}:requests` and `{prefix}rate:{tenant}:tokens`."""
+
+    def __init__(self, redis: Redis, *, prefix: str) -> None:
         self._script = redis.register_script(_SCRIPT)
+        self._prefix = f"{prefix}rate:"
 
     async def _run(self, tenant: str, quota: Quota, costs: tuple[int, int], mode: str) -> Verdict:
-        keys = [f"bulkhead:rate:{tenant}:requests", f"bulkhead:rate:{tenant}:tokens"]
+        keys = [f"{self._prefix}{tenant}:requests", f"{self._prefix}{tenant}:tokens"]
         args: list[int | str] = [quota.requests_per_minute, quota.tokens_per_minute, costs[0], costs[1], mode]
         allowed, requests, tokens, wait = await self._script(keys=keys, args=args)
         return Verdict(bool(allowed), float(requests), float(tokens), float(wait))

@@ -19,6 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 ENV_PREFIX = "BULKHEAD_"
 KEY_HASH_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
 TENANT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+# Every Redis key, stream, channel and consumer group starts with the prefix, so deployments on one Redis with
+# different prefixes share nothing. Braces are allowed for a Redis Cluster hash tag (`{app}:`).
+REDIS_KEY_PREFIX = "bulkhead:"
+REDIS_KEY_PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9:_.{}-]{1,64}$")
 
 
 class SettingsError(Exception):
@@ -263,6 +267,38 @@ class IsolationSettings(_Section):
     quarantine: QuarantineSettings = QuarantineSettings()
 
 
+class EdgeSettings(_Section):
+    """How the gateway's own HTTP server bounds what one client can hold (`bulkhead serve`; per process)."""
+
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a request's line and headers must all arrive within this, from the connection's start (or the "
+        "request's first byte, on a kept-alive connection); else the connection is closed, so idle and slowloris "
+        "connections go",
+    )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="the whole request body must arrive within this, from when it is read; else 408 and the "
+        "connection closes. A total, not a silence between chunks: a body sent at 1 byte/s is never silent",
+    )
+    keepalive_timeout_s: int = Field(
+        default=5, ge=1, description="an idle connection between two requests is closed after this"
+    )
+    max_connections: int = Field(
+        default=2048,
+        ge=1,
+        description="client connections open at once; a request on one more gets 503 and its connection closes",
+    )
+    shutdown_grace_s: int = Field(
+        default=300,
+        ge=0,
+        description="on SIGTERM/SIGINT, how long requests in flight (streams) may run on; keep it at least "
+        "upstream.read_timeout_s. New connections are refused, a request not yet started gets 503",
+    )
+
+
 class AdmissionSettings(_Section):
     tokenizer_threads: int = Field(default=2, ge=1, description="threads counting large prompts off the loop")
     inline_count_chars: int = Field(
@@ -278,6 +314,9 @@ class Settings(_Section):
     redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
     redis_max_connections: int = Field(default=64, ge=1, description="the Redis pool's size; more wait their turn")
     redis_pool_timeout_s: float = Field(default=5.0, gt=0, description="longest wait for a free Redis connection")
+    redis_key_prefix: str = Field(
+        default=REDIS_KEY_PREFIX, description="starts every Redis name; deployments on one Redis need different ones"
+    )
     admin_token: str | None = Field(default=None, min_length=16, repr=False, description="for /admin/*")
     cache_salt_secret: str | None = Field(
         default=None, min_length=16, repr=False, description="per-tenant cache_salt = HMAC(this, tenant)"
@@ -291,9 +330,20 @@ class Settings(_Section):
     log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$")
     limits: LimitSettings = LimitSettings()
     upstream: UpstreamSettings = UpstreamSettings()
+    edge: EdgeSettings = EdgeSettings()
     backends: list[BackendSettings] = []
     models: list[ModelSettings] = []
     tenants: list[TenantSettings] = []
+
+    @field_validator("redis_key_prefix", mode="before")
+    @classmethod
+    def _key_prefix(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            # BULKHEAD_REDIS_KEY_PREFIX=app: is read as YAML, where `app:` is the mapping {app: null}.
+            raise ValueError("a prefix ending in ':' must be quoted to be read as text, as in '\"app:\"'")
+        if isinstance(value, str) and not REDIS_KEY_PREFIX_PATTERN.match(value):
+            raise ValueError(f"{value[:80]!r}: 1 to 64 characters, each a letter, a digit or one of : _ . {{ }} -")
+        return value
 
     @model_validator(mode="after")
     def _references(self) -> Self:

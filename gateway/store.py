@@ -17,9 +17,6 @@ from isolation.redis_text import text_fields
 AdminState = Literal["quarantined", "draining"]
 ADMIN_STATES: tuple[AdminState, ...] = ("quarantined", "draining")
 
-ADMIN_KEY = "bulkhead:replica-admin"
-FAILURES_KEY = "bulkhead:replica-failures"
-
 
 class Store(Protocol):
     async def set_admin_state(self, replica: str, state: AdminState | None) -> None: ...
@@ -53,25 +50,29 @@ class MemoryStore:
 
 
 class RedisStore:
-    def __init__(self, redis: Redis) -> None:
+    """Two hashes, replica → state: `{prefix}replica-admin` and `{prefix}replica-failures`."""
+
+    def __init__(self, redis: Redis, *, prefix: str) -> None:
         self._redis = redis
+        self._admin = f"{prefix}replica-admin"
+        self._failures = f"{prefix}replica-failures"
 
     async def set_admin_state(self, replica: str, state: AdminState | None) -> None:
         if state is None:
-            await self._redis.hdel(ADMIN_KEY, replica)
+            await self._redis.hdel(self._admin, replica)
         else:
-            await self._redis.hset(ADMIN_KEY, replica, state)
+            await self._redis.hset(self._admin, replica, state)
 
     async def admin_states(self) -> dict[str, AdminState]:
-        raw = text_fields(await self._redis.hgetall(ADMIN_KEY))
+        raw = text_fields(await self._redis.hgetall(self._admin))
         return {name: state for name, state in raw.items() if _is_admin_state(state)}
 
     async def report_failure(self, replica: str) -> None:
         # A counter, not a timestamp: instances compare it with what they saw last, so no clocks need agree.
-        await self._redis.hincrby(FAILURES_KEY, replica, 1)
+        await self._redis.hincrby(self._failures, replica, 1)
 
     async def failures(self) -> dict[str, int]:
-        return {name: int(count) for name, count in text_fields(await self._redis.hgetall(FAILURES_KEY)).items()}
+        return {name: int(count) for name, count in text_fields(await self._redis.hgetall(self._failures)).items()}
 
 
 def _is_admin_state(value: str) -> TypeGuard[AdminState]:

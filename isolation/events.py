@@ -1,7 +1,8 @@
 """Isolation events: the durable record of every answer withheld because it could not be shown safe.
 
-Kept in a capped Redis stream when Redis is configured (every gateway instance writes to the same one), in a
-capped in-memory ring otherwise. An event names tenants, models and replicas, never keys, markers or text.
+Kept in a capped Redis stream, `{prefix}isolation-events`, when Redis is configured (every gateway instance writes
+to the same one), in a capped in-memory ring otherwise. An event names tenants, models and replicas, never keys,
+markers or text.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from isolation.records import MemoryLog, RecordLog, RedisLog, as_fields
-
-STREAM_KEY = "bulkhead:isolation-events"
 
 
 @dataclass(frozen=True)
@@ -48,5 +47,5 @@ class MemoryEventLog(MemoryLog[IsolationEvent]):
 
 
 class RedisEventLog(RedisLog[IsolationEvent]):
-    def __init__(self, redis: Redis, capacity: int, key: str = STREAM_KEY) -> None:
-        super().__init__(redis, capacity, key, IsolationEvent.from_fields)
+    def __init__(self, redis: Redis, capacity: int, *, prefix: str) -> None:
+        super().__init__(redis, capacity, f"{prefix}isolation-events", IsolationEvent.from_fields)

@@ -1,7 +1,7 @@
 """Whose recent prompt a fingerprint comes from, on which replica: the index every answer is checked against.
 
 Each gateway instance keeps the index in its own memory, so checking an answer is a dict lookup per k-gram and
-never a network round trip. Instances share what they add through a Redis stream (`bulkhead:fingerprints`):
+never a network round trip. Instances share what they add through a Redis stream (`{prefix}fingerprints`):
 every instance appends the fingerprints of the prompts it forwards and follows the stream, adding the others'.
 A fresh instance reads the last `ttl_s` of the stream before it serves. Without Redis the index is this
 process's alone.
@@ -39,7 +39,6 @@ from isolation.winnowing import AnswerGrams, Fingerprints, Hasher, winnow
 
 log = logging.getLogger("bulkhead.isolation")
 
-STREAM_KEY = "bulkhead:fingerprints"
 SHARED = 0xFFFFFFFF
 _LOW = 0xFFFFFFFF
 
@@ -160,11 +159,11 @@ def public_fingerprints(hasher: Hasher, paths: Sequence[Path]) -> tuple[frozense
 class RedisFingerprintFeed:
     """The stream that carries every instance's prompt fingerprints to the others, trimmed to the last ttl_s."""
 
-    def __init__(self, redis: Redis, instance: str, ttl_s: float, key: str = STREAM_KEY) -> None:
+    def __init__(self, redis: Redis, instance: str, ttl_s: float, *, prefix: str) -> None:
         self._redis = redis
         self._instance = instance
         self._ttl_ms = int(ttl_s * 1000)
-        self._key = key
+        self._key = f"{prefix}fingerprints"
 
     async def publish(self, prompt: Prompt) -> None:
         oldest = int(prompt.at * 1000) - self._ttl_ms

@@ -150,14 +150,15 @@ class MarkerRegistry:
 
 
 class RedisMarkerStore:
-    """One hash per epoch, `bulkhead:canary-markers:{epoch}`, expiring after the epoch stops being live."""
+    """One hash per epoch, `{prefix}canary-markers:{epoch}`, expiring after the epoch stops being live."""
 
-    def __init__(self, redis: Redis, batch: int = 5000) -> None:
+    def __init__(self, redis: Redis, *, prefix: str, batch: int = 5000) -> None:
         self._redis = redis
+        self._names = f"{prefix}canary-markers:"
         self._batch = batch
 
     async def publish(self, epoch: int, markers: dict[bytes, Owner], ttl_s: int) -> None:
-        key = f"bulkhead:canary-markers:{epoch}"
+        key = f"{self._names}{epoch}"
         items = [(normal, owner.encode()) for normal, owner in markers.items()]
         for start in range(0, len(items), self._batch):
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -167,7 +168,7 @@ class RedisMarkerStore:
 
     async def lookup(self, epochs: Sequence[int], normal: bytes) -> Owner | None:
         for epoch in epochs:
-            found = await self._redis.hget(f"bulkhead:canary-markers:{epoch}", normal)
+            found = await self._redis.hget(f"{self._names}{epoch}", normal)
             if found is not None:
                 return Owner.decode(text(found))
         return None

@@ -871,7 +871,11 @@ async def _redis(sizes: Sequence[int], seed: int) -> list[dict[str, Any]]:
         gateway = Gateway.start(["tenant-0123"], executor, redis)
         feed = gateway.fingerprinter.feed
         assert feed is not None
-        reader = RedisFingerprintFeed(redis, "another-instance", gateway.settings.isolation.fingerprints.ttl_s)
+        prefix = gateway.settings.redis_key_prefix
+        reader = RedisFingerprintFeed(
+            redis, "another-instance", gateway.settings.isolation.fingerprints.ttl_s, prefix=prefix
+        )
+        stream = f"{prefix}fingerprints"
 
         async def stats() -> tuple[int, int]:
             info = await redis.info("stats")
@@ -885,19 +889,19 @@ async def _redis(sizes: Sequence[int], seed: int) -> list[dict[str, Any]]:
             before = await stats()
             await feed.publish(prompt)
             after = await stats()
-            memory = int(await redis.memory_usage("bulkhead:fingerprints", samples=0) or 0)
+            memory = int(await redis.memory_usage(stream, samples=0) or 0)
             latencies = []
             more = max(REPEATS, 500_000 // feed_entry_bytes(prompt.fingerprints))  # small entries share a node
             for _ in range(more):  # more entries of the same size, in a stream that exists
                 started = time.perf_counter()
                 await feed.publish(prompt)
                 latencies.append(time.perf_counter() - started)
-            grown = (int(await redis.memory_usage("bulkhead:fingerprints", samples=0) or 0) - memory) / more
+            grown = (int(await redis.memory_usage(stream, samples=0) or 0) - memory) / more
             index = FingerprintIndex(1800, 10_000_000)
             before_read = await stats()
             await reader.catch_up(index)  # the stream holds this size's entries only
             after_read = await stats()
-            await redis.delete("bulkhead:fingerprints")
+            await redis.delete(stream)
             assert len(index) == len(prompt.fingerprints)
             rows.append(
                 {

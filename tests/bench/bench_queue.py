@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter, RedisBuckets
-from gateway.settings import TenantSettings
+from gateway.settings import REDIS_KEY_PREFIX, TenantSettings
 from gateway.tenants import hash_key
 from tests.bench.load import percentile
 from tests.bench.processes import BENCH_KEY, MODEL, Workspace, child, free_port
@@ -51,7 +51,7 @@ async def part_one(redis_url: str, calls: int) -> None:
         limits={"requests_per_minute": 10**9, "tokens_per_minute": 10**12},
     )
     redis = Redis.from_url(redis_url)
-    shared = RateLimiter(RedisBuckets(redis), fail_open=True, metrics=GatewayMetrics())
+    shared = RateLimiter(RedisBuckets(redis, prefix=REDIS_KEY_PREFIX), fail_open=True, metrics=GatewayMetrics())
     local = RateLimiter(None, fail_open=True, metrics=GatewayMetrics())
     results: dict[str, list[list[float]]] = {"redis": [[], []], "memory": [[], []]}
     for _ in range(5):  # interleaved rounds: drift on a shared 2-core machine hits both alike
@@ -59,7 +59,7 @@ async def part_one(redis_url: str, calls: int) -> None:
             admits, settles = await limiter_cost(limiter, tenant, calls // 5)
             results[name][0] += admits
             results[name][1] += settles
-    await redis.delete("bulkhead:rate:bench-limits:requests", "bulkhead:rate:bench-limits:tokens")
+    await redis.delete(*(f"{REDIS_KEY_PREFIX}rate:bench-limits:{bucket}" for bucket in ("requests", "tokens")))
     await redis.aclose()
     print("\nrate-limit check, µs per call (p50 / p99)")
     print("| store | admit p50 | admit p99 | settle p50 | settle p99 |")

@@ -25,7 +25,6 @@ import orjson
 import pytest
 from redis.asyncio import Redis
 
-from gateway.queue import GROUP, STREAM
 from gateway.tenants import hash_key
 from tests.conftest import SimFactory
 from tests.integration.support import MODEL, forwarded, metric
@@ -45,6 +44,8 @@ HEALTH_INTERVAL_S = 1.0
 RECLAIM_AFTER_S = 2.0
 CONCURRENCY = 12  # in flight at once through the three gateways (the rate-limit burst comes on top)
 KINDS = ("chat", "completion", "chat-stream", "completion-stream", "workers")
+# The queue's names under the default redis_key_prefix (gateway/queue.py): the names used before it was a setting.
+STREAM, GROUP = "bulkhead:jobs", "bulkhead-workers"
 
 
 def key(tenant: str) -> str:

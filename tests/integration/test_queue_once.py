@@ -24,6 +24,9 @@ JOBS = 60
 ITEMS = 2
 
 
+KILLED_WORKER_CONCURRENCY = 2  # bulkhead worker's default --concurrency
+
+
 def engine_runs(sim_url: str) -> int:
     return len([r for r in forwarded(sim_url) if r["path"] == "/v1/completions"])
 
@@ -71,8 +74,10 @@ async def test_each_item_runs_once_through_a_killed_worker_and_a_redis_restart(
                 if process.poll() is None:
                     process.terminate()
                     process.wait(timeout=10)
+    # Only what the killed process had in hand may run again: one item per queue worker in it (`bulkhead worker`'s
+    # default --concurrency 2), whether the engine aborted it or finished it just before the result could be stored.
     extra = engine_runs(sim_url) - JOBS * ITEMS
-    assert 0 <= extra <= aborts(sim_url), (extra, aborts(sim_url))
+    assert aborts(sim_url) <= extra <= KILLED_WORKER_CONCURRENCY, (extra, aborts(sim_url))
 
 
 async def test_a_job_that_keeps_failing_ends_failed_with_an_error_per_item(
@@ -96,7 +101,7 @@ async def test_a_job_that_keeps_failing_ends_failed_with_an_error_per_item(
 async def test_a_worker_whose_claim_lapsed_stops_where_another_took_over() -> None:
     with own_redis() as server:
         store = Redis.from_url(server.url)
-        queue = RedisJobQueue(store, 60, reclaim_after_s=0.2)
+        queue = RedisJobQueue(store, 60, reclaim_after_s=0.2, prefix="bulkhead:")
         job = Job(id="j1", tenant="alice", route="completions", items=[{"prompt": "x"}])
         await queue.enqueue(job)
         [first] = await queue.claim("worker-a", wait_s=1.0)

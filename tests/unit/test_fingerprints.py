@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -180,10 +181,11 @@ def test_the_index_forgets_expired_prompts_and_stays_bounded() -> None:
 async def test_instances_share_fingerprints_through_redis() -> None:
     with redis_server() as url:
         redis = Redis.from_url(url)
-        await redis.delete("bulkhead:fingerprints")
+        # A stream of this test's own: gateways under test on the same Redis publish to `bulkhead:fingerprints`.
+        prefix = f"fingerprints-{uuid.uuid4().hex[:12]}:"
         one, two = FingerprintIndex(1800, 10_000), FingerprintIndex(1800, 10_000)
-        feed_one = RedisFingerprintFeed(redis, "one", 1800)
-        feed_two = RedisFingerprintFeed(redis, "two", 1800)
+        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix)
+        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix)
         await feed_one.publish(prompt("alice", "r1", [7, 8], at=time.time()))
         last = await feed_two.catch_up(two)  # a fresh instance reads what is already there
         assert len(two) == 2 and len(one) == 0
@@ -198,6 +200,7 @@ async def test_instances_share_fingerprints_through_redis() -> None:
         await feed_two.publish(prompt("carol", "r1", [10], at=time.time()))
         await feed_two.catch_up(two)
         assert len(two) == 3, "an instance does not read back its own"
+        await redis.delete(f"{prefix}fingerprints")
         await redis.aclose()
 
 

@@ -371,8 +371,8 @@ async def test_instances_with_different_secrets_recognise_each_others_markers_th
             try:
                 a_key = CanaryKey("a", secrets.token_bytes(32))
                 b_key = CanaryKey("b", secrets.token_bytes(32))
-                a = MarkerRegistry([a_key], EPOCH_S, RedisMarkerStore(redis, batch=2))
-                b = MarkerRegistry([b_key], EPOCH_S, RedisMarkerStore(redis))
+                a = MarkerRegistry([a_key], EPOCH_S, RedisMarkerStore(redis, prefix="bulkhead:", batch=2))
+                b = MarkerRegistry([b_key], EPOCH_S, RedisMarkerStore(redis, prefix="bulkhead:"))
                 a.rotate(now)
                 b.rotate(now)
                 a.add_tenants(["alice", "carol", "dave"])

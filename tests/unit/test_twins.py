@@ -1,9 +1,9 @@
 """The twins behind one Protocol each (rate-limit buckets, job queue, event log, store): one suite, run against the
 in-memory and the Redis implementation alike, with the same assertions, so neither can drift from the other.
 
-Everything a test writes is named with its own random prefix (tenants, replicas, stream keys), in a Redis database
-of its own, so these tests can share a Redis with any other suite running at the same time and clean up only
-what they wrote.
+Everything a test writes is named with its own random prefix (the Redis twins' key prefix, tenants, replicas), in a
+Redis database of its own, so these tests can share a Redis with any other suite running at the same time and clean
+up only what they wrote.
 """
 
 from __future__ import annotations
@@ -18,16 +18,15 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from gateway.queue import STREAM, Job, JobQueue, JobStatus, MemoryJobQueue, RedisJobQueue
+from gateway.queue import Job, JobQueue, JobStatus, MemoryJobQueue, RedisJobQueue
 from gateway.ratelimit import Buckets, MemoryBuckets, Quota, RedisBuckets, Verdict
-from gateway.store import ADMIN_KEY, FAILURES_KEY, MemoryStore, RedisStore, Store
-from isolation.events import STREAM_KEY, EventLog, IsolationEvent, MemoryEventLog, RedisEventLog
-from isolation.redis_text import text
+from gateway.store import MemoryStore, RedisStore, Store
+from isolation.events import EventLog, IsolationEvent, MemoryEventLog, RedisEventLog
 from tests.redis_server import redis_server
 
 TWINS = ["memory", "redis"]
-# Not database 0, where every gateway under test keeps its queue: a worker of a gateway test running at the same
-# time would otherwise claim the jobs enqueued here (and change their status) from the shared stream.
+# Not database 0, where the gateways under test keep their state. (Each twin's key prefix is the test's own, so no
+# gateway's queue worker can claim the jobs enqueued here even in the same database.)
 TWIN_DATABASE = 15
 # Levels come back from Lua as text with 14 significant digits: equal up to this much.
 EPS = 1e-6
@@ -46,8 +45,8 @@ def prefix() -> str:
 
 @asynccontextmanager
 async def redis_for(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Redis | None]:
-    """None for the memory twin; for the Redis twin a client, and afterwards everything named with `prefix` is
-    deleted (never the whole database: other runs of this suite may be using it right now)."""
+    """None for the memory twin; for the Redis twin a client, and afterwards everything named with `prefix` (the
+    twin's key prefix) is deleted (never the whole database: other runs of this suite may be using it right now)."""
     if request.param == "memory":
         yield None
         return
@@ -59,17 +58,9 @@ async def redis_for(request: pytest.FixtureRequest, prefix: str) -> AsyncIterato
 
 
 async def forget(redis: Redis, prefix: str) -> None:
-    keys = [key async for key in redis.scan_iter(match=f"*{prefix}*")]
+    keys = [key async for key in redis.scan_iter(match=f"{prefix}*")]
     if keys:
         await redis.delete(*keys)
-    # Keys whose names are fixed by the code under test: only our fields and entries go.
-    for shared in (ADMIN_KEY, FAILURES_KEY):
-        ours = [field for field in await redis.hkeys(shared) if text(field).startswith(prefix)]
-        if ours:
-            await redis.hdel(shared, *ours)
-    for entry, fields in await redis.xrange(STREAM) or []:
-        if entry is not None and fields and Job.decode(fields[b"job"]).tenant.startswith(prefix):
-            await redis.xdel(STREAM, entry)
 
 
 # --- Rate-limit buckets -------------------------------------------------------------------------------------------
@@ -78,7 +69,7 @@ async def forget(redis: Redis, prefix: str) -> None:
 @pytest.fixture(params=TWINS)
 async def buckets(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Buckets]:
     async with redis_for(request, prefix) as redis:
-        yield MemoryBuckets() if redis is None else RedisBuckets(redis)
+        yield MemoryBuckets() if redis is None else RedisBuckets(redis, prefix=prefix)
 
 
 class Refill:
@@ -224,7 +215,7 @@ async def make_queue(request: pytest.FixtureRequest, prefix: str) -> AsyncIterat
         if redis is None:
             yield MemoryJobQueue
         else:
-            yield lambda ttl: RedisJobQueue(redis, ttl, reclaim_after_s=30)
+            yield lambda ttl: RedisJobQueue(redis, ttl, reclaim_after_s=30, prefix=prefix)
 
 
 def seen(status: JobStatus | None) -> tuple[str, int, dict[int, Any]] | None:
@@ -312,7 +303,7 @@ async def make_log(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator
         if redis is None:
             yield MemoryEventLog
         else:
-            yield lambda capacity: RedisEventLog(redis, capacity, key=f"{STREAM_KEY}:{prefix}")
+            yield lambda capacity: RedisEventLog(redis, capacity, prefix=prefix)
 
 
 def event(number: int) -> IsolationEvent:
@@ -378,11 +369,11 @@ def test_event_fields_round_trip() -> None:
 @pytest.fixture(params=TWINS)
 async def store(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Store]:
     async with redis_for(request, prefix) as redis:
-        yield MemoryStore() if redis is None else RedisStore(redis)
+        yield MemoryStore() if redis is None else RedisStore(redis, prefix=prefix)
 
 
 def mine(states: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """What this test wrote: the Redis twin's hashes are shared by every replica any test names."""
+    """What this test wrote (the Redis twin's hashes are this test's own too: its prefix is in their names)."""
     return {name: value for name, value in states.items() if name.startswith(prefix)}
 
 
