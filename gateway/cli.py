@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import orjson
@@ -373,34 +374,28 @@ def _workers(value: str) -> int | str:
     return count
 
 
-def _port(value: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be 0 to 65535, got {port}")
-    return port
+N = TypeVar("N", int, float)
 
 
-def _at_least_one(value: str) -> int:
-    try:
-        count = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {count}")
-    return count
+def _number(parse: Callable[[str], N], name: str, low: N, high: N | None = None) -> Callable[[str], N]:
+    """An argparse type: `parse`d, then within [low, high] (NaN is within nothing)."""
+
+    def check(value: str) -> N:
+        try:
+            number = parse(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {name}: {value!r}") from None
+        if not (number >= low and (high is None or number <= high)):
+            bounds = f"{low:g} or more" if high is None else f"{low:g} to {high:g}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return number
+
+    return check
 
 
-def _not_negative(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not number >= 0:  # refuses nan too
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return number
+_port = _number(int, "a port number", 0, 65535)
+_at_least_one = _number(int, "a whole number", 1)
+_not_negative = _number(float, "a number", 0.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
