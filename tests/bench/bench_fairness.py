@@ -14,8 +14,8 @@ first content chunk (TTFT) at the client. Phases, one after another in one run, 
    run them), then B at its rate: B's TTFT next to solo, and jobs done meanwhile.
 6. two instances: two fair gateways on one Redis, A and B each split their traffic over both.
 
-The replica's slots are learned from its /metrics (`max_num_seqs` is not configured), as with a vLLM whose
-settings the gateway does not know.
+`--parts one-replica batch two-instances` runs some of them (1–4, 5, 6). The replica's slots are learned from its
+/metrics (`max_num_seqs` is not configured), as with a vLLM whose settings the gateway does not know.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ HEADER = (
     "| phase | tenant | sent | served | shed | served/s | TTFT p50 ms | TTFT p99 ms | p99 / solo "
     "| queued at the gateway, ms per request |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
+PARTS = ("one-replica", "batch", "two-instances")
 TENANTS = {"a": 1.0, "b": 1.0, "w1": 1.0, "w2": 2.0, "w4": 4.0}
 
 
@@ -277,17 +278,19 @@ def row(phase: Phase, tenant: str, solo_p99: float | None) -> str:
     )
 
 
-async def run(workspace: Workspace, args: argparse.Namespace, redis_url: str) -> None:
+TIMEOUT = aiohttp.ClientTimeout(total=120)
+
+
+async def one_replica(workspace: Workspace, args: argparse.Namespace) -> None:
+    """Solo, the burst with fairness off and on, and the weights: one replica, two gateways."""
     seconds, rate_b = args.seconds, args.rate_b
     rate_a = 10 * rate_b
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=120)
     with (
         simulator(workspace, args) as sim,
         gateway(workspace, sim.url, fair=True) as fair,
         gateway(workspace, sim.url, fair=False) as plain,
     ):
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=TIMEOUT) as session:
             phases: list[Phase] = []
 
             async def burst(name: str, urls: list[str]) -> Phase:
@@ -355,9 +358,13 @@ async def run(workspace: Workspace, args: argparse.Namespace, redis_url: str) ->
                 f"| {tenant} | {TENANTS[tenant]:g} | {count} | {share:.3f} | {expected:.3f} | {share / expected:.2f} |"
             )
 
+
+async def batch_backlog(workspace: Workspace, args: argparse.Namespace, redis_url: str) -> None:
+    """B alone, then B while queue workers run a backlog of jobs: one fair gateway with Redis."""
+    seconds, rate_b = args.seconds, args.rate_b
     with simulator(workspace, args) as sim:
         with gateway(workspace, sim.url, fair=True, redis_url=redis_url, workers=args.queue_workers) as fair:
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=TIMEOUT) as session:
                 solo = Phase("solo (own run)", seconds=seconds)
                 await open_loop(session, [fair.url], "b", rate_b, seconds, solo)
                 await drained(session, sim.url)
@@ -375,9 +382,14 @@ async def run(workspace: Workspace, args: argparse.Namespace, redis_url: str) ->
         print(row(solo, "b", solo_p99))
         print(row(backlog, "b", solo_p99))
 
+
+async def two_instances(workspace: Workspace, args: argparse.Namespace, redis_url: str) -> None:
+    """B alone, then A's burst and B, each alternating between two fair gateways on one Redis."""
+    seconds, rate_b = args.seconds, args.rate_b
+    rate_a = 10 * rate_b
     with simulator(workspace, args) as sim, gateway(workspace, sim.url, fair=True, redis_url=redis_url) as one:
         with gateway(workspace, sim.url, fair=True, redis_url=redis_url) as two:
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=TIMEOUT) as session:
                 solo = Phase("solo, two instances", seconds=seconds)
                 await open_loop(session, [one.url, two.url], "b", rate_b, seconds, solo)
                 await drained(session, sim.url)
@@ -404,9 +416,18 @@ def main() -> None:
     parser.add_argument("--batch-slowdown", type=float, default=0.5)
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--queue-workers", type=int, default=8)
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which parts to run (default: all)"
+    )
     args = parser.parse_args()
     with own_redis() as redis, tempfile.TemporaryDirectory() as root:
-        asyncio.run(run(Workspace.create(Path(root), "WARNING"), args, redis.url))
+        workspace = Workspace.create(Path(root), "WARNING")
+        if "one-replica" in args.parts:
+            asyncio.run(one_replica(workspace, args))
+        if "batch" in args.parts:
+            asyncio.run(batch_backlog(workspace, args, redis.url))
+        if "two-instances" in args.parts:
+            asyncio.run(two_instances(workspace, args, redis.url))
 
 
 if __name__ == "__main__":
