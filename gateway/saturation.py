@@ -112,7 +112,8 @@ class LoadMonitor:
         if free is None:
             return UNLIMITED
         slots = self.loads[replica.name].slots or 0
-        return free - (max(1, round(slots * fairness.batch_reserve)) if fairness.batch_reserve > 0 else 0)
+        # Rounded, so a replica of very few slots keeps none back: its jobs would otherwise never run.
+        return free - round(slots * fairness.batch_reserve)
 
     def slots(self, replica: Replica) -> int | None:
         load = self.loads.get(replica.name)

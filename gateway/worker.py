@@ -113,6 +113,9 @@ async def work(state: GatewayState, queue: JobQueue, name: str) -> None:
             lost = asyncio.Event()
             keeper = asyncio.create_task(keep_claimed(queue, claimed, name, lost))
             try:
+                # A claim that waited for a job may have come back while requests started to wait at the gateway:
+                # the job stays queued, its claim kept, until they have gone.
+                await state.gate.quiet()
                 await process(state, queue, claimed, name, lost)
             except Exception:
                 # Whatever it was, the job is not lost: it is claimed again, and fails for good after MAX_ATTEMPTS.

@@ -162,6 +162,35 @@ async def test_a_client_that_disconnects_while_queued_leaves_the_queue_at_once(
     assert (await running).status_code == 200
     assert (await after).status_code == 200
     assert [user_text(r) for r in chats(sim)] == ["first", "after"]
+    text = await metrics_of(client, gateway)
+    # It left as a client gone (499), not as a request that was refused for capacity.
+    assert metric(text, "bulkhead_requests_total", model=MODEL, status="499") == 1
+    assert metric(text, "bulkhead_shed_requests_total", model=MODEL) == 0
+
+
+async def test_queue_workers_claim_no_job_while_an_interactive_request_waits(
+    client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
+) -> None:
+    sim = make_sim(ttft_ms=1500)
+    gateway = one_slot(sim)  # with the default queue worker inside it
+    running = await occupy(client, gateway, sim)
+    waiting = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("second"), headers=auth()))
+    await until_queued(client, gateway, 1)
+    queued = await client.post(
+        f"{gateway}/accounts/alice/ai/run/{MODEL}?queueRequest=true",
+        json={"prompt": "a batch job", "max_tokens": 2},
+        headers=auth(),
+    )
+    job = queued.json()["result"]["request_id"]
+    await asyncio.sleep(0.5)
+    polled = await client.get(f"{gateway}/v1/requests/{job}", headers=auth())
+    assert polled.json()["status"] == "queued", "a worker took new work while a request waited at the gateway"
+    assert [a.status_code for a in await asyncio.gather(running, waiting)] == [200, 200]
+    deadline = time.monotonic() + 10
+    while (await client.get(f"{gateway}/v1/requests/{job}", headers=auth())).json()["status"] != "done":
+        assert time.monotonic() < deadline, "the job never ran"
+        await asyncio.sleep(0.05)
+    assert [user_text(r) for r in chats(sim)] == ["first", "second", "a batch job"]
 
 
 async def test_queued_tenants_take_turns_instead_of_first_come_first_served(
