@@ -17,7 +17,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.serving import run_server
-from tests.integration.support import gateway_settings
+from tests.integration.support import gateway_settings, stop
 from tests.redis_server import free_port
 
 GatewayFactory = Callable[..., str]
@@ -74,13 +74,7 @@ def make_gateway_process(tmp_path: Path) -> Iterator[Callable[..., str]]:
         yield start
     finally:
         for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()  # a gateway that hangs at shutdown must not outlive the test as an orphan
-                process.wait()
+            stop(process)
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
-"""Tenants, keys and request bodies shared by the gateway's integration tests."""
+"""Tenants, keys and request bodies shared by the gateway's integration tests, and how a test stops a child."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +60,14 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def stop(process: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 15) -> None:
+    """Signal a child process and wait for it; kill it if it lingers, so that no test leaves an orphan behind."""
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -21,6 +21,7 @@ from gateway.app import create_app
 from gateway.serving import run_server
 from gateway.settings import load_settings
 from gateway.tenants import hash_key
+from tests.integration.support import stop
 from tests.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,12 +52,7 @@ def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
                 break
         yield process, banner
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, signal.SIGINT)
         if process.stdout is not None:
             process.stdout.close()
 
@@ -193,12 +189,7 @@ def serving(args: list[str], env: dict[str, str], log: Path) -> Iterator[subproc
     try:
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
         if process.stdout is not None:
             process.stdout.close()
 

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from gateway.tenants import hash_key
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, forwarded, metric
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, forwarded, metric, stop
 from tests.integration.test_workers_api import RUN, queue_config, wait_done
 from tests.redis_server import free_port, own_redis
 
@@ -78,13 +78,7 @@ def serve(config: dict[str, Any], tmp_path: Path, processes: int = 2) -> Iterato
         _wait_for(ready, "the gateway's processes did not start")
         yield url, process
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(process, timeout=30)
         if process.stderr is not None:
             process.stderr.close()
 
