@@ -39,7 +39,14 @@ class Replica:
     healthy: bool = False
     problem: str = "not checked yet"  # why it is unhealthy, from its last failed check
     admin_state: AdminState | None = None
-    in_flight: int = 0
+    # Counted as two running totals, not one gauge, so a load read can tell the requests sent while it was
+    # on the wire (which the engine may not have counted yet) from those that finished meanwhile.
+    started: int = 0
+    finished: int = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self.started - self.finished
 
     @property
     def state(self) -> ReplicaState:

@@ -3,9 +3,12 @@
 Every `upstream.load_interval_s` each instance reads vLLM's `/metrics`: `vllm:num_requests_running`,
 `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (summed, or for the KV the fullest, over engine
 cores). Between two reads, the instance's own requests are the only change it can see, so it adds them: the
-replica's requests now are running + waiting at the read plus this instance's in-flight count now minus the same
-count at the read. Those beyond the engine's running slots are waiting in the engine, and a replica with more
-than `fairness.max_waiting` waiting, or a KV cache at `fairness.max_kv_usage`, is saturated.
+replica's requests now are running + waiting at the read, plus this instance's requests sent to it since the read
+was sent, minus those finished since its answer came. The engine counted its numbers at some moment while the read
+was on the wire; counting that way never takes a request sent meanwhile for one the engine already saw, so the
+estimate errs high, never low (a request slipped past a read that had not seen it yet would be one too many on a
+full replica). Those beyond the engine's running slots are waiting in the engine, and a replica with more than
+`fairness.max_waiting` waiting, or a KV cache at `fairness.max_kv_usage`, is saturated.
 
 The running slots are the backend's `max_num_seqs` when it is configured, else learned: a vLLM that queues
 runs as many as it can (its --max-num-seqs, or fewer when its KV cache is the limit), so the running count of a
@@ -45,12 +48,13 @@ class EngineLoad:
 
 @dataclass
 class ReplicaLoad:
-    """What the last read said, and this instance's in-flight count at that moment."""
+    """What the last read said, and this instance's running totals of requests sent and finished around it."""
 
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
-    in_flight_at_read: int = 0
+    started_before_read: int = 0
+    finished_after_read: int = 0
     slots: int | None = None  # the engine's running slots: configured, or learned from reads
     configured: bool = False
 
@@ -126,12 +130,14 @@ class LoadMonitor:
             return None
         if load.kv_usage >= fairness.max_kv_usage:
             return -fairness.max_waiting - 1  # no room, not even for a request counted already
-        return load.slots - (load.running + load.waiting + replica.in_flight - load.in_flight_at_read)
+        since = (replica.started - load.started_before_read) - (replica.finished - load.finished_after_read)
+        return load.slots - (load.running + load.waiting + since)
 
-    def take(self, replica: Replica, engine: EngineLoad) -> None:
+    def take(self, replica: Replica, engine: EngineLoad, started_before: int) -> None:
+        """Take a read whose request went out when the replica had had `started_before` requests sent to it."""
         load = self.loads.setdefault(replica.name, ReplicaLoad())
         load.running, load.waiting, load.kv_usage = engine.running, engine.waiting, engine.kv_usage
-        load.in_flight_at_read = replica.in_flight
+        load.started_before_read, load.finished_after_read = started_before, replica.finished
         if not load.configured:
             if engine.waiting > 0 and engine.running > 0:
                 load.slots = engine.running
@@ -143,6 +149,7 @@ class LoadMonitor:
         metrics.replica_kv_usage.labels(replica.name).set(engine.kv_usage)
 
     async def read(self, client: httpx.AsyncClient, replica: Replica, timeout: float) -> None:
+        started_before = replica.started
         try:
             response = await client.get(f"{replica.url}/metrics", timeout=timeout)
         except httpx.HTTPError as exc:
@@ -150,7 +157,7 @@ class LoadMonitor:
             return
         engine = parse_load(response.text) if response.status_code == 200 else None
         if engine is not None:
-            self.take(replica, engine)
+            self.take(replica, engine, started_before)
 
     async def read_all(self, client: httpx.AsyncClient, timeout: float) -> None:
         replicas = [r for r in self._pool.replicas.values() if r.healthy]

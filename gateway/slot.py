@@ -42,10 +42,10 @@ class Slot:
     def assign(self, replica: Replica | None) -> None:
         """Count the request against this replica (and no longer against the one it had, if any)."""
         if self.replica is not None:
-            self.replica.in_flight -= 1
+            self.replica.finished += 1
             self._state.gate.released(self._model, finished=False)
         if replica is not None:
-            replica.in_flight += 1
+            replica.started += 1
         self.replica = replica
 
     def release(self, used_tokens: int = 0) -> None:
@@ -59,7 +59,7 @@ class Slot:
             del state.tenant_in_flight[tenant]  # the counter holds only tenants with requests in flight
         state.metrics.in_flight.dec()
         if self.replica is not None:
-            self.replica.in_flight -= 1
+            self.replica.finished += 1
             state.gate.released(self._model, finished=True)
         settlement = state.limiter.settlement(self._tenant, self.reserved, used_tokens)
         if settlement is not None:

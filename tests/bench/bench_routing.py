@@ -224,9 +224,9 @@ def bounded_load(
         if len(running) == in_flight:
             index = rng.randrange(in_flight)
             running[index], running[-1] = running[-1], running[index]
-            running.pop().in_flight -= 1
+            running.pop().finished += 1
         decision = fleet.router.choose(fleet.model, *key)
-        decision.replica.in_flight += 1
+        decision.replica.started += 1
         running.append(decision.replica)
         spills += decision.reason is Reason.SPILL
         if len(running) == in_flight:

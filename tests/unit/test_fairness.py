@@ -101,14 +101,14 @@ class Fixture:
     async def enter(self, tenant: TenantSettings, batch: bool = False) -> None:
         """One request as inference._admit sends it: counted on its replica first, like Slot.assign does."""
         holder: list[Replica | None] = [self.replica]
-        self.replica.in_flight += 1
+        self.replica.started += 1
 
         def assign(replica: Replica | None) -> None:
             if holder[0] is not None:
-                holder[0].in_flight -= 1
+                holder[0].finished += 1
                 self.gate.released("m", finished=False)
             if replica is not None:
-                replica.in_flight += 1
+                replica.started += 1
             holder[0] = replica
 
         decision = self.router.choose(self.model, tenant.id, None)
@@ -117,7 +117,7 @@ class Fixture:
         self.placed.append(tenant.id + ("/batch" if batch else ""))
 
     def finish(self) -> None:
-        self.replica.in_flight -= 1
+        self.replica.finished += 1
         self.gate.released("m", finished=True)
 
 
@@ -218,22 +218,37 @@ async def test_an_unknown_slot_count_holds_nothing_back_until_the_engine_queues(
     for _ in range(3):
         await asyncio.wait_for(f.enter(f.tenant("a")), 1)
     # The engine says: 3 running, 2 waiting (another gateway sends too). Its slots are 3, and it is saturated.
-    f.monitor.take(f.replica, EngineLoad(running=3, waiting=2, kv_usage=0.1))
+    f.monitor.take(f.replica, EngineLoad(running=3, waiting=2, kv_usage=0.1), f.replica.started)
     assert f.monitor.loads["r"].slots == 3
     assert f.monitor.room(f.replica, f.model.fairness) < 0
     # Later it runs 5 with nothing waiting: the slots were more than it showed.
-    f.monitor.take(f.replica, EngineLoad(running=5, waiting=0, kv_usage=0.1))
+    f.monitor.take(f.replica, EngineLoad(running=5, waiting=0, kv_usage=0.1), f.replica.started)
     assert f.monitor.loads["r"].slots == 5
+
+
+def test_a_request_sent_while_a_load_read_is_on_the_wire_counts_though_the_engine_answered_before_it_came() -> None:
+    f = Fixture(slots=1)
+    free = f.model.fairness.max_waiting  # room() is the free slots plus what may wait in the engine
+    sent_before = f.replica.started
+    f.replica.started += 1  # forwarded while the read was on the wire; the engine's answer says 0 running
+    f.monitor.take(f.replica, EngineLoad(running=0, waiting=0, kv_usage=0.1), sent_before)
+    assert f.monitor.room(f.replica, f.model.fairness) == free + 0, "the one slot is taken"
+    f.replica.finished += 1  # it ends after the answer came: the slot is free again
+    assert f.monitor.room(f.replica, f.model.fairness) == free + 1
+    # A read sent after the request, whose answer counted it, counts it once.
+    f.replica.started += 1
+    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.1), f.replica.started)
+    assert f.monitor.room(f.replica, f.model.fairness) == free + 0
 
 
 async def test_a_full_kv_cache_saturates_a_replica_with_free_slots() -> None:
     f = Fixture(slots=8, max_kv_usage=0.9)
-    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.95))
+    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.95), f.replica.started)
     assert f.monitor.room(f.replica, f.model.fairness) <= 0
     task = asyncio.create_task(f.enter(f.tenant("a")))
     await settle()
     assert f.gate.queued() == 1
-    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.5))
+    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.5), f.replica.started)
     f.gate.pump()
     await asyncio.wait_for(task, 1)
 
