@@ -6,12 +6,14 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import httpx
@@ -181,11 +183,10 @@ def served_by_sim(sim_url: str, tokenizer_dir: Path, **more: object) -> dict[str
 
 
 @contextlib.contextmanager
-def serving(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[str]]:
+def serving(args: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> Iterator[subprocess.Popen[str]]:
     with log.open("w") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", *args], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
-        )
+        command = [sys.executable, "-m", "gateway", "serve", *args]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=cwd)
     try:
         yield process
     finally:
@@ -257,24 +258,64 @@ def test_a_placeholder_secret_is_refused(tmp_path: Path) -> None:
     assert "admin_token: a placeholder value" in one_line(result.stderr)
 
 
-def test_the_example_config_serves_with_the_flag(sim_url: str, tokenizer_dir: Path, tmp_path: Path) -> None:
-    port = free_port()
-    model = {"name": "tiny-llama", "backends": ["vllm-a"], "tokenizer": str(tokenizer_dir)}
-    env = {
-        **os.environ,
-        "BULKHEAD_BACKENDS": json.dumps([{"name": "vllm-a", "url": sim_url}]),
-        "BULKHEAD_MODELS": json.dumps([model]),
-    }
-    args = ["--config", str(EXAMPLE), "--port", str(port), "--allow-example-secrets"]
-    with serving(args, env, tmp_path / "gateway.log") as process:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_ready(process, url)
-        response = httpx.post(
-            f"{url}/v1/chat/completions",
-            json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-            headers={"authorization": "Bearer bk-example-acme-do-not-use-in-production"},
-        )
+def example_commands(ports: dict[str, str]) -> list[list[str]]:
+    """The shell lines the example's header tells a user to run, each port in it swapped for a free one."""
+    lines = [line.removeprefix("#   $ ") for line in EXAMPLE.read_text().splitlines() if line.startswith("#   $ ")]
+    commands = []
+    for line in lines:
+        for port, free in ports.items():
+            line = line.replace(port, free)
+        commands.append(shlex.split(line.removesuffix(" &")))
+    return commands
+
+
+def test_the_example_config_runs_as_it_is_with_the_commands_its_header_gives(tmp_path: Path) -> None:
+    """What a new user does: start the two simulators, serve the example, send the curl. Only the ports differ
+    (8000, 8001 and 8080 may be taken on a test machine), in the commands and the settings alike."""
+    ports = {p: str(free_port()) for p in ("8000", "8001", "8080")}
+    config = tmp_path / "deploy" / EXAMPLE.name
+    config.parent.mkdir()
+    text = EXAMPLE.read_text()
+    for port, free in ports.items():
+        text = text.replace(f"127.0.0.1:{port}", f"127.0.0.1:{free}").replace(f"port: {port}", f"port: {free}")
+    config.write_text(text)
+    sims, (serve, curl) = example_commands(ports)[:2], example_commands(ports)[2:]
+    assert [c[:2] for c in sims] == [["bulkhead", "sim"]] * 2 and serve[:2] == ["bulkhead", "serve"]
+    assert curl[0] == "curl", "the header ends with a request a user can paste"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BULKHEAD_")}
+    with contextlib.ExitStack() as stack:
+        for n, sim in enumerate(sims):
+            log = stack.enter_context((tmp_path / f"sim{n}.log").open("w"))
+            process = subprocess.Popen([sys.executable, "-m", "gateway", *sim[1:]], stdout=log, stderr=log, env=env)
+            stack.callback(stop, process)
+        gateway = stack.enter_context(serving(serve[2:], env, tmp_path / "gateway.log", cwd=tmp_path))
+        url = f"http://127.0.0.1:{ports['8080']}"
+        wait_until_ready(gateway, url)
+        deadline = time.monotonic() + 20  # both replicas healthy: the second may have come up after a check
+        while (degraded := httpx.get(f"{url}/readyz").json()["degraded"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert degraded == []
+        request = curl_request(curl[1:])
+        response = httpx.post(request["url"], headers=request["headers"], content=request["data"])
         assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["model"] == "tiny-llama" and answer["choices"][0]["message"]["content"]
+        assert answer["usage"]["prompt_tokens"] > 0
+
+
+def curl_request(args: list[str]) -> dict[str, Any]:
+    """The URL, headers and body of the curl the example's header shows."""
+    request: dict[str, Any] = {"headers": {}}
+    pairs = iter(args)
+    for arg in pairs:
+        if arg == "-H":
+            name, value = next(pairs).split(": ", 1)
+            request["headers"][name] = value
+        elif arg == "-d":
+            request["data"] = next(pairs).encode()
+        else:
+            request["url"] = arg
+    return request
 
 
 def test_start_warns_of_unreachable_backends_and_a_random_canary_key(
