@@ -89,6 +89,11 @@ def finish(record: RequestRecord, metrics: GatewayMetrics) -> None:
         metrics.tokens.labels(model, "prompt").inc(record.prompt_tokens)
     if record.completion_tokens is not None:
         metrics.tokens.labels(model, "completion").inc(record.completion_tokens)
+    write(record, ended)
+
+
+def write(record: RequestRecord, ended: float) -> None:
+    """The request's log line alone (the edge's own answers, which never reach the app and its metrics)."""
     if not log.isEnabledFor(logging.INFO):
         return
     line = {

@@ -329,6 +329,17 @@ def warn_unreachable(pool: ReplicaPool) -> None:
             )
 
 
+def warn_short_grace(settings: Settings) -> None:
+    grace, read = settings.edge.shutdown_grace_s, settings.upstream.read_timeout_s
+    if grace < read:
+        log.warning(
+            "edge.shutdown_grace_s (%s s) is shorter than upstream.read_timeout_s (%s s): on SIGTERM a stream that "
+            "the engine is still answering can be cut; raise it (and the platform's grace period to match)",
+            grace,
+            read,
+        )
+
+
 def create_app(settings: Settings, workers: int | None = None) -> Starlette:
     """The gateway; `workers` queue workers run inside it (default: settings.queue.workers). A file the settings
     name that is missing or bad raises SettingsError here, before anything is served."""
@@ -362,6 +373,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 upstream = Upstream(session, settings.upstream, pool, metrics)
                 await pool.refresh(client, timeout)
                 warn_unreachable(pool)
+                warn_short_grace(settings)
                 keys = canary_keys(settings)
                 markers = await marker_registry(settings, keys, redis, metrics)
                 tenants.joined = markers.publish_tenants

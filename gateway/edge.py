@@ -13,7 +13,8 @@ sends its headers a byte at a time, stays open for ever. EdgeProtocol, a small s
 - the end of a connection answered before its request body came in (a refusal before the body is read, a 413, a
   408): nothing would time out a body dribbled after the answer;
 - OpenAI-style 503s, each closing its connection, in place of uvicorn's plain-text one past `edge.max_connections`,
-  and for a request that arrives while the server drains (uvicorn closes such a connection without a word).
+  and for a request that arrives while the server drains (uvicorn closes such a connection without a word); each
+  with its access-log line (route `edge`), though it never reaches the app or its metrics.
 
 The body's own deadline is where the body is read (body.read_body), so that it is answered with a 408 and logged as
 the request's access-log line.
@@ -22,21 +23,26 @@ the request's access-log line.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import uvicorn
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp
 from uvicorn._types import ASGI3Application
 from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
+from gateway import accesslog
+from gateway.accesslog import RequestRecord
 from gateway.errors import EdgeUnavailable, ShuttingDown, TooManyConnections, error_response
 from gateway.settings import EdgeSettings
 
 # A connection idle when the drain starts stays open this long before it is closed: a request already on the wire
 # (sent, not yet read) gets its 503 rather than a reset. Longer only delays the exit.
 DRAIN_LINGER_S = 1.0
+EDGE_ROUTE = "edge"  # the access-log route of the edge's own answers
 
 
 class EdgeConfig(uvicorn.Config):
@@ -61,7 +67,10 @@ class EdgeConfig(uvicorn.Config):
 
 def _answer(error: EdgeUnavailable) -> ASGI3Application:
     async def answer(scope: Any, receive: Any, send: Any) -> None:
-        await error_response(error)(scope, receive, send)
+        record = RequestRecord(accesslog.request_id(Headers(scope=scope).get("x-request-id")), EDGE_ROUTE)
+        record.status, record.error_code = error.status, error.code
+        await error_response(error, {"x-request-id": record.request_id})(scope, receive, send)
+        accesslog.write(record, time.perf_counter())
 
     return answer
 

@@ -26,12 +26,13 @@ async def probe(state: GatewayState, replica: Replica, model: ModelSettings) -> 
     probes cannot run."""
     settings = state.settings.isolation.prober
     # Fresh identities per probe: markers of this probe only, with salts of their own (no tenant keys are used).
+    # Both speak with the replica's own key, if it has one (vLLM --api-key), as the gateway's requests do.
     limit = state.capacity.limit(model)
     results = await probe_replica(
         state.client,
         replica.url,
         model.name,
-        make_identities(()),
+        make_identities((replica.api_key,) if replica.api_key else ()),
         limit=limit.tokens if limit else None,
         max_requests=settings.max_requests,
         rate=settings.rate,

@@ -1,7 +1,11 @@
 """A vLLM started with --api-key (the Kubernetes manifests do): the gateway sends the backend's key on every /v1
-call it makes — the proxied request and the capacity read — and the engine refuses calls without it."""
+call it makes — the proxied request, the capacity read, the isolation prober's probes — and the engine refuses
+calls without it."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import httpx
 
@@ -10,6 +14,8 @@ from gateway.serving import run_server
 from tests.integration.support import MODEL, auth, chat_body, forwarded, gateway_settings, metric
 
 KEY = "sk-vllm-backend-0123456789"
+ADMIN = "admin-token-0123456789"
+ADMIN_AUTH = {"authorization": f"Bearer {ADMIN}"}
 
 
 async def test_the_backend_key_reaches_every_v1_call_and_capacity_is_read(
@@ -33,3 +39,26 @@ async def test_the_backend_key_reaches_every_v1_call_and_capacity_is_read(
         assert answer.status_code == 200, answer.text
     [sent] = [r for r in forwarded(sim) if r["path"] == "/v1/chat/completions"]
     assert sent["headers"]["authorization"] == f"Bearer {KEY}"
+
+
+async def test_the_prober_probes_a_replica_that_wants_a_key_and_pulls_it_when_it_leaks(
+    client: httpx.AsyncClient, make_sim: object, tokenizer_dir: object
+) -> None:
+    sim = make_sim(api_key=KEY, num_gpu_blocks=16, output_tokens=64, fault="stale-kv")  # type: ignore[operator]
+    prober = {"enabled": True, "interval_s": 1, "rate": 50, "max_requests": 60, "time_limit_s": 30}
+    settings = gateway_settings(
+        {"sim": sim},
+        tokenizer_dir,  # type: ignore[arg-type]
+        backends=[{"name": "sim", "url": sim, "api_key": KEY}],
+        admin_token=ADMIN,
+        isolation={"prober": prober},
+    )
+    with run_server(create_app(settings)) as gateway:
+        deadline = time.monotonic() + 45
+        while (await client.get(f"{gateway}/admin/replicas", headers=ADMIN_AUTH)).json()["replicas"][0][
+            "state"
+        ] != "quarantined":
+            assert time.monotonic() < deadline, "the prober never found the leak: were its probes refused?"
+            await asyncio.sleep(0.2)
+    probes = [r for r in forwarded(sim) if r["path"] == "/v1/chat/completions"]
+    assert probes and {r["headers"]["authorization"] for r in probes} == {f"Bearer {KEY}"}

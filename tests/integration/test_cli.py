@@ -13,8 +13,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -183,7 +183,9 @@ def served_by_sim(sim_url: str, tokenizer_dir: Path, **more: object) -> dict[str
 
 
 @contextlib.contextmanager
-def serving(args: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> Iterator[subprocess.Popen[str]]:
+def serving(
+    args: list[str], env: dict[str, str], log: Path, cwd: Path | None = None
+) -> Iterator[subprocess.Popen[str]]:
     with log.open("w") as stderr:
         command = [sys.executable, "-m", "gateway", "serve", *args]
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=cwd)
@@ -318,11 +320,12 @@ def curl_request(args: list[str]) -> dict[str, Any]:
     return request
 
 
-def test_start_warns_of_unreachable_backends_and_a_random_canary_key(
+def test_start_warns_of_unreachable_backends_a_random_canary_key_and_a_short_grace(
     sim_url: str, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    settings = served_by_sim(sim_url, tokenizer_dir, redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    settings = served_by_sim(sim_url, tokenizer_dir, redis_url=redis_url, edge={"shutdown_grace_s": 60})
     settings["backends"] = [{"name": "sim", "url": sim_url}, {"name": "dead", "url": dead}]
     settings["models"] = [{"name": "tiny-llama", "backends": ["sim", "dead"], "tokenizer": str(tokenizer_dir)}]
     config = write_config(tmp_path, settings)
@@ -340,3 +343,4 @@ def test_start_warns_of_unreachable_backends_and_a_random_canary_key(
     assert any(m.startswith(f"backend dead at {dead} does not answer its health check at start") for m in warnings)
     assert any(m.startswith("isolation.canary.keys is not set") for m in warnings), warnings
     assert any(m.startswith("cache_salt_secret is not set") for m in warnings), warnings
+    assert any(m.startswith("edge.shutdown_grace_s (60 s) is shorter than upstream.read_timeout_s") for m in warnings)

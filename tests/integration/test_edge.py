@@ -244,11 +244,11 @@ def test_sigterm_lets_a_stream_finish_refuses_new_connections_and_answers_a_late
             assert time.monotonic() < deadline, "new connections still accepted after SIGTERM"
             time.sleep(0.02)
         with idle:
-            idle.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\n\r\n")
+            idle.sendall(b"GET /v1/models HTTP/1.1\r\nHost: gateway\r\nx-request-id: drained-1\r\n\r\n")
             raw, closed = _read_until_closed(idle, 5)
         answer_status, headers, body = _answer(raw)
         assert answer_status == 503 and body["error"]["code"] == "shutting_down", raw
-        assert headers["connection"] == "close" and closed
+        assert headers["connection"] == "close" and closed and headers["x-request-id"] == "drained-1"
         reader.join(30)
         events = [line for line in lines if line]
         assert status == [200] and events[-1] == "data: [DONE]", events[-3:]
@@ -256,6 +256,9 @@ def test_sigterm_lets_a_stream_finish_refuses_new_connections_and_answers_a_late
         assert process.wait(30) == 0
     text = log.read_text()
     assert "Traceback" not in text and '"level":"ERROR"' not in text, text
+    access = [json.loads(line) for line in text.splitlines() if line.startswith('{"event":"request"')]
+    [refused] = [line for line in access if line["request_id"] == "drained-1"]
+    assert refused["route"] == "edge" and refused["status"] == 503 and refused["error"] == "shutting_down"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the simulator in /proc")
