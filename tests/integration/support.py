@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -71,3 +73,18 @@ def stop(process: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: flo
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    return parts.hostname, parts.port
+
+
+def accepts(url: str) -> bool:
+    """Whether the server at `url` still accepts a connection (a draining one has closed its port)."""
+    try:
+        socket.create_connection(address(url), timeout=1).close()
+    except ConnectionRefusedError:
+        return False
+    return True

@@ -17,14 +17,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import orjson
 import pytest
 
 from gateway.tenants import hash_key
-from tests.integration.support import ALICE_KEY, auth, chat_body
+from tests.integration.support import ALICE_KEY, accepts, address, auth, chat_body
 from tests.redis_server import free_port
 
 CHAT = "/v1/chat/completions"
@@ -39,12 +38,6 @@ def _config(sim_url: str, tokenizer_dir: Path, **edge: Any) -> dict[str, Any]:
         "tenants": [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}],
         "edge": edge,
     }
-
-
-def _address(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    assert parts.hostname is not None and parts.port is not None
-    return parts.hostname, parts.port
 
 
 def _readable(sock: socket.socket, timeout: float) -> bool:
@@ -83,7 +76,7 @@ def test_a_body_sent_at_a_byte_a_second_is_cut_at_its_timeout_with_408(
     make_gateway_process: GatewayProcess, sim_url: str, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
     log = tmp_path / "gateway.log"
-    host, port = _address(make_gateway_process(_config(sim_url, tokenizer_dir, body_timeout_s=2), log=log))
+    host, port = address(make_gateway_process(_config(sim_url, tokenizer_dir, body_timeout_s=2), log=log))
     head = (
         f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {ALICE_KEY}\r\n"
         "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
@@ -109,11 +102,11 @@ def test_connections_that_never_finish_their_headers_are_closed_at_the_header_ti
     make_gateway_process: GatewayProcess, sim_url: str, tokenizer_dir: Path
 ) -> None:
     url = make_gateway_process(_config(sim_url, tokenizer_dir, header_timeout_s=2))
-    address = _address(url)
+    where = address(url)
     with contextlib.ExitStack() as stack:
         started = time.monotonic()
-        idle = [stack.enter_context(socket.create_connection(address)) for _ in range(2000)]
-        dribbling = stack.enter_context(socket.create_connection(address))
+        idle = [stack.enter_context(socket.create_connection(where)) for _ in range(2000)]
+        dribbling = stack.enter_context(socket.create_connection(where))
         dribbling.sendall(b"GET /healthz HTTP/1.1\r\n")
         assert not _readable(idle[-1], 0) and not _readable(dribbling, 0), "closed before the header timeout"
         still_open = {*idle, dribbling}
@@ -141,10 +134,10 @@ def test_past_max_connections_a_request_gets_503_and_its_connection_closes(
     make_gateway_process: GatewayProcess, sim_url: str, tokenizer_dir: Path
 ) -> None:
     url = make_gateway_process(_config(sim_url, tokenizer_dir, max_connections=4))
-    address = _address(url)
+    where = address(url)
     with contextlib.ExitStack() as stack:
-        held = [stack.enter_context(socket.create_connection(address)) for _ in range(4)]
-        with socket.create_connection(address) as extra:
+        held = [stack.enter_context(socket.create_connection(where)) for _ in range(4)]
+        with socket.create_connection(where) as extra:
             extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
             raw, closed = _read_until_closed(extra, 5)
         status, headers, body = _answer(raw)
@@ -232,15 +225,11 @@ def test_sigterm_lets_a_stream_finish_refuses_new_connections_and_answers_a_late
         reader = threading.Thread(target=stream)
         reader.start()
         assert first_chunk.wait(10)
-        idle = socket.create_connection(_address(url))  # accepted before the signal, its request sent after
+        idle = socket.create_connection(address(url))  # accepted before the signal, its request sent after
         process.send_signal(signal.SIGTERM)
         assert "data: [DONE]" not in lines, "the stream ended before the signal"
         deadline = time.monotonic() + 5
-        while True:  # the listener closes: a new connection is refused
-            try:
-                socket.create_connection(_address(url), timeout=1).close()
-            except ConnectionRefusedError:
-                break
+        while accepts(url):  # the listener closes: a new connection is refused
             assert time.monotonic() < deadline, "new connections still accepted after SIGTERM"
             time.sleep(0.02)
         with idle:

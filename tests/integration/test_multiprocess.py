@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from gateway.tenants import hash_key
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, forwarded, metric, stop
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, accepts, auth, forwarded, metric, stop
 from tests.integration.test_workers_api import RUN, queue_config, wait_done
 from tests.redis_server import free_port, own_redis
 
@@ -110,9 +110,7 @@ async def _served_by_both(url: str, sim_url: str, redis_url: str, key: str, tena
         assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers if a.status_code != 200]
         bodies += [record["body"] for record in forwarded(sim_url)]
         httpx.delete(f"{sim_url}/sim/requests")
-        with redis.Redis.from_url(redis_url) as store:
-            feed = store.xrange("bulkhead:fingerprints")
-        if len({fields[b"i"] for _, fields in feed if fields[b"t"] == tenant.encode()}) == 2:
+        if len({fields[b"i"] for fields in _feed(redis_url) if fields[b"t"] == tenant.encode()}) == 2:
             return bodies
     raise AssertionError(f"one process served every request of {tenant}")
 
@@ -158,6 +156,48 @@ async def test_a_killed_process_is_replaced_and_sigterm_stops_them_all(
         assert parent.wait(timeout=30) == 0
         for pid in workers:
             assert not Path(f"/proc/{pid}").exists() or b"Z" in Path(f"/proc/{pid}/stat").read_bytes().split()[2]
+
+
+async def test_sigterm_drains_every_process_streams_finish_and_new_connections_are_refused(
+    make_sim: Any, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    sim_url = make_sim(tokens_per_s=10, output_tokens=30)  # 3 s streams
+    with own_redis() as server, serve(_config(server.url, sim_url, tokenizer_dir), tmp_path) as (url, parent):
+        workers = _children(parent.pid)
+
+        async def stream(client: httpx.AsyncClient) -> list[str]:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "stream": True, "max_tokens": 30}
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=auth()) as response:
+                assert response.status_code == 200
+                return [line async for line in response.aiter_lines() if line]
+
+        clients = [httpx.AsyncClient(timeout=30) for _ in range(6)]  # a connection each: both processes get some
+        try:
+            streams = [asyncio.create_task(stream(client)) for client in clients]
+            deadline = time.monotonic() + 20
+            while len(await asyncio.to_thread(forwarded, sim_url)) < 6:
+                assert time.monotonic() < deadline, "the streams never reached the engine"
+                await asyncio.sleep(0.05)
+            served_by = {fields[b"i"] for fields in _feed(server.url)}
+            parent.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while await asyncio.to_thread(accepts, url):  # the port closes, in every process and the parent
+                assert time.monotonic() < deadline, "new connections still accepted after SIGTERM"
+                await asyncio.sleep(0.05)
+            for lines in await asyncio.gather(*streams):
+                assert lines[-1] == "data: [DONE]" and sum(line.startswith("data: {") for line in lines) >= 30
+        finally:
+            for client in clients:
+                await client.aclose()
+        assert len(served_by) == 2, "both processes had streams in flight"
+        assert await asyncio.to_thread(parent.wait, 30) == 0
+        assert all(not Path(f"/proc/{pid}").exists() for pid in workers)
+
+
+def _feed(redis_url: str) -> list[dict[bytes, bytes]]:
+    """The fingerprint feed: one entry per forwarded prompt, naming the process (`i`) that forwarded it."""
+    with redis.Redis.from_url(redis_url) as store:
+        return [fields for _, fields in store.xrange("bulkhead:fingerprints")]
 
 
 @pytest.mark.parametrize(
