@@ -10,12 +10,17 @@ estimate errs high, never low (a request slipped past a read that had not seen i
 full replica). Those beyond the engine's running slots are waiting in the engine, and a replica with more than
 `fairness.max_waiting` waiting, or a KV cache at `fairness.max_kv_usage`, is saturated.
 
-The running slots are the backend's `max_num_seqs` when it is configured, else learned: a vLLM that queues
-runs as many as it can (its --max-num-seqs, or fewer when its KV cache is the limit), so the running count of a
-read with requests waiting is the slot count, and a later read that runs more without waiting raises it. Until
-a replica has been seen queueing its slots are unknown and it is never saturated: the gateway holds nothing back
-on a guess. A replica whose /metrics cannot be read (not vLLM, or down: health checks deal with that) is not
-saturated either.
+The running slots are the backend's `max_num_seqs` when it is configured, else learned. A request waits in vLLM
+for more reasons than full slots: it arrived after the step was planned, or the step's token budget went to other
+prompts' prefill (a few long prompts leave the rest waiting while little runs). So the running count of a read
+with requests waiting is not the slot count; taken as one, a burst of long prompts would pin a replica to the two
+or three it ran at that moment, and a gateway that never sent more would never see it run more. What is learned is
+the peak: the most requests the engine has been seen running at once, a lower bound on its slots that only rises.
+The engine is at its limit when a read shows requests waiting while it runs its peak; then the peak is the limit.
+Otherwise it may take more than its peak, and the gateway lets it have up to twice the peak (a doubling search,
+so a limit above the peak is found in a few reads). Until a replica has been seen queueing its slots are unknown
+and it is never saturated: the gateway holds nothing back on a guess. A replica whose /metrics cannot be read (not
+vLLM, or down: health checks deal with that) is not saturated either.
 """
 
 from __future__ import annotations
@@ -55,8 +60,10 @@ class ReplicaLoad:
     kv_usage: float = 0.0
     started_before_read: int = 0
     finished_after_read: int = 0
-    slots: int | None = None  # the engine's running slots: configured, or learned from reads
+    slots: int | None = None  # the engine's running slots: configured, or the peak once it has been seen queueing
     configured: bool = False
+    peak: int = 0  # the most requests a read has shown running at once
+    at_limit: bool = False  # the last read showed requests waiting while the engine ran its peak
 
 
 def _value(line: str, name: str) -> float | None:
@@ -131,18 +138,18 @@ class LoadMonitor:
         if load.kv_usage >= fairness.max_kv_usage:
             return -fairness.max_waiting - 1  # no room, not even for a request counted already
         since = (replica.started - load.started_before_read) - (replica.finished - load.finished_after_read)
-        return load.slots - (load.running + load.waiting + since)
+        limit = load.slots if load.configured or load.at_limit else 2 * load.slots
+        return limit - (load.running + load.waiting + since)
 
     def take(self, replica: Replica, engine: EngineLoad, started_before: int) -> None:
         """Take a read whose request went out when the replica had had `started_before` requests sent to it."""
         load = self.loads.setdefault(replica.name, ReplicaLoad())
         load.running, load.waiting, load.kv_usage = engine.running, engine.waiting, engine.kv_usage
         load.started_before_read, load.finished_after_read = started_before, replica.finished
-        if not load.configured:
-            if engine.waiting > 0 and engine.running > 0:
-                load.slots = engine.running
-            elif load.slots is not None and engine.running > load.slots:
-                load.slots = engine.running
+        load.peak = max(load.peak, engine.running)
+        load.at_limit = engine.waiting > 0 and engine.running > 0 and engine.running >= load.peak
+        if not load.configured and (load.at_limit or load.slots is not None):
+            load.slots = load.peak
         metrics = self._metrics
         metrics.replica_running.labels(replica.name).set(engine.running)
         metrics.replica_waiting.labels(replica.name).set(engine.waiting)

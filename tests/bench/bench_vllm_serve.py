@@ -19,6 +19,13 @@ The prompt-token overhead of the markers is what the *backend* counted: vLLM's `
 per target; and the gateway's own `bulkhead_injected_prompt_tokens` histogram (sum / count).
 The issue's targets: gateway throughput >= 0.8 of direct, median ITL within 10% of direct.
 
+Each run is also classified by the engine's steps per request (vLLM's `vllm:iteration_tokens_total` count over
+its finished requests, deltas across the run). On a small CPU box a run lands in one of two states: fast (about
+1-3 steps per request: the engine batches its requests) or starved (5-15: the engine and its worker take both
+cores, run about one request per step, and the API server, the client and any gateway wait for CPU), direct runs
+included. The table is printed for all runs pooled and for the fast runs alone, with the count of starved runs per
+target: the fast runs measure what the gateway costs, the counts how often its extra CPU tips a run over.
+
 Needs the vLLM virtualenv: `python -m tests.e2e.vllm_env install`.
 """
 
@@ -48,6 +55,7 @@ from tests.integration.support import metric
 
 TARGETS = ("direct", "canary on", "canary off")
 BURST_S = 0.001
+STARVED_STEPS_PER_REQUEST = 4.0  # between the two states seen: fast runs 1.2-2.2, starved runs 7-14
 BENCH_TIMEOUT_S = 600.0
 
 
@@ -123,7 +131,7 @@ class Pooled:
                 key: result.get(key)
                 for key in (
                     *("completed", "failed", "duration", "request_throughput", "median_ttft_ms", "median_itl_ms"),
-                    "loadavg_1m",
+                    *("loadavg_1m", "steps_per_request"),
                 )
             }
         )
@@ -171,10 +179,22 @@ def bench_command(python: Path, url: str, model_dir: Path, result_dir: Path, nam
     ]
 
 
-def backend_counts(vllm_url: str) -> tuple[float, float]:
-    """(prompt tokens, finished requests) vLLM has counted so far."""
-    text = httpx.get(f"{vllm_url}/metrics", timeout=10).text
-    return metric(text, "vllm:prompt_tokens_total"), metric(text, "vllm:request_success_total")
+@dataclass(frozen=True)
+class EngineCounts:
+    """What vLLM has counted so far."""
+
+    prompt_tokens: float
+    requests: float  # finished
+    steps: float  # engine iterations
+
+    @classmethod
+    def read(cls, vllm_url: str) -> EngineCounts:
+        text = httpx.get(f"{vllm_url}/metrics", timeout=10).text
+        return cls(
+            metric(text, "vllm:prompt_tokens_total"),
+            metric(text, "vllm:request_success_total"),
+            metric(text, "vllm:iteration_tokens_total_count"),
+        )
 
 
 def injected_tokens(gateway_url: str) -> tuple[float, float]:
@@ -196,6 +216,9 @@ def table(pooled: dict[str, Pooled]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for target in TARGETS:
+        if not pooled[target].completed:
+            lines.append(f"| {target} | no runs |" + " |" * 7)
+            continue
         s = pooled[target].summary()
         ratio = pooled[target].throughput / direct if direct else float("nan")
         lines.append(
@@ -214,6 +237,8 @@ def measure(args: Any, python: Path, root: Path) -> dict[str, Any]:
     bench_env = {**_environment(root / "bench"), **vllm_metadata_shim(python, root)}
     bench_env.pop("OPENAI_API_KEY", None)
     pooled = {target: Pooled() for target in TARGETS}
+    fast = {target: Pooled() for target in TARGETS}
+    starved = dict.fromkeys(TARGETS, 0)
     injected: dict[str, tuple[float, float]] = {}
     with vllm_server(python, model_dir, root / "vllm") as vllm:
         with gateway(workspace, vllm.url, canary=True) as on, gateway(workspace, vllm.url, canary=False) as off:
@@ -223,7 +248,7 @@ def measure(args: Any, python: Path, root: Path) -> dict[str, Any]:
                 name = f"{i:02d}-{target.replace(' ', '-')}.json"
                 env = bench_env if target == "direct" else {**bench_env, "OPENAI_API_KEY": BENCH_KEY}
                 command = bench_command(python, urls[target], model_dir, result_dir, name, args)
-                tokens_before, requests_before = backend_counts(vllm.url)
+                before = EngineCounts.read(vllm.url)
                 started = time.monotonic()
                 done = subprocess.run(
                     command, env=env, cwd=root, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S
@@ -233,20 +258,32 @@ def measure(args: Any, python: Path, root: Path) -> dict[str, Any]:
                         f"vllm bench serve against {target} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
                         f"{done.stderr[-3000:]}"
                     )
-                tokens_after, requests_after = backend_counts(vllm.url)
+                after = EngineCounts.read(vllm.url)
                 result = json.loads((result_dir / name).read_text())
                 result["loadavg_1m"] = os.getloadavg()[0]  # the machine is shared: how busy it was
-                pooled[target].add(result, tokens_after - tokens_before, requests_after - requests_before)
+                requests = after.requests - before.requests
+                result["steps_per_request"] = (after.steps - before.steps) / requests if requests else None
+                tokens = after.prompt_tokens - before.prompt_tokens
+                pooled[target].add(result, tokens, requests)
+                state = "starved" if (result["steps_per_request"] or 0) > STARVED_STEPS_PER_REQUEST else "fast"
+                if state == "fast":
+                    fast[target].add(result, tokens, requests)
+                else:
+                    starved[target] += 1
                 print(
                     f"run {i + 1}: {target}: {result['request_throughput']:.1f} req/s, "
                     f"TTFT p50 {result['median_ttft_ms']:.1f} ms, ITL p50 {result['median_itl_ms']:.2f} ms, "
-                    f"{result['failed']} failed ({time.monotonic() - started:.0f} s with start-up; "
+                    f"{result['failed']} failed, {result['steps_per_request'] or 0:.1f} engine steps per request "
+                    f"({state}; {time.monotonic() - started:.0f} s with start-up; "
                     f"load average {result['loadavg_1m']:.2f})",
                     flush=True,
                 )
             injected = {"canary on": injected_tokens(on.url), "canary off": injected_tokens(off.url)}
     return {
         "targets": {target: pooled[target].summary() for target in TARGETS},
+        "fast_runs": {target: fast[target].summary() for target in TARGETS if fast[target].completed},
+        "starved_runs": starved,
+        "fast_table": table(fast),
         "gateway_injected_prompt_tokens": {
             target: {"sum": total, "count": count, "mean": round(total / count, 2) if count else None}
             for target, (total, count) in injected.items()
@@ -274,8 +311,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     report["settings"] = {**{k: v for k, v in vars(args).items() if k != "json"}, "order": order(args.rounds)}
     report["wall_s"] = round(time.monotonic() - started, 1)
     report["loadavg_before_after"] = [load_before, os.getloadavg()]
-    print()
+    print("\nall runs:")
     print("\n".join(report["table"]))
+    print(f"\nfast runs only (engine steps per request <= {STARVED_STEPS_PER_REQUEST:g}):")
+    print("\n".join(report["fast_table"]))
+    starved = report["starved_runs"].items()
+    print("starved runs: " + ", ".join(f"{target} {n} of {args.rounds}" for target, n in starved))
     on = report["targets"]["canary on"]["backend_prompt_tokens_mean"]
     off = report["targets"]["canary off"]["backend_prompt_tokens_mean"]
     if on is not None and off is not None:

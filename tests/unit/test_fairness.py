@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import pytest
@@ -224,6 +225,26 @@ async def test_an_unknown_slot_count_holds_nothing_back_until_the_engine_queues(
     # Later it runs 5 with nothing waiting: the slots were more than it showed.
     f.monitor.take(f.replica, EngineLoad(running=5, waiting=0, kv_usage=0.1), f.replica.started)
     assert f.monitor.loads["r"].slots == 5
+
+
+def test_requests_waiting_behind_prefill_do_not_pin_a_replica_to_what_it_ran_then() -> None:
+    """A burst of long prompts: the engine runs 2 while their prefill takes the step's token budget, 8 wait. That is
+    not its slot count: once the 8 run, the gateway must let it have more, not hold it at 2 for ever."""
+    f = Fixture(slots=1)
+    f.monitor.loads["r"].slots, f.monitor.loads["r"].configured = None, False
+    room = partial(f.monitor.room, f.replica, f.model.fairness)
+    f.monitor.take(f.replica, EngineLoad(running=2, waiting=8, kv_usage=0.1), f.replica.started)
+    assert room() < 1, "queueing at the most it has run: saturated for now"
+    f.monitor.take(f.replica, EngineLoad(running=10, waiting=0, kv_usage=0.1), f.replica.started)
+    assert f.monitor.slots(f.replica) == 10 and room() == 10, "not at a limit: up to twice the peak"
+    f.monitor.take(f.replica, EngineLoad(running=20, waiting=0, kv_usage=0.1), f.replica.started)
+    assert f.monitor.slots(f.replica) == 20 and room() == 20
+    # A request that just arrived waits a step while the engine runs less than its peak: no limit in that.
+    f.monitor.take(f.replica, EngineLoad(running=14, waiting=1, kv_usage=0.1), f.replica.started)
+    assert room() == 40 - 15
+    # Waiting while it runs its peak: the peak is the limit.
+    f.monitor.take(f.replica, EngineLoad(running=20, waiting=3, kv_usage=0.1), f.replica.started)
+    assert f.monitor.slots(f.replica) == 20 and room() < 1
 
 
 def test_a_request_sent_while_a_load_read_is_on_the_wire_counts_though_the_engine_answered_before_it_came() -> None:
