@@ -17,12 +17,12 @@ from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("bulkhead.access")
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def request_id(header: str | None) -> str:
     """The caller's x-request-id when it is a sane token (it goes into logs and upstream headers), else a new one."""
-    if header and _REQUEST_ID.match(header):
+    if header and _REQUEST_ID.fullmatch(header):
         return header
     return uuid.uuid4().hex
 

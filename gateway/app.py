@@ -447,8 +447,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 tasks += [asyncio.create_task(work(state, state.queue, f"{instance}-{n}")) for n in range(workers)]
                 # What start-up built (modules, the tokenizer, settings, tables) lives as long as the process: frozen
                 # out of the collector's sight, a full collection stops walking it, which took ~40 ms a time under
-                # load (a p99 spike for every request in flight then). Thawed at shutdown, so that an app made and
-                # dropped in a longer-lived process (tests, the demo) leaves no cycles behind.
+                # load (a p99 spike for every request in flight then). Thawed at shutdown (the whole process's
+                # frozen objects, not only this app's), so that an app made and dropped in a longer-lived process
+                # (tests, the demo) does not keep its start-up's cycles out of the collector's reach for good.
                 gc.collect()
                 gc.freeze()
                 try:

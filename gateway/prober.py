@@ -13,6 +13,7 @@ from gateway.incidents import report
 from gateway.settings import ModelSettings
 from gateway.state import GatewayState
 from isolation.audit import AuditError, Finding, make_identities, probe_replica
+from isolation.audit.report import REDACTED
 from isolation.events import IsolationEvent
 
 log = logging.getLogger("bulkhead.prober")
@@ -51,7 +52,9 @@ async def probe_once(state: GatewayState) -> int:
         try:
             critical = await probe(state, replica, model)
         except AuditError as exc:
-            log.warning("isolation probe of %s did not run: %s", replica.name, exc)
+            # The endpoint's own words can echo the key it was sent.
+            why = str(exc).replace(replica.api_key, REDACTED) if replica.api_key else str(exc)
+            log.warning("isolation probe of %s did not run: %s", replica.name, why)
             continue
         for finding in critical:
             event = IsolationEvent(KIND, f"probe-{replica.name}", PROBER, model.name, replica.name, finding.title)

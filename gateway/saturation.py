@@ -3,24 +3,26 @@
 Every `upstream.load_interval_s` each instance reads vLLM's `/metrics`: `vllm:num_requests_running`,
 `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (summed, or for the KV the fullest, over engine
 cores). Between two reads, the instance's own requests are the only change it can see, so it adds them: the
-replica's requests now are running + waiting at the read, plus this instance's requests sent to it since the read
-was sent, minus those finished since its answer came. The engine counted its numbers at some moment while the read
-was on the wire; counting that way never takes a request sent meanwhile for one the engine already saw, so the
-estimate errs high, never low (a request slipped past a read that had not seen it yet would be one too many on a
-full replica). Those beyond the engine's running slots are waiting in the engine, and a replica with more than
-`fairness.max_waiting` waiting, or a KV cache at `fairness.max_kv_usage`, is saturated.
+replica's requests now are running + waiting at the read, plus this instance's requests there that the engine may
+not have had when the read went out (placed since, or placed before and not yet landed: the headers of their
+answer had not come back), minus those finished since the read's answer came. The engine counted its numbers at
+some moment while the read was on the wire; counting that way never takes a request on its way for one the engine
+already saw, so the estimate errs high (a request slipped past a read that had not seen it yet would be one too
+many on a full replica). Those beyond the engine's running slots are waiting in the engine, and a replica with
+more than `fairness.max_waiting` waiting, or a KV cache at `fairness.max_kv_usage`, is saturated.
 
 The running slots are the backend's `max_num_seqs` when it is configured, else learned. A request waits in vLLM
 for more reasons than full slots: it arrived after the step was planned, or the step's token budget went to other
 prompts' prefill (a few long prompts leave the rest waiting while little runs). So the running count of a read
 with requests waiting is not the slot count; taken as one, a burst of long prompts would pin a replica to the two
 or three it ran at that moment, and a gateway that never sent more would never see it run more. What is learned is
-the peak: the most requests the engine has been seen running at once, a lower bound on its slots that only rises.
-The engine is at its limit when a read shows requests waiting while it runs its peak; then the peak is the limit.
-Otherwise it may take more than its peak, and the gateway lets it have up to twice the peak (a doubling search,
-so a limit above the peak is found in a few reads). Until a replica has been seen queueing its slots are unknown
-and it is never saturated: the gateway holds nothing back on a guess. A replica whose /metrics cannot be read (not
-vLLM, or down: health checks deal with that) is not saturated either.
+the peak: the most requests the engine has been seen running at once, a lower bound on its slots. While the
+engine has requests waiting the gateway sends nothing beyond the peak (more would only lengthen the engine's own
+first-come-first-served queue); with none waiting it may have up to twice the peak, a doubling search that finds a
+higher limit in a few reads. Queued (batch) jobs never probe: their room is reckoned on the peak. Until a replica
+has been seen queueing its slots are unknown and it is never saturated: the gateway holds nothing back on a guess.
+A read that fails forgets what was learned (the engine may be restarting, with fewer slots). A replica whose
+/metrics cannot be read (not vLLM, or down: health checks deal with that) is not saturated.
 """
 
 from __future__ import annotations
@@ -53,17 +55,20 @@ class EngineLoad:
 
 @dataclass
 class ReplicaLoad:
-    """What the last read said, and this instance's running totals of requests sent and finished around it."""
+    """What the last read said, and this instance's running totals of requests landed and finished around it."""
 
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
-    started_before_read: int = 0
+    landed_before_read: int = 0
     finished_after_read: int = 0
     slots: int | None = None  # the engine's running slots: configured, or the peak once it has been seen queueing
     configured: bool = False
     peak: int = 0  # the most requests a read has shown running at once
-    at_limit: bool = False  # the last read showed requests waiting while the engine ran its peak
+
+    def forget(self) -> None:
+        if not self.configured:
+            self.slots, self.peak = None, 0
 
 
 def _value(line: str, name: str) -> float | None:
@@ -114,12 +119,12 @@ class LoadMonitor:
 
     def room(self, replica: Replica, fairness: FairnessSettings) -> int:
         """How many more requests the replica takes before it is saturated (0 or less: it is)."""
-        free = self._free(replica, fairness)
+        free = self._free(replica, fairness, probe=True)
         return UNLIMITED if free is None else free + fairness.max_waiting
 
     def batch_room(self, replica: Replica, fairness: FairnessSettings) -> int:
         """Room for queued (batch) jobs: free running slots beyond the share kept for interactive requests."""
-        free = self._free(replica, fairness)
+        free = self._free(replica, fairness, probe=False)
         if free is None:
             return UNLIMITED
         slots = self.loads[replica.name].slots or 0
@@ -130,25 +135,25 @@ class LoadMonitor:
         load = self.loads.get(replica.name)
         return None if load is None else load.slots
 
-    def _free(self, replica: Replica, fairness: FairnessSettings) -> int | None:
-        """Running slots free now (negative: requests waiting in the engine); None when the slots are unknown."""
+    def _free(self, replica: Replica, fairness: FairnessSettings, probe: bool) -> int | None:
+        """Running slots free now (negative: requests waiting in the engine); None when the slots are unknown.
+        `probe`: learned slots are a lower bound, and an engine with nothing waiting may have twice as many."""
         load = self.loads.get(replica.name)
         if load is None or load.slots is None:
             return None
         if load.kv_usage >= fairness.max_kv_usage:
             return -fairness.max_waiting - 1  # no room, not even for a request counted already
-        since = (replica.started - load.started_before_read) - (replica.finished - load.finished_after_read)
-        limit = load.slots if load.configured or load.at_limit else 2 * load.slots
+        since = (replica.started - load.landed_before_read) - (replica.finished - load.finished_after_read)
+        limit = 2 * load.slots if probe and not load.configured and load.waiting == 0 else load.slots
         return limit - (load.running + load.waiting + since)
 
-    def take(self, replica: Replica, engine: EngineLoad, started_before: int) -> None:
-        """Take a read whose request went out when the replica had had `started_before` requests sent to it."""
+    def take(self, replica: Replica, engine: EngineLoad, landed_before: int) -> None:
+        """Take a read whose request went out when `landed_before` requests had landed on the replica."""
         load = self.loads.setdefault(replica.name, ReplicaLoad())
         load.running, load.waiting, load.kv_usage = engine.running, engine.waiting, engine.kv_usage
-        load.started_before_read, load.finished_after_read = started_before, replica.finished
+        load.landed_before_read, load.finished_after_read = landed_before, replica.finished
         load.peak = max(load.peak, engine.running)
-        load.at_limit = engine.waiting > 0 and engine.running > 0 and engine.running >= load.peak
-        if not load.configured and (load.at_limit or load.slots is not None):
+        if not load.configured and (load.slots is not None or (engine.waiting > 0 and engine.running > 0)):
             load.slots = load.peak
         metrics = self._metrics
         metrics.replica_running.labels(replica.name).set(engine.running)
@@ -156,15 +161,16 @@ class LoadMonitor:
         metrics.replica_kv_usage.labels(replica.name).set(engine.kv_usage)
 
     async def read(self, client: httpx.AsyncClient, replica: Replica, timeout: float) -> None:
-        started_before = replica.started
+        landed_before = replica.landed
         try:
             response = await client.get(f"{replica.url}/metrics", timeout=timeout)
         except httpx.HTTPError as exc:
             log.debug("load of backend %s not read: %s", replica.name, type(exc).__name__)
+            self.loads.setdefault(replica.name, ReplicaLoad()).forget()
             return
         engine = parse_load(response.text) if response.status_code == 200 else None
         if engine is not None:
-            self.take(replica, engine, started_before)
+            self.take(replica, engine, landed_before)
 
     async def read_all(self, client: httpx.AsyncClient, timeout: float) -> None:
         replicas = [r for r in self._pool.replicas.values() if r.healthy]

@@ -183,12 +183,10 @@ def served_by_sim(sim_url: str, tokenizer_dir: Path, **more: object) -> dict[str
 
 
 @contextlib.contextmanager
-def serving(
-    args: list[str], env: dict[str, str], log: Path, cwd: Path | None = None
-) -> Iterator[subprocess.Popen[str]]:
+def serving(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[str]]:
     with log.open("w") as stderr:
         command = [sys.executable, "-m", "gateway", "serve", *args]
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=cwd)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     try:
         yield process
     finally:
@@ -260,37 +258,39 @@ def test_a_placeholder_secret_is_refused(tmp_path: Path) -> None:
     assert "admin_token: a placeholder value" in one_line(result.stderr)
 
 
+def with_ports(text: str, ports: dict[str, str]) -> str:
+    """`text` with each of the example's ports, as a whole number, swapped for its free one."""
+    return re.sub(r"\b(" + "|".join(ports) + r")\b", lambda found: ports[found[1]], text)
+
+
 def example_commands(ports: dict[str, str]) -> list[list[str]]:
     """The shell lines the example's header tells a user to run, each port in it swapped for a free one."""
     lines = [line.removeprefix("#   $ ") for line in EXAMPLE.read_text().splitlines() if line.startswith("#   $ ")]
-    commands = []
-    for line in lines:
-        for port, free in ports.items():
-            line = line.replace(port, free)
-        commands.append(shlex.split(line.removesuffix(" &")))
-    return commands
+    return [shlex.split(with_ports(line, ports).removesuffix(" &")) for line in lines]
 
 
 def test_the_example_config_runs_as_it_is_with_the_commands_its_header_gives(tmp_path: Path) -> None:
-    """What a new user does: start the two simulators, serve the example, send the curl. Only the ports differ
-    (8000, 8001 and 8080 may be taken on a test machine), in the commands and the settings alike."""
+    """What a new user does: start the two simulators, serve the example, send the curl — the installed `bulkhead`
+    command, from a directory holding deploy/bulkhead.example.yaml. Only the ports differ (8000, 8001 and 8080 may be
+    taken on a test machine), in the commands and the settings alike, and the curl is sent with httpx (a test
+    machine need not have curl)."""
     ports = {p: str(free_port()) for p in ("8000", "8001", "8080")}
     config = tmp_path / "deploy" / EXAMPLE.name
     config.parent.mkdir()
-    text = EXAMPLE.read_text()
-    for port, free in ports.items():
-        text = text.replace(f"127.0.0.1:{port}", f"127.0.0.1:{free}").replace(f"port: {port}", f"port: {free}")
-    config.write_text(text)
-    sims, (serve, curl) = example_commands(ports)[:2], example_commands(ports)[2:]
-    assert [c[:2] for c in sims] == [["bulkhead", "sim"]] * 2 and serve[:2] == ["bulkhead", "serve"]
+    config.write_text(with_ports(EXAMPLE.read_text(), ports))
+    *processes, curl = example_commands(ports)
+    assert [c[:2] for c in processes] == [["bulkhead", "sim"], ["bulkhead", "sim"], ["bulkhead", "serve"]]
     assert curl[0] == "curl", "the header ends with a request a user can paste"
+    installed = Path(sys.executable).with_name("bulkhead")  # the console script `pip install` made
     env = {k: v for k, v in os.environ.items() if not k.startswith("BULKHEAD_")}
     with contextlib.ExitStack() as stack:
-        for n, sim in enumerate(sims):
-            log = stack.enter_context((tmp_path / f"sim{n}.log").open("w"))
-            process = subprocess.Popen([sys.executable, "-m", "gateway", *sim[1:]], stdout=log, stderr=log, env=env)
+        for n, command in enumerate(processes):
+            log = stack.enter_context((tmp_path / f"{n}-{command[1]}.log").open("w"))
+            process = subprocess.Popen(
+                [str(installed), *command[1:]], stdout=log, stderr=log, env=env, cwd=tmp_path, text=True
+            )
             stack.callback(stop, process)
-        gateway = stack.enter_context(serving(serve[2:], env, tmp_path / "gateway.log", cwd=tmp_path))
+        gateway = process
         url = f"http://127.0.0.1:{ports['8080']}"
         wait_until_ready(gateway, url)
         deadline = time.monotonic() + 20  # both replicas healthy: the second may have come up after a check

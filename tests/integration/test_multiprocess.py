@@ -161,35 +161,49 @@ async def test_a_killed_process_is_replaced_and_sigterm_stops_them_all(
 async def test_sigterm_drains_every_process_streams_finish_and_new_connections_are_refused(
     make_sim: Any, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
-    sim_url = make_sim(tokens_per_s=10, output_tokens=30)  # 3 s streams
+    sim_url = make_sim(tokens_per_s=10, output_tokens=60)  # 6 s streams: all still running at the signal
     with own_redis() as server, serve(_config(server.url, sim_url, tokenizer_dir), tmp_path) as (url, parent):
         workers = _children(parent.pid)
+        received: list[list[str]] = []
 
         async def stream(client: httpx.AsyncClient) -> list[str]:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "stream": True, "max_tokens": 30}
+            body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "stream": True, "max_tokens": 60}
+            lines: list[str] = []
+            received.append(lines)
             async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=auth()) as response:
                 assert response.status_code == 200
-                return [line async for line in response.aiter_lines() if line]
+                async for line in response.aiter_lines():
+                    if line:
+                        lines.append(line)
+            return lines
 
-        clients = [httpx.AsyncClient(timeout=30) for _ in range(6)]  # a connection each: both processes get some
+        clients: list[httpx.AsyncClient] = []
+        streams: list[asyncio.Task[list[str]]] = []
         try:
-            streams = [asyncio.create_task(stream(client)) for client in clients]
-            deadline = time.monotonic() + 20
-            while len(await asyncio.to_thread(forwarded, sim_url)) < 6:
-                assert time.monotonic() < deadline, "the streams never reached the engine"
-                await asyncio.sleep(0.05)
-            served_by = {fields[b"i"] for fields in _feed(server.url)}
+            # Streams on connections of their own until both processes serve some (the kernel may hand one
+            # process a whole batch); each forwarded prompt is in the fingerprint feed, naming its process.
+            for _ in range(5):
+                batch = [httpx.AsyncClient(timeout=30) for _ in range(6)]
+                clients += batch
+                streams += [asyncio.create_task(stream(client)) for client in batch]
+                deadline = time.monotonic() + 10
+                while len(feed := await asyncio.to_thread(_feed, server.url)) < len(streams):
+                    assert time.monotonic() < deadline, "the streams never reached the engine"
+                    await asyncio.sleep(0.05)
+                if len({fields[b"i"] for fields in feed}) == 2:
+                    break
+            assert len({fields[b"i"] for fields in feed}) == 2, "one process took every stream"
             parent.send_signal(signal.SIGTERM)
+            assert not any("data: [DONE]" in lines for lines in received), "a stream ended before the signal"
             deadline = time.monotonic() + 5
             while await asyncio.to_thread(accepts, url):  # the port closes, in every process and the parent
                 assert time.monotonic() < deadline, "new connections still accepted after SIGTERM"
                 await asyncio.sleep(0.05)
             for lines in await asyncio.gather(*streams):
-                assert lines[-1] == "data: [DONE]" and sum(line.startswith("data: {") for line in lines) >= 30
+                assert lines[-1] == "data: [DONE]" and sum(line.startswith("data: {") for line in lines) >= 60
         finally:
             for client in clients:
                 await client.aclose()
-        assert len(served_by) == 2, "both processes had streams in flight"
         assert await asyncio.to_thread(parent.wait, 30) == 0
         assert all(not Path(f"/proc/{pid}").exists() for pid in workers)
 

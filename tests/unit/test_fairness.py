@@ -219,11 +219,11 @@ async def test_an_unknown_slot_count_holds_nothing_back_until_the_engine_queues(
     for _ in range(3):
         await asyncio.wait_for(f.enter(f.tenant("a")), 1)
     # The engine says: 3 running, 2 waiting (another gateway sends too). Its slots are 3, and it is saturated.
-    f.monitor.take(f.replica, EngineLoad(running=3, waiting=2, kv_usage=0.1), f.replica.started)
+    f.monitor.take(f.replica, EngineLoad(running=3, waiting=2, kv_usage=0.1), f.replica.landed)
     assert f.monitor.loads["r"].slots == 3
     assert f.monitor.room(f.replica, f.model.fairness) < 0
     # Later it runs 5 with nothing waiting: the slots were more than it showed.
-    f.monitor.take(f.replica, EngineLoad(running=5, waiting=0, kv_usage=0.1), f.replica.started)
+    f.monitor.take(f.replica, EngineLoad(running=5, waiting=0, kv_usage=0.1), f.replica.landed)
     assert f.monitor.loads["r"].slots == 5
 
 
@@ -233,43 +233,63 @@ def test_requests_waiting_behind_prefill_do_not_pin_a_replica_to_what_it_ran_the
     f = Fixture(slots=1)
     f.monitor.loads["r"].slots, f.monitor.loads["r"].configured = None, False
     room = partial(f.monitor.room, f.replica, f.model.fairness)
-    f.monitor.take(f.replica, EngineLoad(running=2, waiting=8, kv_usage=0.1), f.replica.started)
-    assert room() < 1, "queueing at the most it has run: saturated for now"
-    f.monitor.take(f.replica, EngineLoad(running=10, waiting=0, kv_usage=0.1), f.replica.started)
-    assert f.monitor.slots(f.replica) == 10 and room() == 10, "not at a limit: up to twice the peak"
-    f.monitor.take(f.replica, EngineLoad(running=20, waiting=0, kv_usage=0.1), f.replica.started)
+    batch_room = partial(f.monitor.batch_room, f.replica, f.model.fairness)
+    f.monitor.take(f.replica, EngineLoad(running=2, waiting=8, kv_usage=0.1), f.replica.landed)
+    assert room() < 1, "the engine has a queue: nothing beyond what it has run"
+    f.monitor.take(f.replica, EngineLoad(running=10, waiting=0, kv_usage=0.1), f.replica.landed)
+    assert f.monitor.slots(f.replica) == 10 and room() == 10, "nothing waiting: up to twice the peak"
+    assert batch_room() == 10 - 10 - round(10 * f.model.fairness.batch_reserve), "queued jobs never probe"
+    f.monitor.take(f.replica, EngineLoad(running=20, waiting=0, kv_usage=0.1), f.replica.landed)
     assert f.monitor.slots(f.replica) == 20 and room() == 20
-    # A request that just arrived waits a step while the engine runs less than its peak: no limit in that.
-    f.monitor.take(f.replica, EngineLoad(running=14, waiting=1, kv_usage=0.1), f.replica.started)
-    assert room() == 40 - 15
-    # Waiting while it runs its peak: the peak is the limit.
-    f.monitor.take(f.replica, EngineLoad(running=20, waiting=3, kv_usage=0.1), f.replica.started)
-    assert f.monitor.slots(f.replica) == 20 and room() < 1
+    # At its limit, a finished request leaves running before the next one moves in: the queue, not the running
+    # count, says the engine is full.
+    f.monitor.take(f.replica, EngineLoad(running=18, waiting=3, kv_usage=0.1), f.replica.landed)
+    assert f.monitor.slots(f.replica) == 20 and room() == 20 - 21
 
 
-def test_a_request_sent_while_a_load_read_is_on_the_wire_counts_though_the_engine_answered_before_it_came() -> None:
+def test_a_failed_read_forgets_learned_slots_not_configured_ones() -> None:
+    learned, configured = Fixture(slots=1), Fixture(slots=4)
+    learned.monitor.loads["r"].slots, learned.monitor.loads["r"].configured = None, False
+    learned.monitor.take(learned.replica, EngineLoad(running=16, waiting=2, kv_usage=0.1), 0)
+    assert learned.monitor.slots(learned.replica) == 16
+    for f in (learned, configured):
+        f.monitor.loads["r"].forget()  # what read() does when /metrics does not answer: the engine may restart
+    assert learned.monitor.slots(learned.replica) is None and configured.monitor.slots(configured.replica) == 4
+
+
+def test_a_request_the_engine_may_not_have_yet_counts_though_a_read_says_the_replica_is_empty() -> None:
     f = Fixture(slots=1)
     free = f.model.fairness.max_waiting  # room() is the free slots plus what may wait in the engine
-    sent_before = f.replica.started
-    f.replica.started += 1  # forwarded while the read was on the wire; the engine's answer says 0 running
-    f.monitor.take(f.replica, EngineLoad(running=0, waiting=0, kv_usage=0.1), sent_before)
+    # Placed before the read went out, but still on its way (its prompt counted by the replica's /tokenize).
+    f.replica.started += 1
+    f.monitor.take(f.replica, EngineLoad(running=0, waiting=0, kv_usage=0.1), f.replica.landed)
     assert f.monitor.room(f.replica, f.model.fairness) == free + 0, "the one slot is taken"
+    # Placed while the read was on the wire: the same.
+    f.replica.landed += 1
+    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.1), f.replica.landed)
+    f.replica.finished += 1
+    landed_before = f.replica.landed
+    f.replica.started += 1
+    f.monitor.take(f.replica, EngineLoad(running=0, waiting=0, kv_usage=0.1), landed_before)
+    assert f.monitor.room(f.replica, f.model.fairness) == free + 0
+    f.replica.landed += 1
     f.replica.finished += 1  # it ends after the answer came: the slot is free again
     assert f.monitor.room(f.replica, f.model.fairness) == free + 1
-    # A read sent after the request, whose answer counted it, counts it once.
+    # A read sent after a request landed, whose answer counted it, counts it once.
     f.replica.started += 1
-    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.1), f.replica.started)
+    f.replica.landed += 1
+    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.1), f.replica.landed)
     assert f.monitor.room(f.replica, f.model.fairness) == free + 0
 
 
 async def test_a_full_kv_cache_saturates_a_replica_with_free_slots() -> None:
     f = Fixture(slots=8, max_kv_usage=0.9)
-    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.95), f.replica.started)
+    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.95), f.replica.landed)
     assert f.monitor.room(f.replica, f.model.fairness) <= 0
     task = asyncio.create_task(f.enter(f.tenant("a")))
     await settle()
     assert f.gate.queued() == 1
-    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.5), f.replica.started)
+    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.5), f.replica.landed)
     f.gate.pump()
     await asyncio.wait_for(task, 1)
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.accesslog import request_id
 from gateway.body import parse_json_object
 from gateway.errors import AuthenticationFailed, InvalidRequest
 from gateway.settings import SettingsError, TenantSettings, load_settings
@@ -68,3 +69,13 @@ def test_kubernetes_service_links_are_not_settings() -> None:
         "BULKHEAD_LISTEN__PORT": "9100",
     }
     assert load_settings(None, environ).listen.port == 9100
+
+
+@pytest.mark.parametrize("header", ["req-1\n", "req\n-1", "", "a" * 129, "req 1", "réq"])
+def test_a_caller_request_id_that_is_not_a_sane_token_is_replaced(header: str) -> None:
+    replaced = request_id(header)
+    assert replaced != header and len(replaced) == 32 and replaced.isalnum()
+
+
+def test_a_sane_caller_request_id_is_kept() -> None:
+    assert request_id("req-1.a:b_c") == "req-1.a:b_c"
