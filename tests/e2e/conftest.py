@@ -72,10 +72,13 @@ def _environment(workdir: Path) -> dict[str, str]:
 
 
 @contextmanager
-def vllm_server(python: Path, model_dir: Path, workdir: Path) -> Iterator[VllmServer]:
+def vllm_server(
+    python: Path, model_dir: Path, workdir: Path, cpus: set[int] | None = None
+) -> Iterator[VllmServer]:
     """Start `python -m vllm.entrypoints.openai.api_server` on a free port; yields once /health answers 200.
 
-    The server runs in its own process group, so its engine-core child goes down with it.
+    The server runs in its own process group, so its engine-core child goes down with it. `cpus`: the cores it
+    and its children run on, its OpenMP threads bound to them (a benchmark keeps the engine off its clients' cores).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -92,11 +95,15 @@ def vllm_server(python: Path, model_dir: Path, workdir: Path) -> Iterator[VllmSe
         # special tokens in the vocabulary (llama3_json wants <|python_tag|>, which the tiny tokenizer lacks).
         *("--enable-auto-tool-choice", "--tool-call-parser", "pythonic"),
     ]
+    env = _environment(workdir)
+    if cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(cpus)))
+        command = ["taskset", "-c", env["VLLM_CPU_OMP_THREADS_BIND"], *command]
     with log.open("wb") as sink:
         process = subprocess.Popen(
             command,
             cwd=workdir,
-            env=_environment(workdir),
+            env=env,
             stdout=sink,
             stderr=subprocess.STDOUT,
             start_new_session=True,
