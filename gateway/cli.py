@@ -140,15 +140,17 @@ def _listen_at(settings: Settings, host: str | None, port: int | None) -> Settin
     return settings.model_copy(update={"listen": listen})
 
 
-def _bind(settings: Settings, count: int) -> socket.socket | None:
-    """The listening socket (one process), or only the check that the address is free (uvicorn's supervisor binds
-    it again for the processes it starts); ListenError or SettingsError when the start cannot work."""
+def _bind(settings: Settings, count: int) -> socket.socket:
+    """The listening socket, bound before the banner (with several processes, uvicorn's supervisor hands it to
+    each); ListenError or SettingsError when the start cannot work."""
     sock = preflight.listening_socket(settings.listen.host, settings.listen.port)
-    if count == 1:
-        return sock
-    sock.close()
-    check_files(settings)
-    return None
+    if count > 1:
+        try:
+            check_files(settings)  # one process checks them in create_app, before its banner
+        except SettingsError:
+            sock.close()
+            raise
+    return sock
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -174,9 +176,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"bulkhead: bad settings: {exc}", file=sys.stderr)
         return 2
     with contextlib.ExitStack() as stack:
-        if sock is not None:
-            stack.callback(sock.close)
-            settings = _listen_at(settings, None, sock.getsockname()[1])  # port 0: the one the system chose
+        stack.callback(sock.close)
+        settings = _listen_at(settings, None, sock.getsockname()[1])  # port 0: the one the system chose
         if not settings.backends:
             tokenizer = cached_tokenizer(_cache_root())
             url = stack.enter_context(embedded_simulator(tokenizer))
@@ -186,9 +187,9 @@ def _serve(args: argparse.Namespace) -> int:
         if not settings.tenants and settings.admin_token is None:
             demo_key = new_api_key()
             settings = with_demo_tenant(settings, demo_key)
-        if sock is None:
+        if count > 1:
             _print_banner(settings, demo_key, count)
-            multiprocess.serve(settings, count)
+            multiprocess.serve(settings, count, sock)
             return 0
         try:
             app = create_app(settings)  # loads the tokenizers: a bad directory stops the start here

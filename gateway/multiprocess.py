@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import secrets
 import signal
+import socket
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -120,9 +121,9 @@ class _Supervisor(Multiprocess):
         super().terminate_all()
 
 
-def serve(settings: Settings, count: int) -> None:
-    """`count` processes on the settings' port, until SIGINT/SIGTERM; uvicorn's supervisor replaces one that dies.
-    Each runs the edge as a single process does (edge.py), its limits per process."""
+def serve(settings: Settings, count: int, sock: socket.socket) -> None:
+    """`count` processes on the listening socket `sock`, until SIGINT/SIGTERM; uvicorn's supervisor replaces one
+    that dies. Each runs the edge as a single process does (edge.py), its limits per process."""
     with handed_over(settings):
         config = EdgeConfig(
             f"{__name__}:process_app",
@@ -132,7 +133,8 @@ def serve(settings: Settings, count: int) -> None:
             host=settings.listen.host,
             port=settings.listen.port,
         )
-        _Supervisor(config, sockets=[config.bind_socket()]).run()
+        sock.set_inheritable(True)  # as uvicorn's own bind_socket leaves it for the processes
+        _Supervisor(config, sockets=[sock]).run()
 
 
 def _queue_process() -> None:

@@ -208,6 +208,32 @@ async def test_sigterm_drains_every_process_streams_finish_and_new_connections_a
         assert all(not Path(f"/proc/{pid}").exists() for pid in workers)
 
 
+def test_port_0_with_several_processes_serves_on_the_port_the_banner_names(
+    make_sim: Any, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    sim_url = make_sim()
+    with own_redis() as server:
+        path = tmp_path / "bulkhead.yaml"
+        path.write_text(json.dumps({"log_level": "WARNING", **_config(server.url, sim_url, tokenizer_dir)}))
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(path), "--workers", "2", "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            assert process.stdout is not None
+            banner = process.stdout.readline()
+            address = banner.removeprefix("bulkhead: listening on ").split()[0]
+            assert not address.endswith(":0"), banner
+            _wait_for(lambda: len(_children(process.pid)) == 2, "the gateway's processes did not start")
+            _wait_for(lambda: accepts(address) and httpx.get(f"{address}/readyz").status_code == 200, "not ready")
+        finally:
+            stop(process, timeout=30)
+            if process.stdout is not None:
+                process.stdout.close()
+
+
 def _feed(redis_url: str) -> list[dict[bytes, bytes]]:
     """The fingerprint feed: one entry per forwarded prompt, naming the process (`i`) that forwarded it."""
     with redis.Redis.from_url(redis_url) as store:
