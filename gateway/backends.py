@@ -39,11 +39,9 @@ class Replica:
     healthy: bool = False
     problem: str = "not checked yet"  # why it is unhealthy, from its last failed check
     admin_state: AdminState | None = None
-    # Running totals, not one gauge, so that a load read can tell which requests the engine may not have counted:
-    # requests placed here (`started`), those the engine surely has (its answer's headers came back) or that left
-    # without reaching it (`landed`), and those gone (`finished`).
+    # Counted as two running totals, not one gauge, so a load read can tell the requests placed here while it was
+    # on the wire (which the engine may not have counted yet) from those that finished meanwhile.
     started: int = 0
-    landed: int = 0
     finished: int = 0
 
     @property

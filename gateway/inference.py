@@ -276,7 +276,6 @@ class InferenceCall:
             self.slot.assign(fallback)
             self.replica, self.record.backend = fallback, fallback.name
             self.response = await upstream.open(fallback, path, body, self.record.request_id)
-        self.slot.land()
 
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
         """Raise StreamWithheld (after recording the event) when the backend's accounting does not add up."""

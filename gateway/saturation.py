@@ -3,12 +3,13 @@
 Every `upstream.load_interval_s` each instance reads vLLM's `/metrics`: `vllm:num_requests_running`,
 `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (summed, or for the KV the fullest, over engine
 cores). Between two reads, the instance's own requests are the only change it can see, so it adds them: the
-replica's requests now are running + waiting at the read, plus this instance's requests there that the engine may
-not have had when the read went out (placed since, or placed before and not yet landed: the headers of their
-answer had not come back), minus those finished since the read's answer came. The engine counted its numbers at
-some moment while the read was on the wire; counting that way never takes a request on its way for one the engine
-already saw, so the estimate errs high (a request slipped past a read that had not seen it yet would be one too
-many on a full replica). Those beyond the engine's running slots are waiting in the engine, and a replica with
+replica's requests now are running + waiting at the read, plus this instance's requests placed there since the
+read was sent, minus those finished since its answer came. The engine counted its numbers at some moment while
+the read was on the wire; counting that way never takes a request placed meanwhile for one the engine already
+saw. A request placed just before the read went out may still be on its way (its prompt being counted, its rate
+limit taken, its bytes in flight) and missing from the engine's numbers too, so the estimate is never below this
+instance's own requests on the replica now (a request slipped past a read that had not seen it yet would be one
+too many on a full replica). Those beyond the engine's running slots are waiting in the engine, and a replica with
 more than `fairness.max_waiting` waiting, or a KV cache at `fairness.max_kv_usage`, is saturated.
 
 The running slots are the backend's `max_num_seqs` when it is configured, else learned. A request waits in vLLM
@@ -55,12 +56,12 @@ class EngineLoad:
 
 @dataclass
 class ReplicaLoad:
-    """What the last read said, and this instance's running totals of requests landed and finished around it."""
+    """What the last read said, and this instance's running totals of requests placed and finished around it."""
 
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
-    landed_before_read: int = 0
+    started_before_read: int = 0
     finished_after_read: int = 0
     slots: int | None = None  # the engine's running slots: configured, or the peak once it has been seen queueing
     configured: bool = False
@@ -143,15 +144,15 @@ class LoadMonitor:
             return None
         if load.kv_usage >= fairness.max_kv_usage:
             return -fairness.max_waiting - 1  # no room, not even for a request counted already
-        since = (replica.started - load.landed_before_read) - (replica.finished - load.finished_after_read)
+        since = (replica.started - load.started_before_read) - (replica.finished - load.finished_after_read)
         limit = 2 * load.slots if probe and not load.configured and load.waiting == 0 else load.slots
-        return limit - (load.running + load.waiting + since)
+        return limit - max(load.running + load.waiting + since, replica.in_flight)
 
-    def take(self, replica: Replica, engine: EngineLoad, landed_before: int) -> None:
-        """Take a read whose request went out when `landed_before` requests had landed on the replica."""
+    def take(self, replica: Replica, engine: EngineLoad, started_before: int) -> None:
+        """Take a read whose request went out when `started_before` requests had been placed on the replica."""
         load = self.loads.setdefault(replica.name, ReplicaLoad())
         load.running, load.waiting, load.kv_usage = engine.running, engine.waiting, engine.kv_usage
-        load.landed_before_read, load.finished_after_read = landed_before, replica.finished
+        load.started_before_read, load.finished_after_read = started_before, replica.finished
         load.peak = max(load.peak, engine.running)
         if not load.configured and (load.slots is not None or (engine.waiting > 0 and engine.running > 0)):
             load.slots = load.peak
@@ -161,7 +162,7 @@ class LoadMonitor:
         metrics.replica_kv_usage.labels(replica.name).set(engine.kv_usage)
 
     async def read(self, client: httpx.AsyncClient, replica: Replica, timeout: float) -> None:
-        landed_before = replica.landed
+        started_before = replica.started
         try:
             response = await client.get(f"{replica.url}/metrics", timeout=timeout)
         except httpx.HTTPError as exc:
@@ -170,7 +171,7 @@ class LoadMonitor:
             return
         engine = parse_load(response.text) if response.status_code == 200 else None
         if engine is not None:
-            self.take(replica, engine, landed_before)
+            self.take(replica, engine, started_before)
 
     async def read_all(self, client: httpx.AsyncClient, timeout: float) -> None:
         replicas = [r for r in self._pool.replicas.values() if r.healthy]

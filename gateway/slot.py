@@ -30,7 +30,6 @@ class Slot:
         self._tenant = tenant
         self._model = model.name
         self.replica: Replica | None = None
-        self._landed = True  # nothing to land until a replica is assigned
         self.reserved = 0
         self.limit_headers: dict[str, str] = {}
         self._released = False
@@ -43,19 +42,11 @@ class Slot:
     def assign(self, replica: Replica | None) -> None:
         """Count the request against this replica (and no longer against the one it had, if any)."""
         if self.replica is not None:
-            self.land()
             self.replica.finished += 1
             self._state.gate.released(self._model, finished=False)
         if replica is not None:
             replica.started += 1
-            self._landed = False
         self.replica = replica
-
-    def land(self) -> None:
-        """The replica surely has the request (the headers of its answer came), or it leaves without reaching it."""
-        if self.replica is not None and not self._landed:
-            self.replica.landed += 1
-            self._landed = True
 
     def release(self, used_tokens: int = 0) -> None:
         """Give everything back; the reservation is settled to `used_tokens` (0: refunded)."""
@@ -68,7 +59,6 @@ class Slot:
             del state.tenant_in_flight[tenant]  # the counter holds only tenants with requests in flight
         state.metrics.in_flight.dec()
         if self.replica is not None:
-            self.land()
             self.replica.finished += 1
             state.gate.released(self._model, finished=True)
         settlement = state.limiter.settlement(self._tenant, self.reserved, used_tokens)

@@ -31,15 +31,16 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture
 def one_slot(tokenizer_dir: Path) -> Iterator[Callable[..., str]]:
-    """`one_slot(sim, **fairness)`: a gateway over one replica that runs one request at a time (max_num_seqs 1)."""
+    """`one_slot(sim, **fairness)`: a gateway over one replica that runs one request at a time (max_num_seqs 1;
+    `slots=N` for more)."""
     with ExitStack() as stack:
 
-        def start(sim: str, **fairness: Any) -> str:
+        def start(sim: str, slots: int = 1, **fairness: Any) -> str:
             model = {"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir), "context_window": 2048}
             settings = gateway_settings(
                 {"sim": sim},
                 tokenizer_dir,
-                backends=[{"name": "sim", "url": sim, "max_num_seqs": 1}],
+                backends=[{"name": "sim", "url": sim, "max_num_seqs": slots}],
                 models=[{**model, "fairness": fairness}],
                 upstream={"load_interval_s": 0.1},
             )
@@ -81,6 +82,25 @@ async def occupy(client: httpx.AsyncClient, gateway: str, sim: str) -> asyncio.T
     running = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("first"), headers=auth()))
     await until_running(client, sim)
     return running
+
+
+async def test_a_request_the_engine_runs_and_has_reported_counts_once(
+    client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
+) -> None:
+    """Two slots, one request running: once a load read has counted it, the gateway must not count it again on top
+    (it landed: its answer's headers came back), so a second request goes straight to the free slot."""
+    sim = make_sim(ttft_ms=1500)
+    gateway = one_slot(sim, slots=2)
+    running = asyncio.create_task(
+        client.post(f"{gateway}{CHAT}", json=chat_body("first"), headers=auth())
+    )
+    await until_running(client, sim)
+    await asyncio.sleep(0.3)  # reads every 0.1 s: one has seen it running
+    second = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("second"), headers=auth(BOB_KEY)))
+    await until_running(client, sim, 2)
+    assert [a.status_code for a in await asyncio.gather(running, second)] == [200, 200]
+    text = await metrics_of(client, gateway)
+    assert metric(text, "bulkhead_queue_wait_seconds_count", model=MODEL, tenant="bob") == 0, "it never waited"
 
 
 async def test_a_full_queue_refuses_at_once_with_retry_after_and_forwards_nothing(

@@ -8,6 +8,7 @@ from collections import Counter
 from functools import partial
 from typing import Any
 
+import httpx
 import pytest
 
 from gateway.backends import Replica, ReplicaPool
@@ -19,6 +20,7 @@ from gateway.saturation import EngineLoad, LoadMonitor, parse_load
 from gateway.settings import BackendSettings, ModelSettings, RoutingSettings, TenantSettings
 from gateway.store import MemoryStore
 from gateway.tenants import hash_key
+from tests.redis_server import free_port
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -219,11 +221,11 @@ async def test_an_unknown_slot_count_holds_nothing_back_until_the_engine_queues(
     for _ in range(3):
         await asyncio.wait_for(f.enter(f.tenant("a")), 1)
     # The engine says: 3 running, 2 waiting (another gateway sends too). Its slots are 3, and it is saturated.
-    f.monitor.take(f.replica, EngineLoad(running=3, waiting=2, kv_usage=0.1), f.replica.landed)
+    f.monitor.take(f.replica, EngineLoad(running=3, waiting=2, kv_usage=0.1), f.replica.started)
     assert f.monitor.loads["r"].slots == 3
     assert f.monitor.room(f.replica, f.model.fairness) < 0
     # Later it runs 5 with nothing waiting: the slots were more than it showed.
-    f.monitor.take(f.replica, EngineLoad(running=5, waiting=0, kv_usage=0.1), f.replica.landed)
+    f.monitor.take(f.replica, EngineLoad(running=5, waiting=0, kv_usage=0.1), f.replica.started)
     assert f.monitor.loads["r"].slots == 5
 
 
@@ -234,62 +236,66 @@ def test_requests_waiting_behind_prefill_do_not_pin_a_replica_to_what_it_ran_the
     f.monitor.loads["r"].slots, f.monitor.loads["r"].configured = None, False
     room = partial(f.monitor.room, f.replica, f.model.fairness)
     batch_room = partial(f.monitor.batch_room, f.replica, f.model.fairness)
-    f.monitor.take(f.replica, EngineLoad(running=2, waiting=8, kv_usage=0.1), f.replica.landed)
+    f.monitor.take(f.replica, EngineLoad(running=2, waiting=8, kv_usage=0.1), f.replica.started)
     assert room() < 1, "the engine has a queue: nothing beyond what it has run"
-    f.monitor.take(f.replica, EngineLoad(running=10, waiting=0, kv_usage=0.1), f.replica.landed)
+    f.monitor.take(f.replica, EngineLoad(running=10, waiting=0, kv_usage=0.1), f.replica.started)
     assert f.monitor.slots(f.replica) == 10 and room() == 10, "nothing waiting: up to twice the peak"
     assert batch_room() == 10 - 10 - round(10 * f.model.fairness.batch_reserve), "queued jobs never probe"
-    f.monitor.take(f.replica, EngineLoad(running=20, waiting=0, kv_usage=0.1), f.replica.landed)
+    f.monitor.take(f.replica, EngineLoad(running=20, waiting=0, kv_usage=0.1), f.replica.started)
     assert f.monitor.slots(f.replica) == 20 and room() == 20
     # At its limit, a finished request leaves running before the next one moves in: the queue, not the running
     # count, says the engine is full.
-    f.monitor.take(f.replica, EngineLoad(running=18, waiting=3, kv_usage=0.1), f.replica.landed)
+    f.monitor.take(f.replica, EngineLoad(running=18, waiting=3, kv_usage=0.1), f.replica.started)
     assert f.monitor.slots(f.replica) == 20 and room() == 20 - 21
 
 
-def test_a_failed_read_forgets_learned_slots_not_configured_ones() -> None:
+async def test_a_failed_read_forgets_learned_slots_not_configured_ones() -> None:
     learned, configured = Fixture(slots=1), Fixture(slots=4)
     learned.monitor.loads["r"].slots, learned.monitor.loads["r"].configured = None, False
     learned.monitor.take(learned.replica, EngineLoad(running=16, waiting=2, kv_usage=0.1), 0)
     assert learned.monitor.slots(learned.replica) == 16
-    for f in (learned, configured):
-        f.monitor.loads["r"].forget()  # what read() does when /metrics does not answer: the engine may restart
+    # /metrics does not answer (nothing listens there): the engine may be restarting, with fewer slots.
+    async with httpx.AsyncClient() as client:
+        for f in (learned, configured):
+            f.replica.url = f"http://127.0.0.1:{free_port()}"
+            await f.monitor.read(client, f.replica, 1.0)
     assert learned.monitor.slots(learned.replica) is None and configured.monitor.slots(configured.replica) == 4
 
 
 def test_a_request_the_engine_may_not_have_yet_counts_though_a_read_says_the_replica_is_empty() -> None:
-    f = Fixture(slots=1)
+    f = Fixture(slots=2)
     free = f.model.fairness.max_waiting  # room() is the free slots plus what may wait in the engine
-    # Placed before the read went out, but still on its way (its prompt counted by the replica's /tokenize).
+    # Placed while the read was on the wire; the engine's answer says 1 running: another gateway's request.
+    started_before = f.replica.started
     f.replica.started += 1
-    f.monitor.take(f.replica, EngineLoad(running=0, waiting=0, kv_usage=0.1), f.replica.landed)
-    assert f.monitor.room(f.replica, f.model.fairness) == free + 0, "the one slot is taken"
-    # Placed while the read was on the wire: the same.
-    f.replica.landed += 1
-    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.1), f.replica.landed)
-    f.replica.finished += 1
-    landed_before = f.replica.landed
-    f.replica.started += 1
-    f.monitor.take(f.replica, EngineLoad(running=0, waiting=0, kv_usage=0.1), landed_before)
-    assert f.monitor.room(f.replica, f.model.fairness) == free + 0
-    f.replica.landed += 1
-    f.replica.finished += 1  # it ends after the answer came: the slot is free again
+    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.1), started_before)
+    assert f.monitor.room(f.replica, f.model.fairness) == free + 0, "both slots are taken"
+    f.replica.finished += 1  # it ends after the answer came: a slot is free again
     assert f.monitor.room(f.replica, f.model.fairness) == free + 1
-    # A read sent after a request landed, whose answer counted it, counts it once.
-    f.replica.started += 1
-    f.replica.landed += 1
-    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.1), f.replica.landed)
+    f.monitor.take(f.replica, EngineLoad(running=0, waiting=0, kv_usage=0.1), f.replica.started)
+    # Placed before the read went out, but still on its way (its prompt counted by the replica's /tokenize, its
+    # rate limit taken): the engine has not seen it, and this instance's own count of it is the floor.
+    f.replica.started += 2
+    f.monitor.take(f.replica, EngineLoad(running=0, waiting=0, kv_usage=0.1), f.replica.started)
+    assert f.monitor.room(f.replica, f.model.fairness) == free + 0
+    # A read sent after they reached the engine, whose answer counted them, counts them once.
+    f.monitor.take(f.replica, EngineLoad(running=2, waiting=0, kv_usage=0.1), f.replica.started)
+    assert f.monitor.room(f.replica, f.model.fairness) == free + 0
+    f.replica.finished += 1
+    assert f.monitor.room(f.replica, f.model.fairness) == free + 1
+    # What finished before a read is on neither side of it: ours still running and another's fill both slots.
+    f.monitor.take(f.replica, EngineLoad(running=2, waiting=0, kv_usage=0.1), f.replica.started)
     assert f.monitor.room(f.replica, f.model.fairness) == free + 0
 
 
 async def test_a_full_kv_cache_saturates_a_replica_with_free_slots() -> None:
     f = Fixture(slots=8, max_kv_usage=0.9)
-    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.95), f.replica.landed)
+    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.95), f.replica.started)
     assert f.monitor.room(f.replica, f.model.fairness) <= 0
     task = asyncio.create_task(f.enter(f.tenant("a")))
     await settle()
     assert f.gate.queued() == 1
-    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.5), f.replica.landed)
+    f.monitor.take(f.replica, EngineLoad(running=1, waiting=0, kv_usage=0.5), f.replica.started)
     f.gate.pump()
     await asyncio.wait_for(task, 1)
 
