@@ -17,11 +17,14 @@ for more reasons than full slots: it arrived after the step was planned, or the 
 prompts' prefill (a few long prompts leave the rest waiting while little runs). So the running count of a read
 with requests waiting is not the slot count; taken as one, a burst of long prompts would pin a replica to the two
 or three it ran at that moment, and a gateway that never sent more would never see it run more. What is learned is
-the peak: the most requests the engine has been seen running at once, a lower bound on its slots. While the
-engine has requests waiting the gateway sends nothing beyond the peak (more would only lengthen the engine's own
-first-come-first-served queue); with none waiting it may have up to twice the peak, a doubling search that finds a
-higher limit in a few reads. Queued (batch) jobs never probe: their room is reckoned on the peak. Until a replica
-has been seen queueing its slots are unknown and it is never saturated: the gateway holds nothing back on a guess.
+the peak: the most requests the engine has been seen running at once, a lower bound on its slots. A read that
+shows requests waiting while the engine runs its peak confirms the peak as the limit, until a later read shows it
+running more (the queue was a step's prefill budget after all, and drained into more running). While the engine
+has requests waiting the gateway sends nothing beyond the peak (more would only lengthen the engine's own
+first-come-first-served queue); with none waiting and the peak not confirmed it may have up to twice the peak, a
+doubling search that finds a higher limit in a few reads. Queued (batch) jobs never probe: their room is reckoned
+on the peak. Until a replica has been seen queueing its slots are unknown and it is never saturated: the gateway
+holds nothing back on a guess.
 A read that fails forgets what was learned (the engine may be restarting, with fewer slots). A replica whose
 /metrics cannot be read (not vLLM, or down: health checks deal with that) is not saturated.
 """
@@ -66,10 +69,11 @@ class ReplicaLoad:
     slots: int | None = None  # the engine's running slots: configured, or the peak once it has been seen queueing
     configured: bool = False
     peak: int = 0  # the most requests a read has shown running at once
+    confirmed: bool = False  # a read showed requests waiting while the engine ran its peak
 
     def forget(self) -> None:
         if not self.configured:
-            self.slots, self.peak = None, 0
+            self.slots, self.peak, self.confirmed = None, 0, False
 
 
 def _value(line: str, name: str) -> float | None:
@@ -145,7 +149,8 @@ class LoadMonitor:
         if load.kv_usage >= fairness.max_kv_usage:
             return -fairness.max_waiting - 1  # no room, not even for a request counted already
         since = (replica.started - load.started_before_read) - (replica.finished - load.finished_after_read)
-        limit = 2 * load.slots if probe and not load.configured and load.waiting == 0 else load.slots
+        probing = probe and not load.configured and not load.confirmed and load.waiting == 0
+        limit = 2 * load.slots if probing else load.slots
         return limit - max(load.running + load.waiting + since, replica.in_flight)
 
     def take(self, replica: Replica, engine: EngineLoad, started_before: int) -> None:
@@ -153,8 +158,12 @@ class LoadMonitor:
         load = self.loads.setdefault(replica.name, ReplicaLoad())
         load.running, load.waiting, load.kv_usage = engine.running, engine.waiting, engine.kv_usage
         load.started_before_read, load.finished_after_read = started_before, replica.finished
-        load.peak = max(load.peak, engine.running)
-        if not load.configured and (load.slots is not None or (engine.waiting > 0 and engine.running > 0)):
+        if engine.running > load.peak:
+            load.peak, load.confirmed = engine.running, False
+        queueing = engine.waiting > 0 and engine.running > 0
+        if queueing and engine.running >= load.peak:
+            load.confirmed = True
+        if not load.configured and (load.slots is not None or queueing):
             load.slots = load.peak
         metrics = self._metrics
         metrics.replica_running.labels(replica.name).set(engine.running)

@@ -247,6 +247,13 @@ def test_requests_waiting_behind_prefill_do_not_pin_a_replica_to_what_it_ran_the
     # count, says the engine is full.
     f.monitor.take(f.replica, EngineLoad(running=18, waiting=3, kv_usage=0.1), f.replica.started)
     assert f.monitor.slots(f.replica) == 20 and room() == 20 - 21
+    # Queueing while it runs its peak confirms the peak as its limit: no probing past it after, queue or not.
+    f.monitor.take(f.replica, EngineLoad(running=20, waiting=2, kv_usage=0.1), f.replica.started)
+    f.monitor.take(f.replica, EngineLoad(running=19, waiting=0, kv_usage=0.1), f.replica.started)
+    assert room() == 20 - 19
+    # Until it runs more: then the peak rises and is not confirmed.
+    f.monitor.take(f.replica, EngineLoad(running=24, waiting=0, kv_usage=0.1), f.replica.started)
+    assert f.monitor.slots(f.replica) == 24 and room() == 48 - 24
 
 
 async def test_a_failed_read_forgets_learned_slots_not_configured_ones() -> None:
