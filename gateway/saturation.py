@@ -24,15 +24,16 @@ has requests waiting the gateway sends nothing beyond the peak (more would only 
 first-come-first-served queue); with none waiting and the peak not confirmed it may have up to twice the peak, a
 doubling search that finds a higher limit in a few reads. Queued (batch) jobs never probe: their room is reckoned
 on the peak. Until a replica has been seen queueing its slots are unknown and it is never saturated: the gateway
-holds nothing back on a guess.
-A read that fails forgets what was learned (the engine may be restarting, with fewer slots). A replica whose
-/metrics cannot be read (not vLLM, or down: health checks deal with that) is not saturated.
+holds nothing back on a guess. A read that fails (or answers no vLLM numbers) leaves the last numbers standing;
+after three in a row they are dropped, and only this instance's own requests count against the slots learned or
+set. A replica whose /metrics was never read (not vLLM, or down: health checks deal with that) is not saturated.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second: vLLM before 0.10
 UNLIMITED = 1 << 30
+STALE_AFTER_FAILURES = 3
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,16 @@ class ReplicaLoad:
     configured: bool = False
     peak: int = 0  # the most requests a read has shown running at once
     confirmed: bool = False  # a read showed requests waiting while the engine ran its peak
+    failures: int = 0  # failed reads in a row
 
-    def forget(self) -> None:
-        if not self.configured:
-            self.slots, self.peak, self.confirmed = None, 0, False
+    def unread(self, replica: Replica) -> None:
+        """A read that failed: the last numbers stand a little longer (one failure must not unleash a queue on a
+        full replica), then only this instance's own requests count."""
+        self.failures += 1
+        if self.failures >= STALE_AFTER_FAILURES:
+            self.running = self.waiting = 0
+            self.kv_usage = 0.0
+            self.started_before_read, self.finished_after_read = replica.started, replica.finished
 
 
 def _value(line: str, name: str) -> float | None:
@@ -85,9 +93,10 @@ def _value(line: str, name: str) -> float | None:
         return None  # another metric whose name starts with this one
     parts = rest.split()
     try:
-        return float(parts[0]) if parts else None
+        value = float(parts[0]) if parts else None
     except ValueError:
         return None
+    return value if value is not None and math.isfinite(value) else None
 
 
 def parse_load(text: str) -> EngineLoad | None:
@@ -158,6 +167,7 @@ class LoadMonitor:
         load = self.loads.setdefault(replica.name, ReplicaLoad())
         load.running, load.waiting, load.kv_usage = engine.running, engine.waiting, engine.kv_usage
         load.started_before_read, load.finished_after_read = started_before, replica.finished
+        load.failures = 0
         if engine.running > load.peak:
             load.peak, load.confirmed = engine.running, False
         queueing = engine.waiting > 0 and engine.running > 0
@@ -176,10 +186,12 @@ class LoadMonitor:
             response = await client.get(f"{replica.url}/metrics", timeout=timeout)
         except httpx.HTTPError as exc:
             log.debug("load of backend %s not read: %s", replica.name, type(exc).__name__)
-            self.loads.setdefault(replica.name, ReplicaLoad()).forget()
+            self.loads.setdefault(replica.name, ReplicaLoad()).unread(replica)
             return
         engine = parse_load(response.text) if response.status_code == 200 else None
-        if engine is not None:
+        if engine is None:
+            self.loads.setdefault(replica.name, ReplicaLoad()).unread(replica)
+        else:
             self.take(replica, engine, started_before)
 
     async def read_all(self, client: httpx.AsyncClient, timeout: float) -> None:
@@ -191,5 +203,8 @@ class LoadMonitor:
     async def watch(self, client: httpx.AsyncClient, interval: float, timeout: float) -> None:
         """Read every replica's load forever; started and cancelled by the app's lifespan."""
         while True:
-            await self.read_all(client, timeout)
+            try:
+                await self.read_all(client, timeout)
+            except Exception:  # a surprise in one read must not end every later one
+                log.exception("load reads failed")
             await asyncio.sleep(interval)

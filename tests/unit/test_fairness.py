@@ -256,17 +256,26 @@ def test_requests_waiting_behind_prefill_do_not_pin_a_replica_to_what_it_ran_the
     assert f.monitor.slots(f.replica) == 24 and room() == 48 - 24
 
 
-async def test_a_failed_read_forgets_learned_slots_not_configured_ones() -> None:
-    learned, configured = Fixture(slots=1), Fixture(slots=4)
-    learned.monitor.loads["r"].slots, learned.monitor.loads["r"].configured = None, False
-    learned.monitor.take(learned.replica, EngineLoad(running=16, waiting=2, kv_usage=0.1), 0)
-    assert learned.monitor.slots(learned.replica) == 16
-    # /metrics does not answer (nothing listens there): the engine may be restarting, with fewer slots.
+async def test_failed_reads_keep_the_last_numbers_a_while_then_count_only_this_instances_requests() -> None:
+    f = Fixture(slots=1)
+    f.monitor.loads["r"].slots, f.monitor.loads["r"].configured = None, False
+    room = partial(f.monitor.room, f.replica, f.model.fairness)
+    f.monitor.take(f.replica, EngineLoad(running=16, waiting=2, kv_usage=0.95), f.replica.started)
+    f.replica.started += 2  # two of this instance's requests there now
+    f.replica.url = f"http://127.0.0.1:{free_port()}"  # and /metrics stops answering: nothing listens there
     async with httpx.AsyncClient() as client:
-        for f in (learned, configured):
-            f.replica.url = f"http://127.0.0.1:{free_port()}"
-            await f.monitor.read(client, f.replica, 1.0)
-    assert learned.monitor.slots(learned.replica) is None and configured.monitor.slots(configured.replica) == 4
+        await f.monitor.read(client, f.replica, 1.0)
+        assert room() < 1, "one failed read does not unleash the queue on a full replica"
+        await f.monitor.read(client, f.replica, 1.0)
+        await f.monitor.read(client, f.replica, 1.0)
+    # Three in a row: the engine's numbers (and its full KV cache) are dropped, the learned slots stay.
+    assert f.monitor.slots(f.replica) == 16 and room() == 16 - 2
+
+
+def test_a_value_that_is_not_a_number_is_no_reading() -> None:
+    text = "vllm:num_requests_running 3\nvllm:num_requests_waiting NaN\nvllm:kv_cache_usage_perc +Inf\n"
+    assert parse_load(text) == EngineLoad(running=3, waiting=0, kv_usage=0.0)
+    assert parse_load("vllm:num_requests_running NaN\n") is None
 
 
 def test_a_request_the_engine_may_not_have_yet_counts_though_a_read_says_the_replica_is_empty() -> None:
