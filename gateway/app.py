@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway import admin, catalog, inference, readiness, workers_api
 from gateway.accesslog import RequestIdHeader
 from gateway.auditlog import MemoryAuditLog, RedisAuditLog
-from gateway.backends import ReplicaPool
+from gateway.backends import Replica, ReplicaPool
 from gateway.capacity import CapacityMonitor
 from gateway.counting import BackendCounter, LocalCounter, PromptCounter
 from gateway.directory import MemoryDirectoryStore, RedisDirectoryStore
@@ -389,9 +389,15 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     except (RedisError, OSError) as exc:
                         log.warning("fingerprints of other instances not read at start: %s", type(exc).__name__)
                 await capacity.refresh_all(client, timeout)
-                pool.on_recovered = lambda replica: capacity.refresh_soon(client, replica, timeout)
                 router = Router(pool, metrics, settings.routing, random.Random())
                 load = LoadMonitor(settings.backends, pool, metrics)
+
+                def recovered(replica: Replica) -> None:
+                    # Back from down, perhaps a new engine: other capacity, other slots.
+                    capacity.refresh_soon(client, replica, timeout)
+                    load.restarted(replica)
+
+                pool.on_recovered = recovered
                 app.state.gateway = GatewayState(
                     settings=settings,
                     tenants=tenants,

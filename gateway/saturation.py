@@ -26,7 +26,8 @@ doubling search that finds a higher limit in a few reads. Queued (batch) jobs ne
 on the peak. Until a replica has been seen queueing its slots are unknown and it is never saturated: the gateway
 holds nothing back on a guess. A read that fails (or answers no vLLM numbers) leaves the last numbers standing;
 after three in a row they are dropped, and only this instance's own requests count against the slots learned or
-set. A replica whose /metrics was never read (not vLLM, or down: health checks deal with that) is not saturated.
+set. A replica that comes back from down (its health check failed: the engine may be a new one) learns its slots
+again. A replica whose /metrics was never read (not vLLM, or down: health checks deal with that) is not saturated.
 """
 
 from __future__ import annotations
@@ -144,6 +145,12 @@ class LoadMonitor:
         slots = self.loads[replica.name].slots or 0
         # Rounded, so a replica of very few slots keeps none back: its jobs would otherwise never run.
         return free - round(slots * fairness.batch_reserve)
+
+    def restarted(self, replica: Replica) -> None:
+        """The replica came back from down (perhaps a new engine, with other slots): learn its slots again."""
+        load = self.loads.get(replica.name)
+        if load is not None and not load.configured:
+            load.slots, load.peak, load.confirmed = None, 0, False
 
     def slots(self, replica: Replica) -> int | None:
         load = self.loads.get(replica.name)

@@ -272,6 +272,18 @@ async def test_failed_reads_keep_the_last_numbers_a_while_then_count_only_this_i
     assert f.monitor.slots(f.replica) == 16 and room() == 16 - 2
 
 
+def test_a_replica_back_from_down_learns_its_slots_again_a_configured_one_keeps_them() -> None:
+    learned, configured = Fixture(slots=1), Fixture(slots=4)
+    learned.monitor.loads["r"].slots, learned.monitor.loads["r"].configured = None, False
+    for f in (learned, configured):
+        f.pool.on_recovered = f.monitor.restarted  # as the app wires it (with the capacity refresh)
+        f.monitor.take(f.replica, EngineLoad(running=16, waiting=2, kv_usage=0.1), f.replica.started)
+        f.pool.set_health(f.replica, False, "down")
+        f.pool.set_health(f.replica, True)
+    assert learned.monitor.slots(learned.replica) is None, "a new engine may have other slots"
+    assert configured.monitor.slots(configured.replica) == 4
+
+
 def test_a_value_that_is_not_a_number_is_no_reading() -> None:
     text = "vllm:num_requests_running 3\nvllm:num_requests_waiting NaN\nvllm:kv_cache_usage_perc +Inf\n"
     assert parse_load(text) == EngineLoad(running=3, waiting=0, kv_usage=0.0)
