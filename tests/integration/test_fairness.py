@@ -87,14 +87,11 @@ async def occupy(client: httpx.AsyncClient, gateway: str, sim: str) -> asyncio.T
 async def test_a_request_the_engine_runs_and_has_reported_counts_once(
     client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
 ) -> None:
-    """Two slots, one request running: once a load read has counted it, the gateway must not count it again on top
-    (it landed: its answer's headers came back), so a second request goes straight to the free slot."""
+    """Two slots, one non-stream request running: once a load read has counted it, the gateway must not count it
+    again on top (placed before the read was sent), so a second request goes straight to the free slot."""
     sim = make_sim(ttft_ms=1500)
     gateway = one_slot(sim, slots=2)
-    running = asyncio.create_task(
-        client.post(f"{gateway}{CHAT}", json=chat_body("first"), headers=auth())
-    )
-    await until_running(client, sim)
+    running = await occupy(client, gateway, sim)
     await asyncio.sleep(0.3)  # reads every 0.1 s: one has seen it running
     second = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("second"), headers=auth(BOB_KEY)))
     await until_running(client, sim, 2)
