@@ -53,19 +53,25 @@ def _wait_for(condition: Any, what: str, timeout: float = 30) -> None:
 
 
 @contextmanager
-def serve(config: dict[str, Any], tmp_path: Path, processes: int = 2) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def serve(
+    config: dict[str, Any], tmp_path: Path, processes: int = 2, port: int | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`bulkhead serve` with `processes` processes on `port` (default: a free one), once every process is up and it
+    is ready; the URL is the one its banner names."""
     args = ["--workers", str(processes)] if processes > 1 else []
     path = tmp_path / "bulkhead.yaml"
     path.write_text(json.dumps({"log_level": "WARNING", **config}))
-    port = free_port()
+    port_arg = ["--port", str(free_port() if port is None else port)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve", "--config", str(path), *args],
-        env={**os.environ, "BULKHEAD_LISTEN__PORT": str(port)},
-        stdout=subprocess.DEVNULL,
+        [sys.executable, "-m", "gateway", "serve", "--config", str(path), *args, *port_arg],
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    url = f"http://127.0.0.1:{port}"
     try:
+        assert process.stdout is not None
+        banner = process.stdout.readline().decode()
+        assert banner.startswith("bulkhead: listening on "), process.stderr.read().decode() if process.stderr else ""
+        url = banner.removeprefix("bulkhead: listening on ").split()[0]
 
         def ready() -> bool:
             assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
@@ -79,8 +85,9 @@ def serve(config: dict[str, Any], tmp_path: Path, processes: int = 2) -> Iterato
         yield url, process
     finally:
         stop(process, timeout=30)
-        if process.stderr is not None:
-            process.stderr.close()
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
 
 
 def _config(redis_url: str, sim_url: str, tokenizer_dir: Path) -> dict[str, Any]:
@@ -211,27 +218,8 @@ async def test_sigterm_drains_every_process_streams_finish_and_new_connections_a
 def test_port_0_with_several_processes_serves_on_the_port_the_banner_names(
     make_sim: Any, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
-    sim_url = make_sim()
-    with own_redis() as server:
-        path = tmp_path / "bulkhead.yaml"
-        path.write_text(json.dumps({"log_level": "WARNING", **_config(server.url, sim_url, tokenizer_dir)}))
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--config", str(path), "--workers", "2", "--port", "0"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        try:
-            assert process.stdout is not None
-            banner = process.stdout.readline()
-            address = banner.removeprefix("bulkhead: listening on ").split()[0]
-            assert not address.endswith(":0"), banner
-            _wait_for(lambda: len(_children(process.pid)) == 2, "the gateway's processes did not start")
-            _wait_for(lambda: accepts(address) and httpx.get(f"{address}/readyz").status_code == 200, "not ready")
-        finally:
-            stop(process, timeout=30)
-            if process.stdout is not None:
-                process.stdout.close()
+    with own_redis() as server, serve(_config(server.url, make_sim(), tokenizer_dir), tmp_path, port=0) as (url, _):
+        assert not url.endswith(":0") and accepts(url)  # serve() waited for both processes and /readyz there
 
 
 def _feed(redis_url: str) -> list[dict[bytes, bytes]]:
