@@ -183,7 +183,10 @@ def build_counters(
         if tokenizer is None:
             counters[model.name] = BackendCounter(model, pool, upstream)
         else:
-            counters[model.name] = LocalCounter(tokenizer, executor, settings.admission.inline_count_chars)
+            admission = settings.admission
+            counters[model.name] = LocalCounter(
+                tokenizer, executor, admission.inline_count_chars, admission.count_cache_chars
+            )
     return counters
 
 

@@ -19,6 +19,7 @@ import orjson
 
 from gateway.backends import Replica, ReplicaPool
 from gateway.errors import BackendTimeout, BackendUnavailable, BackendUnreachable, InvalidRequest, UpstreamError
+from gateway.piece_counts import PieceCounts
 from gateway.proxy import Upstream
 from gateway.settings import ModelSettings
 from gateway.tokens import ChatTemplateError, ModelTokenizer, vocab_size
@@ -34,20 +35,23 @@ class Prompt:
     template_kwargs: dict[str, Any] | None = None
     text: str | None = None
     token_ids: list[int] | None = None
+    # Whose prompt it is (the tenant): counts of its pieces are kept for this owner only (gateway/piece_counts.py).
+    owner: str | None = None
 
     @classmethod
-    def of_chat(cls, payload: Mapping[str, Any]) -> Prompt:
+    def of_chat(cls, payload: Mapping[str, Any], owner: str | None = None) -> Prompt:
         return cls(
             messages=payload["messages"],
             tools=payload.get("tools"),
             add_generation_prompt=payload.get("add_generation_prompt", True),
             template_kwargs=payload.get("chat_template_kwargs"),
+            owner=owner,
         )
 
     @classmethod
-    def of_completion(cls, payload: Mapping[str, Any]) -> Prompt:
+    def of_completion(cls, payload: Mapping[str, Any], owner: str | None = None) -> Prompt:
         prompt = payload["prompt"]
-        return cls(text=prompt) if isinstance(prompt, str) else cls(token_ids=prompt)
+        return cls(text=prompt, owner=owner) if isinstance(prompt, str) else cls(token_ids=prompt, owner=owner)
 
     def contents(self, roles: frozenset[str] | None = None) -> Iterator[str]:
         """The caller's free text: the completion prompt, or the contents of messages (of these roles)."""
@@ -118,10 +122,13 @@ def _probe(tokenizer: ModelTokenizer) -> tuple[frozenset[str], int]:
 
 
 class LocalCounter:
-    def __init__(self, tokenizer: ModelTokenizer, executor: Executor, inline_chars: int) -> None:
+    def __init__(
+        self, tokenizer: ModelTokenizer, executor: Executor, inline_chars: int, cache_chars: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
         self._executor = executor
         self._inline_chars = inline_chars
+        self.pieces = PieceCounts(tokenizer.tokenizer, cache_chars)
         self._kept_roles, self._copies = _probe(tokenizer)
         # A normalizer (NFC, NFKC, lower-casing...) may shrink text before it is split, a little; 4 covers the
         # most any Unicode composition shrinks a string by.
@@ -167,14 +174,16 @@ class LocalCounter:
                 raise InvalidRequest(f"prompt: token ids must be below {self._vocab}.", param="prompt")
             return len(prompt.token_ids)
         if prompt.text is not None:
-            return self.tokenizer.count_text(prompt.text, add_special_tokens=True)
+            # What the post-processor adds (BOS) does not depend on the text.
+            return self.pieces.count(prompt.text, prompt.owner) + self._added
         assert prompt.messages is not None
         try:
-            return self.tokenizer.count_chat(
+            text = self.tokenizer.render_chat(
                 prompt.messages, prompt.tools, prompt.add_generation_prompt, prompt.template_kwargs
             )
         except ChatTemplateError as exc:
             raise InvalidRequest(f"The model's chat template refused these messages: {exc}", param="messages") from exc
+        return self.pieces.count(text, prompt.owner)
 
     @staticmethod
     def _without_content(message: dict[str, Any]) -> dict[str, Any]:

@@ -450,9 +450,10 @@ async def _admit(
     slot = Slot(state, tenant, model)
     try:
         chat = isinstance(parsed, ChatCompletionRequest)
-        own = Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
+        of = Prompt.of_chat if chat else Prompt.of_completion
+        own = of(payload, tenant.id)
         marker = plant_marker(state, tenant, payload, chat)
-        sent = own if marker is None else Prompt.of_chat(payload) if chat else Prompt.of_completion(payload)
+        sent = own if marker is None else of(payload, tenant.id)
         limit = known(model, state.capacity.limit(model, tenant))
         # Routed before counting: a backend that counts the prompt should be the one that will serve it.
         decision = state.router.choose(model, tenant.id, submission.session)

@@ -304,6 +304,12 @@ class AdmissionSettings(_Section):
     inline_count_chars: int = Field(
         default=16_384, ge=0, description="prompts up to this size are counted on the event loop (cheaper than a hop)"
     )
+    count_cache_chars: int = Field(
+        default=8_000_000,
+        ge=0,
+        description="per process, how many characters of prompt pieces (text between special tokens) keep their "
+        "token counts, per tenant, so a re-sent history is not tokenized again; 0 tokenizes every prompt whole",
+    )
 
 
 class Settings(_Section):

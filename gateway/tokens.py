@@ -140,6 +140,10 @@ class ModelTokenizer:
             tokenizer = Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the Rust loader raises a bare Exception for every kind of bad file
             raise TokenizerLoadError(f"{tokenizer_file}: {exc}") from exc
+        # A tokenizer.json may ask to truncate or pad what it encodes; vLLM's tokenizer (transformers) does neither
+        # unless asked, and a count must not either: a truncated prompt would be admitted as short.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         config: dict[str, Any] = {}
         config_file = path / "tokenizer_config.json"
         if config_file.is_file():
@@ -195,10 +199,7 @@ class ModelTokenizer:
         return self.count_text(self.render_chat(messages, tools, add_generation_prompt, template_kwargs), False)
 
     def count_text(self, text: str, add_special_tokens: bool) -> int:
-        # encode_batch_fast releases the GIL while it works (encode does not) and computes no offsets, and len() of
-        # the Encoding builds no list: building and freeing `.ids` and the full Encoding held the GIL ~140 ms
-        # after a 1M-token count, which stalled every other request (BENCHMARKS.md, admission).
-        return len(self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0])
+        return token_counts(self.tokenizer, [text], add_special_tokens)[0]
 
     def encode_chat(
         self,
@@ -215,6 +216,14 @@ class ModelTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+def token_counts(tokenizer: Tokenizer, texts: Sequence[str], add_special_tokens: bool) -> list[int]:
+    # encode_batch_fast releases the GIL while it works (encode does not) and computes no offsets, and len() of
+    # an Encoding builds no list: building and freeing `.ids` and the full Encoding held the GIL ~140 ms after a
+    # 1M-token count, which stalled every other request (BENCHMARKS.md, admission).
+    encodings = tokenizer.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)
+    return [len(encoding) for encoding in encodings]
 
 
 def vocab_size(tokenizer: Tokenizer) -> int:

@@ -1,7 +1,7 @@
 """How much latency and throughput the gateway adds over calling the backend directly.
 
     python -m tests.bench.bench_overhead [--requests N] [--json out.json] [--profile profile.txt]
-                                         [--baseline DIR | --workers N] [--peer litellm]
+                                         [--baseline DIR | --workers N] [--peer litellm|floor]
 
 One simulator (ttft 0, unpaced tokens, so the backend costs next to nothing) and one gateway in front of it run
 as child processes. Each scenario sends the same requests straight to the simulator and through the gateway,
@@ -20,6 +20,9 @@ With `--peer litellm`, the LiteLLM proxy (pinned, in its own virtualenv: `python
 runs in front of the same simulator, one worker, no database, no callbacks, nothing sent anywhere, taking the same
 key, and it too takes its turn in every round: every number measured for the gateway is measured for LiteLLM on
 the same requests, and a table sets them side by side. It combines with --baseline or --workers (one more target).
+With `--peer floor`, the peer is tests/bench/floor_proxy.py, a bare forwarder on the gateway's own stack that does
+nothing but copy bytes: its added latency is what the extra hop costs any Python proxy, and the gateway's added
+latency minus the floor's is what the gateway's own work costs.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ CHAT_PATH = "/v1/chat/completions"
 HEADERS = {"content-type": "application/json", "authorization": f"Bearer {BENCH_KEY}"}
 OUTPUT_TOKENS = 16  # a short answer: per-request cost dominates, which is what the gateway adds
 HIGH_CONCURRENCY = 32
-PEERS = ("litellm",)  # other gateways measured side by side (--peer); each name is also its targets' and keys' name
+# Other proxies measured side by side (--peer); each name is also its targets' and keys' name.
+PEERS = ("litellm", "floor")
 
 
 @dataclass(frozen=True)
@@ -300,7 +304,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--peer",
         choices=PEERS,
-        help="also measure this peer in every round (first: python -m tests.bench.litellm_env install)",
+        help="also measure this peer in every round (litellm first needs: python -m tests.bench.litellm_env install)",
     )
     parser.add_argument("--profile", type=Path, help="then profile the gateway under load; write the report here")
     parser.add_argument("--profile-requests", type=int, default=6000, help="requests sent to the profiled gateway")
@@ -351,6 +355,8 @@ def _run(workspace: Workspace, args: argparse.Namespace) -> dict[str, Any]:
         named = list(zip(("gateway", "baseline"), gateways, strict=False))
         if args.peer == "litellm":
             named.append(("litellm", stack.enter_context(workspace.litellm(sim.url))))
+        elif args.peer == "floor":
+            named.append(("floor", stack.enter_context(workspace.floor(sim.url))))
         names = ", ".join(f"{name} {server.url}" for name, server in named)
         print(f"simulator {sim.url}, {names} (log level {args.log_level})", file=sys.stderr)
         results = asyncio.run(run_scenarios(sim, named, args.requests, args.rounds, args.warmup))
@@ -369,12 +375,19 @@ def _run(workspace: Workspace, args: argparse.Namespace) -> dict[str, Any]:
             print("\nLiteLLM against the gateway (this code, the first table), in the same rounds:")
             versus = comparison_columns("gateway", "LiteLLM", "litellm", "gateway_over_litellm_rps")
             print(render_table(summaries, versus))
+        if args.peer == "floor":
+            print("\nThe floor (tests/bench/floor_proxy.py: a bare forwarder on the same stack) in the same rounds:")
+            print(render_table(summaries, side_columns("floor", "floor")))
+            print("\nThe floor against the gateway: the gap is the gateway's own work")
+            print(render_table(summaries, comparison_columns("gateway", "floor", "floor", "gateway_over_floor_rps")))
         report: dict[str, Any] = {"revision": _revision(), "log_level": args.log_level, "scenarios": summaries}
         if args.workers is not None:
             report["workers"] = args.workers
         if args.baseline is not None:
             report["baseline_revision"] = _revision(args.baseline)
-        if args.peer == "litellm":
+        if args.peer == "floor":
+            report["peer"] = {"name": "floor", "module": "tests.bench.floor_proxy"}
+        elif args.peer == "litellm":
             report["peer"] = {
                 "name": "litellm",
                 "package": litellm_env.LITELLM_SPEC,

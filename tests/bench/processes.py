@@ -204,6 +204,13 @@ class Workspace:
         return child(command, port, log, "/health/liveliness", env=litellm_env.PROXY_ENVIRONMENT, cwd=self.root)
 
 
+    def floor(self, backend_url: str) -> contextlib.AbstractContextManager[Server]:
+        """The bare forwarder (tests/bench/floor_proxy.py) in front of `backend_url`: what any Python hop adds."""
+        port = free_port()
+        command = [sys.executable, "-m", "tests.bench.floor_proxy", "--port", str(port), "--backend", backend_url]
+        return child(command, port, self.root / f"floor-{port}.log", "/health")
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User plus system CPU time the process and its live children (worker processes) have used so far (Linux
     /proc), or None where unavailable."""

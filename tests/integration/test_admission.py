@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,14 @@ def as_prompt(item: CorpusPrompt) -> Prompt:
 
 def test_corpus_counts_equal_the_backends_tokenize(tokenizer_dir: Path, sim_url: str) -> None:
     with ThreadPoolExecutor(1) as executor, httpx.Client() as client:
-        counter = LocalCounter(ModelTokenizer.from_dir(tokenizer_dir), executor, inline_chars=10**9)
+        counter = LocalCounter(ModelTokenizer.from_dir(tokenizer_dir), executor, inline_chars=10**9, cache_chars=10**7)
         mismatches = []
         for item in CORPUS:
             ours = counter.count_now(as_prompt(item))
+            # Counted again for an owner, twice: from pieces tokenized now, then from pieces kept.
+            kept = [counter.count_now(replace(as_prompt(item), owner="acme")) for _ in range(2)]
+            if kept != [ours, ours]:
+                mismatches.append((item.name, ours, kept))
             theirs = client.post(f"{sim_url}/tokenize", json=item.tokenize_body(MODEL)).json()["count"]
             lower, upper = counter.lower_bound(as_prompt(item)), counter.upper_bound(as_prompt(item))
             assert upper is not None and lower <= ours <= upper, (item.name, lower, ours, upper)
