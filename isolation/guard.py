@@ -178,6 +178,8 @@ class OutputGuard:
     async def check_text(self, text: str) -> str:
         """A text that stands on its own (an id, a backend's error message): the tenant's own marker stripped,
         another's handled by policy."""
+        if not suspects([text]):  # no candidate in it, and no end that could start one: it passes unchanged
+            return text
         scanner = StreamScanner()
         return await self._release(scanner, text) + scanner.flush()
 

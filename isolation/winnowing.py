@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import string
 import unicodedata
 from collections import deque
 from dataclasses import dataclass
@@ -175,10 +176,15 @@ class AnswerGrams:
 
 def _open_tail(text: str) -> str:
     """The characters `text` ends with that a following piece could extend into a longer word."""
+    if text.isascii():  # the common case, in C: an ASCII word goes on only with ASCII letters and digits
+        return text[len(text.rstrip(_ASCII_ALNUM)) :]
     at = len(text)
     while at > 0 and _continues_word(text[at - 1]):
         at -= 1
     return text[at:]
+
+
+_ASCII_ALNUM = string.ascii_letters + string.digits
 
 
 def _continues_word(char: str) -> bool:
