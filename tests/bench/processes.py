@@ -178,12 +178,18 @@ class Workspace:
         code: Path | None = None,
         workers: int = 1,
         redis_url: str | None = None,
+        isolation: Mapping[str, Any] | None = None,
+        model: Mapping[str, Any] | None = None,
     ) -> contextlib.AbstractContextManager[Server]:
         """The gateway in front of `backend_url`; `wrapper` runs it under a tool (`python -m pyinstrument ...`),
-        `code` from another checkout, `workers` processes (with Redis at `redis_url`)."""
+        `code` from another checkout, `workers` processes (with Redis at `redis_url`); `isolation` is its
+        isolation section and `model` is merged into its one model's settings (both default as in production)."""
         port = free_port()
         config = self.root / f"gateway-{port}.yaml"
         settings = _gateway_settings(port, backend_url, self.tokenizer_dir, self.log_level, redis_url)
+        if isolation is not None:
+            settings["isolation"] = dict(isolation)
+        settings["models"][0].update(model or {})
         config.write_text(yaml.safe_dump(settings), encoding="utf-8")
         command = [*(wrapper or [sys.executable]), "-m", "gateway", "serve", "--config", str(config)]
         if workers > 1:
