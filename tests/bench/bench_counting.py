@@ -1,6 +1,6 @@
 """What keeping counted prompt pieces saves: an agent session's history counted turn after turn, kept and whole.
 
-    python -m tests.bench.bench_counting [--turns 40] [--turn-tokens 300] [--json out.json]
+    python -m tests.bench.bench_counting [--turns 40] [--turn-tokens 300] [--sessions 3] [--json out.json]
 
 In process, with the gateway's LocalCounter over the tiny tokenizer. A conversation grows by a user message and an
 assistant answer (about --turn-tokens tokens each) per turn, and every turn's request sends the whole history, as
@@ -8,7 +8,8 @@ an agent or a chat client does. Each turn is counted by two counters side by sid
 keeps its pieces' counts for the tenant (the gateway's default) and one that tokenizes every prompt whole (the
 previous behaviour, `admission.count_cache_chars: 0`). Every count is checked equal. Also measured the same way:
 fresh prompts that share nothing (every piece is new, so keeping pieces can only cost), and the benchmark
-overhead's short prompt sent again and again.
+overhead's short prompt sent again and again. A turn's figure is the median over --sessions sessions, each with new
+counters and texts of its own, half of them counting whole first.
 """
 
 from __future__ import annotations
@@ -20,16 +21,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from gateway.counting import LocalCounter, Prompt
 from gateway.tokens import ModelTokenizer
 from isolation.sim.tinymodel import build_tokenizer
-from tests.bench.prose import characters_per_token, prose_of_tokens
+from tests.bench.prose import characters_per_token, prose
 
 TENANT = "acme"
+CACHE_CHARS = 8_000_000  # the gateway's default admission.count_cache_chars
 REPEATS = 5  # each count is timed this many times per counter; the median is kept
 
 
@@ -45,7 +47,9 @@ def _median_us(count: Callable[[], int], repeats: int) -> tuple[float, int]:
 def _side_by_side(
     kept: LocalCounter, whole: LocalCounter, prompt: Prompt, repeats: int, flip: bool
 ) -> tuple[float, float]:
-    """(µs kept, µs whole) for one prompt, the counters taking turns on which goes first."""
+    """(µs kept, µs whole) for one prompt; `flip` puts the whole count first. The order matters: the tokenizer
+    keeps a cache of the words it split lately, so the second to tokenize a text is faster, and callers take
+    turns."""
     order = [(kept, "kept"), (whole, "whole")]
     timed: dict[str, tuple[float, int]] = {}
     for counter, name in reversed(order) if flip else order:
@@ -56,27 +60,46 @@ def _side_by_side(
 
 
 def session(
-    kept: LocalCounter, whole: LocalCounter, turns: int, turn_tokens: int, per_token: float
+    kept: LocalCounter, whole: LocalCounter, turns: int, turn_chars: int, seed: int, flip: bool
 ) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = [{"role": "system", "content": prose_of_tokens(200, per_token)}]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": prose(turn_chars, seed)}]
     rows = []
     for turn in range(1, turns + 1):
-        messages.append({"role": "user", "content": prose_of_tokens(turn_tokens, per_token) + f" (turn {turn})"})
+        messages.append({"role": "user", "content": prose(turn_chars, seed + 2 * turn)})
         prompt = Prompt.of_chat({"messages": list(messages)}, TENANT)
-        # The first count of a turn is the one a request pays: its new message is new to the kept counter too.
-        kept_first, whole_first = _side_by_side(kept, whole, prompt, 1, turn % 2 == 0)
+        # The first count of a turn is the one its request pays: the new message is new to the kept counter too.
+        kept_us, whole_us = _side_by_side(kept, whole, prompt, 1, flip == (turn % 2 == 0))
         tokens = whole.count_now(prompt)
-        rows.append(
-            {"turn": turn, "prompt_tokens": tokens, "kept_us": round(kept_first, 1), "whole_us": round(whole_first, 1)}
-        )
-        messages.append({"role": "assistant", "content": prose_of_tokens(turn_tokens, per_token) + f" (answer {turn})"})
+        rows.append({"turn": turn, "prompt_tokens": tokens, "kept_us": kept_us, "whole_us": whole_us})
+        messages.append({"role": "assistant", "content": prose(turn_chars, seed + 2 * turn + 1)})
     return rows
 
 
-def fresh(kept: LocalCounter, whole: LocalCounter, count: int, tokens: int, per_token: float) -> dict[str, float]:
+def sessions(
+    tokenizer: ModelTokenizer, executor: Executor, count: int, turns: int, turn_chars: int
+) -> list[dict[str, Any]]:
+    """Per turn, the median over `count` sessions, each with new counters and texts of its own (every other one
+    counting whole first)."""
+    runs = []
+    for number in range(count):
+        kept = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_chars=CACHE_CHARS)
+        whole = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_chars=0)
+        runs.append(session(kept, whole, turns, turn_chars, seed=10_000 * (number + 1), flip=number % 2 == 1))
+    return [
+        {
+            "turn": rows[0]["turn"],
+            "prompt_tokens": rows[0]["prompt_tokens"],
+            "kept_us": round(statistics.median(row["kept_us"] for row in rows), 1),
+            "whole_us": round(statistics.median(row["whole_us"] for row in rows), 1),
+        }
+        for rows in zip(*runs, strict=True)
+    ]
+
+
+def fresh(kept: LocalCounter, whole: LocalCounter, count: int, characters: int) -> dict[str, float]:
     kept_us, whole_us = [], []
     for index in range(count):
-        text = f"{index} " + prose_of_tokens(tokens, per_token)[index % 50 :]
+        text = prose(characters, seed=index)
         prompt = Prompt.of_chat({"messages": [{"role": "user", "content": text}]}, TENANT)
         k, w = _side_by_side(kept, whole, prompt, 1, index % 2 == 0)
         kept_us.append(k)
@@ -103,18 +126,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.bench.bench_counting", description=__doc__.split("\n")[0])
     parser.add_argument("--turns", type=int, default=40, help="turns of the agent session (default 40)")
     parser.add_argument("--turn-tokens", type=int, default=300, help="tokens per message (default 300)")
+    parser.add_argument("--sessions", type=int, default=4, help="sessions whose per-turn median is shown (default 4)")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bulkhead-bench-") as tmp, ThreadPoolExecutor(1) as executor:
         tokenizer = ModelTokenizer.from_dir(build_tokenizer(Path(tmp) / "tokenizer"))
         per_token = characters_per_token(tokenizer)
-        kept = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_chars=8_000_000)
+        turn_chars = round(args.turn_tokens * per_token)
+        rows = sessions(tokenizer, executor, args.sessions, args.turns, turn_chars)
+        kept = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_chars=CACHE_CHARS)
         whole = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_chars=0)
         print(f"piecewise counting: {kept.pieces.piecewise}", file=sys.stderr)
-        rows = session(kept, whole, args.turns, args.turn_tokens, per_token)
         report = {
             "session": rows,
-            "fresh_prompts_300_tokens": fresh(kept, whole, 200, 300, per_token),
+            "fresh_prompts_300_tokens": fresh(kept, whole, 200, turn_chars),
             "same_short_prompt": repeated(kept, whole, 200),
             "pieces": {"hits": kept.pieces.hits, "misses": kept.pieces.misses},
         }
