@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import anyio
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -150,22 +150,36 @@ class RelayResponse(StreamingResponse):
         super().__init__(self._rendered, media_type=SSE_MEDIA_TYPE, headers=stream.headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def stream_then_stop(scope: anyio.CancelScope) -> None:
+        # The body goes out from this task and a watcher cancels it when the client leaves. Plain asyncio: an anyio
+        # task group (Starlette's way) cost ~35 µs more a stream, on the way to its first byte.
+        sender = asyncio.current_task()
+        assert sender is not None
+        left = False
+
+        async def watch() -> None:
+            nonlocal left
+            await self.listen_for_disconnect(receive)
+            left = True
+            sender.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
             with suppress(OSError):
                 await self.stream_response(send)
-            scope.cancel()
-
-        try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(stream_then_stop, group.cancel_scope)
-                await self.listen_for_disconnect(receive)
-                group.cancel_scope.cancel()
+        except asyncio.CancelledError:
+            # The client left: the stream is over, not failed. A cancellation from elsewhere too goes on up.
+            if not left or sender.uncancel():
+                raise
         finally:
-            # A generator that never started would skip its own cleanup; the stream's close runs regardless.
-            with anyio.CancelScope(shield=True):
-                await self._rendered.aclose()
-                await self._stream.events.aclose()
-                await self._stream.close()
+            watcher.cancel()
+            # A generator that never started would skip its own cleanup; the stream's close runs regardless, even
+            # when this task is being cancelled from elsewhere.
+            await asyncio.shield(self._close())
+
+    async def _close(self) -> None:
+        await self._rendered.aclose()
+        await self._stream.events.aclose()
+        await self._stream.close()
 
 
 async def _rendered(stream: Stream, render: Callable[[Event], bytes]) -> AsyncGenerator[bytes, None]:
