@@ -185,7 +185,7 @@ def build_counters(
         else:
             admission = settings.admission
             counters[model.name] = LocalCounter(
-                tokenizer, executor, admission.inline_count_chars, admission.count_cache_chars
+                tokenizer, executor, admission.inline_count_chars, admission.count_cache_mib * 2**20
             )
     return counters
 

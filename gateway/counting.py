@@ -35,7 +35,8 @@ class Prompt:
     template_kwargs: dict[str, Any] | None = None
     text: str | None = None
     token_ids: list[int] | None = None
-    # Whose prompt it is (the tenant): counts of its pieces are kept for this owner only (gateway/piece_counts.py).
+    # Whose prompt it is (TenantSettings.incarnation): its pieces' counts are kept for this owner only
+    # (gateway/piece_counts.py).
     owner: str | None = None
 
     @classmethod
@@ -123,12 +124,12 @@ def _probe(tokenizer: ModelTokenizer) -> tuple[frozenset[str], int]:
 
 class LocalCounter:
     def __init__(
-        self, tokenizer: ModelTokenizer, executor: Executor, inline_chars: int, cache_chars: int = 0
+        self, tokenizer: ModelTokenizer, executor: Executor, inline_chars: int, cache_bytes: int = 0
     ) -> None:
         self.tokenizer = tokenizer
         self._executor = executor
         self._inline_chars = inline_chars
-        self.pieces = PieceCounts(tokenizer.tokenizer, cache_chars)
+        self.pieces = PieceCounts(tokenizer.tokenizer, cache_bytes)
         self._kept_roles, self._copies = _probe(tokenizer)
         # A normalizer (NFC, NFKC, lower-casing...) may shrink text before it is split, a little; 4 covers the
         # most any Unicode composition shrinks a string by.

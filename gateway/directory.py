@@ -52,6 +52,9 @@ class Tenant(TenantSettings):
     created_at: float
     updated_at: float
 
+    def incarnation(self) -> str:
+        return f"{self.id}@{self.created_at!r}"
+
     def encode(self) -> str:
         # What differs from the defaults only: most limits are unset, and 100,000 tenants repeat them.
         return self.model_dump_json(exclude_defaults=True)

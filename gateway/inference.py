@@ -465,9 +465,9 @@ async def _admit(
     try:
         chat = isinstance(parsed, ChatCompletionRequest)
         of = Prompt.of_chat if chat else Prompt.of_completion
-        own = of(payload, tenant.id)
+        own = of(payload, tenant.incarnation())
         marker = plant_marker(state, tenant, payload, chat)
-        sent = own if marker is None else of(payload, tenant.id)
+        sent = own if marker is None else of(payload, own.owner)
         limit = known(model, state.capacity.limit(model, tenant))
         # Routed before counting: a backend that counts the prompt should be the one that will serve it.
         decision = state.router.choose(model, tenant.id, submission.session)

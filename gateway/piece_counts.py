@@ -7,8 +7,14 @@ a piece counted once need not be tokenized again: an agent session sends its who
 the system text with the tenant's canary marker is the same on every request of an epoch. Only new pieces are
 tokenized, all in one call.
 
-Counts are kept per owner (the tenant whose prompt it is): how fast a text is counted shows whether it was seen
-before, and no tenant may learn that way what another one sent.
+Counts are kept per owner (the tenant whose prompt it is, told apart from an earlier tenant of the same id): how
+fast a text is counted shows whether it was seen before, and no tenant may learn that way what another one sent.
+What the shared bound does show, through the eviction of a tenant's own pieces, is how much text all tenants send,
+as the latency of a shared engine does.
+
+Bounded twice: the memory of the kept counts, entry overhead included (`max_bytes`), and the pieces of one text
+(`MAX_PIECES`): a prompt of a million tiny pieces between special tokens would cost a million tokenizer results
+built while the GIL is held, so such a text is counted whole, as one, and nothing of it is kept.
 
 Not every tokenizer cuts this way. An added token that takes the white space beside it (lstrip, rstrip), matches only
 whole words, or is matched after normalization, and a Metaspace pre-tokenizer that marks only the start of the whole
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -28,6 +35,9 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from gateway.tokens import token_counts
+
+MAX_PIECES = 2_048  # a 40-turn agent session has ~250
+ENTRY_BYTES = 184  # what a kept count costs besides its piece's string: key tuple, ordered-dict slot, the int
 
 # Texts the check at load counts both ways: added tokens at the ends, side by side, between white space and words.
 SELF_CHECK = ("", " ", "a", "  hello world  ", "\n\n", "x\ny", "héllo 日本語 🙂", "   ", "1 2  3\t4")
@@ -51,27 +61,44 @@ def splitter(tokenizer: Tokenizer) -> re.Pattern[str] | None:
         return None
     if _metaspace_first(json.loads(tokenizer.to_str()).get("pre_tokenizer")):
         return None
-    # Longest first: at one position, the tokenizer takes the longest added token that matches there.
-    contents = sorted({token.content for token in added if token.content}, key=len, reverse=True)
+    contents = {token.content for token in added if token.content}
     if not contents:
         return re.compile("((?!))")  # never matches: the whole text is one piece
-    return re.compile("(" + "|".join(re.escape(content) for content in contents) + ")")
+    return re.compile("(" + _trie_pattern(contents) + ")")
+
+
+def _trie_pattern(words: set[str]) -> str:
+    """An alternation of `words` as a prefix tree, so that at a position the regex walks one path instead of trying
+    every word (models with hundreds of reserved special tokens share long prefixes), and matches the longest word
+    there, as the tokenizer does: a greedy optional tail is tried before the word that ends where it starts."""
+    heads: dict[str, set[str]] = {}
+    for word in words:
+        heads.setdefault(word[0], set()).add(word[1:])
+    branches = []
+    for head, tails in sorted(heads.items()):
+        rest = {tail for tail in tails if tail}
+        if not rest:
+            branches.append(re.escape(head))
+            continue
+        tail = _trie_pattern(rest)
+        branches.append(re.escape(head) + (f"(?:{tail})?" if "" in tails else f"(?:{tail})"))
+    return "|".join(branches)
 
 
 class PieceCounts:
     """Token counts of prompt texts (encoded without special tokens added, as vLLM encodes a rendered chat), with
-    the counts of their pieces kept per owner, up to `max_chars` characters of pieces in all (least recently used
-    first out). Safe to call from the event loop and the counting threads at once."""
+    the counts of their pieces kept per owner, up to `max_bytes` of memory in all (least recently used first out).
+    Safe to call from the event loop and the counting threads at once."""
 
-    def __init__(self, tokenizer: Tokenizer, max_chars: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_bytes: int) -> None:
         self._tokenizer = tokenizer
-        self._max_chars = max_chars
+        self._max_bytes = max_bytes
         self._counts: OrderedDict[tuple[str, str], int] = OrderedDict()
-        self._chars = 0
+        self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0  # pieces found counted, and pieces tokenized: for benchmarks and operators' questions
         self.misses = 0
-        split = splitter(tokenizer) if max_chars > 0 else None
+        split = splitter(tokenizer) if max_bytes > 0 else None
         self._split = split if split is not None and self._agrees(split) else None
 
     @property
@@ -82,7 +109,10 @@ class PieceCounts:
         """Tokens of `text`; pieces are looked up and kept under `owner` (None: the whole text is tokenized)."""
         if self._split is None or owner is None:
             return self._encode([text])[0]
-        parts = self._split.split(text)
+        # Split no further than the limit: the rest of a text stuffed with special tokens stays one string.
+        parts = self._split.split(text, maxsplit=MAX_PIECES)
+        if len(parts) > 2 * MAX_PIECES:
+            return self._encode([text])[0]
         total = len(parts) // 2  # the added tokens, one token each
         missing: dict[str, int] = {}  # piece -> how often it occurs in this text
         found = 0
@@ -114,16 +144,15 @@ class PieceCounts:
     def _keep(self, owner: str, pieces: list[str], counts: list[int]) -> None:
         with self._lock:
             for piece, count in zip(pieces, counts, strict=True):
-                if len(piece) > self._max_chars:
-                    continue
+                size = _size(piece)
                 key = (owner, piece)
-                if key in self._counts:  # counted meanwhile by another thread
+                if size > self._max_bytes or key in self._counts:  # too big to keep, or kept meanwhile by a thread
                     continue
                 self._counts[key] = count
-                self._chars += len(piece)
-            while self._chars > self._max_chars:
+                self._bytes += size
+            while self._bytes > self._max_bytes:
                 (_, piece), _ = self._counts.popitem(last=False)
-                self._chars -= len(piece)
+                self._bytes -= _size(piece)
 
     def _agrees(self, split: re.Pattern[str]) -> bool:
         """Does a piecewise count equal the whole one, here, for texts that mix added tokens with all sorts of text?"""
@@ -139,3 +168,7 @@ class PieceCounts:
             if len(parts) // 2 + sum(self._encode(pieces) if pieces else []) != expected:
                 return False
         return True
+
+
+def _size(piece: str) -> int:
+    return sys.getsizeof(piece) + ENTRY_BYTES

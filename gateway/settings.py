@@ -168,6 +168,12 @@ class TenantSettings(_Section):
     def may_use(self, model: str) -> bool:
         return "*" in self.models or model in self.models
 
+    def incarnation(self) -> str:
+        """This tenant, told apart from another of the same id before or after it: what the gateway keeps per tenant
+        in memory (gateway/piece_counts.py) must not pass to a tenant created under a deleted one's id. A configured
+        tenant is one for the life of the process."""
+        return self.id
+
 
 class TenantDirectorySettings(_Section):
     resync_s: float = Field(
@@ -304,11 +310,11 @@ class AdmissionSettings(_Section):
     inline_count_chars: int = Field(
         default=16_384, ge=0, description="prompts up to this size are counted on the event loop (cheaper than a hop)"
     )
-    count_cache_chars: int = Field(
-        default=8_000_000,
+    count_cache_mib: int = Field(
+        default=64,
         ge=0,
-        description="per process, how many characters of prompt pieces (text between special tokens) keep their "
-        "token counts, per tenant, so a re-sent history is not tokenized again; 0 tokenizes every prompt whole",
+        description="per process, the memory for token counts of prompt pieces (text between special tokens), kept "
+        "per tenant so that a history sent again is not tokenized again; 0 tokenizes every prompt whole",
     )
 
 

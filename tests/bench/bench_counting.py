@@ -6,7 +6,7 @@ In process, with the gateway's LocalCounter over the tiny tokenizer. A conversat
 assistant answer (about --turn-tokens tokens each) per turn, and every turn's request sends the whole history, as
 an agent or a chat client does. Each turn is counted by two counters side by side, in alternating order: one that
 keeps its pieces' counts for the tenant (the gateway's default) and one that tokenizes every prompt whole (the
-previous behaviour, `admission.count_cache_chars: 0`). Every count is checked equal. Also measured the same way:
+previous behaviour, `admission.count_cache_mib: 0`). Every count is checked equal. Also measured the same way:
 fresh prompts that share nothing (every piece is new, so keeping pieces can only cost), and the benchmark
 overhead's short prompt sent again and again. A turn's figure is the median over --sessions sessions, each with new
 counters and texts of its own, half of them counting whole first.
@@ -31,7 +31,7 @@ from isolation.sim.tinymodel import build_tokenizer
 from tests.bench.prose import characters_per_token, prose
 
 TENANT = "acme"
-CACHE_CHARS = 8_000_000  # the gateway's default admission.count_cache_chars
+CACHE_BYTES = 64 * 2**20  # the gateway's default admission.count_cache_mib
 REPEATS = 5  # each count is timed this many times per counter; the median is kept
 
 
@@ -82,8 +82,8 @@ def sessions(
     counting whole first)."""
     runs = []
     for number in range(count):
-        kept = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_chars=CACHE_CHARS)
-        whole = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_chars=0)
+        kept = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_bytes=CACHE_BYTES)
+        whole = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_bytes=0)
         runs.append(session(kept, whole, turns, turn_chars, seed=10_000 * (number + 1), flip=number % 2 == 1))
     return [
         {
@@ -134,8 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         per_token = characters_per_token(tokenizer)
         turn_chars = round(args.turn_tokens * per_token)
         rows = sessions(tokenizer, executor, args.sessions, args.turns, turn_chars)
-        kept = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_chars=CACHE_CHARS)
-        whole = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_chars=0)
+        kept = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_bytes=CACHE_BYTES)
+        whole = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_bytes=0)
         print(f"piecewise counting: {kept.pieces.piecewise}", file=sys.stderr)
         report = {
             "session": rows,

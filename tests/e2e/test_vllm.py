@@ -51,7 +51,7 @@ def tokenizer(model_dir: Path) -> ModelTokenizer:
 def counter(tokenizer: ModelTokenizer) -> Iterator[LocalCounter]:
     """The gateway's own exact counter over the model's tokenizer (keeping counted pieces, as the gateway does)."""
     with ThreadPoolExecutor(1) as executor:
-        yield LocalCounter(tokenizer, executor, inline_chars=10**9, cache_chars=10**7)
+        yield LocalCounter(tokenizer, executor, inline_chars=10**9, cache_bytes=2**26)
 
 
 def metrics_of(http: httpx.Client, url: str) -> str:

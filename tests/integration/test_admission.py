@@ -29,7 +29,7 @@ def as_prompt(item: CorpusPrompt) -> Prompt:
 
 def test_corpus_counts_equal_the_backends_tokenize(tokenizer_dir: Path, sim_url: str) -> None:
     with ThreadPoolExecutor(1) as executor, httpx.Client() as client:
-        counter = LocalCounter(ModelTokenizer.from_dir(tokenizer_dir), executor, inline_chars=10**9, cache_chars=10**7)
+        counter = LocalCounter(ModelTokenizer.from_dir(tokenizer_dir), executor, inline_chars=10**9, cache_bytes=2**26)
         mismatches = []
         for item in CORPUS:
             ours = counter.count_now(as_prompt(item))
