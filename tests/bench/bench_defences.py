@@ -18,16 +18,14 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.bench import processes
-from tests.bench.bench_overhead import HIGH_CONCURRENCY, OUTPUT_TOKENS, Scenario, _ms, render_table
-from tests.bench.load import Batch, LoadError, Target, new_session, run_batch
+from tests.bench.bench_overhead import OUTPUT_TOKENS, Scenario, _ms, measure_rounds, open_targets, render_table
+from tests.bench.load import LoadError, Target, run_batch
 from tests.bench.processes import Server, Workspace
 
 OFF = {"enabled": False}
@@ -46,33 +44,20 @@ SCENARIOS = [Scenario(False, 1), Scenario(True, 1)]
 async def _measure(
     scenario: Scenario, direct: Target, servers: Sequence[tuple[Target, int]], requests: int, rounds: int
 ) -> dict[str, Any]:
-    request, per_round = scenario.request(), math.ceil(requests / rounds)
-    targets = [direct, *(target for target, _ in servers)]
-    pids = {target.name: pid for target, pid in servers}
-    totals = {target.name: Batch() for target in targets}
-    cpu = dict.fromkeys(pids, 0.0)
-    for round_no in range(rounds):
-        turn = round_no % len(targets)
-        for target in targets[turn:] + targets[:turn]:
-            pid = pids.get(target.name)
-            before = processes.cpu_seconds(pid) if pid is not None else None
-            totals[target.name].extend(await run_batch(target, request, scenario.concurrency, per_round))
-            after = processes.cpu_seconds(pid) if pid is not None else None
-            if pid is not None and before is not None and after is not None:
-                cpu[target.name] += after - before
+    totals, spent = await measure_rounds(scenario, direct, servers, requests, rounds)
     d = totals[direct.name]
     rows = []
-    for name, _ in ((target.name, pid) for target, pid in servers):
-        g = totals[name]
+    for target, _ in servers:
+        g, cpu = totals[target.name], spent[target.name]
         rows.append(
             {
                 "scenario": scenario.name,
                 "stream": scenario.stream,
-                "target": name,
+                "target": target.name,
                 "added_p50_ms": round(_ms(g.latencies, 50) - _ms(d.latencies, 50), 3),
                 "added_p99_ms": round(_ms(g.latencies, 99) - _ms(d.latencies, 99), 3),
                 "ttfb_added_p50_ms": round(_ms(g.first_bytes, 50) - _ms(d.first_bytes, 50), 3),
-                "cpu_ms_per_request": round(cpu[name] / len(g.latencies) * 1000, 3),
+                "cpu_ms_per_request": None if cpu is None else round(cpu / len(g.latencies) * 1000, 3),
             }
         )
     return {"scenario": scenario.name, "rows": rows}
@@ -80,11 +65,7 @@ async def _measure(
 
 async def _run_all(sim: Server, servers: Sequence[tuple[str, Server]], requests: int, rounds: int) -> list[Any]:
     async with contextlib.AsyncExitStack() as stack:
-        direct = Target("direct", sim.url, await stack.enter_async_context(new_session(HIGH_CONCURRENCY)))
-        named = []
-        for name, server in servers:
-            session = await stack.enter_async_context(new_session(HIGH_CONCURRENCY))
-            named.append((Target(name, server.url, session), server.process.pid))
+        direct, named = await open_targets(stack, sim, servers)
         for scenario in SCENARIOS:  # warm every pool and code path first
             for target in [direct, *(target for target, _ in named)]:
                 await run_batch(target, scenario.request(), 1, 200)

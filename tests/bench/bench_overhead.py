@@ -152,11 +152,11 @@ def _cpu_used(pid: int, before: float | None) -> float | None:
     return None if before is None or after is None else after - before
 
 
-async def _measure(
+async def measure_rounds(
     scenario: Scenario, direct: Target, gateways: Sequence[tuple[Target, int]], requests: int, rounds: int
-) -> Result:
-    """Every target in turn each round (the order rotating), the gateways' CPU counted around their own batches.
-    `gateways` are named "gateway" (always), "baseline", or a peer's name (see PEERS)."""
+) -> tuple[dict[str, Batch], dict[str, float | None]]:
+    """Every target in turn each round (the order rotating), each gateway's CPU (by its pid) counted around its own
+    batches: the batches by target name, and each gateway's CPU seconds (None where unreadable)."""
     request, per_round = scenario.request(), math.ceil(requests / rounds)
     targets = [direct, *(target for target, _ in gateways)]
     pids = {target.name: pid for target, pid in gateways}
@@ -170,21 +170,26 @@ async def _measure(
             totals[target.name].extend(await run_batch(target, request, scenario.concurrency, per_round))
             if pid is not None:
                 cpu[target.name].append(_cpu_used(pid, before))
+    spent = {name: None if None in used else sum(c for c in used if c is not None) for name, used in cpu.items()}
+    return totals, spent
 
-    def spent(name: str) -> float | None:
-        return None if None in cpu[name] else sum(c for c in cpu[name] if c is not None)
 
+async def _measure(
+    scenario: Scenario, direct: Target, gateways: Sequence[tuple[Target, int]], requests: int, rounds: int
+) -> Result:
+    """`gateways` are named "gateway" (always), "baseline", or a peer's name (see PEERS)."""
+    totals, spent = await measure_rounds(scenario, direct, gateways, requests, rounds)
     peer = next((name for name in PEERS if name in totals), None)
     return Result(
         scenario,
         totals[direct.name],
         totals["gateway"],
-        spent("gateway"),
+        spent["gateway"],
         totals.get("baseline"),
-        spent("baseline") if "baseline" in totals else None,
+        spent.get("baseline"),
         peer,
         totals[peer] if peer else None,
-        spent(peer) if peer else None,
+        spent[peer] if peer else None,
     )
 
 
@@ -195,16 +200,25 @@ async def _warm_up(targets: Sequence[Target], requests: int) -> None:
             await run_batch(target, scenario.request(), HIGH_CONCURRENCY, requests)
 
 
+async def open_targets(
+    stack: contextlib.AsyncExitStack, sim: Server, servers: Sequence[tuple[str, Server]]
+) -> tuple[Target, list[tuple[Target, int]]]:
+    """The simulator as "direct", and each (name, server) as a target with its process id: each with a keep-alive
+    pool of its own, closed with `stack`."""
+    direct = Target("direct", sim.url, await stack.enter_async_context(new_session(HIGH_CONCURRENCY)))
+    named = []
+    for name, server in servers:
+        session = await stack.enter_async_context(new_session(HIGH_CONCURRENCY))
+        named.append((Target(name, server.url, session), server.process.pid))
+    return direct, named
+
+
 async def run_scenarios(
     sim: Server, gateways: Sequence[tuple[str, Server]], requests: int, rounds: int, warmup: int
 ) -> list[Result]:
     """`gateways`: (name, server) pairs, named as `_measure` wants them."""
     async with contextlib.AsyncExitStack() as stack:
-        direct = Target("direct", sim.url, await stack.enter_async_context(new_session(HIGH_CONCURRENCY)))
-        named = []
-        for name, server in gateways:
-            session = await stack.enter_async_context(new_session(HIGH_CONCURRENCY))
-            named.append((Target(name, server.url, session), server.process.pid))
+        direct, named = await open_targets(stack, sim, gateways)
         await _warm_up([direct, *(target for target, _ in named)], warmup)
         results = []
         for scenario in SCENARIOS:
