@@ -5,9 +5,15 @@ calls without it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.routing import Route
 
 from gateway.app import create_app
 from gateway.serving import run_server
@@ -62,3 +68,44 @@ async def test_the_prober_probes_a_replica_that_wants_a_key_and_pulls_it_when_it
             await asyncio.sleep(0.2)
     probes = [r for r in forwarded(sim) if r["path"] == "/v1/chat/completions"]
     assert probes and {r["headers"]["authorization"] for r in probes} == {f"Bearer {KEY}"}
+
+
+async def test_a_probe_that_cannot_run_is_logged_without_the_key_the_endpoint_echoed(
+    client: httpx.AsyncClient, tokenizer_dir: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine that refuses the probe and quotes the authorization it got: the prober's warning says why the probe
+    did not run, and the backend's key is not in it."""
+
+    async def health(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("")
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 2048}]})
+
+    async def refuse(request: Request) -> JSONResponse:
+        quoted = request.headers.get("authorization")
+        return JSONResponse({"error": {"message": f"key not accepted: {quoted}"}}, status_code=401)
+
+    engine = Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", refuse, methods=["POST"]),
+            Route("/v1/completions", refuse, methods=["POST"]),
+        ]
+    )
+    prober = {"enabled": True, "interval_s": 1, "rate": 50, "max_requests": 10, "time_limit_s": 10}
+    with run_server(engine) as backend, caplog.at_level(logging.WARNING, logger="bulkhead.prober"):
+        settings = gateway_settings(
+            {"sim": backend},
+            tokenizer_dir,  # type: ignore[arg-type]
+            backends=[{"name": "sim", "url": backend, "api_key": KEY}],
+            isolation={"prober": prober},
+        )
+        with run_server(create_app(settings)):
+            deadline = time.monotonic() + 30
+            while "did not run" not in caplog.text:
+                assert time.monotonic() < deadline, "the prober never reported the refused probe"
+                await asyncio.sleep(0.1)
+    assert "401" in caplog.text and "key not accepted" in caplog.text
+    assert KEY not in caplog.text
