@@ -7,7 +7,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,10 +18,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.app import create_app
 from gateway.auditlog import token_id
+from gateway.counting import LocalCounter
+from gateway.serving import run_server
 from gateway.tenants import hash_key
 from tests.integration.conftest import GatewayFactory
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, gateway_settings
 from tests.integration.tenant_support import ADMIN_TOKEN, Admin, chat, new_id, redis_database, until
 from tests.redis_server import redis_server
 
@@ -398,3 +403,29 @@ def test_generated_tenant_bodies_are_created_or_refused_as_the_schema_says(gatew
                 client.delete(f"{gateway}/admin/tenants/{body['id']}")
 
         check()
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_a_tenant_made_again_under_a_deleted_ones_id_inherits_none_of_its_kept_prompt_counts(
+    client: httpx.AsyncClient, sim_url: str, tokenizer_dir: Path, store: str
+) -> None:
+    """Prompt pieces' counts are kept per tenant (gateway/piece_counts.py); how fast a text is counted would tell
+    whether it was sent before, so a new tenant under an old id must start with none of them."""
+    with ExitStack() as stack:
+        redis = {"redis_url": redis_database(stack.enter_context(redis_server()))} if store == "redis" else {}
+        app = create_app(gateway_settings({"sim": sim_url}, tokenizer_dir, admin_token=ADMIN_TOKEN, **redis))
+        url = stack.enter_context(run_server(app))
+        counter = app.state.gateway.counters[MODEL]
+        assert isinstance(counter, LocalCounter) and counter.pieces.piecewise
+        admin = Admin(client, url)
+        tenant_id, _, key = await admin.tenant_with_key()
+        words = [{"role": "user", "content": f"the first tenant's own words, {new_id()}"}]
+        assert (await chat(client, url, key, messages=words)).status_code == 200
+        tokenized = counter.pieces.misses
+        assert (await chat(client, url, key, messages=words)).status_code == 200
+        assert counter.pieces.misses == tokenized, "the same tenant's prompt again: every piece was kept"
+        assert (await admin.call("DELETE", f"/tenants/{tenant_id}")).status_code == 204
+        await admin.create_tenant(tenant_id)
+        again = (await admin.create_key(tenant_id))["key"]
+        assert (await chat(client, url, again, messages=words)).status_code == 200
+        assert counter.pieces.misses > tokenized, "the new tenant's prompt was counted from the old one's pieces"
