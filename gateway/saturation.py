@@ -193,9 +193,9 @@ class LoadMonitor:
             response = await client.get(f"{replica.url}/metrics", timeout=timeout)
         except httpx.HTTPError as exc:
             log.debug("load of backend %s not read: %s", replica.name, type(exc).__name__)
-            self.loads.setdefault(replica.name, ReplicaLoad()).unread(replica)
-            return
-        engine = parse_load(response.text) if response.status_code == 200 else None
+            engine = None
+        else:
+            engine = parse_load(response.text) if response.status_code == 200 else None
         if engine is None:
             self.loads.setdefault(replica.name, ReplicaLoad()).unread(replica)
         else:

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.bench.bench_overhead import OUTPUT_TOKENS, Scenario, _ms, measure_rounds, open_targets, render_table
+from tests.bench.bench_overhead import OUTPUT_TOKENS, Scenario, measure_rounds, ms_at, open_targets, render_table
 from tests.bench.load import LoadError, Target, run_batch
 from tests.bench.processes import Server, Workspace
 
@@ -54,9 +54,9 @@ async def _measure(
                 "scenario": scenario.name,
                 "stream": scenario.stream,
                 "target": target.name,
-                "added_p50_ms": round(_ms(g.latencies, 50) - _ms(d.latencies, 50), 3),
-                "added_p99_ms": round(_ms(g.latencies, 99) - _ms(d.latencies, 99), 3),
-                "ttfb_added_p50_ms": round(_ms(g.first_bytes, 50) - _ms(d.first_bytes, 50), 3),
+                "added_p50_ms": round(ms_at(g.latencies, 50) - ms_at(d.latencies, 50), 3),
+                "added_p99_ms": round(ms_at(g.latencies, 99) - ms_at(d.latencies, 99), 3),
+                "ttfb_added_p50_ms": round(ms_at(g.first_bytes, 50) - ms_at(d.first_bytes, 50), 3),
                 "cpu_ms_per_request": None if cpu is None else round(cpu / len(g.latencies) * 1000, 3),
             }
         )

@@ -80,7 +80,7 @@ class Scenario:
 SCENARIOS = [Scenario(False, 1), Scenario(False, HIGH_CONCURRENCY), Scenario(True, 1), Scenario(True, HIGH_CONCURRENCY)]
 
 
-def _ms(values: list[float], q: float) -> float:
+def ms_at(values: list[float], q: float) -> float:
     return round(percentile(values, q) * 1000, 3)
 
 
@@ -93,12 +93,12 @@ def _side(prefix: str, other: Batch, cpu_s: float | None, direct: Batch) -> dict
     """What the gateway's columns say, for another target measured in the same rounds (an old revision, a peer)."""
     d, o = direct, other
     return {
-        f"{prefix}_p50_ms": _ms(o.latencies, 50),
-        f"{prefix}_p99_ms": _ms(o.latencies, 99),
-        f"{prefix}_added_p50_ms": round(_ms(o.latencies, 50) - _ms(d.latencies, 50), 3),
-        f"{prefix}_added_p99_ms": round(_ms(o.latencies, 99) - _ms(d.latencies, 99), 3),
-        f"{prefix}_ttfb_added_p50_ms": round(_ms(o.first_bytes, 50) - _ms(d.first_bytes, 50), 3),
-        f"{prefix}_ttfb_added_p99_ms": round(_ms(o.first_bytes, 99) - _ms(d.first_bytes, 99), 3),
+        f"{prefix}_p50_ms": ms_at(o.latencies, 50),
+        f"{prefix}_p99_ms": ms_at(o.latencies, 99),
+        f"{prefix}_added_p50_ms": round(ms_at(o.latencies, 50) - ms_at(d.latencies, 50), 3),
+        f"{prefix}_added_p99_ms": round(ms_at(o.latencies, 99) - ms_at(d.latencies, 99), 3),
+        f"{prefix}_ttfb_added_p50_ms": round(ms_at(o.first_bytes, 50) - ms_at(d.first_bytes, 50), 3),
+        f"{prefix}_ttfb_added_p99_ms": round(ms_at(o.first_bytes, 99) - ms_at(d.first_bytes, 99), 3),
         f"{prefix}_rps": round(o.throughput, 1),
         f"{prefix}_throughput_ratio": _ratio(o, d),
         f"{prefix}_cpu_ms_per_request": None if cpu_s is None else round(cpu_s / len(o.latencies) * 1000, 3),
@@ -125,14 +125,14 @@ class Result:
             "stream": self.scenario.stream,
             "concurrency": self.scenario.concurrency,
             "requests_per_target": len(g.latencies),
-            "direct_p50_ms": _ms(d.latencies, 50),
-            "direct_p99_ms": _ms(d.latencies, 99),
-            "gateway_p50_ms": _ms(g.latencies, 50),
-            "gateway_p99_ms": _ms(g.latencies, 99),
-            "added_p50_ms": round(_ms(g.latencies, 50) - _ms(d.latencies, 50), 3),
-            "added_p99_ms": round(_ms(g.latencies, 99) - _ms(d.latencies, 99), 3),
-            "ttfb_added_p50_ms": round(_ms(g.first_bytes, 50) - _ms(d.first_bytes, 50), 3),
-            "ttfb_added_p99_ms": round(_ms(g.first_bytes, 99) - _ms(d.first_bytes, 99), 3),
+            "direct_p50_ms": ms_at(d.latencies, 50),
+            "direct_p99_ms": ms_at(d.latencies, 99),
+            "gateway_p50_ms": ms_at(g.latencies, 50),
+            "gateway_p99_ms": ms_at(g.latencies, 99),
+            "added_p50_ms": round(ms_at(g.latencies, 50) - ms_at(d.latencies, 50), 3),
+            "added_p99_ms": round(ms_at(g.latencies, 99) - ms_at(d.latencies, 99), 3),
+            "ttfb_added_p50_ms": round(ms_at(g.first_bytes, 50) - ms_at(d.first_bytes, 50), 3),
+            "ttfb_added_p99_ms": round(ms_at(g.first_bytes, 99) - ms_at(d.first_bytes, 99), 3),
             "direct_rps": round(d.throughput, 1),
             "gateway_rps": round(g.throughput, 1),
             "throughput_ratio": _ratio(g, d),

@@ -17,8 +17,10 @@ from typing import Any
 import aiohttp
 import uvicorn
 
-# Hop-by-hop or recomputed headers: the rest of the backend's headers pass as they are.
-DROPPED = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"date", b"server"})
+# Hop-by-hop or recomputed headers (the client's host, the lengths, the backend's date): the rest pass as they are.
+DROPPED = frozenset(
+    {b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"date", b"server"}
+)
 
 
 class FloorProxy:
@@ -37,7 +39,6 @@ class FloorProxy:
             if not message.get("more_body"):
                 break
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in DROPPED}
-        headers.pop("host", None)
         assert self.session is not None
         async with self.session.request(
             scope["method"], self.backend + scope["path"], data=body or None, headers=headers
