@@ -1,4 +1,4 @@
-"""Small gateway parts with sharp edges: SSE splitting, body limits, key hashing, settings sources."""
+"""Small gateway parts with sharp edges: SSE splitting, body limits, key hashing, settings sources, metric children."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 from gateway.accesslog import request_id
 from gateway.body import parse_json_object
 from gateway.errors import AuthenticationFailed, InvalidRequest
+from gateway.metrics import GatewayMetrics
 from gateway.settings import SettingsError, TenantSettings, load_settings
 from gateway.sse import EventSplitter
 from gateway.tenants import TenantDirectory, hash_key, new_api_key
@@ -23,6 +24,22 @@ def test_event_splitter_yields_only_whole_events_across_any_boundaries() -> None
             events.extend(splitter.feed(stream[start : start + size]))
         assert events == [b'data: {"a": 1}\n\n', b'data: {"b": 2}\n\n', b"data: [DONE]\n\n"], size
         assert splitter.rest() == b""
+
+
+def test_kept_metric_children_count_in_the_exposition_and_follow_a_removal() -> None:
+    metrics = GatewayMetrics()
+    requests = metrics.requests
+    assert requests.labels("m", "chat", "200") is requests.labels("m", "chat", "200")
+    requests.labels("m", "chat", "200").inc()
+    requests.labels("m", "chat", 200).inc()  # converted as prometheus_client converts: the same series
+    assert 'bulkhead_requests_total{model="m",route="chat",status="200"} 2.0' in metrics.render().decode()
+    # A removed series starts again from zero: a kept child of the removed one would count where nobody reads.
+    requests.remove("m", "chat", "200")
+    requests.labels("m", "chat", "200").inc()
+    assert 'bulkhead_requests_total{model="m",route="chat",status="200"} 1.0' in metrics.render().decode()
+    requests.clear()
+    requests.labels("m", "chat", 200).inc(3)
+    assert 'bulkhead_requests_total{model="m",route="chat",status="200"} 3.0' in metrics.render().decode()
 
 
 def test_depth_limit_counts_levels() -> None:
