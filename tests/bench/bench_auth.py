@@ -36,6 +36,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,11 @@ from redis.asyncio import BlockingConnectionPool, Redis
 
 from gateway.directory import ApiKey, RedisDirectoryStore, Tenant, new_key_id
 from gateway.errors import AuthenticationFailed, DirectoryUnavailable
+from gateway.serving import free_port
 from gateway.settings import REDIS_KEY_PREFIX, TenantDirectorySettings, TenantSettings
 from gateway.tenants import TenantDirectory, hash_key, new_api_key
 from tests.bench.load import new_session, percentile
-from tests.bench.processes import MODEL, Workspace, child, free_port
+from tests.bench.processes import MODEL, Workspace, child
 from tests.redis_server import own_redis
 
 FILL_CONCURRENCY = 500
@@ -79,8 +81,8 @@ async def fill(redis: Redis, tenants: int, per_tenant: int) -> Population:
             secret = new_api_key(check)
             secrets_.append(secret)
             keys.append(ApiKey(new_key_id(), tenant.id, hash_key(secret), "bench", now))
-    await _in_parallel([lambda t=t: store.add_tenant(t) for t in made])
-    await _in_parallel([lambda k=k: store.add_key(k) for k in keys])
+    await _in_parallel([partial(store.add_tenant, t) for t in made])
+    await _in_parallel([partial(store.add_key, k) for k in keys])
     return Population(made, secrets_, keys)
 
 
@@ -147,13 +149,13 @@ async def part_one(redis: Redis, population: Population, calls: int) -> list[dic
     bearer = [f"Bearer {population.secrets[i]}" for i in sample]
     rows = []
     before = await Load.now(redis)
-    cold = [await timed(lambda b=b: runtime.authenticate(b)) for b in bearer]
+    cold = [await timed(partial(runtime.authenticate, b)) for b in bearer]
     rows.append({"case": "runtime key, cold (one Redis read)", **micros(cold), **await before.since(redis, calls)})
     warm: dict[str, list[float]] = {"runtime": [], "configured": []}
     before = await Load.now(redis)
     for _ in range(5):  # interleaved: drift on a shared 2-core machine hits both alike
         for name, directory in (("runtime", runtime), ("configured", configured)):
-            warm[name] += [await timed(lambda b=b, d=directory: d.authenticate(b)) for b in bearer]
+            warm[name] += [await timed(partial(directory.authenticate, b)) for b in bearer]
     costs = await before.since(redis, 10 * calls)
     ratio = statistics.median(warm["runtime"]) / statistics.median(warm["configured"])
     rows.append({"case": "runtime key, warm (held in memory)", **micros(warm["runtime"]), **costs,
@@ -167,7 +169,7 @@ async def part_one(redis: Redis, population: Population, calls: int) -> list[dic
         ("random key (refused by its check)", [f"Bearer {new_api_key()}" for _ in range(calls)]),
     ]:
         before = await Load.now(redis)
-        spent = [await timed(lambda b=b: runtime.authenticate(b)) for b in keys]
+        spent = [await timed(partial(runtime.authenticate, b)) for b in keys]
         rows.append({"case": case, **micros(spent), **await before.since(redis, calls)})
     return rows
 
@@ -225,7 +227,7 @@ async def flood_and_legit(
         if tick % int(1 / (LEGIT_NEW_PER_S * TICK_S)) == 0:
             spawn(legit_new())
         for bearer in rng.sample(held, int(LEGIT_WARM_PER_S * TICK_S)):
-            warm_latency.append(await timed(lambda b=bearer: directory.authenticate(b)))
+            warm_latency.append(await timed(partial(directory.authenticate, bearer)))
         await asyncio.sleep(max(0.0, started + (tick + 1) * TICK_S - time.perf_counter()))
     await asyncio.gather(*pending)
     elapsed = time.perf_counter() - started

@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ def _side_by_side(
     order = [(kept, "kept"), (whole, "whole")]
     timed: dict[str, tuple[float, int]] = {}
     for counter, name in reversed(order) if flip else order:
-        timed[name] = _median_us(lambda c=counter: c.count_now(prompt), repeats)
+        timed[name] = _median_us(partial(counter.count_now, prompt), repeats)
     if timed["kept"][1] != timed["whole"][1]:
         raise AssertionError(f"counts differ: kept {timed['kept'][1]}, whole {timed['whole'][1]}")
     return timed["kept"][0], timed["whole"][0]
@@ -137,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kept = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_bytes=CACHE_BYTES)
         whole = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_bytes=0)
         print(f"piecewise counting: {kept.pieces.piecewise}", file=sys.stderr)
-        report = {
+        report: dict[str, Any] = {
             "session": rows,
             "fresh_prompts_300_tokens": fresh(kept, whole, 200, turn_chars),
             "same_short_prompt": repeated(kept, whole, 200),

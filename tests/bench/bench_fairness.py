@@ -35,9 +35,10 @@ import aiohttp
 import orjson
 import yaml
 
+from gateway.serving import free_port
 from gateway.tenants import hash_key
 from tests.bench.load import percentile
-from tests.bench.processes import MODEL, Server, Workspace, child, free_port
+from tests.bench.processes import MODEL, Server, Workspace, child
 from tests.redis_server import own_redis
 
 SLOTS = 8

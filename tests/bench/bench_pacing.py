@@ -94,7 +94,7 @@ async def _measure(
     results = {target.name: Paced() for target in targets}
     per_round = max(1, streams // rounds)
     for round_no in range(rounds):
-        for target in targets[round_no % 2 :] + targets[: round_no % 2]:
+        for target in [*targets[round_no % 2 :], *targets[: round_no % 2]]:
             pending = per_round
             while pending > 0:
                 batch = min(concurrency, pending)
@@ -116,7 +116,7 @@ async def run(sim_url: str, gateway_url: str, args: argparse.Namespace) -> dict[
         targets = [Target("direct", sim_url, direct), Target("gateway", gateway_url, through)]
         await _measure(targets, body, args.concurrency, args.concurrency, 1)  # warm: pools, tokenizer, caches
         results = await _measure(targets, body, args.streams, args.concurrency, args.rounds)
-    report = {name: paced.summary() for name, paced in results.items()}
+    report: dict[str, Any] = {name: paced.summary() for name, paced in results.items()}
     d, g = report["direct"]["gap_p50_ms"], report["gateway"]["gap_p50_ms"]
     report["median_gap_ratio"] = round(g / d, 3) if d else None
     return report

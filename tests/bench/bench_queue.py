@@ -23,10 +23,11 @@ from redis.asyncio import Redis
 
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter, RedisBuckets
-from gateway.settings import REDIS_KEY_PREFIX, TenantSettings
+from gateway.serving import free_port
+from gateway.settings import REDIS_KEY_PREFIX, TenantLimits, TenantSettings
 from gateway.tenants import hash_key
 from tests.bench.load import percentile
-from tests.bench.processes import BENCH_KEY, MODEL, Workspace, child, free_port
+from tests.bench.processes import BENCH_KEY, MODEL, Workspace, child
 from tests.redis_server import own_redis
 
 
@@ -48,7 +49,7 @@ async def part_one(redis_url: str, calls: int) -> None:
     tenant = TenantSettings(
         id="bench-limits",
         key_hashes=[hash_key("bk-bench-limits")],
-        limits={"requests_per_minute": 10**9, "tokens_per_minute": 10**12},
+        limits=TenantLimits(requests_per_minute=10**9, tokens_per_minute=10**12),
     )
     redis = Redis.from_url(redis_url)
     shared = RateLimiter(RedisBuckets(redis, prefix=REDIS_KEY_PREFIX), fail_open=True, metrics=GatewayMetrics())

@@ -47,13 +47,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.backends import Replica, ReplicaPool
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Reason, Router
+from gateway.serving import free_port
 from gateway.settings import BackendSettings, ModelSettings, RoutingSettings
 from gateway.store import MemoryStore
 from gateway.tenants import hash_key
 from isolation.sim.tinymodel import cached_tokenizer
 from tests.bench.bench_admission import markdown_table
 from tests.bench.load import LoadError, new_session, percentile
-from tests.bench.processes import KEEPALIVE_EXPIRY_S, Server, child, free_port
+from tests.bench.processes import KEEPALIVE_EXPIRY_S, Server, child
 from tests.bench.prose import prose
 
 MODEL = "tiny-llama"

@@ -46,6 +46,7 @@ from typing import Any
 import orjson
 import yaml
 
+from gateway.serving import free_port
 from isolation.markers import NORMAL_LENGTH, CanaryKey, MarkerRegistry, make_marker, normal_form
 from isolation.scanner import StreamScanner, normalize
 from tests.bench import processes
@@ -186,7 +187,7 @@ def build_ahocorasick(tenants: Sequence[str], registry: MarkerRegistry) -> Built
 
 
 def build_hyperscan(tenants: Sequence[str], registry: MarkerRegistry) -> Built:
-    import hyperscan  # benchmark only, not a project dependency
+    import hyperscan  # type: ignore[import-not-found]  # benchmark only, not a project dependency
 
     def compile_database(normals: list[bytes]) -> Any:
         database = hyperscan.Database(mode=hyperscan.HS_MODE_STREAM)
@@ -384,7 +385,7 @@ SCENARIOS = (
 
 @contextlib.contextmanager
 def gateway(workspace: Workspace, backend_url: str, canary: bool) -> Iterator[Server]:
-    port = processes.free_port()
+    port = free_port()
     settings = processes._gateway_settings(port, backend_url, workspace.tokenizer_dir, workspace.log_level)
     if not canary:
         settings["isolation"] = {"canary": {"enabled": False}}

@@ -28,9 +28,10 @@ import aiohttp
 import orjson
 import yaml
 
+from gateway.serving import free_port
 from gateway.tenants import hash_key
 from tests.bench.load import LoadError, new_session, percentile
-from tests.bench.processes import KEEPALIVE_EXPIRY_S, Server, child, cpu_seconds, free_port
+from tests.bench.processes import KEEPALIVE_EXPIRY_S, Server, child, cpu_seconds
 from tests.bench.prose import prose_of_tokens
 
 SMALL_MODEL = "tiny-llama"

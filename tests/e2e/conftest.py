@@ -21,11 +21,10 @@ import httpx
 import pytest
 
 from gateway.app import create_app
-from gateway.serving import run_server
+from gateway.serving import free_port, run_server
 from isolation.sim.tinymodel import build_model
 from tests.e2e.vllm_env import find_python, venv_dir
 from tests.integration.support import MODEL, gateway_settings
-from tests.redis_server import free_port
 
 REQUIRED_VARIABLE = "VLLM_E2E_REQUIRED"
 HEALTH_TIMEOUT_S = 180.0  # ~25 s seen alone on 2 cores; a second server starting beside a busy one takes longer
