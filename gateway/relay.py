@@ -64,19 +64,21 @@ class StreamFilter:
         self._last: dict[str, Any] = {}  # the last chunk with choices: its id, model... frame a closing chunk
         self.usage: dict[str, Any] | None = None  # the last usage, as the tenant sees it
 
-    async def feed(self, chunk: bytes) -> list[dict[str, Any]]:
-        """The chunks of these bytes that may go to the tenant now (none while held back)."""
-        out = []
-        for event in self._splitter.feed(chunk):
-            passed = await self._event(event)
-            if passed is not None:
-                out.append(passed)
-        if self._held is not None:
-            if not self._checked:
-                self._held.extend(out)
-                return []
-            out = self._held + out
-            self._held = None
+    def events(self, chunk: bytes) -> list[bytes]:
+        """The whole events these bytes complete."""
+        return self._splitter.feed(chunk)
+
+    async def feed(self, event: bytes) -> list[dict[str, Any]]:
+        """What may go to the tenant once this event is checked: nothing while chunks are held back for the usage
+        check, then the held ones with it."""
+        passed = await self._event(event)
+        out = [] if passed is None else [passed]
+        if self._held is None:
+            return out
+        if not self._checked:
+            self._held.extend(out)
+            return []
+        out, self._held = self._held + out, None
         return out
 
     async def close(self) -> list[dict[str, Any]]:
@@ -153,7 +155,10 @@ def _sse_fields(event: bytes) -> list[tuple[str, str]]:
 
 async def filtered(source: AsyncIterator[bytes], stream_filter: StreamFilter) -> AsyncIterator[dict[str, Any]]:
     async for chunk in source:
-        for event in await stream_filter.feed(chunk):
-            yield event
-    for event in await stream_filter.close():
-        yield event
+        # Each event goes out as soon as it is checked, not once every event of its read is: one read of a fast
+        # engine's stream can hold a dozen events, and the first waited for the checks of all of them.
+        for event in stream_filter.events(chunk):
+            for passed in await stream_filter.feed(event):
+                yield passed
+    for passed in await stream_filter.close():
+        yield passed
