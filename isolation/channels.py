@@ -1,10 +1,10 @@
 """What an OpenAI-style answer may carry to a tenant, field by field, and the pruning that holds answers to it.
 
 docs/channels.md is the inventory in prose. Every field an engine can fill is a channel:
-- a field outside the inventory may be absent or null; any other value of it is removed before the answer goes
-  out, since it could carry text, token ids or bytes that no scan looks at (vLLM's prompt_token_ids,
-  prompt_logprobs, token_ids, prompt_text, kv_transfer_params, routed_experts... and whatever a later version
-  adds);
+- a field outside the inventory may be absent, or null when vLLM is known to send it so; any other value of it is
+  removed before the answer goes out, since it could carry text, token ids or bytes that no scan looks at (vLLM's
+  prompt_token_ids, prompt_logprobs, token_ids, prompt_text, kv_transfer_params, routed_experts... and whatever a
+  later version adds); a name the inventory does not know goes even with a null value, its name scanned;
 - a field with a closed set of values (object, role, finish_reason, a tool call's type, service_tier) carries one
   of them, or is removed: it is no channel at all;
 - numbers must be numbers, texts must be strings;
@@ -31,6 +31,13 @@ ALTERNATIVE = frozenset({"token", "logprob", "bytes"})
 COMPLETION_LOGPROBS = frozenset({"text_offset", "token_logprobs", "tokens", "top_logprobs"})
 USAGE = frozenset({"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"})
 PROMPT_DETAILS = frozenset({"cached_tokens"})
+# Dropped fields that vLLM 0.32 sends as null (docs/channels.md): they may stay null, so its answers go out untouched.
+TOP_NULLS = frozenset(
+    {"prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics"}
+)
+CHOICE_NULLS = frozenset({"token_ids", "routed_experts", "prompt_token_ids", "prompt_logprobs"})
+MESSAGE_NULLS = frozenset({"annotations", "audio", "function_call"})
+USAGE_NULLS = frozenset({"completion_tokens_details"})
 
 OBJECTS = frozenset({"chat.completion", "chat.completion.chunk", "text_completion"})
 ROLES = frozenset({"assistant", "user", "system", "developer", "tool"})
@@ -50,12 +57,22 @@ TEXT = (str,)
 Removed = list[tuple[str, Any]]
 
 
-def _prune(holder: dict[str, Any], allowed: frozenset[str], where: str, removed: Removed) -> None:
+def _prune(
+    holder: dict[str, Any], allowed: frozenset[str], where: str, removed: Removed, nulls: frozenset[str] = frozenset()
+) -> None:
+    """Remove what `allowed` does not name. A field the engine is known to send as null (`nulls`) may stay null; any
+    other name goes even when null, and is scanned itself: a field's name is a channel as much as its value."""
     if holder.keys() <= allowed:
         return
-    for key in holder.keys() - allowed:
-        if holder[key] is not None:
-            removed.append((f"{where}.{key}", holder.pop(key)))
+    for key in [key for key in holder if key not in allowed]:  # in order: a text spread over names is read whole
+        value = holder[key]
+        if value is None and key in nulls:
+            continue
+        if key not in nulls:
+            removed.append((f"{where}.<name>", key))
+        holder.pop(key)
+        if value is not None:
+            removed.append((f"{where}.{key}", value))
 
 
 def _typed(holder: dict[str, Any], kinds: tuple[type, ...], where: str, removed: Removed, *names: str) -> None:
@@ -93,7 +110,7 @@ def _objects(holder: dict[str, Any], name: str, where: str, removed: Removed) ->
 def prune(answer: dict[str, Any]) -> Removed:
     """Remove, in place, everything the inventory does not allow; returns what was removed (empty: untouched)."""
     removed: Removed = []
-    _prune(answer, TOP, "answer", removed)
+    _prune(answer, TOP, "answer", removed, TOP_NULLS)
     _typed(answer, NUMBER, "answer", removed, "created")
     _typed(answer, TEXT, "answer", removed, *ENVELOPE)
     _closed(answer, "object", OBJECTS, "answer", removed)
@@ -110,7 +127,7 @@ def _prune_usage(answer: dict[str, Any], usage: Any, removed: Removed) -> None:
     if type(usage) is not dict:
         removed.append(("answer.usage", answer.pop("usage")))
         return
-    _prune(usage, USAGE, "usage", removed)
+    _prune(usage, USAGE, "usage", removed, USAGE_NULLS)
     _typed(usage, (int,), "usage", removed, "prompt_tokens", "completion_tokens", "total_tokens")
     details = usage.get("prompt_tokens_details")
     if type(details) is dict:
@@ -121,7 +138,7 @@ def _prune_usage(answer: dict[str, Any], usage: Any, removed: Removed) -> None:
 
 
 def _prune_choice(choice: dict[str, Any], removed: Removed) -> None:
-    _prune(choice, CHOICE, "choice", removed)
+    _prune(choice, CHOICE, "choice", removed, CHOICE_NULLS)
     _typed(choice, (int,), "choice", removed, "index")
     _typed(choice, TEXT, "choice", removed, "text")
     _typed(choice, (int, str), "choice", removed, "stop_reason")
@@ -141,7 +158,7 @@ def _prune_choice(choice: dict[str, Any], removed: Removed) -> None:
 
 
 def _prune_message(message: dict[str, Any], removed: Removed) -> None:
-    _prune(message, MESSAGE, "message", removed)
+    _prune(message, MESSAGE, "message", removed, MESSAGE_NULLS)
     _typed(message, TEXT, "message", removed, *MESSAGE_TEXTS)
     _closed(message, "role", ROLES, "message", removed)
     for call in _objects(message, "tool_calls", "message", removed):

@@ -52,7 +52,8 @@ class Plan:
 
     channel: content, reasoning, reasoning_content, refusal, tool_name, tool_arguments, tool_id, logprob_token,
         top_logprob_token, logprob_bytes (chat); text, tokens, top_logprobs (completions); stop_reason,
-        finish_reason, id, model, system_fingerprint, extra_top, extra_choice, prompt_token_ids, token_ids,
+        finish_reason, id, model, system_fingerprint, extra_top, extra_choice, name_top, name_choice (the text as
+        a field's name, its value null), prompt_token_ids, token_ids,
         prompt_logprobs (both); and, beside the answer's fields: sse_comment, sse_event (lines before each data
         event of a stream), unterminated (the visible text, in a last event with no blank line after it and no
         [DONE]), midstream_error (a `data: {"error": ...}` event after the first chunk), error_400 (an HTTP 400
@@ -253,6 +254,9 @@ class Answer:
             _append(answer, channel, piece)
         elif channel in ("extra_top", "extra_choice"):
             _append(answer if channel == "extra_top" else choice, EXTRA, piece)
+        elif channel in ("name_top", "name_choice"):
+            # The text as the name of a field the engine sends null, as vLLM does its unused fields.
+            (answer if channel == "name_top" else choice)[piece] = None
         elif channel in ("prompt_token_ids", "token_ids"):
             # vLLM puts a chat's prompt_token_ids beside its choices, a completion's inside its choice.
             target = answer if channel == "prompt_token_ids" and self.chat else choice

@@ -97,6 +97,9 @@ CHANNELS = (
     Channel("system_fingerprint", BOTH, (("system_fingerprint",),), WHOLE, ONCE, held=True),
     Channel("extra_top", BOTH, ((EXTRA,),), WHOLE, ONCE, shown=False),
     Channel("extra_choice", BOTH, (("choices", EACH, EXTRA),), WHOLE, ONCE, shown=False),
+    # A field's name is a channel too: an unknown name goes out of no answer, even with a null value.
+    Channel("name_top", BOTH, ((KEYS,),), WHOLE, ONCE, shown=False),
+    Channel("name_choice", BOTH, (("choices", EACH, KEYS),), WHOLE, ONCE, shown=False),
     Channel(
         "prompt_token_ids",
         BOTH,

@@ -105,6 +105,7 @@ def test_fields_outside_the_inventory_are_removed_and_handed_over() -> None:
             [
                 ("answer.prompt_token_ids", [1, 2, 3]),
                 ("answer.kv_transfer_params", {"remote_block_ids": [7]}),
+                ("answer.<name>", "brand_new_field"),  # a name no table has: scanned too
                 ("answer.brand_new_field", "text"),
                 ("choice.token_ids", [4]),
                 ("message.audio", {"data": "x"}),
@@ -135,7 +136,7 @@ def test_completion_logprobs_are_typed() -> None:
               "top_logprobs": [{"a": -1.0}, {"b": "high"}], "text_offset": [0, 1], "extra": "y"}}  # fmt: skip
     answer = {"choices": [choice]}
     removed = [value for _, value in prune(answer)]
-    assert sorted(map(str, removed)) == sorted(map(str, [7, "x", {"b": "high"}, "y"]))
+    assert sorted(map(str, removed)) == sorted(map(str, [7, "x", {"b": "high"}, "y", "extra"]))  # "extra": the name
     assert choice["logprobs"] == {"tokens": ["a", ""], "token_logprobs": [-1.0, None],
                                   "top_logprobs": [{"a": -1.0}, None], "text_offset": [0, 1]}  # fmt: skip
 
