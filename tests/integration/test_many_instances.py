@@ -78,6 +78,9 @@ def gateway_config(redis_url: str, sims: dict[str, str], tokenizer_dir: Path) ->
                 # The KV cap and the usage check are off, so that only the canaries stand (test_canaries.py).
                 "limit_by_kv_capacity": False,
                 "verify_usage": False,
+                # The leaky replica's 16-block cache fills under this load, and a saturated replica's sessions
+                # go where there is room (fairness.py): with queueing off, a session's home is the routing alone.
+                "fairness": {"enabled": False},
             }
         ],
         "tenants": [
