@@ -18,19 +18,62 @@ Pruning leaves an answer that already fits untouched, so the relay only re-seria
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 
-TOP = frozenset({"id", "object", "created", "model", "choices", "usage", "system_fingerprint", "service_tier"})
-CHOICE = frozenset({"index", "message", "delta", "text", "logprobs", "finish_reason", "stop_reason"})
-MESSAGE = frozenset({"role", "content", "reasoning", "reasoning_content", "refusal", "tool_calls"})
-TOOL_CALL = frozenset({"index", "id", "type", "function"})
-FUNCTION = frozenset({"name", "arguments"})
-CHAT_LOGPROBS = frozenset({"content"})
-ENTRY = frozenset({"token", "logprob", "bytes", "top_logprobs"})
-ALTERNATIVE = frozenset({"token", "logprob", "bytes"})
-COMPLETION_LOGPROBS = frozenset({"text_offset", "token_logprobs", "tokens", "top_logprobs"})
-USAGE = frozenset({"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"})
-PROMPT_DETAILS = frozenset({"cached_tokens"})
+OBJECTS = frozenset({"chat.completion", "chat.completion.chunk", "text_completion"})
+ROLES = frozenset({"assistant", "user", "system", "developer", "tool"})
+FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call", "abort", "error"})
+SERVICE_TIERS = frozenset({"auto", "default", "flex", "scale", "priority"})
+TOOL_TYPES = frozenset({"function"})
+
+NUMBER = (int, float)
+TEXT = (str,)
+INTEGER = (int,)
+
+# What each level of an answer may hold, field by field: the types its value may have, the closed set of strings it
+# may be, or None for an object or a list that the level's own code checks. A name a level does not list goes.
+Fields = dict[str, tuple[type, ...] | frozenset[str] | None]
+TOP: Fields = {
+    "id": TEXT,
+    "object": OBJECTS,
+    "created": NUMBER,
+    "model": TEXT,
+    "choices": None,
+    "usage": None,
+    "system_fingerprint": TEXT,
+    "service_tier": SERVICE_TIERS,
+}
+CHOICE: Fields = {
+    "index": INTEGER,
+    "message": None,
+    "delta": None,
+    "text": TEXT,
+    "logprobs": None,
+    "finish_reason": FINISH_REASONS,
+    "stop_reason": (int, str),
+}
+MESSAGE: Fields = {
+    "role": ROLES,
+    "content": TEXT,
+    "reasoning": TEXT,
+    "reasoning_content": TEXT,
+    "refusal": TEXT,
+    "tool_calls": None,
+}
+TOOL_CALL: Fields = {"index": INTEGER, "id": TEXT, "type": TOOL_TYPES, "function": None}
+FUNCTION: Fields = {"name": TEXT, "arguments": TEXT}
+USAGE: Fields = {
+    "prompt_tokens": INTEGER,
+    "completion_tokens": INTEGER,
+    "total_tokens": INTEGER,
+    "prompt_tokens_details": None,
+}
+PROMPT_DETAILS: Fields = {"cached_tokens": INTEGER}
+CHAT_LOGPROBS: Fields = {"content": None}
+# A logprob entry's fields are checked in one loop over the entries (_prune_entries), not here.
+ENTRY: Fields = dict.fromkeys(("token", "logprob", "bytes", "top_logprobs"))
+ALTERNATIVE: Fields = dict.fromkeys(("token", "logprob", "bytes"))
+COMPLETION_LOGPROBS: Fields = dict.fromkeys(("text_offset", "token_logprobs", "tokens", "top_logprobs"))
 # Dropped fields that vLLM 0.32 sends as null (docs/channels.md): they may stay null, so its answers go out untouched.
 TOP_NULLS = frozenset(
     {"prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics"}
@@ -39,56 +82,51 @@ CHOICE_NULLS = frozenset({"token_ids", "routed_experts", "prompt_token_ids", "pr
 MESSAGE_NULLS = frozenset({"annotations", "audio", "function_call"})
 USAGE_NULLS = frozenset({"completion_tokens_details"})
 
-OBJECTS = frozenset({"chat.completion", "chat.completion.chunk", "text_completion"})
-ROLES = frozenset({"assistant", "user", "system", "developer", "tool"})
-FINISH_REASONS = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call", "abort", "error"})
-SERVICE_TIERS = frozenset({"auto", "default", "flex", "scale", "priority"})
-TOOL_TYPES = frozenset({"function"})
-
 # Texts that grow over a stream, by where they sit: a choice's message or delta, or the choice itself.
 MESSAGE_TEXTS = ("content", "reasoning", "reasoning_content", "refusal")
 # Strings that stand alone: the same value on every chunk of a stream (the guard holds them to it).
 ENVELOPE = ("id", "model", "system_fingerprint")
 
-NUMBER = (int, float)
-TEXT = (str,)
-
 # (where it was, e.g. "choice.token_ids", and the value) for everything pruning removed.
 Removed = list[tuple[str, Any]]
 
 
-def _prune(
-    holder: dict[str, Any], allowed: frozenset[str], where: str, removed: Removed, nulls: frozenset[str] = frozenset()
+def _fit(
+    holder: dict[str, Any], fields: Fields, where: str, removed: Removed, nulls: frozenset[str] = frozenset()
 ) -> None:
-    """Remove what `allowed` does not name. A field the engine is known to send as null (`nulls`) may stay null; any
-    other name goes even when null, and is scanned itself: a field's name is a channel as much as its value."""
-    if holder.keys() <= allowed:
-        return
-    for key in [key for key in holder if key not in allowed]:  # in order: a text spread over names is read whole
+    """Hold one level of an answer to its fields, in place. A listed field of the wrong type, or outside its closed
+    set, is nulled. A name not listed goes, even with a null value, and is scanned itself (a field's name is a
+    channel as much as its value) — except a field the engine is known to send as null (`nulls`), which may stay
+    null. One pass over what the level holds: this runs for every event of every stream."""
+    wrong = []
+    for key, value in holder.items():
+        kind = fields.get(key, _UNLISTED)
+        if value is None:
+            if kind is _UNLISTED and key not in nulls:
+                wrong.append(key)
+        elif kind is None:
+            continue
+        elif kind is _UNLISTED:
+            wrong.append(key)
+        elif type(kind) is frozenset:
+            if type(value) is not str or value not in kind:
+                wrong.append(key)
+        elif type(value) not in kind:
+            wrong.append(key)
+    for key in wrong:  # in order: a text spread over names is read whole
         value = holder[key]
-        if value is None and key in nulls:
+        if key in fields:
+            removed.append((f"{where}.{key}", value))
+            holder[key] = None
             continue
         if key not in nulls:
             removed.append((f"{where}.<name>", key))
-        holder.pop(key)
+        del holder[key]
         if value is not None:
             removed.append((f"{where}.{key}", value))
 
 
-def _typed(holder: dict[str, Any], kinds: tuple[type, ...], where: str, removed: Removed, *names: str) -> None:
-    """Null every named field whose value is not of one of these types (nor null)."""
-    for name in names:
-        value = holder.get(name)
-        if value is not None and type(value) not in kinds:
-            removed.append((f"{where}.{name}", value))
-            holder[name] = None
-
-
-def _closed(holder: dict[str, Any], name: str, values: frozenset[str], where: str, removed: Removed) -> None:
-    value = holder.get(name)
-    if value is not None and value not in values:
-        removed.append((f"{where}.{name}", value))
-        holder[name] = None
+_UNLISTED: Final = frozenset[str]()
 
 
 def _objects(holder: dict[str, Any], name: str, where: str, removed: Removed) -> list[dict[str, Any]]:
@@ -110,11 +148,7 @@ def _objects(holder: dict[str, Any], name: str, where: str, removed: Removed) ->
 def prune(answer: dict[str, Any]) -> Removed:
     """Remove, in place, everything the inventory does not allow; returns what was removed (empty: untouched)."""
     removed: Removed = []
-    _prune(answer, TOP, "answer", removed, TOP_NULLS)
-    _typed(answer, NUMBER, "answer", removed, "created")
-    _typed(answer, TEXT, "answer", removed, *ENVELOPE)
-    _closed(answer, "object", OBJECTS, "answer", removed)
-    _closed(answer, "service_tier", SERVICE_TIERS, "answer", removed)
+    _fit(answer, TOP, "answer", removed, TOP_NULLS)
     usage = answer.get("usage")
     if usage is not None:
         _prune_usage(answer, usage, removed)
@@ -127,22 +161,17 @@ def _prune_usage(answer: dict[str, Any], usage: Any, removed: Removed) -> None:
     if type(usage) is not dict:
         removed.append(("answer.usage", answer.pop("usage")))
         return
-    _prune(usage, USAGE, "usage", removed, USAGE_NULLS)
-    _typed(usage, (int,), "usage", removed, "prompt_tokens", "completion_tokens", "total_tokens")
+    _fit(usage, USAGE, "usage", removed, USAGE_NULLS)
     details = usage.get("prompt_tokens_details")
     if type(details) is dict:
-        _prune(details, PROMPT_DETAILS, "usage.details", removed)
-        _typed(details, (int,), "usage.details", removed, "cached_tokens")
-    else:
-        _typed(usage, (dict,), "usage", removed, "prompt_tokens_details")
+        _fit(details, PROMPT_DETAILS, "usage.details", removed)
+    elif details is not None:
+        removed.append(("usage.prompt_tokens_details", details))
+        usage["prompt_tokens_details"] = None
 
 
 def _prune_choice(choice: dict[str, Any], removed: Removed) -> None:
-    _prune(choice, CHOICE, "choice", removed, CHOICE_NULLS)
-    _typed(choice, (int,), "choice", removed, "index")
-    _typed(choice, TEXT, "choice", removed, "text")
-    _typed(choice, (int, str), "choice", removed, "stop_reason")
-    _closed(choice, "finish_reason", FINISH_REASONS, "choice", removed)
+    _fit(choice, CHOICE, "choice", removed, CHOICE_NULLS)
     for name in ("message", "delta"):
         message = choice.get(name)
         if type(message) is dict:
@@ -158,18 +187,12 @@ def _prune_choice(choice: dict[str, Any], removed: Removed) -> None:
 
 
 def _prune_message(message: dict[str, Any], removed: Removed) -> None:
-    _prune(message, MESSAGE, "message", removed, MESSAGE_NULLS)
-    _typed(message, TEXT, "message", removed, *MESSAGE_TEXTS)
-    _closed(message, "role", ROLES, "message", removed)
+    _fit(message, MESSAGE, "message", removed, MESSAGE_NULLS)
     for call in _objects(message, "tool_calls", "message", removed):
-        _prune(call, TOOL_CALL, "tool", removed)
-        _typed(call, (int,), "tool", removed, "index")
-        _typed(call, TEXT, "tool", removed, "id")
-        _closed(call, "type", TOOL_TYPES, "tool", removed)
+        _fit(call, TOOL_CALL, "tool", removed)
         function = call.get("function")
         if type(function) is dict:
-            _prune(function, FUNCTION, "tool.function", removed)
-            _typed(function, TEXT, "tool.function", removed, *FUNCTION)
+            _fit(function, FUNCTION, "tool.function", removed)
         elif function is not None:
             removed.append(("tool.function", call.pop("function")))
 
@@ -178,15 +201,15 @@ def _prune_logprobs(logprobs: dict[str, Any], removed: Removed) -> None:
     if "tokens" in logprobs:
         _prune_completion_logprobs(logprobs, removed)
         return
-    _prune(logprobs, CHAT_LOGPROBS, "logprobs", removed)
+    _fit(logprobs, CHAT_LOGPROBS, "logprobs", removed)
     _prune_entries(_objects(logprobs, "content", "logprobs", removed), ENTRY, "entry", removed)
 
 
-def _prune_entries(entries: list[dict[str, Any]], allowed: frozenset[str], where: str, removed: Removed) -> None:
+def _prune_entries(entries: list[dict[str, Any]], allowed: Fields, where: str, removed: Removed) -> None:
     # One loop, no call per entry: with top_logprobs this runs for every alternative of every token.
     for entry in entries:
-        if not entry.keys() <= allowed:
-            _prune(entry, allowed, where, removed)
+        if not entry.keys() <= allowed.keys():
+            _fit(entry, allowed, where, removed)
         logprob = entry.get("logprob")
         if logprob is not None and type(logprob) is not float and type(logprob) is not int:
             removed.append((f"{where}.logprob", logprob))
@@ -211,7 +234,7 @@ def _prune_entries(entries: list[dict[str, Any]], allowed: frozenset[str], where
 
 
 def _prune_completion_logprobs(logprobs: dict[str, Any], removed: Removed) -> None:
-    _prune(logprobs, COMPLETION_LOGPROBS, "logprobs", removed)
+    _fit(logprobs, COMPLETION_LOGPROBS, "logprobs", removed)
     for name, kinds in (("tokens", TEXT), ("text_offset", NUMBER), ("token_logprobs", NUMBER)):
         values = logprobs.get(name)
         if values is None:

@@ -53,7 +53,8 @@ class Plan:
     channel: content, reasoning, reasoning_content, refusal, tool_name, tool_arguments, tool_id, logprob_token,
         top_logprob_token, logprob_bytes (chat); text, tokens, top_logprobs (completions); stop_reason,
         finish_reason, id, model, system_fingerprint, extra_top, extra_choice, name_top, name_choice (the text as
-        a field's name, its value null), prompt_token_ids, token_ids,
+        a field's name, its value null), object_list (the text as the items of a list in `object`), prompt_token_ids,
+        token_ids,
         prompt_logprobs (both); and, beside the answer's fields: sse_comment, sse_event (lines before each data
         event of a stream), unterminated (the visible text, in a last event with no blank line after it and no
         [DONE]), midstream_error (a `data: {"error": ...}` event after the first chunk), error_400 (an HTTP 400
@@ -254,6 +255,9 @@ class Answer:
             _append(answer, channel, piece)
         elif channel in ("extra_top", "extra_choice"):
             _append(answer if channel == "extra_top" else choice, EXTRA, piece)
+        elif channel == "object_list":
+            # A list where a closed set of strings belongs (`object`): pruning once failed on such a value.
+            answer["object"] = [*(answer["object"] if type(answer.get("object")) is list else ()), piece]
         elif channel in ("name_top", "name_choice"):
             # The text as the name of a field the engine sends null, as vLLM does its unused fields.
             (answer if channel == "name_top" else choice)[piece] = None

@@ -100,6 +100,7 @@ CHANNELS = (
     # A field's name is a channel too: an unknown name goes out of no answer, even with a null value.
     Channel("name_top", BOTH, ((KEYS,),), WHOLE, ONCE, shown=False),
     Channel("name_choice", BOTH, (("choices", EACH, KEYS),), WHOLE, ONCE, shown=False),
+    Channel("object_list", BOTH, (("object", EACH),), WHOLE, ONCE, shown=False),
     Channel(
         "prompt_token_ids",
         BOTH,

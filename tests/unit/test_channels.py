@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from isolation import channels
 from isolation.channels import prune, token_streams
 from isolation.guard import Leak, LeakBlocked, OutputGuard
 from isolation.leaks import LeakPolicy
@@ -119,6 +120,49 @@ def test_fields_outside_the_inventory_are_removed_and_handed_over() -> None:
     assert "prompt_token_ids" not in body and "kv_transfer_params" not in body and "brand_new_field" not in body
     assert body["choices"][0]["message"]["content"] is None and body["created"] is None
     assert "completion_tokens_details" not in body["usage"]
+
+
+# Whatever JSON an engine sends: its field names drawn from every level of the inventory and beyond, its values
+# any JSON at all, nested anywhere.
+NAMES = st.sampled_from(
+    [*channels.TOP, *channels.CHOICE, *channels.MESSAGE, *channels.TOOL_CALL, *channels.FUNCTION, *channels.USAGE,
+     *channels.PROMPT_DETAILS, *channels.ENTRY, *channels.COMPLETION_LOGPROBS, *channels.TOP_NULLS,
+     *channels.CHOICE_NULLS, *channels.MESSAGE_NULLS, *channels.USAGE_NULLS]
+) | st.text(max_size=6)  # fmt: skip
+CLOSED = [*channels.OBJECTS, *channels.ROLES, *channels.FINISH_REASONS, *channels.SERVICE_TIERS, "function"]
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.sampled_from(CLOSED) | st.text(max_size=8)
+JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(NAMES, inner, max_size=6))
+KNOWN_NAMES = {name for level in (channels.TOP, channels.CHOICE, channels.MESSAGE, channels.TOOL_CALL,
+               channels.FUNCTION, channels.USAGE, channels.PROMPT_DETAILS, channels.ENTRY,
+               channels.COMPLETION_LOGPROBS) for name in level} | channels.TOP_NULLS | channels.CHOICE_NULLS | \
+              channels.MESSAGE_NULLS | channels.USAGE_NULLS  # fmt: skip
+
+
+def strings(value: Any) -> set[str]:
+    """Every string in a JSON value, its object keys included (but the inventory's own names)."""
+    if isinstance(value, str):
+        return {value}
+    if isinstance(value, dict):
+        return {k for k in value if k not in KNOWN_NAMES}.union(*map(strings, value.values()))
+    if isinstance(value, list):
+        return set().union(*map(strings, value))
+    return set()
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(NAMES, JSON, max_size=9), st.booleans())
+async def test_any_answer_is_pruned_to_the_inventory_without_losing_a_text(answer: Chunk, streamed: bool) -> None:
+    """No JSON an engine can send makes pruning or the guard fail (a list where a closed set of strings belongs once
+    did); what pruning keeps fits the inventory, so a second pass removes nothing; and every text the engine sent,
+    a field's name included, is either kept (the guard reads it) or handed over as removed (the guard scans it)."""
+    sent = copy.deepcopy(answer)
+    removed = prune(answer)
+    assert prune(answer) == [], "what pruning keeps fits the inventory"
+    assert strings(sent) <= strings(answer) | strings([[where, value] for where, value in removed])
+    guard, _ = guard_for(registry_at(tenants=("alice", "bob")))
+    await guard.check_removed(removed)
+    await (guard.check_chunk(answer) if streamed else guard.check_body(answer))
+    guard.closing()
 
 
 def test_logprob_bytes_are_derived_from_the_token() -> None:
