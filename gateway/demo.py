@@ -133,7 +133,8 @@ def run_demo(tokenizer: Path) -> int:
         for layer in [UNGUARDED, *LAYERS]:
             # A fresh engine per layer, so each replay starts from the same cache.
             engine = stack.enter_context(run_server(create_sim_app(engine_config)))
-            gateway = stack.enter_context(run_server(create_app(_settings(engine, tokenizer, layer))))
+            settings = _settings(engine, tokenizer, layer)
+            gateway = stack.enter_context(run_server(create_app(settings), settings.edge))
             response, events = _replay(client, gateway)
             if layer is UNGUARDED:
                 leaked = response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else ""

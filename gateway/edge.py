@@ -10,11 +10,15 @@ sends its headers a byte at a time, stays open for ever. EdgeProtocol, a small s
 - a header deadline: a request's line and headers must all arrive within `edge.header_timeout_s` of the
   connection's start, or of the request's first byte on a kept-alive connection; else the connection is closed.
   A deadline, not an idle timer, so a byte a second does not keep it open;
-- the end of a connection answered before its request body came in (a refusal before the body is read, a 413, a
-  408): nothing would time out a body dribbled after the answer;
+- the end of a connection answered before its request body came in (a refusal before the body is read, a 413):
+  the rest of the body is read and dropped, so that the client reads the answer rather than a reset, and the
+  connection closes when the body ends, or at `edge.body_timeout_s` — nothing else would time out a body dribbled
+  after the answer;
 - OpenAI-style 503s, each closing its connection, in place of uvicorn's plain-text one past `edge.max_connections`,
   and for a request that arrives while the server drains (uvicorn closes such a connection without a word); each
   with its access-log line (route `edge`), though it never reaches the app or its metrics.
+
+And a connection's writes of one turn of the event loop leave in one send (TickCorkedTransport).
 
 The body's own deadline is where the body is read (body.read_body), so that it is answered with a 408 and logged as
 the request's access-log line.
@@ -43,6 +47,7 @@ from gateway.settings import EdgeSettings
 # (sent, not yet read) gets its 503 rather than a reset. Longer only delays the exit.
 DRAIN_LINGER_S = 1.0
 EDGE_ROUTE = "edge"  # the access-log route of the edge's own answers
+RESPONSE_HEAD = b"HTTP/1.1 "  # how uvicorn's every status line starts; no chunk of a chunked body does
 
 
 class EdgeConfig(uvicorn.Config):
@@ -83,6 +88,89 @@ _TOO_MANY_CONNECTIONS = _answer(
 )
 
 
+class TickCorkedTransport(asyncio.Transport):
+    """A connection's transport whose writes of one turn of the event loop leave in one send, at the turn's end.
+
+    uvicorn writes each ASGI message on its own: an answer's headers, then its body; a stream's every event. Events
+    that a backend's read delivered together are checked and sent in one turn, and each send is a system call and,
+    on the client's side, a wake-up and a read; joined, they cost one of each (Node's http corks a socket the same
+    way until its next tick). Nothing waits for a later event: what a turn wrote leaves when the turn ends, so an
+    engine's pace is kept — events it sent apart arrive in different turns and leave apart. A stream's first event
+    leaves at once, though: it would otherwise wait for the checks of the rest of its burst, and the first byte is
+    the latency a streaming client feels.
+    """
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+        self._first_body = False  # the last write was a response's head: the next one is its body's first
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        data = bytes(data)
+        if self._first_body and not self._pending:
+            # A stream's first event, in a turn after its head: it goes at once, not after the rest of its turn's
+            # events are checked (an engine's burst is read and checked in one turn).
+            self._first_body = False
+            self._transport.write(data)
+            return
+        self._first_body = data.startswith(RESPONSE_HEAD)
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending = []
+        self._transport.abort()
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+
 class EdgeProtocol(HttpToolsProtocol):
     """uvicorn's HTTP/1.1 protocol with a header deadline, no body dribbled after an answer, and answered 503s."""
 
@@ -96,15 +184,19 @@ class EdgeProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         assert isinstance(config, EdgeConfig), "EdgeProtocol reads its limits from an EdgeConfig"
         self.header_timeout_s = config.edge.header_timeout_s
+        self.body_timeout_s = config.edge.body_timeout_s
         self.header_deadline: asyncio.TimerHandle | None = None
+        self.lingering: asyncio.TimerHandle | None = None
         self.draining = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(TickCorkedTransport(transport, self.loop))
         self._await_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._headers_arrived()
+        if self.lingering is not None:
+            self.lingering.cancel()
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
@@ -137,10 +229,24 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         cycle = self.cycle
-        if cycle.response_complete and cycle.more_body:
-            # Answered before its body came in: the rest could be dribbled for ever, with no timer running.
+        if cycle.response_complete and cycle.more_body and self.transport.can_write_eof():
+            # Answered before its body came in (a refusal, a 413): the answer is the connection's last (the end of
+            # our side follows it, so no client sends another request on it), the rest of the body is read and
+            # dropped, and the connection closes when it ends. Closed at once, the bytes still coming would make
+            # the kernel reset the connection, and a client still sending its body reads the reset, not the
+            # answer. A rest dribbled for ever is cut at the body's own deadline: no other timer runs while it comes.
+            self.transport.write_eof()
+            self.lingering = self.loop.call_later(self.body_timeout_s, self._close)
+        elif cycle.response_complete and cycle.more_body:
             self._close()
         super().on_response_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self.lingering is not None:
+            self.lingering.cancel()
+            self.lingering = None
+            self._close()
 
     def shutdown(self) -> None:
         """The server drains: the answer in progress is the connection's last; a request that comes on an idle

@@ -17,6 +17,9 @@ from contextlib import contextmanager
 import uvicorn
 from starlette.types import ASGIApp
 
+from gateway.edge import EdgeConfig
+from gateway.settings import EdgeSettings
+
 STARTUP_TIMEOUT_S = 10.0
 # Long enough for in-flight requests to end, short enough that a test holding a stream open cannot hang the
 # suite at teardown: uvicorn cancels what is still running when it expires.
@@ -32,15 +35,20 @@ def free_port() -> int:
 
 
 @contextmanager
-def run_server(app: ASGIApp) -> Iterator[str]:
-    """Run `app` until the block ends; yields its base URL (`http://127.0.0.1:PORT`)."""
+def run_server(app: ASGIApp, edge: EdgeSettings | None = None) -> Iterator[str]:
+    """Run `app` until the block ends; yields its base URL (`http://127.0.0.1:PORT`). With `edge`, the gateway's
+    own HTTP edge serves it, as under `bulkhead serve` (edge.py), but for the shutdown's grace."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app, log_level="warning", lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False
-    )
+    if edge is not None:
+        edge = edge.model_copy(update={"shutdown_grace_s": GRACEFUL_SHUTDOWN_S})
+        config: uvicorn.Config = EdgeConfig(app, edge, log_level="warning")
+    else:
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, access_log=False
+        )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
     try:

@@ -30,7 +30,7 @@ def make_gateway(tokenizer_dir: Path) -> Iterator[GatewayFactory]:
 
         def start(backends: dict[str, str], **overrides: Any) -> str:
             settings = gateway_settings(backends, tokenizer_dir, **overrides)
-            return stack.enter_context(run_server(create_app(settings)))
+            return stack.enter_context(run_server(create_app(settings), settings.edge))
 
         yield start
 

@@ -98,6 +98,61 @@ def test_a_body_sent_at_a_byte_a_second_is_cut_at_its_timeout_with_408(
     assert '"level":"ERROR"' not in log.read_text()
 
 
+def test_a_body_refused_before_it_is_read_is_drained_then_the_connection_closes(
+    make_gateway_process: GatewayProcess, sim_url: str, tokenizer_dir: Path
+) -> None:
+    """Refused at its headers (a wrong key): the client that goes on sending its body reads the 401, not a reset,
+    and the connection closes once the body is in; one that dribbles the rest is cut at the body's deadline."""
+    host, port = address(make_gateway_process(_config(sim_url, tokenizer_dir, body_timeout_s=2)))
+    size = 8 << 20  # far more than the kernel's buffers hold: closed at once, the sender would be reset
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer bk-wrong-key-0123456789\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+    )
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(head.encode())
+        assert _readable(sock, 5), "answered before the body"
+        sock.sendall(b" " * size)
+        raw, closed = _read_until_closed(sock, 5)
+    status, _, body = _answer(raw)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key" and closed, raw
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(head.encode())
+        assert _readable(sock, 5), "answered before the body"
+        started = time.monotonic()
+        with contextlib.suppress(OSError):
+            while time.monotonic() - started < 10:
+                sock.sendall(b" ")  # the rest of the body, a byte at a time: never silent, never done
+                time.sleep(0.2)
+        assert 2 <= time.monotonic() - started < 8, "cut at the body's deadline"
+
+
+def test_a_paced_engines_events_leave_the_gateway_apart(
+    make_gateway_process: GatewayProcess, make_sim: Callable[..., str], tokenizer_dir: Path
+) -> None:
+    """The edge joins the writes of one loop turn into one send (TickCorkedTransport); events an engine sends apart
+    come in different turns, so the client reads them apart: a stream keeps the engine's pace."""
+    tokens = 12
+    sim = make_sim(tokens_per_s=20, output_tokens=tokens)  # an event every 50 ms
+    host, port = address(make_gateway_process(_config(sim, tokenizer_dir)))
+    body = orjson.dumps(chat_body(stream=True, max_tokens=tokens))
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {ALICE_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    reads: list[bytes] = []
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(head.encode() + body)
+        sock.settimeout(10)
+        while not (reads and reads[-1].endswith(b"0\r\n\r\n")):
+            reads.append(sock.recv(65536))
+            assert reads[-1], "the stream ended early"
+    events = [read.count(b"data: {") for read in reads]
+    assert sum(events) >= tokens, reads
+    # Each token is an event 50 ms after the last: but for a busy machine's hiccup, each arrives in a read of its own.
+    assert sum(1 for count in events if count) >= tokens - 2, events
+
+
 def test_connections_that_never_finish_their_headers_are_closed_at_the_header_timeout(
     make_gateway_process: GatewayProcess, sim_url: str, tokenizer_dir: Path
 ) -> None:

@@ -1,13 +1,16 @@
-"""Small gateway parts with sharp edges: SSE splitting, body limits, key hashing, settings sources, metric children."""
+"""Small gateway parts with sharp edges: SSE splitting, body limits, key hashing, settings sources, metric children,
+the edge's corked writes."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from gateway.accesslog import request_id
 from gateway.body import parse_json_object
+from gateway.edge import TickCorkedTransport
 from gateway.errors import AuthenticationFailed, InvalidRequest
 from gateway.metrics import GatewayMetrics
 from gateway.settings import SettingsError, TenantSettings, load_settings
@@ -96,3 +99,58 @@ def test_a_caller_request_id_that_is_not_a_sane_token_is_replaced(header: str) -
 
 def test_a_sane_caller_request_id_is_kept() -> None:
     assert request_id("req-1.a:b_c") == "req-1.a:b_c"
+
+
+class Sent(asyncio.Transport):
+    """asyncio's side of a connection, as TickCorkedTransport sees it: what was sent, in how many sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sends: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        assert not self.closed, "a write after close"
+        self.sends.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+async def test_writes_of_one_loop_turn_leave_in_one_send_at_its_end_but_a_streams_first_event_at_once() -> None:
+    sent = Sent()
+    corked = TickCorkedTransport(sent, asyncio.get_running_loop())
+    corked.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    corked.write(b"a whole answer")
+    assert sent.sends == [], "held until the turn ends"
+    await asyncio.sleep(0)
+    assert sent.sends == [b"HTTP/1.1 200 OK\r\n\r\na whole answer"], "a head and its body: one send"
+    corked.write(b"HTTP/1.1 200 OK\r\n\r\n")  # a stream's head, alone in its turn
+    await asyncio.sleep(0)
+    corked.write(b"data: 1\n\n")
+    assert sent.sends[-1] == b"data: 1\n\n", "the stream's first event goes at once"
+    corked.write(b"data: 2\n\n")  # the rest of the engine's burst, read and checked in the same turn
+    corked.write(b"data: 3\n\n")
+    await asyncio.sleep(0)
+    corked.write(b"data: 4\n\n")  # the engine's next event, in a later turn: it leaves on its own
+    await asyncio.sleep(0)
+    corked.write(memoryview(b"data: 5\n\n"))
+    corked.close()  # what the turn wrote still goes, before the close
+    assert sent.sends[1:] == [b"HTTP/1.1 200 OK\r\n\r\n", b"data: 1\n\n", b"data: 2\n\ndata: 3\n\n", b"data: 4\n\n",
+                              b"data: 5\n\n"]  # fmt: skip
+    assert sent.closed
+    corked.write(b"late")
+    await asyncio.sleep(0)
+    assert sent.sends[-1] == b"data: 5\n\n", "nothing after the close"
+    aborted = Sent()
+    corked = TickCorkedTransport(aborted, asyncio.get_running_loop())
+    corked.write(b"dropped")
+    corked.abort()
+    await asyncio.sleep(0)
+    assert aborted.sends == [] and aborted.closed
