@@ -94,10 +94,10 @@ class TickCorkedTransport(asyncio.Transport):
     uvicorn writes each ASGI message on its own: an answer's headers, then its body; a stream's every event. Events
     that a backend's read delivered together are checked and sent in one turn, and each send is a system call and,
     on the client's side, a wake-up and a read; joined, they cost one of each (Node's http corks a socket the same
-    way until its next tick). Nothing waits for a later event: what a turn wrote leaves when the turn ends, so an
-    engine's pace is kept — events it sent apart arrive in different turns and leave apart. A stream's first event
-    leaves at once, though: it would otherwise wait for the checks of the rest of its burst, and the first byte is
-    the latency a streaming client feels.
+    way until its next tick). What a turn wrote leaves when the turn ends, or as soon as the answer is complete
+    (`flush`); nothing waits for a later event, so an engine's pace is kept: events it sent apart arrive in
+    different turns and leave apart. A stream's first event leaves at once, though: it would otherwise wait for the
+    checks of the rest of its burst, and the first byte is the latency a streaming client feels.
     """
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
@@ -117,16 +117,16 @@ class TickCorkedTransport(asyncio.Transport):
             return
         self._first_body = data.startswith(RESPONSE_HEAD)
         if not self._pending:
-            self._loop.call_soon(self._flush)
+            self._loop.call_soon(self.flush)
         self._pending.append(data)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         pending, self._pending = self._pending, []
         if pending and not self._transport.is_closing():
             self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
 
     def close(self) -> None:
-        self._flush()
+        self.flush()
         self._transport.close()
 
     def abort(self) -> None:
@@ -134,7 +134,7 @@ class TickCorkedTransport(asyncio.Transport):
         self._transport.abort()
 
     def write_eof(self) -> None:
-        self._flush()
+        self.flush()
         self._transport.write_eof()
 
     def can_write_eof(self) -> bool:
@@ -190,7 +190,8 @@ class EdgeProtocol(HttpToolsProtocol):
         self.draining = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(TickCorkedTransport(transport, self.loop))
+        self.corked = TickCorkedTransport(transport, self.loop)
+        super().connection_made(self.corked)
         self._await_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -228,6 +229,8 @@ class EdgeProtocol(HttpToolsProtocol):
         super()._start_asgi_task(cycle, app)
 
     def on_response_complete(self) -> None:
+        # An answer is whole: it leaves now, not after what else this turn does (its access record, its metrics).
+        self.corked.flush()
         cycle = self.cycle
         if cycle.response_complete and cycle.more_body and self.transport.can_write_eof():
             # Answered before its body came in (a refusal, a 413): the answer is the connection's last (the end of

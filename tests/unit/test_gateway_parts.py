@@ -148,6 +148,12 @@ async def test_writes_of_one_loop_turn_leave_in_one_send_at_its_end_but_a_stream
     corked.write(b"late")
     await asyncio.sleep(0)
     assert sent.sends[-1] == b"data: 5\n\n", "nothing after the close"
+    flushed = Sent()
+    corked = TickCorkedTransport(flushed, asyncio.get_running_loop())
+    corked.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    corked.write(b"a whole answer")
+    corked.flush()  # the edge's, once the answer is complete: it goes before the rest of the turn's work
+    assert flushed.sends == [b"HTTP/1.1 200 OK\r\n\r\na whole answer"]
     aborted = Sent()
     corked = TickCorkedTransport(aborted, asyncio.get_running_loop())
     corked.write(b"dropped")
