@@ -48,6 +48,8 @@ from gateway.settings import EdgeSettings
 DRAIN_LINGER_S = 1.0
 EDGE_ROUTE = "edge"  # the access-log route of the edge's own answers
 RESPONSE_HEAD = b"HTTP/1.1 "  # how uvicorn's every status line starts; no chunk of a chunked body does
+# uvicorn frames in chunks every body whose length it is not told, as a stream's (and it writes header names lower case)
+STREAM_HEAD = b"\r\ntransfer-encoding: chunked\r\n"
 
 
 class EdgeConfig(uvicorn.Config):
@@ -89,15 +91,15 @@ _TOO_MANY_CONNECTIONS = _answer(
 
 
 class TickCorkedTransport(asyncio.Transport):
-    """A connection's transport whose writes of one turn of the event loop leave in one send, at the turn's end.
+    """A connection's transport that joins the events a stream writes in one turn of the event loop into one send.
 
-    uvicorn writes each ASGI message on its own: an answer's headers, then its body; a stream's every event. Events
-    that a backend's read delivered together are checked and sent in one turn, and each send is a system call and,
-    on the client's side, a wake-up and a read; joined, they cost one of each (Node's http corks a socket the same
-    way until its next tick). What a turn wrote leaves when the turn ends, or as soon as the answer is complete
-    (`flush`); nothing waits for a later event, so an engine's pace is kept: events it sent apart arrive in
-    different turns and leave apart. A stream's first event leaves at once, though: it would otherwise wait for the
-    checks of the rest of its burst, and the first byte is the latency a streaming client feels.
+    uvicorn writes each ASGI message on its own, so each event of a stream is a send: a system call and, on the
+    client's side, a wake-up and a read. Events that a backend's read delivered together are checked and written in
+    one turn; held until the turn ends, they leave in one send (Node's http corks a socket the same way until its
+    next tick), or as soon as the answer is complete (`flush`). Nothing waits for a later event, so an engine's pace
+    is kept: events it sent apart arrive in different turns and leave apart. A stream's first event leaves at once:
+    it would otherwise wait for the checks of the rest of its burst, and the first byte is the latency a streaming
+    client feels. An answer that is not a stream is written as uvicorn writes it.
     """
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
@@ -105,20 +107,23 @@ class TickCorkedTransport(asyncio.Transport):
         self._transport = transport
         self._loop = loop
         self._pending: list[bytes] = []
-        self._first_body = False  # the last write was a response's head: the next one is its body's first
+        self._stream = False  # the answer being written is a stream
+        self._first_event = False  # ... and its first event is still to come
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         data = bytes(data)
-        if self._first_body and not self._pending:
-            # A stream's first event, in a turn after its head: it goes at once, not after the rest of its turn's
-            # events are checked (an engine's burst is read and checked in one turn).
-            self._first_body = False
-            self._transport.write(data)
+        if self._pending:  # the turn already holds writes: this one goes after them
+            self._pending.append(data)
             return
-        self._first_body = data.startswith(RESPONSE_HEAD)
-        if not self._pending:
+        if data.startswith(RESPONSE_HEAD):
+            self._stream = self._first_event = STREAM_HEAD in data
+        elif self._stream and not self._first_event:
+            self._pending.append(data)
             self._loop.call_soon(self.flush)
-        self._pending.append(data)
+            return
+        else:
+            self._first_event = False
+        self._transport.write(data)
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []
