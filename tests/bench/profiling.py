@@ -25,6 +25,7 @@ from tests.bench.processes import Server, Workspace
 # (layer, path fragment), first match wins; fragments are path pieces of the module files.
 LAYERS = [
     ("gateway: our code", "/gateway/"),
+    ("isolation: our code (guard, pruning, markers, fingerprints)", "/isolation/"),
     ("uvicorn + httptools (server, HTTP parsing)", "/uvicorn/"),
     ("uvicorn + httptools (server, HTTP parsing)", "/httptools/"),
     ("starlette (routing, request, responses)", "/starlette/"),
