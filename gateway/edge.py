@@ -234,19 +234,22 @@ class EdgeProtocol(HttpToolsProtocol):
         super()._start_asgi_task(cycle, app)
 
     def on_response_complete(self) -> None:
-        # An answer is whole: it leaves now, not after what else this turn does (its access record, its metrics).
+        # A stream is whole: what it still holds leaves now, not after what else this turn does (its access record,
+        # its metrics).
         self.corked.flush()
         cycle = self.cycle
-        if cycle.response_complete and cycle.more_body and self.transport.can_write_eof():
-            # Answered before its body came in (a refusal, a 413): the answer is the connection's last (the end of
-            # our side follows it, so no client sends another request on it), the rest of the body is read and
-            # dropped, and the connection closes when it ends. Closed at once, the bytes still coming would make
-            # the kernel reset the connection, and a client still sending its body reads the reset, not the
-            # answer. A rest dribbled for ever is cut at the body's own deadline: no other timer runs while it comes.
-            self.transport.write_eof()
-            self.lingering = self.loop.call_later(self.body_timeout_s, self._close)
-        elif cycle.response_complete and cycle.more_body:
-            self._close()
+        if cycle.response_complete and cycle.more_body and not self.transport.is_closing():
+            if not self.transport.can_write_eof():
+                self._close()
+            else:
+                # Answered before its body came in (a refusal, a 413): the answer is the connection's last (the
+                # end of our side follows it, so no client sends another request on it), the rest of the body is
+                # read and dropped, and the connection closes when it ends. Closed at once, the bytes still coming
+                # would make the kernel reset the connection, and a client still sending its body reads the reset,
+                # not the answer. A rest dribbled for ever is cut at the body's own deadline: no other timer runs
+                # while it comes.
+                self.transport.write_eof()
+                self.lingering = self.loop.call_later(self.body_timeout_s, self._close)
         super().on_response_complete()
 
     def on_message_complete(self) -> None:
