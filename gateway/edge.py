@@ -18,7 +18,7 @@ sends its headers a byte at a time, stays open for ever. EdgeProtocol, a small s
   and for a request that arrives while the server drains (uvicorn closes such a connection without a word); each
   with its access-log line (route `edge`), though it never reaches the app or its metrics.
 
-And a connection's writes of one turn of the event loop leave in one send (TickCorkedTransport).
+And the events a stream writes in one turn of the event loop leave in one send (TickCorkedTransport).
 
 The body's own deadline is where the body is read (body.read_body), so that it is answered with a 408 and logged as
 the request's access-log line.
