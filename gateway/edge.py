@@ -11,9 +11,9 @@ sends its headers a byte at a time, stays open for ever. EdgeProtocol, a small s
   connection's start, or of the request's first byte on a kept-alive connection; else the connection is closed.
   A deadline, not an idle timer, so a byte a second does not keep it open;
 - the end of a connection answered before its request body came in (a refusal before the body is read, a 413):
-  the rest of the body is read and dropped, so that the client reads the answer rather than a reset, and the
-  connection closes when the body ends, or at `edge.body_timeout_s` — nothing else would time out a body dribbled
-  after the answer;
+  the answer says `connection: close`, the rest of the body is read and dropped, so that the client reads the
+  answer rather than a reset, and the connection closes when the body ends, or at `edge.body_timeout_s` — nothing
+  else would time out a body dribbled after the answer;
 - OpenAI-style 503s, each closing its connection, in place of uvicorn's plain-text one past `edge.max_connections`,
   and for a request that arrives while the server drains (uvicorn closes such a connection without a word); each
   with its access-log line (route `edge`), though it never reaches the app or its metrics.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -48,6 +49,8 @@ from gateway.settings import EdgeSettings
 DRAIN_LINGER_S = 1.0
 EDGE_ROUTE = "edge"  # the access-log route of the edge's own answers
 RESPONSE_HEAD = b"HTTP/1.1 "  # how uvicorn's every status line starts; no chunk of a chunked body does
+INFORMATIONAL = b"HTTP/1.1 1"  # 100 Continue: not the answer
+CONNECTION = b"\r\nconnection:"
 # uvicorn frames in chunks every body whose length it is not told, as a stream's (and it writes header names lower case)
 STREAM_HEAD = b"\r\ntransfer-encoding: chunked\r\n"
 
@@ -102,28 +105,43 @@ class TickCorkedTransport(asyncio.Transport):
     client feels. An answer that is not a stream is written as uvicorn writes it.
     """
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, body_unread: Callable[[], bool]
+    ) -> None:
         super().__init__()
         self._transport = transport
         self._loop = loop
+        self._body_unread = body_unread
         self._pending: list[bytes] = []
         self._stream = False  # the answer being written is a stream
         self._first_event = False  # ... and its first event is still to come
+        self.last_answer = False  # the answer being written is the connection's last, as its head says
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         data = bytes(data)
-        if self._pending:  # the turn already holds writes: this one goes after them
-            self._pending.append(data)
-            return
         if data.startswith(RESPONSE_HEAD):
-            self._stream = self._first_event = STREAM_HEAD in data
+            data = self._head(data)
         elif self._stream and not self._first_event:
+            if not self._pending:
+                self._loop.call_soon(self.flush)
             self._pending.append(data)
-            self._loop.call_soon(self.flush)
             return
         else:
             self._first_event = False
-        self._transport.write(data)
+        if self._pending:  # the turn already holds writes: this one goes after them
+            self._pending.append(data)
+        else:
+            self._transport.write(data)
+
+    def _head(self, head: bytes) -> bytes:
+        self._stream = self._first_event = STREAM_HEAD in head
+        self.last_answer = False
+        if not head.startswith(INFORMATIONAL) and CONNECTION not in head and self._body_unread():
+            # An answer given before its request's body came in ends the connection (EdgeProtocol drains the rest
+            # of the body first), and says so: a client that reads it sends no other request on it.
+            self.last_answer = True
+            head = head[:-2] + b"connection: close\r\n\r\n"
+        return head
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []
@@ -195,7 +213,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self.draining = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self.corked = TickCorkedTransport(transport, self.loop)
+        self.corked = TickCorkedTransport(transport, self.loop, self._body_unread)
         super().connection_made(self.corked)
         self._await_headers()
 
@@ -222,6 +240,9 @@ class EdgeProtocol(HttpToolsProtocol):
             self.header_deadline.cancel()
             self.header_deadline = None
 
+    def _body_unread(self) -> bool:
+        return self.cycle is not None and self.cycle.more_body
+
     def _close(self) -> None:
         if not self.transport.is_closing():
             self.transport.close()
@@ -237,19 +258,18 @@ class EdgeProtocol(HttpToolsProtocol):
         # A stream is whole: what it still holds leaves now, not after what else this turn does (its access record,
         # its metrics).
         self.corked.flush()
-        cycle = self.cycle
-        if cycle.response_complete and cycle.more_body and not self.transport.is_closing():
-            if not self.transport.can_write_eof():
-                self._close()
-            else:
-                # Answered before its body came in (a refusal, a 413): the answer is the connection's last (the
-                # end of our side follows it, so no client sends another request on it), the rest of the body is
-                # read and dropped, and the connection closes when it ends. Closed at once, the bytes still coming
-                # would make the kernel reset the connection, and a client still sending its body reads the reset,
-                # not the answer. A rest dribbled for ever is cut at the body's own deadline: no other timer runs
-                # while it comes.
+        if self.corked.last_answer and not self.transport.is_closing():
+            self.corked.last_answer = False
+            if self.cycle.more_body and self.transport.can_write_eof():
+                # Answered before its body came in (a refusal, a 413): the rest of the body is read and dropped,
+                # and the connection closes when it ends. Closed at once, the bytes still coming would make the
+                # kernel reset the connection, and a client still sending its body reads the reset, not the
+                # answer. A rest dribbled for ever is cut at the body's own deadline: no other timer runs while it
+                # comes.
                 self.transport.write_eof()
                 self.lingering = self.loop.call_later(self.body_timeout_s, self._close)
+            else:
+                self._close()
         super().on_response_complete()
 
     def on_message_complete(self) -> None:

@@ -128,7 +128,7 @@ STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-e
 
 async def test_a_streams_events_of_one_loop_turn_leave_in_one_send_but_its_first_at_once() -> None:
     sent = Sent()
-    corked = TickCorkedTransport(sent, asyncio.get_running_loop())
+    corked = TickCorkedTransport(sent, asyncio.get_running_loop(), lambda: False)
     corked.write(b"HTTP/1.1 200 OK\r\ncontent-length: 14\r\n\r\n")
     corked.write(b"a whole answer")
     assert len(sent.sends) == 2, "an answer that is not a stream is written as uvicorn writes it"
@@ -155,10 +155,26 @@ async def test_a_streams_events_of_one_loop_turn_leave_in_one_send_but_its_first
     await asyncio.sleep(0)
     assert sent.sends[-1] == b"data: 2\n\n", "nothing after the close"
     aborted = Sent()
-    corked = TickCorkedTransport(aborted, asyncio.get_running_loop())
+    corked = TickCorkedTransport(aborted, asyncio.get_running_loop(), lambda: False)
     corked.write(STREAM_HEAD)
     corked.write(b"data: 1\n\n")
     corked.write(b"dropped")
     corked.abort()
     await asyncio.sleep(0)
     assert aborted.sends == [STREAM_HEAD, b"data: 1\n\n"] and aborted.closed
+
+
+async def test_an_answer_before_its_requests_body_says_it_is_the_connections_last() -> None:
+    sent = Sent()
+    unread = [True]
+    corked = TickCorkedTransport(sent, asyncio.get_running_loop(), lambda: unread[0])
+    corked.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # not the answer: the client goes on with its body
+    assert not corked.last_answer
+    corked.write(b"HTTP/1.1 413 Request Entity Too Large\r\ncontent-length: 2\r\n\r\n")
+    assert corked.last_answer
+    assert sent.sends[-1] == b"HTTP/1.1 413 Request Entity Too Large\r\ncontent-length: 2\r\nconnection: close\r\n\r\n"
+    corked.write(b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n\r\n")  # says it already
+    assert sent.sends[-1].count(b"connection:") == 1 and not corked.last_answer
+    unread[0] = False
+    corked.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")  # the body was read: the connection stays
+    assert b"connection" not in sent.sends[-1] and not corked.last_answer
