@@ -114,8 +114,9 @@ def test_a_body_refused_before_it_is_read_is_drained_then_the_connection_closes(
         assert _readable(sock, 5), "answered before the body"
         sock.sendall(b" " * size)
         raw, closed = _read_until_closed(sock, 5)
-    status, _, body = _answer(raw)
+    status, headers, body = _answer(raw)
     assert status == 401 and body["error"]["code"] == "invalid_api_key" and closed, raw
+    assert headers["connection"] == "close", "the connection's last answer says so: no client sends another on it"
     with socket.create_connection((host, port)) as sock:
         sock.sendall(head.encode())
         assert _readable(sock, 5), "answered before the body"
