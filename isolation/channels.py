@@ -91,6 +91,9 @@ ENVELOPE = ("id", "model", "system_fingerprint")
 Removed = list[tuple[str, Any]]
 
 
+_UNLISTED: Final = frozenset[str]()  # what `fields` gives for a name it does not list
+
+
 def _fit(
     holder: dict[str, Any], fields: Fields, where: str, removed: Removed, nulls: frozenset[str] = frozenset()
 ) -> None:
@@ -124,9 +127,6 @@ def _fit(
         del holder[key]
         if value is not None:
             removed.append((f"{where}.{key}", value))
-
-
-_UNLISTED: Final = frozenset[str]()
 
 
 def _objects(holder: dict[str, Any], name: str, where: str, removed: Removed) -> list[dict[str, Any]]:

@@ -122,20 +122,20 @@ def test_fields_outside_the_inventory_are_removed_and_handed_over() -> None:
     assert "completion_tokens_details" not in body["usage"]
 
 
-# Whatever JSON an engine sends: its field names drawn from every level of the inventory and beyond, its values
-# any JSON at all, nested anywhere.
-NAMES = st.sampled_from(
-    [*channels.TOP, *channels.CHOICE, *channels.MESSAGE, *channels.TOOL_CALL, *channels.FUNCTION, *channels.USAGE,
-     *channels.PROMPT_DETAILS, *channels.ENTRY, *channels.COMPLETION_LOGPROBS, *channels.TOP_NULLS,
-     *channels.CHOICE_NULLS, *channels.MESSAGE_NULLS, *channels.USAGE_NULLS]
-) | st.text(max_size=6)  # fmt: skip
-CLOSED = [*channels.OBJECTS, *channels.ROLES, *channels.FINISH_REASONS, *channels.SERVICE_TIERS, "function"]
+# Every name the inventory knows, at any level (and the null fields vLLM sends): pruning keeps them, and only them.
+KNOWN_NAMES = frozenset().union(
+    channels.TOP, channels.CHOICE, channels.MESSAGE, channels.TOOL_CALL, channels.FUNCTION, channels.USAGE,
+    channels.PROMPT_DETAILS, channels.ENTRY, channels.COMPLETION_LOGPROBS, channels.TOP_NULLS, channels.CHOICE_NULLS,
+    channels.MESSAGE_NULLS, channels.USAGE_NULLS,
+)
+# Whatever JSON an engine sends: its field names drawn from the inventory and beyond, its values any JSON at all,
+# nested anywhere.
+NAMES = st.sampled_from(sorted(KNOWN_NAMES)) | st.text(max_size=6)
+CLOSED = sorted(
+    channels.OBJECTS | channels.ROLES | channels.FINISH_REASONS | channels.SERVICE_TIERS | channels.TOOL_TYPES
+)
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.sampled_from(CLOSED) | st.text(max_size=8)
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(NAMES, inner, max_size=6))
-KNOWN_NAMES = {name for level in (channels.TOP, channels.CHOICE, channels.MESSAGE, channels.TOOL_CALL,
-               channels.FUNCTION, channels.USAGE, channels.PROMPT_DETAILS, channels.ENTRY,
-               channels.COMPLETION_LOGPROBS) for name in level} | channels.TOP_NULLS | channels.CHOICE_NULLS | \
-              channels.MESSAGE_NULLS | channels.USAGE_NULLS  # fmt: skip
 
 
 def strings(value: Any) -> set[str]:
