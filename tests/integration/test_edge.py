@@ -67,6 +67,14 @@ def _answer(raw: bytes) -> tuple[int, dict[str, str], dict[str, Any]]:
     return int(status_line.split()[1]), headers, orjson.loads(body)
 
 
+def _post_head(host: str, key: str, length: int) -> bytes:
+    """A chat request's line and headers, for a body of `length` bytes sent by hand."""
+    return (
+        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
 def _request_lines(log: Path) -> list[dict[str, Any]]:
     lines = [orjson.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
     return [line for line in lines if line.get("event") == "request"]
@@ -77,12 +85,8 @@ def test_a_body_sent_at_a_byte_a_second_is_cut_at_its_timeout_with_408(
 ) -> None:
     log = tmp_path / "gateway.log"
     host, port = address(make_gateway_process(_config(sim_url, tokenizer_dir, body_timeout_s=2), log=log))
-    head = (
-        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {ALICE_KEY}\r\n"
-        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
-    )
     with socket.create_connection((host, port)) as sock:
-        sock.sendall(head.encode())
+        sock.sendall(_post_head(host, ALICE_KEY, 100))
         started = time.monotonic()
         # A byte a second until the gateway answers: never silent for long, so only a total deadline cuts it.
         while not _readable(sock, 1.0):
@@ -105,12 +109,9 @@ def test_a_body_refused_before_it_is_read_is_drained_then_the_connection_closes(
     and the connection closes once the body is in; one that dribbles the rest is cut at the body's deadline."""
     host, port = address(make_gateway_process(_config(sim_url, tokenizer_dir, body_timeout_s=2)))
     size = 8 << 20  # far more than the kernel's buffers hold: closed at once, the sender would be reset
-    head = (
-        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer bk-wrong-key-0123456789\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
-    )
+    head = _post_head(host, "bk-wrong-key-0123456789", size)
     with socket.create_connection((host, port)) as sock:
-        sock.sendall(head.encode())
+        sock.sendall(head)
         assert _readable(sock, 5), "answered before the body"
         sock.sendall(b" " * size)
         raw, closed = _read_until_closed(sock, 5)
@@ -118,7 +119,7 @@ def test_a_body_refused_before_it_is_read_is_drained_then_the_connection_closes(
     assert status == 401 and body["error"]["code"] == "invalid_api_key" and closed, raw
     assert headers["connection"] == "close", "the connection's last answer says so: no client sends another on it"
     with socket.create_connection((host, port)) as sock:
-        sock.sendall(head.encode())
+        sock.sendall(head)
         assert _readable(sock, 5), "answered before the body"
         started = time.monotonic()
         with contextlib.suppress(OSError):
@@ -137,13 +138,9 @@ def test_a_paced_engines_events_leave_the_gateway_apart(
     sim = make_sim(tokens_per_s=20, output_tokens=tokens)  # an event every 50 ms
     host, port = address(make_gateway_process(_config(sim, tokenizer_dir)))
     body = orjson.dumps(chat_body(stream=True, max_tokens=tokens))
-    head = (
-        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {ALICE_KEY}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
     reads: list[bytes] = []
     with socket.create_connection((host, port)) as sock:
-        sock.sendall(head.encode() + body)
+        sock.sendall(_post_head(host, ALICE_KEY, len(body)) + body)
         sock.settimeout(10)
         while not (reads and reads[-1].endswith(b"0\r\n\r\n")):
             reads.append(sock.recv(65536))
