@@ -73,8 +73,9 @@ class RequestRecord:
 
     def take_usage(self, usage: dict[str, Any]) -> None:
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        self.prompt_tokens = prompt if isinstance(prompt, int) else None
-        self.completion_tokens = completion if isinstance(completion, int) else None
+        # A backend's count that is not a count (negative, or not an integer) charges and logs nothing.
+        self.prompt_tokens = prompt if isinstance(prompt, int) and prompt >= 0 else None
+        self.completion_tokens = completion if isinstance(completion, int) and completion >= 0 else None
 
 
 def finish(record: RequestRecord, metrics: GatewayMetrics) -> None:

@@ -231,7 +231,14 @@ class BackendCounter:
         raise BackendUnavailable(f"No healthy backend for model '{self._model.name}' can count this prompt.")
 
     async def _ask(self, replica: Replica, body: bytes) -> int:
-        response = await self._upstream.open(replica, "/tokenize", body, "tokenize")
+        try:
+            response = await self._upstream.open(replica, "/tokenize", body, "tokenize")
+        except InvalidRequest as refusal:
+            # Not the backend's words: they can quote the prompt as sent, the tenant's own secret marker included.
+            status = refusal.status
+            generic = InvalidRequest(f"The backend refused to count this prompt (HTTP {status}).", code=refusal.code)
+            generic.status = refusal.status
+            raise generic from refusal
         try:
             answer = orjson.loads(await response.read())
         except orjson.JSONDecodeError as exc:

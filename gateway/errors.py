@@ -217,6 +217,10 @@ class BackendBadResponse(UpstreamError):
     status = 502
     code = "backend_bad_response"
 
+    def __init__(self, message: str, *, quoted: str = "") -> None:
+        super().__init__(message)
+        self.quoted = quoted  # the backend's own words (its error body): scanned for leaks, never relayed
+
 
 class AnswerWithheld(UpstreamError):
     status = 502

@@ -32,7 +32,7 @@ from gateway.incidents import report
 from gateway.outcome import DONE, Answer, Event, Outcome, Stream
 from gateway.proxy import UpstreamResponse, parse_json_body
 from gateway.quarantine import on_leak
-from gateway.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, filtered
+from gateway.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, failing_closed, filtered
 from gateway.routing import SESSION_HEADER, Decision, session_id
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, InferenceRequest, validate
 from gateway.settings import ModelSettings, TenantSettings
@@ -42,7 +42,7 @@ from gateway.state import GatewayState
 from isolation.channels import prune
 from isolation.events import IsolationEvent
 from isolation.fingerprints import AnswerCheck
-from isolation.guard import FRAGMENT, MARKER, Leak, LeakBlocked, OutputGuard
+from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard
 from isolation.inject import completion_prefix, hide_injected, inject_chat, inject_completion
 from isolation.leaks import LeakPolicy
 from isolation.verify import usage_problem
@@ -249,8 +249,11 @@ class InferenceCall:
         self.admission.cancel()
         if not self.finished and self.record.status == 200:
             self.record.status, self.record.error_code = 499, "client_disconnected"
-        accesslog.finish(self.record, self.state.metrics)
-        self.slot.release((self.record.prompt_tokens or 0) + (self.record.completion_tokens or 0))
+        try:
+            accesslog.finish(self.record, self.state.metrics)
+        finally:
+            # Whatever the log made of it, the slots are given back: a lost one would cap the tenant for good.
+            self.slot.release((self.record.prompt_tokens or 0) + (self.record.completion_tokens or 0))
 
     def fail(self, error: GatewayError) -> Answer:
         self.record.status, self.record.error_code = error.status, error.code
@@ -263,6 +266,10 @@ class InferenceCall:
             # The backend's own words about the request: they can quote the prompt, markers included.
             refusal.message = await self.scrub(refusal.message)
             raise
+        except BackendBadResponse as failure:
+            # Its words are never relayed, but a leak there is one all the same.
+            await self.scan_dropped("error.body", failure.quoted)
+            raise
         self.state.metrics.routed.labels(self.replica.name, self.decision.reason.value).inc()
         if self.state.fingerprints is not None:
             # Off the answer's path: what it protects is a later answer to another tenant.
@@ -274,9 +281,21 @@ class InferenceCall:
         if guard is None:
             return text
         try:
-            return await guard.check_text(text)
-        except LeakBlocked as exc:
-            raise withheld() from exc
+            with failing_closed():
+                return await guard.check_text(text)
+        except StreamWithheld as exc:
+            raise await self.withhold(exc) from exc
+
+    async def scan_dropped(self, where: str, text: str) -> None:
+        """Scan a text of the backend's that never goes out: a leak in it withholds the answer all the same."""
+        guard = self.output_guard()
+        if guard is None or not text:
+            return
+        try:
+            with failing_closed():
+                await guard.check_removed([(where, text)])
+        except StreamWithheld as exc:
+            raise await self.withhold(exc) from exc
 
     async def _open(self, path: str, body: bytes) -> None:
         upstream = self.state.upstream
@@ -292,21 +311,25 @@ class InferenceCall:
             self.response = await upstream.open(fallback, path, body, self.record.request_id)
 
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
-        """Raise StreamWithheld (after recording the event) when the backend's accounting does not add up."""
+        """Raise StreamWithheld when the backend's accounting does not add up."""
         sent = await self.admission.prompt_tokens()
         problem = usage_problem(usage, sent, self.model.usage_tolerance, self.admission.max_tokens * self.request.n)
-        if problem is None:
-            return
-        event = IsolationEvent(
-            kind="usage_mismatch",
-            request_id=self.record.request_id,
-            tenant=self.tenant.id,
-            model=self.model.name,
-            replica=self.replica.name,
-            detail=problem,
-        )
-        await report(event, self.state)
-        raise StreamWithheld(problem)
+        if problem is not None:
+            raise StreamWithheld(problem, "usage_mismatch")
+
+    async def withhold(self, exc: StreamWithheld) -> AnswerWithheld:
+        """The error the tenant gets for an answer that cannot be shown safe, once its event is recorded."""
+        if exc.kind is not None:
+            event = IsolationEvent(
+                kind=exc.kind,
+                request_id=self.record.request_id,
+                tenant=self.tenant.id,
+                model=self.model.name,
+                replica=self.replica.name,
+                detail=exc.reason,
+            )
+            await report(event, self.state)
+        return withheld()
 
     async def leak(self, leak: Leak) -> None:
         detail = LEAK_DETAILS[leak.kind]
@@ -357,28 +380,39 @@ class InferenceCall:
     async def complete(self) -> Answer:
         assert self.response is not None
         raw = await self.response.read()
-        body = parse_json_body(self.replica, raw)
         self.record.mark_first_byte()
-        removed = prune(body)
-        changed = bool(removed)
-        usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
-        guard = self.output_guard()
         try:
-            if guard is not None and removed:
-                await guard.check_removed(removed)
-            if self.model.verify_usage:
-                await self.check_usage(usage)
-            if usage is not None:
-                await self.view_usage(usage)
-                self.record.take_usage(usage)
-                changed = True
-            if guard is not None:
-                changed |= await guard.check_body(body)
-        except (StreamWithheld, LeakBlocked) as exc:
-            raise withheld() from exc
+            with failing_closed():
+                body, changed = await self._checked(raw)
+        except StreamWithheld as exc:
+            raise await self.withhold(exc) from exc
         self.finished = True
         headers = {"x-request-id": self.record.request_id, **self.limit_headers}
         return Answer(200, body, headers, None if changed else raw)
+
+    async def _checked(self, raw: bytes) -> tuple[dict[str, Any], bool]:
+        """A whole answer pruned, verified and scanned; whether it changed (its raw bytes no longer hold)."""
+        guard = self.output_guard()
+        try:
+            body = parse_json_body(self.replica, raw)
+        except BackendBadResponse:
+            if guard is not None:  # never relayed, but a leak there is one all the same
+                await guard.check_removed([("answer.raw", raw.decode("utf-8", "replace"))])
+            raise
+        removed = prune(body)
+        changed = bool(removed)
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
+        if guard is not None and removed:
+            await guard.check_removed(removed)
+        if self.model.verify_usage:
+            await self.check_usage(usage)
+        if usage is not None:
+            await self.view_usage(usage)
+            self.record.take_usage(usage)
+            changed = True
+        if guard is not None:
+            changed |= await guard.check_body(body)
+        return body, changed
 
     async def relay(self) -> AsyncGenerator[Event, None]:
         assert self.response is not None
@@ -393,8 +427,8 @@ class InferenceCall:
                 yield event
             self.finished = True
             last = DONE if stream_filter.done else None
-        except StreamWithheld:
-            last = self._ended(withheld())
+        except StreamWithheld as exc:
+            last = self._ended(await self.withhold(exc))
         except StreamFailed:
             last = self._ended(
                 BackendBadResponse(f"Backend '{self.replica.name}' reported an error in the middle of the answer.")

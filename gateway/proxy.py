@@ -187,7 +187,10 @@ class Upstream:
             return error
         kind = "status_5xx" if status >= 500 else f"status_{status}"
         self._metrics.upstream_errors.labels(replica.name, kind).inc()
-        return BackendBadResponse(f"Backend '{replica.name}' answered HTTP {status}: {message or 'no message'}")
+        # Its words stay here: an engine's error can quote any request it holds, another tenant's included.
+        return BackendBadResponse(
+            f"Backend '{replica.name}' answered HTTP {status}.", quoted=raw.decode("utf-8", "replace")
+        )
 
 
 def _error_object(raw: bytes) -> dict[str, Any]:

@@ -10,12 +10,16 @@ an answer to a prompt the backend did not really process never reaches the tenan
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
 
+from gateway.errors import GatewayError
 from gateway.sse import DONE, EventSplitter
 from isolation.channels import prune
 from isolation.guard import LeakBlocked, OutputGuard
@@ -25,11 +29,18 @@ ENVELOPE = ("id", "object", "created", "model")
 
 
 class StreamWithheld(Exception):
-    """The stream cannot be shown safe; the reason goes to operators, never to the tenant."""
+    """The answer (streamed or whole) cannot be shown safe. The reason goes to operators, never to the tenant;
+    `kind` is the isolation event still to be recorded for it (None: recorded already, as a leak is)."""
+
+    def __init__(self, reason: str, kind: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.kind = kind
 
 
 class StreamFailed(Exception):
-    """The backend reported an error inside the stream; its text is not relayed."""
+    """The backend reported an error inside the stream, or sent something that is not a JSON object; its text is not
+    relayed."""
 
 
 @dataclass(frozen=True)
@@ -38,8 +49,8 @@ class UsageWanted:
     every_chunk: bool  # stream_options.continuous_usage_stats (vLLM's extension)
 
 
-# Checks the first usage the backend reports; raises StreamWithheld when it does not add up.
-UsageCheck = Callable[[dict[str, Any]], Awaitable[None]]
+# Checks the first usage the backend reports (None: it reported none); raises StreamWithheld when it does not add up.
+UsageCheck = Callable[[dict[str, Any] | None], Awaitable[None]]
 # Rewrites a usage in place into what the tenant sees (the gateway's injected tokens taken out).
 UsageView = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -86,8 +97,9 @@ class StreamFilter:
         rest = self._splitter.rest()
         # An event the backend did not end with a blank line is still an event, checked like the others.
         last = await self._event(rest.rstrip() + b"\n\n") if rest.strip() else None
-        if not self._checked:
-            raise StreamWithheld("the stream ended without reporting usage, so it cannot be verified")
+        if self._check is not None and not self._checked:
+            with failing_closed():
+                await self._check(None)  # a stream that never reported usage cannot be verified: withheld
         tail = self._tail()
         return [*(self._held or ()), *(() if last is None else (last,)), *(() if tail is None else (tail,))]
 
@@ -99,10 +111,8 @@ class StreamFilter:
         return {**{k: self._last[k] for k in ENVELOPE if k in self._last}, "choices": choices}
 
     async def _event(self, event: bytes) -> dict[str, Any] | None:
-        try:
+        with failing_closed():
             return await self._checked_event(event)
-        except LeakBlocked as exc:
-            raise StreamWithheld("another tenant's data in the answer") from exc
 
     async def _checked_event(self, event: bytes) -> dict[str, Any] | None:
         if event == DONE:
@@ -115,10 +125,13 @@ class StreamFilter:
             return None
         try:
             chunk = orjson.loads(event[len(DATA) :])
-        except orjson.JSONDecodeError as exc:
-            raise StreamWithheld("the backend sent an event that is not JSON") from exc
+        except orjson.JSONDecodeError:
+            chunk = None
         if not isinstance(chunk, dict):
-            raise StreamWithheld("the backend sent an event that is not a JSON object")
+            # Garbage from the backend ends the stream; what it says is never relayed, but a leak there is one.
+            if self._guard is not None:
+                await self._guard.check_removed(_sse_fields(event))
+            raise StreamFailed
         if "error" in chunk:
             if self._guard is not None:
                 await self._guard.check_removed([("error", chunk)])
@@ -142,6 +155,27 @@ class StreamFilter:
             if not self._wanted.every_chunk:
                 del chunk["usage"]
         return chunk
+
+
+@contextmanager
+def failing_closed() -> Iterator[None]:
+    """Around an answer's checks: a blocked leak, or any failure of the checks themselves, withholds the answer. A bug
+    in a check must neither let an answer out unchecked nor end it in a bare 500 with nothing recorded."""
+    try:
+        yield
+    except LeakBlocked as exc:
+        raise StreamWithheld("another tenant's data in the answer") from exc
+    except (StreamWithheld, StreamFailed, GatewayError):
+        raise
+    except Exception as exc:
+        raise StreamWithheld(_failure(exc), "check_failed") from exc
+
+
+def _failure(exc: Exception) -> str:
+    # The exception's type and where it was raised, never its message: that can quote the answer.
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"checking the answer failed: {type(exc).__name__}{where}"
 
 
 def _sse_fields(event: bytes) -> list[tuple[str, str]]:

@@ -19,6 +19,8 @@ def usage_problem(
     prompt, completion, total = usage.get("prompt_tokens"), usage.get("completion_tokens"), usage.get("total_tokens")
     if not isinstance(prompt, int):
         return "the answer's usage has no prompt_tokens"
+    if any(isinstance(count, int) and count < 0 for count in (prompt, completion, total)):
+        return f"the answer's usage has a negative count: {prompt}, {completion}, {total}"
     if abs(prompt - sent_prompt_tokens) > tolerance:
         return f"the backend reports {prompt} prompt tokens but {sent_prompt_tokens} were sent"
     if isinstance(completion, int) and isinstance(total, int) and total != prompt + completion:

@@ -32,6 +32,7 @@ from tests.integration.support import MODEL
 
 JsonObject = dict[str, Any]
 Source = Literal["previous", "own", "benign"]
+Usage = Literal["honest", "none", "negative"]
 
 MAX_MODEL_LEN = 2048
 BENIGN = "The harbour tide tables for Tuesday look calm and ordinary."
@@ -44,6 +45,7 @@ EXTRA = "debug_prompt"  # the unknown field a plan's extra_top / extra_choice ch
 TOP_STRINGS = ("id", "model", "system_fingerprint")
 TOOL_CHANNELS = ("tool_name", "tool_arguments", "tool_id")
 DONE = b"data: [DONE]\n\n"
+AFTER_ONE = ("midstream_error", "not_json")  # a stream's channels that come after one benign chunk
 
 
 @dataclass(frozen=True)
@@ -57,16 +59,21 @@ class Plan:
         token_ids,
         prompt_logprobs (both); and, beside the answer's fields: sse_comment, sse_event (lines before each data
         event of a stream), unterminated (the visible text, in a last event with no blank line after it and no
-        [DONE]), midstream_error (a `data: {"error": ...}` event after the first chunk), error_400 (an HTTP 400
-        whose message quotes the text).
+        [DONE]), midstream_error (a `data: {"error": ...}` event after the first chunk), error_400 and error_500
+        (an HTTP 400 or 500 whose message quotes the text), not_json (the whole answer, or a stream's event after
+        the first chunk, is the text and not JSON), tokenize_400 (the next /tokenize refused, quoting the prompt it
+        was given).
     piece: characters per stream chunk and logprob position (token ids: the ids of those characters); 0, all at once.
     rank: the alternative that top_logprob_token / top_logprobs fill.
+    usage: "honest"; "none" (no usage anywhere in the answer); "negative" (completion_tokens below zero, with a
+        total that adds up).
     """
 
     channel: str
     piece: int = 0
     source: Source = "previous"
     rank: int = 1
+    usage: Usage = "honest"
 
 
 def split(text: str, size: int) -> list[str]:
@@ -108,10 +115,12 @@ class Answer:
     @property
     def pieces(self) -> list[str]:
         # A stream error comes after one benign chunk; the other channels spread the text over the answer.
-        return [WORDS[0]] if self.plan.channel == "midstream_error" else split(self.text, self.plan.piece)
+        return [WORDS[0]] if self.plan.channel in AFTER_ONE else split(self.text, self.plan.piece)
 
-    def usage(self, produced: int) -> JsonObject:
-        completion = min(produced, self.max_tokens)
+    def usage(self, produced: int) -> JsonObject | None:
+        if self.plan.usage == "none":
+            return None
+        completion = min(produced, self.max_tokens) if self.plan.usage == "honest" else -3
         return {
             "prompt_tokens": self.prompt_tokens,
             "total_tokens": self.prompt_tokens + completion,
@@ -157,7 +166,9 @@ class Answer:
             self._step(answer, choice, position, piece)
         if self.plan.channel != "finish_reason":
             choice["finish_reason"] = self._finish()
-        answer["usage"] = {**self.usage(len(self.pieces)), "prompt_tokens_details": None}
+        usage = self.usage(len(self.pieces))
+        if usage is not None:
+            answer["usage"] = {**usage, "prompt_tokens_details": None}
         return answer
 
     def events(self, include_usage: bool, continuous: bool) -> Iterator[bytes]:
@@ -187,11 +198,16 @@ class Answer:
             yield _event({"error": {"message": self.text, "type": "InternalServerError", "param": None, "code": 500}})
             yield DONE
             return
+        if channel == "not_json":
+            yield _lines("data:", self.text)
+            yield DONE
+            return
         closing = self._stream_choice()
         closing.update(finish_reason=self._finish(), stop_reason=None)
         yield _event(self._chunk(closing, len(self.pieces), continuous))
-        if include_usage:
-            yield _event({**self._envelope(), "choices": [], "usage": self.usage(len(self.pieces))})
+        usage = self.usage(len(self.pieces))
+        if include_usage and usage is not None:
+            yield _event({**self._envelope(), "choices": [], "usage": usage})
         yield DONE
 
     def _envelope(self) -> JsonObject:
@@ -217,7 +233,7 @@ class Answer:
         if self.chat:
             chunk["object"] = "chat.completion.chunk"
         chunk["choices"] = [choice]
-        if continuous:
+        if continuous and self.plan.usage != "none":
             chunk["usage"] = self.usage(produced)
         elif not self.chat:
             chunk["usage"] = None  # completion chunks carry every field, nulls included
@@ -392,6 +408,11 @@ class Adversary:
 
     async def _tokenize(self, request: Request) -> Response:
         body = orjson.loads(await request.body())
+        if self.plan is not None and self.plan.channel == "tokenize_400":
+            self.plan = None
+            prompt = "\n".join(_contents(body["messages"])) if "messages" in body else str(body["prompt"])
+            error = {"message": f"Cannot tokenize: {prompt}", "type": "BadRequestError", "param": None, "code": 400}
+            return _json({"error": error}, 400)
         ids = self._encode(body)
         return _json({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": None})
 
@@ -409,9 +430,12 @@ class Adversary:
         texts = {"previous": self.prompts[-1] if self.prompts else "", "own": prompt, "benign": BENIGN}
         self.prompts.append(prompt)
         text = texts[plan.source]
-        if plan.channel == "error_400":
-            error = {"message": f"Prompt rejected: {text}", "type": "BadRequestError", "param": None, "code": 400}
-            return _json({"error": error}, 400)
+        if plan.channel in ("error_400", "error_500"):
+            status = int(plan.channel[-3:])
+            error = {"message": f"Prompt rejected: {text}", "type": "BadRequestError", "param": None, "code": status}
+            return _json({"error": error}, status)
+        if plan.channel == "not_json" and not body.get("stream"):
+            return Response(f"Engine failure on: {text}", media_type="application/json")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         answer = Answer(
             chat, body.get("model") or self.model, len(self._encode(body)), max_tokens, plan, text, self.tokenizer

@@ -12,8 +12,10 @@ import httpx
 import pytest
 
 from gateway.counting import LocalCounter, Prompt
+from gateway.serving import run_server
 from gateway.tenants import hash_key
 from gateway.tokens import ModelTokenizer
+from tests.integration.adversary import Adversary, Plan
 from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.prompt_corpus import CORPUS, CorpusPrompt
 
@@ -216,3 +218,19 @@ async def test_fields_that_change_what_the_engine_counts_are_refused(
     assert response.status_code == 400
     assert field in response.json()["error"]["message"]
     assert forwarded(sim_url) == []
+
+
+async def test_a_backends_refusal_to_count_never_quotes_the_prompt_back(
+    client: httpx.AsyncClient, make_gateway: Any, tokenizer_dir: Path
+) -> None:
+    # What the backend was asked to count holds the tenant's marker: its words about it must not reach the tenant.
+    engine = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    with run_server(engine.app()) as url:
+        gateway_url = make_gateway({"adversary": url}, models=[{"name": MODEL, "backends": ["adversary"]}])
+        engine.plan = Plan("tokenize_400")
+        response = await client.post(f"{gateway_url}{CHAT}", json=chat_body("Survey the telescope"), headers=auth())
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "backend_rejected" and "HTTP 400" in error["message"], error
+    assert "CNRY" not in response.text and "telescope" not in response.text.lower()
+    assert engine.prompts == [], "refused before it reached the engine"

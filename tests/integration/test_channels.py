@@ -58,6 +58,8 @@ ONCE = (0,)
 MESSAGE = ("choices", EACH, "message")  # a stream's delta is read as a message
 LOGPROBS = ("choices", EACH, "logprobs")
 C, P, BOTH = (CHAT,), (COMPLETIONS,), (CHAT, COMPLETIONS)
+ERROR = ("error", "message")
+BAD = "backend_bad_response"
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Channel:
     ints: str = "ids"  # what a list of integers there is: token "ids" or UTF-8 "bytes"
     done: bool = True  # a clean stream ends with [DONE] (not when the backend's ended without one)
     control: str | None = None  # the error a clean answer in this channel still ends in (its code)
+    status: tuple[int, int] = (200, 200)  # a clean answer's HTTP status, whole and streamed
     held: bool = False  # in a stream, the gateway holds the field to the value it first had
 
 
@@ -124,8 +127,11 @@ CHANNELS = (
     Channel("sse_comment", BOTH, (), WHOLE, shown=False, lines=":"),
     Channel("sse_event", BOTH, (), WHOLE, shown=False, lines="event:"),
     Channel("unterminated", BOTH, (MESSAGE + ("content",), ("choices", EACH, "text")), ONCE, done=False),
-    Channel("midstream_error", BOTH, (("error", "message"),), ONCE, shown=False, control="backend_bad_response"),
-    Channel("error_400", BOTH, (("error", "message"),), ONCE, ONCE, control="backend_rejected"),
+    Channel("midstream_error", BOTH, (ERROR,), ONCE, shown=False, control=BAD),
+    Channel("error_400", BOTH, (ERROR,), ONCE, ONCE, control="backend_rejected", status=(400, 400)),
+    # A backend's 5xx and its garbage are never relayed, and are scanned all the same.
+    Channel("error_500", BOTH, (ERROR,), ONCE, ONCE, shown=False, control=BAD, status=(502, 502)),
+    Channel("not_json", BOTH, (ERROR,), ONCE, ONCE, shown=False, control=BAD, status=(502, 200)),
 )
 
 
@@ -338,10 +344,9 @@ async def test_a_clean_answer_in_any_channel_goes_through_without_the_tenants_ma
     got = received(await client.post(gateway + endpoint, json=body, headers=auth(BOB_KEY)))
     where = shown(channel, got, adversary.tokenizer)
     assert_none_of(marker_in(adversary.prompts[-1]), (), got, where)
-    if channel.control == "backend_rejected":
-        assert got.status == 400 and got.error == "backend_rejected", got.raw
-    else:
-        assert got.status == 200 and got.error == channel.control, got.raw[-2000:]
+    status = channel.status[stream]
+    assert got.status == status and got.error == channel.control, got.raw[-2000:]
+    if status == 200:
         assert got.done == (stream and channel.done), got.raw[-2000:]
     if channel.shown and not (stream and channel.held):
         words = BOB_WORDS if source == "own" else BENIGN_WORDS

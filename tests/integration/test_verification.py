@@ -3,13 +3,19 @@ it did not really process, withhold the answer, and record the event."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
+import pytest
 import redis
 
+from gateway.serving import run_server
+from gateway.tenants import hash_key
+from gateway.tokens import ModelTokenizer
+from tests.integration.adversary import Adversary, Plan, Usage
 from tests.integration.support import BOB_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.redis_server import redis_server
 
@@ -137,3 +143,73 @@ async def test_with_every_check_off_the_leak_goes_through(
     assert response.status_code == 200
     assert CANARY in response.json()["choices"][0]["message"]["content"]
     assert response.json()["usage"]["prompt_tokens"] == 1
+
+
+@pytest.fixture
+def adversary(tokenizer_dir: Path) -> Iterator[tuple[Adversary, str]]:
+    engine = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    with run_server(engine.app()) as url:
+        yield engine, url
+
+
+def honest_model(tokenizer_dir: Path, verify_usage: bool) -> list[dict[str, Any]]:
+    model = {"name": MODEL, "backends": ["adversary"], "tokenizer": str(tokenizer_dir), "context_window": 2048}
+    return [{**model, "verify_usage": verify_usage}]
+
+
+async def events_of(client: httpx.AsyncClient, gateway_url: str) -> list[dict[str, Any]]:
+    answer = await client.get(f"{gateway_url}/admin/isolation-events", headers={"authorization": f"Bearer {ADMIN}"})
+    events: list[dict[str, Any]] = answer.json()["events"]
+    return events
+
+
+async def withheld_answer(client: httpx.AsyncClient, gateway_url: str, body: dict[str, Any]) -> httpx.Response:
+    """Bob's request, withheld: a 502, or a stream of its error event and [DONE]."""
+    response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth(BOB_KEY))
+    if body.get("stream"):
+        events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
+        assert response.status_code == 200 and len(events) == 2, response.text
+        assert orjson.loads(events[0])["error"]["code"] == "answer_withheld" and events[1] == "[DONE]"
+    else:
+        assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld", response.text
+    return response
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+@pytest.mark.parametrize("usage", ["none", "negative"])
+async def test_an_answer_whose_usage_is_missing_or_negative_is_withheld_and_recorded(
+    client: httpx.AsyncClient,
+    make_gateway: Any,
+    adversary: tuple[Adversary, str],
+    tokenizer_dir: Path,
+    usage: Usage,
+    stream: bool,
+) -> None:
+    engine, url = adversary
+    gateway_url = make_gateway({"adversary": url}, models=honest_model(tokenizer_dir, True), admin_token=ADMIN)
+    engine.plan = Plan("content", source="benign", usage=usage)
+    response = await withheld_answer(client, gateway_url, chat_body(max_tokens=16, stream=stream))
+    [event] = await events_of(client, gateway_url)
+    assert event["kind"] == "usage_mismatch" and event["tenant"] == "bob", event
+    assert event["request_id"] == response.headers["x-request-id"]
+    assert ("no usage" if usage == "none" else "negative count") in event["detail"]
+
+
+async def test_negative_usage_unverified_neither_breaks_the_answer_nor_holds_the_tenants_slot(
+    client: httpx.AsyncClient, make_gateway: Any, adversary: tuple[Adversary, str], tokenizer_dir: Path
+) -> None:
+    # Once, the access log's counter refused the negative count and the request's slots were never given back.
+    engine, url = adversary
+    bob = {"id": "bob", "key_hashes": [hash_key(BOB_KEY)], "models": [MODEL], "limits": {"max_concurrent_requests": 1}}
+    gateway_url = make_gateway({"adversary": url}, models=honest_model(tokenizer_dir, False), tenants=[bob])
+    for stream in (False, True, False):
+        engine.plan = Plan("content", source="benign", usage="negative")
+        response = await client.post(
+            f"{gateway_url}{CHAT}", json=chat_body(max_tokens=16, stream=stream), headers=auth(BOB_KEY)
+        )
+        assert response.status_code == 200, response.text
+        assert "harbour" in response.text.lower()
+    metrics = (await client.get(f"{gateway_url}/metrics")).text
+    assert metric(metrics, "bulkhead_in_flight_requests") == 0
+    assert metric(metrics, "bulkhead_requests_total", status="200") == 3
+    assert metric(metrics, "bulkhead_tokens_total", kind="completion") == 0

@@ -6,8 +6,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+import pytest
 
-from gateway.relay import StreamFilter, UsageWanted, filtered
+from gateway.errors import BackendTimeout
+from gateway.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, failing_closed, filtered
+from isolation.guard import LeakBlocked
 
 
 def event(tokens: int, content: str = "x") -> bytes:
@@ -56,3 +59,44 @@ async def test_events_before_the_first_usage_wait_for_its_check_then_go_out_in_o
     assert [c["choices"][0]["delta"]["content"] for c in released] == ["a", "b"]
     assert checks == [1]
     assert [c["choices"][0]["delta"]["content"] for c in await stream_filter.feed(event(2, "c"))] == ["c"]
+
+
+async def test_a_check_that_fails_withholds_the_answer_and_names_the_failure_not_its_message() -> None:
+    # A bug in any check must fail closed: the answer withheld and a check_failed event, not a bare 500.
+    async def broken_view(usage: dict[str, Any]) -> None:
+        raise KeyError("alice's secret words")
+
+    stream_filter = StreamFilter(UsageWanted(final=False, every_chunk=True), None, broken_view, False, None)
+    with pytest.raises(StreamWithheld) as caught:
+        await stream_filter.feed(event(1))
+    assert caught.value.kind == "check_failed"
+    assert caught.value.reason.startswith("checking the answer failed: KeyError at test_relay.py:")
+    assert "secret" not in caught.value.reason
+
+
+def test_failing_closed_lets_the_gateways_own_errors_and_verdicts_through() -> None:
+    with pytest.raises(BackendTimeout), failing_closed():
+        raise BackendTimeout("slow")
+    with pytest.raises(StreamFailed), failing_closed():
+        raise StreamFailed
+    with pytest.raises(StreamWithheld) as caught, failing_closed():
+        raise LeakBlocked
+    assert caught.value.kind is None, "a leak's event is recorded where it is found"
+
+
+async def test_a_stream_that_never_reports_usage_is_checked_as_one_without_usage() -> None:
+    seen: list[dict[str, Any] | None] = []
+
+    async def check(usage: dict[str, Any] | None) -> None:
+        seen.append(usage)
+        raise StreamWithheld("no usage", "usage_mismatch")
+
+    async def view(usage: dict[str, Any]) -> None:
+        pass
+
+    plain = event(0, "a").replace(b',"usage":{"prompt_tokens":5,"completion_tokens":0,"total_tokens":5}', b"")
+    stream_filter = StreamFilter(UsageWanted(final=False, every_chunk=False), check, view, True, None)
+    assert await stream_filter.feed(plain) == []
+    with pytest.raises(StreamWithheld) as caught:
+        await stream_filter.close()
+    assert seen == [None] and caught.value.kind == "usage_mismatch"
