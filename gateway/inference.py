@@ -34,7 +34,7 @@ from gateway.proxy import UpstreamResponse, parse_json_body
 from gateway.quarantine import on_leak
 from gateway.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, failing_closed, filtered
 from gateway.routing import SESSION_HEADER, Decision, session_id
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, InferenceRequest, validate
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, InferenceRequest, request_path, validate
 from gateway.settings import ModelSettings, TenantSettings
 from gateway.slot import Slot
 from gateway.sse import DONE as SSE_DONE
@@ -265,6 +265,8 @@ class InferenceCall:
         except InvalidRequest as refusal:
             # The backend's own words about the request: they can quote the prompt, markers included.
             refusal.message = await self.scrub(refusal.message)
+            param = request_path(refusal.param, type(self.request))
+            refusal.param = param if param is None or await self.scrub(param) == param else None
             raise
         except BackendBadResponse as failure:
             # Its words are never relayed, but a leak there is one all the same.

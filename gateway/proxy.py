@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -166,15 +167,18 @@ class Upstream:
         raise self._refusal(replica, response.status, raw)
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+        # Never where a backend points: a redirect would carry the prompt (and the backend's key) to another host, or
+        # to a second replica. A 3xx is a bad answer like any other status.
+        post = partial(self._session.post, url, data=body, headers=headers, allow_redirects=False)
         try:
-            return await self._session.post(url, data=body, headers=headers)
+            return await post()
         except aiohttp.ServerDisconnectedError as first:
             # Most likely a kept-alive connection the backend closed as it was reused: nothing was read, so once
             # more to the same backend. But a backend that died with the request in hand looks the same, so the
             # request may have reached it: if it is gone now, that must not read as "never sent" (which would let
             # the request go to another replica too).
             try:
-                return await self._session.post(url, data=body, headers=headers)
+                return await post()
             except aiohttp.ClientConnectorError as exc:
                 raise first from exc
 

@@ -320,6 +320,16 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     return "".join(parts).lstrip(".")
 
 
+_PATH = re.compile(r"([a-z_]+)(?:\.[a-z_]+|\[\d+\])*")
+
+
+def request_path(param: str | None, schema: type[ChatCompletionRequest] | type[CompletionRequest]) -> str | None:
+    """A backend's `param` when it is a path into a request field (`messages[0].content`), else None: anything
+    else is just more of the backend's words."""
+    found = _PATH.fullmatch(param or "")
+    return param if found is not None and found.group(1) in schema.model_fields else None
+
+
 def _reason(error: Any) -> str:
     if error["type"] == "extra_forbidden":
         return "not a field the gateway accepts (it forwards only the fields listed in /openapi.json)"

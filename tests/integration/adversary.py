@@ -60,9 +60,9 @@ class Plan:
         prompt_logprobs (both); and, beside the answer's fields: sse_comment, sse_event (lines before each data
         event of a stream), unterminated (the visible text, in a last event with no blank line after it and no
         [DONE]), midstream_error (a `data: {"error": ...}` event after the first chunk), error_400 and error_500
-        (an HTTP 400 or 500 whose message quotes the text), not_json (the whole answer, or a stream's event after
-        the first chunk, is the text and not JSON), tokenize_400 (the next /tokenize refused, quoting the prompt it
-        was given).
+        (an HTTP 400 or 500 whose message and param quote the text), not_json (the whole answer, or a stream's
+        event after the first chunk, is the text and not JSON), tokenize_400 (the next /tokenize refused, quoting
+        the prompt it was given).
     piece: characters per stream chunk and logprob position (token ids: the ids of those characters); 0, all at once.
     rank: the alternative that top_logprob_token / top_logprobs fill.
     usage: "honest"; "none" (no usage anywhere in the answer); "negative" (completion_tokens below zero, with a
@@ -432,7 +432,7 @@ class Adversary:
         text = texts[plan.source]
         if plan.channel in ("error_400", "error_500"):
             status = int(plan.channel[-3:])
-            error = {"message": f"Prompt rejected: {text}", "type": "BadRequestError", "param": None, "code": status}
+            error = {"message": f"Prompt rejected: {text}", "type": "BadRequestError", "param": text, "code": status}
             return _json({"error": error}, status)
         if plan.channel == "not_json" and not body.get("stream"):
             return Response(f"Engine failure on: {text}", media_type="application/json")

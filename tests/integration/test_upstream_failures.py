@@ -128,3 +128,33 @@ async def test_backend_dies_mid_stream_sends_an_error_event(
     assert '"Hel"' in text
     assert re.search(r'data: \{"error":\{"message":"Backend \'dying\' closed the connection', text)
     assert text.endswith("data: [DONE]\n\n")
+
+
+async def test_a_backends_redirect_is_not_followed(client: httpx.AsyncClient, make_gateway: Any) -> None:
+    # Followed, it would carry the tenant's prompt (and the backend's key) wherever the backend points.
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse, RedirectResponse
+    from starlette.routing import Route
+
+    reached: list[str] = []
+
+    async def elsewhere(request: Request) -> PlainTextResponse:
+        reached.append(request.url.path)
+        return PlainTextResponse("{}", media_type="application/json")
+
+    with run_server(Starlette(routes=[Route(CHAT, elsewhere, methods=["GET", "POST"])])) as elsewhere_url:
+
+        async def redirect(request: Request) -> PlainTextResponse | RedirectResponse:
+            if request.url.path == "/health":
+                return PlainTextResponse("")
+            return RedirectResponse(elsewhere_url + CHAT, status_code=307)
+
+        app = Starlette(routes=[Route("/health", redirect), Route(CHAT, redirect, methods=["POST"])])
+        with run_server(app) as redirecting_url:
+            gateway_url = make_gateway({"redirecting": redirecting_url})
+            response = await client.post(f"{gateway_url}{CHAT}", json=chat_body(), headers=auth())
+    assert response.status_code == 502, response.text
+    assert response.json()["error"]["code"] == "backend_bad_response"
+    assert "HTTP 307" in response.json()["error"]["message"]
+    assert reached == []

@@ -13,6 +13,7 @@ from gateway.body import parse_json_object
 from gateway.edge import TickCorkedTransport
 from gateway.errors import AuthenticationFailed, InvalidRequest
 from gateway.metrics import GatewayMetrics
+from gateway.schemas import ChatCompletionRequest, request_path
 from gateway.settings import SettingsError, TenantSettings, load_settings
 from gateway.sse import EventSplitter
 from gateway.tenants import TenantDirectory, hash_key, new_api_key
@@ -178,3 +179,20 @@ async def test_an_answer_before_its_requests_body_says_it_is_the_connections_las
     unread[0] = False
     corked.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")  # the body was read: the connection stays
     assert b"connection" not in sent.sends[-1] and not corked.last_answer
+
+
+@pytest.mark.parametrize(
+    ("param", "kept"),
+    [
+        ("messages[0].content", True),
+        ("max_tokens", True),
+        ("stream_options.include_usage", True),
+        (None, False),
+        ("", False),
+        ("Zanzibar orchid ledger", False),
+        ("zanzibar", False),
+        ("messages[0].content CNRY-ABCDEFGHIJKLMNOPQRST", False),
+    ],
+)
+def test_a_backends_param_goes_out_only_as_a_path_into_the_request(param: str | None, kept: bool) -> None:
+    assert request_path(param, ChatCompletionRequest) == (param if kept else None)
