@@ -40,7 +40,7 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
     return b"".join(chunks)
 
 
-def _depth_exceeds(value: Any, limit: int) -> bool:
+def depth_exceeds(value: Any, limit: int) -> bool:
     # Iterative on purpose: a recursive walk of hostile input is how a parser-depth attack becomes a crash.
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
@@ -66,6 +66,6 @@ def parse_json_object(raw: bytes, max_depth: int) -> dict[str, Any]:
         raise InvalidRequest(f"Request body is not valid JSON (or not valid UTF-8): {exc}") from exc
     if not isinstance(value, dict):
         raise InvalidRequest("Request body must be a JSON object.")
-    if _depth_exceeds(value, max_depth):
+    if depth_exceeds(value, max_depth):
         raise InvalidRequest(f"Request body nests deeper than {max_depth} levels.")
     return value

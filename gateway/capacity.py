@@ -60,7 +60,7 @@ def parse_cache_config(text: str) -> tuple[int, int] | None:
             continue
         for sample in family.samples:
             block_size, blocks = sample.labels.get("block_size", ""), sample.labels.get("num_gpu_blocks", "")
-            if block_size.isdigit() and blocks.isdigit():
+            if (block_size + blocks).isascii() and block_size.isdigit() and blocks.isdigit():
                 return int(block_size), int(blocks)
     return None
 
@@ -80,15 +80,22 @@ class CapacityMonitor:
             auth = {"authorization": f"Bearer {replica.api_key}"} if replica.api_key else None
             listed = await client.get(f"{replica.url}/v1/models", headers=auth, timeout=timeout)
             exposition = await client.get(f"{replica.url}/metrics", timeout=timeout)
+            lengths = [n for m in models if (n := parse_models(_json(listed), m)) is not None]
+            cache = parse_cache_config(exposition.text) if exposition.status_code == 200 else None
         except httpx.HTTPError as exc:
             log.info("capacity of backend %s not read: %s", replica.name, type(exc).__name__)
             return
-        lengths = [n for m in models if (n := parse_models(_json(listed), m)) is not None]
-        cache = parse_cache_config(exposition.text) if exposition.status_code == 200 else None
+        except Exception as exc:
+            # A backend's garbage must neither stop this watcher (every backend's limits would freeze) nor lift a
+            # limit it reported before.
+            log.warning("capacity of backend %s not readable: %s", replica.name, type(exc).__name__)
+            return
+        # A read that lacks a number keeps the one read before: a limit lifted by one bad answer is the incident.
+        known = self.by_backend.get(replica.name, BackendCapacity())
         capacity = BackendCapacity(
-            max_model_len=min(lengths) if lengths else None,
-            block_size=cache[0] if cache else None,
-            num_gpu_blocks=cache[1] if cache else None,
+            max_model_len=min(lengths) if lengths else known.max_model_len,
+            block_size=cache[0] if cache else known.block_size,
+            num_gpu_blocks=cache[1] if cache else known.num_gpu_blocks,
         )
         self.by_backend[replica.name] = capacity
         if capacity.max_model_len is not None:

@@ -202,7 +202,9 @@ def openai_response(outcome: Outcome) -> Response:
     """The OpenAI routes' edge: an answer as JSON (the backend's own bytes when unchanged), a stream as SSE."""
     if isinstance(outcome, Stream):
         return RelayResponse(outcome, openai_event)
-    content = outcome.raw if outcome.raw is not None else orjson.dumps(outcome.body)
+    # Always what was checked, never the backend's bytes: they can say more than their parse (a duplicate key's first
+    # value goes to a client, while the parser and the checks keep its last).
+    content = orjson.dumps(outcome.body)
     return Response(content, status_code=outcome.status, media_type="application/json", headers=outcome.headers)
 
 
@@ -377,6 +379,7 @@ class InferenceCall:
             decode,
             stops,
             fragments,
+            self.request.n,
         )
 
     async def complete(self) -> Answer:
@@ -385,15 +388,15 @@ class InferenceCall:
         self.record.mark_first_byte()
         try:
             with failing_closed():
-                body, changed = await self._checked(raw)
+                body = await self._checked(raw)
         except StreamWithheld as exc:
             raise await self.withhold(exc) from exc
         self.finished = True
         headers = {"x-request-id": self.record.request_id, **self.limit_headers}
-        return Answer(200, body, headers, None if changed else raw)
+        return Answer(200, body, headers)
 
-    async def _checked(self, raw: bytes) -> tuple[dict[str, Any], bool]:
-        """A whole answer pruned, verified and scanned; whether it changed (its raw bytes no longer hold)."""
+    async def _checked(self, raw: bytes) -> dict[str, Any]:
+        """A whole answer, pruned, verified and scanned."""
         guard = self.output_guard()
         try:
             body = parse_json_body(self.replica, raw)
@@ -402,7 +405,6 @@ class InferenceCall:
                 await guard.check_removed([("answer.raw", raw.decode("utf-8", "replace"))])
             raise
         removed = prune(body)
-        changed = bool(removed)
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
         if guard is not None and removed:
             await guard.check_removed(removed)
@@ -411,10 +413,9 @@ class InferenceCall:
         if usage is not None:
             await self.view_usage(usage)
             self.record.take_usage(usage)
-            changed = True
         if guard is not None:
-            changed |= await guard.check_body(body)
-        return body, changed
+            await guard.check_body(body)
+        return body
 
     async def relay(self) -> AsyncGenerator[Event, None]:
         assert self.response is not None

@@ -32,7 +32,6 @@ class Answer:
     status: int
     body: dict[str, Any]  # the OpenAI answer, or an error body
     headers: dict[str, str] = field(default_factory=dict)
-    raw: bytes | None = None  # the backend's own bytes, when the body is exactly what it sent
 
     @classmethod
     def refusal(cls, error: GatewayError, headers: dict[str, str]) -> Answer:

@@ -97,10 +97,10 @@ class StreamFilter:
         rest = self._splitter.rest()
         # An event the backend did not end with a blank line is still an event, checked like the others.
         last = await self._event(rest.rstrip() + b"\n\n") if rest.strip() else None
-        if self._check is not None and not self._checked:
-            with failing_closed():
+        with failing_closed():
+            if self._check is not None and not self._checked:
                 await self._check(None)  # a stream that never reported usage cannot be verified: withheld
-        tail = self._tail()
+            tail = self._tail()
         return [*(self._held or ()), *(() if last is None else (last,)), *(() if tail is None else (tail,))]
 
     def _tail(self) -> dict[str, Any] | None:

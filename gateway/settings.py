@@ -40,7 +40,8 @@ class ListenSettings(_Section):
 
 class LimitSettings(_Section):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="request bodies above this get 413")
-    max_json_depth: int = Field(default=32, ge=4, le=512, description="deeper JSON gets 400")
+    # At most 250: what is accepted must also serialize upstream (orjson writes 254 levels at most).
+    max_json_depth: int = Field(default=32, ge=4, le=250, description="deeper JSON gets 400")
     max_output_tokens: int = Field(default=1_048_576, ge=1, description="max_tokens above this is absurd: 400")
     max_n: int = Field(default=16, ge=1, le=128, description="choices per request")
 

@@ -32,6 +32,7 @@ from starlette.routing import Match, Route
 
 from gateway import accesslog, catalog, inference
 from gateway.accesslog import RequestRecord
+from gateway.body import depth_exceeds
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -55,6 +56,7 @@ DATA = b"data: "
 QUEUE_ROUTE = "queue"  # the access log's route for enqueueing and polling
 # Workers AI's default output for text generation (`max_tokens`, default 256, in every model's input schema).
 WORKERS_MAX_TOKENS = 256
+ARGUMENTS_DEPTH = 64  # a tool call's arguments deeper than this stay text (orjson writes 254 levels at most)
 
 # Each gateway error code (the error tree's in errors.py, and those its raise sites set: `backend_rejected`,
 # `job_failed`, `account_mismatch`, …) → (Workers AI code, HTTP status as Workers AI answers it). Codes from Workers
@@ -200,9 +202,17 @@ def _openai_tool(tool: Any) -> Any:
 # --- Answers in Workers AI's shapes ---------------------------------------------------------------------------------
 
 
+def _first_choice(answer: dict[str, Any]) -> dict[str, Any]:
+    """The choice Workers AI shows (index 0): a choice of another index is never mistaken for it."""
+    for choice in answer.get("choices") or ():
+        if isinstance(choice, dict) and (choice.get("index") or 0) == 0:
+            return choice
+    return {}
+
+
 def workers_result(body: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI answer as Workers AI's text-generation result: `response`, `tool_calls` when any, `usage`."""
-    choice = (body.get("choices") or [{}])[0]
+    choice = _first_choice(body)
     message = choice.get("message")
     text = message.get("content") if isinstance(message, dict) else choice.get("text")
     result: dict[str, Any] = {"response": text or ""}
@@ -217,13 +227,20 @@ def _tool_call(call: Any) -> dict[str, Any]:
     """Workers AI's `{name, arguments}`, the arguments an object; OpenAI's are JSON text (kept as text if not JSON)."""
     function = call.get("function") if isinstance(call, dict) else None
     function = function if isinstance(function, dict) else {}
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = orjson.loads(arguments)
-        except orjson.JSONDecodeError:
-            pass  # not JSON: the model's text, as it wrote it
-    return {"name": function.get("name"), "arguments": arguments}
+    return {"name": function.get("name"), "arguments": _arguments(function.get("arguments"))}
+
+
+def _arguments(text: Any) -> Any:
+    """The arguments decoded, when what goes out is then exactly what the guard scanned: a \\u escape would decode
+    to characters it never saw (a marker spelled in escapes), so such text stays text, as does JSON too deep to
+    write back out."""
+    if not isinstance(text, str) or "\\u" in text:
+        return text
+    try:
+        decoded = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text  # not JSON: the model's text, as it wrote it
+    return text if depth_exceeds(decoded, ARGUMENTS_DEPTH) else decoded
 
 
 def workers_answer(answer: Answer) -> Response:
@@ -239,8 +256,9 @@ def workers_event(event: Event) -> bytes:
         return DATA + orjson.dumps({"errors": [error]}) + b"\n\n" + SSE_DONE
     if not isinstance(event, dict):  # DONE
         return SSE_DONE
-    choice = (event.get("choices") or [{}])[0]
-    text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+    choice = _first_choice(event)
+    delta = choice.get("delta")
+    text = (delta.get("content") if isinstance(delta, dict) else None) if "delta" in choice else choice.get("text")
     line: dict[str, Any] = {"response": text or ""}
     if event.get("usage"):
         line["usage"] = event["usage"]

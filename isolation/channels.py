@@ -272,7 +272,8 @@ def texts(choice: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], str]]:
         for position, call in enumerate(holder.get("tool_calls") or ()):
             function = call.get("function")
             if function is not None:
-                slot = f"tool:{call.get('index', position)}"
+                index = call.get("index")
+                slot = f"tool:{index if type(index) is int else position}"  # pruning nulls an index of another type
                 for name in ("name", "arguments"):
                     if type(function.get(name)) is str:
                         yield f"{slot}:{name}", function, name

@@ -99,6 +99,7 @@ class _Sink:
     """One dropped field across an answer: its texts as a stream, its byte lists as UTF-8, its token ids."""
 
     scanner: StreamScanner = field(default_factory=StreamScanner)
+    names: StreamScanner = field(default_factory=StreamScanner)  # the names of the maps in it, a stream of their own
     bytes_scanner: StreamScanner = field(default_factory=StreamScanner)
     decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -117,8 +118,10 @@ class OutputGuard:
         decode: Decode | None = None,
         stops: frozenset[str] = frozenset(),
         fragments: AnswerCheck | None = None,
+        choices: int = 1,
     ) -> None:
         self._registry = registry
+        self._choices_asked = choices  # the request's n: a choice of another index answers nothing that was asked
         self._fragments = fragments
         self._tenant = tenant
         self._policy = policy
@@ -127,33 +130,47 @@ class OutputGuard:
         self._decode = decode
         self._stops = stops
         self._choices: dict[int, _Choice] = {}
+        self._finished: set[int] = set()  # choices whose finish_reason went out
         self._envelope: dict[str, str] = {}
         self._sinks: dict[str, _Sink] = {}
         self._reported: set[tuple[str, str]] = set()
         self._unknown: set[bytes] = set()
 
-    async def check_chunk(self, chunk: dict[str, Any]) -> bool:
-        """Scan and edit one streamed chunk (pruned: channels.prune) in place; True when it changed."""
-        changed = await self._hold_envelope(chunk)
-        for choice in chunk.get("choices") or ():
+    async def check_chunk(self, chunk: dict[str, Any]) -> None:
+        """Scan and edit one streamed chunk (pruned: channels.prune) in place."""
+        await self._hold_envelope(chunk)
+        for choice in await self._answered(chunk):
             index = choice.get("index") or 0
             state = self._choices.get(index)
             if state is None:
                 state = self._choices[index] = _Choice(self._echo_prefix)
             final = choice.get("finish_reason") is not None
-            changed |= await self._choice(state, choice, final)
+            await self._choice(state, choice, final)
             if final:
                 # Nothing more comes for this choice: what was held goes out with its last chunk, even when that
                 # chunk carries none of the fields (OpenAI's closing chunk has `delta: {}`).
                 del self._choices[index]
-        return changed
+                self._finished.add(index)
 
-    async def check_body(self, body: dict[str, Any]) -> bool:
-        """Scan and edit a whole (non-streamed, pruned) answer in place; True when it changed."""
-        changed = await self._hold_envelope(body)
-        for choice in body.get("choices") or ():
-            changed |= await self._choice(_Choice(self._echo_prefix), choice, final=True)
-        return changed
+    async def check_body(self, body: dict[str, Any]) -> None:
+        """Scan and edit a whole (non-streamed, pruned) answer in place."""
+        await self._hold_envelope(body)
+        for choice in await self._answered(body):
+            await self._choice(_Choice(self._echo_prefix), choice, final=True)
+
+    async def _answered(self, answer: dict[str, Any]) -> list[dict[str, Any]]:
+        """The answer's choices that answer the request; the others are taken out, never relayed, and scanned.
+
+        That is a choice of an index the request did not ask for, and one an engine writes on after its finish: a
+        fresh scanner there would miss a marker whose first half went out in the finished part.
+        """
+        choices = answer.get("choices") or []
+        for choice in list(choices):
+            index = choice.get("index") or 0
+            if index in self._finished or not 0 <= index < self._choices_asked:
+                choices.remove(choice)
+                await self.check_removed([("choice.unasked", choice)])
+        return list(choices)
 
     def closing(self) -> list[dict[str, Any]]:
         """For a stream that ended without finishing its choices: their held texts and logprobs, as last choices.
@@ -194,12 +211,18 @@ class OutputGuard:
                 if kind == "text":
                     await self._detect(sink.scanner.scan(item).hits)
                     continue
+                if kind == "name":
+                    await self._detect(sink.names.scan(item).hits)
+                    continue
                 if all(0 <= number < 256 for number in item):
                     await self._detect(sink.bytes_scanner.scan(sink.decoder.decode(bytes(item))).hits)
                 if self._decode is not None:
-                    sink.ids = (sink.ids + item)[-IDS_KEPT:]
+                    # All of them, after the tail of the ones before: a marker can be anywhere in a long list, and
+                    # numbers no tokenizer takes (negative, past 32 bits) must not stop the rest being read.
+                    ids = sink.ids + [number for number in item if 0 <= number < 1 << 32]
+                    sink.ids = ids[-IDS_KEPT:]
                     try:
-                        decoded = self._decode(sink.ids)
+                        decoded = self._decode(ids)
                     except (OverflowError, TypeError, ValueError):
                         continue  # not ids of this vocabulary
                     await self._detect(scan_all(decoded))
@@ -208,9 +231,8 @@ class OutputGuard:
         for hit in hits:
             await self._verdict(hit)
 
-    async def _hold_envelope(self, answer: dict[str, Any]) -> bool:
+    async def _hold_envelope(self, answer: dict[str, Any]) -> None:
         """Scan the envelope's strings where they first appear, and hold every later chunk to those values."""
-        changed = False
         for name in ENVELOPE:
             value = answer.get(name)
             if value is None:
@@ -225,11 +247,8 @@ class OutputGuard:
                 await self.check_removed([(where, value)])
             if value != first:
                 answer[name] = first
-                changed = True
-        return changed
 
-    async def _hold_tool_ids(self, state: _Choice, choice: dict[str, Any]) -> bool:
-        changed = False
+    async def _hold_tool_ids(self, state: _Choice, choice: dict[str, Any]) -> None:
         for holder in (choice.get("delta"), choice.get("message")):
             for position, call in enumerate((holder or {}).get("tool_calls") or ()):
                 value = call.get("id")
@@ -245,30 +264,26 @@ class OutputGuard:
                     await self.check_removed([("tool.id", value)])
                 if value != first:
                     call["id"] = first
-                    changed = True
-        return changed
 
-    async def _choice(self, state: _Choice, choice: dict[str, Any], final: bool) -> bool:
-        changed = False
+    async def _choice(self, state: _Choice, choice: dict[str, Any], final: bool) -> None:
         if state.echo and type(choice.get("text")) is str:
-            changed = self._strip_echo(state, choice)
+            self._strip_echo(state, choice)
         stop = choice.get("stop_reason")
         if type(stop) is str and stop not in self._stops:
             await self.check_removed([("choice.stop_reason", stop)])
             choice["stop_reason"] = None
-            changed = True
         message = choice.get("delta") or choice.get("message")
         if state.tool_ids or (message is not None and message.get("tool_calls")):
-            changed |= await self._hold_tool_ids(state, choice)
+            await self._hold_tool_ids(state, choice)
         slots = list(texts(choice))
         logprobs = choice.get("logprobs")
         streams = token_streams(logprobs) if logprobs is not None else {}
         if self._fragments is not None:
-            changed |= await self._find_fragments(state, slots, streams, choice)
+            await self._find_fragments(state, slots, streams, choice)
         # One pass over every text of this event finds the few that a scanner must look at; most events have none.
         flagged = suspects([holder[name] for _, holder, name in slots] + ["".join(p) for p in streams.values()])
         if flagged is not None and not flagged and state.held_logprobs is None and _idle(state.scanners):
-            return changed
+            return
         holding = False
         for position, (key, holder, name) in enumerate(slots):
             scanner = state.scanners.get(key)
@@ -282,17 +297,14 @@ class OutputGuard:
             holding |= scanner.holding
             if released != original:
                 holder[name] = released
-                changed = True
         if logprobs is not None or state.held_logprobs is not None:
-            changed |= await self._logprobs(state, choice, streams, flagged, len(slots), holding, final)
+            await self._logprobs(state, choice, streams, flagged, len(slots), holding, final)
         if final:
             seen = {key for key, _, _ in slots}
             for key, scanner in state.scanners.items():
                 rest = scanner.flush()
                 if rest and key not in seen and not key.startswith("lp"):
                     place(choice, key, rest)
-                    changed = True
-        return changed
 
     async def _find_fragments(
         self,
@@ -300,7 +312,7 @@ class OutputGuard:
         slots: list[tuple[str, dict[str, Any], str]],
         streams: dict[str, list[str]],
         choice: dict[str, Any],
-    ) -> bool:
+    ) -> None:
         """Check this event's texts and chosen logprob tokens for a fragment of another tenant's recent prompt.
         Under redact, a text where one is found is redacted from there on, and the event's logprob positions are
         dropped. (Alternatives of other ranks are scanned for markers, not fingerprinted: a leaked fragment is in
@@ -316,21 +328,18 @@ class OutputGuard:
             state.mirror = mirrored = None
         elif mirrored is None and mirrors and "lp" not in state.grams:
             state.mirror = mirrored = slots[0][0]
-        changed = found = False
+        found = False
         for key, holder, name in slots:
             hit = await self._fragment(state, key, holder[name])
             found |= hit and key == mirrored
             if hit or key in state.tainted:
                 state.tainted.add(key)
                 holder[name] = REDACTED if holder[name] else ""
-                changed = True
         if chosen is not None and mirrored is None:
             found |= await self._fragment(state, "lp", chosen)
         if found:
             held = positions(state.held_logprobs) if state.held_logprobs is not None else 0
             state.dropped |= set(range(held, held + positions(choice["logprobs"])))
-            changed = True
-        return changed
 
     def _new_grams(self) -> AnswerGrams:
         assert self._fragments is not None
@@ -348,14 +357,13 @@ class OutputGuard:
             return False
         return await self._leak(Leak(victim, FRAGMENT)) is not None
 
-    def _strip_echo(self, state: _Choice, choice: dict[str, Any]) -> bool:
+    def _strip_echo(self, state: _Choice, choice: dict[str, Any]) -> None:
         text: str = choice["text"]
         size = min(len(state.echo), len(text))
         if text[:size] != state.echo[:size]:
             state.echo = ""  # not an echo of what was injected: the scan still strips the marker itself
-            return False
+            return
         choice["text"], state.echo = text[size:], state.echo[size:]
-        return size > 0
 
     async def _logprobs(
         self,
@@ -366,7 +374,7 @@ class OutputGuard:
         first: int,
         holding: bool,
         final: bool,
-    ) -> bool:
+    ) -> None:
         """Scan this event's token-level streams; release the choice's logprobs, or hold them with the held text."""
         new = choice.get("logprobs")
         held = state.held_logprobs
@@ -392,13 +400,12 @@ class OutputGuard:
         if holding and not final:
             state.held_logprobs = joined
             choice["logprobs"] = None
-            return new is not None
+            return
         dropped = state.dropped
         if joined is not None and dropped:
             drop(joined, dropped)
         choice["logprobs"] = joined
         state.held_logprobs, state.dropped = None, set()
-        return held is not None or bool(dropped)
 
     async def _release(self, scanner: StreamScanner, piece: str) -> str:
         scan = scanner.scan(piece)
@@ -442,10 +449,11 @@ def _idle(scanners: dict[str, StreamScanner]) -> bool:
 
 
 def _contents(value: Any) -> Iterator[tuple[str, Any]]:
-    """The texts ("text", str) and integer lists ("ints", list) in a removed value, in document order.
+    """The texts ("text", str), field names ("name", str) and integer lists ("ints", list) in a removed value, in
+    document order.
 
-    Keys count as text only in maps of numbers (a completion's token → logprob): elsewhere they are field names,
-    whose letters would only break up the text between them.
+    Keys count as text in maps of numbers (a completion's token → logprob). Elsewhere they are field names: scanned
+    as a stream of their own, since their letters would only break up the text between them.
     """
     if type(value) is str:
         yield "text", value
@@ -455,6 +463,7 @@ def _contents(value: Any) -> Iterator[tuple[str, Any]]:
             if numbers:
                 yield "text", str(key)
             else:
+                yield "name", str(key)
                 yield from _contents(item)
     elif type(value) is list:
         if value and all(type(item) is int for item in value):

@@ -1,7 +1,7 @@
 """An adversarial vLLM look-alike: vLLM 0.32's routes and answer shapes (as isolation/sim/replies.py sends them), with
 honest usage, that can be told to replay a prompt it saw into any one channel of an answer (docs/channels.md).
 
-    GET  /v1/models, /health, /metrics       what the gateway reads of a backend (no KV-cache line in /metrics)
+    GET  /v1/models, /health, /metrics       what the gateway reads of a backend (/metrics: `adversary.metrics`)
     POST /tokenize                           counted as the simulator counts
     POST /v1/chat/completions, /v1/completions   streamed or not
 
@@ -362,6 +362,7 @@ class Adversary:
         self.model = model
         self.prompts: list[str] = []  # every inference request's prompt text, as it arrived, oldest first
         self.plan: Plan | None = None  # for the next inference request only
+        self.metrics = b""  # what /metrics answers
 
     def app(self) -> Starlette:
         return Starlette(
@@ -403,8 +404,8 @@ class Adversary:
         return Response(status_code=200)
 
     async def _metrics(self, request: Request) -> Response:
-        # No vllm:cache_config_info: the gateway then knows no KV capacity and limits prompts by the window alone.
-        return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
+        # By default no vllm:cache_config_info: the gateway then limits prompts by the window alone.
+        return Response(self.metrics, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _tokenize(self, request: Request) -> Response:
         body = orjson.loads(await request.body())

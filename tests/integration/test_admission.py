@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -234,3 +235,31 @@ async def test_a_backends_refusal_to_count_never_quotes_the_prompt_back(
     assert error["code"] == "backend_rejected" and "HTTP 400" in error["message"], error
     assert "CNRY" not in response.text and "telescope" not in response.text.lower()
     assert engine.prompts == [], "refused before it reached the engine"
+
+
+def cache_config(blocks: int) -> bytes:
+    return f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{blocks}"}} 1.0\n'.encode()
+
+
+async def test_a_garbled_metrics_read_neither_lifts_the_kv_limit_nor_stops_watching(
+    client: httpx.AsyncClient, make_gateway: Any, tokenizer_dir: Path
+) -> None:
+    # One bad answer once killed the watcher for every backend and could lift the limit: the incident again.
+    engine = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    engine.metrics = cache_config(10)  # 160 tokens of KV cache behind a 2,048-token window
+    body = chat_body("Summarise this contract clause by clause. " * 30, max_tokens=8)
+
+    async def status_after(metrics: bytes) -> int:
+        engine.metrics = metrics
+        await asyncio.sleep(0.8)  # several refreshes
+        return (await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth())).status_code
+
+    with run_server(engine.app()) as url:
+        model = {"name": MODEL, "backends": ["adversary"], "tokenizer": str(tokenizer_dir), "context_window": 2048}
+        gateway_url = make_gateway({"adversary": url}, models=[model], upstream={"capacity_refresh_s": 0.1})
+        assert await status_after(cache_config(10)) == 400
+        assert await status_after(b"garbage { not prometheus\n") == 400, "a limit read before still holds"
+        assert await status_after(b'vllm:cache_config_info{block_size="\xc2\xb2",num_gpu_blocks="9"} 1.0\n') == 400
+        assert await status_after(b"") == 400, "an answer without the number keeps the number read before"
+        assert await status_after(cache_config(200)) == 200, "still watching: a larger cache is seen"
+        assert await status_after(cache_config(10)) == 400

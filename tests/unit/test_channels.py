@@ -322,7 +322,7 @@ async def test_the_envelope_keeps_its_first_value_so_nothing_can_be_spread_over_
 
 
 async def test_a_stop_reason_is_one_of_the_requests_stop_strings(registry: MarkerRegistry) -> None:
-    guard = OutputGuard(registry, "alice", LeakPolicy.BLOCK, Leaks(), stops=frozenset({"END"}))
+    guard = OutputGuard(registry, "alice", LeakPolicy.BLOCK, Leaks(), stops=frozenset({"END"}), choices=3)
     kept = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": "END"}]}
     other = {"choices": [{"index": 1, "delta": {}, "finish_reason": "stop", "stop_reason": "something else"}]}
     token = {"choices": [{"index": 2, "delta": {}, "finish_reason": "stop", "stop_reason": 128009}]}

@@ -407,9 +407,11 @@ def registry() -> MarkerRegistry:
     return registry_at(tenants=("alice", "bob"))
 
 
-def guard_for(registry: MarkerRegistry, policy: LeakPolicy = LeakPolicy.BLOCK) -> tuple[OutputGuard, Leaks]:
+def guard_for(
+    registry: MarkerRegistry, policy: LeakPolicy = LeakPolicy.BLOCK, choices: int = 1
+) -> tuple[OutputGuard, Leaks]:
     leaks = Leaks()
-    return OutputGuard(registry, "alice", policy, leaks), leaks
+    return OutputGuard(registry, "alice", policy, leaks, choices=choices), leaks
 
 
 def delta_chunk(finish: str | None = None, index: int = 0, **delta: Any) -> dict[str, Any]:
@@ -489,7 +491,7 @@ async def test_tool_call_arguments_are_scanned(registry: MarkerRegistry) -> None
 
 
 async def test_choices_and_fields_are_scanned_as_separate_streams(registry: MarkerRegistry) -> None:
-    guard, leaks = guard_for(registry)
+    guard, leaks = guard_for(registry, choices=2)
     mine = registry.marker("alice")
     # Half a marker in choice 0 and the other half in choice 1 (or in another field) is no marker.
     first = delta_chunk(content=mine[:12])
@@ -506,19 +508,20 @@ async def test_choices_and_fields_are_scanned_as_separate_streams(registry: Mark
 async def test_text_held_at_the_finish_is_flushed_into_the_finishing_chunk(registry: MarkerRegistry) -> None:
     guard, _ = guard_for(registry)
     first = delta_chunk(content="tic")
-    assert await guard.check_chunk(first) is True
+    await guard.check_chunk(first)
     assert first["choices"][0]["delta"]["content"] == "ti"
     last = delta_chunk("stop", content=" tac")
     await guard.check_chunk(last)
     assert last["choices"][0]["delta"]["content"] == "c tac"
     assert guard.closing() == []
+    guard, _ = guard_for(registry)
     completion = {"choices": [{"index": 0, "text": "C-N", "finish_reason": "length"}]}
     await guard.check_chunk(completion)
     assert completion["choices"][0]["text"] == "C-N"
 
 
 async def test_what_a_stream_without_a_finish_still_held_is_handed_over(registry: MarkerRegistry) -> None:
-    guard, _ = guard_for(registry)
+    guard, _ = guard_for(registry, choices=2)
     await guard.check_chunk(delta_chunk(content="abc"))
     await guard.check_chunk({"choices": [{"index": 1, "text": "CNRY-AB", "finish_reason": None}]})
     assert guard.closing() == [
@@ -541,9 +544,11 @@ async def test_a_whole_answer_is_checked(registry: MarkerRegistry) -> None:
     body: dict[str, Any] = {
         "choices": [{"index": 0, "message": {"role": "assistant", "content": f"ok {registry.marker('alice')}."}}]
     }
-    assert await guard.check_body(body) is True
+    await guard.check_body(body)
     assert body["choices"][0]["message"]["content"] == "ok ."
-    assert await guard.check_body({"choices": [{"index": 0, "text": "nothing here, etc"}]}) is False
+    clean = {"choices": [{"index": 0, "text": "nothing here, etc"}]}
+    await guard.check_body(clean)
+    assert clean == {"choices": [{"index": 0, "text": "nothing here, etc"}]}
     with pytest.raises(LeakBlocked):
         await guard.check_body({"choices": [{"index": 0, "text": f"{registry.marker('bob')}"}]})
     assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
@@ -561,3 +566,19 @@ def test_suspects_names_every_text_an_idle_scanner_would_not_pass_through(texts:
             assert untouched, (texts, index)
     if flagged is None:
         assert any("\x00" in text for text in texts)
+
+
+async def test_a_choice_not_asked_for_or_written_after_its_finish_goes_nowhere_and_is_scanned(
+    registry: MarkerRegistry,
+) -> None:
+    guard, leaks = guard_for(registry, choices=2)
+    other = registry.marker("bob")
+    unasked = delta_chunk(index=2, content="hello")
+    await guard.check_chunk(unasked)
+    assert unasked["choices"] == []
+    finished = delta_chunk("stop", content="Note: " + other[:12])
+    await guard.check_chunk(finished)
+    assert finished["choices"][0]["delta"]["content"] == "Note: " + other[:12], "half a marker is no marker"
+    with pytest.raises(LeakBlocked):
+        await guard.check_chunk(delta_chunk(content=other))
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]

@@ -1,0 +1,254 @@
+"""Answers no honest engine sends, each found by attacking the gateway from the backend's side: a scripted engine
+(honest usage, so only the canary guard stands between the tenants) answers bob with alice's marker hidden in a
+shape the channel suite does not cover, or with a shape that once crashed the checks. Whatever it sends, bob never
+receives alice's marker, a leak is recorded where one reached the gateway, and no answer ends in a 500 or a cut
+stream."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.serving import run_server
+from gateway.tokens import ModelTokenizer
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body
+
+CHAT = "/v1/chat/completions"
+WORKERS = f"/accounts/bob/ai/run/{MODEL}"
+ADMIN = "admin-token-0123456789"
+UNVERIFIED = "tiny-llama-unverified"  # the same engine, its usage not checked (alice may use it)
+MARKER = re.compile(r"CNRY-[A-Z2-7]{20}")
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+JsonObject = dict[str, Any]
+# (prompt tokens as counted) → a whole answer, a list of stream events (objects or raw bytes), or a Response.
+Script = Callable[[int], JsonObject | list[JsonObject | bytes] | Response]
+
+
+def usage(prompt: int, completion: int = 1) -> JsonObject:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def answer(prompt: int, content: str | None = "Hello.", **message: Any) -> JsonObject:
+    choice = {"index": 0, "message": {"role": "assistant", "content": content, **message}, "finish_reason": "stop"}
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": MODEL, "choices": [choice],
+            "usage": usage(prompt)}  # fmt: skip
+
+
+def chunk(*choices: JsonObject, usage_: JsonObject | None = None) -> JsonObject:
+    event = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": MODEL, "choices": choices}
+    return {**event, "usage": usage_} if usage_ is not None else event
+
+
+class Engine:
+    """vLLM's routes; an inference request is answered by `script` (once), else benignly."""
+
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.prompts: list[tuple[str, list[int]]] = []  # each inference request's text and token ids, as sent
+        self.script: Script | None = None
+
+    def app(self) -> Starlette:
+        async def models(request: Request) -> Response:
+            return Response(orjson.dumps({"object": "list", "data": [{"id": MODEL, "max_model_len": 2048}]}))
+
+        async def empty(request: Request) -> Response:
+            return Response(b"")
+
+        async def infer(request: Request) -> Response:
+            body = orjson.loads(await request.body())
+            ids = self.tokenizer.encode_chat(body["messages"], body.get("tools"))
+            self.prompts.append(("\n".join(str(m.get("content")) for m in body["messages"]), list(ids)))
+            script, self.script = self.script, None
+            out = answer(len(ids)) if script is None else script(len(ids))
+            if isinstance(out, Response):
+                return out
+            if isinstance(out, dict):
+                return Response(orjson.dumps(out), media_type="application/json")
+            frames = [e if isinstance(e, bytes) else b"data: " + orjson.dumps(e) + b"\n\n" for e in out]
+            return StreamingResponse(iter(frames), media_type="text/event-stream")
+
+        return Starlette(
+            routes=[
+                Route("/v1/models", models),
+                Route("/health", empty),
+                Route("/metrics", empty),
+                Route(CHAT, infer, methods=["POST"]),
+            ]
+        )
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer_dir: Path) -> Engine:
+    return Engine(ModelTokenizer.from_dir(tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: Engine, tokenizer_dir: Path) -> Iterator[str]:
+    from gateway.app import create_app
+    from tests.integration.support import gateway_settings
+
+    model = {"name": MODEL, "backends": ["engine"], "tokenizer": str(tokenizer_dir), "context_window": 2048}
+    with run_server(engine.app()) as backend:
+        settings = gateway_settings(
+            {"engine": backend},
+            tokenizer_dir,
+            models=[{**model, "limit_by_kv_capacity": False}, {**model, "name": UNVERIFIED, "verify_usage": False}],
+            admin_token=ADMIN,
+            isolation={"canary": {"quarantine_on_leak": False}},
+        )
+        with run_server(create_app(settings)) as url:
+            yield url
+
+
+async def alice_marker(client: httpx.AsyncClient, gateway: str, engine: Engine, says: str = "hi") -> str:
+    response = await client.post(gateway + CHAT, json=chat_body(says), headers=auth(ALICE_KEY))
+    assert response.status_code == 200, response.text
+    found = MARKER.search(engine.prompts[-1][0])
+    assert found is not None
+    return found.group()
+
+
+async def events_since(client: httpx.AsyncClient, gateway: str, since: float) -> list[tuple[str, str]]:
+    listed = (await client.get(f"{gateway}/admin/isolation-events", headers=auth(ADMIN))).json()["events"]
+    return [(e["kind"], e["victim_tenant"]) for e in listed if float(e["time"]) >= since]
+
+
+def normal(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def joined(response: httpx.Response) -> str:
+    """A stream's text as a client puts it together: every choice's content, or every Workers `response`."""
+    pieces = []
+    for line in response.text.split("\n"):
+        if not line.startswith("data: {"):
+            continue
+        event = orjson.loads(line.removeprefix("data: "))
+        pieces.append(event.get("response") or "")
+        for choice in event.get("choices") or ():
+            pieces.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(pieces)
+
+
+def stream_ended_cleanly(response: httpx.Response) -> None:
+    assert response.status_code == 200, response.text
+    assert response.text.endswith("data: [DONE]\n\n"), response.text[-500:]
+
+
+@pytest.mark.parametrize("path", [CHAT, WORKERS])
+@pytest.mark.parametrize("index", [0, 1])
+async def test_a_marker_split_around_a_choices_finish_never_goes_out_whole(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, path: str, index: int
+) -> None:
+    # The engine ends choice 0, then writes on (to it, or to choice 1 that the Workers stream once read as 0).
+    marker = await alice_marker(client, gateway, engine)
+    engine.script = lambda prompt: [
+        chunk({"index": 0, "delta": {"role": "assistant", "content": "Note: " + marker[:15]}, "finish_reason": "stop"}),
+        chunk({"index": index, "delta": {"content": marker[15:] + " end"}, "finish_reason": "stop"}),
+        chunk(usage_=usage(prompt, 2)),
+        b"data: [DONE]\n\n",
+    ]
+    body = chat_body("q", stream=True)
+    response = await client.post(gateway + path, json=body if path == CHAT else {"messages": body["messages"],
+                                 "stream": True}, headers=auth(BOB_KEY))  # fmt: skip
+    stream_ended_cleanly(response)
+    assert "Note: CNRY-" in joined(response)
+    assert normal(marker) not in normal(joined(response))
+
+
+@pytest.mark.parametrize("path", [CHAT, WORKERS])
+async def test_a_tool_call_whose_index_is_not_a_number_ends_its_stream_cleanly(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, path: str
+) -> None:
+    # Pruning nulls the index; the held tail of its arguments, at a stream's end without a finish, once crashed.
+    call = {"index": "x", "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": "c'}}
+    engine.script = lambda prompt: [
+        chunk({"index": 0, "delta": {"role": "assistant", "tool_calls": [call]}, "finish_reason": None}),
+        chunk(usage_=usage(prompt, 2)),
+        b"data: [DONE]\n\n",
+    ]
+    since = time.time()
+    body = {**chat_body("q", stream=True, tools=TOOLS)}
+    if path == WORKERS:
+        body.pop("model")
+    stream_ended_cleanly(await client.post(gateway + path, json=body, headers=auth(BOB_KEY)))
+    assert await events_since(client, gateway, since) == []
+
+
+async def test_a_null_delta_ends_a_workers_stream_cleanly(
+    client: httpx.AsyncClient, gateway: str, engine: Engine
+) -> None:
+    engine.script = lambda prompt: [
+        chunk({"index": 0, "delta": {"role": "assistant", "content": "Hello"}, "finish_reason": None}),
+        chunk({"index": 0, "delta": None, "finish_reason": "stop"}),
+        chunk(usage_=usage(prompt, 2)),
+        b"data: [DONE]\n\n",
+    ]
+    response = await client.post(gateway + WORKERS, json={"messages": [{"role": "user", "content": "q"}],
+                                 "stream": True}, headers=auth(BOB_KEY))  # fmt: skip
+    stream_ended_cleanly(response)
+    assert '"response":"Hello"' in response.text
+
+
+@pytest.mark.parametrize("shape", ["escaped", "deep"])
+async def test_workers_tool_arguments_go_out_as_they_were_scanned(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, shape: str
+) -> None:
+    # Decoding them after the scan once turned \u escapes into alice's marker, and deep JSON into a 500.
+    marker = await alice_marker(client, gateway, engine)
+    escaped = "".join(f"\\u{ord(character):04x}" for character in marker)
+    arguments = '{"note": "' + escaped + '"}' if shape == "escaped" else "[" * 300 + "]" * 300
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    engine.script = lambda prompt: answer(prompt, None, tool_calls=[call])
+    body = {"messages": [{"role": "user", "content": "q"}], "tools": TOOLS}
+    response = await client.post(gateway + WORKERS, json=body, headers=auth(BOB_KEY))
+    assert response.status_code == 200, response.text
+    [sent] = response.json()["result"]["tool_calls"]
+    assert sent["arguments"] == arguments, "kept as the text that was scanned"
+    assert marker not in response.text
+
+
+async def test_a_duplicate_key_goes_out_as_the_value_that_was_checked(
+    client: httpx.AsyncClient, gateway: str, engine: Engine
+) -> None:
+    # The checks read the last of two equal keys; an answer they did not change once went out as the backend's own
+    # bytes, with the first (here: the tenant's own secret marker, unverified and without usage).
+    marker = await alice_marker(client, gateway, engine)
+    plain = {key: value for key, value in answer(1).items() if key != "usage"}
+    whole = orjson.dumps(plain).decode()
+    raw = whole.replace('"content":"Hello."', f'"content":"Mine: {marker}","content":"Hello."')
+    assert raw != whole
+    engine.script = lambda prompt: Response(raw, media_type="application/json")
+    body = {**chat_body("q"), "model": UNVERIFIED}
+    response = await client.post(gateway + CHAT, json=body, headers=auth(ALICE_KEY))
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Hello."
+    assert marker not in response.text
+
+
+@pytest.mark.parametrize("hidden", ["token ids", "a nested name"])
+async def test_a_leak_deep_in_a_dropped_field_is_withheld_and_recorded(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, hidden: str
+) -> None:
+    # Long lists were decoded only over their last 64 ids, and names inside a dropped value were never read.
+    marker = await alice_marker(client, gateway, engine, "Zanzibar orchid ledger: the quokka merger closes. " * 12)
+    alice_ids = engine.prompts[-1][1]
+    assert len(alice_ids) > 300
+    extra: JsonObject = {"prompt_token_ids": alice_ids} if hidden == "token ids" else {"debug": {"p": {marker: None}}}
+    engine.script = lambda prompt: {**answer(prompt), **extra}
+    since = time.time()
+    response = await client.post(gateway + CHAT, json=chat_body("q"), headers=auth(BOB_KEY))
+    assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld", response.text
+    assert await events_since(client, gateway, since) == [("leak", "alice")]
