@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -134,7 +135,7 @@ def plant_marker(state: GatewayState, tenant: TenantSettings, payload: dict[str,
     canary = state.settings.isolation.canary
     if not canary.enabled:
         return None
-    marker = state.markers.marker(tenant.id)
+    marker = state.markers.marker(tenant.incarnation())
     if chat:
         inject_chat(payload, marker, canary.placement)
         return marker
@@ -237,6 +238,9 @@ class InferenceCall:
         self.decision = decision
         self.replica = decision.replica
         record.backend = self.replica.name
+        # The engine's request id, unique whatever the client's x-request-id says: vLLM takes the header as its
+        # request id, and two requests with one id (a tenant can send another's) must never meet in an engine.
+        self.upstream_id = f"{record.request_id}.{secrets.token_hex(8)}"
         self.response: UpstreamResponse | None = None
         self.finished = False
         self._closed = False
@@ -278,7 +282,8 @@ class InferenceCall:
         if self.state.fingerprints is not None:
             # Off the answer's path: what it protects is a later answer to another tenant.
             texts = list(self.prompt.contents())
-            self.state.background(self.state.fingerprints.register(self.tenant.id, self.replica.name, texts))
+            owner = self.tenant.incarnation()
+            self.state.background(self.state.fingerprints.register(owner, self.replica.name, texts))
 
     async def scrub(self, text: str) -> str:
         guard = self.output_guard()
@@ -304,7 +309,7 @@ class InferenceCall:
     async def _open(self, path: str, body: bytes) -> None:
         upstream = self.state.upstream
         try:
-            self.response = await upstream.open(self.replica, path, body, self.record.request_id)
+            self.response = await upstream.open(self.replica, path, body, self.upstream_id)
         except UpstreamError as error:
             # Retried once, and only when nothing reached the backend: a request is never sent twice.
             fallback = self.decision.fail_over() if error.before_sending else None
@@ -312,7 +317,7 @@ class InferenceCall:
                 raise
             self.slot.assign(fallback)
             self.replica, self.record.backend = fallback, fallback.name
-            self.response = await upstream.open(fallback, path, body, self.record.request_id)
+            self.response = await upstream.open(fallback, path, body, self.upstream_id)
 
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
         """Raise StreamWithheld when the backend's accounting does not add up."""
@@ -361,6 +366,7 @@ class InferenceCall:
         canary, fingerprints = self.state.settings.isolation.canary, self.state.fingerprints
         if not canary.enabled and fingerprints is None:
             return None
+        owner = self.tenant.incarnation()  # whose marker is its own, whose prompts are its own
         counter = self.state.counters[self.model.name]
         decode = counter.tokenizer.decode if isinstance(counter, LocalCounter) else None
         stop = self.request.stop
@@ -368,11 +374,11 @@ class InferenceCall:
         fragments = None
         if fingerprints is not None:
             fragments = AnswerCheck(
-                fingerprints.index, fingerprints.hasher, self.replica.name, self.tenant.id, self.prompt.contents
+                fingerprints.index, fingerprints.hasher, self.replica.name, owner, self.prompt.contents
             )
         return OutputGuard(
             self.state.markers,
-            self.tenant.id,
+            owner,
             LeakPolicy(canary.policy),
             self.leak,
             self.echo_prefix,
@@ -521,6 +527,7 @@ async def _admit(
             state.metrics,
             decision.replica,
         )
+        body = upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.incarnation()), tenant)
         await slot.reserve(admission.estimate + admission.max_tokens * parsed.n)
         decision = await state.gate.enter(
             model, tenant, decision, submission.session, submission.batch, submission.gone, slot.assign
@@ -541,7 +548,7 @@ async def _admit(
         own,
         completion_prefix(marker) if echo and marker is not None else "",
     )
-    return call, upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.id), tenant)
+    return call, body
 
 
 def refuse(state: GatewayState, record: RequestRecord, error: GatewayError) -> Answer:

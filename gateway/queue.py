@@ -36,20 +36,34 @@ class Job:
     # The caller's label for each item (Workers AI's `external_reference`), handed back with its result; never sent
     # upstream, so it is kept apart from the items.
     references: list[str | None] = field(default_factory=list)
+    # The tenant as it was when the job was queued (TenantSettings.incarnation): a tenant created later under a
+    # deleted one's id neither runs nor reads the old one's jobs.
+    incarnation: str = ""
+
+    @property
+    def owner(self) -> str:
+        return self.incarnation or self.tenant
 
     @classmethod
     def new(
-        cls, tenant: str, route: str, items: list[dict[str, Any]], references: list[str | None] | None = None
+        cls,
+        tenant: str,
+        incarnation: str,
+        route: str,
+        items: list[dict[str, Any]],
+        references: list[str | None] | None = None,
     ) -> Job:
-        return cls(uuid.uuid4().hex, tenant, route, items, references or [])
+        return cls(uuid.uuid4().hex, tenant, route, items, references or [], incarnation)
 
     def encode(self) -> bytes:
-        return orjson.dumps({"id": self.id, "tenant": self.tenant, "route": self.route, "items": self.items})
+        return orjson.dumps(
+            {"id": self.id, "tenant": self.tenant, "incarnation": self.owner, "route": self.route, "items": self.items}
+        )
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Job:
         data = orjson.loads(raw)
-        return cls(data["id"], data["tenant"], data["route"], data["items"])
+        return cls(data["id"], data["tenant"], data["route"], data["items"], [], data.get("incarnation", ""))
 
 
 @dataclass
@@ -75,7 +89,7 @@ class JobQueue(Protocol):
 
     async def enqueue(self, job: Job) -> None: ...
 
-    async def status(self, tenant: str, job_id: str) -> JobStatus | None: ...
+    async def status(self, owner: str, job_id: str) -> JobStatus | None: ...
 
     async def claim(self, consumer: str, wait_s: float) -> list[Claimed]: ...
 
@@ -107,7 +121,8 @@ return 1
 
 
 class RedisJobQueue:
-    """The stream `{prefix}jobs`, its consumer group, and one hash per job, `{prefix}job:{tenant}:{id}`."""
+    """The stream `{prefix}jobs`, its consumer group, and one hash per job, `{prefix}job:{owner}:{id}` (the owner:
+    Job.owner, the tenant's incarnation)."""
 
     durable = True
 
@@ -123,8 +138,8 @@ class RedisJobQueue:
         self._group_ready = False
         self._keep = redis.register_script(_KEEP)
 
-    def _key(self, tenant: str, job_id: str) -> str:
-        return f"{self._jobs}{tenant}:{job_id}"
+    def _key(self, owner: str, job_id: str) -> str:
+        return f"{self._jobs}{owner}:{job_id}"
 
     async def _ensure_group(self) -> None:
         if self._group_ready:
@@ -139,16 +154,16 @@ class RedisJobQueue:
     async def enqueue(self, job: Job) -> None:
         await self._ensure_group()
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self._key(job.tenant, job.id), mapping={"status": "queued", "items": len(job.items)})
+            pipe.hset(self._key(job.owner, job.id), mapping={"status": "queued", "items": len(job.items)})
             if any(reference is not None for reference in job.references):
                 # With the status, not in the stream's entry: a poll reads the hash alone.
-                pipe.hset(self._key(job.tenant, job.id), "references", orjson.dumps(job.references))
-            pipe.expire(self._key(job.tenant, job.id), self._ttl)
+                pipe.hset(self._key(job.owner, job.id), "references", orjson.dumps(job.references))
+            pipe.expire(self._key(job.owner, job.id), self._ttl)
             pipe.xadd(self.stream, {"job": job.encode()})
             await pipe.execute()
 
-    async def status(self, tenant: str, job_id: str) -> JobStatus | None:
-        fields = text_fields(await self._redis.hgetall(self._key(tenant, job_id)))
+    async def status(self, owner: str, job_id: str) -> JobStatus | None:
+        fields = text_fields(await self._redis.hgetall(self._key(owner, job_id)))
         if not fields:
             return None
         results = {int(k[7:]): orjson.loads(v) for k, v in fields.items() if k.startswith("result:")}
@@ -174,14 +189,14 @@ class RedisJobQueue:
 
     async def start(self, job: Job) -> int:
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self._key(job.tenant, job.id), "status", "running")
-            pipe.hincrby(self._key(job.tenant, job.id), "attempts", 1)
+            pipe.hset(self._key(job.owner, job.id), "status", "running")
+            pipe.hincrby(self._key(job.owner, job.id), "attempts", 1)
             _, attempts = await pipe.execute()
         return int(attempts)
 
     async def store_result(self, job: Job, index: int, result: Any) -> None:
         # First write wins: a result the tenant may already have read never changes.
-        await self._redis.hsetnx(self._key(job.tenant, job.id), f"result:{index}", orjson.dumps(result))
+        await self._redis.hsetnx(self._key(job.owner, job.id), f"result:{index}", orjson.dumps(result))
 
     async def keep(self, claimed: Claimed, consumer: str) -> bool:
         """Reset the job's idle time: a live worker on a long job must not look dead to the others."""
@@ -189,7 +204,7 @@ class RedisJobQueue:
 
     async def finish(self, claimed: Claimed, status: str = "done") -> None:
         job = claimed.job
-        await self._redis.hset(self._key(job.tenant, job.id), "status", status)
+        await self._redis.hset(self._key(job.owner, job.id), "status", status)
         # Acknowledged only once the results are stored: a crash before this line means the job is run again.
         await self._redis.xack(self.stream, self.group, claimed.entry)
         await self._redis.xdel(self.stream, claimed.entry)
@@ -216,12 +231,12 @@ class MemoryJobQueue:
 
     async def enqueue(self, job: Job) -> None:
         status = JobStatus("queued", len(job.items), references=list(job.references))
-        self._statuses[(job.tenant, job.id)] = (time.monotonic(), status)
+        self._statuses[(job.owner, job.id)] = (time.monotonic(), status)
         self._pending.append(Claimed(job.id, job))
         self._arrived.set()
 
-    async def status(self, tenant: str, job_id: str) -> JobStatus | None:
-        found = self._statuses.get((tenant, job_id))
+    async def status(self, owner: str, job_id: str) -> JobStatus | None:
+        found = self._statuses.get((owner, job_id))
         if found is None or time.monotonic() - found[0] > self._ttl:
             return None
         return found[1]
@@ -236,19 +251,19 @@ class MemoryJobQueue:
         return [self._pending.popleft()] if self._pending else []
 
     async def start(self, job: Job) -> int:
-        status = self._statuses[(job.tenant, job.id)][1]
+        status = self._statuses[(job.owner, job.id)][1]
         status.status = "running"
         status.attempts += 1
         return status.attempts
 
     async def store_result(self, job: Job, index: int, result: Any) -> None:
-        self._statuses[(job.tenant, job.id)][1].results.setdefault(index, result)
+        self._statuses[(job.owner, job.id)][1].results.setdefault(index, result)
 
     async def keep(self, claimed: Claimed, consumer: str) -> bool:
         return True  # in memory no other worker can take a job over
 
     async def finish(self, claimed: Claimed, status: str = "done") -> None:
-        self._statuses[(claimed.job.tenant, claimed.job.id)][1].status = status
+        self._statuses[(claimed.job.owner, claimed.job.id)][1].status = status
 
     async def abandon(self, claimed: Claimed) -> None:
         self._pending.append(claimed)

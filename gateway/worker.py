@@ -48,7 +48,7 @@ def error_result(error: GatewayError) -> dict[str, Any]:
 
 async def run_item(state: GatewayState, job: Job, index: int) -> dict[str, Any]:
     tenant = await state.tenants.by_id(job.tenant)
-    if tenant is None:
+    if tenant is None or tenant.incarnation() != job.owner:
         return error_result(AuthenticationFailed("The tenant no longer exists or is disabled."))
     route = ROUTES[job.route]
     record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
@@ -63,7 +63,7 @@ async def process(state: GatewayState, queue: JobQueue, claimed: Claimed, name: 
     """Run the job's items not yet done, until they are or another worker has taken the job over."""
     job = claimed.job
     attempt = await stored(partial(queue.start, job), "mark a job running")
-    status = await stored(partial(queue.status, job.tenant, job.id), "read a job")
+    status = await stored(partial(queue.status, job.owner, job.id), "read a job")
     done = set(status.results) if status is not None else set()
     if attempt > MAX_ATTEMPTS:
         failed = GatewayError(f"The request could not be run in {MAX_ATTEMPTS} attempts.", code="job_failed")

@@ -332,7 +332,8 @@ async def enqueue(state: GatewayState, tenant: TenantSettings, model: str, body:
     routes = {route for route, _, _ in checked}
     if len(routes) > 1:
         raise InvalidRequest("A batch is all chat or all raw completion (`raw: true`) requests.", param="requests")
-    job = Job.new(tenant.id, routes.pop(), [payload for _, payload, _ in checked], [ref for _, _, ref in checked])
+    items, references = [payload for _, payload, _ in checked], [ref for _, _, ref in checked]
+    job = Job.new(tenant.id, tenant.incarnation(), routes.pop(), items, references)
     try:
         await state.queue.enqueue(job)
     except (RedisError, OSError) as exc:
@@ -341,9 +342,9 @@ async def enqueue(state: GatewayState, tenant: TenantSettings, model: str, body:
     return {"status": "queued", "request_id": job.id, "model": model}
 
 
-async def job_status(queue: JobQueue, tenant: str, request_id: str) -> JobStatus:
+async def job_status(queue: JobQueue, owner: str, request_id: str) -> JobStatus:
     try:
-        status = await queue.status(tenant, request_id)
+        status = await queue.status(owner, request_id)
     except (RedisError, OSError) as exc:
         raise QueueUnavailable("Queued requests cannot be looked up right now; retry shortly.") from exc
     if status is None:
@@ -423,7 +424,7 @@ async def run_model(request: Request) -> Response:
         if "request_id" in body:
             record.route = QUEUE_ROUTE
             request_id = polled_id(body)
-            status = await job_status(state.queue, tenant.id, request_id)
+            status = await job_status(state.queue, tenant.incarnation(), request_id)
             return _answered(state, record, batch_result(request_id, status))
         if is_queued(request, body):
             record.route = QUEUE_ROUTE
@@ -443,7 +444,7 @@ async def _polled(request: Request, state: GatewayState, record: RequestRecord, 
     record.tenant = tenant.id
     if account is not None:
         check_account(account, tenant)
-    return await job_status(state.queue, tenant.id, request.path_params["request_id"])
+    return await job_status(state.queue, tenant.incarnation(), request.path_params["request_id"])
 
 
 async def poll_workers(request: Request) -> Response:

@@ -53,6 +53,12 @@ def forwarded(sim_url: str) -> list[dict[str, Any]]:
     return records
 
 
+def sent_as(record: dict[str, Any]) -> str:
+    """The client-facing request id of a request a backend received (the gateway adds a suffix of its own)."""
+    upstream: str = record["headers"]["x-request-id"]
+    return upstream.rsplit(".", 1)[0]
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """The sum of the exposition's samples of `name` that carry all of `labels`."""
     total = 0.0

@@ -10,7 +10,7 @@ import httpx
 import orjson
 
 from gateway.tenants import hash_key
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, auth, chat_body, forwarded
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, auth, chat_body, forwarded, sent_as
 
 
 def sse_events(text: str) -> list[str]:
@@ -155,8 +155,13 @@ async def test_request_id_passes_through_or_is_made(client: httpx.AsyncClient, g
     assert len(made.headers["x-request-id"]) == 32
     hostile = await client.post(url, json=chat_body(), headers={**auth(), "x-request-id": "a b\tc" * 100})
     assert hostile.headers["x-request-id"] != "a b\tc" * 100
-    ids = [r["headers"]["x-request-id"] for r in forwarded(sim_url)]
+    ids = [sent_as(r) for r in forwarded(sim_url)]
     assert ids == ["trace-42", made.headers["x-request-id"], hostile.headers["x-request-id"]]
+    # Upstream each is unique, whatever the client sent: the engine takes it as its request id.
+    again = await client.post(url, json=chat_body(), headers={**auth(), "x-request-id": "trace-42"})
+    assert again.headers["x-request-id"] == "trace-42"
+    [first, second] = [r["headers"]["x-request-id"] for r in forwarded(sim_url) if sent_as(r) == "trace-42"]
+    assert first != second
 
 
 async def test_client_headers_are_not_forwarded(client: httpx.AsyncClient, gateway_url: str, sim_url: str) -> None:

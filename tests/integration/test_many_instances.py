@@ -27,7 +27,7 @@ from redis.asyncio import Redis
 
 from gateway.tenants import hash_key
 from tests.conftest import SimFactory
-from tests.integration.support import MODEL, forwarded, metric
+from tests.integration.support import MODEL, forwarded, metric, sent_as
 from tests.integration.test_canaries import session_on
 from tests.redis_server import own_redis
 
@@ -201,7 +201,7 @@ def served_by(sims: dict[str, str]) -> dict[str, list[str]]:
         records = forwarded(url)
         assert len(records) < 1000, f"{name} kept only its last 1,000 requests: the test sends too many"
         for record in records:
-            seen[record["headers"]["x-request-id"]].append(name)
+            seen[sent_as(record)].append(name)
     return seen
 
 

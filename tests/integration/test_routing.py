@@ -15,7 +15,7 @@ import redis
 from gateway.serving import run_server
 from gateway.tenants import hash_key
 from isolation.sim import SimConfig, create_sim_app
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric, sent_as
 from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"
@@ -27,7 +27,7 @@ def replica_of(response: httpx.Response, sims: dict[str, str]) -> str:
     """Which simulator served a response: the one that recorded its request id."""
     request_id = response.headers["x-request-id"]
     for name, url in sims.items():
-        if any(r["headers"].get("x-request-id") == request_id for r in forwarded(url)):
+        if any(sent_as(r) == request_id for r in forwarded(url)):
             return name
     raise AssertionError("no replica saw the request")
 

@@ -21,7 +21,7 @@ import pytest
 from gateway.backends import Replica
 from gateway.routing import affinity_key, rank
 from gateway.tenants import hash_key
-from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body, forwarded, metric
+from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body, forwarded, metric, sent_as
 from tests.redis_server import free_port
 
 CHAT = "/v1/chat/completions"
@@ -124,7 +124,7 @@ async def test_a_request_reaches_one_replica_even_when_that_replica_dies_with_it
             client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=4, stream=stream), headers=headers)
         )
         deadline = time.monotonic() + 5
-        while not [r for r in forwarded(doomed) if r["headers"].get("x-request-id") == f"doomed-{stream}"]:
+        while not [r for r in forwarded(doomed) if sent_as(r) == f"doomed-{stream}"]:
             assert time.monotonic() < deadline, "the request never reached its replica"
             await asyncio.sleep(0.02)
         os.kill(process.pid, signal.SIGKILL)

@@ -5,6 +5,7 @@ the answer that makes it and nowhere else — not in listings, not in the audit 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -24,9 +25,11 @@ from gateway.counting import LocalCounter
 from gateway.serving import run_server
 from gateway.tenants import hash_key
 from tests.integration.conftest import GatewayFactory
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, gateway_settings
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, gateway_settings
 from tests.integration.tenant_support import ADMIN_TOKEN, Admin, chat, new_id, redis_database, until
 from tests.redis_server import redis_server
+
+MARKER = re.compile(r"CNRY-[A-Z2-7]{20}")
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -429,3 +432,35 @@ async def test_a_tenant_made_again_under_a_deleted_ones_id_inherits_none_of_its_
         again = (await admin.create_key(tenant_id))["key"]
         assert (await chat(client, url, again, messages=words)).status_code == 200
         assert counter.pieces.misses > tokenized, "the new tenant's prompt was counted from the old one's pieces"
+
+
+async def test_a_tenant_made_again_under_a_deleted_ones_id_shares_no_cache_salt_marker_or_job(
+    client: httpx.AsyncClient, admin: Admin, sim_url: str
+) -> None:
+    """A new customer under an old id must not join the old one's prefix cache, own its marker (whose leak would
+    then read as its own, stripped and unrecorded) or read its queued results."""
+    tenant_id, _, key = await admin.tenant_with_key()
+
+    async def sent(key: str) -> tuple[str, str]:
+        assert (await chat(client, admin.url, key)).status_code == 200
+        body = forwarded(sim_url)[-1]["body"]
+        found = MARKER.search(str(body["messages"]))
+        assert found is not None
+        return body["cache_salt"], found.group()
+
+    before = await sent(key)
+    run = f"{admin.url}/accounts/{tenant_id}/ai/run/{MODEL}?queueRequest=true"
+    queued = await client.post(run, json={"prompt": "the old customer's words", "max_tokens": 2}, headers=auth(key))
+    poll = f"{admin.url}/v1/requests/{queued.json()['result']['request_id']}"
+
+    async def done() -> bool:
+        return bool((await client.get(poll, headers=auth(key))).json()["status"] == "done")
+
+    await until(done, timeout=10)
+    assert (await admin.call("DELETE", f"/tenants/{tenant_id}")).status_code == 204
+    await admin.create_tenant(tenant_id)
+    again = (await admin.create_key(tenant_id))["key"]
+    after = await sent(again)
+    assert after[0] != before[0], "the same cache salt: the new customer would hit the old one's prefix cache"
+    assert after[1] != before[1], "the same marker"
+    assert (await client.get(poll, headers=auth(again))).status_code == 404

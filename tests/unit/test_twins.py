@@ -224,9 +224,10 @@ def seen(status: JobStatus | None) -> tuple[str, int, dict[int, Any]] | None:
     return None if status is None else (status.status, status.items, status.results)
 
 
-def job_of(tenant: str, items: int = 3, job_id: str | None = None) -> Job:
-    job = Job.new(tenant, "chat", [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(items)])
-    return job if job_id is None else Job(job_id, job.tenant, job.route, job.items)
+def job_of(tenant: str, items: int = 3, job_id: str | None = None, incarnation: str = "") -> Job:
+    messages = [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(items)]
+    job = Job.new(tenant, incarnation or tenant, "chat", messages)
+    return job if job_id is None else Job(job_id, job.tenant, job.route, job.items, [], job.incarnation)
 
 
 async def test_an_enqueued_job_is_found_queued_by_its_tenant(make_queue: QueueFactory, prefix: str) -> None:
@@ -234,6 +235,18 @@ async def test_an_enqueued_job_is_found_queued_by_its_tenant(make_queue: QueueFa
     job = job_of(f"{prefix}a")
     await queue.enqueue(job)
     assert seen(await queue.status(job.tenant, job.id)) == ("queued", 3, {})
+
+
+async def test_a_tenant_made_again_under_the_same_id_never_finds_the_old_ones_job(
+    make_queue: QueueFactory, prefix: str
+) -> None:
+    queue = make_queue(60)
+    job = job_of(f"{prefix}a", incarnation=f"{prefix}a@1.5")
+    await queue.enqueue(job)
+    assert seen(await queue.status(f"{prefix}a@1.5", job.id)) == ("queued", 3, {})
+    assert await queue.status(f"{prefix}a@2.5", job.id) is None
+    assert await queue.status(f"{prefix}a", job.id) is None
+    assert Job.decode(job.encode()).owner == f"{prefix}a@1.5"
 
 
 async def test_another_tenant_never_finds_the_job(make_queue: QueueFactory, prefix: str) -> None:
