@@ -184,6 +184,14 @@ REFUSED: dict[str, str] = {
 }
 
 
+# What vLLM passes a chat template itself: a client's chat_template_kwargs would replace them (vLLM merges the
+# kwargs over them), rendering another prompt than the one the gateway counts.
+TEMPLATE_ARGUMENTS = frozenset(
+    {"chat_template", "add_generation_prompt", "continue_final_message", "tools", "documents", "messages",
+     "conversation", "tokenize", "return_dict", "return_assistant_tokens_mask"}
+)  # fmt: skip
+
+
 def _refuse_known(data: Any) -> Any:
     if isinstance(data, dict):
         for name in data.keys() & REFUSED.keys():
@@ -262,7 +270,9 @@ class ChatCompletionRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: OutputTokens | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    # Template variables, as strings, numbers, booleans or null; vLLM lays them over its own arguments, so none may
+    # name one of those (TEMPLATE_ARGUMENTS) or a refused field.
+    chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
     tools: Annotated[list[Tool], Field(min_length=1)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -273,6 +283,13 @@ class ChatCompletionRequest(_Generation):
 
     # A chat echo prepends the last message, which carries the tenant's marker when it is a user turn.
     echo: Literal[False] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in (value or {}).keys() & (TEMPLATE_ARGUMENTS | REFUSED.keys()):
+            raise ValueError(f"'{name}' is not accepted here: the gateway sets it or refuses it as a field")
+        return value
 
     @field_validator("echo", mode="before")
     @classmethod

@@ -188,6 +188,9 @@ class ModelTokenizer:
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
+        except (TypeError, ValueError, ArithmeticError, LookupError) as exc:
+            # A template variable of a type the template does not expect ("Today: " + 5): the request's fault.
+            raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from exc
 
     def count_chat(
         self,

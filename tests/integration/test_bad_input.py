@@ -58,6 +58,12 @@ BAD_FIELDS: list[tuple[str, str, dict[str, Any], int, str | None]] = [
     ("stop too many", CHAT, chat_body(stop=["a"] * 20), 400, "stop"),
     ("stream_options wrong", CHAT, chat_body(stream_options={"include_usage": "yes"}), 400, None),
     ("deep nesting", CHAT, chat_body(metadata=deep(200)), 400, None),
+    # vLLM lays chat_template_kwargs over its own template arguments: none may replace one, or a refused field.
+    ("template kwarg chat_template", CHAT, chat_body(chat_template_kwargs={"chat_template": "{{ 1 }}"}), 400, None),
+    ("template kwarg documents", CHAT, chat_body(chat_template_kwargs={"documents": "x"}), 400, None),
+    ("template kwarg tools", CHAT, chat_body(chat_template_kwargs={"tools": None}), 400, None),
+    ("template kwarg continue", CHAT, chat_body(chat_template_kwargs={"continue_final_message": True}), 400, None),
+    ("template kwarg not a scalar", CHAT, chat_body(chat_template_kwargs={"x": {"y": 1}}), 400, None),
     ("missing prompt", COMPLETIONS, {"model": MODEL}, 400, "prompt"),
     ("prompt a number", COMPLETIONS, {"model": MODEL, "prompt": 42}, 400, None),
     ("prompt empty token list", COMPLETIONS, {"model": MODEL, "prompt": []}, 400, None),

@@ -120,3 +120,15 @@ def test_a_tokenizer_without_template_refuses_chat(tokenizer_dir: Path, tmp_path
     tok = ModelTokenizer.from_dir(tmp_path)
     with pytest.raises(ChatTemplateError):
         tok.render_chat(USER_HI)
+
+
+def test_a_template_variable_of_the_wrong_type_is_the_requests_fault(tokenizer_dir: Path, tmp_path: Path) -> None:
+    # Llama 3.1's template writes "Today Date: " + date_string: a number there once answered 500.
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ 'Today Date: ' + date_string }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    tok = ModelTokenizer.from_dir(tmp_path)
+    assert tok.render_chat(USER_HI, template_kwargs={"date_string": "1 Dec"}).startswith("Today Date: 1 Dec")
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        tok.render_chat(USER_HI, template_kwargs={"date_string": 5})
