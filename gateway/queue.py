@@ -171,6 +171,17 @@ class RedisJobQueue:
         return JobStatus(fields["status"], int(fields["items"]), results, int(fields.get("attempts", 0)), references)
 
     async def claim(self, consumer: str, wait_s: float) -> list[Claimed]:
+        try:
+            return await self._claim(consumer, wait_s)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+        # The store lost its data (a restart without persistence) and the group with it, while jobs may have been
+        # queued since: the group again, from the stream's first entry.
+        self._group_ready = False
+        return await self._claim(consumer, wait_s)
+
+    async def _claim(self, consumer: str, wait_s: float) -> list[Claimed]:
         await self._ensure_group()
         # One job at a time: a job claimed but left waiting behind another would look abandoned to the others.
         # First what a dead worker left behind for too long, then new jobs.
@@ -188,10 +199,13 @@ class RedisJobQueue:
         return [Claimed(text(entry_id), Job.decode(fields[b"job"])) for entry_id, fields in entries if fields]
 
     async def start(self, job: Job) -> int:
+        key = self._key(job.owner, job.id)
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self._key(job.owner, job.id), "status", "running")
-            pipe.hincrby(self._key(job.owner, job.id), "attempts", 1)
-            _, attempts = await pipe.execute()
+            # The whole status again, and its lifetime from now: a job that waited past result_ttl_s has lost both.
+            pipe.hset(key, mapping={"status": "running", "items": len(job.items)})
+            pipe.hincrby(key, "attempts", 1)
+            pipe.expire(key, self._ttl)
+            _, attempts, _ = await pipe.execute()
         return int(attempts)
 
     async def store_result(self, job: Job, index: int, result: Any) -> None:
@@ -204,7 +218,11 @@ class RedisJobQueue:
 
     async def finish(self, claimed: Claimed, status: str = "done") -> None:
         job = claimed.job
-        await self._redis.hset(self._key(job.owner, job.id), "status", status)
+        key = self._key(job.owner, job.id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, "status", status)
+            pipe.expire(key, self._ttl)  # results are kept result_ttl_s from the job's end
+            await pipe.execute()
         # Acknowledged only once the results are stored: a crash before this line means the job is run again.
         await self._redis.xack(self.stream, self.group, claimed.entry)
         await self._redis.xdel(self.stream, claimed.entry)
@@ -254,6 +272,7 @@ class MemoryJobQueue:
         status = self._statuses[(job.owner, job.id)][1]
         status.status = "running"
         status.attempts += 1
+        self._statuses[(job.owner, job.id)] = (time.monotonic(), status)  # its lifetime from now, as in Redis
         return status.attempts
 
     async def store_result(self, job: Job, index: int, result: Any) -> None:
@@ -263,7 +282,9 @@ class MemoryJobQueue:
         return True  # in memory no other worker can take a job over
 
     async def finish(self, claimed: Claimed, status: str = "done") -> None:
-        self._statuses[(claimed.job.owner, claimed.job.id)][1].status = status
+        found = self._statuses[(claimed.job.owner, claimed.job.id)][1]
+        found.status = status
+        self._statuses[(claimed.job.owner, claimed.job.id)] = (time.monotonic(), found)
 
     async def abandon(self, claimed: Claimed) -> None:
         self._pending.append(claimed)

@@ -114,3 +114,18 @@ async def test_a_worker_whose_claim_lapsed_stops_where_another_took_over() -> No
         assert await queue.keep(taken, "worker-b")
         assert not await queue.keep(first, "worker-a")
         await store.aclose()
+
+
+async def test_jobs_queued_after_the_store_lost_its_data_still_run() -> None:
+    # A Redis restarted without persistence loses the consumer group; the queue once went on believing it was there.
+    with own_redis() as server:
+        store = Redis.from_url(server.url)
+        queue = RedisJobQueue(store, 60, reclaim_after_s=30, prefix="bulkhead:")
+        await queue.enqueue(Job(id="before", tenant="alice", route="completions", items=[{"prompt": "x"}]))
+        [first] = await queue.claim("worker-a", wait_s=1.0)
+        await queue.finish(first)
+        await store.flushall()  # what a restart without persistence leaves
+        await queue.enqueue(Job(id="after", tenant="alice", route="completions", items=[{"prompt": "y"}]))
+        [second] = await queue.claim("worker-a", wait_s=1.0)
+        assert second.job.id == "after"
+        await store.aclose()

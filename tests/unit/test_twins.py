@@ -249,6 +249,18 @@ async def test_a_tenant_made_again_under_the_same_id_never_finds_the_old_ones_jo
     assert Job.decode(job.encode()).owner == f"{prefix}a@1.5"
 
 
+async def test_a_job_that_waited_past_its_lifetime_is_whole_again_once_started(
+    make_queue: QueueFactory, prefix: str
+) -> None:
+    queue = make_queue(1)
+    job = job_of(f"{prefix}a")
+    await queue.enqueue(job)
+    await asyncio.sleep(1.2)  # its status expires while it waits
+    assert await queue.start(job) >= 1
+    await queue.store_result(job, 0, {"answer": "a's"})
+    assert seen(await queue.status(job.owner, job.id)) == ("running", 3, {0: {"answer": "a's"}})
+
+
 async def test_another_tenant_never_finds_the_job(make_queue: QueueFactory, prefix: str) -> None:
     queue = make_queue(60)
     job = job_of(f"{prefix}a")
