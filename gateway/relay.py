@@ -26,6 +26,7 @@ from isolation.guard import LeakBlocked, OutputGuard
 
 DATA = b"data: "
 ENVELOPE = ("id", "object", "created", "model")
+MAX_EVENT_BYTES = 1 << 20  # vLLM's largest, a chunk with 20 alternatives per token, is a few KiB
 
 
 class StreamWithheld(Exception):
@@ -77,7 +78,10 @@ class StreamFilter:
 
     def events(self, chunk: bytes) -> list[bytes]:
         """The whole events these bytes complete."""
-        return self._splitter.feed(chunk)
+        events = self._splitter.feed(chunk)
+        if self._splitter.pending > MAX_EVENT_BYTES:
+            raise StreamFailed  # an event no engine sends: it would only grow the gateway's memory
+        return events
 
     async def feed(self, event: bytes) -> list[dict[str, Any]]:
         """What may go to the tenant once this event is checked: nothing while chunks are held back for the usage

@@ -11,17 +11,24 @@ DONE = b"data: [DONE]\n\n"
 
 class EventSplitter:
     def __init__(self) -> None:
-        self._pending = b""
+        self._parts: list[bytes] = []  # an event not yet ended, as it arrived: joined once its end comes
+        self.pending = 0  # its size
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        data = self._pending + chunk if self._pending else chunk
+        if self._parts:
+            # Joined only when the event can end here: an endless event must cost each byte once, not once per read.
+            if b"\n\n" not in chunk and not (self._parts[-1].endswith(b"\n") and chunk.startswith(b"\n")):
+                self._parts.append(chunk)
+                self.pending += len(chunk)
+                return []
+            data = b"".join(self._parts) + chunk
+        else:
+            data = chunk
         end = data.rfind(b"\n\n")
-        if end < 0:
-            self._pending = data
-            return []
-        self._pending = data[end + 2 :]
-        return [event + b"\n\n" for event in data[:end].split(b"\n\n")]
+        rest = data if end < 0 else data[end + 2 :]
+        self._parts, self.pending = ([rest], len(rest)) if rest else ([], 0)
+        return [] if end < 0 else [event + b"\n\n" for event in data[:end].split(b"\n\n")]
 
     def rest(self) -> bytes:
-        pending, self._pending = self._pending, b""
+        pending, self._parts, self.pending = b"".join(self._parts), [], 0
         return pending

@@ -100,3 +100,14 @@ async def test_a_stream_that_never_reports_usage_is_checked_as_one_without_usage
     with pytest.raises(StreamWithheld) as caught:
         await stream_filter.close()
     assert seen == [None] and caught.value.kind == "usage_mismatch"
+
+
+def test_an_event_that_never_ends_ends_the_stream_once_it_outgrows_what_any_engine_sends() -> None:
+    async def view(usage: dict[str, Any]) -> None:
+        pass
+
+    stream_filter = StreamFilter(UsageWanted(final=False, every_chunk=False), None, view, False, None)
+    assert stream_filter.events(b'data: {"a": 1}\n\ndata: {"b"') == [b'data: {"a": 1}\n\n']
+    with pytest.raises(StreamFailed):
+        for _ in range(20):
+            assert stream_filter.events(b"x" * 65536) == []
