@@ -122,6 +122,11 @@ def _probe(tokenizer: ModelTokenizer) -> tuple[frozenset[str], int]:
     return kept, max(1, *copies)
 
 
+# What one message costs an exact count, in characters of text: the template renders it (measured with the test
+# model's template: 5.7 µs a message against 0.24 µs a character of text rendered and tokenized).
+MESSAGE_CHARS = 24
+
+
 class LocalCounter:
     def __init__(
         self, tokenizer: ModelTokenizer, executor: Executor, inline_chars: int, cache_bytes: int = 0
@@ -152,6 +157,8 @@ class LocalCounter:
         if prompt.text is not None:
             return _utf8_length(prompt.text) + self._added
         assert prompt.messages is not None
+        if MESSAGE_CHARS * len(prompt.messages) > self._inline_chars:
+            return None  # its skeleton alone is no quick render: counted exactly, off the event loop
         skeleton = [self._without_content(m) for m in prompt.messages]
         try:
             rendered = self.tokenizer.render_chat(
@@ -162,7 +169,9 @@ class LocalCounter:
         return _utf8_length(rendered) + self._copies * sum(_utf8_length(c) for c in prompt.contents())
 
     def is_cheap(self, prompt: Prompt) -> bool:
-        return prompt.token_ids is not None or prompt.size() <= self._inline_chars
+        # A message costs the template's render as much as text does: 200,000 empty ones held the loop for seconds.
+        messages = len(prompt.messages) if prompt.messages is not None else 0
+        return prompt.token_ids is not None or prompt.size() + MESSAGE_CHARS * messages <= self._inline_chars
 
     async def count(self, prompt: Prompt, replica: Replica | None = None) -> int:
         if self.is_cheap(prompt):

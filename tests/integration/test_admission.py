@@ -263,3 +263,16 @@ async def test_a_garbled_metrics_read_neither_lifts_the_kv_limit_nor_stops_watch
         assert await status_after(b"") == 400, "an answer without the number keeps the number read before"
         assert await status_after(cache_config(200)) == 200, "still watching: a larger cache is seen"
         assert await status_after(cache_config(10)) == 400
+
+
+def test_a_prompt_of_many_short_messages_is_counted_off_the_event_loop(tokenizer_dir: Path) -> None:
+    # 210,000 empty messages (8 MB) once passed for cheap, by their text alone, and held every tenant for 6 s.
+    def chat_of(messages: int) -> Prompt:
+        roles = ("user", "assistant")
+        return Prompt.of_chat({"messages": [{"role": roles[i % 2], "content": ""} for i in range(messages)]}, "o")
+
+    with ThreadPoolExecutor(1) as executor:
+        counter = LocalCounter(ModelTokenizer.from_dir(tokenizer_dir), executor, inline_chars=16384)
+        assert counter.is_cheap(chat_of(10)) and counter.upper_bound(chat_of(10)) is not None
+        assert not counter.is_cheap(chat_of(2000)), "counted on a worker thread"
+        assert counter.upper_bound(chat_of(2000)) is None, "no skeleton render on the event loop either"
