@@ -284,6 +284,17 @@ class ChatCompletionRequest(_Generation):
     # A chat echo prepends the last message, which carries the tenant's marker when it is a user turn.
     echo: Literal[False] | None = None
 
+    @model_validator(mode="after")
+    def _bounded_tool_grammar(self) -> ChatCompletionRequest:
+        # A tool choice that is required or named compiles the tools' schemas into a grammar, as response_format
+        # does: the same bound.
+        choice = self.tool_choice
+        if self.tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+            named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+            schemas = [t.function.parameters for t in self.tools if named is None or t.function.name == named]
+            _bounded(schemas, "the schemas of the tools a tool_choice requires")
+        return self
+
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -23,6 +23,16 @@ def deep(levels: int) -> Any:
     return value
 
 
+NAMED = {"type": "function", "function": {"name": "big"}}
+
+
+def big_tools() -> list[dict[str, Any]]:
+    # 40 KB of schema: over the bound on a grammar, as response_format's is.
+    properties = {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(500)}
+    schema = {"type": "object", "properties": properties}
+    return [{"type": "function", "function": {"name": "big", "parameters": schema}}]
+
+
 BAD_BODIES: list[tuple[str, str, bytes, int, str | None]] = [
     ("empty body", CHAT, b"", 400, None),
     ("not json", CHAT, b"{model: tiny", 400, None),
@@ -165,3 +175,15 @@ async def test_good_request_after_bad_ones_still_works(client: httpx.AsyncClient
         await client.post(f"{gateway_url}{CHAT}", content=raw, headers=auth())
     ok = await client.post(f"{gateway_url}{CHAT}", json=chat_body(), headers=auth())
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+async def test_a_grammar_a_tool_choice_compiles_is_bounded_as_response_formats_is(
+    client: httpx.AsyncClient, gateway_url: str, sim_url: str, choice: Any
+) -> None:
+    response = await client.post(
+        gateway_url + CHAT, json=chat_body(tools=big_tools(), tool_choice=choice), headers=auth()
+    )
+    assert_openai_error(response, 400, None)
+    assert "schemas of the tools a tool_choice requires" in response.json()["error"]["message"]
+    assert forwarded(sim_url) == []
