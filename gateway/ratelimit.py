@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.errors import RateLimitExceeded, RateLimitUnavailable
+from gateway.errors import InvalidRequest, RateLimitExceeded, RateLimitUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.settings import TenantSettings
 
@@ -204,6 +204,14 @@ class RateLimiter:
         quota = quota_of(tenant)
         if quota is None:
             return {}
+        if quota.tokens_per_minute and tokens > quota.tokens_per_minute:
+            # More than the bucket ever holds: a 429 with a retry-after would send the client waiting for nothing.
+            raise InvalidRequest(
+                f"This request reserves {tokens} tokens (its prompt and the output it may produce), more than this "
+                f"API key's {quota.tokens_per_minute} tokens per minute: it could never run. Ask for less output "
+                "(max_tokens).",
+                code="exceeds_tokens_per_minute",
+            )
         verdict = await self._call(tenant.id, quota, tokens, take=True)
         assert verdict is not None
         limit_headers = headers(quota, verdict)

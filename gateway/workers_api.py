@@ -81,6 +81,7 @@ WORKERS_ERRORS: dict[str, tuple[int, int]] = {
     "rate_limited": (3036, 429),
     "concurrency_limit_exceeded": (3036, 429),
     "rate_limit_exceeded": (3036, 429),
+    "exceeds_tokens_per_minute": (5006, 400),
     "capacity_exceeded": (3040, 429),
     "backend_unavailable": (3040, 429),
     "capacity_unknown": (3040, 429),

@@ -47,7 +47,10 @@ async def test_requests_per_minute_in_memory(client: httpx.AsyncClient, make_gat
 async def test_tokens_are_reserved_then_settled(client: httpx.AsyncClient, make_gateway: Any, sim_url: str) -> None:
     gateway_url = make_gateway({"sim": sim_url}, tenants=limited(tokens_per_minute=1000))
     too_big = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1200), headers=auth())
-    assert too_big.status_code == 429, "the output room asked for counts against the budget up front"
+    # The output room asked for counts against the budget up front; more than the whole budget could never run.
+    assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "exceeds_tokens_per_minute"
+    assert "1000 tokens per minute" in too_big.json()["error"]["message"]
+    assert "retry-after" not in too_big.headers and forwarded(sim_url) == []
     first = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=500), headers=auth())
     assert first.status_code == 200
     after_reservation = int(first.headers["x-ratelimit-remaining-tokens"])
