@@ -259,7 +259,8 @@ class InferenceCall:
             accesslog.finish(self.record, self.state.metrics)
         finally:
             # Whatever the log made of it, the slots are given back: a lost one would cap the tenant for good.
-            self.slot.release((self.record.prompt_tokens or 0) + (self.record.completion_tokens or 0))
+            used = (self.record.prompt_tokens or 0) + (self.record.completion_tokens or 0)
+            self.slot.release(used, ran=self.response is not None)
 
     def fail(self, error: GatewayError) -> Answer:
         self.record.status, self.record.error_code = error.status, error.code

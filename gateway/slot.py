@@ -48,8 +48,9 @@ class Slot:
             replica.started += 1
         self.replica = replica
 
-    def release(self, used_tokens: int = 0) -> None:
-        """Give everything back; the reservation is settled to `used_tokens` (0: refunded)."""
+    def release(self, used_tokens: int = 0, ran: bool = False) -> None:
+        """Give everything back; the reservation is settled to `used_tokens` (0: refunded). `ran`: the request
+        reached its replica, so it counts as a completion in the model's rate (a refusal before it did does not)."""
         if self._released:
             return
         self._released = True
@@ -60,7 +61,7 @@ class Slot:
         state.metrics.in_flight.dec()
         if self.replica is not None:
             self.replica.finished += 1
-            state.gate.released(self._model, finished=True)
+            state.gate.released(self._model, finished=ran)
         settlement = state.limiter.settlement(self._tenant, self.reserved, used_tokens)
         if settlement is not None:
             # Off the answer's path: the settlement is a Redis round trip the client need not wait for.

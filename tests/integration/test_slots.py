@@ -153,3 +153,21 @@ async def test_a_dead_replica_costs_no_client_error_while_another_can_count(
             answer = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=2), headers=headers)
             statuses.append(answer.status_code)
     assert statuses == [200] * 12
+
+
+async def test_only_requests_that_reached_a_replica_count_as_its_completions(
+    client: httpx.AsyncClient, sim_url: str, tokenizer_dir: Path
+) -> None:
+    # The fair queue predicts its waits from the model's completion rate; refusals once inflated it.
+    from gateway.app import create_app
+    from gateway.serving import run_server
+    from tests.integration.support import gateway_settings
+
+    app = create_app(gateway_settings({"sim": sim_url}, tokenizer_dir))
+    with run_server(app) as gateway_url:
+        assert (await client.post(gateway_url + CHAT, json=chat_body(max_tokens=2), headers=auth())).status_code == 200
+        too_long = chat_body("Summarise this contract clause by clause. " * 400, max_tokens=2)
+        for _ in range(5):
+            refused = await client.post(gateway_url + CHAT, json=too_long, headers=auth())
+            assert refused.json()["error"]["code"] == "context_length_exceeded"
+        assert len(app.state.gateway.gate._queues[MODEL].completions) == 1
