@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, TypeVar
@@ -27,6 +28,11 @@ log = logging.getLogger("bulkhead.worker")
 
 ROUTES = {inference.CHAT.name: inference.CHAT, inference.COMPLETIONS.name: inference.COMPLETIONS}
 MAX_ATTEMPTS = 3
+# Refusals of a request that never left the gateway and may pass later: 429 (rate, concurrency, capacity) and 503
+# (no replica, a store unreachable). A batch item waits them out.
+NOT_NOW = frozenset({429, 503})
+MAX_PAUSE_S = 30.0
+MAX_WAIT_S = 600.0  # then the refusal is the item's answer: a replica gone for good must not hold the job forever
 T = TypeVar("T")
 
 
@@ -46,17 +52,25 @@ def error_result(error: GatewayError) -> dict[str, Any]:
     return {"status": error.status, "body": error.body()}
 
 
-async def run_item(state: GatewayState, job: Job, index: int) -> dict[str, Any]:
-    tenant = await state.tenants.by_id(job.tenant)
-    if tenant is None or tenant.incarnation() != job.owner:
-        return error_result(AuthenticationFailed("The tenant no longer exists or is disabled."))
-    route = ROUTES[job.route]
-    record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
-    outcome = await inference.run(
-        state, route, inference.Submission(tenant, dict(job.items[index]), batch=True), record
-    )
-    assert isinstance(outcome, Answer), "queued items are never streamed (workers_api sets stream: false)"
-    return {"status": outcome.status, "body": outcome.body}
+async def run_item(state: GatewayState, job: Job, index: int, lost: asyncio.Event) -> dict[str, Any]:
+    """The item's result; a refusal that only says "not now" (a rate or concurrency limit, no replica free) is
+    waited out, as the job holds its claim, not stored as the item's answer."""
+    pause, deadline = 0.5, time.monotonic() + MAX_WAIT_S
+    while True:
+        tenant = await state.tenants.by_id(job.tenant)
+        if tenant is None or tenant.incarnation() != job.owner:
+            return error_result(AuthenticationFailed("The tenant no longer exists or is disabled."))
+        route = ROUTES[job.route]
+        record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
+        outcome = await inference.run(
+            state, route, inference.Submission(tenant, dict(job.items[index]), batch=True), record
+        )
+        assert isinstance(outcome, Answer), "queued items are never streamed (workers_api sets stream: false)"
+        if outcome.status not in NOT_NOW or lost.is_set() or time.monotonic() > deadline:
+            return {"status": outcome.status, "body": outcome.body}
+        retry = outcome.headers.get("retry-after", "")
+        await asyncio.sleep(min(MAX_PAUSE_S, float(retry) if retry.isdigit() else pause))
+        pause = min(MAX_PAUSE_S, pause * 2)
 
 
 async def process(state: GatewayState, queue: JobQueue, claimed: Claimed, name: str, lost: asyncio.Event) -> None:
@@ -80,7 +94,7 @@ async def process(state: GatewayState, queue: JobQueue, claimed: Claimed, name: 
             # it runs what is left; only the item in flight when the claim went may have run twice.
             log.warning("worker gave up job %s: another worker took it over", job.id)
             return
-        result = await run_item(state, job, index)
+        result = await run_item(state, job, index, lost)
         await stored(partial(queue.store_result, job, index, result), "store a result")
     await stored(partial(queue.finish, claimed), "finish a job")
 

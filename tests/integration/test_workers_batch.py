@@ -199,3 +199,24 @@ async def test_polling_on_another_account_is_refused_before_any_lookup(
         bobs = f"{gateway}/accounts/bob/ai/run/{MODEL}"
         answer = await client.post(bobs, json={"request_id": request_id}, headers=auth())
         assert answer.status_code == 403 and answer.json()["errors"][0]["code"] == 10000
+
+
+async def test_an_item_refused_for_now_waits_its_turn_instead_of_failing(
+    client: httpx.AsyncClient, make_gateway: GatewayFactory, make_sim: Any
+) -> None:
+    # Alice's one concurrent request is taken by a slow stream: her batch item is refused for now (429), which
+    # was once stored as its answer.
+    from gateway.tenants import hash_key
+
+    sim_url = make_sim(tokens_per_s=20)
+    alice = {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": {"max_concurrent_requests": 1}}
+    gateway_url = make_gateway({"sim": sim_url}, tenants=[alice])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True}
+    async with client.stream("POST", f"{gateway_url}/v1/chat/completions", json=body, headers=auth()) as streaming:
+        assert streaming.status_code == 200
+        async for _ in streaming.aiter_raw():
+            request_id = await queue(client, f"{gateway_url}{QUEUE}", {"requests": [chat("later")]})
+            break
+    done = await until(client, gateway_url, request_id, finished=True)
+    [response] = done["responses"]
+    assert response["success"] is True, response
