@@ -49,6 +49,9 @@ from isolation.leaks import LeakPolicy
 from isolation.verify import usage_problem
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
+# No honest answer comes near it (128 choices of 4,096 tokens with 20 alternatives each is ~40 MiB); a backend that
+# sends more would only grow the gateway's memory.
+MAX_ANSWER_BYTES = 64 << 20
 DATA = b"data: "
 LEAK_DETAILS = {
     MARKER: "another tenant's canary marker in the answer",
@@ -391,8 +394,10 @@ class InferenceCall:
 
     async def complete(self) -> Answer:
         assert self.response is not None
-        raw = await self.response.read()
+        raw = await self.response.read(MAX_ANSWER_BYTES + 1)
         self.record.mark_first_byte()
+        if len(raw) > MAX_ANSWER_BYTES:
+            raise BackendBadResponse(f"Backend '{self.replica.name}' answered more than {MAX_ANSWER_BYTES} bytes.")
         try:
             with failing_closed():
                 body = await self._checked(raw)

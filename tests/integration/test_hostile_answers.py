@@ -252,3 +252,14 @@ async def test_a_leak_deep_in_a_dropped_field_is_withheld_and_recorded(
     response = await client.post(gateway + CHAT, json=chat_body("q"), headers=auth(BOB_KEY))
     assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld", response.text
     assert await events_since(client, gateway, since) == [("leak", "alice")]
+
+
+async def test_an_answer_past_any_honest_size_is_refused_not_held(
+    client: httpx.AsyncClient, gateway: str, engine: Engine
+) -> None:
+    from gateway.inference import MAX_ANSWER_BYTES
+
+    engine.script = lambda prompt: {**answer(prompt), "padding": "x" * MAX_ANSWER_BYTES}
+    response = await client.post(gateway + CHAT, json=chat_body("q"), headers=auth(BOB_KEY))
+    assert response.status_code == 502 and response.json()["error"]["code"] == "backend_bad_response", response.text
+    assert f"more than {MAX_ANSWER_BYTES} bytes" in response.json()["error"]["message"]
