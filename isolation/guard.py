@@ -139,7 +139,8 @@ class OutputGuard:
     async def check_chunk(self, chunk: dict[str, Any]) -> None:
         """Scan and edit one streamed chunk (pruned: channels.prune) in place."""
         await self._hold_envelope(chunk)
-        for choice in await self._answered(chunk):
+        choices = self._answered(chunk)
+        for choice in choices if choices is not None else await self._unasked_out(chunk):
             index = choice.get("index") or 0
             state = self._choices.get(index)
             if state is None:
@@ -155,22 +156,31 @@ class OutputGuard:
     async def check_body(self, body: dict[str, Any]) -> None:
         """Scan and edit a whole (non-streamed, pruned) answer in place."""
         await self._hold_envelope(body)
-        for choice in await self._answered(body):
+        choices = self._answered(body)
+        for choice in choices if choices is not None else await self._unasked_out(body):
             await self._choice(_Choice(self._echo_prefix), choice, final=True)
 
-    async def _answered(self, answer: dict[str, Any]) -> list[dict[str, Any]]:
-        """The answer's choices that answer the request; the others are taken out, never relayed, and scanned.
+    def _answered(self, answer: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The answer's choices, when all of them answer the request (every event of an honest engine); else None.
 
-        That is a choice of an index the request did not ask for, and one an engine writes on after its finish: a
+        A choice of an index the request did not ask for does not, nor one an engine writes on after its finish: a
         fresh scanner there would miss a marker whose first half went out in the finished part.
         """
-        choices = answer.get("choices") or []
-        for choice in list(choices):
+        choices: list[dict[str, Any]] = answer.get("choices") or []
+        for choice in choices:
             index = choice.get("index") or 0
             if index in self._finished or not 0 <= index < self._choices_asked:
+                return None
+        return choices
+
+    async def _unasked_out(self, answer: dict[str, Any]) -> list[dict[str, Any]]:
+        """The answer's choices once those that answer nothing asked are taken out: never relayed, and scanned."""
+        choices: list[dict[str, Any]] = answer["choices"]
+        for choice in list(choices):
+            if self._answered({"choices": [choice]}) is None:
                 choices.remove(choice)
                 await self.check_removed([("choice.unasked", choice)])
-        return list(choices)
+        return choices
 
     def closing(self) -> list[dict[str, Any]]:
         """For a stream that ended without finishing its choices: their held texts and logprobs, as last choices.
