@@ -333,30 +333,25 @@ class InferenceCall:
     async def withhold(self, exc: StreamWithheld) -> AnswerWithheld:
         """The error the tenant gets for an answer that cannot be shown safe, once its event is recorded."""
         if exc.kind is not None:
-            event = IsolationEvent(
-                kind=exc.kind,
-                request_id=self.record.request_id,
-                tenant=self.tenant.id,
-                model=self.model.name,
-                replica=self.replica.name,
-                detail=exc.reason,
-            )
-            await report(event, self.state)
+            await report(self.event(exc.kind, exc.reason), self.state)
         return withheld()
 
     async def leak(self, leak: Leak) -> None:
-        detail = LEAK_DETAILS[leak.kind]
-        event = IsolationEvent(
-            kind=leak.kind,
+        event = self.event(leak.kind, LEAK_DETAILS[leak.kind], victim_tenant=leak.victim, epoch=leak.epoch)
+        await on_leak(event, self.state)
+
+    def event(self, kind: str, detail: str, victim_tenant: str = "", epoch: str = "") -> IsolationEvent:
+        """An isolation event about this request."""
+        return IsolationEvent(
+            kind=kind,
             request_id=self.record.request_id,
             tenant=self.tenant.id,
             model=self.model.name,
             replica=self.replica.name,
             detail=detail,
-            victim_tenant=leak.victim,
-            epoch=leak.epoch,
+            victim_tenant=victim_tenant,
+            epoch=epoch,
         )
-        await on_leak(event, self.state)
 
     async def view_usage(self, usage: dict[str, Any]) -> None:
         """The backend's usage as the tenant sees it and is charged: without the tokens the gateway injected."""
