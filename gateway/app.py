@@ -13,6 +13,7 @@ import random
 import secrets
 import socket
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -401,6 +402,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     load.restarted(replica)
 
                 pool.on_recovered = recovered
+                in_flight: Counter[str] = Counter()  # what each tenant holds here: Slot counts it, the gate reads it
                 app.state.gateway = GatewayState(
                     settings=settings,
                     tenants=tenants,
@@ -412,7 +414,8 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     events=events,
                     router=router,
                     load=load,
-                    gate=Gate(pool, router, load, metrics),
+                    gate=Gate(pool, router, load, metrics, in_flight),
+                    tenant_in_flight=in_flight,
                     salts=CacheSalts(salt_secret(settings)),
                     markers=markers,
                     queue=(

@@ -29,7 +29,7 @@ import asyncio
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,9 +60,12 @@ class Waiter:
 class RoundRobin:
     """Deficit round robin over tenants (one request costs 1, a turn adds the tenant's weight); FIFO within one.
 
-    A tenant with nothing queued that sends a request goes to the head of the ring, as FQ-CoDel serves new flows
-    first: a light tenant waits for the next free slot, not for a turn of every backlogged tenant. It cannot take
-    more than its share this way: a tenant whose requests keep it queued is in the ring and takes turns.
+    A tenant with nothing queued and nothing running that sends a request goes to the head of the ring, as FQ-CoDel
+    serves new flows first: a light tenant waits for the next free slot, not for a turn of every backlogged tenant.
+    It cannot take more than its share this way: a tenant whose requests keep it queued is in the ring and takes
+    turns, and one with requests running is no new flow (it joins at the tail), or a tenant that keeps exactly one
+    request waiting, sending the next the moment the last is placed, would be new every time and take nearly every
+    slot.
     """
 
     def __init__(self) -> None:
@@ -70,11 +73,12 @@ class RoundRobin:
         self._deficit: dict[str, float] = {}
         self.size = 0
 
-    def push(self, waiter: Waiter) -> None:
+    def push(self, waiter: Waiter, new: bool = True) -> None:
         waiting = self._tenants.get(waiter.tenant)
         if waiting is None:
             waiting = self._tenants[waiter.tenant] = deque()
-            self._tenants.move_to_end(waiter.tenant, last=False)
+            if new:
+                self._tenants.move_to_end(waiter.tenant, last=False)
         waiting.append(waiter)
         self.size += 1
 
@@ -106,10 +110,10 @@ class RoundRobin:
             self._deficit[tenant] = deficit
             self._tenants.move_to_end(tenant)
 
-    def ahead(self, tenant: str, weight: float) -> float:
+    def ahead(self, tenant: str, weight: float, new: bool = True) -> float:
         """About how many queued requests leave before a new one of this tenant, in round-robin order."""
         own = len(self._tenants.get(tenant, ()))
-        if not own:
+        if not own and new:
             return 0  # it goes to the head of the ring
         turns = (own + 1) / weight
         return own + sum(min(len(w), turns * w[0].weight) for t, w in self._tenants.items() if t != tenant)
@@ -137,12 +141,12 @@ class ModelQueue:
         self.completions: deque[float] = deque(maxlen=64)
         self.recent: OrderedDict[str, float] = OrderedDict()  # tenant → when it was last placed, oldest first
 
-    def push(self, waiter: Waiter, priority: int) -> None:
+    def push(self, waiter: Waiter, priority: int, new: bool) -> None:
         key = (waiter.batch, priority)
         if key not in self._classes:
             self._classes[key] = RoundRobin()
             self._classes = dict(sorted(self._classes.items()))
-        self._classes[key].push(waiter)
+        self._classes[key].push(waiter, new)
         self._count(waiter, 1)
 
     def remove(self, waiter: Waiter) -> bool:
@@ -161,22 +165,23 @@ class ModelQueue:
         self.recent[tenant] = now
         self.recent.move_to_end(tenant)
 
-    def light_tenants(self, now: float) -> bool:
-        """Whether a tenant served lately has nothing queued: its next request should find a slot free."""
+    def light_tenants(self, now: float, in_flight: Mapping[str, int]) -> bool:
+        """Whether a tenant served lately has nothing queued, and no request in flight beyond one (running, or the
+        one arriving now): its next request should find a slot free."""
         recent = self.recent
         while recent and now - next(iter(recent.values())) > LIGHT_WINDOW_S:
             recent.popitem(last=False)
-        return any(not self.depth(tenant) for tenant in reversed(recent))
+        return any(not self.depth(tenant) and in_flight.get(tenant, 0) <= 1 for tenant in reversed(recent))
 
     def pop(self) -> Waiter:
         waiter = next(rr for rr in self._classes.values() if rr.size).pop()
         self._count(waiter, -1)
         return waiter
 
-    def ahead(self, tenant: str, weight: float, priority: int) -> float:
+    def ahead(self, tenant: str, weight: float, priority: int, new: bool) -> float:
         before = sum(rr.size for (batch, p), rr in self._classes.items() if not batch and p < priority)
         same = self._classes.get((False, priority))
-        return before + (same.ahead(tenant, weight) if same is not None else 0)
+        return before + (same.ahead(tenant, weight, new) if same is not None else 0)
 
     def depth(self, tenant: str) -> int:
         return sum(rr.depth(tenant) for rr in self._classes.values())
@@ -196,7 +201,16 @@ class ModelQueue:
 
 
 class Gate:
-    def __init__(self, pool: ReplicaPool, router: Router, monitor: LoadMonitor, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        router: Router,
+        monitor: LoadMonitor,
+        metrics: GatewayMetrics,
+        in_flight: Mapping[str, int],
+    ) -> None:
+        """`in_flight`: each tenant's requests on this instance that hold a slot (Slot), running or about to."""
+        self._in_flight = in_flight
         self._pool = pool
         self._router = router
         self._monitor = monitor
@@ -253,12 +267,14 @@ class Gate:
             assign(None)
         now = time.monotonic()
         priority = tenant.limits.priority
+        # A new flow: nothing else of the tenant queued or running (its one slot held is this request's own).
+        new = self._in_flight.get(tenant.id, 0) <= 1
         if not batch:
-            self._refuse_early(queue, tenant, priority, now)
+            self._refuse_early(queue, tenant, priority, now, new)
         waiter = Waiter(
             tenant.id, tenant.limits.weight, session, batch, assign, asyncio.get_running_loop().create_future()
         )
-        queue.push(waiter, priority)
+        queue.push(waiter, priority, new)
         self._changed(queue, tenant.id)
         self.pump()  # a light tenant's request, at the head of the ring, may take the slot kept free for it
         timeout = None if batch else fairness.max_queue_wait_s
@@ -292,7 +308,7 @@ class Gate:
                 spare = 0
                 if backlogged and not batch and model.fairness.light_reserve:
                     # A tenant with more queued leaves slots free while a light tenant may come back.
-                    light = queue.light_tenants(now) if light is None else light
+                    light = queue.light_tenants(now, self._in_flight) if light is None else light
                     spare = model.fairness.light_reserve if light else 0
                 room = self._room(model, batch, spare)
                 if not any(room(r) for r in self._pool.routable(model)):
@@ -324,14 +340,14 @@ class Gate:
 
         return fits
 
-    def _refuse_early(self, queue: ModelQueue, tenant: TenantSettings, priority: int, now: float) -> None:
+    def _refuse_early(self, queue: ModelQueue, tenant: TenantSettings, priority: int, now: float, new: bool) -> None:
         fairness = queue.model.fairness
         rate = queue.rate(now)
         if queue.interactive >= fairness.max_queue_depth:
             raise self._shed(queue.model, "queue_full", queue.interactive / rate if rate else fairness.max_queue_wait_s)
         if rate is None:
             return
-        expected = (queue.ahead(tenant.id, tenant.limits.weight, priority) + 1) / rate
+        expected = (queue.ahead(tenant.id, tenant.limits.weight, priority, new) + 1) / rate
         if expected > fairness.max_queue_wait_s:
             raise self._shed(queue.model, "wait_too_long", expected)
 
