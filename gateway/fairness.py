@@ -29,7 +29,7 @@ import asyncio
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +121,12 @@ class RoundRobin:
     def depth(self, tenant: str) -> int:
         return len(self._tenants.get(tenant, ()))
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tenants)
+
+    def newest(self, tenant: str) -> Waiter:
+        return self._tenants[tenant][-1]
+
     def head(self) -> str:
         """The tenant at the head of the ring: the next served (unless a weight under 1 makes it wait a turn)."""
         return next(iter(self._tenants))
@@ -185,6 +191,15 @@ class ModelQueue:
 
     def depth(self, tenant: str) -> int:
         return sum(rr.depth(tenant) for rr in self._classes.values())
+
+    def newest_of_fattest(self, beyond: int) -> Waiter | None:
+        """The newest interactive waiter of the tenant with the most queued, if that is more than `beyond`."""
+        depths = {tenant: self.depth(tenant) for (batch, _), rr in self._classes.items() if not batch for tenant in rr}
+        fattest = max(depths, key=depths.__getitem__, default=None)
+        if fattest is None or depths[fattest] <= beyond:
+            return None
+        classes = [rr for (batch, _), rr in reversed(self._classes.items()) if not batch and rr.depth(fattest)]
+        return classes[0].newest(fattest)
 
     def rate(self, now: float) -> float | None:
         """Requests of this model finished per second lately; None when too few to tell."""
@@ -344,7 +359,15 @@ class Gate:
         fairness = queue.model.fairness
         rate = queue.rate(now)
         if queue.interactive >= fairness.max_queue_depth:
-            raise self._shed(queue.model, "queue_full", queue.interactive / rate if rate else fairness.max_queue_wait_s)
+            retry = queue.interactive / rate if rate else fairness.max_queue_wait_s
+            # Full: the tenant with the most queued gives its newest up, as FQ-CoDel drops from the fattest flow; a
+            # newcomer is refused only when no tenant holds more of the queue than it then would.
+            fattest = queue.newest_of_fattest(queue.depth(tenant.id) + 1)
+            if fattest is None:
+                raise self._shed(queue.model, "queue_full", retry)
+            queue.remove(fattest)
+            self._changed(queue, fattest.tenant)
+            fattest.future.set_exception(self._shed(queue.model, "queue_full", retry))
         if rate is None:
             return
         expected = (queue.ahead(tenant.id, tenant.limits.weight, priority, new) + 1) / rate

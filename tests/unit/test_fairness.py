@@ -339,7 +339,7 @@ async def test_refusals_name_the_model_and_say_when_to_retry() -> None:
     waiting = [asyncio.create_task(f.enter(f.tenant("a"))) for _ in range(2)]
     await settle()
     with pytest.raises(CapacityExceeded) as refused:
-        await f.enter(f.tenant("b"))
+        await f.enter(f.tenant("a"))
     assert "'m'" in refused.value.message and refused.value.headers["retry-after"] == "5"
     for task in waiting:
         task.cancel()
@@ -366,3 +366,21 @@ async def test_a_tenant_with_a_request_running_is_no_new_flow() -> None:
     for task in backlog + waiting:
         task.cancel()
     await asyncio.gather(*backlog, *waiting, return_exceptions=True)
+
+
+async def test_a_full_queue_makes_room_from_the_tenant_holding_most_of_it() -> None:
+    # One tenant's backlog once filled the model's queue and every other tenant was refused.
+    f = Fixture(slots=1, max_queue_depth=3, max_queue_wait_s=5)
+    heavy, light = f.tenant("heavy"), f.tenant("light")
+    await f.enter(heavy)
+    backlog = [asyncio.create_task(f.enter(heavy)) for _ in range(3)]
+    await settle()
+    arrived = asyncio.create_task(f.enter(light))
+    await settle()
+    assert backlog[-1].done() and isinstance(backlog[-1].exception(), CapacityExceeded), "heavy's newest gave way"
+    assert not arrived.done() and f.gate.queued() == 3
+    f.finish()
+    await asyncio.wait_for(arrived, 1)
+    for task in backlog:
+        task.cancel()
+    await asyncio.gather(*backlog, return_exceptions=True)
