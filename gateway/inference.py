@@ -262,8 +262,14 @@ class InferenceCall:
             accesslog.finish(self.record, self.state.metrics)
         finally:
             # Whatever the log made of it, the slots are given back: a lost one would cap the tenant for good.
-            used = (self.record.prompt_tokens or 0) + (self.record.completion_tokens or 0)
-            self.slot.release(used, ran=self.response is not None)
+            ran = self.response is not None
+            if self.record.prompt_tokens is not None:
+                used = self.record.prompt_tokens + (self.record.completion_tokens or 0)
+            else:
+                # The engine worked, but no usage came (a client that left a stream before its usage chunk, say):
+                # the reservation stands, or leaving early would make every answer free of the tokens limit.
+                used = self.slot.reserved if ran else 0
+            self.slot.release(used, ran=ran)
 
     def fail(self, error: GatewayError) -> Answer:
         self.record.status, self.record.error_code = error.status, error.code

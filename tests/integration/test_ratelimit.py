@@ -3,6 +3,7 @@ when Redis is gone."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,27 @@ async def test_tokens_are_reserved_then_settled(client: httpx.AsyncClient, make_
     remaining = int(second.headers["x-ratelimit-remaining-tokens"])
     assert remaining > after_reservation + 400
     assert remaining <= 1000 - used
+
+
+async def test_leaving_a_stream_before_its_usage_still_costs_the_reservation(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path
+) -> None:
+    # Without usage on every chunk, the usage comes last: a client that left before it was once charged nothing.
+    sim_url = make_sim(tokens_per_s=50)
+    model = {"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir), "continuous_usage": False}
+    gateway_url = make_gateway({"sim": sim_url}, models=[model], tenants=limited(tokens_per_minute=1000))
+    body = chat_body(max_tokens=400, stream=True)
+    async with client.stream("POST", f"{gateway_url}{CHAT}", json=body, headers=auth()) as streaming:
+        reserved = 1000 - int(streaming.headers["x-ratelimit-remaining-tokens"])
+        async for _ in streaming.aiter_raw():
+            break  # some of the answer read, then gone
+    assert reserved > 400
+    for _ in range(50):  # the gateway notices the client gone and settles
+        await asyncio.sleep(0.05)
+        if metric((await client.get(f"{gateway_url}/metrics")).text, "bulkhead_in_flight_requests") == 0:
+            break
+    again = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth())
+    assert int(again.headers["x-ratelimit-remaining-tokens"]) < 1000 - reserved + 60, "the reservation was charged"
 
 
 async def test_two_gateway_processes_share_one_budget(
