@@ -272,8 +272,10 @@ def texts(choice: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], str]]:
         for position, call in enumerate(holder.get("tool_calls") or ()):
             function = call.get("function")
             if function is not None:
-                index = call.get("index")
-                slot = f"tool:{index if type(index) is int else position}"  # pruning nulls an index of another type
+                # A whole answer's calls have no index (their position is theirs); an index pruning nulled is one
+                # stream for every such call, as a client reading them as one call would join them.
+                index = call.get("index", position)
+                slot = f"tool:{index if type(index) is int else 'null'}"
                 for name in ("name", "arguments"):
                     if type(function.get(name)) is str:
                         yield f"{slot}:{name}", function, name

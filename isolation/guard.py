@@ -64,11 +64,12 @@ def place(choice: dict[str, Any], key: str, text: str) -> None:
     if not key.startswith("tool:"):
         delta[key] = (delta.get(key) or "") + text
         return
-    _, index, name = key.split(":")
+    _, slot, name = key.split(":")
+    index = None if slot == "null" else int(slot)
     calls = delta.setdefault("tool_calls", [])
-    call = next((c for c in calls if c.get("index") == int(index)), None)
+    call = next((c for c in calls if c.get("index") == index), None)
     if call is None:
-        call = {"index": int(index), "function": {}}
+        call = {"index": index, "function": {}}
         calls.append(call)
     function = call.setdefault("function", {})
     function[name] = (function.get(name) or "") + text
@@ -167,20 +168,29 @@ class OutputGuard:
         fresh scanner there would miss a marker whose first half went out in the finished part.
         """
         choices: list[dict[str, Any]] = answer.get("choices") or []
+        seen = 0  # the indexes so far, as bits: one index twice in an answer is two streams of one choice
         for choice in choices:
             index = choice.get("index") or 0
-            if index in self._finished or not 0 <= index < self._choices_asked:
+            if index in self._finished or not 0 <= index < self._choices_asked or seen >> index & 1:
                 return None
+            seen |= 1 << index
         return choices
 
     async def _unasked_out(self, answer: dict[str, Any]) -> list[dict[str, Any]]:
-        """The answer's choices once those that answer nothing asked are taken out: never relayed, and scanned."""
+        """The answer's choices once those that answer nothing asked are taken out: never relayed, and scanned. A
+        choice that comes again in the same answer goes with them (after its first, finished or not)."""
         choices: list[dict[str, Any]] = answer["choices"]
-        for choice in list(choices):
-            if self._answered({"choices": [choice]}) is None:
-                choices.remove(choice)
+        kept: list[dict[str, Any]] = []
+        taken = set(self._finished)
+        for choice in choices:
+            index = choice.get("index") or 0
+            if index in taken or not 0 <= index < self._choices_asked:
                 await self.check_removed([("choice.unasked", choice)])
-        return choices
+                continue
+            kept.append(choice)
+            taken.add(index)
+        choices[:] = kept
+        return kept
 
     def closing(self) -> list[dict[str, Any]]:
         """For a stream that ended without finishing its choices: their held texts and logprobs, as last choices.

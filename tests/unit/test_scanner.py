@@ -582,3 +582,36 @@ async def test_a_choice_not_asked_for_or_written_after_its_finish_goes_nowhere_a
     with pytest.raises(LeakBlocked):
         await guard.check_chunk(delta_chunk(content=other))
     assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
+
+
+async def test_one_choice_twice_in_an_answer_is_one_choice_and_what_comes_again_goes_nowhere(
+    registry: MarkerRegistry,
+) -> None:
+    # A choice that finished and came again in the same chunk once had a fresh scanner there.
+    guard, _ = guard_for(registry)
+    other = registry.marker("bob")
+    chunk = {
+        "choices": [
+            {"index": 0, "delta": {"content": "Note: " + other[:12]}, "finish_reason": "stop"},
+            {"index": 0, "delta": {"content": other[12:] + " end"}, "finish_reason": None},
+        ]
+    }
+    await guard.check_chunk(chunk)
+    assert [c["delta"]["content"] for c in chunk["choices"]] == ["Note: " + other[:12]]
+    body = {"choices": [{"index": 0, "message": {"content": "a"}}, {"index": 0, "message": {"content": "b"}}]}
+    await guard_for(registry)[0].check_body(body)
+    assert [c["message"]["content"] for c in body["choices"]] == ["a"]
+
+
+async def test_tool_calls_whose_index_was_pruned_are_one_stream(registry: MarkerRegistry) -> None:
+    # Pruning nulls an index that is not a number; a client reading them as one call joins their arguments.
+    guard, _ = guard_for(registry)
+    other = registry.marker("bob")
+
+    def calls(*arguments: str) -> dict[str, Any]:
+        tools = [{"index": None, "function": {"arguments": text}} for text in arguments]
+        return {"choices": [{"index": 0, "delta": {"tool_calls": tools}, "finish_reason": None}]}
+
+    await guard.check_chunk(calls("{}", '{"a": "' + other[:12]))
+    with pytest.raises(LeakBlocked):
+        await guard.check_chunk(calls(other[12:] + '"}'))
