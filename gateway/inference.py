@@ -203,7 +203,7 @@ def openai_event(event: Event) -> bytes:
 
 
 def openai_response(outcome: Outcome) -> Response:
-    """The OpenAI routes' edge: an answer as JSON (the backend's own bytes when unchanged), a stream as SSE."""
+    """The OpenAI routes' edge: an answer as JSON (as it was checked, serialized again), a stream as SSE."""
     if isinstance(outcome, Stream):
         return RelayResponse(outcome, openai_event)
     # Always what was checked, never the backend's bytes: they can say more than their parse (a duplicate key's first

@@ -164,8 +164,8 @@ class RedisJobQueue:
 
     async def status(self, owner: str, job_id: str) -> JobStatus | None:
         fields = text_fields(await self._redis.hgetall(self._key(owner, job_id)))
-        if not fields:
-            return None
+        if "status" not in fields or "items" not in fields:
+            return None  # none, or what an expired status left behind
         results = {int(k[7:]): orjson.loads(v) for k, v in fields.items() if k.startswith("result:")}
         references = orjson.loads(fields.get("references", "[]"))
         return JobStatus(fields["status"], int(fields["items"]), results, int(fields.get("attempts", 0)), references)
@@ -209,12 +209,24 @@ class RedisJobQueue:
         return int(attempts)
 
     async def store_result(self, job: Job, index: int, result: Any) -> None:
-        # First write wins: a result the tenant may already have read never changes.
-        await self._redis.hsetnx(self._key(job.owner, job.id), f"result:{index}", orjson.dumps(result))
+        key = self._key(job.owner, job.id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            # First write wins: a result the tenant may already have read never changes. Its status lives on with
+            # it: a job's items can take longer than result_ttl_s.
+            pipe.hsetnx(key, f"result:{index}", orjson.dumps(result))
+            pipe.expire(key, self._ttl)
+            await pipe.execute()
 
     async def keep(self, claimed: Claimed, consumer: str) -> bool:
         """Reset the job's idle time: a live worker on a long job must not look dead to the others."""
-        return bool(await self._keep(keys=[self.stream], args=[self.group, claimed.entry, consumer]))
+        try:
+            return bool(await self._keep(keys=[self.stream], args=[self.group, claimed.entry, consumer]))
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # The store lost its data, this claim with it: the job is no longer this worker's (made again by claim).
+            self._group_ready = False
+            return False
 
     async def finish(self, claimed: Claimed, status: str = "done") -> None:
         job = claimed.job

@@ -58,7 +58,8 @@ async def run_item(state: GatewayState, job: Job, index: int, lost: asyncio.Even
     pause, deadline = 0.5, time.monotonic() + MAX_WAIT_S
     while True:
         tenant = await state.tenants.by_id(job.tenant)
-        if tenant is None or tenant.incarnation() != job.owner:
+        # A job queued before jobs named their tenant's incarnation belongs to whoever has its tenant's id.
+        if tenant is None or (job.incarnation and tenant.incarnation() != job.incarnation):
             return error_result(AuthenticationFailed("The tenant no longer exists or is disabled."))
         route = ROUTES[job.route]
         record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
@@ -95,6 +96,10 @@ async def process(state: GatewayState, queue: JobQueue, claimed: Claimed, name: 
             log.warning("worker gave up job %s: another worker took it over", job.id)
             return
         result = await run_item(state, job, index, lost)
+        if lost.is_set() and result["status"] in NOT_NOW:
+            # Refused for now, and the job is another worker's already: its answer is for that worker to find.
+            log.warning("worker gave up job %s: another worker took it over", job.id)
+            return
         await stored(partial(queue.store_result, job, index, result), "store a result")
     await stored(partial(queue.finish, claimed), "finish a job")
 

@@ -343,9 +343,12 @@ async def enqueue(state: GatewayState, tenant: TenantSettings, model: str, body:
     return {"status": "queued", "request_id": job.id, "model": model}
 
 
-async def job_status(queue: JobQueue, owner: str, request_id: str) -> JobStatus:
+async def job_status(queue: JobQueue, tenant: TenantSettings, request_id: str) -> JobStatus:
     try:
-        status = await queue.status(owner, request_id)
+        status = await queue.status(tenant.incarnation(), request_id)
+        if status is None and tenant.incarnation() != tenant.id:
+            # A job queued before jobs named their tenant's incarnation is under its tenant's id.
+            status = await queue.status(tenant.id, request_id)
     except (RedisError, OSError) as exc:
         raise QueueUnavailable("Queued requests cannot be looked up right now; retry shortly.") from exc
     if status is None:
@@ -425,7 +428,7 @@ async def run_model(request: Request) -> Response:
         if "request_id" in body:
             record.route = QUEUE_ROUTE
             request_id = polled_id(body)
-            status = await job_status(state.queue, tenant.incarnation(), request_id)
+            status = await job_status(state.queue, tenant, request_id)
             return _answered(state, record, batch_result(request_id, status))
         if is_queued(request, body):
             record.route = QUEUE_ROUTE
@@ -445,7 +448,7 @@ async def _polled(request: Request, state: GatewayState, record: RequestRecord, 
     record.tenant = tenant.id
     if account is not None:
         check_account(account, tenant)
-    return await job_status(state.queue, tenant.incarnation(), request.path_params["request_id"])
+    return await job_status(state.queue, tenant, request.path_params["request_id"])
 
 
 async def poll_workers(request: Request) -> Response:

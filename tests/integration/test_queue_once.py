@@ -129,3 +129,14 @@ async def test_jobs_queued_after_the_store_lost_its_data_still_run() -> None:
         [second] = await queue.claim("worker-a", wait_s=1.0)
         assert second.job.id == "after"
         await store.aclose()
+
+
+async def test_a_worker_whose_claim_the_store_lost_gives_the_job_up_instead_of_hanging() -> None:
+    with own_redis() as server:
+        store = Redis.from_url(server.url)
+        queue = RedisJobQueue(store, 60, reclaim_after_s=30, prefix="bulkhead:")
+        await queue.enqueue(Job(id="j1", tenant="alice", route="completions", items=[{"prompt": "x"}]))
+        [claimed] = await queue.claim("worker-a", wait_s=1.0)
+        await store.flushall()  # a restart without persistence, mid-job
+        assert await queue.keep(claimed, "worker-a") is False
+        await store.aclose()

@@ -261,6 +261,23 @@ async def test_a_job_that_waited_past_its_lifetime_is_whole_again_once_started(
     assert seen(await queue.status(job.owner, job.id)) == ("running", 3, {0: {"answer": "a's"}})
 
 
+async def test_a_job_whose_status_expired_while_it_ran_reads_as_gone_not_as_an_error(
+    make_queue: QueueFactory, prefix: str
+) -> None:
+    queue = make_queue(1)
+    job = job_of(f"{prefix}a")
+    await queue.enqueue(job)
+    await queue.start(job)
+    await asyncio.sleep(1.2)
+    await queue.store_result(job, 0, {"answer": "late"})
+    assert await queue.status(job.owner, job.id) is None
+
+
+def test_a_job_queued_before_jobs_named_an_incarnation_belongs_to_its_tenants_id() -> None:
+    legacy = Job.decode(b'{"id": "j", "tenant": "acme", "route": "chat", "items": []}')
+    assert legacy.incarnation == "" and legacy.owner == "acme"
+
+
 async def test_another_tenant_never_finds_the_job(make_queue: QueueFactory, prefix: str) -> None:
     queue = make_queue(60)
     job = job_of(f"{prefix}a")
