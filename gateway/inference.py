@@ -265,10 +265,12 @@ class InferenceCall:
             ran = self.response is not None
             if self.record.prompt_tokens is not None:
                 used = self.record.prompt_tokens + (self.record.completion_tokens or 0)
+            elif ran and self.record.error_code == "client_disconnected":
+                # The engine worked, but the client left before the usage came (a stream without usage on every
+                # chunk): the reservation stands, or leaving early would make any answer free of the tokens limit.
+                used = self.slot.reserved
             else:
-                # The engine worked, but no usage came (a client that left a stream before its usage chunk, say):
-                # the reservation stands, or leaving early would make every answer free of the tokens limit.
-                used = self.slot.reserved if ran else 0
+                used = 0  # refused, failed or withheld: nothing the tenant received is charged
             self.slot.release(used, ran=ran)
 
     def fail(self, error: GatewayError) -> Answer:

@@ -175,11 +175,11 @@ class Upstream:
         except aiohttp.ServerDisconnectedError as first:
             # Most likely a kept-alive connection the backend closed as it was reused: nothing was read, so once
             # more to the same backend. But a backend that died with the request in hand looks the same, so the
-            # request may have reached it: whatever fails now (gone, or a connect that times out) must not read as
-            # "never sent", which would let the request go to another replica too.
+            # request may have reached it: a connect that now fails (gone, or timing out) must not read as "never
+            # sent", which would let the request go to another replica too. Other failures are the resend's own.
             try:
                 return await post()
-            except TRANSPORT_ERRORS as exc:
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 raise first from exc
 
     def _refusal(self, replica: Replica, status: int, raw: bytes) -> GatewayError:

@@ -57,6 +57,7 @@ QUEUE_ROUTE = "queue"  # the access log's route for enqueueing and polling
 # Workers AI's default output for text generation (`max_tokens`, default 256, in every model's input schema).
 WORKERS_MAX_TOKENS = 256
 ARGUMENTS_DEPTH = 64  # a tool call's arguments deeper than this stay text (orjson writes 254 levels at most)
+UNICODE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u[0-9a-fA-F]{4}")  # \uXXXX, not an escaped backslash before a u
 
 # Each gateway error code (the error tree's in errors.py, and those its raise sites set: `backend_rejected`,
 # `job_failed`, `account_mismatch`, …) → (Workers AI code, HTTP status as Workers AI answers it). Codes from Workers
@@ -228,14 +229,14 @@ def _tool_call(call: Any) -> dict[str, Any]:
     """Workers AI's `{name, arguments}`, the arguments an object; OpenAI's are JSON text (kept as text if not JSON)."""
     function = call.get("function") if isinstance(call, dict) else None
     function = function if isinstance(function, dict) else {}
-    return {"name": function.get("name"), "arguments": _arguments(function.get("arguments"))}
+    return {"name": function.get("name"), "arguments": decoded_arguments(function.get("arguments"))}
 
 
-def _arguments(text: Any) -> Any:
+def decoded_arguments(text: Any) -> Any:
     """The arguments decoded, when what goes out is then exactly what the guard scanned: a \\u escape would decode
     to characters it never saw (a marker spelled in escapes), so such text stays text, as does JSON too deep to
     write back out."""
-    if not isinstance(text, str) or "\\u" in text:
+    if not isinstance(text, str) or ("\\u" in text and UNICODE_ESCAPE.search(text)):
         return text
     try:
         decoded = orjson.loads(text)

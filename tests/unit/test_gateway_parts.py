@@ -17,6 +17,7 @@ from gateway.schemas import ChatCompletionRequest, request_path
 from gateway.settings import SettingsError, TenantSettings, load_settings
 from gateway.sse import EventSplitter
 from gateway.tenants import TenantDirectory, hash_key, new_api_key
+from gateway.workers_api import decoded_arguments
 
 
 def test_event_splitter_yields_only_whole_events_across_any_boundaries() -> None:
@@ -196,3 +197,18 @@ async def test_an_answer_before_its_requests_body_says_it_is_the_connections_las
 )
 def test_a_backends_param_goes_out_only_as_a_path_into_the_request(param: str | None, kept: bool) -> None:
     assert request_path(param, ChatCompletionRequest) == (param if kept else None)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "decoded"),
+    [
+        ('{"path": "C:\\\\users"}', True),  # an escaped backslash before a u is no escape
+        ('{"note": "\\u0043\\u004e\\u0052\\u0059"}', False),  # it would decode to what the scan never saw
+        ('{"note": "\\\\\\u0043"}', False),
+        ("[" * 70 + "]" * 70, False),
+        ("not json", False),
+    ],
+)
+def test_workers_tool_arguments_are_decoded_only_into_what_was_scanned(arguments: str, decoded: bool) -> None:
+    out = decoded_arguments(arguments)
+    assert (out != arguments) == decoded, out
