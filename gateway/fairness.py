@@ -192,14 +192,18 @@ class ModelQueue:
     def depth(self, tenant: str) -> int:
         return sum(rr.depth(tenant) for rr in self._classes.values())
 
-    def newest_of_fattest(self, beyond: int) -> Waiter | None:
-        """The newest interactive waiter of the tenant with the most queued, if that is more than `beyond`."""
-        depths = {tenant: self.depth(tenant) for (batch, _), rr in self._classes.items() if not batch for tenant in rr}
+    def newest_of_fattest(self, tenant: str, priority: int) -> Waiter | None:
+        """The newest waiter of the tenant that holds the most of the interactive queue at `priority` or after it,
+        when that is more than `tenant` would hold with one more request there; else None."""
+        classes = [rr for (batch, p), rr in self._classes.items() if not batch and p >= priority]
+        depths: dict[str, int] = {}
+        for rr in classes:
+            for queued in rr:
+                depths[queued] = depths.get(queued, 0) + rr.depth(queued)
         fattest = max(depths, key=depths.__getitem__, default=None)
-        if fattest is None or depths[fattest] <= beyond:
+        if fattest is None or depths[fattest] <= depths.get(tenant, 0) + 1:
             return None
-        classes = [rr for (batch, _), rr in reversed(self._classes.items()) if not batch and rr.depth(fattest)]
-        return classes[0].newest(fattest)
+        return next(rr for rr in reversed(classes) if rr.depth(fattest)).newest(fattest)
 
     def rate(self, now: float) -> float | None:
         """Requests of this model finished per second lately; None when too few to tell."""
@@ -358,21 +362,22 @@ class Gate:
     def _refuse_early(self, queue: ModelQueue, tenant: TenantSettings, priority: int, now: float, new: bool) -> None:
         fairness = queue.model.fairness
         rate = queue.rate(now)
-        if queue.interactive >= fairness.max_queue_depth:
-            retry = queue.interactive / rate if rate else fairness.max_queue_wait_s
-            # Full: the tenant with the most queued gives its newest up, as FQ-CoDel drops from the fattest flow; a
-            # newcomer is refused only when no tenant holds more of the queue than it then would.
-            fattest = queue.newest_of_fattest(queue.depth(tenant.id) + 1)
-            if fattest is None:
-                raise self._shed(queue.model, "queue_full", retry)
-            queue.remove(fattest)
-            self._changed(queue, fattest.tenant)
-            fattest.future.set_exception(self._shed(queue.model, "queue_full", retry))
-        if rate is None:
+        if rate is not None:
+            expected = (queue.ahead(tenant.id, tenant.limits.weight, priority, new) + 1) / rate
+            if expected > fairness.max_queue_wait_s:
+                raise self._shed(queue.model, "wait_too_long", expected)
+        if queue.interactive < fairness.max_queue_depth:
             return
-        expected = (queue.ahead(tenant.id, tenant.limits.weight, priority, new) + 1) / rate
-        if expected > fairness.max_queue_wait_s:
-            raise self._shed(queue.model, "wait_too_long", expected)
+        retry = queue.interactive / rate if rate else fairness.max_queue_wait_s
+        # Full: the tenant holding the most of it gives its newest up, as FQ-CoDel drops from the fattest flow (never
+        # a request served before this one's priority); a newcomer is refused only when no tenant holds more than it
+        # then would. Decided last: a request refused anyway makes no room at another's cost.
+        fattest = queue.newest_of_fattest(tenant.id, priority)
+        if fattest is None:
+            raise self._shed(queue.model, "queue_full", retry)
+        queue.remove(fattest)
+        self._changed(queue, fattest.tenant)
+        fattest.future.set_exception(self._shed(queue.model, "queue_full", retry))
 
     def _shed(self, model: ModelSettings, reason: str, retry_after_s: float) -> CapacityExceeded:
         self._metrics.shed.labels(model.name, reason).inc()

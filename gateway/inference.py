@@ -49,9 +49,11 @@ from isolation.leaks import LeakPolicy
 from isolation.verify import usage_problem
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
-# No honest answer comes near it (128 choices of 4,096 tokens with 20 alternatives each is ~40 MiB); a backend that
-# sends more would only grow the gateway's memory.
-MAX_ANSWER_BYTES = 64 << 20
+# What one token of one choice can take in an honest answer, per alternative: a chat logprob entry with its bytes
+# list is ~80 bytes of JSON (measured: 1.6 KB a token with 20 alternatives). A backend that sends more than
+# answer_bound allows would only grow the gateway's memory.
+TOKEN_BYTES = 256
+ANSWER_BASE_BYTES = 1 << 20
 DATA = b"data: "
 LEAK_DETAILS = {
     MARKER: "another tenant's canary marker in the answer",
@@ -245,6 +247,7 @@ class InferenceCall:
         # request id, and two requests with one id (a tenant can send another's) must never meet in an engine.
         self.upstream_id = f"{record.request_id}.{secrets.token_hex(8)}"
         self.response: UpstreamResponse | None = None
+        self.sent_bytes = 0  # the request as forwarded: an echo can answer with all of it
         self.finished = False
         self._closed = False
         self._injected_observed = False
@@ -278,6 +281,7 @@ class InferenceCall:
         return Answer.refusal(error, {"x-request-id": self.record.request_id, **self.limit_headers})
 
     async def forward(self, path: str, body: bytes) -> None:
+        self.sent_bytes = len(body)
         try:
             await self._open(path, body)
         except InvalidRequest as refusal:
@@ -397,10 +401,11 @@ class InferenceCall:
 
     async def complete(self) -> Answer:
         assert self.response is not None
-        raw = await self.response.read(MAX_ANSWER_BYTES + 1)
+        bound = answer_bound(self.request, self.admission.max_tokens, self.sent_bytes)
+        raw = await self.response.read(bound + 1)
         self.record.mark_first_byte()
-        if len(raw) > MAX_ANSWER_BYTES:
-            raise BackendBadResponse(f"Backend '{self.replica.name}' answered more than {MAX_ANSWER_BYTES} bytes.")
+        if len(raw) > bound:
+            raise BackendBadResponse(f"Backend '{self.replica.name}' answered more than {bound} bytes.")
         try:
             with failing_closed():
                 body = await self._checked(raw)
@@ -437,7 +442,10 @@ class InferenceCall:
         record = self.record
         wanted = UsageWanted(final=self.request.include_usage, every_chunk=self.request.continuous_usage)
         check = self.check_usage if self.model.verify_usage else None
-        stream_filter = StreamFilter(wanted, check, self.view_usage, self.model.continuous_usage, self.output_guard())
+        bound = answer_bound(self.request, self.request.stream_interval or 1, self.sent_bytes)
+        stream_filter = StreamFilter(
+            wanted, check, self.view_usage, self.model.continuous_usage, self.output_guard(), bound
+        )
         last: Event | None = None
         try:
             async for event in filtered(self.response.chunks(), stream_filter):
@@ -466,6 +474,12 @@ class InferenceCall:
         self.finished = True
         self.record.status, self.record.error_code = error.status, error.code
         return error
+
+
+def answer_bound(request: InferenceRequest, tokens: int, sent_bytes: int) -> int:
+    """The most bytes an honest answer (or one stream event) of `tokens` tokens per choice can take."""
+    alternatives = (request.top_logprobs or 0) if isinstance(request, ChatCompletionRequest) else request.logprobs or 0
+    return ANSWER_BASE_BYTES + sent_bytes + request.n * tokens * (alternatives + 1) * TOKEN_BYTES
 
 
 def withheld() -> AnswerWithheld:

@@ -26,7 +26,7 @@ from isolation.guard import LeakBlocked, OutputGuard
 
 DATA = b"data: "
 ENVELOPE = ("id", "object", "created", "model")
-MAX_EVENT_BYTES = 1 << 20  # vLLM's largest, a chunk with 20 alternatives per token, is a few KiB
+MAX_EVENT_BYTES = 1 << 20  # by default; the request's own bound is inference.answer_bound
 
 
 class StreamWithheld(Exception):
@@ -64,6 +64,7 @@ class StreamFilter:
         view: UsageView,
         hold_until_checked: bool,
         guard: OutputGuard | None,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         self._wanted = wanted
         self._check = check
@@ -71,6 +72,7 @@ class StreamFilter:
         self._checked = check is None
         self._held: list[dict[str, Any]] | None = [] if hold_until_checked and check is not None else None
         self._guard = guard
+        self._max_event = max_event_bytes
         self._splitter = EventSplitter()
         self.done = False  # the backend ended its stream with [DONE]
         self._last: dict[str, Any] = {}  # the last chunk with choices: its id, model... frame a closing chunk
@@ -79,7 +81,7 @@ class StreamFilter:
     def events(self, chunk: bytes) -> list[bytes]:
         """The whole events these bytes complete."""
         events = self._splitter.feed(chunk)
-        if self._splitter.pending > MAX_EVENT_BYTES:
+        if self._splitter.pending > self._max_event:
             raise StreamFailed  # an event no engine sends: it would only grow the gateway's memory
         return events
 

@@ -257,9 +257,11 @@ async def test_a_leak_deep_in_a_dropped_field_is_withheld_and_recorded(
 async def test_an_answer_past_any_honest_size_is_refused_not_held(
     client: httpx.AsyncClient, gateway: str, engine: Engine
 ) -> None:
-    from gateway.inference import MAX_ANSWER_BYTES
-
-    engine.script = lambda prompt: {**answer(prompt), "padding": "x" * MAX_ANSWER_BYTES}
-    response = await client.post(gateway + CHAT, json=chat_body("q"), headers=auth(BOB_KEY))
+    # 16 output tokens, no logprobs: an honest answer is far under 2 MiB (answer_bound).
+    engine.script = lambda prompt: {**answer(prompt), "padding": "x" * (8 << 20)}
+    response = await client.post(gateway + CHAT, json=chat_body("q", max_tokens=16), headers=auth(BOB_KEY))
     assert response.status_code == 502 and response.json()["error"]["code"] == "backend_bad_response", response.text
-    assert f"more than {MAX_ANSWER_BYTES} bytes" in response.json()["error"]["message"]
+    assert "answered more than" in response.json()["error"]["message"]
+    engine.script = lambda prompt: {**answer(prompt), "padding": "x" * (512 << 10)}
+    honest = await client.post(gateway + CHAT, json=chat_body("q", max_tokens=16), headers=auth(BOB_KEY))
+    assert honest.status_code == 200, "a large answer inside the bound goes through"

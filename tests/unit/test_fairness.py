@@ -384,3 +384,17 @@ async def test_a_full_queue_makes_room_from_the_tenant_holding_most_of_it() -> N
     for task in backlog:
         task.cancel()
     await asyncio.gather(*backlog, return_exceptions=True)
+
+
+async def test_a_full_queue_never_makes_room_from_requests_served_before_the_newcomers() -> None:
+    f = Fixture(slots=1, max_queue_depth=3, max_queue_wait_s=5)
+    urgent, later = f.tenant("urgent", priority=0), f.tenant("later", priority=5)
+    await f.enter(urgent)
+    backlog = [asyncio.create_task(f.enter(urgent)) for _ in range(3)]
+    await settle()
+    with pytest.raises(CapacityExceeded):
+        await f.enter(later)
+    assert not any(task.done() for task in backlog), "no urgent request gave way to a later one"
+    for task in backlog:
+        task.cancel()
+    await asyncio.gather(*backlog, return_exceptions=True)
