@@ -12,7 +12,7 @@ docs/channels.md is the inventory in prose. Every field an engine can fill is a 
 Whatever is removed is handed back with where it was (`Removed`), for the guard to scan anyway: an engine that
 leaks through a field the gateway drops is still an isolation event. What stays is scanned by the guard.
 
-Pruning leaves an answer that already fits untouched, so the relay only re-serializes what changed.
+Pruning leaves an answer that already fits untouched.
 """
 
 from __future__ import annotations
