@@ -377,7 +377,8 @@ class Gate:
             raise self._shed(queue.model, "queue_full", retry)
         queue.remove(fattest)
         self._changed(queue, fattest.tenant)
-        fattest.future.set_exception(self._shed(queue.model, "queue_full", retry))
+        if not fattest.future.done():  # else it was leaving on its own (gone, or timed out) already
+            fattest.future.set_exception(self._shed(queue.model, "queue_full", retry))
 
     def _shed(self, model: ModelSettings, reason: str, retry_after_s: float) -> CapacityExceeded:
         self._metrics.shed.labels(model.name, reason).inc()
