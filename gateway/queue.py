@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -257,19 +257,28 @@ class MemoryJobQueue:
         self._ttl = result_ttl_s
         self._pending: deque[Claimed] = deque()
         self._arrived = asyncio.Event()
-        self._statuses: dict[tuple[str, str], tuple[float, JobStatus]] = {}
+        # (owner, job id) → (when last written, status), least recently written first: what has outlived
+        # result_ttl_s is forgotten from the front, as Redis expires a job's hash.
+        self._statuses: OrderedDict[tuple[str, str], tuple[float, JobStatus]] = OrderedDict()
+
+    def _live(self, key: tuple[str, str]) -> JobStatus | None:
+        found = self._statuses.get(key)
+        return found[1] if found is not None and time.monotonic() - found[0] <= self._ttl else None
+
+    def _written(self, key: tuple[str, str], status: JobStatus) -> None:
+        now = time.monotonic()
+        self._statuses[key] = (now, status)
+        self._statuses.move_to_end(key)
+        while now - next(iter(self._statuses.values()))[0] > self._ttl:
+            self._statuses.popitem(last=False)
 
     async def enqueue(self, job: Job) -> None:
-        status = JobStatus("queued", len(job.items), references=list(job.references))
-        self._statuses[(job.owner, job.id)] = (time.monotonic(), status)
+        self._written((job.owner, job.id), JobStatus("queued", len(job.items), references=list(job.references)))
         self._pending.append(Claimed(job.id, job))
         self._arrived.set()
 
     async def status(self, owner: str, job_id: str) -> JobStatus | None:
-        found = self._statuses.get((owner, job_id))
-        if found is None or time.monotonic() - found[0] > self._ttl:
-            return None
-        return found[1]
+        return self._live((owner, job_id))
 
     async def claim(self, consumer: str, wait_s: float) -> list[Claimed]:
         if not self._pending:
@@ -281,22 +290,27 @@ class MemoryJobQueue:
         return [self._pending.popleft()] if self._pending else []
 
     async def start(self, job: Job) -> int:
-        status = self._statuses[(job.owner, job.id)][1]
+        # A status that expired while the job waited is written whole again, as in Redis.
+        status = self._live((job.owner, job.id)) or JobStatus("queued", len(job.items))
         status.status = "running"
         status.attempts += 1
-        self._statuses[(job.owner, job.id)] = (time.monotonic(), status)  # its lifetime from now, as in Redis
+        self._written((job.owner, job.id), status)
         return status.attempts
 
     async def store_result(self, job: Job, index: int, result: Any) -> None:
-        self._statuses[(job.owner, job.id)][1].results.setdefault(index, result)
+        status = self._live((job.owner, job.id))
+        if status is not None:  # else it expired mid-job: gone, as Redis's partial hash reads
+            status.results.setdefault(index, result)
+            self._written((job.owner, job.id), status)
 
     async def keep(self, claimed: Claimed, consumer: str) -> bool:
         return True  # in memory no other worker can take a job over
 
     async def finish(self, claimed: Claimed, status: str = "done") -> None:
-        found = self._statuses[(claimed.job.owner, claimed.job.id)][1]
-        found.status = status
-        self._statuses[(claimed.job.owner, claimed.job.id)] = (time.monotonic(), found)
+        found = self._live((claimed.job.owner, claimed.job.id))
+        if found is not None:
+            found.status = status
+            self._written((claimed.job.owner, claimed.job.id), found)
 
     async def abandon(self, claimed: Claimed) -> None:
         self._pending.append(claimed)

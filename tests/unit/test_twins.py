@@ -445,3 +445,14 @@ async def test_what_a_store_returns_is_a_copy(store: Store, prefix: str) -> None
     (await store.failures()).clear()
     assert mine(await store.admin_states(), prefix) == {f"{prefix}a": "draining"}
     assert mine(await store.failures(), prefix) == {f"{prefix}a": 1}
+
+
+async def test_the_embedded_queue_forgets_what_outlived_its_lifetime() -> None:
+    # Redis expires a job's hash; the in-memory twin once kept every status (and its answers) for good.
+    queue = MemoryJobQueue(1)
+    for tenant in ("a", "b", "c"):
+        await queue.enqueue(job_of(tenant))
+    await asyncio.sleep(1.2)
+    kept = job_of("d")
+    await queue.enqueue(kept)
+    assert list(queue._statuses) == [(kept.owner, kept.id)]
