@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,12 +100,24 @@ async def test_a_job_that_keeps_failing_ends_failed_with_an_error_per_item(
         store.close()
 
 
-async def test_a_worker_whose_claim_lapsed_stops_where_another_took_over() -> None:
+@asynccontextmanager
+async def redis_queue(reclaim_after_s: float = 30) -> AsyncIterator[tuple[Redis, RedisJobQueue]]:
+    """A Redis of the test's own, and the queue on it."""
     with own_redis() as server:
         store = Redis.from_url(server.url)
-        queue = RedisJobQueue(store, 60, reclaim_after_s=0.2, prefix="bulkhead:")
-        job = Job(id="j1", tenant="alice", route="completions", items=[{"prompt": "x"}])
-        await queue.enqueue(job)
+        try:
+            yield store, RedisJobQueue(store, 60, reclaim_after_s=reclaim_after_s, prefix="bulkhead:")
+        finally:
+            await store.aclose()
+
+
+def one_job(job_id: str = "j1") -> Job:
+    return Job(id=job_id, tenant="alice", route="completions", items=[{"prompt": job_id}])
+
+
+async def test_a_worker_whose_claim_lapsed_stops_where_another_took_over() -> None:
+    async with redis_queue(reclaim_after_s=0.2) as (_, queue):
+        await queue.enqueue(one_job())
         [first] = await queue.claim("worker-a", wait_s=1.0)
         assert await queue.keep(first, "worker-a")
         await asyncio.sleep(0.3)  # worker-a could not renew (an outage, say): its claim lapses
@@ -113,30 +127,23 @@ async def test_a_worker_whose_claim_lapsed_stops_where_another_took_over() -> No
         assert not await queue.keep(first, "worker-a")
         assert await queue.keep(taken, "worker-b")
         assert not await queue.keep(first, "worker-a")
-        await store.aclose()
 
 
 async def test_jobs_queued_after_the_store_lost_its_data_still_run() -> None:
     # A Redis restarted without persistence loses the consumer group; the queue once went on believing it was there.
-    with own_redis() as server:
-        store = Redis.from_url(server.url)
-        queue = RedisJobQueue(store, 60, reclaim_after_s=30, prefix="bulkhead:")
-        await queue.enqueue(Job(id="before", tenant="alice", route="completions", items=[{"prompt": "x"}]))
+    async with redis_queue() as (store, queue):
+        await queue.enqueue(one_job("before"))
         [first] = await queue.claim("worker-a", wait_s=1.0)
         await queue.finish(first)
         await store.flushall()  # what a restart without persistence leaves
-        await queue.enqueue(Job(id="after", tenant="alice", route="completions", items=[{"prompt": "y"}]))
+        await queue.enqueue(one_job("after"))
         [second] = await queue.claim("worker-a", wait_s=1.0)
         assert second.job.id == "after"
-        await store.aclose()
 
 
 async def test_a_worker_whose_claim_the_store_lost_gives_the_job_up_instead_of_hanging() -> None:
-    with own_redis() as server:
-        store = Redis.from_url(server.url)
-        queue = RedisJobQueue(store, 60, reclaim_after_s=30, prefix="bulkhead:")
-        await queue.enqueue(Job(id="j1", tenant="alice", route="completions", items=[{"prompt": "x"}]))
+    async with redis_queue() as (store, queue):
+        await queue.enqueue(one_job())
         [claimed] = await queue.claim("worker-a", wait_s=1.0)
         await store.flushall()  # a restart without persistence, mid-job
         assert await queue.keep(claimed, "worker-a") is False
-        await store.aclose()

@@ -249,13 +249,21 @@ async def test_a_tenant_made_again_under_the_same_id_never_finds_the_old_ones_jo
     assert Job.decode(job.encode()).owner == f"{prefix}a@1.5"
 
 
-async def test_a_job_that_waited_past_its_lifetime_is_whole_again_once_started(
-    make_queue: QueueFactory, prefix: str
-) -> None:
+async def past_its_lifetime(make_queue: QueueFactory, prefix: str, started: bool) -> tuple[JobQueue, Job]:
+    """A job whose status (a lifetime of 1 s) expired while it waited, or (`started`) while it ran."""
     queue = make_queue(1)
     job = job_of(f"{prefix}a")
     await queue.enqueue(job)
-    await asyncio.sleep(1.2)  # its status expires while it waits
+    if started:
+        await queue.start(job)
+    await asyncio.sleep(1.2)
+    return queue, job
+
+
+async def test_a_job_that_waited_past_its_lifetime_is_whole_again_once_started(
+    make_queue: QueueFactory, prefix: str
+) -> None:
+    queue, job = await past_its_lifetime(make_queue, prefix, started=False)
     assert await queue.start(job) >= 1
     await queue.store_result(job, 0, {"answer": "a's"})
     assert seen(await queue.status(job.owner, job.id)) == ("running", 3, {0: {"answer": "a's"}})
@@ -264,11 +272,7 @@ async def test_a_job_that_waited_past_its_lifetime_is_whole_again_once_started(
 async def test_a_job_whose_status_expired_while_it_ran_reads_as_gone_not_as_an_error(
     make_queue: QueueFactory, prefix: str
 ) -> None:
-    queue = make_queue(1)
-    job = job_of(f"{prefix}a")
-    await queue.enqueue(job)
-    await queue.start(job)
-    await asyncio.sleep(1.2)
+    queue, job = await past_its_lifetime(make_queue, prefix, started=True)
     await queue.store_result(job, 0, {"answer": "late"})
     assert await queue.status(job.owner, job.id) is None
 
