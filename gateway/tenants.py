@@ -279,7 +279,7 @@ class TenantDirectory:
         held = _Held.of(found)
         if generation == self._generation:
             self._hold(held)
-        self._note_seen(held.tenant.id)
+        self._note_seen(held.tenant.incarnation())  # whose markers the prompts carry
         return held
 
     def _count(self, outcome: str) -> None:

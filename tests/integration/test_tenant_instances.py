@@ -5,6 +5,7 @@ a tenant both in the settings and in Redis stops the start, naming it."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -19,11 +20,14 @@ from redis.asyncio import Redis
 from gateway.app import create_app
 from gateway.serving import run_server
 from gateway.tenants import hash_key
+from isolation.markers import normal_form
 from isolation.redis_text import text
 from tests.integration.conftest import GatewayFactory
-from tests.integration.support import MODEL, auth, chat_body, gateway_settings
+from tests.integration.support import MODEL, auth, chat_body, forwarded, gateway_settings
 from tests.integration.tenant_support import ADMIN_TOKEN, Admin, chat, redis_database, until
 from tests.redis_server import free_port, own_redis, redis_server
+
+MARKER = re.compile(r"CNRY-[A-Z2-7]{20}")
 
 
 @pytest.fixture
@@ -113,17 +117,20 @@ async def test_a_tenant_disabled_mid_stream_finishes_that_stream_and_gets_no_new
 
 
 async def test_a_runtime_tenant_served_here_has_its_markers_published_for_every_instance(
-    client: httpx.AsyncClient, pair: tuple[str, str], redis_url: str
+    client: httpx.AsyncClient, pair: tuple[str, str], redis_url: str, sim_url: str
 ) -> None:
     admin = Admin(client, pair[0])
     tenant_id, _, key = await admin.tenant_with_key()
     assert (await chat(client, pair[0], key)).status_code == 200
+    # The very marker its prompt carried: once, another one was published (the tenant's id's, not its incarnation's).
+    planted = MARKER.search(str(forwarded(sim_url)[-1]["body"]["messages"]))
+    assert planted is not None
     async with Redis.from_url(redis_url) as redis:
 
         async def published() -> bool:
             for name in [text(k) async for k in redis.scan_iter(match="bulkhead:canary-markers:*")]:
-                owners = await redis.hvals(name)  # type: ignore[misc]
-                if any(text(owner).startswith(f"{tenant_id}\x00") for owner in owners):
+                owner = await redis.hget(name, normal_form(planted.group()))  # type: ignore[misc]
+                if owner is not None and text(owner).startswith(f"{tenant_id}@"):
                     return True
             return False
 
