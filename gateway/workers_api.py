@@ -346,10 +346,8 @@ async def enqueue(state: GatewayState, tenant: TenantSettings, model: str, body:
 
 async def job_status(queue: JobQueue, tenant: TenantSettings, request_id: str) -> JobStatus:
     try:
+        # Under the tenant's incarnation only: a tenant created under an earlier one's id must not read its jobs.
         status = await queue.status(tenant.incarnation(), request_id)
-        if status is None and tenant.incarnation() != tenant.id:
-            # A job queued before jobs named their tenant's incarnation is under its tenant's id.
-            status = await queue.status(tenant.id, request_id)
     except (RedisError, OSError) as exc:
         raise QueueUnavailable("Queued requests cannot be looked up right now; retry shortly.") from exc
     if status is None:
