@@ -63,7 +63,8 @@ async def rate_budgets_are_apart(client: httpx.AsyncClient, a: str, b: str) -> N
 
 async def markers_naming(redis: Redis, prefix: str, tenant_id: str) -> bool:
     for name in [text(k) async for k in redis.scan_iter(match=f"{prefix}canary-markers:*")]:
-        if any(text(owner).startswith(f"{tenant_id}\x00") for owner in await redis.hvals(name)):  # type: ignore[misc]
+        # A runtime tenant's markers are its incarnation's: `<id>@<created_at>`.
+        if any(text(owner).startswith(f"{tenant_id}@") for owner in await redis.hvals(name)):  # type: ignore[misc]
             return True
     return False
 

@@ -508,7 +508,9 @@ async def test_new_runtime_tenants_are_announced_once(store: DirectoryStore, clo
         await directory.authenticate(bearer(secret))
     await directory.upkeep()
     await directory.upkeep()
-    assert announced == [["acme", "zeta"]]
+    # Each as its incarnation: the markers planted in its prompts are that incarnation's.
+    assert [[tenant.partition("@")[0] for tenant in batch] for batch in announced] == [["acme", "zeta"]]
+    assert all("@" in tenant for batch in announced for tenant in batch)
 
 
 async def test_a_configured_id_in_the_store_stops_the_start_and_its_keys_are_refused(
