@@ -97,7 +97,8 @@ def test_a_body_sent_at_a_byte_a_second_is_cut_at_its_timeout_with_408(
     status, headers, body = _answer(raw)
     assert status == 408 and body["error"]["code"] == "request_timeout", raw
     assert headers["connection"] == "close" and closed
-    assert 2 <= elapsed < 8, elapsed
+    # The gateway's 2 s start when the head arrives, a moment before this clock does (it once read 1.99995).
+    assert 1.9 <= elapsed < 8, elapsed
     assert [(r["status"], r["error"], r["tenant"]) for r in _request_lines(log)] == [(408, "request_timeout", "alice")]
     assert '"level":"ERROR"' not in log.read_text()
 
