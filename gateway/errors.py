@@ -15,6 +15,7 @@ GatewayError                       status, type, code, param, message
 ├── RateLimited           429      rate_limit_error (Retry-After and x-ratelimit-* headers)
 │   ├── ConcurrencyLimited         concurrency_limit_exceeded: too many in flight on this instance
 │   ├── RateLimitExceeded          rate_limit_exceeded: requests or tokens per minute
+│   ├── TooManyQueued              too_many_queued_requests: the tenant's async requests queued or running
 │   └── CapacityExceeded           capacity_exceeded: the model's replicas are saturated and its queue can't wait
 ├── ClientGone            499      the client went away before its request was forwarded (logged, never sent)
 ├── EdgeUnavailable       503      api_error, answered by the HTTP edge before the app (edge.py; closes)
@@ -136,6 +137,10 @@ class ConcurrencyLimited(RateLimited):
 
 class RateLimitExceeded(RateLimited):
     code = "rate_limit_exceeded"
+
+
+class TooManyQueued(RateLimited):
+    code = "too_many_queued_requests"
 
 
 class CapacityExceeded(RateLimited):

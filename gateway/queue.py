@@ -9,6 +9,10 @@ claims it (XAUTOCLAIM) and carries on: items whose results are already stored ar
 sees exactly one result per item. A job whose attempts keep failing ends `failed`. Results live under a key that
 includes the tenant, so another tenant's poll finds nothing (404, not 403). Without Redis the queue is in this
 process's memory and is not durable.
+
+A tenant holds at most a cap of requests queued or running: one tenant's flood of jobs would otherwise fill the
+store and stand ahead of every other tenant's. The cap is checked and taken in one step (one Lua script in Redis)
+and given back when the job finishes, done or failed.
 """
 
 from __future__ import annotations
@@ -66,6 +70,15 @@ class Job:
         return cls(data["id"], data["tenant"], data["route"], data["items"], [], data.get("incarnation", ""))
 
 
+class QueueFull(Exception):
+    """The tenant's queued and running requests would pass its cap with this job's."""
+
+    def __init__(self, held: int, cap: int) -> None:
+        super().__init__(f"{held} requests held, cap {cap}")
+        self.held = held
+        self.cap = cap
+
+
 @dataclass
 class JobStatus:
     status: str  # queued, running, done, failed
@@ -87,7 +100,9 @@ class JobQueue(Protocol):
     @property
     def keep_every_s(self) -> float: ...
 
-    async def enqueue(self, job: Job) -> None: ...
+    async def enqueue(self, job: Job, cap: int) -> None:
+        """Store the job, or raise QueueFull when its tenant would hold more than `cap` requests queued or running."""
+        ...
 
     async def status(self, owner: str, job_id: str) -> JobStatus | None: ...
 
@@ -120,9 +135,50 @@ return 1
 """
 
 
+# Check and take a tenant's cap and store the job, in one step. KEYS: the owner's held jobs (a sorted set of
+# "items:id", scored by when each stops counting: a job lost with its worker's data must not hold the cap for good),
+# its count of held items, the job's hash, the stream. ARGV: now, cap, items, member, until, ttl, job, references
+# ("" for none). Returns -1 when queued, else the items already held.
+_ENQUEUE = """
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if #expired > 0 then
+  local gone = 0
+  for _, member in ipairs(expired) do gone = gone + tonumber(string.match(member, '^(%d+):')) end
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+  redis.call('DECRBY', KEYS[2], gone)
+end
+local held = tonumber(redis.call('GET', KEYS[2]) or '0')
+if held + tonumber(ARGV[3]) > tonumber(ARGV[2]) then return held end
+redis.call('ZADD', KEYS[1], ARGV[5], ARGV[4])
+redis.call('INCRBY', KEYS[2], ARGV[3])
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2]
+redis.call('EXPIREAT', KEYS[1], math.ceil(tonumber(last)))
+redis.call('EXPIREAT', KEYS[2], math.ceil(tonumber(last)))
+redis.call('HSET', KEYS[3], 'status', 'queued', 'items', ARGV[3])
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[3], 'references', ARGV[8]) end
+redis.call('EXPIRE', KEYS[3], ARGV[6])
+redis.call('XADD', KEYS[4], '*', 'job', ARGV[7])
+return -1
+"""
+
+# Give a finished job's items back, once however many workers finish it. KEYS: held jobs, held items; ARGV: member,
+# items.
+_RELEASE = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 and redis.call('DECRBY', KEYS[2], ARGV[2]) <= 0 then
+  redis.call('DEL', KEYS[2])
+end
+return 0
+"""
+
+
+def _held_member(job: Job) -> str:
+    return f"{len(job.items)}:{job.id}"
+
+
 class RedisJobQueue:
-    """The stream `{prefix}jobs`, its consumer group, and one hash per job, `{prefix}job:{owner}:{id}` (the owner:
-    Job.owner, the tenant's incarnation)."""
+    """The stream `{prefix}jobs`, its consumer group, one hash per job, `{prefix}job:{owner}:{id}` (the owner:
+    Job.owner, the tenant's incarnation), and per owner what it holds of its cap: `{prefix}held:{owner}` (its
+    unfinished jobs) and `{prefix}held-items:{owner}`."""
 
     durable = True
 
@@ -137,9 +193,15 @@ class RedisJobQueue:
         self._reclaim_ms = int(reclaim_after_s * 1000)
         self._group_ready = False
         self._keep = redis.register_script(_KEEP)
+        self._enqueue = redis.register_script(_ENQUEUE)
+        self._release = redis.register_script(_RELEASE)
+        self._prefix = prefix
 
     def _key(self, owner: str, job_id: str) -> str:
         return f"{self._jobs}{owner}:{job_id}"
+
+    def _held_keys(self, owner: str) -> list[str]:
+        return [f"{self._prefix}held:{owner}", f"{self._prefix}held-items:{owner}"]
 
     async def _ensure_group(self) -> None:
         if self._group_ready:
@@ -151,16 +213,17 @@ class RedisJobQueue:
                 raise
         self._group_ready = True
 
-    async def enqueue(self, job: Job) -> None:
+    async def enqueue(self, job: Job, cap: int) -> None:
         await self._ensure_group()
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self._key(job.owner, job.id), mapping={"status": "queued", "items": len(job.items)})
-            if any(reference is not None for reference in job.references):
-                # With the status, not in the stream's entry: a poll reads the hash alone.
-                pipe.hset(self._key(job.owner, job.id), "references", orjson.dumps(job.references))
-            pipe.expire(self._key(job.owner, job.id), self._ttl)
-            pipe.xadd(self.stream, {"job": job.encode()})
-            await pipe.execute()
+        now = time.time()
+        # With the status, not in the stream's entry: a poll reads the hash alone.
+        references = orjson.dumps(job.references) if any(ref is not None for ref in job.references) else b""
+        held = await self._enqueue(
+            keys=[*self._held_keys(job.owner), self._key(job.owner, job.id), self.stream],
+            args=[now, cap, len(job.items), _held_member(job), now + self._ttl, self._ttl, job.encode(), references],
+        )
+        if int(held) >= 0:
+            raise QueueFull(int(held), cap)
 
     async def status(self, owner: str, job_id: str) -> JobStatus | None:
         fields = text_fields(await self._redis.hgetall(self._key(owner, job_id)))
@@ -235,6 +298,7 @@ class RedisJobQueue:
             pipe.hset(key, "status", status)
             pipe.expire(key, self._ttl)  # results are kept result_ttl_s from the job's end
             await pipe.execute()
+        await self._release(keys=self._held_keys(job.owner), args=[_held_member(job), len(job.items)])
         # Acknowledged only once the results are stored: a crash before this line means the job is run again.
         await self._redis.xack(self.stream, self.group, claimed.entry)
         await self._redis.xdel(self.stream, claimed.entry)
@@ -260,6 +324,9 @@ class MemoryJobQueue:
         # (owner, job id) → (when last written, status), least recently written first: what has outlived
         # result_ttl_s is forgotten from the front, as Redis expires a job's hash.
         self._statuses: OrderedDict[tuple[str, str], tuple[float, JobStatus]] = OrderedDict()
+        # Per owner, its unfinished jobs (id → (until when it counts, items), oldest first) and their items in all.
+        self._held: dict[str, OrderedDict[str, tuple[float, int]]] = {}
+        self._held_items: dict[str, int] = {}
 
     def _live(self, key: tuple[str, str]) -> JobStatus | None:
         found = self._statuses.get(key)
@@ -272,7 +339,19 @@ class MemoryJobQueue:
         while now - next(iter(self._statuses.values()))[0] > self._ttl:
             self._statuses.popitem(last=False)
 
-    async def enqueue(self, job: Job) -> None:
+    async def enqueue(self, job: Job, cap: int) -> None:
+        now = time.monotonic()
+        jobs, held = self._held.pop(job.owner, OrderedDict()), self._held_items.pop(job.owner, 0)
+        while jobs and next(iter(jobs.values()))[0] < now:
+            held -= jobs.popitem(last=False)[1][1]
+        fits = held + len(job.items) <= cap
+        if fits:
+            jobs[job.id] = (now + self._ttl, len(job.items))
+            held += len(job.items)
+        if jobs:
+            self._held[job.owner], self._held_items[job.owner] = jobs, held
+        if not fits:
+            raise QueueFull(held, cap)
         self._written((job.owner, job.id), JobStatus("queued", len(job.items), references=list(job.references)))
         self._pending.append(Claimed(job.id, job))
         self._arrived.set()
@@ -307,7 +386,13 @@ class MemoryJobQueue:
         return True  # in memory no other worker can take a job over
 
     async def finish(self, claimed: Claimed, status: str = "done") -> None:
-        found = self._live((claimed.job.owner, claimed.job.id))
+        job = claimed.job
+        jobs = self._held.get(job.owner)
+        if jobs is not None and jobs.pop(job.id, None) is not None:
+            self._held_items[job.owner] -= len(job.items)
+            if not jobs:
+                del self._held[job.owner], self._held_items[job.owner]
+        found = self._live((job.owner, job.id))
         if found is not None:
             found.status = status
             self._written((claimed.job.owner, claimed.job.id), found)

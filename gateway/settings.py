@@ -141,6 +141,9 @@ class TenantLimits(_Section):
     max_prompt_tokens: int | None = Field(default=None, ge=1, description="the tenant's cap on prompt + output")
     requests_per_minute: int | None = Field(default=None, ge=1, description="across all instances; 429 above")
     tokens_per_minute: int | None = Field(default=None, ge=1, description="prompt + reserved output; 429 above")
+    max_queued_requests: int | None = Field(
+        default=None, ge=1, description="queued or running async requests; unset = queue.max_queued_per_tenant"
+    )
     on_output_overflow: Literal["reject", "clamp"] = Field(
         default="reject", description="prompt + max_tokens over the limit: 400, or cut max_tokens to fit"
     )
@@ -203,6 +206,9 @@ class QueueSettings(_Section):
     result_ttl_s: int = Field(default=86_400, ge=60, description="how long finished results can be polled")
     reclaim_after_s: float = Field(default=60.0, gt=0, description="a job claimed this long ago is taken over")
     max_batch: int = Field(default=100, ge=1, description="requests in one queued batch")
+    max_queued_per_tenant: int = Field(
+        default=10_000, ge=1, description="requests a tenant may have queued or running; a job past it gets 429"
+    )
 
 
 class RoutingSettings(_Section):

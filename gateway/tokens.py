@@ -56,7 +56,11 @@ def _compile_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    template = env.from_string(source)
+    # Jinja keeps a template's globals as a ChainMap over its environment's and copies them key by key, in Python,
+    # into every render's context: ~5 µs of a 16 µs render (BENCHMARKS.md). Nothing changes them after this.
+    template.globals = dict(template.globals)
+    return template
 
 
 def _read(file: Path) -> str:

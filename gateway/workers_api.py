@@ -40,11 +40,12 @@ from gateway.errors import (
     ModelNotAllowed,
     NotFound,
     QueueUnavailable,
+    TooManyQueued,
     error_response,
 )
 from gateway.inference import CHAT, COMPLETIONS, RelayResponse
 from gateway.outcome import Answer, Event, Stream
-from gateway.queue import Job, JobQueue, JobStatus
+from gateway.queue import Job, JobQueue, JobStatus, QueueFull
 from gateway.schemas import validate
 from gateway.settings import TenantSettings
 from gateway.sse import DONE as SSE_DONE
@@ -82,6 +83,7 @@ WORKERS_ERRORS: dict[str, tuple[int, int]] = {
     "rate_limited": (3036, 429),
     "concurrency_limit_exceeded": (3036, 429),
     "rate_limit_exceeded": (3036, 429),
+    "too_many_queued_requests": (3036, 429),
     "exceeds_tokens_per_minute": (5006, 400),
     "capacity_exceeded": (3040, 429),
     "backend_unavailable": (3040, 429),
@@ -336,8 +338,14 @@ async def enqueue(state: GatewayState, tenant: TenantSettings, model: str, body:
         raise InvalidRequest("A batch is all chat or all raw completion (`raw: true`) requests.", param="requests")
     items, references = [payload for _, payload, _ in checked], [ref for _, _, ref in checked]
     job = Job.new(tenant.id, tenant.incarnation(), routes.pop(), items, references)
+    cap = tenant.limits.max_queued_requests or state.settings.queue.max_queued_per_tenant
     try:
-        await state.queue.enqueue(job)
+        await state.queue.enqueue(job, cap)
+    except QueueFull as full:
+        raise TooManyQueued(
+            f"This API key has {full.held} requests queued or running; at most {cap} may be. Nothing was queued: "
+            "poll the queued ones, and queue more as they finish."
+        ) from None
     except (RedisError, OSError) as exc:
         log.error("queue: job not stored: %s: %s", type(exc).__name__, exc)
         raise QueueUnavailable("The queue cannot take requests right now; nothing was queued. Retry shortly.") from exc

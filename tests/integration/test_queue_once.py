@@ -117,7 +117,7 @@ def one_job(job_id: str = "j1") -> Job:
 
 async def test_a_worker_whose_claim_lapsed_stops_where_another_took_over() -> None:
     async with redis_queue(reclaim_after_s=0.2) as (_, queue):
-        await queue.enqueue(one_job())
+        await queue.enqueue(one_job(), 100)
         [first] = await queue.claim("worker-a", wait_s=1.0)
         assert await queue.keep(first, "worker-a")
         await asyncio.sleep(0.3)  # worker-a could not renew (an outage, say): its claim lapses
@@ -132,18 +132,18 @@ async def test_a_worker_whose_claim_lapsed_stops_where_another_took_over() -> No
 async def test_jobs_queued_after_the_store_lost_its_data_still_run() -> None:
     # A Redis restarted without persistence loses the consumer group; the queue once went on believing it was there.
     async with redis_queue() as (store, queue):
-        await queue.enqueue(one_job("before"))
+        await queue.enqueue(one_job("before"), 100)
         [first] = await queue.claim("worker-a", wait_s=1.0)
         await queue.finish(first)
         await store.flushall()  # what a restart without persistence leaves
-        await queue.enqueue(one_job("after"))
+        await queue.enqueue(one_job("after"), 100)
         [second] = await queue.claim("worker-a", wait_s=1.0)
         assert second.job.id == "after"
 
 
 async def test_a_worker_whose_claim_the_store_lost_gives_the_job_up_instead_of_hanging() -> None:
     async with redis_queue() as (store, queue):
-        await queue.enqueue(one_job())
+        await queue.enqueue(one_job(), 100)
         [claimed] = await queue.claim("worker-a", wait_s=1.0)
         await store.flushall()  # a restart without persistence, mid-job
         assert await queue.keep(claimed, "worker-a") is False

@@ -220,3 +220,33 @@ async def test_an_item_refused_for_now_waits_its_turn_instead_of_failing(
     done = await until(client, gateway_url, request_id, finished=True)
     [response] = done["responses"]
     assert response["success"] is True, response
+
+
+async def test_a_tenants_queued_requests_stop_at_its_cap_until_its_jobs_finish(
+    client: httpx.AsyncClient, make_gateway: GatewayFactory, make_sim: Any
+) -> None:
+    from gateway.tenants import hash_key
+
+    sim_url = make_sim(ttft_ms=200)
+    alice = {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": {"max_queued_requests": 3}}
+    bob = {"id": "bob", "key_hashes": [hash_key(BOB_KEY)]}
+    gateway = make_gateway({"sim": sim_url}, tenants=[alice, bob], queue={"max_queued_per_tenant": 1})
+    first = await queue(client, f"{gateway}{QUEUE}", {"requests": [chat("one"), chat("two")]})
+    refused = await client.post(f"{gateway}{QUEUE}", json={"requests": [chat("three"), chat("four")]}, headers=auth())
+    body = refused.json()
+    assert refused.status_code == 429 and body["success"] is False and body["result"] is None, body
+    [error] = body["errors"]
+    assert error["code"] == 3036 and "2 requests queued or running; at most 3" in error["message"]
+    # Bob's cap is the queue's default (1): his own, whatever alice holds.
+    bobs_queue = f"{gateway}/accounts/bob/ai/run/{MODEL}?queueRequest=true"
+    await queue(client, bobs_queue, {"requests": [chat("bob's")]}, key=BOB_KEY)
+    bobs = await client.post(bobs_queue, json={"requests": [chat("more")]}, headers=auth(BOB_KEY))
+    assert bobs.status_code == 429 and bobs.json()["errors"][0]["code"] == 3036
+    await queue(client, f"{gateway}{QUEUE}", {"requests": [chat("three")]})  # exactly her cap
+    await until(client, gateway, first, finished=True)
+    second = await queue(client, f"{gateway}{QUEUE}", {"requests": [chat("five"), chat("six")]})
+    await until(client, gateway, second, finished=True)
+    # Only the accepted items ever ran: 2 + 1 of alice's before, bob's one, and the 2 after (after each marker).
+    assert sorted(r["body"]["messages"][-1]["content"].rsplit("\n", 1)[-1] for r in forwarded(sim_url)) == sorted(
+        ["one", "two", "three", "bob's", "five", "six"]
+    )

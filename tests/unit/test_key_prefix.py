@@ -34,6 +34,8 @@ DEFAULT_NAMES = {
     "bulkhead:rate:acme:tokens",
     "bulkhead:jobs",
     "bulkhead:job:acme:job-1",
+    "bulkhead:held:acme",
+    "bulkhead:held-items:acme",
     "bulkhead:replica-admin",
     "bulkhead:replica-failures",
     "bulkhead:isolation-events",
@@ -91,7 +93,7 @@ async def write_through_every_store(redis: Redis, prefix: str) -> tuple[RedisJob
     """One write through each Redis store the gateway and its workers use, all under `prefix`."""
     await RedisBuckets(redis, prefix=prefix).take("acme", Quota(60, 1000), 10)
     queue = RedisJobQueue(redis, 60, reclaim_after_s=30, prefix=prefix)
-    await queue.enqueue(Job("job-1", "acme", "chat", [{"messages": []}]))
+    await queue.enqueue(Job("job-1", "acme", "chat", [{"messages": []}]), 100)
     store = RedisStore(redis, prefix=prefix)
     await store.set_admin_state("r1", "quarantined")
     await store.report_failure("r1")

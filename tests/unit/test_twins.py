@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from gateway.queue import Job, JobQueue, JobStatus, MemoryJobQueue, RedisJobQueue
+from gateway.queue import Claimed, Job, JobQueue, JobStatus, MemoryJobQueue, QueueFull, RedisJobQueue
 from gateway.ratelimit import Buckets, MemoryBuckets, Quota, RedisBuckets, Verdict
 from gateway.store import MemoryStore, RedisStore, Store
 from isolation.events import EventLog, IsolationEvent, MemoryEventLog, RedisEventLog
@@ -205,6 +205,7 @@ async def test_tenants_have_buckets_of_their_own(buckets: Buckets, prefix: str) 
 # --- Job queues ---------------------------------------------------------------------------------------------------
 
 QueueFactory = Callable[[int], JobQueue]
+NO_CAP = 1_000_000  # a tenant's cap on requests queued or running, where a test is not about it
 
 
 @pytest.fixture(params=TWINS)
@@ -233,7 +234,7 @@ def job_of(tenant: str, items: int = 3, job_id: str | None = None, incarnation: 
 async def test_an_enqueued_job_is_found_queued_by_its_tenant(make_queue: QueueFactory, prefix: str) -> None:
     queue = make_queue(60)
     job = job_of(f"{prefix}a")
-    await queue.enqueue(job)
+    await queue.enqueue(job, NO_CAP)
     assert seen(await queue.status(job.tenant, job.id)) == ("queued", 3, {})
 
 
@@ -242,7 +243,7 @@ async def test_a_tenant_made_again_under_the_same_id_never_finds_the_old_ones_jo
 ) -> None:
     queue = make_queue(60)
     job = job_of(f"{prefix}a", incarnation=f"{prefix}a@1.5")
-    await queue.enqueue(job)
+    await queue.enqueue(job, NO_CAP)
     assert seen(await queue.status(f"{prefix}a@1.5", job.id)) == ("queued", 3, {})
     assert await queue.status(f"{prefix}a@2.5", job.id) is None
     assert await queue.status(f"{prefix}a", job.id) is None
@@ -253,7 +254,7 @@ async def past_its_lifetime(make_queue: QueueFactory, prefix: str, started: bool
     """A job whose status (a lifetime of 1 s) expired while it waited, or (`started`) while it ran."""
     queue = make_queue(1)
     job = job_of(f"{prefix}a")
-    await queue.enqueue(job)
+    await queue.enqueue(job, NO_CAP)
     if started:
         await queue.start(job)
     await asyncio.sleep(1.2)
@@ -285,7 +286,7 @@ def test_a_job_queued_before_jobs_named_an_incarnation_belongs_to_its_tenants_id
 async def test_another_tenant_never_finds_the_job(make_queue: QueueFactory, prefix: str) -> None:
     queue = make_queue(60)
     job = job_of(f"{prefix}a")
-    await queue.enqueue(job)
+    await queue.enqueue(job, NO_CAP)
     await queue.start(job)
     await queue.store_result(job, 0, {"answer": "a's"})
     assert await queue.status(f"{prefix}b", job.id) is None
@@ -296,8 +297,8 @@ async def test_another_tenant_never_finds_the_job(make_queue: QueueFactory, pref
 async def test_two_tenants_with_the_same_job_id_see_only_their_own(make_queue: QueueFactory, prefix: str) -> None:
     queue = make_queue(60)
     a, b = job_of(f"{prefix}a", items=2, job_id="same"), job_of(f"{prefix}b", items=1, job_id="same")
-    await queue.enqueue(a)
-    await queue.enqueue(b)
+    await queue.enqueue(a, NO_CAP)
+    await queue.enqueue(b, NO_CAP)
     await queue.start(a)
     await queue.store_result(a, 0, {"answer": "a's"})
     await queue.store_result(b, 0, {"answer": "b's"})
@@ -309,7 +310,7 @@ async def test_results_are_kept_per_item(make_queue: QueueFactory, prefix: str) 
     queue = make_queue(60)
     job = job_of(f"{prefix}a")
     results: dict[int, Any] = {2: {"choices": [{"text": "ünï", "n": 2}], "usage": None}, 0: {"error": {"code": 400}}}
-    await queue.enqueue(job)
+    await queue.enqueue(job, NO_CAP)
     await queue.start(job)
     for index, result in results.items():
         await queue.store_result(job, index, result)
@@ -319,7 +320,7 @@ async def test_results_are_kept_per_item(make_queue: QueueFactory, prefix: str) 
 async def test_the_first_result_stored_for_an_item_wins(make_queue: QueueFactory, prefix: str) -> None:
     queue = make_queue(60)
     job = job_of(f"{prefix}a")
-    await queue.enqueue(job)
+    await queue.enqueue(job, NO_CAP)
     await queue.store_result(job, 1, {"answer": "first"})
     await queue.store_result(job, 1, {"answer": "second"})
     status = await queue.status(job.tenant, job.id)
@@ -329,12 +330,79 @@ async def test_the_first_result_stored_for_an_item_wins(make_queue: QueueFactory
 async def test_a_job_and_its_results_are_gone_after_the_result_ttl(make_queue: QueueFactory, prefix: str) -> None:
     queue = make_queue(1)  # Redis expires keys in whole seconds: 1 is the shortest TTL it has
     job = job_of(f"{prefix}a")
-    await queue.enqueue(job)
+    await queue.enqueue(job, NO_CAP)
     await queue.start(job)
     await queue.store_result(job, 0, {"answer": "a's"})
     assert await queue.status(job.tenant, job.id) is not None
     await asyncio.sleep(1.1)
     assert await queue.status(job.tenant, job.id) is None
+
+
+async def claimed(queue: JobQueue, job: Job) -> Claimed:
+    """The next job a worker claims, which must be `job`."""
+    [taken] = await queue.claim("worker", 1.0)
+    assert taken.job.id == job.id
+    return taken
+
+
+async def test_a_tenants_cap_counts_every_item_and_refuses_a_job_that_would_pass_it_whole(
+    make_queue: QueueFactory, prefix: str
+) -> None:
+    queue = make_queue(60)
+    alice, bob = f"{prefix}a", f"{prefix}b"
+    await queue.enqueue(job_of(alice, items=3), 5)
+    refused = job_of(alice, items=3)
+    with pytest.raises(QueueFull) as full:
+        await queue.enqueue(refused, 5)
+    assert (full.value.held, full.value.cap) == (3, 5)
+    assert await queue.status(alice, refused.id) is None  # nothing of it was stored
+    await queue.enqueue(job_of(alice, items=2), 5)  # exactly the cap
+    await queue.enqueue(job_of(bob, items=5), 5)  # another tenant's cap is its own
+    with pytest.raises(QueueFull):
+        await queue.enqueue(job_of(alice, items=1), 5)
+    queued = [job.job.id for _ in range(4) for job in await queue.claim("worker", 0.1)]
+    assert len(queued) == 3 and refused.id not in queued
+
+
+async def test_a_finished_jobs_items_come_back_once_however_often_it_is_finished(
+    make_queue: QueueFactory, prefix: str
+) -> None:
+    queue = make_queue(60)
+    alice = f"{prefix}a"
+    first, second = job_of(alice, items=3), job_of(alice, items=2)
+    await queue.enqueue(first, 5)
+    await queue.enqueue(second, 5)
+    taken = await claimed(queue, first)
+    await queue.start(first)
+    await queue.finish(taken, "failed")
+    # A worker that lost its claim finishes the job too: the items come back once, not twice.
+    await queue.finish(taken)
+    await queue.enqueue(job_of(alice, items=3), 5)
+    with pytest.raises(QueueFull) as full:
+        await queue.enqueue(job_of(alice, items=1), 5)
+    assert full.value.held == 5
+    await queue.finish(await claimed(queue, second))
+    await queue.enqueue(job_of(alice, items=2), 5)
+
+
+async def test_jobs_queued_at_once_never_pass_the_cap_together(make_queue: QueueFactory, prefix: str) -> None:
+    queue = make_queue(60)
+    jobs = [job_of(f"{prefix}a", items=1) for _ in range(12)]
+    outcomes = await asyncio.gather(*(queue.enqueue(job, 4) for job in jobs), return_exceptions=True)
+    assert sum(outcome is None for outcome in outcomes) == 4
+    assert all(isinstance(outcome, QueueFull) for outcome in outcomes if outcome is not None)
+
+
+async def test_a_job_never_finished_counts_against_the_cap_for_at_most_the_result_ttl(
+    make_queue: QueueFactory, prefix: str
+) -> None:
+    # A job lost with the store's data, or one whose worker never comes back, must not hold the cap for good.
+    queue = make_queue(1)
+    await queue.enqueue(job_of(f"{prefix}a", items=2), 2)
+    with pytest.raises(QueueFull):
+        await queue.enqueue(job_of(f"{prefix}a", items=1), 2)
+    await asyncio.sleep(1.2)
+    await queue.enqueue(job_of(f"{prefix}a", items=2), 2)
 
 
 # --- Event logs ---------------------------------------------------------------------------------------------------
@@ -455,8 +523,8 @@ async def test_the_embedded_queue_forgets_what_outlived_its_lifetime() -> None:
     # Redis expires a job's hash; the in-memory twin once kept every status (and its answers) for good.
     queue = MemoryJobQueue(1)
     for tenant in ("a", "b", "c"):
-        await queue.enqueue(job_of(tenant))
+        await queue.enqueue(job_of(tenant), NO_CAP)
     await asyncio.sleep(1.2)
     kept = job_of("d")
-    await queue.enqueue(kept)
+    await queue.enqueue(kept, NO_CAP)
     assert list(queue._statuses) == [(kept.owner, kept.id)]
