@@ -212,7 +212,8 @@ class RateLimiter:
                 "(max_tokens).",
                 code="exceeds_tokens_per_minute",
             )
-        verdict = await self._call(tenant.id, quota, tokens, take=True)
+        # By incarnation: a tenant made again under a deleted one's id starts with a budget of its own.
+        verdict = await self._call(tenant.incarnation(), quota, tokens, take=True)
         assert verdict is not None
         limit_headers = headers(quota, verdict)
         if not verdict.allowed:
@@ -232,7 +233,7 @@ class RateLimiter:
         quota = quota_of(tenant)
         if quota is None or not quota.tokens_per_minute or used == reserved:
             return None
-        return self._settle(tenant.id, quota, used - reserved)
+        return self._settle(tenant.incarnation(), quota, used - reserved)
 
     async def _settle(self, tenant: str, quota: Quota, tokens: int) -> None:
         await self._call(tenant, quota, tokens, take=False)

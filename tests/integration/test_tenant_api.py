@@ -464,3 +464,16 @@ async def test_a_tenant_made_again_under_a_deleted_ones_id_shares_no_cache_salt_
     assert after[0] != before[0], "the same cache salt: the new customer would hit the old one's prefix cache"
     assert after[1] != before[1], "the same marker"
     assert (await client.get(poll, headers=auth(again))).status_code == 404
+
+
+async def test_a_tenant_made_again_under_a_deleted_ones_id_starts_with_a_rate_budget_of_its_own(
+    client: httpx.AsyncClient, admin: Admin
+) -> None:
+    limits = {"requests_per_minute": 1}
+    tenant_id, _, key = await admin.tenant_with_key(limits=limits)
+    assert (await chat(client, admin.url, key)).status_code == 200
+    assert (await chat(client, admin.url, key)).status_code == 429
+    assert (await admin.call("DELETE", f"/tenants/{tenant_id}")).status_code == 204
+    await admin.create_tenant(tenant_id, limits=limits)
+    again = (await admin.create_key(tenant_id))["key"]
+    assert (await chat(client, admin.url, again)).status_code == 200, "the deleted customer's budget, spent"
