@@ -207,7 +207,7 @@ class QueueSettings(_Section):
     reclaim_after_s: float = Field(default=60.0, gt=0, description="a job claimed this long ago is taken over")
     max_batch: int = Field(default=100, ge=1, description="requests in one queued batch")
     max_queued_per_tenant: int = Field(
-        default=10_000, ge=1, description="requests a tenant may have queued or running; a job past it gets 429"
+        default=1_000, ge=1, description="requests a tenant may have queued or running; a job past it gets 429"
     )
 
 

@@ -469,8 +469,8 @@ def _idle(scanners: dict[str, StreamScanner]) -> bool:
 
 
 def _contents(value: Any) -> Iterator[tuple[str, Any]]:
-    """The texts ("text", str), field names ("name", str) and integer lists ("ints", list) in a removed value, in
-    document order.
+    """The texts ("text", str), field names ("name", str) and runs of integers ("ints", list; floats of integer value
+    too) in a removed value, in document order.
 
     Keys count as text in maps of numbers (a completion's token → logprob). Elsewhere they are field names: scanned
     as a stream of their own, since their letters would only break up the text between them.
@@ -486,11 +486,18 @@ def _contents(value: Any) -> Iterator[tuple[str, Any]]:
                 yield "name", str(key)
                 yield from _contents(item)
     elif type(value) is list:
-        if value and all(type(item) is int for item in value):
-            yield "ints", value
-        else:
-            for item in value:
-                yield from _contents(item)
+        # Every run of integers, whatever stands between: one string or `true` after a prompt's ids must not hide them.
+        run: list[int] = []
+        for item in value:
+            if type(item) is int or (type(item) is float and item.is_integer()):
+                run.append(int(item))
+                continue
+            if run:
+                yield "ints", run
+                run = []
+            yield from _contents(item)
+        if run:
+            yield "ints", run
 
 
 def _overlapping(lengths: list[int], start: int, end: int) -> set[int]:

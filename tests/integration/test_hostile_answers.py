@@ -238,15 +238,22 @@ async def test_a_duplicate_key_goes_out_as_the_value_that_was_checked(
     assert marker not in response.text
 
 
-@pytest.mark.parametrize("hidden", ["token ids", "a nested name"])
+@pytest.mark.parametrize("hidden", ["token ids", "ids and a string", "ids and true", "ids as floats", "a nested name"])
 async def test_a_leak_deep_in_a_dropped_field_is_withheld_and_recorded(
     client: httpx.AsyncClient, gateway: str, engine: Engine, hidden: str
 ) -> None:
-    # Long lists were decoded only over their last 64 ids, and names inside a dropped value were never read.
+    # Long lists were decoded only over their last 64 ids, a list with one item that is not an integer not at all,
+    # and names inside a dropped value were never read.
     marker = await alice_marker(client, gateway, engine, "Zanzibar orchid ledger: the quokka merger closes. " * 12)
     alice_ids = engine.prompts[-1][1]
     assert len(alice_ids) > 300
-    extra: JsonObject = {"prompt_token_ids": alice_ids} if hidden == "token ids" else {"debug": {"p": {marker: None}}}
+    ids: dict[str, list[Any]] = {
+        "token ids": alice_ids,
+        "ids and a string": [*alice_ids, "x"],
+        "ids and true": [True, *alice_ids],
+        "ids as floats": [float(i) for i in alice_ids],
+    }
+    extra: JsonObject = {"prompt_token_ids": ids[hidden]} if hidden in ids else {"debug": {"p": {marker: None}}}
     engine.script = lambda prompt: {**answer(prompt), **extra}
     since = time.time()
     response = await client.post(gateway + CHAT, json=chat_body("q"), headers=auth(BOB_KEY))
