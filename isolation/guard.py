@@ -28,6 +28,7 @@ from typing import Any
 
 from isolation.channels import ENVELOPE, Removed, drop, join, positions, texts, token_streams
 from isolation.fingerprints import AnswerCheck
+from isolation.json_escapes import JsonStringReader, may_spell_a_marker
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import MarkerRegistry
 from isolation.scanner import Hit, StreamScanner, apply_edits, scan_all, suspects
@@ -87,12 +88,25 @@ class _Choice:
     grams: dict[str, AnswerGrams] = field(default_factory=dict)  # per stream: its k-grams, for fingerprints
     tainted: set[str] = field(default_factory=set)  # streams redacted for a fragment: the rest of them is too
     mirror: str | None = None  # the text whose grams the chosen logprob tokens share so far
+    readers: dict[str, JsonStringReader] = field(default_factory=dict)  # per stream: its JSON escapes, for its grams
 
     def scanner(self, key: str) -> StreamScanner:
         scanner = self.scanners.get(key)
         if scanner is None:
-            scanner = self.scanners[key] = StreamScanner()
+            scanner = self.scanners[key] = StreamScanner(json_strings=decodable(key))
         return scanner
+
+    def reader(self, key: str) -> JsonStringReader:
+        reader = self.readers.get(key)
+        if reader is None:
+            reader = self.readers[key] = JsonStringReader()
+        return reader
+
+
+def decodable(key: str) -> bool:
+    """A stream a client may decode as the inside of JSON strings: tool-call arguments, and the texts of an answer
+    under a JSON response format (which the guard does not know, so every text). Not names, not tokens."""
+    return not key.startswith("lp") and not key.endswith(":name")
 
 
 @dataclass
@@ -302,12 +316,20 @@ class OutputGuard:
             await self._find_fragments(state, slots, streams, choice)
         # One pass over every text of this event finds the few that a scanner must look at; most events have none.
         flagged = suspects([holder[name] for _, holder, name in slots] + ["".join(p) for p in streams.values()])
-        if flagged is not None and not flagged and state.held_logprobs is None and _idle(state.scanners):
+        # A backslash may start a JSON escape that spells a marker only once a client decodes the text.
+        escaped = any(may_spell_a_marker(holder[name]) for _, holder, name in slots)
+        idle = state.held_logprobs is None and _idle(state.scanners)
+        if flagged is not None and not flagged and not escaped and idle:
             return
         holding = False
         for position, (key, holder, name) in enumerate(slots):
             scanner = state.scanners.get(key)
-            if flagged is not None and position not in flagged and (scanner is None or scanner.idle):
+            if (
+                flagged is not None
+                and position not in flagged
+                and (scanner is None or scanner.idle)
+                and not may_spell_a_marker(holder[name])
+            ):
                 continue
             scanner = scanner or state.scanner(key)
             original = holder[name]
@@ -372,7 +394,15 @@ class OutputGuard:
         grams = state.grams.get(key)
         if grams is None:
             grams = state.grams[key] = self._new_grams()
+        decoded_key = key + "\\"
+        decoded = state.grams.get(decoded_key)
+        if decoded is None and "\\" in piece and decodable(key):
+            # From the first backslash on, the words a client reads after decoding JSON escapes are read too: `\n`
+            # joins its "n" to the next word as sent, which broke every gram across a line of JSON-escaped code.
+            decoded = state.grams[decoded_key] = grams.copy()
         victim = self._fragments.feed(grams, piece)
+        if decoded is not None:
+            victim = self._fragments.feed(decoded, state.reader(key).decoded(piece)) or victim
         if victim is None:
             return False
         return await self._leak(Leak(victim, FRAGMENT)) is not None

@@ -22,6 +22,7 @@ import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from isolation.json_escapes import JsonStringReader
 from isolation.markers import CODE_LENGTH, NORMAL_LENGTH
 
 _CANDIDATE = re.compile(rb"(?=(cnry[a-z2-7]{%d}))" % CODE_LENGTH)
@@ -101,13 +102,18 @@ def _hold_from(normal: bytes) -> int | None:
 
 
 class StreamScanner:
-    """One stream of text: a choice's content, its tool-call arguments, or its reasoning."""
+    """One stream of text: a choice's content, its tool-call arguments, or its reasoning. With `json_strings`, text a
+    client may decode as the inside of a JSON string (json_escapes.py) is read both as sent and as decoded: a marker
+    in either is found, and text is held back while either could still become one."""
 
-    def __init__(self) -> None:
+    def __init__(self, json_strings: bool = False) -> None:
         self._held = ""
         # The normal form of the end of a reported hit that could also be the start of another candidate: that text
         # went out with the hit (edited, if the hit was a marker), and a marker overlapping it must still be found.
         self._carry = b""
+        self._reader = JsonStringReader() if json_strings else None
+        self._shadow = ""  # the held text as decoded (as long as it), and the decoded view's own carry
+        self._shadow_carry = b""
 
     @property
     def holding(self) -> bool:
@@ -117,10 +123,20 @@ class StreamScanner:
     @property
     def idle(self) -> bool:
         """Nothing held or carried: a piece that `suspects` clears passes through unchanged."""
-        return not self._held and not self._carry
+        return not self._held and not self._carry and not self._shadow_carry and not self.escaping
+
+    @property
+    def escaping(self) -> bool:
+        """A JSON escape was cut at the end of the last piece: the next one must be scanned, whatever it holds."""
+        return self._reader is not None and self._reader.pending
 
     def scan(self, piece: str) -> Scan:
         text = self._held + piece if self._held else piece
+        if self._reader is not None:
+            shadow = self._shadow + self._reader.shadow(piece)
+            if shadow != text or self._shadow_carry != self._carry or self._reader.pending:
+                return self._scan_both(text, shadow)
+            self._shadow, self._shadow_carry = "", b""
         carry = self._carry
         normal = carry + normalize(text) if carry else normalize(text)
         # Most pieces are decided by two C-level searches: no "cnry" (no candidate) and no "c" near the end (nothing
@@ -139,15 +155,67 @@ class StreamScanner:
         # A whole hit is never cut in two: it goes out with its edit, and the part of it that could begin another
         # candidate (`cnry…` after `CNRY `, say) is carried to the next piece instead of held.
         release = max([release, *(hit.end for hit in hits)])
-        released = len(carry) + len(normalize(text[:release]))
-        self._carry = normal[hold:released] if hold is not None and hold < released else b""
+        self._carry = _carried(normal, hold, len(carry) + len(normalize(text[:release])))
         self._held = text[release:]
+        if self._reader is not None:
+            self._shadow = self._held
+            self._shadow_carry = self._carry
         return Scan(text, hits, release)
+
+    def _scan_both(self, text: str, shadow: str) -> Scan:
+        """`scan` over the text as sent and its decoded shadow (as long as it, so positions are shared)."""
+        views = []
+        hits: dict[tuple[int, int, bytes], Hit] = {}
+        release = len(text)
+        for view, carry in ((text, self._carry), (shadow, self._shadow_carry)):
+            normal = carry + normalize(view)
+            hold = _hold_from(normal)
+            matches = [m.start() for m in _CANDIDATE.finditer(normal)] if b"cnry" in normal else _NO_MATCHES
+            views.append((view, carry, normal, hold))
+            if not matches and hold is None:
+                continue
+            positions = [0] * len(carry) + _positions(view)
+            for at in matches:
+                start, end = positions[at], positions[at + NORMAL_LENGTH - 1] + 1
+                if view is shadow:
+                    start = _escape_start(text, start)
+                hit = Hit(normal[at : at + NORMAL_LENGTH], start, end)
+                hits.setdefault((start, end, hit.normal), hit)
+            if hold is not None:
+                release = min(release, _escape_start(text, positions[hold]) if view is shadow else positions[hold])
+        assert self._reader is not None
+        # An escape not yet complete stays back whole: what it decodes to is not known yet.
+        release = min(release, len(text) - self._reader.unfinished)
+        release = max([release, *(hit.end for hit in hits.values())])
+        (_, carry, normal, hold), (_, shadow_carry, shadow_normal, shadow_hold) = views
+        self._carry = _carried(normal, hold, len(carry) + len(normalize(text[:release])))
+        self._shadow_carry = _carried(shadow_normal, shadow_hold, len(shadow_carry) + len(normalize(shadow[:release])))
+        self._held, self._shadow = text[release:], shadow[release:]
+        return Scan(text, list(hits.values()), release)
 
     def flush(self) -> str:
         """The end of the stream: what was held can no longer become a marker."""
         held, self._held, self._carry = self._held, "", b""
+        self._shadow, self._shadow_carry = "", b""
+        if self._reader is not None:
+            self._reader = JsonStringReader()
         return held
+
+
+# The `\uXXXX` (or surrogate pair) whose decoded character stands, in the shadow, at its last digit.
+_ESCAPE_BEFORE = re.compile(r"(?:\\u[dD][89abAB][0-9a-fA-F]{2})?\\u[0-9a-fA-F]{3}\Z")
+
+
+def _escape_start(text: str, at: int) -> int:
+    """Where the escape that decodes to the character at `at` begins (`at` when it is no such escape): an edit of a
+    hit takes whole escapes, or what is left of one would not parse."""
+    found = _ESCAPE_BEFORE.search(text, max(0, at - 11), at)
+    return found.start() if found else at
+
+
+def _carried(normal: bytes, hold: int | None, released: int) -> bytes:
+    """What of a normal form went out (up to `released`) after the start of a tail that could still be a marker."""
+    return normal[hold:released] if hold is not None and hold < released else b""
 
 
 def scan_all(text: str) -> list[Hit]:

@@ -6,6 +6,7 @@ stream."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -202,14 +203,11 @@ async def test_a_null_delta_ends_a_workers_stream_cleanly(
     assert '"response":"Hello"' in response.text
 
 
-@pytest.mark.parametrize("shape", ["escaped", "deep"])
-async def test_workers_tool_arguments_go_out_as_they_were_scanned(
-    client: httpx.AsyncClient, gateway: str, engine: Engine, shape: str
+async def test_deep_workers_tool_arguments_go_out_as_they_were_scanned(
+    client: httpx.AsyncClient, gateway: str, engine: Engine
 ) -> None:
-    # Decoding them after the scan once turned \u escapes into alice's marker, and deep JSON into a 500.
-    marker = await alice_marker(client, gateway, engine)
-    escaped = "".join(f"\\u{ord(character):04x}" for character in marker)
-    arguments = '{"note": "' + escaped + '"}' if shape == "escaped" else "[" * 300 + "]" * 300
+    # Decoding them after the scan once made deep JSON a 500.
+    arguments = "[" * 300 + "]" * 300
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
     engine.script = lambda prompt: answer(prompt, None, tool_calls=[call])
     body = {"messages": [{"role": "user", "content": "q"}], "tools": TOOLS}
@@ -217,7 +215,45 @@ async def test_workers_tool_arguments_go_out_as_they_were_scanned(
     assert response.status_code == 200, response.text
     [sent] = response.json()["result"]["tool_calls"]
     assert sent["arguments"] == arguments, "kept as the text that was scanned"
-    assert marker not in response.text
+
+
+@pytest.mark.parametrize(
+    ("path", "spelled", "stream"),
+    [(CHAT, "newline", False), (CHAT, "unicode", False), (CHAT, "newline", True), (WORKERS, "newline", False),
+     (WORKERS, "unicode", False)],
+)  # fmt: skip
+async def test_a_marker_that_json_escapes_hide_in_tool_arguments_is_withheld(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, path: str, spelled: str, stream: bool
+) -> None:
+    # As sent, `CNRY\n7EBEL…` reads as the candidate `cnryn7ebel…` and `\u0043…` as hex digits; every client decodes
+    # arguments, and read alice's marker in bob's answer.
+    marker = await alice_marker(client, gateway, engine)
+    hidden = marker[:4] + "\\n" + marker[5:] if spelled == "newline" else "".join(f"\\u{ord(c):04x}" for c in marker)
+    arguments = '{"note": "' + hidden + '"}'
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    engine.script = lambda prompt: answer(prompt, None, tool_calls=[call])
+    if stream:
+        half = len(arguments) // 2
+        function = {"name": "f", "arguments": arguments[:half]}
+        first = {"index": 0, "id": "call_1", "type": "function", "function": function}
+        second = {"index": 0, "function": {"arguments": arguments[half:]}}
+        engine.script = lambda prompt: [
+            chunk({"index": 0, "delta": {"role": "assistant", "tool_calls": [first]}, "finish_reason": None}),
+            chunk({"index": 0, "delta": {"tool_calls": [second]}, "finish_reason": "tool_calls"}),
+            chunk(usage_=usage(prompt, 2)),
+            b"data: [DONE]\n\n",
+        ]
+    since = time.time()
+    body: JsonObject = {"messages": [{"role": "user", "content": "q"}], "tools": TOOLS, "stream": stream}
+    response = await client.post(gateway + path, json={**body, "model": MODEL} if path == CHAT else body,
+                                 headers=auth(BOB_KEY))  # fmt: skip
+    if stream:
+        assert response.status_code == 200 and '"answer_withheld"' in response.text, response.text
+        assert normal(marker) not in normal(response.text.replace("\\n", ""))
+    else:
+        assert response.status_code == 502 if path == CHAT else response.status_code >= 400, response.text
+        assert "CNRY" not in response.text and normal(marker)[4:] not in normal(response.text)
+    assert await events_since(client, gateway, since) == [("leak", "alice")]
 
 
 async def test_a_duplicate_key_goes_out_as_the_value_that_was_checked(
@@ -272,3 +308,45 @@ async def test_an_answer_past_any_honest_size_is_refused_not_held(
     engine.script = lambda prompt: {**answer(prompt), "padding": "x" * (512 << 10)}
     honest = await client.post(gateway + CHAT, json=chat_body("q", max_tokens=16), headers=auth(BOB_KEY))
     assert honest.status_code == 200, "a large answer inside the bound goes through"
+
+
+LEDGER_CODE = "\n".join([
+    "def reconcile_ledger(accounts, cutoff):",
+    "    pending = load_pending(cutoff)",
+    "    for account in accounts:",
+    "        balance = account.opening_balance",
+    "        for entry in pending[account.id]:",
+    "            balance += entry.amount * fx_rate(entry)",
+    "        if balance < account.overdraft_floor:",
+    "            flag_for_review(account, balance)",
+    "        write_snapshot(account.id, balance, cutoff)",
+    "    notify_treasury(len(accounts), cutoff)",
+    "    return archive_batch(cutoff, compress=True)",
+])  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_another_tenants_code_written_json_escaped_into_tool_arguments_is_a_fragment_leak(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, stream: bool
+) -> None:
+    # As sent, every `\n` glued its "n" to the next word, so no 12-word gram across a line of short code matched.
+    code = LEDGER_CODE.replace("ledger", f"ledger_{int(stream)}")  # a text no test sent before
+    assert (await client.post(gateway + CHAT, json=chat_body(code), headers=auth(ALICE_KEY))).status_code == 200
+    await asyncio.sleep(0.3)  # prompts are fingerprinted off the answer's path
+    arguments = orjson.dumps({"path": "a.py", "body": code}).decode()
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    engine.script = lambda prompt: answer(prompt, None, tool_calls=[call])
+    if stream:
+        pieces = [arguments[at : at + 7] for at in range(0, len(arguments), 7)]
+        calls = [{"index": 0, "function": {"arguments": piece}} for piece in pieces]
+        engine.script = lambda prompt: [
+            *(chunk({"index": 0, "delta": {"tool_calls": [one]}, "finish_reason": None}) for one in calls),
+            chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls"}),
+            chunk(usage_=usage(prompt, len(calls))),
+            b"data: [DONE]\n\n",
+        ]
+    since = time.time()
+    body = chat_body("q", tools=TOOLS, stream=stream)
+    response = await client.post(gateway + CHAT, json=body, headers=auth(BOB_KEY))
+    assert "overdraft_floor" not in response.text
+    assert await events_since(client, gateway, since) == [("fingerprint_leak", "alice")]

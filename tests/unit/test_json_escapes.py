@@ -1,0 +1,124 @@
+"""Text written as the inside of JSON strings (tool-call arguments), read as a client's JSON parser reads it: the
+reader's two views, and markers that only decoding spells out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from isolation.guard import Leak, LeakBlocked
+from isolation.json_escapes import JsonStringReader
+from isolation.leaks import REDACTED, LeakPolicy
+from isolation.markers import MarkerRegistry, normal_form
+from isolation.scanner import StreamScanner, normalize
+from tests.unit.test_scanner import EPOCH, delta_chunk, guard_for, markers, pieces_of, registry_at, split
+
+
+def inside(text: str, ascii_only: bool) -> str:
+    """`text` as it stands between the quotes of a JSON string."""
+    return json.dumps(text, ensure_ascii=ascii_only)[1:-1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(), st.booleans(), st.lists(st.integers(0, 400), max_size=20))
+def test_the_decoded_view_is_what_a_json_parser_reads_and_the_shadow_is_as_long_as_the_text(
+    text: str, ascii_only: bool, cuts: list[int]
+) -> None:
+    raw = inside(text, ascii_only)
+    pieces = split(raw, [cut for cut in cuts if cut <= len(raw)])
+    decoded, shadows = JsonStringReader(), JsonStringReader()
+    assert "".join(decoded.decoded(piece) for piece in pieces) == text
+    for piece in pieces:
+        assert len(shadows.shadow(piece)) == len(piece)
+    assert not decoded.pending and not shadows.pending
+
+
+def test_a_broken_escape_is_dropped_up_to_the_character_that_broke_it() -> None:
+    reader = JsonStringReader()
+    assert reader.decoded("a\\qb \\u00zz c") == "ab z c"
+    assert reader.decoded("\\ud835") == "" and reader.pending  # half of a pair: nothing yet
+    assert reader.decoded("\\udc02!") == "\U0001d402!"  # MATHEMATICAL BOLD CAPITAL C
+
+
+def escaped(marker: str, draw: st.DrawFn) -> str:
+    """The marker as JSON text whose characters only decoding joins: escapes for letters, escaped controls between."""
+    out = []
+    for char in marker.replace("-", ""):
+        form = draw(st.sampled_from(["plain", "unicode", "upper", "bold"]))
+        if form == "unicode":
+            out.append(f"\\u{ord(char):04x}")
+        elif form == "upper":
+            out.append(f"\\u{ord(char):04X}")
+        elif form == "bold" and char.isalpha():
+            bold = chr(0x1D400 + ord(char.upper()) - ord("A"))  # folded to the letter by NFKD, as the scanner does
+            out.append(inside(bold, True))
+        else:
+            out.append(char)
+        out.append(draw(st.sampled_from(["", "\\n", "\\t", "\\r\\n", "\\\\", "\\/"])))
+    return "".join(out)
+
+
+@st.composite
+def escaped_streams(draw: st.DrawFn) -> tuple[str, bytes, list[str]]:
+    marker = draw(markers())
+    text = inside(draw(st.text(max_size=30)), True) + escaped(marker, draw) + inside(draw(st.text(max_size=30)), True)
+    pieces = list(text) if draw(st.booleans()) else split(text, draw(st.lists(st.integers(0, len(text)))))
+    return text, normal_form(marker), pieces
+
+
+@settings(max_examples=300, deadline=None)
+@given(escaped_streams())
+def test_a_marker_only_decoding_spells_is_found_whatever_the_chunking(case: tuple[str, bytes, list[str]]) -> None:
+    text, normal, pieces = case
+    scanner, before, found = StreamScanner(json_strings=True), "", False
+    for piece in pieces:
+        scan = scanner.scan(piece)
+        if normal in [hit.normal for hit in scan.hits]:
+            found = True
+            break
+        before += scan.text[: scan.release]
+    assert found
+    # What went out before the scan that found it holds the marker neither as sent nor decoded.
+    assert normal not in normalize(before) and normal not in normalize(JsonStringReader().decoded(before))
+
+
+async def relay_arguments(registry: MarkerRegistry, arguments: str, policy: LeakPolicy) -> tuple[str, list[Leak]]:
+    guard, leaks = guard_for(registry, policy)
+    released = []
+    for piece in pieces_of(arguments, 5):
+        call = {"index": 0, "id": "call_1", "type": "function", "function": {"arguments": piece}}
+        chunk = delta_chunk(tool_calls=[call])
+        await guard.check_chunk(chunk)
+        released.append(call["function"]["arguments"])
+    closing = delta_chunk("tool_calls", tool_calls=[{"index": 0, "function": {"arguments": ""}}])
+    await guard.check_chunk(closing)
+    released.append(closing["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"])
+    return "".join(released), leaks.found
+
+
+@pytest.mark.parametrize("spelled", ["newline", "unicode"])
+async def test_another_tenants_marker_in_escapes_is_blocked_and_redacted(spelled: str) -> None:
+    registry = registry_at(tenants=("alice", "bob"))
+    bobs = registry.marker("bob")
+    hidden = bobs[:4] + "\\n" + bobs[5:] if spelled == "newline" else "".join(f"\\u{ord(c):04x}" for c in bobs)
+    arguments = '{"note": "' + hidden + '"}'
+    with pytest.raises(LeakBlocked):
+        await relay_arguments(registry, arguments, LeakPolicy.BLOCK)
+    redacted, leaks = await relay_arguments(registry, arguments, LeakPolicy.REDACT)
+    assert leaks == [Leak("bob", "leak", str(EPOCH))]
+    assert json.loads(redacted)["note"].endswith(REDACTED)
+    assert normal_form(bobs) not in normalize(json.loads(redacted)["note"])
+    if spelled == "unicode":  # a redaction takes whole escapes: what is left still parses
+        assert redacted == '{"note": "' + REDACTED + '"}'
+
+    # The tenant's own marker, spelled the same way, never reaches her whole (`CNRY\n…` as sent is the candidate
+    # `cnryn…`, which overlaps hers: the part they share goes out with it, as with any overlapping candidates).
+    mine = registry.marker("alice")
+    own = mine[:4] + "\\n" + mine[5:] if spelled == "newline" else "".join(f"\\u{ord(c):04x}" for c in mine)
+    released, leaks = await relay_arguments(registry, '{"note": "' + own + '"}', LeakPolicy.BLOCK)
+    assert leaks == [] and normal_form(mine) not in normalize(json.loads(released)["note"])
+    if spelled == "unicode":
+        assert released == '{"note": ""}'
