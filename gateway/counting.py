@@ -23,6 +23,7 @@ from gateway.piece_counts import PieceCounts
 from gateway.proxy import Upstream
 from gateway.settings import ModelSettings
 from gateway.tokens import ChatTemplateError, ModelTokenizer, vocab_size
+from isolation.json_escapes import JsonStringReader
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,22 @@ class Prompt:
             elif isinstance(content, list):
                 yield from (part["text"] for part in content if isinstance(part.get("text"), str))
 
+    def texts(self) -> Iterator[str]:
+        """Every text of the prompt the engine reads, for prompt fingerprints: a leak of any of them is one. The
+        contents, earlier tool calls' arguments (as sent, and as JSON-decoded where they hold escapes: an engine may
+        write them either way), the strings of the tools' definitions (descriptions, schemas) and the template's
+        string variables."""
+        yield from self.contents()
+        for message in self.messages or ():
+            for call in message.get("tool_calls") or ():
+                arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
+                if isinstance(arguments, str):
+                    yield arguments
+                    if "\\" in arguments:
+                        yield JsonStringReader().decoded(arguments)
+        yield from _strings(self.tools)
+        yield from _strings(self.template_kwargs)
+
     def size(self) -> int:
         return sum(len(text) for text in self.contents())
 
@@ -83,6 +100,19 @@ class Prompt:
         if self.template_kwargs:
             body["chat_template_kwargs"] = self.template_kwargs
         return body
+
+
+def _strings(value: Any) -> Iterator[str]:
+    # Iterative: a request's JSON is bounded in depth, but a walk of it need not trust that.
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            yield node
+        elif isinstance(node, dict):
+            stack.extend(reversed(node.values()))
+        elif isinstance(node, list):
+            stack.extend(reversed(node))
 
 
 class PromptCounter(Protocol):

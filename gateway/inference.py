@@ -42,7 +42,7 @@ from gateway.sse import DONE as SSE_DONE
 from gateway.state import GatewayState
 from isolation.channels import prune
 from isolation.events import IsolationEvent
-from isolation.fingerprints import AnswerCheck
+from isolation.fingerprints import AnswerCheck, Fingerprinter
 from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard
 from isolation.inject import completion_prefix, hide_injected, inject_chat, inject_completion
 from isolation.leaks import LeakPolicy
@@ -297,9 +297,15 @@ class InferenceCall:
         self.state.metrics.routed.labels(self.replica.name, self.decision.reason.value).inc()
         if self.state.fingerprints is not None:
             # Off the answer's path: what it protects is a later answer to another tenant.
-            texts = list(self.prompt.contents())
-            owner = self.tenant.incarnation()
-            self.state.background(self.state.fingerprints.register(owner, self.replica.name, texts))
+            self.state.background(self._fingerprint(self.state.fingerprints))
+
+    async def _fingerprint(self, fingerprints: Fingerprinter) -> None:
+        texts = list(self.prompt.texts())
+        counter = self.state.counters[self.model.name]
+        if self.prompt.token_ids is not None and isinstance(counter, LocalCounter):
+            # A prompt of token ids is text to the engine all the same (it carries no marker: docs/channels.md).
+            texts.append(await asyncio.to_thread(counter.tokenizer.decode, self.prompt.token_ids))
+        await fingerprints.register(self.tenant.incarnation(), self.replica.name, texts)
 
     async def scrub(self, text: str) -> str:
         guard = self.output_guard()
@@ -385,7 +391,7 @@ class InferenceCall:
         fragments = None
         if fingerprints is not None:
             fragments = AnswerCheck(
-                fingerprints.index, fingerprints.hasher, self.replica.name, owner, self.prompt.contents
+                fingerprints.index, fingerprints.hasher, self.replica.name, owner, self.prompt.texts
             )
         return OutputGuard(
             self.state.markers,

@@ -228,7 +228,12 @@ class OutputGuard:
 
     async def check_text(self, text: str) -> str:
         """A text that stands on its own (an id, a backend's error message): the tenant's own marker stripped,
-        another's handled by policy."""
+        another's handled by policy; a fragment of another tenant's prompt too (under redact, the whole text)."""
+        if self._fragments is not None and len(text) > self._fragments.hasher.shape.k:
+            # Shorter, it holds fewer words than one gram. The space ends its last word.
+            victim = self._fragments.feed(self._new_grams(), text + " ")
+            if victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None:
+                return REDACTED
         if not suspects([text]):  # no candidate in it, and no end that could start one: it passes unchanged
             return text
         scanner = StreamScanner()

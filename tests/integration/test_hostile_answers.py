@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -349,4 +350,67 @@ async def test_another_tenants_code_written_json_escaped_into_tool_arguments_is_
     body = chat_body("q", tools=TOOLS, stream=stream)
     response = await client.post(gateway + CHAT, json=body, headers=auth(BOB_KEY))
     assert "overdraft_floor" not in response.text
+    assert await events_since(client, gateway, since) == [("fingerprint_leak", "alice")]
+
+
+def memo() -> str:
+    """A passage no test sent before: the gateway's fingerprint index lives as long as the module's gateway."""
+    words = [secrets.token_hex(3) for _ in range(40)]
+    return "Merger memo, strictly private: " + " ".join(words) + "."
+
+
+async def alices_words_are_fingerprinted(client: httpx.AsyncClient, gateway: str, body: JsonObject) -> None:
+    assert (await client.post(gateway + CHAT, json=body, headers=auth(ALICE_KEY))).status_code == 200
+    await asyncio.sleep(0.3)  # prompts are fingerprinted off the answer's path
+
+
+@pytest.mark.parametrize("where", ["system_fingerprint", "id", "model", "tool_id", "error_400"])
+async def test_a_fragment_of_another_tenants_prompt_in_a_standalone_string_is_withheld(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, where: str
+) -> None:
+    # These strings were scanned for markers only; any of them can carry a passage of another tenant's prompt.
+    private = memo()
+    await alices_words_are_fingerprinted(client, gateway, chat_body(private))
+
+    def script(prompt: int) -> JsonObject | Response:
+        if where == "error_400":
+            message = "Bad prompt: " + private
+            error = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+            return Response(orjson.dumps(error), status_code=400, media_type="application/json")
+        if where == "tool_id":
+            call = {"id": private, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            return answer(prompt, None, tool_calls=[call])
+        return {**answer(prompt), where: private}
+
+    engine.script = script
+    since = time.time()
+    response = await client.post(gateway + CHAT, json=chat_body("q", tools=TOOLS), headers=auth(BOB_KEY))
+    assert private[-30:] not in response.text and response.json()["error"]["code"] == "answer_withheld", response.text
+    assert await events_since(client, gateway, since) == [("fingerprint_leak", "alice")]
+
+
+@pytest.mark.parametrize("where", ["tool description", "tool call history", "template variable"])
+async def test_a_fragment_of_a_prompt_text_outside_its_messages_is_a_leak(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, where: str
+) -> None:
+    # Only message contents were fingerprinted; tools, earlier tool calls and template variables reach the engine too.
+    private = memo()
+    if where == "tool description":
+        body = chat_body("hi", tools=[{"type": "function", "function": {"name": "f", "description": private}}])
+    elif where == "tool call history":
+        function = {"name": "f", "arguments": orjson.dumps({"m": private}).decode()}
+        call = {"id": "c1", "type": "function", "function": function}
+        messages = [
+            {"role": "user", "content": "file it"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
+        body = {"model": MODEL, "messages": messages, "tools": TOOLS}
+    else:
+        body = chat_body("hi", chat_template_kwargs={"note": private})
+    await alices_words_are_fingerprinted(client, gateway, body)
+    engine.script = lambda prompt: answer(prompt, private)
+    since = time.time()
+    response = await client.post(gateway + CHAT, json=chat_body("q"), headers=auth(BOB_KEY))
+    assert private[-30:] not in response.text and response.status_code == 502, response.text
     assert await events_since(client, gateway, since) == [("fingerprint_leak", "alice")]
