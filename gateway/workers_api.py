@@ -339,6 +339,12 @@ async def enqueue(state: GatewayState, tenant: TenantSettings, model: str, body:
     items, references = [payload for _, payload, _ in checked], [ref for _, _, ref in checked]
     job = Job.new(tenant.id, tenant.incarnation(), routes.pop(), items, references)
     cap = tenant.limits.max_queued_requests or state.settings.queue.max_queued_per_tenant
+    if len(items) > cap:
+        # A 429 would send the client retrying a batch that can never be queued.
+        raise InvalidRequest(
+            f"This batch has {len(items)} requests; this API key may have at most {cap} queued or running.",
+            param="requests",
+        )
     try:
         await state.queue.enqueue(job, cap)
     except QueueFull as full:

@@ -49,7 +49,13 @@ class Leak:
 
 LeakHandler = Callable[[Leak], Awaitable[None]]
 Decode = Callable[[list[int]], str]  # the model's tokenizer: token ids to text
+MAX_REJOINS = 8  # scans of one release after a strip: each strip shortens it, honest text needs one
 IDS_KEPT = 64  # token ids of a dropped field decoded together: far more than one marker's tokens
+
+
+class StripWouldJoin(Exception):
+    """Text built so that stripping the tenant's own marker would make a new one: it cannot be shown safe (the
+    gateway withholds the answer as a failed check)."""
 
 
 class LeakBlocked(Exception):
@@ -467,12 +473,33 @@ class OutputGuard:
         released = scan.text[: scan.release]
         if not scan.hits:
             return released
-        edits: list[tuple[Hit, str]] = []
-        for hit in scan.hits:
+        edits = await self._edits(scan.hits)
+        out = apply_edits(released, edits)
+        strips = [hit for hit, replacement in edits if replacement == ""]
+        if not strips:
+            return out
+        if any(scanner.opens_escape(scan.text[: hit.start]) for hit in strips):
+            raise StripWouldJoin("a stripped marker stands right after the start of a JSON escape")
+        # A stripped marker joins what stood around it: `CN` + the tenant's own marker + `RY-…` would go out as a
+        # marker no scan saw. What goes out is scanned again until no strip joins anything, and the next piece is
+        # read after it.
+        for _ in range(MAX_REJOINS):
+            joined = await self._edits(scan_all(out, json_strings=scanner.json_strings))
+            if not joined:
+                break
+            out = apply_edits(out, joined)
+        else:
+            raise StripWouldJoin("stripping markers kept joining text into new ones")
+        scanner.went_out(out)
+        return out
+
+    async def _edits(self, hits: list[Hit]) -> list[tuple[Hit, str]]:
+        edits = []
+        for hit in hits:
             replacement = await self._verdict(hit)
             if replacement is not None:
                 edits.append((hit, replacement))
-        return apply_edits(released, edits)
+        return edits
 
     async def _verdict(self, hit: Hit) -> str | None:
         """What replaces a candidate marker: "" for the tenant's own, REDACTED for another's under redact, None to

@@ -114,6 +114,14 @@ class StreamScanner:
         self._reader = JsonStringReader() if json_strings else None
         self._shadow = ""  # the held text as decoded (as long as it), and the decoded view's own carry
         self._shadow_carry = b""
+        # The normal form of the end of what went out (each view), and what it was before the last scan: a strip
+        # joins the text before it to the text after it (went_out).
+        self._out = self._shadow_out = self._out_before = self._shadow_out_before = b""
+        self._sent = self._sent_before = ""  # the last characters that went out, as sent (`\\u004` is 5 of them)
+
+    @property
+    def json_strings(self) -> bool:
+        return self._reader is not None
 
     @property
     def holding(self) -> bool:
@@ -132,6 +140,7 @@ class StreamScanner:
 
     def scan(self, piece: str) -> Scan:
         text = self._held + piece if self._held else piece
+        self._out_before, self._shadow_out_before, self._sent_before = self._out, self._shadow_out, self._sent
         if self._reader is not None:
             shadow = self._shadow + self._reader.shadow(piece)
             if shadow != text or self._shadow_carry != self._carry or self._reader.pending:
@@ -145,6 +154,8 @@ class StreamScanner:
         hold = _hold_from(normal)
         if not matches and hold is None:
             self._held, self._carry = "", b""
+            self._out = self._shadow_out = (self._out + normal[len(carry) :])[-_TAIL:]
+            self._sent = (self._sent + text)[-_SENT:]
             return Scan(text, _NO_HITS, len(text))
         # A hit that began in the carry starts, for this text, at its first character.
         positions = [0] * len(carry) + _positions(text)
@@ -155,7 +166,10 @@ class StreamScanner:
         # A whole hit is never cut in two: it goes out with its edit, and the part of it that could begin another
         # candidate (`cnry…` after `CNRY `, say) is carried to the next piece instead of held.
         release = max([release, *(hit.end for hit in hits)])
-        self._carry = _carried(normal, hold, len(carry) + len(normalize(text[:release])))
+        released = normalize(text[:release])
+        self._carry = _carried(normal, hold, len(carry) + len(released))
+        self._out = self._shadow_out = (self._out + released)[-_TAIL:]
+        self._sent = (self._sent + text[:release])[-_SENT:]
         self._held = text[release:]
         if self._reader is not None:
             self._shadow = self._held
@@ -164,39 +178,64 @@ class StreamScanner:
 
     def _scan_both(self, text: str, shadow: str) -> Scan:
         """`scan` over the text as sent and its decoded shadow (as long as it, so positions are shared)."""
+        assert self._reader is not None
+        # An escape not yet complete stays back whole (what it decodes to is not known yet), and so does a hit that
+        # reaches into one: it is found again, whole, once the escape is.
+        cut = len(text) - self._reader.unfinished
         views = []
         hits: dict[tuple[int, int, bytes], Hit] = {}
-        release = len(text)
+        release = cut
         for view, carry in ((text, self._carry), (shadow, self._shadow_carry)):
             normal = carry + normalize(view)
             hold = _hold_from(normal)
             matches = [m.start() for m in _CANDIDATE.finditer(normal)] if b"cnry" in normal else _NO_MATCHES
-            views.append((view, carry, normal, hold))
-            if not matches and hold is None:
-                continue
-            positions = [0] * len(carry) + _positions(view)
-            for at in matches:
-                start, end = positions[at], positions[at + NORMAL_LENGTH - 1] + 1
-                if view is shadow:
-                    start = _escape_start(text, start)
-                hit = Hit(normal[at : at + NORMAL_LENGTH], start, end)
-                hits.setdefault((start, end, hit.normal), hit)
-            if hold is not None:
-                release = min(release, _escape_start(text, positions[hold]) if view is shadow else positions[hold])
-        assert self._reader is not None
-        # An escape not yet complete stays back whole: what it decodes to is not known yet.
-        release = min(release, len(text) - self._reader.unfinished)
+            if matches or hold is not None:
+                positions = [0] * len(carry) + _positions(view)
+                for at in matches:
+                    start, end = positions[at], positions[at + NORMAL_LENGTH - 1] + 1
+                    if view is shadow:
+                        start = _escape_start(text, shadow, start)
+                    if end > cut:
+                        hold = at if hold is None else min(hold, at)
+                        continue
+                    hit = Hit(normal[at : at + NORMAL_LENGTH], start, end)
+                    hits.setdefault((start, end, hit.normal), hit)
+                if hold is not None:
+                    at = positions[hold]
+                    release = min(release, _escape_start(text, shadow, at) if view is shadow else at)
+            views.append((carry, normal, hold))
         release = max([release, *(hit.end for hit in hits.values())])
-        (_, carry, normal, hold), (_, shadow_carry, shadow_normal, shadow_hold) = views
-        self._carry = _carried(normal, hold, len(carry) + len(normalize(text[:release])))
-        self._shadow_carry = _carried(shadow_normal, shadow_hold, len(shadow_carry) + len(normalize(shadow[:release])))
+        (carry, normal, hold), (shadow_carry, shadow_normal, shadow_hold) = views
+        released, shadow_released = normalize(text[:release]), normalize(shadow[:release])
+        self._carry = _carried(normal, hold, len(carry) + len(released))
+        self._shadow_carry = _carried(shadow_normal, shadow_hold, len(shadow_carry) + len(shadow_released))
+        self._out, self._shadow_out = (self._out + released)[-_TAIL:], (self._shadow_out + shadow_released)[-_TAIL:]
+        self._sent = (self._sent + text[:release])[-_SENT:]
         self._held, self._shadow = text[release:], shadow[release:]
         return Scan(text, list(hits.values()), release)
+
+    def opens_escape(self, before: str) -> bool:
+        """Whether what went out before this scan, then `before` (the start of this scan's text), ends in the start of
+        a JSON escape: text removed after it would join it to what follows (`\\u00` + a stripped marker + `43`)."""
+        return self._reader is not None and _ESCAPE_OPEN.search((self._sent_before + before)[-_SENT:]) is not None
+
+    def went_out(self, released: str) -> None:
+        """What went out ended in `released`, edited: stripping a marker joins what stood around it, so the next
+        piece is read after that, not after the text as it came (`CN` + a stripped marker + `RY-…` is a candidate).
+        The guard calls it after edits that strip, before the next scan."""
+        out = (self._out_before + normalize(released))[-_TAIL:]
+        self._carry, self._out = _tail(out), out
+        self._sent = (self._sent_before + released)[-_SENT:]
+        if self._reader is not None:
+            shadow = (self._shadow_out_before + normalize(JsonStringReader().shadow(released)))[-_TAIL:]
+            self._shadow_carry, self._shadow_out = _tail(shadow), shadow
 
     def flush(self) -> str:
         """The end of the stream: what was held can no longer become a marker."""
         held, self._held, self._carry = self._held, "", b""
         self._shadow, self._shadow_carry = "", b""
+        self._out = self._shadow_out = b""
+        self._sent = ""
         if self._reader is not None:
             self._reader = JsonStringReader()
         return held
@@ -206,11 +245,25 @@ class StreamScanner:
 _ESCAPE_BEFORE = re.compile(r"(?:\\u[dD][89abAB][0-9a-fA-F]{2})?\\u[0-9a-fA-F]{3}\Z")
 
 
-def _escape_start(text: str, at: int) -> int:
-    """Where the escape that decodes to the character at `at` begins (`at` when it is no such escape): an edit of a
+def _escape_start(text: str, shadow: str, at: int) -> int:
+    """Where the escape that decodes to the character at `at` begins (`at` when it stands as sent): an edit of a
     hit takes whole escapes, or what is left of one would not parse."""
+    if at >= len(text) or shadow[at] == text[at]:
+        return at
     found = _ESCAPE_BEFORE.search(text, max(0, at - 11), at)
     return found.start() if found else at
+
+
+_TAIL = NORMAL_LENGTH - 1  # the longest end of a normal form that could still become a marker
+_SENT = 6
+# An escape begun and not ended: an odd run of backslashes, then nothing or `u` and at most three hex digits.
+_ESCAPE_OPEN = re.compile(r"(?<!\\)(?:\\\\)*\\(?:u[0-9a-fA-F]{0,3})?\Z")
+
+
+def _tail(normal: bytes) -> bytes:
+    """The end of a normal form that could still start a marker."""
+    hold = _hold_from(normal)
+    return normal[hold:] if hold is not None else b""
 
 
 def _carried(normal: bytes, hold: int | None, released: int) -> bytes:
@@ -218,9 +271,9 @@ def _carried(normal: bytes, hold: int | None, released: int) -> bytes:
     return normal[hold:released] if hold is not None and hold < released else b""
 
 
-def scan_all(text: str) -> list[Hit]:
+def scan_all(text: str, json_strings: bool = False) -> list[Hit]:
     """A whole text at once (a non-streamed answer)."""
-    scanner = StreamScanner()
+    scanner = StreamScanner(json_strings)
     scan = scanner.scan(text)
     return scan.hits
 

@@ -242,6 +242,8 @@ async def test_a_tenants_queued_requests_stop_at_its_cap_until_its_jobs_finish(
     await queue(client, bobs_queue, {"requests": [chat("bob's")]}, key=BOB_KEY)
     bobs = await client.post(bobs_queue, json={"requests": [chat("more")]}, headers=auth(BOB_KEY))
     assert bobs.status_code == 429 and bobs.json()["errors"][0]["code"] == 3036
+    never = await client.post(f"{gateway}{QUEUE}", json={"requests": [chat("x")] * 4}, headers=auth())
+    assert never.status_code == 400 and "at most 3" in never.json()["errors"][0]["message"], never.text
     await queue(client, f"{gateway}{QUEUE}", {"requests": [chat("three")]})  # exactly her cap
     await until(client, gateway, first, finished=True)
     second = await queue(client, f"{gateway}{QUEUE}", {"requests": [chat("five"), chat("six")]})

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isolation.guard import Leak, LeakBlocked
+from isolation.guard import Leak, LeakBlocked, StripWouldJoin
 from isolation.json_escapes import JsonStringReader
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import MarkerRegistry, normal_form
@@ -122,3 +122,71 @@ async def test_another_tenants_marker_in_escapes_is_blocked_and_redacted(spelled
     assert leaks == [] and normal_form(mine) not in normalize(json.loads(released)["note"])
     if spelled == "unicode":
         assert released == '{"note": ""}'
+
+
+async def relay_content(registry: MarkerRegistry, text: str, size: int, policy: LeakPolicy) -> tuple[str, list[Leak]]:
+    guard, leaks = guard_for(registry, policy)
+    out = []
+    for piece in [*pieces_of(text, size), ""]:
+        chunk = delta_chunk("stop" if piece == "" else None, content=piece)
+        await guard.check_chunk(chunk)
+        out.append(chunk["choices"][0]["delta"]["content"])
+    return "".join(out), leaks.found
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+@pytest.mark.parametrize("spelled", ["plain", "escaped"])
+async def test_what_stripping_the_tenants_own_marker_joins_is_scanned_too(size: int, spelled: str) -> None:
+    # `CN` + her own marker + `RY-<bob's code>` went out as bob's marker once hers was stripped, unseen.
+    registry = registry_at(tenants=("alice", "bob"))
+    mine, bobs = registry.marker("alice"), registry.marker("bob")
+    if spelled == "plain":
+        text = "x CN" + mine + "RY-" + bobs[5:] + " y"
+    else:  # `\u00` + her marker + `43`: stripped, `\u0043` (C) and the rest spell bob's
+        text = '{"note": "\\u00' + mine + '43NRY-' + bobs[5:] + '"}'
+    if spelled == "escaped":
+        # What follows the strip completes an escape begun before it: no edit can make that safe, so none is tried.
+        for policy in (LeakPolicy.BLOCK, LeakPolicy.REDACT):
+            with pytest.raises(StripWouldJoin):
+                await relay_content(registry, text, size, policy)
+        return
+    with pytest.raises(LeakBlocked):
+        await relay_content(registry, text, size, LeakPolicy.BLOCK)
+    out, leaks = await relay_content(registry, text, size, LeakPolicy.REDACT)
+    assert leaks == [Leak("bob", "leak", str(EPOCH))]
+    assert normal_form(bobs) not in normalize(out), out
+
+
+async def test_an_escape_is_never_cut_by_a_hit_as_sent_that_ends_in_it() -> None:
+    # `…\u` as sent ends a candidate (its last letter, the `u`): released, the escape's rest then completed her own
+    # marker in what a client decodes.
+    registry = registry_at(tenants=("alice", "bob"))
+    mine = registry.marker("alice")
+    guard, leaks = guard_for(registry)
+    out = []
+    for piece in ['{"note": "' + mine[:-1] + "\\u00", "41", '0041"}']:
+        call = {"index": 0, "function": {"arguments": piece}}
+        chunk = delta_chunk(tool_calls=[call])
+        await guard.check_chunk(chunk)
+        out.append(call["function"]["arguments"])
+    closing = delta_chunk("tool_calls", tool_calls=[{"index": 0, "function": {"arguments": ""}}])
+    await guard.check_chunk(closing)
+    out.append(closing["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"])
+    released = "".join(out)
+    assert normal_form(mine) not in normalize(JsonStringReader().decoded(released)), released
+    assert leaks.found == []
+
+
+@pytest.mark.parametrize("after", ["Y", "u0043NRY-{bob}"])
+async def test_an_escaped_backslash_before_u_is_no_escape_to_cut(after: str) -> None:
+    # `\\u004` is a backslash and the text `u004`: a strip that took it for an escape left `X\` + the rest.
+    registry = registry_at(tenants=("alice", "bob"))
+    mine, bobs = registry.marker("alice"), registry.marker("bob")
+    arguments = '{"note": "X\\\\u004' + mine + after.format(bob=bobs[5:]) + '"}'
+    for released, leaks in (
+        await relay_arguments(registry, arguments, LeakPolicy.BLOCK),
+        await relay_content(registry, arguments, 1000, LeakPolicy.BLOCK),
+    ):
+        assert leaks == []
+        note = json.loads(released)["note"]  # still parses
+        assert normal_form(mine) not in normalize(note) and normal_form(bobs) not in normalize(note)
