@@ -19,6 +19,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import InvalidRequest
+from isolation.scanner import normalize
 
 ModelName = Annotated[str, Field(min_length=1, max_length=256)]
 OutputTokens = Annotated[int, Field(ge=1)]
@@ -240,6 +241,16 @@ class _Generation(_Strict):
     @classmethod
     def _refused(cls, data: Any) -> Any:
         return _refuse_known(data)
+
+    @field_validator("stop", "bad_words")
+    @classmethod
+    def _no_marker_probe(cls, value: str | list[str] | None) -> str | list[str] | None:
+        # A stop string (or banned word) of `CNRY-` and a guess tells, by where the answer stops, whether the model was
+        # about to write that: a tenant could read its own hidden marker a character at a time.
+        texts = [value] if isinstance(value, str) else value or []
+        if any(b"cnry" in normalize(text) for text in texts):
+            raise ValueError("may not contain 'CNRY' (in any case or spacing): it is the gateway's canary prefix")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

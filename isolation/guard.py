@@ -30,8 +30,8 @@ from isolation.channels import ENVELOPE, Removed, drop, join, positions, texts, 
 from isolation.fingerprints import AnswerCheck
 from isolation.json_escapes import JsonStringReader, may_spell_a_marker
 from isolation.leaks import REDACTED, LeakPolicy
-from isolation.markers import MarkerRegistry
-from isolation.scanner import Hit, StreamScanner, apply_edits, scan_all, suspects
+from isolation.markers import PREFIX, MarkerRegistry, normal_form
+from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
 from isolation.winnowing import AnswerGrams
 
 MARKER = "leak"
@@ -221,7 +221,7 @@ class OutputGuard:
         for index, state in self._choices.items():
             choice: dict[str, Any] = {"index": index, "finish_reason": None}
             for key, scanner in state.scanners.items():
-                rest = scanner.flush()
+                rest = self._rest(scanner)
                 if rest and not key.startswith("lp"):
                     place(choice, key, rest)
             if state.held_logprobs is not None:
@@ -243,7 +243,7 @@ class OutputGuard:
         if not suspects([text]):  # no candidate in it, and no end that could start one: it passes unchanged
             return text
         scanner = StreamScanner()
-        return await self._release(scanner, text) + scanner.flush()
+        return await self._release(scanner, text) + self._rest(scanner)
 
     async def check_removed(self, removed: Removed) -> None:
         """Scan what never goes out (pruned fields, stray SSE lines, a backend's error event): another tenant's
@@ -346,7 +346,7 @@ class OutputGuard:
             original = holder[name]
             released = await self._release(scanner, original)
             if final:
-                released += scanner.flush()
+                released += self._rest(scanner)
             holding |= scanner.holding
             if released != original:
                 holder[name] = released
@@ -355,7 +355,7 @@ class OutputGuard:
         if final:
             seen = {key for key, _, _ in slots}
             for key, scanner in state.scanners.items():
-                rest = scanner.flush()
+                rest = self._rest(scanner)
                 if rest and key not in seen and not key.startswith("lp"):
                     place(choice, key, rest)
 
@@ -484,7 +484,7 @@ class OutputGuard:
         # marker no scan saw. What goes out is scanned again until no strip joins anything, and the next piece is
         # read after it.
         for _ in range(MAX_REJOINS):
-            joined = await self._edits(scan_all(out, json_strings=scanner.json_strings))
+            joined = await self._edits(scanner.after_out(out))
             if not joined:
                 break
             out = apply_edits(out, joined)
@@ -492,6 +492,17 @@ class OutputGuard:
             raise StripWouldJoin("stripping markers kept joining text into new ones")
         scanner.went_out(out)
         return out
+
+    def _rest(self, scanner: StreamScanner) -> str:
+        """What a stream's scanner still held at its end: a tail that can no longer become a marker goes out, except
+        the start of the tenant's own (a stream cut by max_tokens inside it would show her most of her marker)."""
+        held = scanner.flush()
+        if not held:
+            return held
+        normal = normalize(held)
+        if len(normal) > len(PREFIX) and normal_form(self._registry.marker(self._tenant)).startswith(normal):
+            return ""
+        return held
 
     async def _edits(self, hits: list[Hit]) -> list[tuple[Hit, str]]:
         edits = []

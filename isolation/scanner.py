@@ -154,8 +154,7 @@ class StreamScanner:
         hold = _hold_from(normal)
         if not matches and hold is None:
             self._held, self._carry = "", b""
-            self._out = self._shadow_out = (self._out + normal[len(carry) :])[-_TAIL:]
-            self._sent = (self._sent + text)[-_SENT:]
+            self._went(normal[len(carry) :], text)
             return Scan(text, _NO_HITS, len(text))
         # A hit that began in the carry starts, for this text, at its first character.
         positions = [0] * len(carry) + _positions(text)
@@ -168,13 +167,27 @@ class StreamScanner:
         release = max([release, *(hit.end for hit in hits)])
         released = normalize(text[:release])
         self._carry = _carried(normal, hold, len(carry) + len(released))
-        self._out = self._shadow_out = (self._out + released)[-_TAIL:]
-        self._sent = (self._sent + text[:release])[-_SENT:]
+        self._went(released, text[:release])
         self._held = text[release:]
         if self._reader is not None:
             self._shadow = self._held
             self._shadow_carry = self._carry
         return Scan(text, hits, release)
+
+    def _went(self, normal: bytes, text: str) -> None:
+        """`text` went out as it came, and (while no escape is near) read alike both ways; `normal` its normal form."""
+        self._out = (self._out + normal)[-_TAIL:]
+        if self._reader is not None:
+            self._shadow_out = (self._shadow_out + normal)[-_TAIL:]
+            self._sent = (self._sent + text)[-_SENT:]
+
+    def after_out(self, text: str) -> list[Hit]:
+        """The candidates in `text` (about to go out, edited) read after what went out before this scan: a stripped
+        marker joins what stood before it, in earlier chunks too. A hit begun before `text` starts at its start."""
+        scanner = StreamScanner(self._reader is not None)
+        scanner._carry, scanner._shadow_carry = _tail(self._out_before), _tail(self._shadow_out_before)
+        scanner._sent = self._sent_before
+        return scanner.scan(text).hits
 
     def _scan_both(self, text: str, shadow: str) -> Scan:
         """`scan` over the text as sent and its decoded shadow (as long as it, so positions are shared)."""

@@ -190,3 +190,32 @@ async def test_an_escaped_backslash_before_u_is_no_escape_to_cut(after: str) -> 
         assert leaks == []
         note = json.loads(released)["note"]  # still parses
         assert normal_form(mine) not in normalize(note) and normal_form(bobs) not in normalize(note)
+
+
+@pytest.mark.parametrize("field", ["content", "arguments"])
+async def test_a_stream_cut_inside_the_tenants_own_marker_shows_none_of_it(field: str) -> None:
+    # max_tokens can end an answer in the middle of a marker the model repeats: the held start of her own went out.
+    registry = registry_at(tenants=("alice", "bob"))
+    mine, bobs = registry.marker("alice"), registry.marker("bob")
+    if field == "content":
+        assert await relay_content(registry, "Note: " + mine[:15], 4, LeakPolicy.BLOCK) == ("Note: ", [])
+        # The start of another tenant's is no secret of hers, and no leak: a tail that cannot become a marker.
+        assert await relay_content(registry, "Note: " + bobs[:15], 4, LeakPolicy.BLOCK) == ("Note: " + bobs[:15], [])
+    else:
+        assert await relay_arguments(registry, '{"note": "' + mine[:12], LeakPolicy.BLOCK) == ('{"note": "', [])
+
+
+@pytest.mark.parametrize(
+    ("text", "cut"),
+    [("C{alice}{bob1}", 2), ("CNR\\n{alice}Y{bob5}", 1), ("CNR\\n{alice}Y{bob5}", 3)],
+)
+async def test_a_strip_joins_with_what_went_out_in_earlier_chunks_too(text: str, cut: int) -> None:
+    # The `C` (or `CNR\n`) went out a chunk before her marker; stripped, the rest spelled bob's marker, unseen.
+    registry = registry_at(tenants=("alice", "bob"))
+    mine, bobs = registry.marker("alice"), registry.marker("bob")
+    answer = text.format(alice=mine, bob1=bobs[1:], bob5=bobs[5:])
+    guard, leaks = guard_for(registry)
+    with pytest.raises(LeakBlocked):
+        for piece in [answer[:cut], *pieces_of(answer[cut:], cut)]:
+            await guard.check_chunk(delta_chunk(content=piece))
+    assert leaks.found == [Leak("bob", "leak", str(EPOCH))]

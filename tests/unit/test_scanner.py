@@ -492,17 +492,21 @@ async def test_tool_call_arguments_are_scanned(registry: MarkerRegistry) -> None
 
 async def test_choices_and_fields_are_scanned_as_separate_streams(registry: MarkerRegistry) -> None:
     guard, leaks = guard_for(registry, choices=2)
-    mine = registry.marker("alice")
+    bobs = registry.marker("bob")
     # Half a marker in choice 0 and the other half in choice 1 (or in another field) is no marker.
-    first = delta_chunk(content=mine[:12])
-    second = delta_chunk(index=1, content=mine[12:])
-    third = delta_chunk(reasoning_content=mine[12:])
+    first = delta_chunk(content=bobs[:12])
+    second = delta_chunk(index=1, content=bobs[12:])
+    third = delta_chunk(reasoning_content=bobs[12:])
     for chunk in (first, second, third):
         await guard.check_chunk(chunk)
-    assert second["choices"][0]["delta"]["content"] == mine[12:]
-    assert third["choices"][0]["delta"]["reasoning_content"] == mine[12:]
-    assert guard.closing() == [{"index": 0, "finish_reason": None, "delta": {"content": mine[:12]}}]
+    assert second["choices"][0]["delta"]["content"] == bobs[12:]
+    assert third["choices"][0]["delta"]["reasoning_content"] == bobs[12:]
+    assert guard.closing() == [{"index": 0, "finish_reason": None, "delta": {"content": bobs[:12]}}]
     assert leaks.found == []
+    # The held start of her own marker is never handed over: it would show her most of it.
+    guard, leaks = guard_for(registry)
+    await guard.check_chunk(delta_chunk(content=registry.marker("alice")[:12]))
+    assert guard.closing() == [] and leaks.found == []
 
 
 async def test_text_held_at_the_finish_is_flushed_into_the_finishing_chunk(registry: MarkerRegistry) -> None:
