@@ -327,11 +327,10 @@ class OutputGuard:
             await self._find_fragments(state, slots, streams, choice)
         # One pass over every text of this event finds the few that a scanner must look at; most events have none.
         flagged = suspects([holder[name] for _, holder, name in slots] + ["".join(p) for p in streams.values()])
-        # A backslash may start a JSON escape that spells a marker only once a client decodes the text.
-        escaped = any(may_spell_a_marker(holder[name]) for _, holder, name in slots)
-        idle = state.held_logprobs is None and _idle(state.scanners)
-        if flagged is not None and not flagged and not escaped and idle:
-            return
+        if flagged is not None and not flagged and state.held_logprobs is None and _idle(state.scanners):
+            # Unless a backslash starts a JSON escape that spells a marker only once a client decodes the text.
+            if not any(may_spell_a_marker(holder[name]) for _, holder, name in slots):
+                return
         holding = False
         for position, (key, holder, name) in enumerate(slots):
             scanner = state.scanners.get(key)
