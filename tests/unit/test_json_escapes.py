@@ -85,10 +85,13 @@ def test_a_marker_only_decoding_spells_is_found_whatever_the_chunking(case: tupl
     assert normal not in normalize(before) and normal not in normalize(JsonStringReader().decoded(before))
 
 
-async def relay_arguments(registry: MarkerRegistry, arguments: str, policy: LeakPolicy) -> tuple[str, list[Leak]]:
+async def relay_arguments(
+    registry: MarkerRegistry, arguments: str, policy: LeakPolicy, pieces: list[str] | None = None
+) -> tuple[str, list[Leak]]:
+    """Stream tool-call arguments (in pieces of 5, or these pieces) and a closing chunk: what goes out, the leaks."""
     guard, leaks = guard_for(registry, policy)
     released = []
-    for piece in pieces_of(arguments, 5):
+    for piece in pieces if pieces is not None else pieces_of(arguments, 5):
         call = {"index": 0, "id": "call_1", "type": "function", "function": {"arguments": piece}}
         chunk = delta_chunk(tool_calls=[call])
         await guard.check_chunk(chunk)
@@ -162,19 +165,10 @@ async def test_an_escape_is_never_cut_by_a_hit_as_sent_that_ends_in_it() -> None
     # marker in what a client decodes.
     registry = registry_at(tenants=("alice", "bob"))
     mine = registry.marker("alice")
-    guard, leaks = guard_for(registry)
-    out = []
-    for piece in ['{"note": "' + mine[:-1] + "\\u00", "41", '0041"}']:
-        call = {"index": 0, "function": {"arguments": piece}}
-        chunk = delta_chunk(tool_calls=[call])
-        await guard.check_chunk(chunk)
-        out.append(call["function"]["arguments"])
-    closing = delta_chunk("tool_calls", tool_calls=[{"index": 0, "function": {"arguments": ""}}])
-    await guard.check_chunk(closing)
-    out.append(closing["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"])
-    released = "".join(out)
+    pieces = ['{"note": "' + mine[:-1] + "\\u00", "41", '0041"}']
+    released, leaks = await relay_arguments(registry, "".join(pieces), LeakPolicy.BLOCK, pieces)
     assert normal_form(mine) not in normalize(JsonStringReader().decoded(released)), released
-    assert leaks.found == []
+    assert leaks == []
 
 
 @pytest.mark.parametrize("after", ["Y", "u0043NRY-{bob}"])
