@@ -230,7 +230,7 @@ class StreamScanner:
     def opens_escape(self, before: str) -> bool:
         """Whether what went out before this scan, then `before` (the start of this scan's text), ends in the start of
         a JSON escape: text removed after it would join it to what follows (`\\u00` + a stripped marker + `43`)."""
-        return self._reader is not None and _ESCAPE_OPEN.search((self._sent_before + before)[-_SENT:]) is not None
+        return self._reader is not None and _opens_escape((self._sent_before + before)[-_SENT:])
 
     def went_out(self, released: str) -> None:
         """What went out ended in `released`, edited: stripping a marker joins what stood around it, so the next
@@ -268,9 +268,17 @@ def _escape_start(text: str, shadow: str, at: int) -> int:
 
 
 _TAIL = NORMAL_LENGTH - 1  # the longest end of a normal form that could still become a marker
-_SENT = 6
-# An escape begun and not ended: an odd run of backslashes, then nothing or `u` and at most three hex digits.
-_ESCAPE_OPEN = re.compile(r"(?<!\\)(?:\\\\)*\\(?:u[0-9a-fA-F]{0,3})?\Z")
+_SENT = 64
+_OPEN_UNICODE = re.compile(r"u[0-9a-fA-F]{0,3}\Z")
+
+
+def _opens_escape(sent: str) -> bool:
+    """Whether `sent` ends inside an escape begun and not ended: an odd run of backslashes, then nothing or `u` and at
+    most three hex digits. A run as long as what is known of the text is taken as open: its parity is not known."""
+    unicode = _OPEN_UNICODE.search(sent)
+    before = sent[: unicode.start()] if unicode else sent
+    run = len(before) - len(before.rstrip("\\"))
+    return run % 2 == 1 or (run > 0 and run == len(before))
 
 
 def _tail(normal: bytes) -> bytes:
@@ -284,9 +292,9 @@ def _carried(normal: bytes, hold: int | None, released: int) -> bytes:
     return normal[hold:released] if hold is not None and hold < released else b""
 
 
-def scan_all(text: str, json_strings: bool = False) -> list[Hit]:
+def scan_all(text: str) -> list[Hit]:
     """A whole text at once (a non-streamed answer)."""
-    scanner = StreamScanner(json_strings)
+    scanner = StreamScanner()
     scan = scanner.scan(text)
     return scan.hits
 
