@@ -32,7 +32,7 @@ from isolation.json_escapes import JsonStringReader, may_spell_a_marker
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import PREFIX, MarkerRegistry, normal_form
 from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
-from isolation.winnowing import AnswerGrams
+from isolation.winnowing import AnswerGrams, words
 
 MARKER = "leak"
 FRAGMENT = "fingerprint_leak"
@@ -235,8 +235,8 @@ class OutputGuard:
     async def check_text(self, text: str) -> str:
         """A text that stands on its own (an id, a backend's error message): the tenant's own marker stripped,
         another's handled by policy; a fragment of another tenant's prompt too (under redact, the whole text)."""
-        if self._fragments is not None and len(text) > self._fragments.hasher.shape.k:
-            # Shorter, it holds fewer words than one gram. The space ends its last word.
+        if self._fragments is not None and len(words(text)) > self._fragments.hasher.shape.k:
+            # With fewer words it holds not one gram (an id, a model name: most of these). The space ends its last.
             victim = self._fragments.feed(self._new_grams(), text + " ")
             if victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None:
                 return REDACTED
