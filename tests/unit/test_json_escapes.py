@@ -15,6 +15,7 @@ from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import MarkerRegistry, normal_form
 from isolation.scanner import StreamScanner, normalize
 from tests.unit.test_scanner import EPOCH, delta_chunk, guard_for, markers, pieces_of, registry_at, split
+from tests.unit.test_scanner import relay_content as relay_with
 
 
 def inside(text: str, ascii_only: bool) -> str:
@@ -129,12 +130,7 @@ async def test_another_tenants_marker_in_escapes_is_blocked_and_redacted(spelled
 
 async def relay_content(registry: MarkerRegistry, text: str, size: int, policy: LeakPolicy) -> tuple[str, list[Leak]]:
     guard, leaks = guard_for(registry, policy)
-    out = []
-    for piece in [*pieces_of(text, size), ""]:
-        chunk = delta_chunk("stop" if piece == "" else None, content=piece)
-        await guard.check_chunk(chunk)
-        out.append(chunk["choices"][0]["delta"]["content"])
-    return "".join(out), leaks.found
+    return await relay_with(guard, text, size), leaks.found
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
