@@ -120,10 +120,6 @@ class StreamScanner:
         self._sent = self._sent_before = ""  # the last characters that went out, as sent (`\\u004` is 5 of them)
 
     @property
-    def json_strings(self) -> bool:
-        return self._reader is not None
-
-    @property
     def holding(self) -> bool:
         """Text is held back: it could still become a marker with what comes next."""
         return bool(self._held)
