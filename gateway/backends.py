@@ -29,6 +29,7 @@ class ReplicaState(StrEnum):
     UNHEALTHY = "unhealthy"
     QUARANTINED = "quarantined"
     DRAINING = "draining"
+    SUSPENDED = "suspended"  # out of rotation while a leak's confirmation probe runs
 
 
 @dataclass(eq=False)
@@ -101,6 +102,15 @@ class ReplicaPool:
     async def set_admin_state(self, replica: Replica, state: AdminState | None, reason: str) -> None:
         await self._store.set_admin_state(replica.name, state)
         self._apply_admin_state(replica, state, reason)
+
+    async def replace_admin_state(
+        self, replica: Replica, expected: AdminState, state: AdminState | None, reason: str
+    ) -> bool:
+        """Set `state` only while the replica is still `expected` on every instance; True when it was."""
+        if not await self._store.replace_admin_state(replica.name, expected, state):
+            return False
+        self._apply_admin_state(replica, state, reason)
+        return True
 
     def _apply_admin_state(self, replica: Replica, state: AdminState | None, reason: str) -> None:
         if replica.admin_state != state:

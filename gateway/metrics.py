@@ -204,7 +204,7 @@ class GatewayMetrics:
         )
         self.replica_state = Gauge(
             "bulkhead_replica_state",
-            "1 for the state a replica is in (healthy, unhealthy, quarantined, draining).",
+            "1 for the state a replica is in (healthy, unhealthy, quarantined, draining, suspended).",
             ["backend", "state"],
             registry=self.registry,
             multiprocess_mode="livemostrecent",

@@ -1,17 +1,19 @@
 """What a leak does to the replica that answered: out of rotation on every instance, within bounds no tenant can
 turn into a weapon.
 
-A leak event shows that an answer carried another tenant's marker. That is an engine fault only if the engine
-put it there, and a tenant who somehow learned a marker could have the engine echo it on purpose, so one
-request must not be able to take capacity away from everyone:
-- while other routable replicas serve the model, the replica is quarantined at once (the model stays served);
-- the last one is first probed with the prober's canary probe (synthetic identities whose markers exist for that
-  probe only, so no tenant can fake its outcome) and quarantined only when the probe sees it mix requests; the
-  follow-up event (kind `leak_check`) says whether it was confirmed;
-- automatic quarantines of one replica are bounded per window (`isolation.quarantine`), per instance; past the
-  bound the leak is still blocked and recorded, and the decision is counted.
+A leak event shows that an answer carried another tenant's marker or prompt text. That is an engine fault only if
+the engine put it there, and tenants can fake one: a tenant who learned a marker can have the engine echo it, and
+two accounts of one person need no secret at all to make a fingerprint event (one sends a text, the other asks the
+model to decode an encoding of it). So no tenant's request decides on its own; the prober's canary probe does
+(synthetic identities whose markers exist for that probe only, so no tenant can fake its outcome):
+- while other routable replicas serve the model, the replica is suspended at once (out of rotation, the model
+  stays served) and probed; it is quarantined when the probe sees it mix requests, and released when it does not;
+- the last one stays in rotation while it is probed, and is quarantined only when the probe sees it mix requests;
+- the follow-up event (kind `leak_check`) says whether the probe confirmed it and what was done;
+- automatic suspensions and quarantines of one replica are bounded per window (`isolation.quarantine`), per
+  instance; past the bound the leak is still blocked and recorded, and the decision is counted.
 Every decision is counted in `bulkhead_quarantines_total{replica,outcome}`. With `quarantine_on_leak: false`
-nothing is quarantined, on any path.
+nothing is suspended or quarantined, on any path.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import replace
+from typing import Final
 
 from redis.exceptions import RedisError
 
@@ -27,12 +30,15 @@ from gateway.backends import Replica
 from gateway.incidents import report
 from gateway.prober import probe
 from gateway.state import GatewayState
+from gateway.store import AdminState
 from isolation.audit import AuditError
 from isolation.events import IsolationEvent
 
 log = logging.getLogger("bulkhead.isolation")
 
-QUARANTINED = "quarantined"
+QUARANTINED: Final = "quarantined"
+SUSPENDED: Final = "suspended"
+RELEASED = "released"
 PROBING = "probing"
 BOUNDED = "bounded"
 DISABLED = "disabled"
@@ -60,16 +66,28 @@ class QuarantineBudget:
         return True
 
 
-async def quarantine(state: GatewayState, replica: Replica, reason: str) -> None:
+async def _set(state: GatewayState, replica: Replica, admin_state: AdminState, reason: str) -> None:
     try:
-        await state.pool.set_admin_state(replica, "quarantined", reason)
+        await state.pool.set_admin_state(replica, admin_state, reason)
     except (RedisError, OSError) as exc:
-        log.error("quarantine of %s not shared: %s", replica.name, type(exc).__name__)
-        replica.admin_state = "quarantined"  # at least here, when the store cannot tell the others
+        log.error("%s of %s not shared: %s", admin_state, replica.name, type(exc).__name__)
+        replica.admin_state = admin_state  # at least here, when the store cannot tell the others
+
+
+async def _release(state: GatewayState, replica: Replica, reason: str) -> bool:
+    """End a suspension; False when the replica is no longer suspended (an operator decided meanwhile)."""
+    try:
+        return await state.pool.replace_admin_state(replica, SUSPENDED, None, reason)
+    except (RedisError, OSError) as exc:
+        log.error("release of %s not shared: %s", replica.name, type(exc).__name__)
+        if replica.admin_state != SUSPENDED:
+            return False
+        replica.admin_state = None  # here, as _set suspended it here when the store could not tell the others
+        return True
 
 
 def _decide(event: IsolationEvent, state: GatewayState, replica: Replica | None) -> str:
-    if replica is None or replica.admin_state == "quarantined":
+    if replica is None or replica.admin_state in (QUARANTINED, SUSPENDED):
         return NONE
     if not state.settings.isolation.canary.quarantine_on_leak:
         return DISABLED
@@ -77,7 +95,7 @@ def _decide(event: IsolationEvent, state: GatewayState, replica: Replica | None)
     others = [r for r in state.pool.routable(model) if r is not replica] if model is not None else []
     if not others:
         return PROBING
-    return QUARANTINED if state.quarantines.take(replica.name) else BOUNDED
+    return SUSPENDED if state.quarantines.take(replica.name) else BOUNDED
 
 
 async def on_leak(event: IsolationEvent, state: GatewayState) -> None:
@@ -88,9 +106,9 @@ async def on_leak(event: IsolationEvent, state: GatewayState) -> None:
     await report(replace(event, action=action), state)
     if replica is None:
         return
-    if action == QUARANTINED:
-        await quarantine(state, replica, f"{event.kind} in request {event.request_id}")
-    elif action == PROBING and replica.name not in state.quarantines.probing:
+    if action == SUSPENDED:
+        await _set(state, replica, SUSPENDED, f"{event.kind} in request {event.request_id}, being probed")
+    if action in (SUSPENDED, PROBING) and replica.name not in state.quarantines.probing:
         state.quarantines.probing.add(replica.name)
         state.background(_confirm(state, replica, event))
 
@@ -106,13 +124,18 @@ async def _confirm(state: GatewayState, replica: Replica, event: IsolationEvent)
         state.quarantines.probing.discard(replica.name)
     confirmed = bool(findings)
     state.metrics.quarantines.labels(replica.name, "confirmed" if confirmed else "unconfirmed").inc()
-    action = NONE
+    # A suspension took its place in the bound already.
+    suspended = replica.admin_state == SUSPENDED
     if confirmed:
-        action = QUARANTINED if state.quarantines.take(replica.name) else BOUNDED
+        action = QUARANTINED if suspended or state.quarantines.take(replica.name) else BOUNDED
+    else:
+        released = suspended and await _release(state, replica, "the leak's confirmation probe saw no requests mixed")
+        action = RELEASED if released else NONE
+    if action != NONE:
         state.metrics.quarantines.labels(replica.name, action).inc()
     detail = findings[0].title if findings else "the canary probe saw no requests mixed"
     outcome = "yes" if confirmed else "no"
     check = replace(event, kind=CHECK, detail=detail, action=action, confirmed=outcome, time=time.time())
     await report(check, state)
     if action == QUARANTINED:
-        await quarantine(state, replica, f"confirmed leak in request {event.request_id}")
+        await _set(state, replica, QUARANTINED, f"confirmed leak in request {event.request_id}")

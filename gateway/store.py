@@ -1,7 +1,8 @@
 """State that gateway instances share: in Redis when configured, in this process's memory otherwise.
 
 Both implementations behave the same and are exercised by the same tests. What is shared today:
-- operator decisions about replicas (quarantined, draining), sticky until released;
+- decisions about replicas (quarantined, draining: sticky until released; suspended while a leak's confirmation
+  probe runs: quarantine.py);
 - failures seen on the request path (a count per replica), so every instance takes a failing replica out of
   rotation at its next sync, until its own next health check passes.
 """
@@ -14,12 +15,16 @@ from redis.asyncio import Redis
 
 from isolation.redis_text import text_fields
 
-AdminState = Literal["quarantined", "draining"]
-ADMIN_STATES: tuple[AdminState, ...] = ("quarantined", "draining")
+AdminState = Literal["quarantined", "draining", "suspended"]
+ADMIN_STATES: tuple[AdminState, ...] = ("quarantined", "draining", "suspended")
 
 
 class Store(Protocol):
     async def set_admin_state(self, replica: str, state: AdminState | None) -> None: ...
+
+    async def replace_admin_state(self, replica: str, expected: AdminState, state: AdminState | None) -> bool:
+        """Set `state` only while the replica is still `expected` (not changed meanwhile, by an operator say)."""
+        ...
 
     async def admin_states(self) -> dict[str, AdminState]: ...
 
@@ -39,6 +44,12 @@ class MemoryStore:
         else:
             self._admin[replica] = state
 
+    async def replace_admin_state(self, replica: str, expected: AdminState, state: AdminState | None) -> bool:
+        if self._admin.get(replica) != expected:
+            return False
+        await self.set_admin_state(replica, state)
+        return True
+
     async def admin_states(self) -> dict[str, AdminState]:
         return dict(self._admin)
 
@@ -49,6 +60,14 @@ class MemoryStore:
         return dict(self._failures)
 
 
+# KEYS: the admin hash; ARGV: replica, expected state, new state ("" releases). 1 when replaced.
+_REPLACE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+if ARGV[3] == '' then redis.call('HDEL', KEYS[1], ARGV[1]) else redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) end
+return 1
+"""
+
+
 class RedisStore:
     """Two hashes, replica → state: `{prefix}replica-admin` and `{prefix}replica-failures`."""
 
@@ -56,12 +75,16 @@ class RedisStore:
         self._redis = redis
         self._admin = f"{prefix}replica-admin"
         self._failures = f"{prefix}replica-failures"
+        self._replace = redis.register_script(_REPLACE)
 
     async def set_admin_state(self, replica: str, state: AdminState | None) -> None:
         if state is None:
             await self._redis.hdel(self._admin, replica)
         else:
             await self._redis.hset(self._admin, replica, state)
+
+    async def replace_admin_state(self, replica: str, expected: AdminState, state: AdminState | None) -> bool:
+        return bool(await self._replace(keys=[self._admin], args=[replica, expected, state or ""]))
 
     async def admin_states(self) -> dict[str, AdminState]:
         raw = text_fields(await self._redis.hgetall(self._admin))

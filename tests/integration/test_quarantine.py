@@ -1,14 +1,25 @@
-"""Leak alerts a tenant cannot weaponise: a tenant who learned a marker can make an engine echo it, but one such
-request must not take a model's last replica away from everyone, and automatic quarantines are bounded."""
+"""Leak alerts a tenant cannot weaponise: a tenant who learned a marker can make an engine echo it, and two accounts
+of one person can make a fingerprint leak with no secret at all, but no such request takes a replica away for
+good: only the prober's canary probe quarantines; a replica is suspended while it is probed (or, the last one,
+stays in rotation), and automatic decisions are bounded."""
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
 
+from gateway.serving import run_server
+from gateway.tenants import hash_key
+from gateway.tokens import ModelTokenizer
+from tests.integration.adversary import Adversary, Plan, _contents
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.integration.test_canaries import alice_fills_the_cache, canaries_only, over_capacity, session_on
 
@@ -94,7 +105,7 @@ async def test_a_real_leak_on_the_last_replica_is_confirmed_then_quarantined(
     assert (await states(client, gateway_url))["sim"] == "quarantined"
 
 
-async def test_quarantines_are_immediate_while_others_serve_and_bounded(
+async def test_a_replica_is_suspended_at_once_while_others_serve_released_by_the_probe_and_bounded(
     client: httpx.AsyncClient, make_gateway: Any, make_sim: Any
 ) -> None:
     names = ["a", "b"]
@@ -106,16 +117,57 @@ async def test_quarantines_are_immediate_while_others_serve_and_bounded(
     )
     on_a = session_on("bob", "a", names)
     assert (await echo_it(client, gateway_url, marker, on_a)).status_code == 502
-    assert (await states(client, gateway_url))["a"] == "quarantined", "b still serves the model"
-    # Released by an operator, then hit again within the window: the bound holds, the leak is still blocked.
-    await client.post(f"{gateway_url}/admin/replicas/a/release", headers=ADMIN_AUTH)
+    [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "leak"]
+    assert leak["action"] == "suspended", "b still serves the model: a is out of rotation at once"
+    # The echo was bob's doing, not the engine's: the probe sees no requests mixed, and a comes back.
+    check = await wait_for_event(client, gateway_url, "leak_check")
+    assert (check["confirmed"], check["action"], check["request_id"]) == ("no", "released", leak["request_id"])
     assert (await states(client, gateway_url))["a"] == "healthy"
+    # Hit again within the window: the bound holds, the leak is still blocked, nothing leaves rotation.
     assert (await echo_it(client, gateway_url, marker, on_a)).status_code == 502
     assert (await states(client, gateway_url))["a"] == "healthy"
     actions = [e["action"] for e in await events(client, gateway_url) if e["kind"] == "leak"]
-    assert actions == ["bounded", "quarantined"]  # newest first
+    assert actions == ["bounded", "suspended"]  # newest first
     metrics = (await client.get(f"{gateway_url}/metrics")).text
-    assert metric(metrics, "bulkhead_quarantines_total", replica="a", outcome="bounded") == 1
+    for outcome in ("suspended", "unconfirmed", "released", "bounded"):
+        assert metric(metrics, "bulkhead_quarantines_total", replica="a", outcome=outcome) == 1, outcome
+
+
+async def test_a_real_leak_while_others_serve_is_suspended_then_confirmed_and_quarantined(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Any
+) -> None:
+    sims = {"leaky": make_sim(num_gpu_blocks=16, output_tokens=64, fault="stale-kv"), "healthy": make_sim()}
+    gateway_url = make_gateway(
+        sims, models=canaries_only(tokenizer_dir, list(sims)), admin_token=ADMIN, isolation={"prober": FAST_PROBE}
+    )
+    await alice_fills_the_cache(client, gateway_url, session_on("alice", "leaky", list(sims)))
+    headers = auth(BOB_KEY) | {"x-session-affinity": session_on("bob", "leaky", list(sims))}
+    assert (await client.post(f"{gateway_url}{CHAT}", json=over_capacity(), headers=headers)).status_code == 502
+    [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "leak"]
+    assert leak["action"] == "suspended"
+    check = await wait_for_event(client, gateway_url, "leak_check")
+    assert (check["confirmed"], check["action"]) == ("yes", "quarantined")
+    assert (await states(client, gateway_url)) == {"leaky": "quarantined", "healthy": "healthy"}
+
+
+async def test_an_operator_decision_during_the_probe_stands(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any
+) -> None:
+    names = ["a", "b"]
+    sims = {name: make_sim() for name in names}
+    # A probe slow enough for the operator to act while it runs.
+    slow = {"rate": 10, "max_requests": 20, "time_limit_s": 30}
+    gateway_url = make_gateway(sims, admin_token=ADMIN, isolation={"prober": slow})
+    await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth(ALICE_KEY))
+    marker = next(
+        r["body"]["messages"][0]["content"] for name in names for r in forwarded(sims[name]) if r["body"]
+    )
+    assert (await echo_it(client, gateway_url, marker, session_on("bob", "a", names))).status_code == 502
+    assert (await states(client, gateway_url))["a"] == "suspended"
+    await client.post(f"{gateway_url}/admin/replicas/a/drain", headers=ADMIN_AUTH)
+    check = await wait_for_event(client, gateway_url, "leak_check")
+    assert (check["confirmed"], check["action"]) == ("no", "none")
+    assert (await states(client, gateway_url))["a"] == "draining", "the probe's release must not undo a decision"
 
 
 async def test_quarantine_on_leak_off_is_honoured(client: httpx.AsyncClient, make_gateway: Any, sim_url: str) -> None:
@@ -126,3 +178,55 @@ async def test_quarantine_on_leak_off_is_honoured(client: httpx.AsyncClient, mak
     [leak] = await events(client, gateway_url)
     assert leak["action"] == "disabled"
     assert (await states(client, gateway_url))["sim"] == "healthy"
+
+
+class DecodingModel(Adversary):
+    """A chat model that follows one instruction: 'ROT13: <text>' is answered with the text decoded. Honest usage,
+    nothing mixed between requests."""
+
+    async def _chat(self, request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        last = list(_contents([body["messages"][-1]]))[-1]
+        if "ROT13:" not in last:
+            return await super()._chat(request)
+        self.plan = Plan("content", source="own")
+        return self._answer(True, body, codecs.decode(last.split("ROT13:", 1)[1].strip(), "rot13"))
+
+
+async def test_two_accounts_of_one_person_cannot_take_a_replica_out_for_good(
+    client: httpx.AsyncClient, make_gateway: Any, tokenizer_dir: Path
+) -> None:
+    # A fingerprint leak needs no secret: one account sends a text, the other asks the model to decode it from an
+    # encoding, so none of its words are in the asker's prompt (red team, 2026-12-01).
+    tokenizer = ModelTokenizer.from_dir(tokenizer_dir)
+    names = ["r1", "r2"]
+    with run_server(DecodingModel(tokenizer).app()) as r1, run_server(DecodingModel(tokenizer).app()) as r2:
+        tenants = [{"id": name, "key_hashes": [hash_key(f"bk-test-{name}-0123456789")]} for name in ("m1", "m2")]
+        gateway_url = make_gateway(
+            {"r1": r1, "r2": r2},
+            models=canaries_only(tokenizer_dir, names),
+            tenants=tenants,
+            admin_token=ADMIN,
+            isolation={"prober": FAST_PROBE},
+        )
+
+        async def send(tenant: str, content: str) -> httpx.Response:
+            headers = auth(f"bk-test-{tenant}-0123456789") | {"x-session-affinity": session_on(tenant, "r1", names)}
+            return await client.post(f"{gateway_url}{CHAT}", json=chat_body(content, max_tokens=200), headers=headers)
+
+        assert (await send("m1", DECODED)).status_code == 200
+        await asyncio.sleep(0.3)  # fingerprints are registered off the answer's path
+        assert (await send("m2", "ROT13: " + codecs.encode(DECODED, "rot13"))).status_code == 502
+        [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "fingerprint_leak"]
+        assert (leak["tenant"], leak["victim_tenant"], leak["action"]) == ("m2", "m1", "suspended")
+        check = await wait_for_event(client, gateway_url, "leak_check")
+        assert (check["confirmed"], check["action"]) == ("no", "released")
+        assert await states(client, gateway_url) == {"r1": "healthy", "r2": "healthy"}
+
+
+DECODED = (
+    "Quillon marmalade osprey ventures calibrate the sixteen lanterns beside a quiet harbour while nine copper "
+    "foxes recite forgotten ledgers about tangerine bridges and velvet compasses drifting over amber valleys where "
+    "patient librarians weave thunder into parchment and every lighthouse keeper counts seventeen silver herons "
+    "before the violet tide returns to the crooked orchard of marble tortoises and humming anvils tonight"
+)

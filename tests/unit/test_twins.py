@@ -503,6 +503,17 @@ async def test_admin_states_are_set_replaced_and_released(store: Store, prefix: 
     assert mine(await store.admin_states(), prefix) == {b: "quarantined"}
 
 
+async def test_an_admin_state_is_replaced_only_while_it_is_the_one_expected(store: Store, prefix: str) -> None:
+    a, b = f"{prefix}a", f"{prefix}b"
+    await store.set_admin_state(a, "suspended")
+    assert await store.replace_admin_state(a, "suspended", "quarantined")
+    assert not await store.replace_admin_state(a, "suspended", None), "an operator's decision came in between"
+    assert not await store.replace_admin_state(b, "suspended", None), "nothing to replace"
+    await store.set_admin_state(b, "suspended")
+    assert await store.replace_admin_state(b, "suspended", None)
+    assert mine(await store.admin_states(), prefix) == {a: "quarantined"}
+
+
 async def test_failures_are_counted_per_replica(store: Store, prefix: str) -> None:
     a, b = f"{prefix}a", f"{prefix}b"
     for replica in (a, b, a, a):
