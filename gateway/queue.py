@@ -13,11 +13,18 @@ process's memory and is not durable.
 A tenant holds at most a cap of requests queued or running: one tenant's flood of jobs would otherwise fill the
 store and stand ahead of every other tenant's. The cap is checked and taken in one step (one Lua script in Redis)
 and given back when the job finishes, done or failed.
+
+A job whose item its own tenant's limits refuse for now (requests or tokens per minute, concurrent requests) is
+deferred, not waited out by the worker, which would hold every other tenant's jobs behind it: it leaves the stream
+for `{prefix}deferred` (a sorted set, by when it may run again) in one step, and a claim first moves the jobs that
+are due back to the end of the stream. A deferral is not an attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -43,6 +50,9 @@ class Job:
     # The tenant as it was when the job was queued (TenantSettings.incarnation): a tenant created later under a
     # deleted one's id neither runs nor reads the old one's jobs.
     incarnation: str = ""
+    # The item its tenant's own limits keep refusing (worker.py defers the job meanwhile), and since when (epoch s).
+    waiting_item: int = -1
+    waiting_since: float = 0.0
 
     @property
     def owner(self) -> str:
@@ -60,14 +70,18 @@ class Job:
         return cls(uuid.uuid4().hex, tenant, route, items, references or [], incarnation)
 
     def encode(self) -> bytes:
-        return orjson.dumps(
-            {"id": self.id, "tenant": self.tenant, "incarnation": self.owner, "route": self.route, "items": self.items}
-        )
+        data: dict[str, Any] = {"id": self.id, "tenant": self.tenant, "incarnation": self.owner, "route": self.route}
+        data["items"] = self.items
+        if self.waiting_item >= 0:
+            data["waiting"] = [self.waiting_item, self.waiting_since]
+        return orjson.dumps(data)
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Job:
         data = orjson.loads(raw)
-        return cls(data["id"], data["tenant"], data["route"], data["items"], [], data.get("incarnation", ""))
+        item, since = data.get("waiting", (-1, 0.0))
+        incarnation = data.get("incarnation", "")
+        return cls(data["id"], data["tenant"], data["route"], data["items"], [], incarnation, item, since)
 
 
 class QueueFull(Exception):
@@ -124,6 +138,11 @@ class JobQueue(Protocol):
         """Give a job that failed back, to be claimed again (by this worker or another)."""
         ...
 
+    async def defer(self, claimed: Claimed, job: Job, until: float, consumer: str) -> bool:
+        """Put the claimed job back as `job` (what it waits for), to be claimed again from `until` (epoch s), as
+        queued, its attempt not counted; False when the claim is another worker's by now (the job is theirs)."""
+        ...
+
 
 # Renew only a claim that is still this consumer's: XCLAIM alone would take back a job another worker has taken
 # over after an outage, and both would run it.
@@ -161,6 +180,30 @@ redis.call('XADD', KEYS[4], '*', 'job', ARGV[7])
 return -1
 """
 
+# Defer a claimed job, if the claim is still this consumer's. KEYS: the stream, the deferred set, the job's hash.
+# ARGV: group, entry, consumer, until, job, items, ttl.
+_DEFER = """
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, ARGV[3])
+if #pending == 0 then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
+redis.call('HSET', KEYS[3], 'status', 'queued', 'items', ARGV[6])
+redis.call('HINCRBY', KEYS[3], 'attempts', -1)
+redis.call('EXPIRE', KEYS[3], ARGV[7])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
+# Move the deferred jobs that are due to the end of the stream. KEYS: the deferred set, the stream. ARGV: now.
+_DUE = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 100)
+for _, job in ipairs(due) do
+  redis.call('XADD', KEYS[2], '*', 'job', job)
+  redis.call('ZREM', KEYS[1], job)
+end
+return #due
+"""
+
 # Give a finished job's items back, once however many workers finish it. KEYS: held jobs, held items; ARGV: member,
 # items.
 _RELEASE = """
@@ -177,8 +220,8 @@ def _held_member(job: Job) -> str:
 
 class RedisJobQueue:
     """The stream `{prefix}jobs`, its consumer group, one hash per job, `{prefix}job:{owner}:{id}` (the owner:
-    Job.owner, the tenant's incarnation), and per owner what it holds of its cap: `{prefix}held:{owner}` (its
-    unfinished jobs) and `{prefix}held-items:{owner}`."""
+    Job.owner, the tenant's incarnation), per owner what it holds of its cap: `{prefix}held:{owner}` (its
+    unfinished jobs) and `{prefix}held-items:{owner}`, and the jobs deferred: `{prefix}deferred`."""
 
     durable = True
 
@@ -195,6 +238,9 @@ class RedisJobQueue:
         self._keep = redis.register_script(_KEEP)
         self._enqueue = redis.register_script(_ENQUEUE)
         self._release = redis.register_script(_RELEASE)
+        self._defer = redis.register_script(_DEFER)
+        self._due = redis.register_script(_DUE)
+        self._deferred = f"{prefix}deferred"
         self._prefix = prefix
 
     def _key(self, owner: str, job_id: str) -> str:
@@ -246,6 +292,7 @@ class RedisJobQueue:
 
     async def _claim(self, consumer: str, wait_s: float) -> list[Claimed]:
         await self._ensure_group()
+        await self._due(keys=[self._deferred, self.stream], args=[time.time()])
         # One job at a time: a job claimed but left waiting behind another would look abandoned to the others.
         # First what a dead worker left behind for too long, then new jobs.
         reclaimed = await self._redis.xautoclaim(
@@ -306,6 +353,18 @@ class RedisJobQueue:
     async def abandon(self, claimed: Claimed) -> None:
         """Nothing to do: the entry stays pending, and XAUTOCLAIM hands it out again after reclaim_after_s."""
 
+    async def defer(self, claimed: Claimed, job: Job, until: float, consumer: str) -> bool:
+        keys = [self.stream, self._deferred, self._key(job.owner, job.id)]
+        args: list[bytes | str | float] = [self.group, claimed.entry, consumer, until, job.encode()]
+        args += [len(job.items), self._ttl]
+        try:
+            return bool(await self._defer(keys=keys, args=args))
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._group_ready = False  # the store lost its data, this claim with it
+            return False
+
     @property
     def keep_every_s(self) -> float:
         """How often a worker must renew its claim for the job not to look abandoned."""
@@ -320,6 +379,8 @@ class MemoryJobQueue:
     def __init__(self, result_ttl_s: int) -> None:
         self._ttl = result_ttl_s
         self._pending: deque[Claimed] = deque()
+        self._deferred: list[tuple[float, int, Claimed]] = []  # a heap, by when each may run again
+        self._deferrals = 0  # orders deferrals due at the same time, as they came
         self._arrived = asyncio.Event()
         # (owner, job id) → (when last written, status), least recently written first: what has outlived
         # result_ttl_s is forgotten from the front, as Redis expires a job's hash.
@@ -360,13 +421,20 @@ class MemoryJobQueue:
         return self._live((owner, job_id))
 
     async def claim(self, consumer: str, wait_s: float) -> list[Claimed]:
+        self._due()
         if not self._pending:
             self._arrived.clear()
-            try:
+            if self._deferred:
+                wait_s = max(0.0, min(wait_s, self._deferred[0][0] - time.time()))
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), wait_s)
-            except TimeoutError:
-                return []
+            self._due()
         return [self._pending.popleft()] if self._pending else []
+
+    def _due(self) -> None:
+        now = time.time()
+        while self._deferred and self._deferred[0][0] <= now:
+            self._pending.append(heapq.heappop(self._deferred)[2])
 
     async def start(self, job: Job) -> int:
         # A status that expired while the job waited is written whole again, as in Redis.
@@ -400,6 +468,15 @@ class MemoryJobQueue:
     async def abandon(self, claimed: Claimed) -> None:
         self._pending.append(claimed)
         self._arrived.set()
+
+    async def defer(self, claimed: Claimed, job: Job, until: float, consumer: str) -> bool:
+        status = self._live((job.owner, job.id)) or JobStatus("queued", len(job.items))
+        status.status = "queued"
+        status.attempts -= 1
+        self._written((job.owner, job.id), status)
+        self._deferrals += 1
+        heapq.heappush(self._deferred, (until, self._deferrals, Claimed(claimed.entry, job)))
+        return True  # in memory no other worker can take a job over
 
     @property
     def keep_every_s(self) -> float:

@@ -67,7 +67,9 @@ def _backends(state: GatewayState, readiness: Readiness) -> None:
             readiness.degraded.append(f"backend:{replica.name}")
             readiness.problems.append(f"backend {replica.name} is {replica.state.value}")
     if not any(r.routable for r in replicas):
-        readiness.blocking.append("no backend answers its health check (or every one is quarantined, draining or suspended)")
+        readiness.blocking.append(
+            "no backend answers its health check (or every one is quarantined, draining or suspended)"
+        )
         return
     for model in state.settings.models:
         if not state.pool.routable(model):

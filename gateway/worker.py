@@ -4,6 +4,10 @@ Each item runs once unless a worker dies while running it. A worker renews its c
 worker's job never looks abandoned; it stores every result (retrying through a store outage, first write wins)
 before it acknowledges; and an exception of any kind leaves the job to be claimed again — after MAX_ATTEMPTS
 attempts it ends `failed`, with an error result for every item that has none.
+
+Workers serve every tenant, so none waits out one tenant's own limits: an item its tenant's rate or concurrency
+limit refuses for now defers the job (queue.py) and the worker goes on with the next. Refusals that say "not now"
+to everyone (no replica free, a store unreachable) are waited out in place.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -31,6 +36,8 @@ MAX_ATTEMPTS = 3
 # Refusals of a request that never left the gateway and may pass later: 429 (rate, concurrency, capacity) and 503
 # (no replica, a store unreachable). A batch item waits them out.
 NOT_NOW = frozenset({429, 503})
+# ... of those, the refusals by the tenant's own limits: the job is deferred instead.
+TENANTS_OWN = frozenset({"rate_limit_exceeded", "concurrency_limit_exceeded"})
 MAX_PAUSE_S = 30.0
 MAX_WAIT_S = 600.0  # then the refusal is the item's answer: a replica gone for good must not hold the job forever
 T = TypeVar("T")
@@ -52,9 +59,18 @@ def error_result(error: GatewayError) -> dict[str, Any]:
     return {"status": error.status, "body": error.body()}
 
 
-async def run_item(state: GatewayState, job: Job, index: int, lost: asyncio.Event) -> dict[str, Any]:
-    """The item's result; a refusal that only says "not now" (a rate or concurrency limit, no replica free) is
-    waited out, as the job holds its claim, not stored as the item's answer."""
+@dataclass(frozen=True)
+class Later:
+    """The item's tenant's own limits refused it for now: try the job again from `until` (epoch s)."""
+
+    until: float
+    since: float  # when they first refused this item
+
+
+async def run_item(state: GatewayState, job: Job, index: int, lost: asyncio.Event) -> dict[str, Any] | Later:
+    """The item's result; or, when its tenant's own limits refuse it for now, when to try again (for MAX_WAIT_S in
+    all, then the refusal is its answer). A refusal that says "not now" to every tenant (no replica free) is
+    waited out here, as the job holds its claim, not stored as the item's answer."""
     pause, deadline = 0.5, time.monotonic() + MAX_WAIT_S
     while True:
         tenant = await state.tenants.by_id(job.tenant)
@@ -67,10 +83,16 @@ async def run_item(state: GatewayState, job: Job, index: int, lost: asyncio.Even
             state, route, inference.Submission(tenant, dict(job.items[index]), batch=True), record
         )
         assert isinstance(outcome, Answer), "queued items are never streamed (workers_api sets stream: false)"
+        result = {"status": outcome.status, "body": outcome.body}
         if outcome.status not in NOT_NOW or lost.is_set() or time.monotonic() > deadline:
-            return {"status": outcome.status, "body": outcome.body}
+            return result
         retry = outcome.headers.get("retry-after", "")
-        await asyncio.sleep(min(MAX_PAUSE_S, float(retry) if retry.isdigit() else pause))
+        wait = min(MAX_PAUSE_S, float(retry) if retry.isdigit() else pause)
+        if outcome.body.get("error", {}).get("code") in TENANTS_OWN:
+            now = time.time()
+            since = job.waiting_since if job.waiting_item == index else now
+            return result if now - since > MAX_WAIT_S else Later(now + wait, since)
+        await asyncio.sleep(wait)
         pause = min(MAX_PAUSE_S, pause * 2)
 
 
@@ -96,6 +118,11 @@ async def process(state: GatewayState, queue: JobQueue, claimed: Claimed, name: 
             log.warning("worker gave up job %s: another worker took it over", job.id)
             return
         result = await run_item(state, job, index, lost)
+        if isinstance(result, Later):
+            waiting = replace(job, waiting_item=index, waiting_since=result.since)
+            if not await stored(partial(queue.defer, claimed, waiting, result.until, name), "defer a job"):
+                log.warning("worker gave up job %s: another worker took it over", job.id)
+            return
         if lost.is_set() and result["status"] in NOT_NOW:
             # Refused for now, and the job is another worker's already: its answer is for that worker to find.
             log.warning("worker gave up job %s: another worker took it over", job.id)

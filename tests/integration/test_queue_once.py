@@ -127,6 +127,10 @@ async def test_a_worker_whose_claim_lapsed_stops_where_another_took_over() -> No
         assert not await queue.keep(first, "worker-a")
         assert await queue.keep(taken, "worker-b")
         assert not await queue.keep(first, "worker-a")
+        # Nor can it defer the job: that would take it from worker-b (deferring acknowledges the entry).
+        assert not await queue.defer(first, first.job, time.time(), "worker-a")
+        assert await queue.keep(taken, "worker-b")
+        assert await queue.claim("worker-c", wait_s=0.1) == []
 
 
 async def test_jobs_queued_after_the_store_lost_its_data_still_run() -> None:
@@ -147,3 +151,4 @@ async def test_a_worker_whose_claim_the_store_lost_gives_the_job_up_instead_of_h
         [claimed] = await queue.claim("worker-a", wait_s=1.0)
         await store.flushall()  # a restart without persistence, mid-job
         assert await queue.keep(claimed, "worker-a") is False
+        assert await queue.defer(claimed, claimed.job, time.time(), "worker-a") is False

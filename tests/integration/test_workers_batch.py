@@ -222,6 +222,32 @@ async def test_an_item_refused_for_now_waits_its_turn_instead_of_failing(
     assert response["success"] is True, response
 
 
+async def test_a_tenant_held_back_by_its_own_rate_limit_holds_no_other_tenants_job(
+    client: httpx.AsyncClient, make_gateway: GatewayFactory, sim_url: str
+) -> None:
+    # One worker serves every tenant. It used to wait out bob's own limit (up to 10 minutes an item) holding his
+    # job, while alice's stood behind it (red team, 2026-12-01); his job is deferred now.
+    from gateway.tenants import hash_key
+
+    alice = {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}
+    bob = {"id": "bob", "key_hashes": [hash_key(BOB_KEY)], "limits": {"requests_per_minute": 1}}
+    gateway = make_gateway({"sim": sim_url}, tenants=[alice, bob])
+    bobs_queue = f"{gateway}/accounts/bob/ai/run/{MODEL}?queueRequest=true"
+    bobs = await queue(client, bobs_queue, {"requests": [chat("b1"), chat("b2"), chat("b3")]}, key=BOB_KEY)
+    deadline = time.monotonic() + 10
+    while "b1" not in str(forwarded(sim_url)):  # his first item ran, the second is refused until the next minute
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    alices = await queue(client, f"{gateway}{QUEUE}", {"requests": [chat("a1")]})
+    started = time.monotonic()
+    [answer] = (await until(client, gateway, alices, finished=True))["responses"]
+    assert answer["success"] is True and time.monotonic() - started < 5
+    # Bob's job waits for his budget, queued (a deferral is no attempt), with the result it has.
+    polled = await client.post(bobs_queue, json={"request_id": bobs}, headers=auth(BOB_KEY))
+    assert polled.json()["result"]["status"] == "queued", polled.text
+    assert [r["body"]["messages"][-1]["content"].rsplit("\n", 1)[-1] for r in forwarded(sim_url)] == ["b1", "a1"]
+
+
 async def test_a_tenants_queued_requests_stop_at_its_cap_until_its_jobs_finish(
     client: httpx.AsyncClient, make_gateway: GatewayFactory, make_sim: Any
 ) -> None:

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -343,6 +344,30 @@ async def claimed(queue: JobQueue, job: Job) -> Claimed:
     [taken] = await queue.claim("worker", 1.0)
     assert taken.job.id == job.id
     return taken
+
+
+async def test_a_deferred_job_waits_queued_until_due_behind_later_jobs_and_its_deferral_is_no_attempt(
+    make_queue: QueueFactory, prefix: str
+) -> None:
+    queue = make_queue(60)
+    bob, alice = job_of(f"{prefix}b", items=2), job_of(f"{prefix}a", items=1)
+    await queue.enqueue(bob, NO_CAP)
+    taken = await claimed(queue, bob)
+    assert await queue.start(bob) == 1
+    await queue.store_result(bob, 0, {"n": 0})
+    due = time.time() + 0.6
+    assert await queue.defer(taken, replace(bob, waiting_item=1, waiting_since=123.5), due, "worker")
+    assert seen(await queue.status(bob.owner, bob.id)) == ("queued", 2, {0: {"n": 0}})
+    await queue.enqueue(alice, NO_CAP)
+    await claimed(queue, alice)  # queued after bob's, claimed before it
+    assert await queue.claim("worker", 0.1) == [], "not due yet"
+    await asyncio.sleep(due - time.time() + 0.05)
+    again = await claimed(queue, bob)
+    assert (again.job.waiting_item, again.job.waiting_since, again.job.items) == (1, 123.5, bob.items)
+    assert await queue.start(again.job) == 1, "a deferral is not an attempt"
+    await queue.finish(again)
+    assert seen(await queue.status(bob.owner, bob.id)) == ("done", 2, {0: {"n": 0}})
+    assert await queue.claim("worker", 0.1) == []
 
 
 async def test_a_tenants_cap_counts_every_item_and_refuses_a_job_that_would_pass_it_whole(
