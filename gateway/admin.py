@@ -24,14 +24,20 @@ from gateway.tenants import reaching_store
 Handler = Callable[[Request, GatewayState], Awaitable[Response]]
 
 
+def bearer_matches(request: Request, token: str) -> bool:
+    """Whether the request presents `token` (an operator's: the admin or the metrics token), compared in constant
+    time."""
+    presented = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    return hmac.compare_digest(presented.encode(), token.encode())
+
+
 def _authorized(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
         token = state.settings.admin_token
         if token is None:
             return error_response(NotFound("The admin API is off: set admin_token to enable it."))
-        presented = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(presented.encode(), token.encode()):
+        if not bearer_matches(request, token):
             return error_response(AuthenticationFailed("This route needs the admin token."))
         try:
             return await handler(request, state)

@@ -41,6 +41,7 @@ from gateway.capacity import CapacityMonitor
 from gateway.counting import BackendCounter, LocalCounter, PromptCounter
 from gateway.directory import MemoryDirectoryStore, RedisDirectoryStore
 from gateway.errors import (
+    AuthenticationFailed,
     GatewayError,
     MethodNotAllowed,
     NotFound,
@@ -98,7 +99,13 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    state = _state(request)
+    token = state.settings.metrics_token
+    if token is not None:
+        # Its labels name tenants, and its series say when each is busy and what waits: not for tenants to read.
+        if not admin.bearer_matches(request, token):
+            return error_response(AuthenticationFailed("This route needs the metrics token."))
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def openapi(request: Request) -> Response:

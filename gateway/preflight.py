@@ -32,6 +32,7 @@ def _secrets(settings: Settings) -> list[tuple[str, str | None]]:
     """Every secret the settings hold, with the key it is under."""
     found: list[tuple[str, str | None]] = [
         ("admin_token", settings.admin_token),
+        ("metrics_token", settings.metrics_token),
         ("cache_salt_secret", settings.cache_salt_secret),
         ("isolation.canary.webhook_secret", settings.isolation.canary.webhook_secret),
     ]

@@ -338,6 +338,9 @@ class Settings(_Section):
         default=REDIS_KEY_PREFIX, description="starts every Redis name; deployments on one Redis need different ones"
     )
     admin_token: str | None = Field(default=None, min_length=16, repr=False, description="for /admin/*")
+    metrics_token: str | None = Field(
+        default=None, min_length=16, repr=False, description="for /metrics (it names tenants); unset = open"
+    )
     cache_salt_secret: str | None = Field(
         default=None, min_length=16, repr=False, description="per-tenant cache_salt = HMAC(this, tenant)"
     )

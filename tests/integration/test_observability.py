@@ -36,6 +36,22 @@ async def test_metrics_count_requests_latency_and_tokens(client: httpx.AsyncClie
     assert metric(text, "bulkhead_backend_up", backend="sim") == 1
 
 
+async def test_with_a_metrics_token_only_its_holder_reads_the_metrics_that_name_tenants(
+    client: httpx.AsyncClient, make_gateway: Any, sim_url: str
+) -> None:
+    token, admin = "metrics-token-0123456789", "admin-token-0123456789"
+    gateway_url = make_gateway({"sim": sim_url}, metrics_token=token, admin_token=admin)
+    assert (await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth())).status_code == 200
+    for presented in ({}, auth(), {"authorization": f"Bearer {admin}"}, {"authorization": f"Bearer {token}x"}):
+        refused = await client.get(f"{gateway_url}/metrics", headers=presented)
+        assert refused.status_code == 401, presented
+        assert refused.json()["error"]["code"] == "invalid_api_key" and token not in refused.text
+        assert "tenant" not in refused.text
+    read = await client.get(f"{gateway_url}/metrics", headers={"authorization": f"Bearer {token}"})
+    assert read.status_code == 200
+    assert metric(read.text, "bulkhead_requests_total", model="tiny-llama", route="chat", status="200") == 1
+
+
 async def test_unknown_model_names_do_not_become_label_values(client: httpx.AsyncClient, gateway_url: str) -> None:
     await client.post(f"{gateway_url}{CHAT}", json=chat_body() | {"model": "attacker-chosen-1"}, headers=auth())
     text = (await client.get(f"{gateway_url}/metrics")).text
