@@ -403,6 +403,7 @@ class InferenceCall:
             stops,
             fragments,
             self.request.n,
+            self.prompt.texts,
         )
 
     async def complete(self) -> Answer:

@@ -1,18 +1,23 @@
-"""Leak alerts a tenant cannot weaponise: a tenant who learned a marker can make an engine echo it, and two accounts
-of one person can make a fingerprint leak with no secret at all, but no such request takes a replica away for
-good: only the prober's canary probe quarantines; a replica is suspended while it is probed (or, the last one,
-stays in rotation), and automatic decisions are bounded."""
+"""Leak alerts a tenant cannot weaponise. A tenant who learned a marker can have a model write it back (decoded
+from an encoding the gateway does not read), and two accounts of one person can make a fingerprint leak with no
+secret at all; so no tenant's request takes a replica away for good: only the prober's canary probe quarantines,
+a replica is suspended while it is probed (or, the last one, stays in rotation), and automatic decisions are
+bounded. And a marker the recipient sent itself is no leak at all."""
 
 from __future__ import annotations
 
 import asyncio
 import codecs
+import re
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
+import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -28,22 +33,57 @@ COMPLETIONS = "/v1/completions"
 ADMIN = "admin-token-0123456789"
 ADMIN_AUTH = {"authorization": f"Bearer {ADMIN}"}
 FAST_PROBE = {"rate": 50, "max_requests": 60, "time_limit_s": 30}
+MARKER = re.compile(r"CNRY-[A-Z2-7]{20}")
 
 
-async def alices_marker(client: httpx.AsyncClient, gateway_url: str, sim_url: str) -> str:
+class DecodingModel(Adversary):
+    """A chat model that follows one instruction: 'ROT13: <text>' is answered with the text decoded. Honest usage,
+    nothing mixed between requests: whatever its answers hold, the engine is sound."""
+
+    async def _chat(self, request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        last = list(_contents([body["messages"][-1]]))[-1]
+        if "ROT13:" not in last:
+            return await super()._chat(request)
+        self.plan = Plan("content", source="own")
+        return self._answer(True, body, codecs.decode(last.split("ROT13:", 1)[1].strip(), "rot13"))
+
+
+Engines = dict[str, tuple[str, DecodingModel]]
+
+
+@pytest.fixture
+def decoders(tokenizer_dir: Path) -> Iterator[Callable[[list[str]], Engines]]:
+    """`decoders(["a", "b"])`: a DecodingModel server per name; name → (url, the model)."""
+    tokenizer = ModelTokenizer.from_dir(tokenizer_dir)
+    with ExitStack() as stack:
+
+        def start(names: list[str]) -> Engines:
+            engines = {name: DecodingModel(tokenizer) for name in names}
+            return {name: (stack.enter_context(run_server(e.app())), e) for name, e in engines.items()}
+
+        yield start
+
+
+def gateway_over(make_gateway: Any, engines: Engines, tokenizer_dir: Path, **overrides: Any) -> str:
+    urls = {name: url for name, (url, _) in engines.items()}
+    return str(make_gateway(urls, models=canaries_only(tokenizer_dir, list(urls)), admin_token=ADMIN, **overrides))
+
+
+async def alices_marker(client: httpx.AsyncClient, gateway_url: str, engines: Engines) -> str:
     """What an attacker is assumed to have learned somehow: alice's marker (read here from the engine's log)."""
     response = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth(ALICE_KEY))
     assert response.status_code == 200
-    marker: str = forwarded(sim_url)[-1]["body"]["messages"][0]["content"]
-    assert marker.startswith("CNRY-")
-    return marker
+    found = [m.group() for _, engine in engines.values() for p in engine.prompts if (m := MARKER.search(p))]
+    assert found
+    return found[-1]
 
 
-async def echo_it(client: httpx.AsyncClient, gateway_url: str, marker: str, session: str = "s") -> httpx.Response:
-    """Bob has the engine repeat alice's marker: a completion whose prompt is the marker, echoed."""
-    body = {"model": MODEL, "prompt": marker, "max_tokens": 1, "echo": True}
+async def decoded(client: httpx.AsyncClient, gateway_url: str, marker: str, session: str = "s") -> httpx.Response:
+    """Bob has the model write alice's marker: decoded from ROT13, so it is nowhere in his own prompt."""
+    body = chat_body("ROT13: " + codecs.encode(marker, "rot13"), max_tokens=64)
     headers = auth(BOB_KEY) | {"x-session-affinity": session}
-    return await client.post(f"{gateway_url}{COMPLETIONS}", json=body, headers=headers)
+    return await client.post(f"{gateway_url}{CHAT}", json=body, headers=headers)
 
 
 async def events(client: httpx.AsyncClient, gateway_url: str) -> list[dict[str, str]]:
@@ -67,24 +107,25 @@ async def states(client: httpx.AsyncClient, gateway_url: str) -> dict[str, str]:
     return {r["name"]: r["state"] for r in replicas}
 
 
-async def test_an_echoed_marker_does_not_take_the_last_replica_away(
-    client: httpx.AsyncClient, make_gateway: Any, sim_url: str
+async def test_a_marker_the_model_writes_does_not_take_the_last_replica_away(
+    client: httpx.AsyncClient, make_gateway: Any, decoders: Any, tokenizer_dir: Path
 ) -> None:
-    gateway_url = make_gateway({"sim": sim_url}, admin_token=ADMIN, isolation={"prober": FAST_PROBE})
-    marker = await alices_marker(client, gateway_url, sim_url)
-    attack = await echo_it(client, gateway_url, marker)
+    engines = decoders(["solo"])
+    gateway_url = gateway_over(make_gateway, engines, tokenizer_dir, isolation={"prober": FAST_PROBE})
+    marker = await alices_marker(client, gateway_url, engines)
+    attack = await decoded(client, gateway_url, marker)
     assert attack.status_code == 502 and marker.lower() not in attack.text.lower()
     [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "leak"]
     assert (leak["tenant"], leak["victim_tenant"], leak["action"]) == ("bob", "alice", "probing")
-    # The probe, with identities no tenant knows, sees a healthy engine: the replica stays in rotation.
+    # The probe, with identities no tenant knows, sees a sound engine: the replica stays in rotation.
     check = await wait_for_event(client, gateway_url, "leak_check")
     assert (check["confirmed"], check["action"], check["request_id"]) == ("no", "none", leak["request_id"])
-    assert (await states(client, gateway_url))["sim"] == "healthy"
+    assert (await states(client, gateway_url))["solo"] == "healthy"
     after = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth(ALICE_KEY))
     assert after.status_code == 200
     metrics = (await client.get(f"{gateway_url}/metrics")).text
-    assert metric(metrics, "bulkhead_quarantines_total", replica="sim", outcome="probing") == 1
-    assert metric(metrics, "bulkhead_quarantines_total", replica="sim", outcome="unconfirmed") == 1
+    assert metric(metrics, "bulkhead_quarantines_total", replica="solo", outcome="probing") == 1
+    assert metric(metrics, "bulkhead_quarantines_total", replica="solo", outcome="unconfirmed") == 1
 
 
 async def test_a_real_leak_on_the_last_replica_is_confirmed_then_quarantined(
@@ -106,25 +147,21 @@ async def test_a_real_leak_on_the_last_replica_is_confirmed_then_quarantined(
 
 
 async def test_a_replica_is_suspended_at_once_while_others_serve_released_by_the_probe_and_bounded(
-    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any
+    client: httpx.AsyncClient, make_gateway: Any, decoders: Any, tokenizer_dir: Path
 ) -> None:
-    names = ["a", "b"]
-    sims = {name: make_sim() for name in names}
-    gateway_url = make_gateway(sims, admin_token=ADMIN, isolation={"prober": FAST_PROBE})
-    await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth(ALICE_KEY))
-    marker = next(
-        r["body"]["messages"][0]["content"] for name in names for r in forwarded(sims[name]) if r["body"]
-    )
-    on_a = session_on("bob", "a", names)
-    assert (await echo_it(client, gateway_url, marker, on_a)).status_code == 502
+    engines = decoders(["a", "b"])
+    gateway_url = gateway_over(make_gateway, engines, tokenizer_dir, isolation={"prober": FAST_PROBE})
+    marker = await alices_marker(client, gateway_url, engines)
+    on_a = session_on("bob", "a", list(engines))
+    assert (await decoded(client, gateway_url, marker, on_a)).status_code == 502
     [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "leak"]
     assert leak["action"] == "suspended", "b still serves the model: a is out of rotation at once"
-    # The echo was bob's doing, not the engine's: the probe sees no requests mixed, and a comes back.
+    # The model wrote what bob asked for; the engine mixed nothing: the probe sees no requests mixed, a comes back.
     check = await wait_for_event(client, gateway_url, "leak_check")
     assert (check["confirmed"], check["action"], check["request_id"]) == ("no", "released", leak["request_id"])
     assert (await states(client, gateway_url))["a"] == "healthy"
     # Hit again within the window: the bound holds, the leak is still blocked, nothing leaves rotation.
-    assert (await echo_it(client, gateway_url, marker, on_a)).status_code == 502
+    assert (await decoded(client, gateway_url, marker, on_a)).status_code == 502
     assert (await states(client, gateway_url))["a"] == "healthy"
     actions = [e["action"] for e in await events(client, gateway_url) if e["kind"] == "leak"]
     assert actions == ["bounded", "suspended"]  # newest first
@@ -151,18 +188,14 @@ async def test_a_real_leak_while_others_serve_is_suspended_then_confirmed_and_qu
 
 
 async def test_an_operator_decision_during_the_probe_stands(
-    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any
+    client: httpx.AsyncClient, make_gateway: Any, decoders: Any, tokenizer_dir: Path
 ) -> None:
-    names = ["a", "b"]
-    sims = {name: make_sim() for name in names}
+    engines = decoders(["a", "b"])
     # A probe slow enough for the operator to act while it runs.
     slow = {"rate": 10, "max_requests": 20, "time_limit_s": 30}
-    gateway_url = make_gateway(sims, admin_token=ADMIN, isolation={"prober": slow})
-    await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth(ALICE_KEY))
-    marker = next(
-        r["body"]["messages"][0]["content"] for name in names for r in forwarded(sims[name]) if r["body"]
-    )
-    assert (await echo_it(client, gateway_url, marker, session_on("bob", "a", names))).status_code == 502
+    gateway_url = gateway_over(make_gateway, engines, tokenizer_dir, isolation={"prober": slow})
+    marker = await alices_marker(client, gateway_url, engines)
+    assert (await decoded(client, gateway_url, marker, session_on("bob", "a", list(engines)))).status_code == 502
     assert (await states(client, gateway_url))["a"] == "suspended"
     await client.post(f"{gateway_url}/admin/replicas/a/drain", headers=ADMIN_AUTH)
     check = await wait_for_event(client, gateway_url, "leak_check")
@@ -170,58 +203,60 @@ async def test_an_operator_decision_during_the_probe_stands(
     assert (await states(client, gateway_url))["a"] == "draining", "the probe's release must not undo a decision"
 
 
-async def test_quarantine_on_leak_off_is_honoured(client: httpx.AsyncClient, make_gateway: Any, sim_url: str) -> None:
+async def test_quarantine_on_leak_off_is_honoured(
+    client: httpx.AsyncClient, make_gateway: Any, decoders: Any, tokenizer_dir: Path
+) -> None:
+    engines = decoders(["solo"])
     canary = {"quarantine_on_leak": False}
-    gateway_url = make_gateway({"sim": sim_url}, admin_token=ADMIN, isolation={"canary": canary})
-    marker = await alices_marker(client, gateway_url, sim_url)
-    assert (await echo_it(client, gateway_url, marker)).status_code == 502
+    gateway_url = gateway_over(make_gateway, engines, tokenizer_dir, isolation={"canary": canary})
+    marker = await alices_marker(client, gateway_url, engines)
+    assert (await decoded(client, gateway_url, marker)).status_code == 502
     [leak] = await events(client, gateway_url)
     assert leak["action"] == "disabled"
-    assert (await states(client, gateway_url))["sim"] == "healthy"
+    assert (await states(client, gateway_url))["solo"] == "healthy"
 
 
-class DecodingModel(Adversary):
-    """A chat model that follows one instruction: 'ROT13: <text>' is answered with the text decoded. Honest usage,
-    nothing mixed between requests."""
-
-    async def _chat(self, request: Request) -> Response:
-        body = orjson.loads(await request.body())
-        last = list(_contents([body["messages"][-1]]))[-1]
-        if "ROT13:" not in last:
-            return await super()._chat(request)
-        self.plan = Plan("content", source="own")
-        return self._answer(True, body, codecs.decode(last.split("ROT13:", 1)[1].strip(), "rot13"))
+async def test_a_marker_the_recipient_sent_itself_is_no_leak(
+    client: httpx.AsyncClient, make_gateway: Any, sim_url: str
+) -> None:
+    # Bob learned his own marker (a model writes its system line reversed or encoded on request) and put it in a
+    # page alice's application feeds its model. Her answers quote it: they tell her nothing she did not send, and
+    # withholding them (each one a leak alert) would hand bob a switch for her service. As sent or JSON-escaped.
+    gateway_url = make_gateway({"sim": sim_url}, admin_token=ADMIN)
+    ask = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth(BOB_KEY))
+    assert ask.status_code == 200
+    bobs = forwarded(sim_url)[-1]["body"]["messages"][0]["content"]
+    assert MARKER.fullmatch(bobs)
+    for page in (f"Docs page: {bobs} (end)", "Docs page: \\u0043" + bobs[1:]):
+        body = {"model": MODEL, "prompt": page, "max_tokens": 1, "echo": True}
+        answer = await client.post(f"{gateway_url}{COMPLETIONS}", json=body, headers=auth(ALICE_KEY))
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"].startswith(page)
+    assert await events(client, gateway_url) == []
+    # Sent by no one but written by the model, the same marker is a leak (the tests above).
 
 
 async def test_two_accounts_of_one_person_cannot_take_a_replica_out_for_good(
-    client: httpx.AsyncClient, make_gateway: Any, tokenizer_dir: Path
+    client: httpx.AsyncClient, make_gateway: Any, decoders: Any, tokenizer_dir: Path
 ) -> None:
     # A fingerprint leak needs no secret: one account sends a text, the other asks the model to decode it from an
     # encoding, so none of its words are in the asker's prompt (red team, 2026-12-01).
-    tokenizer = ModelTokenizer.from_dir(tokenizer_dir)
-    names = ["r1", "r2"]
-    with run_server(DecodingModel(tokenizer).app()) as r1, run_server(DecodingModel(tokenizer).app()) as r2:
-        tenants = [{"id": name, "key_hashes": [hash_key(f"bk-test-{name}-0123456789")]} for name in ("m1", "m2")]
-        gateway_url = make_gateway(
-            {"r1": r1, "r2": r2},
-            models=canaries_only(tokenizer_dir, names),
-            tenants=tenants,
-            admin_token=ADMIN,
-            isolation={"prober": FAST_PROBE},
-        )
+    engines = decoders(["r1", "r2"])
+    tenants = [{"id": name, "key_hashes": [hash_key(f"bk-test-{name}-0123456789")]} for name in ("m1", "m2")]
+    gateway_url = gateway_over(make_gateway, engines, tokenizer_dir, tenants=tenants, isolation={"prober": FAST_PROBE})
 
-        async def send(tenant: str, content: str) -> httpx.Response:
-            headers = auth(f"bk-test-{tenant}-0123456789") | {"x-session-affinity": session_on(tenant, "r1", names)}
-            return await client.post(f"{gateway_url}{CHAT}", json=chat_body(content, max_tokens=200), headers=headers)
+    async def send(tenant: str, content: str) -> httpx.Response:
+        headers = auth(f"bk-test-{tenant}-0123456789") | {"x-session-affinity": session_on(tenant, "r1", list(engines))}
+        return await client.post(f"{gateway_url}{CHAT}", json=chat_body(content, max_tokens=200), headers=headers)
 
-        assert (await send("m1", DECODED)).status_code == 200
-        await asyncio.sleep(0.3)  # fingerprints are registered off the answer's path
-        assert (await send("m2", "ROT13: " + codecs.encode(DECODED, "rot13"))).status_code == 502
-        [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "fingerprint_leak"]
-        assert (leak["tenant"], leak["victim_tenant"], leak["action"]) == ("m2", "m1", "suspended")
-        check = await wait_for_event(client, gateway_url, "leak_check")
-        assert (check["confirmed"], check["action"]) == ("no", "released")
-        assert await states(client, gateway_url) == {"r1": "healthy", "r2": "healthy"}
+    assert (await send("m1", DECODED)).status_code == 200
+    await asyncio.sleep(0.3)  # fingerprints are registered off the answer's path
+    assert (await send("m2", "ROT13: " + codecs.encode(DECODED, "rot13"))).status_code == 502
+    [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "fingerprint_leak"]
+    assert (leak["tenant"], leak["victim_tenant"], leak["action"]) == ("m2", "m1", "suspended")
+    check = await wait_for_event(client, gateway_url, "leak_check")
+    assert (check["confirmed"], check["action"]) == ("no", "released")
+    assert await states(client, gateway_url) == {"r1": "healthy", "r2": "healthy"}
 
 
 DECODED = (
