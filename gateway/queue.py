@@ -1,7 +1,13 @@
 """The async (queued) API: jobs stored durably before they are accepted, run by workers, results kept a while.
 
-With Redis, jobs go into the stream `{prefix}jobs` (`redis_key_prefix`), read by the consumer group
-`{prefix}-workers` (the prefix without its final colon: `bulkhead-workers` for the default). A worker claims one job
+Jobs wait in a lane per tenant (its incarnation), and workers take the tenants in turn: the next job is the first
+of the next tenant's lane, round robin, so one tenant's thousand jobs queued first hold another's one job behind
+one of theirs at most, not behind all of them. A tenant's own jobs keep their order.
+
+With Redis, a lane is the list `{prefix}lane:{owner}` and the tenants with jobs waiting are the list `{prefix}ring`
+(`redis_key_prefix`). Taking a job moves it, in one step, from its lane to the stream `{prefix}jobs` and claims it
+there for the consumer group `{prefix}-workers` (the prefix without its final colon: `bulkhead-workers` for the
+default); an idle worker waits on `{prefix}wake`, which every new job pushes to. A worker claims one job
 at a time and keeps it claimed while it works (worker.py renews the claim), marks it running (counting the attempt),
 runs each item through the normal pipeline, stores each item's result, marks the job done, and only then
 acknowledges it. A worker that dies leaves its job pending; after `reclaim_after_s` another worker
@@ -17,7 +23,7 @@ and given back when the job finishes, done or failed.
 A job whose item its own tenant's limits refuse for now (requests or tokens per minute, concurrent requests) is
 deferred, not waited out by the worker, which would hold every other tenant's jobs behind it: it leaves the stream
 for `{prefix}deferred` (a sorted set, by when it may run again) in one step, and a claim first moves the jobs that
-are due back to the end of the stream. A deferral is not an attempt.
+are due back to the front of their tenant's lane. A deferral is not an attempt.
 """
 
 from __future__ import annotations
@@ -156,8 +162,8 @@ return 1
 
 # Check and take a tenant's cap and store the job, in one step. KEYS: the owner's held jobs (a sorted set of
 # "items:id", scored by when each stops counting: a job lost with its worker's data must not hold the cap for good),
-# its count of held items, the job's hash, the stream. ARGV: now, cap, items, member, until, ttl, job, references
-# ("" for none). Returns -1 when queued, else the items already held.
+# its count of held items, the job's hash, its lane, the ring, the wake list. ARGV: now, cap, items, member, until,
+# ttl, job, references ("" for none), owner. Returns -1 when queued, else the items already held.
 _ENQUEUE = """
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 if #expired > 0 then
@@ -176,8 +182,22 @@ redis.call('EXPIREAT', KEYS[2], math.ceil(tonumber(last)))
 redis.call('HSET', KEYS[3], 'status', 'queued', 'items', ARGV[3])
 if ARGV[8] ~= '' then redis.call('HSET', KEYS[3], 'references', ARGV[8]) end
 redis.call('EXPIRE', KEYS[3], ARGV[6])
-redis.call('XADD', KEYS[4], '*', 'job', ARGV[7])
+redis.call('RPUSH', KEYS[4], ARGV[7])
+if not redis.call('LPOS', KEYS[5], ARGV[9]) then redis.call('RPUSH', KEYS[5], ARGV[9]) end
+redis.call('LPUSH', KEYS[6], 1)
+redis.call('LTRIM', KEYS[6], 0, 63)
 return -1
+"""
+
+# Take the first job of one owner's lane into the stream and claim it there, in one step (a job is in its lane or
+# in the stream, never neither). KEYS: the ring, the lane, the stream. ARGV: owner, group, consumer. The owner
+# leaves the ring with its last job.
+_TAKE = """
+local job = redis.call('LPOP', KEYS[2])
+if redis.call('LLEN', KEYS[2]) == 0 then redis.call('LREM', KEYS[1], 0, ARGV[1]) end
+if not job then return false end
+redis.call('XADD', KEYS[3], '*', 'job', job)
+return redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', 1, 'STREAMS', KEYS[3], '>')
 """
 
 # Defer a claimed job, if the claim is still this consumer's. KEYS: the stream, the deferred set, the job's hash.
@@ -194,14 +214,15 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """
 
-# Move the deferred jobs that are due to the end of the stream. KEYS: the deferred set, the stream. ARGV: now.
-_DUE = """
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 100)
-for _, job in ipairs(due) do
-  redis.call('XADD', KEYS[2], '*', 'job', job)
-  redis.call('ZREM', KEYS[1], job)
-end
-return #due
+# A deferred job that is due, back to the front of its owner's lane, once. KEYS: the deferred set, the lane, the
+# ring, the wake list. ARGV: the job, its owner.
+_UNDEFER = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('LPUSH', KEYS[2], ARGV[1])
+if not redis.call('LPOS', KEYS[3], ARGV[2]) then redis.call('RPUSH', KEYS[3], ARGV[2]) end
+redis.call('LPUSH', KEYS[4], 1)
+redis.call('LTRIM', KEYS[4], 0, 63)
+return 1
 """
 
 # Give a finished job's items back, once however many workers finish it. KEYS: held jobs, held items; ARGV: member,
@@ -218,10 +239,25 @@ def _held_member(job: Job) -> str:
     return f"{len(job.items)}:{job.id}"
 
 
+def _entries(answer: Any) -> list[tuple[Any, dict[bytes, bytes]]]:
+    """The entries of an XREADGROUP answer: RESP2 answers a list of [stream, entries] pairs, RESP3 a mapping; a
+    script's answer is the raw reply, each entry's fields a flat list."""
+    per_stream = answer.values() if isinstance(answer, dict) else [pair[1] for pair in answer or []]
+    entries = [entry for stream_entries in per_stream for entry in stream_entries]
+    return [(entry_id, _fields(fields)) for entry_id, fields in entries]
+
+
+def _fields(fields: Any) -> dict[bytes, bytes]:
+    if isinstance(fields, list):
+        return dict(zip(fields[::2], fields[1::2], strict=True))
+    return dict(fields or {})
+
+
 class RedisJobQueue:
-    """The stream `{prefix}jobs`, its consumer group, one hash per job, `{prefix}job:{owner}:{id}` (the owner:
-    Job.owner, the tenant's incarnation), per owner what it holds of its cap: `{prefix}held:{owner}` (its
-    unfinished jobs) and `{prefix}held-items:{owner}`, and the jobs deferred: `{prefix}deferred`."""
+    """Per owner (Job.owner, the tenant's incarnation) its lane `{prefix}lane:{owner}` and what it holds of its cap,
+    `{prefix}held:{owner}` (its unfinished jobs) and `{prefix}held-items:{owner}`; the owners with jobs waiting,
+    `{prefix}ring`; `{prefix}wake`; the stream `{prefix}jobs` of jobs taken and its consumer group; one hash per
+    job, `{prefix}job:{owner}:{id}`; the jobs deferred, `{prefix}deferred`."""
 
     durable = True
 
@@ -239,8 +275,11 @@ class RedisJobQueue:
         self._enqueue = redis.register_script(_ENQUEUE)
         self._release = redis.register_script(_RELEASE)
         self._defer = redis.register_script(_DEFER)
-        self._due = redis.register_script(_DUE)
+        self._take = redis.register_script(_TAKE)
+        self._undefer = redis.register_script(_UNDEFER)
         self._deferred = f"{prefix}deferred"
+        self._ring = f"{prefix}ring"
+        self._wake = f"{prefix}wake"
         self._prefix = prefix
 
     def _key(self, owner: str, job_id: str) -> str:
@@ -248,6 +287,9 @@ class RedisJobQueue:
 
     def _held_keys(self, owner: str) -> list[str]:
         return [f"{self._prefix}held:{owner}", f"{self._prefix}held-items:{owner}"]
+
+    def _lane(self, owner: str) -> str:
+        return f"{self._prefix}lane:{owner}"
 
     async def _ensure_group(self) -> None:
         if self._group_ready:
@@ -264,10 +306,10 @@ class RedisJobQueue:
         now = time.time()
         # With the status, not in the stream's entry: a poll reads the hash alone.
         references = orjson.dumps(job.references) if any(ref is not None for ref in job.references) else b""
-        held = await self._enqueue(
-            keys=[*self._held_keys(job.owner), self._key(job.owner, job.id), self.stream],
-            args=[now, cap, len(job.items), _held_member(job), now + self._ttl, self._ttl, job.encode(), references],
-        )
+        keys = [*self._held_keys(job.owner), self._key(job.owner, job.id), self._lane(job.owner)]
+        keys += [self._ring, self._wake]
+        args: list[bytes | str | float] = [now, cap, len(job.items), _held_member(job), now + self._ttl, self._ttl]
+        held = await self._enqueue(keys=keys, args=[*args, job.encode(), references, job.owner])
         if int(held) >= 0:
             raise QueueFull(int(held), cap)
 
@@ -292,21 +334,36 @@ class RedisJobQueue:
 
     async def _claim(self, consumer: str, wait_s: float) -> list[Claimed]:
         await self._ensure_group()
-        await self._due(keys=[self._deferred, self.stream], args=[time.time()])
+        await self._due_back()
         # One job at a time: a job claimed but left waiting behind another would look abandoned to the others.
-        # First what a dead worker left behind for too long, then new jobs.
+        # First what a dead worker left behind for too long, then the next tenant's next job.
         reclaimed = await self._redis.xautoclaim(
             self.stream, self.group, consumer, self._reclaim_ms, start_id="0-0", count=1
         )
-        entries = list(reclaimed[1]) if reclaimed else []
-        if not entries:
-            answer: Any = await self._redis.xreadgroup(
-                self.group, consumer, {self.stream: ">"}, count=1, block=int(wait_s * 1000)
-            )
-            # RESP2 answers a list of [stream, entries] pairs, RESP3 a mapping: take the entries either way.
-            per_stream = answer.values() if isinstance(answer, dict) else [pair[1] for pair in answer or []]
-            entries = [entry for stream_entries in per_stream for entry in stream_entries]
+        entries = (list(reclaimed[1]) if reclaimed else []) or await self._next(consumer)
+        if not entries and await self._redis.blpop([self._wake], timeout=wait_s) is not None:
+            entries = await self._next(consumer)
         return [Claimed(text(entry_id), Job.decode(fields[b"job"])) for entry_id, fields in entries if fields]
+
+    async def _next(self, consumer: str) -> list[Any]:
+        """The first job of the next owner in the ring, taken and claimed; or an entry the stream holds unclaimed
+        (written there by an older version)."""
+        for _ in range(3):  # an owner whose last job another worker just took is passed over
+            owner = await self._redis.lmove(self._ring, self._ring, "LEFT", "RIGHT")
+            if owner is None:
+                break
+            name = text(owner)
+            keys = [self._ring, self._lane(name), self.stream]
+            answer = await self._take(keys=keys, args=[name, self.group, consumer])
+            if answer:
+                return _entries(answer)
+        return _entries(await self._redis.xreadgroup(self.group, consumer, {self.stream: ">"}, count=1))
+
+    async def _due_back(self) -> None:
+        due: list[Any] = await self._redis.zrangebyscore(self._deferred, "-inf", time.time(), start=0, num=100)
+        for member in map(text, due):
+            owner = Job.decode(member).owner
+            await self._undefer(keys=[self._deferred, self._lane(owner), self._ring, self._wake], args=[member, owner])
 
     async def start(self, job: Job) -> int:
         key = self._key(job.owner, job.id)
@@ -378,7 +435,9 @@ class MemoryJobQueue:
 
     def __init__(self, result_ttl_s: int) -> None:
         self._ttl = result_ttl_s
-        self._pending: deque[Claimed] = deque()
+        # Per owner its jobs waiting, oldest first; the owners with jobs waiting, whose turn is next first.
+        self._lanes: dict[str, deque[Claimed]] = {}
+        self._ring: deque[str] = deque()
         self._deferred: list[tuple[float, int, Claimed]] = []  # a heap, by when each may run again
         self._deferrals = 0  # orders deferrals due at the same time, as they came
         self._arrived = asyncio.Event()
@@ -414,27 +473,48 @@ class MemoryJobQueue:
         if not fits:
             raise QueueFull(held, cap)
         self._written((job.owner, job.id), JobStatus("queued", len(job.items), references=list(job.references)))
-        self._pending.append(Claimed(job.id, job))
-        self._arrived.set()
+        self._wait(Claimed(job.id, job))
 
     async def status(self, owner: str, job_id: str) -> JobStatus | None:
         return self._live((owner, job_id))
 
     async def claim(self, consumer: str, wait_s: float) -> list[Claimed]:
         self._due()
-        if not self._pending:
+        if not self._ring:
             self._arrived.clear()
             if self._deferred:
                 wait_s = max(0.0, min(wait_s, self._deferred[0][0] - time.time()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), wait_s)
             self._due()
-        return [self._pending.popleft()] if self._pending else []
+        if not self._ring:
+            return []
+        owner = self._ring.popleft()
+        lane = self._lanes[owner]
+        taken = lane.popleft()
+        if lane:
+            self._ring.append(owner)
+        else:
+            del self._lanes[owner]
+        return [taken]
+
+    def _wait(self, claimed: Claimed, first: bool = False) -> None:
+        """Into its owner's lane (at the front: a job that was taken before), the owner into the ring."""
+        owner = claimed.job.owner
+        lane = self._lanes.get(owner)
+        if lane is None:
+            lane = self._lanes[owner] = deque()
+            self._ring.append(owner)
+        if first:
+            lane.appendleft(claimed)
+        else:
+            lane.append(claimed)
+        self._arrived.set()
 
     def _due(self) -> None:
         now = time.time()
         while self._deferred and self._deferred[0][0] <= now:
-            self._pending.append(heapq.heappop(self._deferred)[2])
+            self._wait(heapq.heappop(self._deferred)[2], first=True)
 
     async def start(self, job: Job) -> int:
         # A status that expired while the job waited is written whole again, as in Redis.
@@ -466,8 +546,7 @@ class MemoryJobQueue:
             self._written((claimed.job.owner, claimed.job.id), found)
 
     async def abandon(self, claimed: Claimed) -> None:
-        self._pending.append(claimed)
-        self._arrived.set()
+        self._wait(claimed, first=True)
 
     async def defer(self, claimed: Claimed, job: Job, until: float, consumer: str) -> bool:
         status = self._live((job.owner, job.id)) or JobStatus("queued", len(job.items))

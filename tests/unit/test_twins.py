@@ -346,6 +346,33 @@ async def claimed(queue: JobQueue, job: Job) -> Claimed:
     return taken
 
 
+async def test_tenants_take_turns_and_each_keeps_the_order_of_its_own_jobs(
+    make_queue: QueueFactory, prefix: str
+) -> None:
+    # Bob's four jobs were queued first; alice's and carol's each wait behind one of his at most, not all of them.
+    queue = make_queue(60)
+    bobs = [job_of(f"{prefix}b", items=1) for _ in range(4)]
+    alices = [job_of(f"{prefix}a", items=1) for _ in range(2)]
+    carols = [job_of(f"{prefix}c", items=1)]
+    for job in [*bobs, *alices, *carols]:
+        await queue.enqueue(job, NO_CAP)
+    taken = [claimed.job.id for _ in range(7) for claimed in await queue.claim("worker", 0.5)]
+    expected = [bobs[0], alices[0], carols[0], bobs[1], alices[1], bobs[2], bobs[3]]
+    assert taken == [job.id for job in expected]
+    assert await queue.claim("worker", 0.1) == []
+
+
+async def test_a_job_queued_while_a_worker_waits_is_claimed_at_once(make_queue: QueueFactory, prefix: str) -> None:
+    queue = make_queue(60)
+    job = job_of(f"{prefix}a")
+    waiting = asyncio.create_task(queue.claim("worker", 5.0))
+    await asyncio.sleep(0.2)
+    queued_at = time.monotonic()
+    await queue.enqueue(job, NO_CAP)
+    [claimed] = await waiting
+    assert claimed.job.id == job.id and time.monotonic() - queued_at < 1.0
+
+
 async def test_a_deferred_job_waits_queued_until_due_behind_later_jobs_and_its_deferral_is_no_attempt(
     make_queue: QueueFactory, prefix: str
 ) -> None:
