@@ -149,6 +149,10 @@ class JobQueue(Protocol):
         queued, its attempt not counted; False when the claim is another worker's by now (the job is theirs)."""
         ...
 
+    async def others_waiting(self, owner: str) -> bool:
+        """Whether another owner's jobs wait for a worker."""
+        ...
+
 
 # Renew only a claim that is still this consumer's: XCLAIM alone would take back a job another worker has taken
 # over after an outage, and both would run it.
@@ -422,6 +426,9 @@ class RedisJobQueue:
             self._group_ready = False  # the store lost its data, this claim with it
             return False
 
+    async def others_waiting(self, owner: str) -> bool:
+        return any(text(other) != owner for other in await self._redis.lrange(self._ring, 0, -1))
+
     @property
     def keep_every_s(self) -> float:
         """How often a worker must renew its claim for the job not to look abandoned."""
@@ -556,6 +563,9 @@ class MemoryJobQueue:
         self._deferrals += 1
         heapq.heappush(self._deferred, (until, self._deferrals, Claimed(claimed.entry, job)))
         return True  # in memory no other worker can take a job over
+
+    async def others_waiting(self, owner: str) -> bool:
+        return any(other != owner for other in self._ring)
 
     @property
     def keep_every_s(self) -> float:

@@ -7,7 +7,8 @@ attempts it ends `failed`, with an error result for every item that has none.
 
 Workers serve every tenant, so none waits out one tenant's own limits: an item its tenant's rate or concurrency
 limit refuses for now defers the job (queue.py) and the worker goes on with the next. Refusals that say "not now"
-to everyone (no replica free, a store unreachable) are waited out in place.
+to everyone (no replica free, a store unreachable) are waited out in place. And a batch gives way between its
+items while another tenant's jobs wait: it goes back to the front of its tenant's lane, and tenants take turns.
 """
 
 from __future__ import annotations
@@ -128,6 +129,11 @@ async def process(state: GatewayState, queue: JobQueue, claimed: Claimed, name: 
             log.warning("worker gave up job %s: another worker took it over", job.id)
             return
         await stored(partial(queue.store_result, job, index, result), "store a result")
+        if index + 1 < len(job.items) and await stored(partial(queue.others_waiting, job.owner), "read the queue"):
+            # Another tenant's turn: this batch's next item waits one, not this batch's every item.
+            if not await stored(partial(queue.defer, claimed, job, time.time(), name), "give way"):
+                log.warning("worker gave up job %s: another worker took it over", job.id)
+            return
     await stored(partial(queue.finish, claimed), "finish a job")
 
 

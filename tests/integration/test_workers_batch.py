@@ -248,6 +248,40 @@ async def test_a_tenant_held_back_by_its_own_rate_limit_holds_no_other_tenants_j
     assert [r["body"]["messages"][-1]["content"].rsplit("\n", 1)[-1] for r in forwarded(sim_url)] == ["b1", "a1"]
 
 
+async def test_tenants_take_turns_even_inside_a_batch(
+    client: httpx.AsyncClient, make_gateway: GatewayFactory, make_sim: Any
+) -> None:
+    # Bob's batch of 8 was queued first, then his single job; alice's one job waits for one of his items, not his
+    # whole batch, nor his job queued before hers.
+    from gateway.tenants import hash_key
+
+    sim_url = make_sim(ttft_ms=150)
+    tenants = [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}, {"id": "bob", "key_hashes": [hash_key(BOB_KEY)]}]
+    gateway = make_gateway({"sim": sim_url}, tenants=tenants)
+    bobs_queue = f"{gateway}/accounts/bob/ai/run/{MODEL}?queueRequest=true"
+    batch = await queue(client, bobs_queue, {"requests": [chat(f"b{n}") for n in range(8)]}, key=BOB_KEY)
+    await queue(client, bobs_queue, {"requests": [chat("b-later")]}, key=BOB_KEY)
+    deadline = time.monotonic() + 10
+    while "b0" not in str(forwarded(sim_url)):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    alices = await queue(client, f"{gateway}{QUEUE}", {"requests": [chat("a1")]})
+    await until(client, gateway, alices, finished=True)
+    ran = [r["body"]["messages"][-1]["content"].rsplit("\n", 1)[-1] for r in forwarded(sim_url)]
+    assert ran.index("a1") <= 2, ran  # b0 (running when she queued), perhaps b1 (already taken), then hers
+    deadline = time.monotonic() + 30
+    while True:
+        polled = await client.post(bobs_queue, json={"request_id": batch}, headers=auth(BOB_KEY))
+        result = polled.json()["result"]
+        if "responses" in result:
+            break
+        assert time.monotonic() < deadline, result
+        await asyncio.sleep(0.05)
+    assert [r["success"] for r in result["responses"]] == [True] * 8
+    ran = [r["body"]["messages"][-1]["content"].rsplit("\n", 1)[-1] for r in forwarded(sim_url)]
+    assert [name for name in ran if name.startswith("b")] == [f"b{n}" for n in range(8)] + ["b-later"], ran
+
+
 async def test_a_tenants_queued_requests_stop_at_its_cap_until_its_jobs_finish(
     client: httpx.AsyncClient, make_gateway: GatewayFactory, make_sim: Any
 ) -> None:

@@ -354,12 +354,15 @@ async def test_tenants_take_turns_and_each_keeps_the_order_of_its_own_jobs(
     bobs = [job_of(f"{prefix}b", items=1) for _ in range(4)]
     alices = [job_of(f"{prefix}a", items=1) for _ in range(2)]
     carols = [job_of(f"{prefix}c", items=1)]
+    assert not await queue.others_waiting(bobs[0].owner)
     for job in [*bobs, *alices, *carols]:
         await queue.enqueue(job, NO_CAP)
+    assert await queue.others_waiting(bobs[0].owner)
     taken = [claimed.job.id for _ in range(7) for claimed in await queue.claim("worker", 0.5)]
     expected = [bobs[0], alices[0], carols[0], bobs[1], alices[1], bobs[2], bobs[3]]
     assert taken == [job.id for job in expected]
     assert await queue.claim("worker", 0.1) == []
+    assert not await queue.others_waiting(bobs[0].owner), "nothing waits now"
 
 
 async def test_a_job_queued_while_a_worker_waits_is_claimed_at_once(make_queue: QueueFactory, prefix: str) -> None:
