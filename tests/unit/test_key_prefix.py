@@ -28,7 +28,8 @@ from isolation.markers import Owner, RedisMarkerStore
 from isolation.redis_text import text
 from tests.redis_server import own_redis
 
-# Every name the gateway and its queue workers use with the default prefix, as they were before it was a setting.
+# Every name the gateway and its queue workers use with the default prefix (as they were before it was a setting,
+# and those added since).
 DEFAULT_NAMES = {
     "bulkhead:rate:acme:requests",
     "bulkhead:rate:acme:tokens",
@@ -36,6 +37,9 @@ DEFAULT_NAMES = {
     "bulkhead:job:acme:job-1",
     "bulkhead:held:acme",
     "bulkhead:held-items:acme",
+    "bulkhead:lane:acme",
+    "bulkhead:ring",
+    "bulkhead:wake",
     "bulkhead:replica-admin",
     "bulkhead:replica-failures",
     "bulkhead:isolation-events",
