@@ -164,11 +164,39 @@ return 1
 """
 
 
+# Put an owner with jobs waiting into the ring (KEYS[RING]), unless it is there: just ahead of the owner served last
+# (KEYS[SERVED]), which a take moved to the end, so a tenant that arrives waits for one turn of each other tenant
+# and not for another of the one served now; at the end when that one has left the ring. ARGV[OWNER] is the owner.
+_JOIN_RING = """
+if not redis.call('LPOS', KEYS[RING], ARGV[OWNER]) then
+  local served = redis.call('GET', KEYS[SERVED])
+  if served and redis.call('LPOS', KEYS[RING], served) then
+    redis.call('LINSERT', KEYS[RING], 'BEFORE', served, ARGV[OWNER])
+  else
+    redis.call('RPUSH', KEYS[RING], ARGV[OWNER])
+  end
+end
+redis.call('LPUSH', KEYS[WAKE], 1)
+redis.call('LTRIM', KEYS[WAKE], 0, 63)
+"""
+
+
+def _joining(ring: int, served: int, wake: int, owner: int) -> str:
+    """_JOIN_RING with the positions of its keys and owner in the script that uses it."""
+    names = {"RING": ring, "SERVED": served, "WAKE": wake, "OWNER": owner}
+    snippet = _JOIN_RING
+    for name, position in names.items():
+        snippet = snippet.replace(f"[{name}]", f"[{position}]")
+    return snippet
+
+
 # Check and take a tenant's cap and store the job, in one step. KEYS: the owner's held jobs (a sorted set of
 # "items:id", scored by when each stops counting: a job lost with its worker's data must not hold the cap for good),
-# its count of held items, the job's hash, its lane, the ring, the wake list. ARGV: now, cap, items, member, until,
-# ttl, job, references ("" for none), owner. Returns -1 when queued, else the items already held.
-_ENQUEUE = """
+# its count of held items, the job's hash, its lane, the ring, the wake list, the owner served last. ARGV: now, cap,
+# items, member, until, ttl, job, references ("" for none), owner. Returns -1 when queued, else the items already
+# held.
+_ENQUEUE = (
+    """
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 if #expired > 0 then
   local gone = 0
@@ -187,19 +215,19 @@ redis.call('HSET', KEYS[3], 'status', 'queued', 'items', ARGV[3])
 if ARGV[8] ~= '' then redis.call('HSET', KEYS[3], 'references', ARGV[8]) end
 redis.call('EXPIRE', KEYS[3], ARGV[6])
 redis.call('RPUSH', KEYS[4], ARGV[7])
-if not redis.call('LPOS', KEYS[5], ARGV[9]) then redis.call('RPUSH', KEYS[5], ARGV[9]) end
-redis.call('LPUSH', KEYS[6], 1)
-redis.call('LTRIM', KEYS[6], 0, 63)
-return -1
 """
+    + _joining(ring=5, served=7, wake=6, owner=9)
+    + "return -1"
+)
 
 # Take the first job of one owner's lane into the stream and claim it there, in one step (a job is in its lane or
-# in the stream, never neither). KEYS: the ring, the lane, the stream. ARGV: owner, group, consumer. The owner
-# leaves the ring with its last job.
+# in the stream, never neither). KEYS: the ring, the lane, the stream, the owner served last. ARGV: owner, group,
+# consumer. The owner leaves the ring with its last job.
 _TAKE = """
 local job = redis.call('LPOP', KEYS[2])
 if redis.call('LLEN', KEYS[2]) == 0 then redis.call('LREM', KEYS[1], 0, ARGV[1]) end
 if not job then return false end
+redis.call('SET', KEYS[4], ARGV[1])
 redis.call('XADD', KEYS[3], '*', 'job', job)
 return redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', 1, 'STREAMS', KEYS[3], '>')
 """
@@ -219,15 +247,15 @@ return 1
 """
 
 # A deferred job that is due, back to the front of its owner's lane, once. KEYS: the deferred set, the lane, the
-# ring, the wake list. ARGV: the job, its owner.
-_UNDEFER = """
+# ring, the wake list, the owner served last. ARGV: the job, its owner.
+_UNDEFER = (
+    """
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('LPUSH', KEYS[2], ARGV[1])
-if not redis.call('LPOS', KEYS[3], ARGV[2]) then redis.call('RPUSH', KEYS[3], ARGV[2]) end
-redis.call('LPUSH', KEYS[4], 1)
-redis.call('LTRIM', KEYS[4], 0, 63)
-return 1
 """
+    + _joining(ring=3, served=5, wake=4, owner=2)
+    + "return 1"
+)
 
 # Give a finished job's items back, once however many workers finish it. KEYS: held jobs, held items; ARGV: member,
 # items.
@@ -284,6 +312,7 @@ class RedisJobQueue:
         self._deferred = f"{prefix}deferred"
         self._ring = f"{prefix}ring"
         self._wake = f"{prefix}wake"
+        self._served = f"{prefix}served"
         self._prefix = prefix
 
     def _key(self, owner: str, job_id: str) -> str:
@@ -311,7 +340,7 @@ class RedisJobQueue:
         # With the status, not in the stream's entry: a poll reads the hash alone.
         references = orjson.dumps(job.references) if any(ref is not None for ref in job.references) else b""
         keys = [*self._held_keys(job.owner), self._key(job.owner, job.id), self._lane(job.owner)]
-        keys += [self._ring, self._wake]
+        keys += [self._ring, self._wake, self._served]
         args: list[bytes | str | float] = [now, cap, len(job.items), _held_member(job), now + self._ttl, self._ttl]
         held = await self._enqueue(keys=keys, args=[*args, job.encode(), references, job.owner])
         if int(held) >= 0:
@@ -357,7 +386,7 @@ class RedisJobQueue:
             if owner is None:
                 break
             name = text(owner)
-            keys = [self._ring, self._lane(name), self.stream]
+            keys = [self._ring, self._lane(name), self.stream, self._served]
             answer = await self._take(keys=keys, args=[name, self.group, consumer])
             if answer:
                 return _entries(answer)
@@ -367,7 +396,8 @@ class RedisJobQueue:
         due: list[Any] = await self._redis.zrangebyscore(self._deferred, "-inf", time.time(), start=0, num=100)
         for member in map(text, due):
             owner = Job.decode(member).owner
-            await self._undefer(keys=[self._deferred, self._lane(owner), self._ring, self._wake], args=[member, owner])
+            keys = [self._deferred, self._lane(owner), self._ring, self._wake, self._served]
+            await self._undefer(keys=keys, args=[member, owner])
 
     async def start(self, job: Job) -> int:
         key = self._key(job.owner, job.id)
@@ -445,6 +475,7 @@ class MemoryJobQueue:
         # Per owner its jobs waiting, oldest first; the owners with jobs waiting, whose turn is next first.
         self._lanes: dict[str, deque[Claimed]] = {}
         self._ring: deque[str] = deque()
+        self._served: str | None = None  # the owner taken last (at the ring's end while jobs of its own wait)
         self._deferred: list[tuple[float, int, Claimed]] = []  # a heap, by when each may run again
         self._deferrals = 0  # orders deferrals due at the same time, as they came
         self._arrived = asyncio.Event()
@@ -496,7 +527,7 @@ class MemoryJobQueue:
             self._due()
         if not self._ring:
             return []
-        owner = self._ring.popleft()
+        owner = self._served = self._ring.popleft()
         lane = self._lanes[owner]
         taken = lane.popleft()
         if lane:
@@ -511,7 +542,10 @@ class MemoryJobQueue:
         lane = self._lanes.get(owner)
         if lane is None:
             lane = self._lanes[owner] = deque()
-            self._ring.append(owner)
+            # Just ahead of the owner served last, as in Redis (_JOIN_RING).
+            served = self._served
+            at = self._ring.index(served) if served is not None and served in self._ring else len(self._ring)
+            self._ring.insert(at, owner)
         if first:
             lane.appendleft(claimed)
         else:

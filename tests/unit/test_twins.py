@@ -365,6 +365,20 @@ async def test_tenants_take_turns_and_each_keeps_the_order_of_its_own_jobs(
     assert not await queue.others_waiting(bobs[0].owner), "nothing waits now"
 
 
+async def test_a_tenant_that_arrives_goes_before_another_turn_of_the_one_served_now(
+    make_queue: QueueFactory, prefix: str
+) -> None:
+    queue = make_queue(60)
+    bobs = [job_of(f"{prefix}b", items=1) for _ in range(3)]
+    for job in bobs:
+        await queue.enqueue(job, NO_CAP)
+    await claimed(queue, bobs[0])
+    alices = job_of(f"{prefix}a", items=1)
+    await queue.enqueue(alices, NO_CAP)  # while bob's first job runs
+    taken = [claimed.job.id for _ in range(3) for claimed in await queue.claim("worker", 0.5)]
+    assert taken == [alices.id, bobs[1].id, bobs[2].id]
+
+
 async def test_a_job_queued_while_a_worker_waits_is_claimed_at_once(make_queue: QueueFactory, prefix: str) -> None:
     queue = make_queue(60)
     job = job_of(f"{prefix}a")
