@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -112,6 +113,14 @@ class ReplicaPool:
         self._apply_admin_state(replica, state, reason)
         return True
 
+    async def suspend(self, replica: Replica, others: list[Replica], until: float, reason: str) -> bool:
+        """Out of rotation on every instance until `until` at the latest, unless it has a state already or every
+        other replica of its model has one (store.suspend); True when it was suspended."""
+        if not await self._store.suspend(replica.name, [other.name for other in others], until):
+            return False
+        self._apply_admin_state(replica, "suspended", reason)
+        return True
+
     def _apply_admin_state(self, replica: Replica, state: AdminState | None, reason: str) -> None:
         if replica.admin_state != state:
             log.warning("backend %s is now %s: %s", replica.name, state or "released", reason)
@@ -129,7 +138,10 @@ class ReplicaPool:
             log.warning("failure of backend %s not shared: %s", name, type(exc).__name__)
 
     async def sync(self) -> None:
-        """Take in what other instances decided or saw; a new failure holds until the next passing check."""
+        """Take in what other instances decided or saw; a new failure holds until the next passing check. A
+        suspension past its time ends here, on whichever instance syncs first (its probe died with its instance)."""
+        for name in await self._store.release_expired(time.time()):
+            log.warning("backend %s: its suspension ended without a probe's verdict", name)
         admin = await self._store.admin_states()
         failures = await self._store.failures()
         seen, self._failures_seen = self._failures_seen, failures

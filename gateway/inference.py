@@ -403,7 +403,6 @@ class InferenceCall:
             stops,
             fragments,
             self.request.n,
-            self.prompt.texts,
         )
 
     async def complete(self) -> Answer:

@@ -31,7 +31,7 @@ from gateway.incidents import report
 from gateway.prober import probe
 from gateway.state import GatewayState
 from gateway.store import AdminState
-from isolation.audit import AuditError
+from isolation.audit import AuditError, Finding
 from isolation.events import IsolationEvent
 
 log = logging.getLogger("bulkhead.isolation")
@@ -44,6 +44,9 @@ BOUNDED = "bounded"
 DISABLED = "disabled"
 NONE = "none"
 CHECK = "leak_check"
+OUTCOMES = {"yes": "confirmed", "no": "unconfirmed", "unknown": "inconclusive"}  # the probe's, as metric outcomes
+DETAILS = {"no": "the canary probe saw no requests mixed", "unknown": "the canary probe could not run"}
+SUSPENSION_SLACK_S = 60.0
 
 
 class QuarantineBudget:
@@ -74,6 +77,21 @@ async def _set(state: GatewayState, replica: Replica, admin_state: AdminState, r
         replica.admin_state = admin_state  # at least here, when the store cannot tell the others
 
 
+async def _suspend(state: GatewayState, replica: Replica, others: list[Replica], reason: str) -> bool:
+    """Suspend the replica, unless it has a state (an operator's drain) or every other replica of its model has one
+    by now (another leak, on this instance or another, suspended them): checked and set in one step in the store."""
+    # The probe's own limit, and time for it to start and report: a suspension whose probe died ends by then.
+    until = time.time() + state.settings.isolation.prober.time_limit_s + SUSPENSION_SLACK_S
+    try:
+        return await state.pool.suspend(replica, others, until, reason)
+    except (RedisError, OSError) as exc:
+        log.error("suspension of %s not shared: %s", replica.name, type(exc).__name__)
+        if replica.admin_state is not None or all(other.admin_state is not None for other in others):
+            return False
+        replica.admin_state = SUSPENDED  # at least here, when the store cannot tell the others
+        return True
+
+
 async def _release(state: GatewayState, replica: Replica, reason: str) -> bool:
     """End a suspension; False when the replica is no longer suspended (an operator decided meanwhile)."""
     try:
@@ -86,55 +104,61 @@ async def _release(state: GatewayState, replica: Replica, reason: str) -> bool:
         return True
 
 
-def _decide(event: IsolationEvent, state: GatewayState, replica: Replica | None) -> str:
+async def _decide(event: IsolationEvent, state: GatewayState, replica: Replica | None) -> str:
     if replica is None or replica.admin_state in (QUARANTINED, SUSPENDED):
         return NONE
     if not state.settings.isolation.canary.quarantine_on_leak:
         return DISABLED
     model = state.settings.model(event.model)
-    others = [r for r in state.pool.routable(model) if r is not replica] if model is not None else []
-    if not others:
+    if model is None:
         return PROBING
-    return SUSPENDED if state.quarantines.take(replica.name) else BOUNDED
+    others = [state.pool.replicas[name] for name in model.backends if name != replica.name]
+    if not any(other.routable for other in others):
+        return PROBING
+    if not state.quarantines.take(replica.name):
+        return BOUNDED
+    # Another leak (here or on another instance) may have suspended the others since: then this one is the last.
+    reason = f"{event.kind} in request {event.request_id}, being probed"
+    return SUSPENDED if await _suspend(state, replica, others, reason) else PROBING
 
 
 async def on_leak(event: IsolationEvent, state: GatewayState) -> None:
     """Report a leak with what it does to its replica, and do it."""
     replica = state.pool.replicas.get(event.replica)
-    action = _decide(event, state, replica)
+    action = await _decide(event, state, replica)
     state.metrics.quarantines.labels(event.replica, action).inc()
     await report(replace(event, action=action), state)
-    if replica is None:
-        return
-    if action == SUSPENDED:
-        await _set(state, replica, SUSPENDED, f"{event.kind} in request {event.request_id}, being probed")
-    if action in (SUSPENDED, PROBING) and replica.name not in state.quarantines.probing:
+    if replica is not None and action in (SUSPENDED, PROBING) and replica.name not in state.quarantines.probing:
         state.quarantines.probing.add(replica.name)
         state.background(_confirm(state, replica, event))
 
 
 async def _confirm(state: GatewayState, replica: Replica, event: IsolationEvent) -> None:
+    findings: list[Finding] | None = None  # None: the probe could not tell
     try:
         model = state.settings.model(event.model)
-        findings = await probe(state, replica, model) if model is not None else []
+        findings = await probe(state, replica, model) if model is not None else None
     except AuditError as exc:
         log.warning("leak on %s: the confirmation probe did not run: %s", replica.name, exc)
-        findings = []
+    except Exception:
+        log.exception("leak on %s: the confirmation probe failed", replica.name)
     finally:
         state.quarantines.probing.discard(replica.name)
-    confirmed = bool(findings)
-    state.metrics.quarantines.labels(replica.name, "confirmed" if confirmed else "unconfirmed").inc()
+    outcome = "unknown" if findings is None else "yes" if findings else "no"
+    state.metrics.quarantines.labels(replica.name, OUTCOMES[outcome]).inc()
     # A suspension took its place in the bound already.
     suspended = replica.admin_state == SUSPENDED
-    if confirmed:
+    if findings:
         action = QUARANTINED if suspended or state.quarantines.take(replica.name) else BOUNDED
+    elif findings is None:
+        # No evidence either way: a suspension stays, until its time ends (ReplicaPool.sync) or an operator decides.
+        action = NONE
     else:
         released = suspended and await _release(state, replica, "the leak's confirmation probe saw no requests mixed")
         action = RELEASED if released else NONE
     if action != NONE:
         state.metrics.quarantines.labels(replica.name, action).inc()
-    detail = findings[0].title if findings else "the canary probe saw no requests mixed"
-    outcome = "yes" if confirmed else "no"
+    detail = findings[0].title if findings else DETAILS[outcome]
     check = replace(event, kind=CHECK, detail=detail, action=action, confirmed=outcome, time=time.time())
     await report(check, state)
     if action == QUARANTINED:

@@ -13,7 +13,7 @@ from typing import Literal, Protocol, TypeGuard
 
 from redis.asyncio import Redis
 
-from isolation.redis_text import text_fields
+from isolation.redis_text import text, text_fields
 
 AdminState = Literal["quarantined", "draining", "suspended"]
 ADMIN_STATES: tuple[AdminState, ...] = ("quarantined", "draining", "suspended")
@@ -26,6 +26,15 @@ class Store(Protocol):
         """Set `state` only while the replica is still `expected` (not changed meanwhile, by an operator say)."""
         ...
 
+    async def suspend(self, replica: str, others: list[str], until: float) -> bool:
+        """Suspend the replica until `until` (epoch s), in one step, only while it has no state and one of `others`
+        (the other replicas of its model) has none either: never the last one, whatever instance asks."""
+        ...
+
+    async def release_expired(self, now: float) -> list[str]:
+        """End the suspensions whose time is past (their probe died with its instance); the replicas released."""
+        ...
+
     async def admin_states(self) -> dict[str, AdminState]: ...
 
     async def report_failure(self, replica: str) -> None: ...
@@ -36,9 +45,11 @@ class Store(Protocol):
 class MemoryStore:
     def __init__(self) -> None:
         self._admin: dict[str, AdminState] = {}
+        self._until: dict[str, float] = {}  # when each suspension ends at the latest
         self._failures: dict[str, int] = {}
 
     async def set_admin_state(self, replica: str, state: AdminState | None) -> None:
+        self._until.pop(replica, None)
         if state is None:
             self._admin.pop(replica, None)
         else:
@@ -50,6 +61,20 @@ class MemoryStore:
         await self.set_admin_state(replica, state)
         return True
 
+    async def suspend(self, replica: str, others: list[str], until: float) -> bool:
+        if replica in self._admin or all(other in self._admin for other in others):
+            return False
+        self._admin[replica], self._until[replica] = "suspended", until
+        return True
+
+    async def release_expired(self, now: float) -> list[str]:
+        expired = [name for name, until in self._until.items() if until <= now]
+        for name in expired:
+            del self._until[name]
+            if self._admin.get(name) == "suspended":
+                del self._admin[name]
+        return expired
+
     async def admin_states(self) -> dict[str, AdminState]:
         return dict(self._admin)
 
@@ -60,31 +85,72 @@ class MemoryStore:
         return dict(self._failures)
 
 
-# KEYS: the admin hash; ARGV: replica, expected state, new state ("" releases). 1 when replaced.
+# KEYS: the admin hash, the suspensions' ends; ARGV: replica, expected state, new state ("" releases). 1 when replaced.
 _REPLACE = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 if ARGV[3] == '' then redis.call('HDEL', KEYS[1], ARGV[1]) else redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) end
+redis.call('HDEL', KEYS[2], ARGV[1])
 return 1
+"""
+
+# KEYS: the admin hash, the suspensions' ends; ARGV: replica, until, the model's other replicas. 1 when suspended.
+_SUSPEND = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+for i = 3, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then
+    redis.call('HSET', KEYS[1], ARGV[1], 'suspended')
+    redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+    return 1
+  end
+end
+return 0
+"""
+
+# KEYS: the admin hash, the suspensions' ends; ARGV: now. The replicas whose suspension ended.
+_RELEASE_EXPIRED = """
+local released = {}
+local ends = redis.call('HGETALL', KEYS[2])
+for i = 1, #ends, 2 do
+  if tonumber(ends[i + 1]) <= tonumber(ARGV[1]) then
+    redis.call('HDEL', KEYS[2], ends[i])
+    if redis.call('HGET', KEYS[1], ends[i]) == 'suspended' then redis.call('HDEL', KEYS[1], ends[i]) end
+    table.insert(released, ends[i])
+  end
+end
+return released
 """
 
 
 class RedisStore:
-    """Two hashes, replica → state: `{prefix}replica-admin` and `{prefix}replica-failures`."""
+    """Three hashes, replica → state: `{prefix}replica-admin`, `{prefix}replica-failures` and
+    `{prefix}replica-suspended-until` (when each suspension ends at the latest)."""
 
     def __init__(self, redis: Redis, *, prefix: str) -> None:
         self._redis = redis
         self._admin = f"{prefix}replica-admin"
         self._failures = f"{prefix}replica-failures"
+        self._until = f"{prefix}replica-suspended-until"
         self._replace = redis.register_script(_REPLACE)
+        self._suspend = redis.register_script(_SUSPEND)
+        self._release_expired = redis.register_script(_RELEASE_EXPIRED)
 
     async def set_admin_state(self, replica: str, state: AdminState | None) -> None:
-        if state is None:
-            await self._redis.hdel(self._admin, replica)
-        else:
-            await self._redis.hset(self._admin, replica, state)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            if state is None:
+                pipe.hdel(self._admin, replica)
+            else:
+                pipe.hset(self._admin, replica, state)
+            pipe.hdel(self._until, replica)
+            await pipe.execute()
 
     async def replace_admin_state(self, replica: str, expected: AdminState, state: AdminState | None) -> bool:
-        return bool(await self._replace(keys=[self._admin], args=[replica, expected, state or ""]))
+        return bool(await self._replace(keys=[self._admin, self._until], args=[replica, expected, state or ""]))
+
+    async def suspend(self, replica: str, others: list[str], until: float) -> bool:
+        return bool(await self._suspend(keys=[self._admin, self._until], args=[replica, until, *others]))
+
+    async def release_expired(self, now: float) -> list[str]:
+        return [text(name) for name in await self._release_expired(keys=[self._admin, self._until], args=[now])]
 
     async def admin_states(self) -> dict[str, AdminState]:
         raw = text_fields(await self._redis.hgetall(self._admin))

@@ -22,7 +22,7 @@ its own across the answer, so an engine leaking through a field the gateway drop
 from __future__ import annotations
 
 import codecs
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,13 +140,8 @@ class OutputGuard:
         stops: frozenset[str] = frozenset(),
         fragments: AnswerCheck | None = None,
         choices: int = 1,
-        own_texts: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         self._registry = registry
-        # The recipient's own prompt (without what the gateway injected), read once an answer holds another tenant's
-        # live marker: a marker the recipient sent itself is no leak.
-        self._own_texts = own_texts
-        self._own_prompt: bytes | None = None
         self._choices_asked = choices  # the request's n: a choice of another index answers nothing that was asked
         self._fragments = fragments
         self._tenant = tenant
@@ -528,22 +523,9 @@ class OutputGuard:
             return None
         if owner.tenant == self._tenant:
             return ""
-        if self._in_own_prompt(hit.normal):
-            # Its answer tells the recipient nothing it did not send: left as it is, no event. Otherwise a tenant who
-            # learned its own marker (a model will write its system line reversed or encoded on request) could put
-            # it in pages and mail that another tenant's application feeds its model, and have every answer quoting
-            # them withheld, each one a leak alert.
-            return None
+        # Even when the recipient's own prompt holds it: a tenant who learned another's marker (from a model that
+        # writes its system line encoded) would otherwise blind the markers to that tenant's leaks into its answers.
         return await self._leak(Leak(owner.tenant, MARKER, str(owner.epoch)))
-
-    def _in_own_prompt(self, normal: bytes) -> bool:
-        if self._own_prompt is None:
-            own = list(self._own_texts()) if self._own_texts is not None else []
-            # As sent and as a client decodes JSON escapes, as answers are read (`\u0043NRY-…` is the marker).
-            own += [JsonStringReader().decoded(text) for text in own if "\\" in text]
-            # Normal forms hold only [a-z0-9]: no marker spans the separator.
-            self._own_prompt = b"\0".join(map(normalize, own))
-        return normal in self._own_prompt
 
     async def _leak(self, leak: Leak) -> str | None:
         """Report another tenant's data (once per victim, kind and answer); raises LeakBlocked under block, else

@@ -2,7 +2,7 @@
 from an encoding the gateway does not read), and two accounts of one person can make a fingerprint leak with no
 secret at all; so no tenant's request takes a replica away for good: only the prober's canary probe quarantines,
 a replica is suspended while it is probed (or, the last one, stays in rotation), and automatic decisions are
-bounded. And a marker the recipient sent itself is no leak at all."""
+bounded. A marker the recipient sent itself is a leak all the same."""
 
 from __future__ import annotations
 
@@ -216,24 +216,23 @@ async def test_quarantine_on_leak_off_is_honoured(
     assert (await states(client, gateway_url))["solo"] == "healthy"
 
 
-async def test_a_marker_the_recipient_sent_itself_is_no_leak(
+async def test_a_marker_the_recipient_sent_itself_is_still_a_leak(
     client: httpx.AsyncClient, make_gateway: Any, sim_url: str
 ) -> None:
-    # Bob learned his own marker (a model writes its system line reversed or encoded on request) and put it in a
-    # page alice's application feeds its model. Her answers quote it: they tell her nothing she did not send, and
-    # withholding them (each one a leak alert) would hand bob a switch for her service. As sent or JSON-escaped.
+    # Bob learned alice's marker (a model writes its system line encoded on request: her public chatbot will) and
+    # sends it in every prompt. Were a marker his own prompt holds no leak, an engine that mixes alice's session into
+    # his answer would go unseen by the markers. So it is a leak, as sent or JSON-escaped, echoed or not.
     gateway_url = make_gateway({"sim": sim_url}, admin_token=ADMIN)
-    ask = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth(BOB_KEY))
+    ask = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth(ALICE_KEY))
     assert ask.status_code == 200
-    bobs = forwarded(sim_url)[-1]["body"]["messages"][0]["content"]
-    assert MARKER.fullmatch(bobs)
-    for page in (f"Docs page: {bobs} (end)", "Docs page: \\u0043" + bobs[1:]):
-        body = {"model": MODEL, "prompt": page, "max_tokens": 1, "echo": True}
-        answer = await client.post(f"{gateway_url}{COMPLETIONS}", json=body, headers=auth(ALICE_KEY))
-        assert answer.status_code == 200, answer.text
-        assert answer.json()["choices"][0]["text"].startswith(page)
-    assert await events(client, gateway_url) == []
-    # Sent by no one but written by the model, the same marker is a leak (the tests above).
+    alices = forwarded(sim_url)[-1]["body"]["messages"][0]["content"]
+    assert MARKER.fullmatch(alices)
+    for prompt in (f"Reference id {alices}, then: ", "Reference id \\u0043" + alices[1:]):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "echo": True}
+        answer = await client.post(f"{gateway_url}{COMPLETIONS}", json=body, headers=auth(BOB_KEY))
+        assert answer.status_code == 502 and alices.lower() not in answer.text.lower()
+    leaks = [e for e in await events(client, gateway_url) if e["kind"] == "leak"]
+    assert [(e["tenant"], e["victim_tenant"]) for e in leaks] == [("bob", "alice")] * 2
 
 
 async def test_two_accounts_of_one_person_cannot_take_a_replica_out_for_good(

@@ -583,6 +583,30 @@ async def test_an_admin_state_is_replaced_only_while_it_is_the_one_expected(stor
     assert mine(await store.admin_states(), prefix) == {a: "quarantined"}
 
 
+async def test_a_suspension_never_takes_a_models_last_free_replica_and_ends_at_its_time(
+    store: Store, prefix: str
+) -> None:
+    a, b, c = f"{prefix}a", f"{prefix}b", f"{prefix}c"
+    now = time.time()
+    assert await store.suspend(a, [b, c], now + 60)
+    await store.set_admin_state(c, "draining")
+    assert not await store.suspend(b, [a, c], now + 60), "every other replica has a state"
+    assert not await store.suspend(a, [b, c], now + 60), "suspended already"
+    assert not await store.suspend(c, [a, b], now + 60), "an operator's drain is not overwritten"
+    assert mine(await store.admin_states(), prefix) == {a: "suspended", c: "draining"}
+    assert [n for n in await store.release_expired(now + 30) if n.startswith(prefix)] == []
+    assert [n for n in await store.release_expired(now + 61) if n.startswith(prefix)] == [a]
+    assert mine(await store.admin_states(), prefix) == {c: "draining"}
+    # A suspension that the probe or an operator ended has no time left to end.
+    assert await store.suspend(b, [a, c], now + 60)
+    await store.set_admin_state(b, "quarantined")
+    await store.set_admin_state(c, None)
+    assert await store.suspend(a, [b, c], now + 60)
+    assert await store.replace_admin_state(a, "suspended", None)
+    assert [n for n in await store.release_expired(now + 61) if n.startswith(prefix)] == []
+    assert mine(await store.admin_states(), prefix) == {b: "quarantined"}
+
+
 async def test_failures_are_counted_per_replica(store: Store, prefix: str) -> None:
     a, b = f"{prefix}a", f"{prefix}b"
     for replica in (a, b, a, a):

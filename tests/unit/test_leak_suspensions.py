@@ -1,0 +1,185 @@
+"""What a leak does to its replica (gateway/quarantine.py), where integration tests cannot make it happen on cue: two
+leaks at once, a probe that dies or cannot run, an operator's decision made before the leak. The probe is replaced by
+its possible outcomes and the instance by the parts these rules use (the replica pool and store are the real ones);
+tests/integration/test_quarantine.py runs the same rules end to end."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gateway import quarantine
+from gateway.backends import ReplicaPool
+from gateway.metrics import GatewayMetrics
+from gateway.store import MemoryStore
+from isolation.audit import AuditError
+from isolation.events import IsolationEvent, MemoryEventLog
+
+MODEL = SimpleNamespace(name="m", backends=["a", "b"])
+METRICS = GatewayMetrics()  # one registry for the module: prometheus names are global
+Probe = Callable[..., Awaitable[list[Any]]]
+
+
+def instance(store: MemoryStore, probe_time_s: float = 30.0) -> Any:
+    """One gateway instance: its own view of the replicas and its own bound, the store shared with the others."""
+    backends = [SimpleNamespace(name=n, url=f"http://{n}", api_key=None) for n in MODEL.backends]
+    pool = ReplicaPool(backends, METRICS, store)  # type: ignore[arg-type]
+    for replica in pool.replicas.values():
+        replica.healthy = True
+    tasks: set[asyncio.Task[Any]] = set()
+
+    def background(work: Any) -> None:
+        tasks.add(asyncio.get_running_loop().create_task(work))
+
+    isolation = SimpleNamespace(
+        canary=SimpleNamespace(quarantine_on_leak=True), prober=SimpleNamespace(time_limit_s=probe_time_s)
+    )
+    settings = SimpleNamespace(isolation=isolation, model=lambda name: MODEL)
+    return SimpleNamespace(
+        pool=pool,
+        settings=settings,
+        quarantines=quarantine.QuarantineBudget(1, 3600.0),
+        metrics=METRICS,
+        webhook=None,
+        events=MemoryEventLog(100),
+        background=background,
+        tasks=tasks,
+    )
+
+
+class NetworkLog(MemoryEventLog):
+    """An event log whose append waits once, as RedisEventLog's does on the network."""
+
+    async def append(self, record: Any) -> None:
+        await asyncio.sleep(0)
+        await super().append(record)
+
+
+def leak_on(replica: str) -> IsolationEvent:
+    return IsolationEvent("leak", f"r-{replica}", "bob", "m", replica, "", victim_tenant="alice")
+
+
+async def settle(state: Any) -> None:
+    await asyncio.gather(*state.tasks, return_exceptions=True)
+
+
+async def checks(state: Any) -> list[IsolationEvent]:
+    return [e for e in await state.events.recent(10) if e.kind == quarantine.CHECK]
+
+
+def probe_that(monkeypatch: pytest.MonkeyPatch, outcome: Probe) -> None:
+    monkeypatch.setattr(quarantine, "probe", outcome)
+
+
+async def test_two_leaks_on_two_instances_at_once_never_suspend_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Faked by one person's two accounts (no secret needed), one leak per replica reaches two instances at once;
+    # each still sees the other replica routable. The store decides: the second is probed in place.
+    going_on = asyncio.Event()
+
+    async def slow(*_: Any) -> list[Any]:
+        await going_on.wait()
+        return []
+
+    probe_that(monkeypatch, slow)
+    store = MemoryStore()
+    x, y = instance(store), instance(store)
+    await asyncio.gather(quarantine.on_leak(leak_on("a"), x), quarantine.on_leak(leak_on("b"), y))
+    await x.pool.sync()
+    try:
+        assert x.pool.routable(MODEL), f"no replica serves the model: {await store.admin_states()}"
+        actions = [e.action for e in await x.events.recent(10)] + [e.action for e in await y.events.recent(10)]
+        assert sorted(actions) == ["probing", "suspended"]
+    finally:
+        going_on.set()
+        await settle(x)
+        await settle(y)
+
+
+async def test_two_leaks_on_one_instance_at_once_never_suspend_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    going_on = asyncio.Event()
+
+    async def slow(*_: Any) -> list[Any]:
+        await going_on.wait()
+        return []
+
+    probe_that(monkeypatch, slow)
+    x = instance(MemoryStore())
+    x.events = NetworkLog(100)
+    await asyncio.gather(quarantine.on_leak(leak_on("a"), x), quarantine.on_leak(leak_on("b"), x))
+    try:
+        assert x.pool.routable(MODEL)
+    finally:
+        going_on.set()
+        await settle(x)
+
+
+async def test_a_drained_replica_is_probed_in_place_and_stays_drained(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The operator drained `a`; a request still running there carries a leak. Suspending it would overwrite the
+    # drain, and the probe's release would then put `a` back in rotation mid-maintenance.
+    async def sound(*_: Any) -> list[Any]:
+        return []
+
+    probe_that(monkeypatch, sound)
+    store = MemoryStore()
+    state = instance(store)
+    await state.pool.set_admin_state(state.pool.replicas["a"], "draining", "operator")
+    await quarantine.on_leak(leak_on("a"), state)
+    await settle(state)
+    assert (await store.admin_states()).get("a") == "draining"
+    [check] = await checks(state)
+    assert (check.confirmed, check.action) == ("no", "none")
+
+
+@pytest.mark.parametrize("failure", [AuditError("discovery used the budget up"), KeyError("choices")])
+async def test_a_probe_that_cannot_tell_keeps_the_suspension_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    # No evidence that the replica is sound: it is not released as if the probe had seen nothing.
+    async def cannot(*_: Any) -> list[Any]:
+        raise failure
+
+    probe_that(monkeypatch, cannot)
+    store = MemoryStore()
+    state = instance(store)
+    await quarantine.on_leak(leak_on("a"), state)
+    await settle(state)
+    [check] = await checks(state)
+    assert (check.confirmed, check.action, check.detail) == ("unknown", "none", "the canary probe could not run")
+    assert (await store.admin_states()).get("a") == "suspended"
+
+
+@pytest.mark.parametrize("how", ["crash", "shutdown"])
+async def test_a_suspension_ends_when_its_time_is_past_if_its_probe_died(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    # The probe task dies (an error, or its instance stops: a deploy, an OOM kill): any instance's next sync ends the
+    # suspension once the probe's time and some slack are past.
+    started = asyncio.Event()
+
+    async def dies(*_: Any) -> list[Any]:
+        started.set()
+        if how == "crash":
+            raise KeyError("choices")
+        await asyncio.sleep(3600)
+        return []
+
+    probe_that(monkeypatch, dies)
+    monkeypatch.setattr(quarantine, "SUSPENSION_SLACK_S", 0.2)
+    store = MemoryStore()
+    state = instance(store, probe_time_s=0.0)
+    await quarantine.on_leak(leak_on("a"), state)
+    await started.wait()
+    for task in state.tasks:
+        task.cancel()
+    await settle(state)
+    later = instance(store)  # any instance, now or after a restart
+    await later.pool.sync()
+    assert (await store.admin_states()).get("a") == "suspended", "not before its time"
+    await asyncio.sleep(0.25)
+    await later.pool.sync()
+    assert (await store.admin_states()).get("a") is None
+    assert later.pool.replicas["a"].routable
