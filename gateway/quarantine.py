@@ -7,9 +7,14 @@ two accounts of one person need no secret at all to make a fingerprint event (on
 model to decode an encoding of it). So no tenant's request decides on its own; the prober's canary probe does
 (synthetic identities whose markers exist for that probe only, so no tenant can fake its outcome):
 - while other routable replicas serve the model, the replica is suspended at once (out of rotation, the model
-  stays served) and probed; it is quarantined when the probe sees it mix requests, and released when it does not;
-- the last one stays in rotation while it is probed, and is quarantined only when the probe sees it mix requests;
-- the follow-up event (kind `leak_check`) says whether the probe confirmed it and what was done;
+  stays served) and probed; it is quarantined when the probe sees it mix requests, and released when it does not.
+  The store sets the suspension in one step, only while another replica of the model is free and this one has no
+  state: two leaks at once never take every replica out, and an operator's drain is never overwritten;
+- a replica that cannot be suspended (the last one free, or one with an operator's state) stays as it is while it
+  is probed, and is quarantined only when the probe sees it mix requests;
+- a probe that cannot tell keeps a suspension, and a suspension ends by itself at its time (ReplicaPool.sync), so
+  none outlives a probe that died with its instance;
+- the follow-up event (kind `leak_check`) says whether the probe confirmed it (yes, no, unknown) and what was done;
 - automatic suspensions and quarantines of one replica are bounded per window (`isolation.quarantine`), per
   instance; past the bound the leak is still blocked and recorded, and the decision is counted.
 Every decision is counted in `bulkhead_quarantines_total{replica,outcome}`. With `quarantine_on_leak: false`
