@@ -239,7 +239,7 @@ local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1, AR
 if #pending == 0 then return 0 end
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[5])
 redis.call('HSET', KEYS[3], 'status', 'queued', 'items', ARGV[6])
-redis.call('HINCRBY', KEYS[3], 'attempts', -1)
+if tonumber(redis.call('HGET', KEYS[3], 'attempts') or '0') > 0 then redis.call('HINCRBY', KEYS[3], 'attempts', -1) end
 redis.call('EXPIRE', KEYS[3], ARGV[7])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
@@ -394,7 +394,8 @@ class RedisJobQueue:
 
     async def _due_back(self) -> None:
         due: list[Any] = await self._redis.zrangebyscore(self._deferred, "-inf", time.time(), start=0, num=100)
-        for member in map(text, due):
+        # Latest first: each goes to the front of its lane, so a tenant's jobs come back in the order they were due.
+        for member in map(text, reversed(due)):
             owner = Job.decode(member).owner
             keys = [self._deferred, self._lane(owner), self._ring, self._wake, self._served]
             await self._undefer(keys=keys, args=[member, owner])
@@ -457,6 +458,7 @@ class RedisJobQueue:
             return False
 
     async def others_waiting(self, owner: str) -> bool:
+        await self._due_back()  # a job deferred for a moment waits again once it is due
         return any(text(other) != owner for other in await self._redis.lrange(self._ring, 0, -1))
 
     @property
@@ -554,8 +556,11 @@ class MemoryJobQueue:
 
     def _due(self) -> None:
         now = time.time()
+        due = []
         while self._deferred and self._deferred[0][0] <= now:
-            self._wait(heapq.heappop(self._deferred)[2], first=True)
+            due.append(heapq.heappop(self._deferred)[2])
+        for claimed in reversed(due):  # as in Redis: to the front of its lane, latest first
+            self._wait(claimed, first=True)
 
     async def start(self, job: Job) -> int:
         # A status that expired while the job waited is written whole again, as in Redis.
@@ -592,13 +597,14 @@ class MemoryJobQueue:
     async def defer(self, claimed: Claimed, job: Job, until: float, consumer: str) -> bool:
         status = self._live((job.owner, job.id)) or JobStatus("queued", len(job.items))
         status.status = "queued"
-        status.attempts -= 1
+        status.attempts = max(0, status.attempts - 1)
         self._written((job.owner, job.id), status)
         self._deferrals += 1
         heapq.heappush(self._deferred, (until, self._deferrals, Claimed(claimed.entry, job)))
         return True  # in memory no other worker can take a job over
 
     async def others_waiting(self, owner: str) -> bool:
+        self._due()
         return any(other != owner for other in self._ring)
 
     @property

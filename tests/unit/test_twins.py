@@ -414,6 +414,52 @@ async def test_a_deferred_job_waits_queued_until_due_behind_later_jobs_and_its_d
     assert await queue.claim("worker", 0.1) == []
 
 
+async def test_a_job_due_again_makes_another_tenants_batch_give_way(make_queue: QueueFactory, prefix: str) -> None:
+    # Bob's job waited a moment for his own rate limit while alice's long batch was taken: once it is due, the batch
+    # gives way between items (review, 2026-12-01: due jobs were seen only by the next claim).
+    queue = make_queue(60)
+    bob, alice = job_of(f"{prefix}b", items=1), job_of(f"{prefix}a", items=50)
+    await queue.enqueue(bob, NO_CAP)
+    taken = await claimed(queue, bob)
+    await queue.start(bob)
+    waiting = replace(bob, waiting_item=0, waiting_since=time.time())
+    assert await queue.defer(taken, waiting, time.time() + 0.2, "worker")
+    await queue.enqueue(alice, NO_CAP)
+    await claimed(queue, alice)
+    assert not await queue.others_waiting(alice.owner)
+    await asyncio.sleep(0.3)
+    assert await queue.others_waiting(alice.owner)
+
+
+async def test_a_tenants_jobs_deferred_together_come_back_in_their_order(make_queue: QueueFactory, prefix: str) -> None:
+    queue = make_queue(60)
+    first, second = job_of(f"{prefix}b", items=1), job_of(f"{prefix}b", items=1)
+    for job in (first, second):
+        await queue.enqueue(job, NO_CAP)
+    one, two = await claimed(queue, first), await claimed(queue, second)
+    due = time.time() + 0.1
+    assert await queue.defer(one, first, due, "worker")
+    assert await queue.defer(two, second, due + 0.01, "worker")
+    await asyncio.sleep(0.2)
+    assert [c.job.id for _ in range(2) for c in await queue.claim("worker", 0.5)] == [first.id, second.id]
+
+
+async def test_a_deferral_after_the_status_expired_counts_no_attempt_back(
+    make_queue: QueueFactory, prefix: str
+) -> None:
+    queue = make_queue(1)
+    bob = job_of(f"{prefix}b", items=2)
+    await queue.enqueue(bob, NO_CAP)
+    taken = await claimed(queue, bob)
+    assert await queue.start(bob) == 1
+    await asyncio.sleep(1.1)  # the status expired while the item ran
+    assert await queue.defer(taken, bob, time.time(), "worker")
+    status = await queue.status(bob.owner, bob.id)
+    assert status is not None and status.attempts == 0
+    again = await claimed(queue, bob)
+    assert await queue.start(again.job) == 1
+
+
 async def test_a_tenants_cap_counts_every_item_and_refuses_a_job_that_would_pass_it_whole(
     make_queue: QueueFactory, prefix: str
 ) -> None:
