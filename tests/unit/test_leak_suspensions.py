@@ -75,9 +75,8 @@ def probe_that(monkeypatch: pytest.MonkeyPatch, outcome: Probe) -> None:
     monkeypatch.setattr(quarantine, "probe", outcome)
 
 
-async def test_two_leaks_on_two_instances_at_once_never_suspend_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Faked by one person's two accounts (no secret needed), one leak per replica reaches two instances at once;
-    # each still sees the other replica routable. The store decides: the second is probed in place.
+def probes_going_on(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Probes that find nothing once the event returned is set, and run until then."""
     going_on = asyncio.Event()
 
     async def slow(*_: Any) -> list[Any]:
@@ -85,6 +84,13 @@ async def test_two_leaks_on_two_instances_at_once_never_suspend_every_replica(mo
         return []
 
     probe_that(monkeypatch, slow)
+    return going_on
+
+
+async def test_two_leaks_on_two_instances_at_once_never_suspend_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Faked by one person's two accounts (no secret needed), one leak per replica reaches two instances at once;
+    # each still sees the other replica routable. The store decides: the second is probed in place.
+    going_on = probes_going_on(monkeypatch)
     store = MemoryStore()
     x, y = instance(store), instance(store)
     await asyncio.gather(quarantine.on_leak(leak_on("a"), x), quarantine.on_leak(leak_on("b"), y))
@@ -100,13 +106,7 @@ async def test_two_leaks_on_two_instances_at_once_never_suspend_every_replica(mo
 
 
 async def test_two_leaks_on_one_instance_at_once_never_suspend_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:
-    going_on = asyncio.Event()
-
-    async def slow(*_: Any) -> list[Any]:
-        await going_on.wait()
-        return []
-
-    probe_that(monkeypatch, slow)
+    going_on = probes_going_on(monkeypatch)
     x = instance(MemoryStore())
     x.events = NetworkLog(100)
     await asyncio.gather(quarantine.on_leak(leak_on("a"), x), quarantine.on_leak(leak_on("b"), x))
