@@ -164,30 +164,24 @@ return 1
 """
 
 
-# Put an owner with jobs waiting into the ring (KEYS[RING]), unless it is there: just ahead of the owner served last
-# (KEYS[SERVED]), which a take moved to the end, so a tenant that arrives waits for one turn of each other tenant
-# and not for another of the one served now; at the end when that one has left the ring. ARGV[OWNER] is the owner.
+# The end of each script that puts a job in its owner's lane: the owner into the ring, unless it is there, just
+# ahead of the owner served last (which a take moved to the end), so a tenant that arrives waits for one turn of
+# each other tenant and not for another of the one served now; at the end when that one has left the ring; and a
+# worker woken. Its scripts' last KEYS are the ring, the wake list and the owner served last; their last ARGV the
+# owner.
 _JOIN_RING = """
-if not redis.call('LPOS', KEYS[RING], ARGV[OWNER]) then
-  local served = redis.call('GET', KEYS[SERVED])
-  if served and redis.call('LPOS', KEYS[RING], served) then
-    redis.call('LINSERT', KEYS[RING], 'BEFORE', served, ARGV[OWNER])
+local ring, wake, owner = KEYS[#KEYS - 2], KEYS[#KEYS - 1], ARGV[#ARGV]
+if not redis.call('LPOS', ring, owner) then
+  local served = redis.call('GET', KEYS[#KEYS])
+  if served and redis.call('LPOS', ring, served) then
+    redis.call('LINSERT', ring, 'BEFORE', served, owner)
   else
-    redis.call('RPUSH', KEYS[RING], ARGV[OWNER])
+    redis.call('RPUSH', ring, owner)
   end
 end
-redis.call('LPUSH', KEYS[WAKE], 1)
-redis.call('LTRIM', KEYS[WAKE], 0, 63)
+redis.call('LPUSH', wake, 1)
+redis.call('LTRIM', wake, 0, 63)
 """
-
-
-def _joining(ring: int, served: int, wake: int, owner: int) -> str:
-    """_JOIN_RING with the positions of its keys and owner in the script that uses it."""
-    names = {"RING": ring, "SERVED": served, "WAKE": wake, "OWNER": owner}
-    snippet = _JOIN_RING
-    for name, position in names.items():
-        snippet = snippet.replace(f"[{name}]", f"[{position}]")
-    return snippet
 
 
 # Check and take a tenant's cap and store the job, in one step. KEYS: the owner's held jobs (a sorted set of
@@ -216,7 +210,7 @@ if ARGV[8] ~= '' then redis.call('HSET', KEYS[3], 'references', ARGV[8]) end
 redis.call('EXPIRE', KEYS[3], ARGV[6])
 redis.call('RPUSH', KEYS[4], ARGV[7])
 """
-    + _joining(ring=5, served=7, wake=6, owner=9)
+    + _JOIN_RING
     + "return -1"
 )
 
@@ -253,7 +247,7 @@ _UNDEFER = (
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('LPUSH', KEYS[2], ARGV[1])
 """
-    + _joining(ring=3, served=5, wake=4, owner=2)
+    + _JOIN_RING
     + "return 1"
 )
 
