@@ -104,13 +104,11 @@ class ReplicaPool:
         await self._store.set_admin_state(replica.name, state)
         self._apply_admin_state(replica, state, reason)
 
-    async def replace_admin_state(
-        self, replica: Replica, expected: AdminState, state: AdminState | None, reason: str
-    ) -> bool:
-        """Set `state` only while the replica is still `expected` on every instance; True when it was."""
-        if not await self._store.replace_admin_state(replica.name, expected, state):
+    async def end_suspension(self, replica: Replica, reason: str) -> bool:
+        """Back in rotation, only while it is still suspended on every instance; True when it was."""
+        if not await self._store.end_suspension(replica.name):
             return False
-        self._apply_admin_state(replica, state, reason)
+        self._apply_admin_state(replica, None, reason)
         return True
 
     async def suspend(self, replica: Replica, others: list[Replica], until: float, reason: str) -> bool:

@@ -100,7 +100,7 @@ async def _suspend(state: GatewayState, replica: Replica, others: list[Replica],
 async def _release(state: GatewayState, replica: Replica, reason: str) -> bool:
     """End a suspension; False when the replica is no longer suspended (an operator decided meanwhile)."""
     try:
-        return await state.pool.replace_admin_state(replica, SUSPENDED, None, reason)
+        return await state.pool.end_suspension(replica, reason)
     except (RedisError, OSError) as exc:
         log.error("release of %s not shared: %s", replica.name, type(exc).__name__)
         if replica.admin_state != SUSPENDED:

@@ -22,8 +22,8 @@ ADMIN_STATES: tuple[AdminState, ...] = ("quarantined", "draining", "suspended")
 class Store(Protocol):
     async def set_admin_state(self, replica: str, state: AdminState | None) -> None: ...
 
-    async def replace_admin_state(self, replica: str, expected: AdminState, state: AdminState | None) -> bool:
-        """Set `state` only while the replica is still `expected` (not changed meanwhile, by an operator say)."""
+    async def end_suspension(self, replica: str) -> bool:
+        """Release the replica only while it is still suspended (not changed meanwhile, by an operator say)."""
         ...
 
     async def suspend(self, replica: str, others: list[str], until: float) -> bool:
@@ -55,10 +55,10 @@ class MemoryStore:
         else:
             self._admin[replica] = state
 
-    async def replace_admin_state(self, replica: str, expected: AdminState, state: AdminState | None) -> bool:
-        if self._admin.get(replica) != expected:
+    async def end_suspension(self, replica: str) -> bool:
+        if self._admin.get(replica) != "suspended":
             return False
-        await self.set_admin_state(replica, state)
+        await self.set_admin_state(replica, None)
         return True
 
     async def suspend(self, replica: str, others: list[str], until: float) -> bool:
@@ -85,10 +85,10 @@ class MemoryStore:
         return dict(self._failures)
 
 
-# KEYS: the admin hash, the suspensions' ends; ARGV: replica, expected state, new state ("" releases). 1 when replaced.
-_REPLACE = """
-if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
-if ARGV[3] == '' then redis.call('HDEL', KEYS[1], ARGV[1]) else redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) end
+# KEYS: the admin hash, the suspensions' ends; ARGV: replica. 1 when it was suspended, and is released.
+_END_SUSPENSION = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= 'suspended' then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 return 1
 """
@@ -130,7 +130,7 @@ class RedisStore:
         self._admin = f"{prefix}replica-admin"
         self._failures = f"{prefix}replica-failures"
         self._until = f"{prefix}replica-suspended-until"
-        self._replace = redis.register_script(_REPLACE)
+        self._end_suspension = redis.register_script(_END_SUSPENSION)
         self._suspend = redis.register_script(_SUSPEND)
         self._release_expired = redis.register_script(_RELEASE_EXPIRED)
 
@@ -143,8 +143,8 @@ class RedisStore:
             pipe.hdel(self._until, replica)
             await pipe.execute()
 
-    async def replace_admin_state(self, replica: str, expected: AdminState, state: AdminState | None) -> bool:
-        return bool(await self._replace(keys=[self._admin, self._until], args=[replica, expected, state or ""]))
+    async def end_suspension(self, replica: str) -> bool:
+        return bool(await self._end_suspension(keys=[self._admin, self._until], args=[replica]))
 
     async def suspend(self, replica: str, others: list[str], until: float) -> bool:
         return bool(await self._suspend(keys=[self._admin, self._until], args=[replica, until, *others]))

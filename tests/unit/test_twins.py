@@ -618,14 +618,15 @@ async def test_admin_states_are_set_replaced_and_released(store: Store, prefix: 
     assert mine(await store.admin_states(), prefix) == {b: "quarantined"}
 
 
-async def test_an_admin_state_is_replaced_only_while_it_is_the_one_expected(store: Store, prefix: str) -> None:
+async def test_a_suspension_ends_only_while_it_is_one(store: Store, prefix: str) -> None:
     a, b = f"{prefix}a", f"{prefix}b"
     await store.set_admin_state(a, "suspended")
-    assert await store.replace_admin_state(a, "suspended", "quarantined")
-    assert not await store.replace_admin_state(a, "suspended", None), "an operator's decision came in between"
-    assert not await store.replace_admin_state(b, "suspended", None), "nothing to replace"
+    await store.set_admin_state(a, "quarantined")  # an operator's decision comes in between
+    assert not await store.end_suspension(a)
+    assert not await store.end_suspension(b), "nothing to end"
     await store.set_admin_state(b, "suspended")
-    assert await store.replace_admin_state(b, "suspended", None)
+    assert await store.end_suspension(b)
+    assert not await store.end_suspension(b), "ended once"
     assert mine(await store.admin_states(), prefix) == {a: "quarantined"}
 
 
@@ -648,7 +649,7 @@ async def test_a_suspension_never_takes_a_models_last_free_replica_and_ends_at_i
     await store.set_admin_state(b, "quarantined")
     await store.set_admin_state(c, None)
     assert await store.suspend(a, [b, c], now + 60)
-    assert await store.replace_admin_state(a, "suspended", None)
+    assert await store.end_suspension(a)
     assert [n for n in await store.release_expired(now + 61) if n.startswith(prefix)] == []
     assert mine(await store.admin_states(), prefix) == {b: "quarantined"}
 
