@@ -59,13 +59,13 @@ def _answers(url: str) -> bool:
         return False
 
 
-def wait_until_ready(server: Server, path: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
+def wait_until_ready(server: Server, path: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
     while not _answers(server.url + path):
         if server.process.poll() is not None:
             raise RuntimeError(f"{server.log.name}: exited at start with code {server.process.returncode}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{server.url}{path} not ready after {START_TIMEOUT_S:.0f} s")
+            raise RuntimeError(f"{server.url}{path} not ready after {timeout_s:.0f} s")
         time.sleep(0.1)
 
 
@@ -97,10 +97,12 @@ def child(
     code: Path | None = None,
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
+    start_timeout_s: float = START_TIMEOUT_S,
 ) -> Iterator[Server]:
     """Run `command` (which listens on `port`) until the block ends; its stdout and stderr go to `log`. With
     `code`, the packages of that checkout (another revision, for a side-by-side run) are the ones imported;
-    `env` is added to its environment; it runs in `cwd` (else `code`, else here)."""
+    `env` is added to its environment; it runs in `cwd` (else `code`, else here); it must answer `ready_path`
+    within `start_timeout_s`."""
     with log.open("wb") as sink:
         process = subprocess.Popen(
             command,
@@ -112,7 +114,7 @@ def child(
         )
         server = Server(f"http://127.0.0.1:{port}", process, log)
         try:
-            wait_until_ready(server, ready_path)
+            wait_until_ready(server, ready_path, start_timeout_s)
             yield server
         except Exception:
             # The log lives in a temporary directory about to vanish: show it while it can explain the failure
@@ -180,10 +182,12 @@ class Workspace:
         redis_url: str | None = None,
         isolation: Mapping[str, Any] | None = None,
         model: Mapping[str, Any] | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
     ) -> contextlib.AbstractContextManager[Server]:
         """The gateway in front of `backend_url`; `wrapper` runs it under a tool (`python -m pyinstrument ...`),
         `code` from another checkout, `workers` processes (with Redis at `redis_url`); `isolation` is its
-        isolation section and `model` is merged into its one model's settings (both default as in production)."""
+        isolation section and `model` is merged into its one model's settings (both default as in production). A
+        slow tool (valgrind) needs a longer `start_timeout_s`."""
         port = free_port()
         config = self.root / f"gateway-{port}.yaml"
         settings = _gateway_settings(port, backend_url, self.tokenizer_dir, self.log_level, redis_url)
@@ -194,7 +198,7 @@ class Workspace:
         command = [*(wrapper or [sys.executable]), "-m", "gateway", "serve", "--config", str(config)]
         if workers > 1:
             command += ["--workers", str(workers)]
-        return child(command, port, self.root / f"gateway-{port}.log", "/readyz", code)
+        return child(command, port, self.root / f"gateway-{port}.log", "/readyz", code, start_timeout_s=start_timeout_s)
 
     def litellm(self, backend_url: str) -> contextlib.AbstractContextManager[Server]:
         """The LiteLLM proxy (tests/bench/litellm_env.py: its own virtualenv, one worker, no database, nothing
@@ -210,11 +214,16 @@ class Workspace:
         return child(command, port, log, "/health/liveliness", env=litellm_env.PROXY_ENVIRONMENT, cwd=self.root)
 
 
-    def floor(self, backend_url: str) -> contextlib.AbstractContextManager[Server]:
-        """The bare forwarder (tests/bench/floor_proxy.py) in front of `backend_url`: what any Python hop adds."""
+    def floor(
+        self, backend_url: str, wrapper: Sequence[str] = (), start_timeout_s: float = START_TIMEOUT_S
+    ) -> contextlib.AbstractContextManager[Server]:
+        """The bare forwarder (tests/bench/floor_proxy.py) in front of `backend_url`: what any Python hop adds;
+        `wrapper` as for the gateway."""
         port = free_port()
-        command = [sys.executable, "-m", "tests.bench.floor_proxy", "--port", str(port), "--backend", backend_url]
-        return child(command, port, self.root / f"floor-{port}.log", "/health")
+        command = [*(wrapper or [sys.executable]), "-m", "tests.bench.floor_proxy", "--port", str(port)]
+        command += ["--backend", backend_url]
+        log = self.root / f"floor-{port}.log"
+        return child(command, port, log, "/health", start_timeout_s=start_timeout_s)
 
 
 def cpu_seconds(pid: int) -> float | None:
