@@ -151,9 +151,14 @@ class RelayResponse(StreamingResponse):
     """A stream that stops its upstream the moment the client goes away, not at the next chunk's send."""
 
     def __init__(self, stream: Stream, render: Callable[[Event], bytes]) -> None:
+        # Not StreamingResponse's __init__: its body is an iterator of bytes, and this one renders the stream's events
+        # itself (stream_response).
         self._stream = stream
-        self._rendered = _rendered(stream, render)
-        super().__init__(self._rendered, media_type=SSE_MEDIA_TYPE, headers=stream.headers)
+        self._render = render
+        self.status_code = 200
+        self.media_type = SSE_MEDIA_TYPE
+        self.background = None
+        self.init_headers(stream.headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The body goes out from this task and a watcher cancels it when the client leaves. Plain asyncio: an anyio
@@ -182,17 +187,20 @@ class RelayResponse(StreamingResponse):
             # when this task is being cancelled from elsewhere.
             await asyncio.shield(self._close())
 
+    async def stream_response(self, send: Send) -> None:
+        # Starlette's, with each event rendered here: a generator of rendered events between the two was one more
+        # frame to resume for every event.
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        render = self._render
+        async for event in self._stream.events:
+            out = render(event)
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
     async def _close(self) -> None:
-        await self._rendered.aclose()
         await self._stream.events.aclose()
         await self._stream.close()
-
-
-async def _rendered(stream: Stream, render: Callable[[Event], bytes]) -> AsyncGenerator[bytes, None]:
-    async for event in stream.events:
-        out = render(event)
-        if out:
-            yield out
 
 
 def openai_event(event: Event) -> bytes:
@@ -250,7 +258,7 @@ class InferenceCall:
         self.sent_bytes = 0  # the request as forwarded: an echo can answer with all of it
         self.finished = False
         self._closed = False
-        self._injected_observed = False
+        self._injected: int | None = None  # the tokens the gateway injected, once counted
 
     async def close(self) -> None:
         if self._closed:
@@ -373,9 +381,10 @@ class InferenceCall:
 
     async def view_usage(self, usage: dict[str, Any]) -> None:
         """The backend's usage as the tenant sees it and is charged: without the tokens the gateway injected."""
-        injected = await self.admission.injected_tokens()
-        if not self._injected_observed:
-            self._injected_observed = True
+        injected = self._injected
+        if injected is None:
+            # Counted once: a stream with usage on every chunk asks for it at every event.
+            injected = self._injected = await self.admission.injected_tokens()
             self.state.metrics.injected_tokens.labels(self.model.name).observe(injected)
         hide_injected(usage, injected)
 

@@ -88,7 +88,14 @@ class StreamFilter:
     async def feed(self, event: bytes) -> list[dict[str, Any]]:
         """What may go to the tenant once this event is checked: nothing while chunks are held back for the usage
         check, then the held ones with it."""
-        passed = await self._event(event)
+        # failing_closed's rule, inline: a context manager per event cost more than the rest of this frame.
+        try:
+            passed = await self._checked_event(event)
+        except Exception as exc:
+            verdict = closed(exc)
+            if verdict is exc:
+                raise
+            raise verdict from exc
         out = [] if passed is None else [passed]
         if self._held is None:
             return out
@@ -101,9 +108,9 @@ class StreamFilter:
     async def close(self) -> list[dict[str, Any]]:
         """The end of the stream: a stream that never reported usage cannot be verified."""
         rest = self._splitter.rest()
-        # An event the backend did not end with a blank line is still an event, checked like the others.
-        last = await self._event(rest.rstrip() + b"\n\n") if rest.strip() else None
         with failing_closed():
+            # An event the backend did not end with a blank line is still an event, checked like the others.
+            last = await self._checked_event(rest.rstrip() + b"\n\n") if rest.strip() else None
             if self._check is not None and not self._checked:
                 await self._check(None)  # a stream that never reported usage cannot be verified: withheld
             tail = self._tail()
@@ -115,16 +122,6 @@ class StreamFilter:
         if not choices:
             return None
         return {**{k: self._last[k] for k in ENVELOPE if k in self._last}, "choices": choices}
-
-    async def _event(self, event: bytes) -> dict[str, Any] | None:
-        # failing_closed's rule, inline: a context manager per event cost more than the rest of this frame.
-        try:
-            return await self._checked_event(event)
-        except Exception as exc:
-            verdict = closed(exc)
-            if verdict is exc:
-                raise
-            raise verdict from exc
 
     async def _checked_event(self, event: bytes) -> dict[str, Any] | None:
         if event == DONE:

@@ -17,7 +17,6 @@ Pruning leaves an answer that already fits untouched.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, Final
 
 OBJECTS = frozenset({"chat.completion", "chat.completion.chunk", "text_completion"})
@@ -259,16 +258,14 @@ def _list(value: Any) -> list[Any]:
     return value if type(value) is list else []
 
 
-def texts(choice: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], str]]:
+def texts(choice: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
     """(stream key, the dict holding a text, the text's key) for every growing text of one (pruned) choice."""
-    if type(choice.get("text")) is str:
-        yield "text", choice, "text"
+    # A list, not a generator: this runs for every event of every stream, and its one caller wants them all.
+    found = [("text", choice, "text")] if type(choice.get("text")) is str else []
     for holder in (choice.get("delta"), choice.get("message")):
         if holder is None:
             continue
-        for name in MESSAGE_TEXTS:
-            if type(holder.get(name)) is str:
-                yield name, holder, name
+        found += [(name, holder, name) for name in MESSAGE_TEXTS if type(holder.get(name)) is str]
         for position, call in enumerate(holder.get("tool_calls") or ()):
             function = call.get("function")
             if function is not None:
@@ -278,7 +275,8 @@ def texts(choice: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], str]]:
                 slot = f"tool:{index if type(index) is int else 'null'}"
                 for name in ("name", "arguments"):
                     if type(function.get(name)) is str:
-                        yield f"{slot}:{name}", function, name
+                        found.append((f"{slot}:{name}", function, name))
+    return found
 
 
 # Token-level fields: per position, the chosen token and its alternatives (chat: logprobs.content[]; completions:

@@ -307,30 +307,39 @@ class AnswerCheck:
     own_texts: Callable[[], Iterable[str]] = tuple  # the recipient's prompt, read only if a gram matches
     clock: Callable[[], float] = time.time
     _bit: int = field(init=False)
+    _span: int = field(init=False)  # the most words between a fragment's two grams
     _own: set[int] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._bit = replica_bit(self.replica)
+        self._span = self.hasher.shape.min_fragment - self.hasher.shape.k
 
     def feed(self, grams: AnswerGrams, piece: str) -> str | None:
         """Read one more piece of a text; the victim, once it carries a fragment of another tenant's prompt."""
         complete, unfinished = grams.feed(piece)
-        span = self.hasher.shape.min_fragment - self.hasher.shape.k
-        candidates = [(pair, True) for pair in complete]
-        if unfinished is not None:
-            candidates.append((unfinished, False))
-        now = None
-        for (position, gram), final in candidates:
-            now = now or self.clock()
-            victim = self.index.victim(gram, self._bit, self.recipient, now)
-            if victim is None or gram in self._own_grams():
+        if not complete and unfinished is None:
+            return None
+        now = self.clock()
+        for position, gram in complete:
+            victim = self._victim(gram, now)
+            if victim is None:
                 continue
             last = grams.hits.get(victim)
-            if last is not None and 0 < position - last <= span:
+            if last is not None and 0 < position - last <= self._span:
                 return victim
-            if final:  # a word still being written may become another: it can complete a pair, not start one
-                grams.hits[victim] = position
+            grams.hits[victim] = position
+        if unfinished is not None:
+            # A word still being written may become another: it can complete a pair, not start one.
+            position, gram = unfinished
+            victim = self._victim(gram, now)
+            last = grams.hits.get(victim) if victim is not None else None
+            if last is not None and 0 < position - last <= self._span:
+                return victim
         return None
+
+    def _victim(self, gram: int, now: float) -> str | None:
+        victim = self.index.victim(gram, self._bit, self.recipient, now)
+        return None if victim is None or gram in self._own_grams() else victim
 
     def _own_grams(self) -> set[int]:
         if self._own is None:

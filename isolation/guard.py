@@ -159,7 +159,13 @@ class OutputGuard:
 
     async def check_chunk(self, chunk: dict[str, Any]) -> None:
         """Scan and edit one streamed chunk (pruned: channels.prune) in place."""
-        await self._hold_envelope(chunk)
+        envelope = self._envelope
+        for name in ENVELOPE:
+            # Every chunk after the first carries the values the first set (or none): nothing for _hold_envelope.
+            value = chunk.get(name)
+            if value is not None and value != envelope.get(name):
+                await self._hold_envelope(chunk)
+                break
         choices = self._answered(chunk)
         for choice in choices if choices is not None else await self._unasked_out(chunk):
             index = choice.get("index") or 0
@@ -320,7 +326,7 @@ class OutputGuard:
         message = choice.get("delta") or choice.get("message")
         if state.tool_ids or (message is not None and message.get("tool_calls")):
             await self._hold_tool_ids(state, choice)
-        slots = list(texts(choice))
+        slots = texts(choice)
         logprobs = choice.get("logprobs")
         streams = token_streams(logprobs) if logprobs is not None else {}
         if self._fragments is not None:
@@ -382,13 +388,14 @@ class OutputGuard:
             state.mirror = mirrored = slots[0][0]
         found = False
         for key, holder, name in slots:
-            hit = await self._fragment(state, key, holder[name])
+            victim = self._fragment(state, key, holder[name])
+            hit = victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None
             found |= hit and key == mirrored
             if hit or key in state.tainted:
                 state.tainted.add(key)
                 holder[name] = REDACTED if holder[name] else ""
-        if chosen is not None and mirrored is None:
-            found |= await self._fragment(state, "lp", chosen)
+        if chosen is not None and mirrored is None and (victim := self._fragment(state, "lp", chosen)) is not None:
+            found |= await self._leak(Leak(victim, FRAGMENT)) is not None
         if found:
             held = positions(state.held_logprobs) if state.held_logprobs is not None else 0
             state.dropped |= set(range(held, held + positions(choice["logprobs"])))
@@ -397,9 +404,9 @@ class OutputGuard:
         assert self._fragments is not None
         return AnswerGrams(self._fragments.hasher)
 
-    async def _fragment(self, state: _Choice, key: str, piece: str) -> bool:
-        """Feed one piece of one stream to its k-grams; True when it ends a fragment of another tenant's prompt
-        (reported, and under block raised)."""
+    def _fragment(self, state: _Choice, key: str, piece: str) -> str | None:
+        """Feed one piece of one stream to its k-grams; the victim when it ends a fragment of another tenant's prompt
+        (to report: _leak). Not a coroutine: it runs for every text of every event, and only a find needs to wait."""
         assert self._fragments is not None
         grams = state.grams.get(key)
         if grams is None:
@@ -413,9 +420,7 @@ class OutputGuard:
         victim = self._fragments.feed(grams, piece)
         if decoded is not None:
             victim = self._fragments.feed(decoded, state.reader(key).decoded(piece)) or victim
-        if victim is None:
-            return False
-        return await self._leak(Leak(victim, FRAGMENT)) is not None
+        return victim
 
     def _strip_echo(self, state: _Choice, choice: dict[str, Any]) -> None:
         text: str = choice["text"]
