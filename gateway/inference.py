@@ -97,7 +97,9 @@ def check_request_limits(
     if output is not None and output > cap:
         param = request.output_param
         raise InvalidRequest(f"{param} is {output}; at most {cap} output tokens may be requested.", param=param)
-    for name, choices in (("n", request.n), ("best_of", getattr(request, "best_of", None))):
+    # Not getattr(request, "best_of", None): a name a pydantic model lacks costs 3 µs (its __getattr__ raises).
+    best_of = request.best_of if isinstance(request, CompletionRequest) else None
+    for name, choices in (("n", request.n), ("best_of", best_of)):
         if choices is not None and choices > limits.max_n:
             raise InvalidRequest(f"{name} is {choices}; at most {limits.max_n} choices may be requested.", param=name)
     # The legacy completions API defaults to 16 tokens (OpenAI's and vLLM's default); chat to the model's reserve.

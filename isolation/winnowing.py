@@ -36,6 +36,8 @@ WORD_CJK = re.compile(rf"[{_CJK}]")
 WORD_CACHE = 500_000  # distinct words whose hashes a process keeps (~60 MB at most)
 
 Fingerprints = npt.NDArray[np.uint64]
+NO_GRAMS: Fingerprints = np.empty(0, dtype=np.uint64)
+NO_GRAMS.flags.writeable = False  # shared by every text too short for a gram
 
 
 def words(text: str) -> list[str]:
@@ -84,9 +86,10 @@ class Hasher:
 
     def grams(self, text: str) -> Fingerprints:
         """Every k-gram hash of one text, in order."""
-        hashes = np.fromiter(map(self.word, _pieced_words(text)), dtype=np.uint64)
-        if len(hashes) < self.shape.k:
-            return np.empty(0, dtype=np.uint64)
+        found = _pieced_words(text)
+        if len(found) < self.shape.k:  # not one gram: most chat turns of a few words
+            return NO_GRAMS
+        hashes = np.fromiter(map(self.word, found), dtype=np.uint64)
         windows = np.lib.stride_tricks.sliding_window_view(hashes, self.shape.k)
         with np.errstate(over="ignore"):
             grams: Fingerprints = (windows * self._powers).sum(axis=1, dtype=np.uint64)
