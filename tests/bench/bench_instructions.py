@@ -11,8 +11,12 @@ switched on (`callgrind_control --instr=on`) for N sequential requests and the c
 load generator run natively. An instruction is not a nanosecond (cache misses and branches differ), so these counts
 rank changes; the latency benchmarks (bench_overhead) say what a request costs in time.
 
-Each scenario's count covers everything the process ran meanwhile: the event loop, and any health check or
-capacity read that fell in the window (a few per batch; the repeat of a run agrees within ~1%).
+Each scenario's count covers everything the process ran meanwhile, the event loop included. What runs by the clock
+is kept out: the gateway's health, capacity and load pollers read once at start and then not for an hour
+(QUIET_UPSTREAM); every process has the same string hashes (PYTHONHASHSEED=0); and every gateway the same canary
+key, so the simulator gets the same prompts and answers the same words. Two runs of one code then agree within
+~0.5%, on a busy box too. The garbage collector's share is shown apart, and left out of the ratios: a full collection
+falls in one batch or the next.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,13 @@ from tests.bench.load import LoadError, Target, new_session, run_batch
 from tests.bench.processes import Server, Workspace
 
 SCENARIOS = [Scenario(False, 1), Scenario(True, 1)]
+# The gateway's pollers (health, capacity, each replica's load from its /metrics every second) read once at start and
+# then not for an hour: work that runs by the clock would land in a count by how long the batch took, and a batch
+# under valgrind on a busy box takes many seconds.
+QUIET_UPSTREAM = {"health_interval_s": 3600.0, "capacity_refresh_s": 3600.0, "load_interval_s": 3600.0}
+# One canary key for every gateway counted: with a random key each, each sends the simulator other markers, so it
+# answers other words, and words cost the checks differently (~2% between two runs of one code).
+SAME_MARKERS = {"canary": {"keys": [{"id": "bench", "secret": "bench-instructions-not-a-secret"}]}}
 # Under valgrind with instrumentation off a process runs ~5× slower; starting one (imports, the tokenizer) too.
 START_TIMEOUT_S = 300.0
 # `callgrind_annotate` lines: "1,234,567 (12.34%)  file:function [object]"
@@ -52,10 +63,17 @@ class Count:
     instructions: int
     requests: int
     by_object: dict[str, int]  # self instructions by shared object (the interpreter, orjson, uvloop...)
+    collector: int  # of the instructions, those of Python's cyclic garbage collector (gc_collect_main, inclusive)
 
     @property
     def per_request(self) -> float:
         return self.instructions / self.requests
+
+    @property
+    def without_collector(self) -> float:
+        """Per request, less the collector: a full collection (~50M instructions) falls in a batch or the next one,
+        which moved a batch's count by ~3%; this count does not move."""
+        return (self.instructions - self.collector) / self.requests
 
 
 def callgrind_wrapper(out: Path) -> list[str]:
@@ -77,26 +95,31 @@ def dumped(out: Path, trigger: str) -> Path:
     raise RuntimeError(f"callgrind wrote no dump for {trigger!r} beside {out}")
 
 
-def read_count(path: Path, requests: int) -> Count:
-    total = _TOTAL.search(path.read_text(errors="replace"))
-    if total is None:
-        raise RuntimeError(f"{path}: no instruction total")
-    annotated = subprocess.run(
-        ["callgrind_annotate", "--inclusive=no", "--threshold=100", str(path)],
+def _annotated(path: Path, inclusive: bool) -> Iterator[tuple[int, str, str | None]]:
+    """(instructions, file:function, object) for every function of a dump."""
+    listing = subprocess.run(
+        ["callgrind_annotate", f"--inclusive={'yes' if inclusive else 'no'}", "--threshold=100", str(path)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    by_object: defaultdict[str, int] = defaultdict(int)
-    for line in annotated.splitlines():
+    for line in listing.splitlines():
         match = _ANNOTATED.match(line)
-        if match is None or match.group(2).startswith("PROGRAM TOTALS"):
-            continue
-        where, obj = match.group(2), match.group(3)
+        if match is not None and not match.group(2).startswith("PROGRAM TOTALS"):
+            yield int(match.group(1).replace(",", "")), match.group(2), match.group(3)
+
+
+def read_count(path: Path, requests: int) -> Count:
+    total = _TOTAL.search(path.read_text(errors="replace"))
+    if total is None:
+        raise RuntimeError(f"{path}: no instruction total")
+    by_object: defaultdict[str, int] = defaultdict(int)
+    for instructions, where, obj in _annotated(path, inclusive=False):
         # An inlined function is listed by its header file with no object: the interpreter's, from its sources.
         name = Path(obj).name if obj else ("libpython (inlined)" if "/Python-3" in where else "?")
-        by_object[name] += int(match.group(1).replace(",", ""))
-    return Count(int(total.group(1)), requests, dict(by_object))
+        by_object[name] += instructions
+    collector = sum(n for n, where, _ in _annotated(path, inclusive=True) if where.endswith(":gc_collect_main"))
+    return Count(int(total.group(1)), requests, dict(by_object), collector)
 
 
 async def _batch(server: Server, scenario: Scenario, count: int) -> None:
@@ -135,9 +158,15 @@ def run(workspace: Workspace, args: argparse.Namespace) -> dict[str, dict[str, C
                 if name == "floor":
                     server = stack.enter_context(workspace.floor(sim.url, wrapper, START_TIMEOUT_S))
                 else:
-                    server = stack.enter_context(
-                        workspace.gateway(sim.url, wrapper, code=code, start_timeout_s=START_TIMEOUT_S)
+                    gateway = workspace.gateway(
+                        sim.url,
+                        wrapper,
+                        code=code,
+                        isolation=SAME_MARKERS,
+                        start_timeout_s=START_TIMEOUT_S,
+                        upstream=QUIET_UPSTREAM,
                     )
+                    server = stack.enter_context(gateway)
                 print(f"measuring {name} ({args.requests} requests a scenario)", file=sys.stderr)
                 results[name] = measure(server, out, args.requests, args.warmup)
     return results
@@ -148,16 +177,19 @@ def _millions(value: float) -> str:
 
 
 def render(results: dict[str, dict[str, Count]], top: int = 8) -> str:
+    """Per request, in millions of instructions, less the garbage collector (its share follows in brackets)."""
     names = list(results)
-    head = ["scenario", *(f"{name} M instr/req" for name in names)]
+    head = ["scenario", *(f"{name} M instr/req (+ gc)" for name in names)]
     if "baseline" in results:
         head.append("new/old")
     if "floor" in results:
         head += ["gateway/floor", "gateway − floor (M)"]
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     for scenario in SCENARIOS:
-        per = {name: results[name][scenario.name].per_request for name in names}
-        row = [scenario.name, *(_millions(per[name]) for name in names)]
+        counts = {name: results[name][scenario.name] for name in names}
+        per = {name: count.without_collector for name, count in counts.items()}
+        row = [scenario.name]
+        row += [f"{_millions(per[n])} (+{_millions(count.collector / count.requests)})" for n, count in counts.items()]
         if "baseline" in results:
             row.append(f"{per['gateway'] / per['baseline']:.4f}")
         if "floor" in results:
@@ -178,7 +210,11 @@ def report(results: dict[str, dict[str, Count]], args: argparse.Namespace) -> di
         "requests_per_scenario": args.requests,
         "targets": {
             name: {
-                scenario: {"instructions_per_request": round(count.per_request), "by_object": count.by_object}
+                scenario: {
+                    "instructions_per_request": round(count.per_request),
+                    "collector_per_request": round(count.collector / count.requests),
+                    "by_object": count.by_object,
+                }
                 for scenario, count in counts.items()
             }
             for name, counts in results.items()
@@ -188,7 +224,7 @@ def report(results: dict[str, dict[str, Count]], args: argparse.Namespace) -> di
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--requests", type=int, default=200, help="sequential requests counted per scenario")
+    parser.add_argument("--requests", type=int, default=500, help="sequential requests counted per scenario")
     parser.add_argument("--warmup", type=int, default=300, help="requests per scenario before counting")
     parser.add_argument("--baseline", type=Path, help="a checkout of another revision, counted the same way")
     parser.add_argument("--no-floor", dest="floor", action="store_false", help="leave the bare forwarder out")
