@@ -232,10 +232,10 @@ def canary_keys(settings: Settings) -> list[CanaryKey]:
     isolation = settings.isolation
     if settings.redis_url is not None and (isolation.canary.enabled or isolation.fingerprints.enabled):
         log.warning(
-            "isolation.canary.keys is not set: each gateway instance makes its canary markers and prompt fingerprints "
-            "with a random key of its own, so a tenant's prompts differ between instances (their prefix cache hits "
-            "are lost) and no instance recognises another's markers or prompts in an answer; set the same keys on "
-            "every instance"
+            "isolation.canary.keys is not set: each gateway instance makes its canary markers with a random key of "
+            "its own, so a tenant's prompts differ between instances (their prefix cache hits are lost) and no "
+            "instance recognises another's markers in an answer (prompt fingerprints share a key kept in Redis); "
+            "set the same keys on every instance"
         )
     return [CanaryKey("random", secrets.token_bytes(32))]
 
@@ -277,15 +277,37 @@ async def watch_redis(redis: Redis, gauge: Gauge, interval: float) -> None:
         await asyncio.sleep(interval)
 
 
+async def fingerprint_key(settings: Settings, key: CanaryKey, redis: Redis | None) -> bytes:
+    """The key every instance hashes prompt words with: derived from the canary secret, so instances configured with
+    the same canary keys hash alike. Without configured keys each instance's canary secret is its own, so the
+    instances on one Redis share a key kept there instead (the first to start makes it): else none would recognise
+    another's prompts."""
+    secret = key.secret
+    if redis is not None and not settings.isolation.canary.keys:
+        name = f"{settings.redis_key_prefix}fingerprint-key"
+        try:
+            await redis.set(name, secrets.token_bytes(32), nx=True)
+            stored = await redis.get(name)
+        except (RedisError, OSError) as exc:
+            raise SettingsError(
+                f"the prompt fingerprint key could not be read from Redis ({type(exc).__name__}); set "
+                "isolation.canary.keys (the same on every instance) or start Redis first"
+            ) from exc
+        if isinstance(stored, bytes):
+            secret = stored
+    return fingerprint_secret(secret)
+
+
+def fingerprint_secret(secret: bytes) -> bytes:
+    return hmac.new(secret, b"bulkhead prompt fingerprints", hashlib.sha256).digest()
+
+
 def make_fingerprinter(
-    settings: Settings, key: CanaryKey, redis: Redis | None, executor: ThreadPoolExecutor, instance: str
+    settings: Settings, secret: bytes, redis: Redis | None, executor: ThreadPoolExecutor, instance: str
 ) -> Fingerprinter | None:
     config = settings.isolation.fingerprints
     if not config.enabled:
         return None
-    # Every instance must hash alike to recognise each other's prompts: the key derives from the canary secret (a
-    # random one is warned about where it is made).
-    secret = hmac.new(key.secret, b"bulkhead prompt fingerprints", hashlib.sha256).digest()
     hasher = Hasher(secret, Shape.for_fragments(config.min_fragment_tokens))
     public: frozenset[int] = frozenset()
     if config.public_texts:
@@ -304,15 +326,17 @@ def make_fingerprinter(
         if redis is not None
         else None
     )
-    return Fingerprinter(hasher, index, feed, executor, config.inline_chars)
+    return Fingerprinter(hasher, index, feed, executor, config.inline_chars, config.feed_wait_s)
 
 
 async def follow_fingerprints(fingerprinter: Fingerprinter, feed_ready: str | None, metrics: GatewayMetrics) -> None:
     """Forget expired fingerprints every 30 s, and (with Redis) add the other instances' as they come."""
     metrics.track(metrics.fingerprints, lambda: len(fingerprinter.index))
     follower = None
-    if fingerprinter.feed is not None and feed_ready is not None:
-        follower = asyncio.create_task(fingerprinter.feed.follow(fingerprinter.index, feed_ready))
+    if fingerprinter.feed is not None:
+        # From where the start read the stream to; when it could not, from the last ttl_s: answers wait on it.
+        start = feed_ready or f"{int((time.time() - fingerprinter.index.ttl_s) * 1000)}-0"
+        follower = asyncio.create_task(fingerprinter.feed.follow(fingerprinter.index, start))
     try:
         while True:
             fingerprinter.index.sweep(time.time())
@@ -392,7 +416,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 instance = f"{socket.gethostname()}-{os.getpid()}"
                 # Random too: several apps can run in one process (tests, the demo), and must not skip each other.
                 feed_name = f"{instance}-{secrets.token_hex(4)}"
-                fingerprinter = make_fingerprinter(settings, keys[0], redis, executor, feed_name)
+                fingerprints_on = settings.isolation.fingerprints.enabled
+                secret = await fingerprint_key(settings, keys[0], redis) if fingerprints_on else b""
+                fingerprinter = make_fingerprinter(settings, secret, redis, executor, feed_name)
                 feed_ready = None
                 if fingerprinter is not None and fingerprinter.feed is not None:
                     try:

@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 from gateway import accesslog
 from gateway.accesslog import RequestRecord
 from gateway.admission import Admission, admit, known
+from gateway.backends import Replica
 from gateway.body import parse_json_object, read_body
 from gateway.counting import LocalCounter, Prompt
 from gateway.errors import (
@@ -42,7 +43,7 @@ from gateway.sse import DONE as SSE_DONE
 from gateway.state import GatewayState
 from isolation.channels import prune
 from isolation.events import IsolationEvent
-from isolation.fingerprints import AnswerCheck, Fingerprinter
+from isolation.fingerprints import AnswerCheck, Prepared
 from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard
 from isolation.inject import completion_prefix, hide_injected, inject_chat, inject_completion
 from isolation.leaks import LeakPolicy
@@ -149,6 +150,32 @@ def plant_marker(state: GatewayState, tenant: TenantSettings, payload: dict[str,
     return marker if inject_completion(payload, marker) else None
 
 
+def prepare_fingerprints(
+    state: GatewayState, model: ModelSettings, prompt: Prompt
+) -> Prepared | asyncio.Future[Prepared] | None:
+    """The tenant's own prompt's fingerprints (none of the gateway's markers), made or being made."""
+    fingerprints = state.fingerprints
+    if fingerprints is None:
+        return None
+    assert prompt.owner is not None
+    texts = list(prompt.texts())
+    if prompt.token_ids is None:
+        return fingerprints.prepare(prompt.owner, texts)
+    counter = state.counters[model.name]
+    if not isinstance(counter, LocalCounter):
+        return None  # refused once admitted (a prompt over the limit hears that first): unfingerprinted()
+    return fingerprints.prepare(prompt.owner, texts, partial(counter.tokenizer.decode, prompt.token_ids))
+
+
+def unfingerprinted(model: ModelSettings) -> InvalidRequest:
+    # Token ids are text to the engine all the same, and only the model's tokenizer tells which.
+    return InvalidRequest(
+        f"A prompt of token ids needs the model's tokenizer in the gateway (models[].tokenizer for '{model.name}'), "
+        "to protect it with prompt fingerprints; send the prompt as text.",
+        param="prompt",
+    )
+
+
 class RelayResponse(StreamingResponse):
     """A stream that stops its upstream the moment the client goes away, not at the next chunk's send."""
 
@@ -239,8 +266,10 @@ class InferenceCall:
         slot: Slot,
         prompt: Prompt,
         echo_prefix: str = "",
+        prepared: Prepared | asyncio.Future[Prepared] | None = None,
     ) -> None:
         self.state = state
+        self.prepared = prepared  # the prompt's fingerprints, registered for each replica before it is sent there
         self.slot = slot
         self.prompt = prompt  # the tenant's own, without what the gateway injects
         self.echo_prefix = echo_prefix
@@ -261,6 +290,7 @@ class InferenceCall:
         self.finished = False
         self._closed = False
         self._injected: int | None = None  # the tokens the gateway injected, once counted
+        self._mark: str | None = None  # the prompt's last entry in the fingerprint feed
 
     async def close(self) -> None:
         if self._closed:
@@ -293,6 +323,7 @@ class InferenceCall:
     async def forward(self, path: str, body: bytes) -> None:
         self.sent_bytes = len(body)
         try:
+            await self._fingerprint(self.replica)
             await self._open(path, body)
         except InvalidRequest as refusal:
             # The backend's own words about the request: they can quote the prompt, markers included.
@@ -305,17 +336,21 @@ class InferenceCall:
             await self.scan_dropped("error.body", failure.quoted)
             raise
         self.state.metrics.routed.labels(self.replica.name, self.decision.reason.value).inc()
-        if self.state.fingerprints is not None:
-            # Off the answer's path: what it protects is a later answer to another tenant.
-            self.state.background(self._fingerprint(self.state.fingerprints))
+        fingerprints = self.state.fingerprints
+        if fingerprints is not None and not await fingerprints.caught_up(self._mark):
+            # Prompts other instances forwarded before this one may not be known here yet, and the answer could carry
+            # one unseen. In health the feed is read within a round trip of Redis.
+            lag = "the other gateway instances' prompt fingerprints could not be read in time"
+            raise await self.withhold(StreamWithheld(lag, "fingerprint_feed_lag"))
 
-    async def _fingerprint(self, fingerprints: Fingerprinter) -> None:
-        texts = list(self.prompt.texts())
-        counter = self.state.counters[self.model.name]
-        if self.prompt.token_ids is not None and isinstance(counter, LocalCounter):
-            # A prompt of token ids is text to the engine all the same (it carries no marker: docs/channels.md).
-            texts.append(await asyncio.to_thread(counter.tokenizer.decode, self.prompt.token_ids))
-        await fingerprints.register(self.tenant.incarnation(), self.replica.name, texts)
+    async def _fingerprint(self, replica: Replica) -> None:
+        """Make this prompt known to every instance as sent to `replica`, before it is (its mark: `_mark`)."""
+        fingerprints, prepared = self.state.fingerprints, self.prepared
+        if fingerprints is None or prepared is None:
+            return
+        if isinstance(prepared, asyncio.Future):
+            prepared = self.prepared = await prepared
+        self._mark = await fingerprints.register(prepared, replica.name)
 
     async def scrub(self, text: str) -> str:
         guard = self.output_guard()
@@ -349,6 +384,7 @@ class InferenceCall:
                 raise
             self.slot.assign(fallback)
             self.replica, self.record.backend = fallback, fallback.name
+            await self._fingerprint(fallback)
             self.response = await upstream.open(fallback, path, body, self.upstream_id)
 
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
@@ -545,10 +581,13 @@ async def _admit(
     record.model, record.stream = model.name, parsed.stream
     default_output = check_request_limits(state, tenant, model, parsed)
     slot = Slot(state, tenant, model)
+    prepared = None
     try:
         chat = isinstance(parsed, ChatCompletionRequest)
         of = Prompt.of_chat if chat else Prompt.of_completion
         own = of(payload, tenant.incarnation())
+        # Started now so that a large prompt is hashed while it is counted and its request routed and queued.
+        prepared = prepare_fingerprints(state, model, own)
         marker = plant_marker(state, tenant, payload, chat)
         sent = own if marker is None else of(payload, own.owner)
         limit = known(model, state.capacity.limit(model, tenant))
@@ -567,6 +606,8 @@ async def _admit(
             state.metrics,
             decision.replica,
         )
+        if prepared is None and state.fingerprints is not None:
+            raise unfingerprinted(model)
         body = upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.incarnation()), tenant)
         await slot.reserve(admission.estimate + admission.max_tokens * parsed.n)
         decision = await state.gate.enter(
@@ -574,6 +615,8 @@ async def _admit(
         )
     except BaseException:
         slot.release()
+        if isinstance(prepared, asyncio.Future):
+            prepared.cancel()
         raise
     echo = isinstance(parsed, CompletionRequest) and parsed.echo and marker is not None
     call = InferenceCall(
@@ -587,6 +630,7 @@ async def _admit(
         slot,
         own,
         completion_prefix(marker) if echo and marker is not None else "",
+        prepared,
     )
     return call, body
 

@@ -267,6 +267,12 @@ class FingerprintSettings(_Section):
     inline_chars: int = Field(
         default=65_536, ge=0, description="prompts up to this size are fingerprinted on the event loop"
     )
+    feed_wait_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="with Redis, how long an answer may wait for this instance to read the prompts other instances "
+        "sent before its request; past it the answer is withheld (fingerprint_feed_lag)",
+    )
     public_texts: list[Path] = Field(
         default_factory=list,
         description="files or directories of public text (licences, standard libraries): never evidence of a leak",

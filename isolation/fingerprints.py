@@ -6,9 +6,10 @@ every instance appends the fingerprints of the prompts it forwards and follows t
 A fresh instance reads the last `ttl_s` of the stream before it serves. Without Redis the index is this
 process's alone.
 
-An entry is one int: when it expires, whose it is (a tenant, or SHARED once two tenants have sent it — common
-text is no evidence), and a bitmask of the replicas it went to (bit crc32(name) mod 32: every instance agrees
-without coordinating). About 100 bytes per fingerprint in the index.
+An entry is one int: whose it is (a tenant, or SHARED once two tenants have sent it — common text is no evidence),
+when it expires, and a bitmask of the replicas it went to. Each index numbers the replicas it hears of itself, in
+the order it hears of them (the feed carries replica names, never bits), so no two replicas ever share a bit,
+however many there are. About 100 bytes per fingerprint in the index.
 
 Public texts (`isolation.fingerprints.public_texts`, as a plagiarism detector's base files) are fingerprinted once
 at start: their fingerprints are never evidence, whoever sends them — licences, a language's standard library, the
@@ -22,7 +23,6 @@ import errno
 import hashlib
 import logging
 import time
-import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
@@ -41,10 +41,7 @@ log = logging.getLogger("bulkhead.isolation")
 
 SHARED = 0xFFFFFFFF
 _LOW = 0xFFFFFFFF
-
-
-def replica_bit(replica: str) -> int:
-    return 1 << (zlib.crc32(replica.encode()) % 32)
+_REPLICAS = 64  # an entry's replica mask starts at this bit: owner (bits 0-31), expiry (32-63), then the mask
 
 
 @dataclass(frozen=True)
@@ -68,10 +65,21 @@ class FingerprintIndex:
         self._entries: dict[int, int] = {}
         self._tenants: list[str] = []
         self._tenant_ids: dict[str, int] = {}
-        self._batches: deque[tuple[float, Fingerprints]] = deque()  # in the order added, for expiry
+        self._replicas: dict[str, int] = {}
+        # Per tenant, its prompts in the order added (for expiry) and how many fingerprints they hold (for a fair
+        # eviction: one tenant's flood of prompts evicts its own oldest, never another tenant's).
+        self._batches: dict[int, deque[tuple[float, Fingerprints]]] = {}
+        self._held: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def replica_bit(self, replica: str) -> int:
+        """This replica's bit in an entry: numbered by this index as it first hears of it, so never another's."""
+        bit = self._replicas.get(replica)
+        if bit is None:
+            bit = self._replicas[replica] = 1 << (_REPLICAS + len(self._replicas))
+        return bit
 
     def add(self, prompt: Prompt) -> None:
         expires = int(prompt.at + self.ttl_s)
@@ -79,60 +87,81 @@ class FingerprintIndex:
         if tenant is None:
             tenant = self._tenant_ids[prompt.tenant] = len(self._tenants)
             self._tenants.append(prompt.tenant)
-        bit = replica_bit(prompt.replica)
+        bit = self.replica_bit(prompt.replica)
         entries = self._entries
-        fresh = (expires << 64) | (tenant << 32) | bit
+        fresh = bit | (expires << 32) | tenant
         for fingerprint in prompt.fingerprints.tolist():
             old = entries.get(fingerprint)
             if old is None:
                 entries[fingerprint] = fresh
                 continue
-            owner = (old >> 32) & _LOW
+            owner = old & _LOW
             entries[fingerprint] = (
-                (max(expires, old >> 64) << 64) | ((owner if owner == tenant else SHARED) << 32) | (old & _LOW) | bit
+                ((old | bit) >> _REPLICAS << _REPLICAS)
+                | (max(expires, (old >> 32) & _LOW) << 32)
+                | (owner if owner == tenant else SHARED)
             )
         for fingerprint in prompt.shared.tolist():
             old = entries.get(fingerprint)
             if old is not None:
-                entries[fingerprint] = (old & ~(_LOW << 32)) | (SHARED << 32)
-        self._batches.append((prompt.at + self.ttl_s, prompt.fingerprints))
+                entries[fingerprint] = (old & ~_LOW) | SHARED
+        self._batches.setdefault(tenant, deque()).append((prompt.at + self.ttl_s, prompt.fingerprints))
+        self._held[tenant] = self._held.get(tenant, 0) + len(prompt.fingerprints)
         if len(entries) > self._max:
             self._evict()
 
     def others(self, grams: Fingerprints, tenant: str) -> Fingerprints:
         """Those of these grams that are fingerprints of another tenant's prompt."""
         entries, mine = self._entries, self._tenant_ids.get(tenant)
-        found = [g for g in grams.tolist() if (entry := entries.get(g)) is not None and (entry >> 32) & _LOW != mine]
+        found = [g for g in grams.tolist() if (entry := entries.get(g)) is not None and entry & _LOW != mine]
         return np.array(found, dtype=np.uint64)
 
     def victim(self, fingerprint: int, replica_bit: int, recipient: str, now: float) -> str | None:
-        """The tenant whose prompt this fingerprint is, when it counts against `recipient` on that replica."""
+        """The tenant whose prompt this fingerprint is, when it counts against `recipient` on that replica
+        (`replica_bit`: this index's bit for it)."""
         entry = self._entries.get(fingerprint)
-        if entry is None or entry >> 64 < now or not entry & replica_bit:
+        if entry is None or (entry >> 32) & _LOW < now or not entry & replica_bit:
             return None
-        owner = (entry >> 32) & _LOW
+        owner = entry & _LOW
         if owner == SHARED or fingerprint in self.public:
             return None
         tenant = self._tenants[owner]
         return None if tenant == recipient else tenant
 
+    def held_by(self, tenant: str) -> int:
+        """The fingerprints this tenant's prompts hold in the index now (its share of the memory)."""
+        number = self._tenant_ids.get(tenant)
+        return 0 if number is None else self._held.get(number, 0)
+
     def sweep(self, now: float) -> int:
         """Forget what expired; returns how many entries went."""
         before = len(self._entries)
-        while self._batches and self._batches[0][0] < now:
-            self._forget(self._batches.popleft()[1], now)
+        for tenant, batches in list(self._batches.items()):
+            while batches and batches[0][0] < now:
+                self._drop(tenant, batches, now)
         return before - len(self._entries)
 
     def _evict(self) -> None:
-        # Oldest prompts first, even unexpired: memory is bounded, and the newest pages are the likeliest to leak.
-        while len(self._entries) > self._max * 0.9 and self._batches:
-            self._forget(self._batches.popleft()[1], float("inf"))
+        # Memory is bounded, and shared fairly: the tenant holding the most gives up its oldest prompts first, even
+        # unexpired (the newest pages are the likeliest to leak), so a flood of one tenant's prompts never pushes
+        # another tenant's out.
+        held = self._held
+        while len(self._entries) > self._max * 0.9:
+            tenant = max(held, key=held.__getitem__, default=None)
+            batches = self._batches.get(tenant) if tenant is not None else None
+            if tenant is None or not batches:
+                return
+            self._drop(tenant, batches, float("inf"))
 
-    def _forget(self, fingerprints: Fingerprints, now: float) -> None:
+    def _drop(self, tenant: int, batches: deque[tuple[float, Fingerprints]], now: float) -> None:
+        fingerprints = batches.popleft()[1]
+        self._held[tenant] -= len(fingerprints)
+        if not batches:
+            del self._batches[tenant], self._held[tenant]
         entries = self._entries
         for fingerprint in fingerprints.tolist():
             entry = entries.get(fingerprint)
-            if entry is not None and entry >> 64 < now:
+            if entry is not None and (entry >> 32) & _LOW < now:
                 del entries[fingerprint]
 
 
@@ -156,16 +185,31 @@ def public_fingerprints(hasher: Hasher, paths: Sequence[Path]) -> tuple[frozense
     return frozenset(found), files
 
 
+def stream_position(entry_id: str) -> tuple[int, int]:
+    """A Redis stream entry id as a pair that orders like the stream ("1700000000000-3" → (1700000000000, 3))."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 class RedisFingerprintFeed:
-    """The stream that carries every instance's prompt fingerprints to the others, trimmed to the last ttl_s."""
+    """The stream that carries every instance's prompt fingerprints to the others, trimmed to the last ttl_s.
+
+    Every forwarded request writes an entry before its first byte goes to an engine (one with no fingerprints when
+    its prompt holds no gram): the entry's id is its mark. Entries are ids in the order Redis took them, so once
+    this instance has read the stream up to a request's mark, it knows every prompt that any instance published
+    before that request went out, and only then is the request's answer checked (`reached`).
+    """
 
     def __init__(self, redis: Redis, instance: str, ttl_s: float, *, prefix: str) -> None:
         self._redis = redis
         self._instance = instance
         self._ttl_ms = int(ttl_s * 1000)
         self._key = f"{prefix}fingerprints"
+        self._read_to = (0, 0)  # where `follow` has read the stream to
+        self._moved = asyncio.Event()  # set (and replaced) each time it reads further
 
-    async def publish(self, prompt: Prompt) -> None:
+    async def publish(self, prompt: Prompt) -> str:
+        """Add a prompt's entry; returns its id (the request's mark)."""
         oldest = int(prompt.at * 1000) - self._ttl_ms
         fields = {
             "i": self._instance,
@@ -175,7 +219,23 @@ class RedisFingerprintFeed:
             "f": prompt.fingerprints.astype("<u8").tobytes(),
             "s": prompt.shared.astype("<u8").tobytes(),
         }
-        await self._redis.xadd(self._key, fields, minid=oldest, approximate=True)  # type: ignore[arg-type]
+        entry_id = await self._redis.xadd(self._key, fields, minid=oldest, approximate=True)  # type: ignore[arg-type]
+        return text(entry_id)
+
+    async def reached(self, mark: str, timeout_s: float) -> bool:
+        """Whether this instance has read the stream up to `mark` (waiting for it up to timeout_s)."""
+        wanted = stream_position(mark)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._read_to < wanted:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._moved.wait(), left)
+            except TimeoutError:
+                return False
+        return True
 
     async def catch_up(self, index: FingerprintIndex) -> str:
         """Add what every other instance published in the last ttl_s; returns where the stream was read to."""
@@ -204,10 +264,14 @@ class RedisFingerprintFeed:
                 for entry_id, fields in entries:
                     last = text(entry_id)
                     self._ingest(index, fields)
+            if stream_position(last) > self._read_to:
+                self._read_to = stream_position(last)
+                moved, self._moved = self._moved, asyncio.Event()
+                moved.set()
 
     def _ingest(self, index: FingerprintIndex, fields: dict[bytes, bytes]) -> None:
         prompt = self._decode(fields)
-        if prompt is not None:
+        if prompt is not None and len(prompt.fingerprints):
             index.add(prompt)
 
     def _decode(self, fields: dict[bytes, bytes]) -> Prompt | None:
@@ -230,8 +294,19 @@ CACHED_TEXTS = 10_000  # texts whose fingerprints are kept: a conversation resen
 CACHE_FROM_CHARS = 256  # shorter texts are cheaper to fingerprint again than to look up
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A prompt's fingerprints, made before it goes anywhere: registered (`Fingerprinter.register`) for each replica
+    it is sent to, before its first byte is."""
+
+    tenant: str
+    fingerprints: Fingerprints
+    shared: Fingerprints  # other tenants' fingerprints it holds too (among all its grams): text they share
+
+
 class Fingerprinter:
-    """Fingerprints every forwarded prompt and puts them in the index (and, with Redis, in the shared stream)."""
+    """Fingerprints every prompt and puts them in the index (and, with Redis, in the shared stream) before the
+    prompt is forwarded: an answer to anyone is checked against every prompt that went out before its request."""
 
     def __init__(
         self,
@@ -240,39 +315,60 @@ class Fingerprinter:
         feed: RedisFingerprintFeed | None,
         executor: Executor,
         inline_chars: int,
+        feed_wait_s: float = 2.0,
     ) -> None:
         self.hasher = hasher
         self.index = index
         self.feed = feed
+        self.feed_wait_s = feed_wait_s
         self._executor = executor
         self._inline_chars = inline_chars
         self._cache: OrderedDict[bytes, tuple[Fingerprints, Fingerprints]] = OrderedDict()
 
-    async def register(self, tenant: str, replica: str, texts: Sequence[str]) -> None:
-        """Fingerprint a prompt's texts (off the event loop when large) and make them known to every instance."""
-        at = time.time()
-        if sum(map(len, texts)) <= self._inline_chars:
-            prompt = self._add(tenant, replica, at, texts)
-        else:
-            work = self._add
-            prompt = await asyncio.get_running_loop().run_in_executor(self._executor, work, tenant, replica, at, texts)
-        if self.feed is not None and len(prompt.fingerprints):
-            try:
-                await self.feed.publish(prompt)
-            except (RedisError, OSError) as exc:
-                log.warning("prompt fingerprints not shared with other instances: %s", type(exc).__name__)
+    def prepare(
+        self, tenant: str, texts: Sequence[str], decode: Callable[[], str] | None = None
+    ) -> Prepared | asyncio.Future[Prepared]:
+        """A prompt's fingerprints: at once for a small prompt, else a future computed on a worker thread, so that it
+        runs alongside counting and routing. `decode` gives one more text (token ids to decode: always a thread's)."""
+        if decode is None and sum(map(len, texts)) <= self._inline_chars:
+            return self._prepare(tenant, texts)
+        work = self._prepare if decode is None else lambda t, x: self._prepare(t, [*x, decode()])
+        return asyncio.get_running_loop().run_in_executor(self._executor, work, tenant, texts)
 
-    def _add(self, tenant: str, replica: str, at: float, texts: Sequence[str]) -> Prompt:
+    async def register(self, prepared: Prepared, replica: str) -> str | None:
+        """Put a prepared prompt in this instance's index for `replica` and (with Redis) publish it; returns its
+        mark in the feed, or None without one (no Redis, or Redis unreachable: then only this instance knows it)."""
+        prompt = Prompt(prepared.tenant, replica, time.time(), prepared.fingerprints, prepared.shared)
+        if len(prompt.fingerprints):
+            self.index.add(prompt)
+        if self.feed is None:
+            return None
+        try:
+            return await self.feed.publish(prompt)
+        except (RedisError, OSError) as exc:
+            log.warning("prompt fingerprints not shared with other instances: %s", type(exc).__name__)
+            return None
+
+    async def caught_up(self, mark: str | None) -> bool:
+        """Whether every prompt published before `mark` is in this instance's index (waiting up to feed_wait_s)."""
+        return mark is None or self.feed is None or await self.feed.reached(mark, self.feed_wait_s)
+
+    async def add(self, tenant: str, replica: str, texts: Sequence[str]) -> str | None:
+        """Prepare and register in one step (for what is not a forwarded request: benchmarks, tools)."""
+        prepared = self.prepare(tenant, texts)
+        if isinstance(prepared, asyncio.Future):
+            prepared = await prepared
+        return await self.register(prepared, replica)
+
+    def _prepare(self, tenant: str, texts: Sequence[str]) -> Prepared:
         kept, every = zip(*map(self._fingerprints, texts), strict=True) if texts else ((), ())
         if not any(len(grams) for grams in every):
             # No text holds a gram (a chat turn of a few words): nothing to index, and numpy's calls on the empty
             # arrays cost ~15 µs a request.
-            return Prompt(tenant, replica, at, NO_GRAMS, NO_GRAMS)
+            return Prepared(tenant, NO_GRAMS, NO_GRAMS)
         fingerprints = np.unique(np.concatenate(kept))
         shared = self.index.others(np.unique(np.concatenate(every)), tenant)
-        prompt = Prompt(tenant, replica, at, fingerprints, shared)
-        self.index.add(prompt)
-        return prompt
+        return Prepared(tenant, fingerprints, shared)
 
     def _fingerprints(self, text: str) -> tuple[Fingerprints, Fingerprints]:
         """(the kept fingerprints, every gram) of one text."""
@@ -314,12 +410,13 @@ class AnswerCheck:
     _own: set[int] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self._bit = replica_bit(self.replica)
+        self._bit = self.index.replica_bit(self.replica)
         self._span = self.hasher.shape.min_fragment - self.hasher.shape.k
 
     def feed(self, grams: AnswerGrams, piece: str) -> str | None:
         """Read one more piece of a text; the victim, once it carries a fragment of another tenant's prompt."""
         complete, unfinished = grams.feed(piece)
+        grams.suspect = False
         if not complete and unfinished is None:
             return None
         now = self.clock()
@@ -338,7 +435,16 @@ class AnswerCheck:
             last = grams.hits.get(victim) if victim is not None else None
             if last is not None and 0 < position - last <= self._span:
                 return victim
+            grams.suspect = victim is not None
         return None
+
+    def pending(self, grams: AnswerGrams) -> bool:
+        """Whether what this text says next could still complete a fragment with a hit already read: until that is
+        decided, nothing more of it may go out."""
+        if grams.suspect:
+            return True
+        read = grams.read
+        return any(read - last <= self._span for last in grams.hits.values())
 
     def _victim(self, gram: int, now: float) -> str | None:
         victim = self.index.victim(gram, self._bit, self.recipient, now)

@@ -93,6 +93,9 @@ class _Choice:
     tool_ids: dict[int, str] = field(default_factory=dict)  # the id each tool call was first given
     grams: dict[str, AnswerGrams] = field(default_factory=dict)  # per stream: its k-grams, for fingerprints
     tainted: set[str] = field(default_factory=set)  # streams redacted for a fragment: the rest of them is too
+    # Per stream, its text since a first hit of another tenant's prompt, held until the hit is paired (a leak) or
+    # can no longer be.
+    suspended: dict[str, str] = field(default_factory=dict)
     mirror: str | None = None  # the text whose grams the chosen logprob tokens share so far
     readers: dict[str, JsonStringReader] = field(default_factory=dict)  # per stream: its JSON escapes, for its grams
 
@@ -221,7 +224,7 @@ class OutputGuard:
     def closing(self) -> list[dict[str, Any]]:
         """For a stream that ended without finishing its choices: their held texts and logprobs, as last choices.
 
-        Empties the guard.
+        Empties the guard. Text held for an undecided fragment (not yet scanned for markers) is not among them.
         """
         closing = []
         for index, state in self._choices.items():
@@ -330,14 +333,20 @@ class OutputGuard:
         logprobs = choice.get("logprobs")
         streams = token_streams(logprobs) if logprobs is not None else {}
         if self._fragments is not None:
-            await self._find_fragments(state, slots, streams, choice)
+            await self._find_fragments(state, slots, streams, choice, final)
         # One pass over every text of this event finds the few that a scanner must look at; most events have none.
         flagged = suspects([holder[name] for _, holder, name in slots] + ["".join(p) for p in streams.values()])
-        if flagged is not None and not flagged and state.held_logprobs is None and _idle(state.scanners):
+        if (
+            flagged is not None
+            and not flagged
+            and state.held_logprobs is None
+            and _idle(state.scanners)
+            and not state.suspended
+        ):
             # Unless a backslash starts a JSON escape that spells a marker only once a client decodes the text.
             if not any(may_spell_a_marker(holder[name]) for _, holder, name in slots):
                 return
-        holding = False
+        holding = bool(state.suspended)
         for position, (key, holder, name) in enumerate(slots):
             scanner = state.scanners.get(key)
             if (
@@ -370,11 +379,13 @@ class OutputGuard:
         slots: list[tuple[str, dict[str, Any], str]],
         streams: dict[str, list[str]],
         choice: dict[str, Any],
+        final: bool,
     ) -> None:
         """Check this event's texts and chosen logprob tokens for a fragment of another tenant's recent prompt.
-        Under redact, a text where one is found is redacted from there on, and the event's logprob positions are
-        dropped. (Alternatives of other ranks are scanned for markers, not fingerprinted: a leaked fragment is in
-        the tokens an engine chose.)"""
+        From a text's first hit on, its text is held (suspended) until the hit is paired or no longer can be, so at
+        most the words before that first hit go out. Under redact, a text where one is found is redacted from there
+        on, and the event's logprob positions are dropped. (Alternatives of other ranks are scanned for markers, not
+        fingerprinted: a leaked fragment is in the tokens an engine chose.)"""
         chosen = "".join(streams["lp"]) if "lp" in streams else None
         # The chosen tokens usually spell exactly the event's one text: their grams would be the same, so they are
         # fed once, until the first event where they differ (from then on the tokens are a stream of their own).
@@ -387,18 +398,36 @@ class OutputGuard:
         elif mirrored is None and mirrors and "lp" not in state.grams:
             state.mirror = mirrored = slots[0][0]
         found = False
+        suspended = state.suspended
         for key, holder, name in slots:
             victim = self._fragment(state, key, holder[name])
             hit = victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None
             found |= hit and key == mirrored
             if hit or key in state.tainted:
                 state.tainted.add(key)
-                holder[name] = REDACTED if holder[name] else ""
+                suspect = suspended.pop(key, "")  # the held text goes with the rest
+                holder[name] = REDACTED if holder[name] or suspect else ""
+            elif victim is None and not final and self._pending(state, key):
+                suspended[key] = suspended.get(key, "") + holder[name]
+                holder[name] = ""
+            elif key in suspended:  # decided (no fragment, or let through under alert): it goes out
+                holder[name] = suspended.pop(key) + holder[name]
         if chosen is not None and mirrored is None and (victim := self._fragment(state, "lp", chosen)) is not None:
             found |= await self._leak(Leak(victim, FRAGMENT)) is not None
+        if final and suspended:
+            # Nothing more comes: what a stream this event did not write still holds goes out with its last chunk.
+            for key in list(suspended):
+                place(choice, key, suspended.pop(key))
+            slots[:] = texts(choice)
         if found:
             held = positions(state.held_logprobs) if state.held_logprobs is not None else 0
             state.dropped |= set(range(held, held + positions(choice["logprobs"])))
+
+    def _pending(self, state: _Choice, key: str) -> bool:
+        assert self._fragments is not None
+        pending = self._fragments.pending
+        decoded = state.grams.get(key + "\\")
+        return pending(state.grams[key]) or (decoded is not None and pending(decoded))
 
     def _new_grams(self) -> AnswerGrams:
         assert self._fragments is not None

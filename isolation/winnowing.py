@@ -147,12 +147,18 @@ class AnswerGrams:
         self._open = ""  # the raw characters of a word the next piece may continue
         self._words = 0  # complete words read so far
         self.hits: dict[str, int] = {}  # the checker's memory: per victim, the position of this text's last hit
+        self.suspect = False  # the checker's too: the word still being written ends a gram of another tenant's
 
     def copy(self) -> AnswerGrams:
         twin = AnswerGrams(self._hasher)
         twin._window, twin._prefix, twin._open = deque(self._window), self._prefix, self._open
-        twin._words, twin.hits = self._words, dict(self.hits)
+        twin._words, twin.hits, twin.suspect = self._words, dict(self.hits), self.suspect
         return twin
+
+    @property
+    def read(self) -> int:
+        """Complete words read so far (the position the next one will have)."""
+        return self._words
 
     def feed(self, piece: str) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
         """(the (position, gram) pairs this piece completes, that of its unfinished last word or None); a gram's

@@ -8,7 +8,7 @@ words. Prompt sizes are given in tokens at 0.75 words per token (a 1k-token prom
 document mixes prose (tests/bench/prose.py, a seed of its own) with excerpts of Python's own modules in code
 fences (files of its own), so no two tenants share text by accident. Everything is wired as gateway/app.py wires
 it: the hasher's key derived from the canary key by `make_fingerprinter`, prompts registered with
-`Fingerprinter.register` (its own texts, without markers; on a worker thread above `inline_chars`), answers
+`Fingerprinter.add` (its own texts, without markers; on a worker thread above `inline_chars`), answers
 streamed as OpenAI chat chunks of 1-7 characters through `channels.prune` and `OutputGuard.check_chunk` (policy
 alert, so a whole answer is scanned), every prompt and answer on one replica.
 
@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 from redis.asyncio import Redis
 
-from gateway.app import canary_keys, make_fingerprinter
+from gateway.app import canary_keys, fingerprint_secret, make_fingerprinter
 from gateway.settings import Settings
 from isolation.channels import prune
 from isolation.fingerprints import AnswerCheck, Fingerprinter, FingerprintIndex, Prompt, RedisFingerprintFeed
@@ -165,7 +165,7 @@ class Gateway:
         keys = canary_keys(settings)
         registry = MarkerRegistry(keys, settings.isolation.canary.epoch_s)
         registry.add_tenants(tenants)
-        fingerprinter = make_fingerprinter(settings, keys[0], redis, executor, "bench")
+        fingerprinter = make_fingerprinter(settings, fingerprint_secret(keys[0].secret), redis, executor, "bench")
         assert fingerprinter is not None
         return cls(settings, registry, fingerprinter, {} if keep else None)
 
@@ -179,7 +179,7 @@ class Gateway:
     async def register(self, tenant: str, messages: list[dict[str, Any]]) -> None:
         """As the gateway does once it forwards a chat prompt: the tenant's own texts, without markers."""
         texts = [m["content"] for m in messages]
-        await self.fingerprinter.register(tenant, REPLICA, texts)
+        await self.fingerprinter.add(tenant, REPLICA, texts)
         self.prompts.setdefault(tenant, []).extend(texts)
         if self.texts is not None:
             self.texts.setdefault(tenant, []).extend(normal_words(text) for text in texts)

@@ -15,6 +15,7 @@ then the tokenizer), so the usage check passes and only the canary guard stands 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from gateway.tokens import ModelTokenizer
 from tests.integration.support import MODEL
 
 JsonObject = dict[str, Any]
-Source = Literal["previous", "own", "benign"]
+Source = Literal["previous", "first", "own", "benign"]
 Usage = Literal["honest", "none", "negative"]
 
 MAX_MODEL_LEN = 2048
@@ -63,8 +64,10 @@ class Plan:
         (an HTTP 400 or 500 whose message and param quote the text), not_json (the whole answer, or a stream's
         event after the first chunk, is the text and not JSON), tokenize_400 (the next /tokenize refused, quoting
         the prompt it was given).
+    source: the text put there: the previous request's prompt, the first request's, this one's own, or benign.
     piece: characters per stream chunk and logprob position (token ids: the ids of those characters); 0, all at once.
     rank: the alternative that top_logprob_token / top_logprobs fill.
+    delay_s: how long a chat answer takes to begin (its prompt is recorded at once): a slow generation.
     usage: "honest"; "none" (no usage anywhere in the answer); "negative" (completion_tokens below zero, with a
         total that adds up).
     """
@@ -74,6 +77,7 @@ class Plan:
     source: Source = "previous"
     rank: int = 1
     usage: Usage = "honest"
+    delay_s: float = 0.0
 
 
 def split(text: str, size: int) -> list[str]:
@@ -419,7 +423,10 @@ class Adversary:
 
     async def _chat(self, request: Request) -> Response:
         body = orjson.loads(await request.body())
-        return self._answer(True, body, "\n".join(_contents(body["messages"])))
+        delay_s = self.plan.delay_s if self.plan is not None else 0.0
+        response = self._answer(True, body, "\n".join(_contents(body["messages"])))
+        await asyncio.sleep(delay_s)
+        return response
 
     async def _completions(self, request: Request) -> Response:
         body = orjson.loads(await request.body())
@@ -428,7 +435,8 @@ class Adversary:
     def _answer(self, chat: bool, body: JsonObject, prompt: str) -> Response:
         plan = self.plan or Plan("content" if chat else "text", source="benign")
         self.plan = None
-        texts = {"previous": self.prompts[-1] if self.prompts else "", "own": prompt, "benign": BENIGN}
+        earlier = self.prompts or [""]
+        texts = {"previous": earlier[-1], "first": earlier[0], "own": prompt, "benign": BENIGN}
         self.prompts.append(prompt)
         text = texts[plan.source]
         if plan.channel in ("error_400", "error_500"):

@@ -7,18 +7,22 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from gateway.app import create_app
 from gateway.serving import run_server
 from gateway.settings import SettingsError
 from gateway.tokens import ModelTokenizer
+from isolation.winnowing import words
 from tests.integration.adversary import Adversary, Plan
-from tests.integration.support import ALICE_KEY, BOB_KEY, auth, chat_body, gateway_settings, metric
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, gateway_settings, metric
+from tests.integration.tenant_support import until
 from tests.integration.test_canaries import canaries_only
 from tests.redis_server import redis_server
 
@@ -64,13 +68,15 @@ async def bob_sends_his_document(client: httpx.AsyncClient, gateway_url: str, te
 OVER_CAPACITY = chat_body("Summarise this contract clause by clause. " * 75, max_tokens=160)
 
 
-def assert_withheld_for_bob(response: httpx.Response, text: str, found: list[dict[str, str]]) -> None:
+def assert_withheld_for_bob(
+    response: httpx.Response, text: str, found: list[dict[str, str]], replica: str = "sim"
+) -> None:
     assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld", response.text
     assert not any(word in response.text for word in text.split()[:50])
     # The events of this request (a shared Redis can hold other tests' too).
     [leak] = [e for e in found if e["request_id"] == response.headers["x-request-id"]]
     assert (leak["kind"], leak["tenant"], leak["victim_tenant"], leak["replica"]) == (
-        "fingerprint_leak", "alice", "bob", "sim",
+        "fingerprint_leak", "alice", "bob", replica,
     )  # fmt: skip
 
 
@@ -150,3 +156,138 @@ async def test_an_unreadable_public_text_stops_the_start(tokenizer_dir: Path, si
     # Checked with the other files the settings name, before anything is served (and before the lifespan).
     with pytest.raises(SettingsError, match=r"public_texts\[0\]: .*missing does not exist"):
         create_app(gateway_settings({"sim": sim_url}, tokenizer_dir, isolation=isolation))
+
+
+@pytest.mark.parametrize("instances", [1, 2], ids=["one instance", "two instances on one Redis, no canary keys"])
+async def test_a_prompt_still_being_answered_is_known_before_it_is_forwarded(
+    client: httpx.AsyncClient, tokenizer_dir: Path, instances: int
+) -> None:
+    """Bob's document is still being generated (a slow, whole answer: its headers come at the end) when alice's
+    answer carries it, at once and, with two instances, through the other one: fingerprinting it only once its
+    answer began left it unknown for the whole generation."""
+    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    text = document(11, 250)
+    # Without canary keys each instance's secret is its own: the fingerprint key is shared through Redis.
+    isolation = {"canary": {"enabled": False, "quarantine_on_leak": False}}
+    with ExitStack() as stack:
+        backend = stack.enter_context(run_server(adversary.app()))
+        redis = {"redis_url": stack.enter_context(redis_server())} if instances == 2 else {}
+        urls = [
+            stack.enter_context(
+                run_server(
+                    create_app(
+                        gateway_settings(
+                            {"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=isolation, **redis
+                        )
+                    )
+                )
+            )
+            for _ in range(instances)
+        ]
+        adversary.plan = Plan("content", source="benign", delay_s=2.0)
+        bobs = asyncio.create_task(bob_sends_his_document(client, urls[0], text))
+
+        async def forwarded() -> bool:
+            return len(adversary.prompts) == 1
+
+        await until(forwarded)
+        adversary.plan = Plan("content")  # alice is answered with bob's prompt while his answer is generated
+        response = await client.post(f"{urls[-1]}{CHAT}", json=chat_body("And this?"), headers=auth(ALICE_KEY))
+        assert_withheld_for_bob(response, text, await events(client, urls[-1]), replica="adversary")
+        await bobs
+
+
+async def test_a_prompt_of_token_ids_without_the_models_tokenizer_is_refused(
+    client: httpx.AsyncClient, make_gateway: Any, sim_url: str
+) -> None:
+    """Token ids are text to the engine, and without the tokenizer the gateway cannot fingerprint them."""
+    models = [{"name": MODEL, "backends": ["sim"], "context_window": 2048}]  # counted by the backend's /tokenize
+    gateway_url = make_gateway({"sim": sim_url}, models=models)
+    before = len(forwarded(sim_url))
+    body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 2}
+    response = await client.post(f"{gateway_url}/v1/completions", json=body, headers=auth(ALICE_KEY))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "models[].tokenizer" in error["message"]
+    assert len(forwarded(sim_url)) == before, "never forwarded"
+    text = {**body, "prompt": "Once upon a time"}  # the same as text passes
+    assert (await client.post(f"{gateway_url}/v1/completions", json=text, headers=auth(ALICE_KEY))).status_code == 200
+
+
+async def test_one_tenants_flood_of_prompts_never_evicts_another_tenants_fingerprints(
+    client: httpx.AsyncClient, tokenizer_dir: Path
+) -> None:
+    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    text = document(12, 250)
+    isolation = {**FINGERPRINTS_ONLY, "fingerprints": {"max_entries": 1000}}
+    with run_server(adversary.app()) as backend:
+        settings = gateway_settings({"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=isolation)
+        with run_server(create_app(settings)) as gateway_url:
+            await bob_sends_his_document(client, gateway_url, text)
+            for seed in range(40):  # ~45 fingerprints each: twice what the index may hold
+                body = chat_body(document(100 + seed, 250), max_tokens=4)
+                response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth(ALICE_KEY))
+                assert response.status_code == 200
+            adversary.plan = Plan("content", source="first")  # alice is answered with bob's prompt
+            response = await client.post(f"{gateway_url}{CHAT}", json=chat_body("And this?"), headers=auth(ALICE_KEY))
+            assert_withheld_for_bob(response, text, await events(client, gateway_url), replica="adversary")
+
+
+def streamed_text(response: httpx.Response) -> str:
+    pieces = []
+    for line in response.text.split("\n"):
+        if line.startswith("data: {"):
+            for choice in orjson.loads(line.removeprefix("data: ")).get("choices") or ():
+                pieces.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(pieces)
+
+
+@pytest.mark.parametrize("piece", [1, 6, 40])
+async def test_a_stream_releases_at_most_twenty_words_of_a_fragment(
+    client: httpx.AsyncClient, tokenizer_dir: Path, piece: int
+) -> None:
+    """From the first gram of another tenant's prompt on, nothing more of the text leaves until it is decided: at
+    most the words before that gram's second window can have gone (k + w - 2 = 20 with the defaults)."""
+    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    text = document(13, 250)
+    with run_server(adversary.app()) as backend:
+        settings = gateway_settings(
+            {"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=FINGERPRINTS_ONLY
+        )
+        with run_server(create_app(settings)) as gateway_url:
+            await bob_sends_his_document(client, gateway_url, text)
+            adversary.plan = Plan("content", piece=piece)  # alice is streamed bob's prompt, `piece` characters a chunk
+            body = chat_body("And this?", stream=True)
+            response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth(ALICE_KEY))
+            assert response.status_code == 200 and '"answer_withheld"' in response.text, response.text[-300:]
+            seen = words(streamed_text(response))
+            leaked = words(f"Please review this document:\n{text}")
+            # Whole words, and perhaps the start of the next: a word is known only once it ends.
+            whole = seen if not seen or seen[-1] == leaked[len(seen) - 1] else seen[:-1]
+            assert whole == leaked[: len(whole)] and len(whole) <= 20, (len(seen), seen)
+            [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "fingerprint_leak"]
+            assert leak["victim_tenant"] == "bob"
+
+
+async def test_a_stream_quoting_one_gram_of_another_tenants_prompt_comes_out_whole(
+    client: httpx.AsyncClient, tokenizer_dir: Path
+) -> None:
+    """A hit that no second hit follows is no leak: the text held for it goes out, in order, none lost."""
+    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    text = document(14, 250)
+    with run_server(adversary.app()) as backend:
+        settings = gateway_settings(
+            {"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=FINGERPRINTS_ONLY
+        )
+        with run_server(create_app(settings)) as gateway_url:
+            await bob_sends_his_document(client, gateway_url, text)
+            # Every 12-word gram of bob's text alone, each between words of alice's own: single hits, never a pair.
+            grams = [" ".join(text.split()[at : at + 12]) for at in range(0, 240, 12)]
+            answer = " ".join(f"{gram} unrelated filler words written here by the model itself now" for gram in grams)
+            prompt = f"Repeat: {answer}"
+            adversary.plan = Plan("content", piece=5, source="own")
+            response = await client.post(
+                f"{gateway_url}{CHAT}", json=chat_body(prompt, stream=True), headers=auth(ALICE_KEY)
+            )
+            assert response.status_code == 200 and '"answer_withheld"' not in response.text
+            assert streamed_text(response).endswith(answer), streamed_text(response)[-200:]

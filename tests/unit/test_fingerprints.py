@@ -24,7 +24,6 @@ from isolation.fingerprints import (
     Prompt,
     RedisFingerprintFeed,
     public_fingerprints,
-    replica_bit,
 )
 from isolation.guard import FRAGMENT, Leak, LeakBlocked, OutputGuard
 from isolation.leaks import REDACTED, LeakPolicy
@@ -110,7 +109,7 @@ def test_the_index_counts_only_another_tenants_unshared_prompt_on_the_same_repli
     index.add(prompt("alice", "r1", [1, 2, 3]))
     index.add(prompt("bob", "r1", [3]))  # both sent it: common text, no evidence
     index.add(prompt("alice", "r2", [2]))
-    r1, r2, r3 = (replica_bit(name) for name in ("r1", "r2", "r3"))
+    r1, r2, r3 = (index.replica_bit(name) for name in ("r1", "r2", "r3"))
     assert index.victim(1, r1, "carol", 1010.0) == "alice"
     assert index.victim(3, r1, "carol", 1010.0) is None
     assert index.victim(1, r1, "alice", 1010.0) is None
@@ -123,8 +122,8 @@ def test_text_two_tenants_send_in_different_surroundings_is_shared_whatever_winn
     passage = document(7, 40)
     index = FingerprintIndex(1800, 100_000)
     fingerprinter = Fingerprinter(hasher, index, None, ThreadPoolExecutor(1), 10**9)
-    asyncio.run(fingerprinter.register("alice", "r1", [f"{document(8, 50)} {passage}"]))
-    asyncio.run(fingerprinter.register("bob", "r1", [f"{passage} {document(9, 50)}"]))
+    asyncio.run(fingerprinter.add("alice", "r1", [f"{document(8, 50)} {passage}"]))
+    asyncio.run(fingerprinter.add("bob", "r1", [f"{passage} {document(9, 50)}"]))
     # Every gram of the passage that either side kept is shared now: bob quoting it is no leak of alice's.
     check = AnswerCheck(index, hasher, "r1", "bob")
     assert check.feed(AnswerGrams(hasher), passage + " .") is None
@@ -140,7 +139,7 @@ def test_public_texts_are_never_evidence_whoever_sent_them(hasher: Hasher, tmp_p
     index = FingerprintIndex(1800, 100_000, public)
     fingerprinter = Fingerprinter(hasher, index, None, ThreadPoolExecutor(1), 10**9)
     # Only alice ever sent the licence, inside her own prompt: still not hers to leak.
-    asyncio.run(fingerprinter.register("alice", "r1", [f"{private} {licence}"]))
+    asyncio.run(fingerprinter.add("alice", "r1", [f"{private} {licence}"]))
     check = AnswerCheck(index, hasher, "r1", "bob")
     assert check.feed(AnswerGrams(hasher), " ".join(licence.split()[20:120]) + " .") is None
     assert check.feed(AnswerGrams(hasher), " ".join(private.split()[20:120]) + " .") == "alice"
@@ -176,6 +175,47 @@ def test_the_index_forgets_expired_prompts_and_stays_bounded() -> None:
     for n in range(10):
         index.add(prompt("bob", "r1", list(range(10_000 * (n + 1), 10_000 * (n + 1) + 400)), at=1040.0))
     assert len(index) <= 1000
+
+
+def test_a_full_index_evicts_the_largest_holders_oldest_prompts_first() -> None:
+    index = FingerprintIndex(ttl_s=600, max_entries=1000)
+    index.add(prompt("alice", "r1", list(range(100)), at=1000.0))  # first, and small
+    for n in range(30):  # a flood: 3,000 fingerprints
+        index.add(prompt("mallory", "r1", list(range(10_000 * (n + 1), 10_000 * (n + 1) + 100)), at=1001.0 + n))
+    assert len(index) <= 1000 and index.held_by("alice") == 100
+    r1 = index.replica_bit("r1")
+    assert all(index.victim(f, r1, "bob", 1100.0) == "alice" for f in range(100))
+    assert index.victim(30 * 10_000 + 5, r1, "bob", 1100.0) == "mallory", "the newest of the flood stays"
+    assert index.victim(10_000 + 5, r1, "bob", 1100.0) is None, "its oldest went"
+
+
+def test_no_two_replicas_share_an_identity_however_many() -> None:
+    index = FingerprintIndex(ttl_s=600, max_entries=10_000)
+    names = [f"vllm-{n}" for n in range(200)]
+    for number, name in enumerate(names):
+        index.add(prompt("alice", name, [number], at=1000.0))
+    for number, name in enumerate(names):
+        found = [other for other in names if index.victim(number, index.replica_bit(other), "bob", 1001.0)]
+        assert found == [name]
+
+
+async def test_an_answer_waits_until_its_instance_has_read_the_feed_to_its_mark() -> None:
+    with redis_server() as url:
+        redis = Redis.from_url(url)
+        prefix = f"fingerprints-{uuid.uuid4().hex[:12]}:"
+        two = FingerprintIndex(1800, 10_000)
+        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix)
+        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix)
+        start = await feed_two.catch_up(two)
+        await feed_one.publish(prompt("alice", "r1", [7, 8], at=time.time()))
+        mark = await feed_two.publish(prompt("bob", "r1", [], at=time.time()))  # an entry without grams: a mark
+        assert not await feed_two.reached(mark, 0.2), "nothing read the stream yet"
+        follower = asyncio.create_task(feed_two.follow(two, start))
+        assert await feed_two.reached(mark, 5.0)
+        assert len(two) == 2, "alice's prompt, published before the mark, is known by then"
+        follower.cancel()
+        await redis.delete(f"{prefix}fingerprints")
+        await redis.aclose()
 
 
 async def test_instances_share_fingerprints_through_redis() -> None:
