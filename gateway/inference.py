@@ -44,10 +44,11 @@ from gateway.state import GatewayState
 from isolation.channels import prune
 from isolation.events import IsolationEvent
 from isolation.fingerprints import AnswerCheck, Prepared
-from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard
+from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard, Suspect
 from isolation.inject import completion_prefix, hide_injected, inject_chat, inject_completion
 from isolation.leaks import LeakPolicy
 from isolation.verify import usage_problem
+from isolation.winnowing import AnswerGrams, words
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 # What one token of one choice can take in an honest answer, per alternative: a chat logprob entry with its bytes
@@ -56,6 +57,11 @@ SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 TOKEN_BYTES = 256
 ANSWER_BASE_BYTES = 1 << 20
 DATA = b"data: "
+INDUCED = "fingerprint_induced"  # the isolation event of a judged fragment that was no leak
+JUDGE_TOKENS = 96  # what a judge continues for: the rest of a fragment's minimum length, with room to spare
+MAX_VERDICTS = 4  # judges one answer may ask for: one per victim, and an answer names few
+# Nothing a judge's answer needs: it is read whole, once, for its first choice's text.
+JUDGE_DROPS = ("stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo")
 LEAK_DETAILS = {
     MARKER: "another tenant's canary marker in the answer",
     FRAGMENT: "a fragment of another tenant's recent prompt to this replica in the answer",
@@ -291,6 +297,8 @@ class InferenceCall:
         self._closed = False
         self._injected: int | None = None  # the tokens the gateway injected, once counted
         self._mark: str | None = None  # the prompt's last entry in the fingerprint feed
+        self._sent: tuple[str, bytes] | None = None  # the path and body forwarded
+        self._verdicts = 0  # suspects judged in this answer
 
     async def close(self) -> None:
         if self._closed:
@@ -322,6 +330,7 @@ class InferenceCall:
 
     async def forward(self, path: str, body: bytes) -> None:
         self.sent_bytes = len(body)
+        self._sent = (path, body)
         try:
             await self._fingerprint(self.replica)
             await self._open(path, body)
@@ -387,6 +396,76 @@ class InferenceCall:
             await self._fingerprint(fallback)
             self.response = await upstream.open(fallback, path, body, self.upstream_id)
 
+    async def judge(self, suspect: Suspect) -> bool:
+        """Whether a fragment of another tenant's prompt in this answer was induced: the answer's text before it is
+        continued (greedy, a few dozen tokens) on another replica, preferably one the victim's prompts never went
+        to, and the fragment comes back there. A stale page cannot follow a request to another replica; a text the
+        recipient had the model write (a public text, a candidate of an oracle) does. Either way the verdict is
+        counted and recorded for operators; it changes what the tenant sees only for a leak."""
+        fingerprints = self.state.fingerprints
+        assert fingerprints is not None
+        replica = self._judging_replica(suspect.victim)
+        verdict = "unjudged"
+        try:
+            if replica is not None and self._verdicts < MAX_VERDICTS:
+                self._verdicts += 1
+                said = await self._continue(replica, suspect)
+                if said is not None:
+                    check = AnswerCheck(
+                        fingerprints.index, fingerprints.hasher, replica.name, self.tenant.incarnation(),
+                        self.prompt.texts, only=suspect.victim,
+                    )  # fmt: skip
+                    tail = " ".join(words(suspect.prefix)[-fingerprints.hasher.shape.k :])
+                    verdict = "induced" if check.feed(AnswerGrams(fingerprints.hasher), f"{tail} {said} ") else "leak"
+        finally:
+            self.state.metrics.fragment_verdicts.labels(
+                self.tenant.id, self.model.name, self.replica.name, verdict
+            ).inc()
+        if verdict != "induced" or replica is None:
+            return False
+        detail = f"a fragment of another tenant's prompt that the answer was induced to say (judged on {replica.name})"
+        await report(self.event(INDUCED, detail, victim_tenant=suspect.victim), self.state)
+        return True
+
+    def _judging_replica(self, victim: str) -> Replica | None:
+        """Another routable replica of the model, one the victim's recent prompts never went to if there is one."""
+        fingerprints = self.state.fingerprints
+        assert fingerprints is not None
+        others = [r for r in self.state.pool.routable(self.model) if r.name != self.replica.name]
+        clean = [r for r in others if not fingerprints.index.sent(victim, r.name)]
+        return min(clean or others, key=lambda r: r.in_flight, default=None)
+
+    async def _continue(self, replica: Replica, suspect: Suspect) -> str | None:
+        """What `replica` writes after the suspect's prefix, greedily; None when it cannot be asked or does not say."""
+        if self._sent is None:
+            return None
+        path, body = self._sent
+        payload = orjson.loads(body)
+        if isinstance(self.request, ChatCompletionRequest):
+            prefix = {"role": "assistant", "content": suspect.prefix}
+            payload.update(messages=[*payload["messages"], prefix], continue_final_message=True)
+            payload["add_generation_prompt"] = False
+        elif isinstance(payload.get("prompt"), str):
+            payload["prompt"] += suspect.prefix
+        else:
+            return None  # token ids: a prefix of text cannot follow them
+        for name in JUDGE_DROPS:
+            payload.pop(name, None)
+        payload["temperature"] = 0.0
+        payload[self.request.output_param] = min(JUDGE_TOKENS, self.admission.max_tokens)
+        await self._fingerprint(replica)  # the tenant's prompt goes there now too
+        try:
+            response = await self.state.upstream.open(replica, path, orjson.dumps(payload), f"{self.upstream_id}.j")
+            try:
+                answer = parse_json_body(replica, await response.read(ANSWER_BASE_BYTES))
+            finally:
+                await response.aclose()
+            choice = (answer.get("choices") or [{}])[0]
+            said = (choice.get("message") or {}).get("content") if "message" in choice else choice.get("text")
+        except (GatewayError, AttributeError, IndexError, TypeError):
+            return None
+        return said if isinstance(said, str) else None
+
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
         """Raise StreamWithheld when the backend's accounting does not add up."""
         sent = await self.admission.prompt_tokens()
@@ -450,6 +529,7 @@ class InferenceCall:
             stops,
             fragments,
             self.request.n,
+            self.judge if fragments is not None else None,
         )
 
     async def complete(self) -> Answer:

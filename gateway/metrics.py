@@ -234,6 +234,14 @@ class GatewayMetrics:
             ["model", "replica", "kind"],
             registry=self.registry,
         )
+        self.fragment_verdicts = Counter(
+            "bulkhead_fragment_verdicts",
+            "Fragments of another tenant's prompt found in answers, by recipient tenant and verdict: induced (the "
+            "text came back on a replica its owner's prompt never went to: the answer went out), leak (it did not: "
+            "withheld), unjudged (no other replica to judge on: withheld).",
+            ["tenant", "model", "replica", "verdict"],
+            registry=self.registry,
+        )
         self.fingerprints = Gauge(
             "bulkhead_prompt_fingerprints",
             "Fingerprints of recent prompts this instance checks answers against (its own and other instances').",

@@ -70,6 +70,7 @@ class FingerprintIndex:
         # eviction: one tenant's flood of prompts evicts its own oldest, never another tenant's).
         self._batches: dict[int, deque[tuple[float, Fingerprints]]] = {}
         self._held: dict[int, int] = {}
+        self._sent: dict[tuple[int, int], float] = {}  # (tenant, replica bit): when its last prompt there expires
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -106,6 +107,7 @@ class FingerprintIndex:
             if old is not None:
                 entries[fingerprint] = (old & ~_LOW) | SHARED
         self._batches.setdefault(tenant, deque()).append((prompt.at + self.ttl_s, prompt.fingerprints))
+        self._sent[tenant, bit] = prompt.at + self.ttl_s
         self._held[tenant] = self._held.get(tenant, 0) + len(prompt.fingerprints)
         if len(entries) > self._max:
             self._evict()
@@ -128,6 +130,11 @@ class FingerprintIndex:
         tenant = self._tenants[owner]
         return None if tenant == recipient else tenant
 
+    def sent(self, tenant: str, replica: str) -> bool:
+        """Whether a prompt of this tenant's with fingerprints went to this replica within ttl_s."""
+        number, bit = self._tenant_ids.get(tenant), self._replicas.get(replica)
+        return number is not None and bit is not None and self._sent.get((number, bit), 0.0) > time.time()
+
     def held_by(self, tenant: str) -> int:
         """The fingerprints this tenant's prompts hold in the index now (its share of the memory)."""
         number = self._tenant_ids.get(tenant)
@@ -136,6 +143,7 @@ class FingerprintIndex:
     def sweep(self, now: float) -> int:
         """Forget what expired; returns how many entries went."""
         before = len(self._entries)
+        self._sent = {sent: until for sent, until in self._sent.items() if until >= now}
         for tenant, batches in list(self._batches.items()):
             while batches and batches[0][0] < now:
                 self._drop(tenant, batches, now)
@@ -405,13 +413,20 @@ class AnswerCheck:
     recipient: str
     own_texts: Callable[[], Iterable[str]] = tuple  # the recipient's prompt, read only if a gram matches
     clock: Callable[[], float] = time.time
+    only: str | None = None  # a judge's check: this victim's prompts alone, whichever replica they went to
     _bit: int = field(init=False)
     _span: int = field(init=False)  # the most words between a fragment's two grams
     _own: set[int] | None = field(init=False, default=None)
+    _cleared: set[str] = field(init=False, default_factory=set)  # victims whose text this answer was induced to say
 
     def __post_init__(self) -> None:
-        self._bit = self.index.replica_bit(self.replica)
+        self._bit = -1 if self.only is not None else self.index.replica_bit(self.replica)
         self._span = self.hasher.shape.min_fragment - self.hasher.shape.k
+
+    def clear(self, victim: str) -> None:
+        """This answer's text of `victim`'s was judged induced (it came back where her prompt never went): it is
+        not evidence of a leak for the rest of the answer."""
+        self._cleared.add(victim)
 
     def feed(self, grams: AnswerGrams, piece: str) -> str | None:
         """Read one more piece of a text; the victim, once it carries a fragment of another tenant's prompt."""
@@ -448,7 +463,9 @@ class AnswerCheck:
 
     def _victim(self, gram: int, now: float) -> str | None:
         victim = self.index.victim(gram, self._bit, self.recipient, now)
-        return None if victim is None or gram in self._own_grams() else victim
+        if victim is None or victim in self._cleared or (self.only is not None and victim != self.only):
+            return None
+        return None if gram in self._own_grams() else victim
 
     def _own_grams(self) -> set[int]:
         if self._own is None:

@@ -32,10 +32,25 @@ from isolation.json_escapes import JsonStringReader, may_spell_a_marker
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import PREFIX, MarkerRegistry, normal_form
 from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
-from isolation.winnowing import AnswerGrams, words
+from isolation.winnowing import AnswerGrams, word_start, words
 
 MARKER = "leak"
 FRAGMENT = "fingerprint_leak"
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A fragment of another tenant's prompt in one text of an answer, not yet called a leak: whose, where, and the
+    answer's text before it, for a judge to continue on a replica where the victim's prompt never went."""
+
+    victim: str
+    choice: int
+    key: str  # the text's stream key: "content" (chat) or "text" (completions)
+    prefix: str
+
+
+Judge = Callable[[Suspect], Awaitable[bool]]  # True: the text comes back there, so the answer was induced to say it
+JUDGED = frozenset({"content", "text"})  # the texts a judge can continue (an assistant prefix, a completion's)
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,7 @@ class _Choice:
     # Per stream, its text since a first hit of another tenant's prompt, held until the hit is paired (a leak) or
     # can no longer be.
     suspended: dict[str, str] = field(default_factory=dict)
+    said: dict[str, list[str]] = field(default_factory=dict)  # with a judge: the judged streams' text so far
     mirror: str | None = None  # the text whose grams the chosen logprob tokens share so far
     readers: dict[str, JsonStringReader] = field(default_factory=dict)  # per stream: its JSON escapes, for its grams
 
@@ -143,8 +159,10 @@ class OutputGuard:
         stops: frozenset[str] = frozenset(),
         fragments: AnswerCheck | None = None,
         choices: int = 1,
+        judge: Judge | None = None,
     ) -> None:
         self._registry = registry
+        self._judge = judge
         self._choices_asked = choices  # the request's n: a choice of another index answers nothing that was asked
         self._fragments = fragments
         self._tenant = tenant
@@ -399,8 +417,13 @@ class OutputGuard:
             state.mirror = mirrored = slots[0][0]
         found = False
         suspended = state.suspended
+        judged = self._judge is not None
         for key, holder, name in slots:
+            if judged and key in JUDGED:
+                state.said.setdefault(key, []).append(holder[name])
             victim = self._fragment(state, key, holder[name])
+            if victim is not None and judged and key in JUDGED and await self._induced(state, key, victim, choice):
+                victim = None
             hit = victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None
             found |= hit and key == mirrored
             if hit or key in state.tainted:
@@ -422,6 +445,22 @@ class OutputGuard:
         if found:
             held = positions(state.held_logprobs) if state.held_logprobs is not None else 0
             state.dropped |= set(range(held, held + positions(choice["logprobs"])))
+
+    async def _induced(self, state: _Choice, key: str, victim: str, choice: dict[str, Any]) -> bool:
+        """Ask the judge whether this text of `victim`'s comes back where her prompt never went: if so the answer was
+        induced to say it (a public text, a text the recipient had the model write) and it is no leak."""
+        assert self._fragments is not None and self._judge is not None
+        twin = state.grams.get(key + "\\")
+        grams = [g for g in (state.grams[key], twin) if g is not None and victim in g.hits]
+        first = min((g.hits[victim] for g in grams), default=0) - self._fragments.hasher.shape.k + 1
+        said = "".join(state.said[key])
+        suspect = Suspect(victim, choice.get("index") or 0, key, said[: word_start(said, first)])
+        if not await self._judge(suspect):
+            return False
+        self._fragments.clear(victim)
+        for found in grams:
+            del found.hits[victim]
+        return True
 
     def _pending(self, state: _Choice, key: str) -> bool:
         assert self._fragments is not None

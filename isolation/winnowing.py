@@ -112,6 +112,17 @@ def winnow(grams: Fingerprints, w: int) -> Fingerprints:
     return np.unique(grams[np.arange(len(windows)) + rightmost])
 
 
+def word_start(text: str, number: int) -> int:
+    """Where the word of this number (counted from 0, as `words` counts them) starts in `text`; its length when
+    there are fewer. Exact for ASCII; elsewhere near (NFKD can change a text's length)."""
+    if number <= 0:
+        return 0
+    for found, match in enumerate(WORD.finditer(text.casefold())):
+        if found == number:
+            return match.start()
+    return len(text)
+
+
 PIECE_CHARS = 65_536
 
 

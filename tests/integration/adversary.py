@@ -16,6 +16,8 @@ then the tokenizer), so the usage check passes and only the canary guard stands 
 from __future__ import annotations
 
 import asyncio
+import base64
+import codecs
 import time
 import uuid
 from collections.abc import Iterator
@@ -454,3 +456,37 @@ class Adversary:
         options = body.get("stream_options") or {}
         events = answer.events(bool(options.get("include_usage")), bool(options.get("continuous_usage_stats")))
         return StreamingResponse(events, media_type="text/event-stream")
+
+
+class DecodingModel(Adversary):
+    """A chat model that follows one instruction: 'ROT13: <text>' (or 'BASE64: <text>') in the last user turn is
+    answered with the text decoded; asked to continue an assistant turn (`continue_final_message`), it writes the
+    rest of that text after what the turn already says, as a greedy model would. Anything else is answered as the
+    Adversary answers it. Honest usage, nothing mixed between requests: whatever its answers hold, the engine is
+    sound."""
+
+    async def _chat(self, request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        messages = body["messages"]
+        users = [m for m in messages if m.get("role") == "user"]
+        last = list(_contents(users[-1:]))[-1:] or [""]
+        decoded = _decoded(last[0])
+        if decoded is None:
+            self.plan = self.plan or Plan("content", source="benign")
+            return self._answer(True, body, "\n".join(_contents(messages)))
+        if body.get("continue_final_message") and messages[-1].get("role") == "assistant":
+            said = str(messages[-1].get("content") or "")
+            decoded = decoded[len(said) :] if decoded.startswith(said) else decoded
+        self.plan = Plan("content", source="own")
+        return self._answer(True, body, decoded)
+
+
+def _decoded(turn: str) -> str | None:
+    for instruction, decode in (("ROT13:", lambda t: codecs.decode(t, "rot13")), ("BASE64:", _base64)):
+        if instruction in turn:
+            return str(decode(turn.split(instruction, 1)[1].strip()))
+    return None
+
+
+def _base64(text: str) -> str:
+    return base64.b64decode(text).decode()

@@ -16,15 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 import pytest
-from starlette.requests import Request
-from starlette.responses import Response
 
 from gateway.serving import run_server
 from gateway.tenants import hash_key
 from gateway.tokens import ModelTokenizer
-from tests.integration.adversary import Adversary, Plan, _contents
+from tests.integration.adversary import DecodingModel
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.integration.test_canaries import alice_fills_the_cache, canaries_only, over_capacity, session_on
 
@@ -34,19 +31,6 @@ ADMIN = "admin-token-0123456789"
 ADMIN_AUTH = {"authorization": f"Bearer {ADMIN}"}
 FAST_PROBE = {"rate": 50, "max_requests": 60, "time_limit_s": 30}
 MARKER = re.compile(r"CNRY-[A-Z2-7]{20}")
-
-
-class DecodingModel(Adversary):
-    """A chat model that follows one instruction: 'ROT13: <text>' is answered with the text decoded. Honest usage,
-    nothing mixed between requests: whatever its answers hold, the engine is sound."""
-
-    async def _chat(self, request: Request) -> Response:
-        body = orjson.loads(await request.body())
-        last = list(_contents([body["messages"][-1]]))[-1]
-        if "ROT13:" not in last:
-            return await super()._chat(request)
-        self.plan = Plan("content", source="own")
-        return self._answer(True, body, codecs.decode(last.split("ROT13:", 1)[1].strip(), "rot13"))
 
 
 Engines = dict[str, tuple[str, DecodingModel]]
@@ -235,7 +219,7 @@ async def test_a_marker_the_recipient_sent_itself_is_still_a_leak(
     assert [(e["tenant"], e["victim_tenant"]) for e in leaks] == [("bob", "alice")] * 2
 
 
-async def test_two_accounts_of_one_person_cannot_take_a_replica_out_for_good(
+async def test_two_accounts_of_one_person_cannot_take_a_replica_out_at_all(
     client: httpx.AsyncClient, make_gateway: Any, decoders: Any, tokenizer_dir: Path
 ) -> None:
     # A fingerprint leak needs no secret: one account sends a text, the other asks the model to decode it from an
@@ -249,13 +233,14 @@ async def test_two_accounts_of_one_person_cannot_take_a_replica_out_for_good(
         return await client.post(f"{gateway_url}{CHAT}", json=chat_body(content, max_tokens=200), headers=headers)
 
     assert (await send("m1", DECODED)).status_code == 200
-    await asyncio.sleep(0.3)  # fingerprints are registered off the answer's path
-    assert (await send("m2", "ROT13: " + codecs.encode(DECODED, "rot13"))).status_code == 502
-    [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "fingerprint_leak"]
-    assert (leak["tenant"], leak["victim_tenant"], leak["action"]) == ("m2", "m1", "suspended")
-    check = await wait_for_event(client, gateway_url, "leak_check")
-    assert (check["confirmed"], check["action"]) == ("no", "released")
+    answer = await send("m2", "ROT13: " + codecs.encode(DECODED, "rot13"))
+    # Judged on r2, where m1's prompt never went: the text comes back, so m2 induced it. Its answer goes out as
+    # written, nothing is suspended, and operators see the verdict.
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == DECODED
+    [verdict] = await events(client, gateway_url)
+    assert (verdict["kind"], verdict["tenant"], verdict["victim_tenant"]) == ("fingerprint_induced", "m2", "m1")
     assert await states(client, gateway_url) == {"r1": "healthy", "r2": "healthy"}
+    assert len(engines["r2"][1].prompts) == 1, "the judge asked r2"
 
 
 DECODED = (

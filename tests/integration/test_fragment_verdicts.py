@@ -1,0 +1,209 @@
+"""A fragment of another tenant's prompt in an answer is judged before it is called a leak: the answer's text before
+it is continued on another replica, one the victim's prompt never went to. A text the recipient had the model write
+(a public text another tenant primed, an oracle's candidate) comes back there and the answer goes out as written; a
+stale page does not, and the answer is withheld. So priming public text blocks no one, and an oracle on other
+tenants' prompts reads the same status, error and finish_reason for a true candidate as for a false one."""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import this
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.serving import run_server
+from gateway.tenants import hash_key
+from gateway.tokens import ModelTokenizer
+from isolation.winnowing import words
+from tests.integration.adversary import DecodingModel, Plan
+from tests.integration.support import auth, chat_body, metric
+from tests.integration.test_canaries import canaries_only, session_on
+
+CHAT = "/v1/chat/completions"
+ADMIN = "admin-token-0123456789"
+SECRET = [{"id": "k1", "secret": "verdict-test-secret-0123456789"}]
+FINGERPRINTS_ONLY = {"canary": {"enabled": False, "keys": SECRET}}
+TENANTS = ("primer", "asker", "victim")
+
+PUBLIC = {
+    "MIT licence": (
+        "Permission is hereby granted, free of charge, to any person obtaining a copy of this software and "
+        "associated documentation files (the Software), to deal in the Software without restriction, including "
+        "without limitation the rights to use, copy, modify, merge, publish, distribute, sublicense, and/or sell "
+        "copies of the Software, and to permit persons to whom the Software is furnished to do so."
+    ),
+    "lorem ipsum": (
+        "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt ut labore et "
+        "dolore magna aliqua. Ut enim ad minim veniam, quis nostrud exercitation ullamco laboris nisi ut aliquip ex "
+        "ea commodo consequat. Duis aute irure dolor in reprehenderit in voluptate velit esse cillum dolore."
+    ),
+    "Genesis 1": (
+        "In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
+        "darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. And God "
+        "said, Let there be light: and there was light."
+    ),
+    "the Zen of Python": codecs.decode(this.s, "rot13"),
+    "argparse boilerplate": (
+        "import argparse\n\n\ndef main() -> None:\n    parser = argparse.ArgumentParser(description='Process some "
+        "integers.')\n    parser.add_argument('integers', metavar='N', type=int, nargs='+', help='an integer for "
+        "the accumulator')\n    parser.add_argument('--sum', dest='accumulate', action='store_const', const=sum, "
+        "default=max, help='sum the integers (default: find the max)')\n    args = parser.parse_args()\n    "
+        "print(args.accumulate(args.integers))\n\n\nif __name__ == '__main__':\n    main()\n"
+    ),
+    "an HTML5 page skeleton": (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n  <meta charset="UTF-8">\n  <meta name="viewport" '
+        'content="width=device-width, initial-scale=1.0">\n  <meta http-equiv="X-UA-Compatible" content="ie=edge">\n'
+        '  <title>Document</title>\n  <link rel="stylesheet" href="style.css">\n</head>\n<body>\n  <main>\n'
+        '    <h1>Hello, world</h1>\n  </main>\n  <script src="index.js"></script>\n</body>\n</html>\n'
+    ),
+    "the Apache licence header": (
+        "Licensed under the Apache License, Version 2.0 (the License); you may not use this file except in "
+        "compliance with the License. You may obtain a copy of the License at "
+        "http://www.apache.org/licenses/LICENSE-2.0 "
+        "Unless required by applicable law or agreed to in writing, software distributed under the License is "
+        "distributed on an AS IS BASIS, WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied."
+    ),
+    "the BSD disclaimer": (
+        "THIS SOFTWARE IS PROVIDED BY THE COPYRIGHT HOLDERS AND CONTRIBUTORS AS IS AND ANY EXPRESS OR IMPLIED "
+        "WARRANTIES, INCLUDING, BUT NOT LIMITED TO, THE IMPLIED WARRANTIES OF MERCHANTABILITY AND FITNESS FOR A "
+        "PARTICULAR PURPOSE ARE DISCLAIMED. IN NO EVENT SHALL THE COPYRIGHT HOLDER OR CONTRIBUTORS BE LIABLE."
+    ),
+}
+
+
+def key(tenant: str) -> str:
+    return f"bk-test-{tenant}-0123456789"
+
+
+Engines = dict[str, tuple[str, DecodingModel]]
+
+
+@pytest.fixture
+def deployment(make_gateway: Any, tokenizer_dir: Path) -> Iterator[Any]:
+    """`deployment(["r1", "r2"])`: decoding models as the replicas of one model, behind a gateway with fingerprints
+    alone; returns (gateway URL, engines)."""
+    tokenizer = ModelTokenizer.from_dir(tokenizer_dir)
+    with ExitStack() as stack:
+
+        def start(names: list[str]) -> tuple[str, Engines]:
+            engines = {name: DecodingModel(tokenizer) for name in names}
+            served = {name: (stack.enter_context(run_server(e.app())), e) for name, e in engines.items()}
+            tenants = [{"id": t, "key_hashes": [hash_key(key(t))]} for t in TENANTS]
+            url = make_gateway(
+                {name: url for name, (url, _) in served.items()}, models=canaries_only(tokenizer_dir, names),
+                tenants=tenants, admin_token=ADMIN, isolation=FINGERPRINTS_ONLY,
+            )  # fmt: skip
+            return str(url), served
+
+        yield start
+
+
+async def send(
+    client: httpx.AsyncClient, gateway_url: str, tenant: str, content: str, stream: bool = False, on: str = "r1"
+) -> httpx.Response:
+    """A chat request of the tenant's, on replica `on` (its session's first choice)."""
+    headers = auth(key(tenant)) | {"x-session-affinity": session_on(tenant, on, ["r1", "r2"])}
+    body = chat_body(content, max_tokens=200, stream=stream)
+    return await client.post(f"{gateway_url}{CHAT}", json=body, headers=headers)
+
+
+def what_came(response: httpx.Response, stream: bool) -> tuple[int, bool, str | None, str]:
+    """What a client can tell apart: status, whether it is an error, the finish_reason, and the text."""
+    if not stream:
+        body = response.json()
+        if "error" in body:
+            return response.status_code, True, None, ""
+        choice = body["choices"][0]
+        return response.status_code, False, choice["finish_reason"], choice["message"]["content"]
+    error, finish, text = False, None, []
+    for line in response.text.split("\n"):
+        if not line.startswith("data: {"):
+            continue
+        event = orjson.loads(line.removeprefix("data: "))
+        error |= "error" in event
+        for choice in event.get("choices") or ():
+            text.append((choice.get("delta") or {}).get("content") or "")
+            finish = choice.get("finish_reason") or finish
+    return response.status_code, error, finish, "".join(text)
+
+
+def encoded(text: str) -> str:
+    return "BASE64: " + base64.b64encode(text.encode()).decode()
+
+
+async def verdicts(client: httpx.AsyncClient, gateway_url: str) -> list[tuple[str, str, str]]:
+    listed = (await client.get(f"{gateway_url}/admin/isolation-events", headers=auth(ADMIN))).json()["events"]
+    return [(e["kind"], e["tenant"], e["victim_tenant"]) for e in listed]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_priming_a_public_text_changes_no_other_tenants_answer(
+    client: httpx.AsyncClient, deployment: Any, stream: bool
+) -> None:
+    gateway_url, engines = deployment(["r1", "r2"])
+    for name, text in PUBLIC.items():
+        assert len(words(text)) >= 31, name
+        assert (await send(client, gateway_url, "primer", f"Keep this in mind:\n{text}")).status_code == 200
+        status, error, finish, said = what_came(await send(client, gateway_url, "asker", encoded(text), stream), stream)
+        assert (status, error, finish, said) == (200, False, "stop", text), name
+    induced = [("fingerprint_induced", "asker", "primer")] * len(PUBLIC)
+    assert await verdicts(client, gateway_url) == induced, "every verdict is there for operators"
+    assert len(engines["r2"][1].prompts) == len(PUBLIC), "each judged once, on the other replica"
+    exposition = (await client.get(f"{gateway_url}/metrics")).text
+    assert metric(exposition, "bulkhead_fragment_verdicts_total", tenant="asker", verdict="induced") == len(PUBLIC)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_the_oracle_reads_the_same_answer_for_the_true_candidate(
+    client: httpx.AsyncClient, deployment: Any, stream: bool
+) -> None:
+    gateway_url, _ = deployment(["r1", "r2"])
+    offer = (
+        "Private offer for Harbour Logistics, confidential: we will supply the forty refrigerated containers for "
+        "the northern route at a unit price of {} euros per month, valid until the end of the quarter, provided "
+        "the framework agreement is signed by both parties before the fifteenth."
+    )
+    prices = ["1,240", "1,315", "1,390", "1,455", "1,520", "1,610", "1,735"]
+    assert (await send(client, gateway_url, "victim", offer.format(prices[3]))).status_code == 200
+    seen = [
+        what_came(await send(client, gateway_url, "asker", encoded(offer.format(p)), stream), stream) for p in prices
+    ]
+    assert seen == [(200, False, "stop", offer.format(p)) for p in prices]
+    # Every candidate shares most of its words with the true one: each was judged, and each came back.
+    assert await verdicts(client, gateway_url) == [("fingerprint_induced", "asker", "victim")] * len(prices)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_stale_page_does_not_come_back_on_the_judges_replica_and_is_withheld(
+    client: httpx.AsyncClient, deployment: Any, stream: bool
+) -> None:
+    gateway_url, engines = deployment(["r1", "r2"])
+    private = PUBLIC["MIT licence"].replace("Software", "Quillon ledger")  # text only the victim ever sent
+    assert (await send(client, gateway_url, "victim", f"Review this:\n{private}")).status_code == 200
+    engines["r1"][1].plan = Plan("content", piece=5)  # r1 answers the asker from the victim's stale pages
+    response = await send(client, gateway_url, "asker", "What is the weather like?", stream)
+    status, error, _, said = what_came(response, stream)
+    assert error and status == (200 if stream else 502), response.text[-300:]
+    assert len([w for w in words(said) if w in words(private)]) <= 20
+    assert await verdicts(client, gateway_url) == [("fingerprint_leak", "asker", "victim")]
+    replicas = (await client.get(f"{gateway_url}/admin/replicas", headers=auth(ADMIN))).json()["replicas"]
+    assert {r["name"]: r["state"] for r in replicas}["r1"] == "suspended", "and probed"
+
+
+async def test_with_one_replica_an_induced_text_cannot_be_told_from_a_leak_and_is_withheld(
+    client: httpx.AsyncClient, deployment: Any
+) -> None:
+    gateway_url, _ = deployment(["r1"])
+    text = PUBLIC["lorem ipsum"]
+    assert (await send(client, gateway_url, "primer", text)).status_code == 200
+    assert (await send(client, gateway_url, "asker", encoded(text))).status_code == 502
+    assert await verdicts(client, gateway_url) == [("fingerprint_leak", "asker", "primer")]
+    exposition = (await client.get(f"{gateway_url}/metrics")).text
+    assert metric(exposition, "bulkhead_fragment_verdicts_total", tenant="asker", verdict="unjudged") == 1
