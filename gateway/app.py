@@ -465,9 +465,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     redis=redis,
                     client=client,
                     fingerprints=fingerprinter,
-                    quarantines=QuarantineBudget(
-                        settings.isolation.quarantine.max_per_replica, settings.isolation.quarantine.window_s
-                    ),
+                    quarantines=QuarantineBudget(store, settings.isolation.quarantine),
                     audit=(
                         RedisAuditLog(redis, settings.tenant_directory.audit_events_max, prefix=prefix)
                         if redis is not None

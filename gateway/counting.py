@@ -158,9 +158,7 @@ MESSAGE_CHARS = 24
 
 
 class LocalCounter:
-    def __init__(
-        self, tokenizer: ModelTokenizer, executor: Executor, inline_chars: int, cache_bytes: int = 0
-    ) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, executor: Executor, inline_chars: int, cache_bytes: int = 0) -> None:
         self.tokenizer = tokenizer
         self._executor = executor
         self._inline_chars = inline_chars

@@ -15,8 +15,9 @@ model to decode an encoding of it). So no tenant's request decides on its own; t
 - a probe that cannot tell keeps a suspension, and a suspension ends by itself at its time (ReplicaPool.sync), so
   none outlives a probe that died with its instance;
 - the follow-up event (kind `leak_check`) says whether the probe confirmed it (yes, no, unknown) and what was done;
-- automatic suspensions and quarantines of one replica are bounded per window (`isolation.quarantine`), per
-  instance; past the bound the leak is still blocked and recorded, and the decision is counted.
+- automatic suspensions and quarantines of one replica are bounded per window, and confirmation probes per replica
+  and per recipient tenant per hour (`isolation.quarantine`), across every instance (the store); past a bound the
+  leak is still blocked and recorded, and the decision is counted.
 Every decision is counted in `bulkhead_quarantines_total{replica,outcome}`. With `quarantine_on_leak: false`
 nothing is suspended or quarantined, on any path.
 """
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import replace
 from typing import Final
 
@@ -34,8 +34,9 @@ from redis.exceptions import RedisError
 from gateway.backends import Replica
 from gateway.incidents import report
 from gateway.prober import probe
+from gateway.settings import QuarantineSettings
 from gateway.state import GatewayState
-from gateway.store import AdminState
+from gateway.store import AdminState, Store
 from isolation.audit import AuditError, Finding
 from isolation.events import IsolationEvent
 
@@ -55,23 +56,34 @@ SUSPENSION_SLACK_S = 60.0
 
 
 class QuarantineBudget:
-    """At most `limit` automatic quarantines of one replica per `window_s`, and one confirmation probe at a time."""
+    """What a leak's automatic decisions may cost, counted across every instance (the store): suspensions and
+    quarantines of one replica per window, and confirmation probes per replica and per recipient tenant per hour (a
+    probe is a few dozen requests a tenant could otherwise make the gateway send at will); and one probe of a
+    replica at a time from this instance."""
 
-    def __init__(self, limit: int, window_s: float) -> None:
-        self._limit = limit
-        self._window_s = window_s
-        self._taken: dict[str, deque[float]] = {}
+    def __init__(self, store: Store, settings: QuarantineSettings) -> None:
+        self._store = store
+        self._settings = settings
         self.probing: set[str] = set()
 
-    def take(self, replica: str) -> bool:
-        now = time.monotonic()
-        taken = self._taken.setdefault(replica, deque())
-        while taken and taken[0] <= now - self._window_s:
-            taken.popleft()
-        if len(taken) >= self._limit:
+    async def take(self, replica: str) -> bool:
+        """One automatic suspension or quarantine of this replica; False past the bound (or the store unreachable)."""
+        settings = self._settings
+        return await self._take(f"quarantine:{replica}", settings.max_per_replica, settings.window_s)
+
+    async def probe(self, replica: str, tenant: str) -> bool:
+        """One confirmation probe of this replica, drawn by this tenant's answer; False past either bound."""
+        settings = self._settings
+        if not await self._take(f"probe-replica:{replica}", settings.max_probes_per_replica, 3600.0):
             return False
-        taken.append(now)
-        return True
+        return await self._take(f"probe-tenant:{tenant}", settings.max_probes_per_tenant, 3600.0)
+
+    async def _take(self, budget: str, limit: int, window_s: float) -> bool:
+        try:
+            return await self._store.take(budget, limit, window_s, time.time())
+        except (RedisError, OSError) as exc:
+            log.error("budget %s not read: %s; nothing automatic is done", budget, type(exc).__name__)
+            return False
 
 
 async def _set(state: GatewayState, replica: Replica, admin_state: AdminState, reason: str) -> None:
@@ -120,7 +132,7 @@ async def _decide(event: IsolationEvent, state: GatewayState, replica: Replica |
     others = [state.pool.replicas[name] for name in model.backends if name != replica.name]
     if not any(other.routable for other in others):
         return PROBING
-    if not state.quarantines.take(replica.name):
+    if not await state.quarantines.take(replica.name):
         return BOUNDED
     # Another leak (here or on another instance) may have suspended the others since: then this one is the last.
     reason = f"{event.kind} in request {event.request_id}, being probed"
@@ -133,9 +145,14 @@ async def on_leak(event: IsolationEvent, state: GatewayState) -> None:
     action = await _decide(event, state, replica)
     state.metrics.quarantines.labels(event.replica, action).inc()
     await report(replace(event, action=action), state)
-    if replica is not None and action in (SUSPENDED, PROBING) and replica.name not in state.quarantines.probing:
-        state.quarantines.probing.add(replica.name)
-        state.background(_confirm(state, replica, event))
+    if replica is None or action not in (SUSPENDED, PROBING) or replica.name in state.quarantines.probing:
+        return
+    if not await state.quarantines.probe(replica.name, event.tenant):
+        # Past the bound a suspension still ends by itself at its time, and the next leak may be probed again.
+        state.metrics.quarantines.labels(replica.name, "probe_bounded").inc()
+        return
+    state.quarantines.probing.add(replica.name)
+    state.background(_confirm(state, replica, event))
 
 
 async def _confirm(state: GatewayState, replica: Replica, event: IsolationEvent) -> None:
@@ -154,7 +171,7 @@ async def _confirm(state: GatewayState, replica: Replica, event: IsolationEvent)
     # A suspension took its place in the bound already.
     suspended = replica.admin_state == SUSPENDED
     if findings:
-        action = QUARANTINED if suspended or state.quarantines.take(replica.name) else BOUNDED
+        action = QUARANTINED if suspended or await state.quarantines.take(replica.name) else BOUNDED
     elif findings is None:
         # No evidence either way: a suspension stays, until its time ends (ReplicaPool.sync) or an operator decides.
         action = NONE

@@ -252,9 +252,17 @@ class ProberSettings(_Section):
 
 class QuarantineSettings(_Section):
     max_per_replica: int = Field(
-        default=1, ge=0, description="automatic quarantines of one replica per window (per instance); more are counted"
+        default=1,
+        ge=0,
+        description="automatic suspensions and quarantines of one replica per window (all instances); more are counted",
     )
     window_s: float = Field(default=3600.0, gt=0)
+    max_probes_per_replica: int = Field(
+        default=6, ge=0, description="confirmation probes of one replica per hour (all instances)"
+    )
+    max_probes_per_tenant: int = Field(
+        default=3, ge=0, description="confirmation probes that one tenant's answers may draw per hour (all instances)"
+    )
 
 
 class FingerprintSettings(_Section):

@@ -41,12 +41,18 @@ class Store(Protocol):
 
     async def failures(self) -> dict[str, int]: ...
 
+    async def take(self, budget: str, limit: int, window_s: float, now: float) -> bool:
+        """Take one of a budget's `limit` per window of `window_s` (windows aligned on the epoch, the same for every
+        instance); False when it is spent."""
+        ...
+
 
 class MemoryStore:
     def __init__(self) -> None:
         self._admin: dict[str, AdminState] = {}
         self._until: dict[str, float] = {}  # when each suspension ends at the latest
         self._failures: dict[str, int] = {}
+        self._budgets: dict[str, tuple[int, int]] = {}  # budget → (its window, taken in it)
 
     async def set_admin_state(self, replica: str, state: AdminState | None) -> None:
         self._until.pop(replica, None)
@@ -83,6 +89,13 @@ class MemoryStore:
 
     async def failures(self) -> dict[str, int]:
         return dict(self._failures)
+
+    async def take(self, budget: str, limit: int, window_s: float, now: float) -> bool:
+        window = int(now // window_s)
+        seen, taken = self._budgets.get(budget, (window, 0))
+        taken = taken + 1 if seen == window else 1
+        self._budgets[budget] = (window, taken)
+        return taken <= limit
 
 
 # KEYS: the admin hash, the suspensions' ends; ARGV: replica. 1 when it was suspended, and is released.
@@ -123,13 +136,15 @@ return released
 
 class RedisStore:
     """Three hashes, replica → state: `{prefix}replica-admin`, `{prefix}replica-failures` and
-    `{prefix}replica-suspended-until` (when each suspension ends at the latest)."""
+    `{prefix}replica-suspended-until` (when each suspension ends at the latest); and a counter per budget and window,
+    `{prefix}budget:{name}:{window}`, which expires with its window."""
 
     def __init__(self, redis: Redis, *, prefix: str) -> None:
         self._redis = redis
         self._admin = f"{prefix}replica-admin"
         self._failures = f"{prefix}replica-failures"
         self._until = f"{prefix}replica-suspended-until"
+        self._budgets = f"{prefix}budget:"
         self._end_suspension = redis.register_script(_END_SUSPENSION)
         self._suspend = redis.register_script(_SUSPEND)
         self._release_expired = redis.register_script(_RELEASE_EXPIRED)
@@ -162,6 +177,15 @@ class RedisStore:
 
     async def failures(self) -> dict[str, int]:
         return {name: int(count) for name, count in text_fields(await self._redis.hgetall(self._failures)).items()}
+
+    async def take(self, budget: str, limit: int, window_s: float, now: float) -> bool:
+        window = int(now // window_s)
+        key = f"{self._budgets}{budget}:{window}"
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.incr(key)
+            pipe.expire(key, max(1, int(window_s) + 1), nx=True)
+            taken, _ = await pipe.execute()
+        return int(taken) <= limit
 
 
 def _is_admin_state(value: str) -> TypeGuard[AdminState]:

@@ -124,9 +124,19 @@ def test_fields_outside_the_inventory_are_removed_and_handed_over() -> None:
 
 # Every name the inventory knows, at any level (and the null fields vLLM sends): pruning keeps them, and only them.
 KNOWN_NAMES = frozenset().union(
-    channels.TOP, channels.CHOICE, channels.MESSAGE, channels.TOOL_CALL, channels.FUNCTION, channels.USAGE,
-    channels.PROMPT_DETAILS, channels.ENTRY, channels.COMPLETION_LOGPROBS, channels.TOP_NULLS, channels.CHOICE_NULLS,
-    channels.MESSAGE_NULLS, channels.USAGE_NULLS,
+    channels.TOP,
+    channels.CHOICE,
+    channels.MESSAGE,
+    channels.TOOL_CALL,
+    channels.FUNCTION,
+    channels.USAGE,
+    channels.PROMPT_DETAILS,
+    channels.ENTRY,
+    channels.COMPLETION_LOGPROBS,
+    channels.TOP_NULLS,
+    channels.CHOICE_NULLS,
+    channels.MESSAGE_NULLS,
+    channels.USAGE_NULLS,
 )
 # Whatever JSON an engine sends: its field names drawn from the inventory and beyond, its values any JSON at all,
 # nested anywhere.

@@ -142,7 +142,7 @@ async def test_what_stripping_the_tenants_own_marker_joins_is_scanned_too(size: 
     if spelled == "plain":
         text = "x CN" + mine + "RY-" + bobs[5:] + " y"
     else:  # `\u00` + her marker + `43`: stripped, `\u0043` (C) and the rest spell bob's
-        text = '{"note": "\\u00' + mine + '43NRY-' + bobs[5:] + '"}'
+        text = '{"note": "\\u00' + mine + "43NRY-" + bobs[5:] + '"}'
     if spelled == "escaped":
         # What follows the strip completes an escape begun before it: no edit can make that safe, so none is tried.
         for policy in (LeakPolicy.BLOCK, LeakPolicy.REDACT):

@@ -15,6 +15,7 @@ import pytest
 from gateway import quarantine
 from gateway.backends import ReplicaPool
 from gateway.metrics import GatewayMetrics
+from gateway.settings import QuarantineSettings
 from gateway.store import MemoryStore
 from isolation.audit import AuditError
 from isolation.events import IsolationEvent, MemoryEventLog
@@ -42,7 +43,7 @@ def instance(store: MemoryStore, probe_time_s: float = 30.0) -> Any:
     return SimpleNamespace(
         pool=pool,
         settings=settings,
-        quarantines=quarantine.QuarantineBudget(1, 3600.0),
+        quarantines=quarantine.QuarantineBudget(store, QuarantineSettings()),
         metrics=METRICS,
         webhook=None,
         events=MemoryEventLog(100),
@@ -183,3 +184,27 @@ async def test_a_suspension_ends_when_its_time_is_past_if_its_probe_died(
     await later.pool.sync()
     assert (await store.admin_states()).get("a") is None
     assert later.pool.replicas["a"].routable
+
+
+async def test_the_probes_one_tenant_draws_are_bounded_across_instances(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tenant provoking leak events on purpose (a model it has write a marker it learned) gets at most
+    # max_probes_per_tenant probes an hour, however many instances its requests reach.
+    probed: list[str] = []
+
+    async def sound(state: Any, replica: Any, model: Any) -> list[Any]:
+        probed.append(replica.name)
+        return []
+
+    probe_that(monkeypatch, sound)
+    store = MemoryStore()
+    instances = [instance(store) for _ in range(4)]
+    for state in instances:
+        # Suspensions unbounded here: the bound on probes alone is what holds.
+        state.quarantines = quarantine.QuarantineBudget(store, QuarantineSettings(max_per_replica=100))
+    for state in instances:
+        for replica in ("a", "b"):
+            await quarantine.on_leak(leak_on(replica), state)
+            await settle(state)
+            await state.pool.sync()
+    assert len(probed) == QuarantineSettings().max_probes_per_tenant == 3
+    assert METRICS.quarantines.labels("a", "probe_bounded")._value.get() > 0

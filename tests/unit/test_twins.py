@@ -661,6 +661,14 @@ async def test_failures_are_counted_per_replica(store: Store, prefix: str) -> No
     assert mine(await store.failures(), prefix) == {a: 3, b: 1}
 
 
+async def test_a_budget_is_spent_within_its_window_and_renewed_with_the_next(store: Store, prefix: str) -> None:
+    budget = f"{prefix}probes"
+    taken = [await store.take(budget, 2, 3600.0, 7200.0 + n) for n in range(3)]
+    assert taken == [True, True, False]
+    assert await store.take(f"{prefix}other", 2, 3600.0, 7200.0), "budgets are apart"
+    assert await store.take(budget, 2, 3600.0, 10_800.0), "the next window"
+
+
 async def test_what_a_store_returns_is_a_copy(store: Store, prefix: str) -> None:
     await store.set_admin_state(f"{prefix}a", "draining")
     await store.report_failure(f"{prefix}a")
