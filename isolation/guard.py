@@ -112,6 +112,7 @@ class _Choice:
     # can no longer be.
     suspended: dict[str, str] = field(default_factory=dict)
     said: dict[str, list[str]] = field(default_factory=dict)  # with a judge: the judged streams' text so far
+    held_tokens: bool = False  # a token-level stream's first hit is undecided: the logprobs wait
     mirror: str | None = None  # the text whose grams the chosen logprob tokens share so far
     readers: dict[str, JsonStringReader] = field(default_factory=dict)  # per stream: its JSON escapes, for its grams
 
@@ -360,11 +361,12 @@ class OutputGuard:
             and state.held_logprobs is None
             and _idle(state.scanners)
             and not state.suspended
+            and not state.held_tokens
         ):
             # Unless a backslash starts a JSON escape that spells a marker only once a client decodes the text.
             if not any(may_spell_a_marker(holder[name]) for _, holder, name in slots):
                 return
-        holding = bool(state.suspended)
+        holding = bool(state.suspended) or state.held_tokens
         for position, (key, holder, name) in enumerate(slots):
             scanner = state.scanners.get(key)
             if (
@@ -402,8 +404,8 @@ class OutputGuard:
         """Check this event's texts and chosen logprob tokens for a fragment of another tenant's recent prompt.
         From a text's first hit on, its text is held (suspended) until the hit is paired or no longer can be, so at
         most the words before that first hit go out. Under redact, a text where one is found is redacted from there
-        on, and the event's logprob positions are dropped. (Alternatives of other ranks are scanned for markers, not
-        fingerprinted: a leaked fragment is in the tokens an engine chose.)"""
+        on, and the event's logprob positions are dropped. The chosen tokens and the alternatives of every rank are
+        token-level streams of their own, checked the same way."""
         chosen = "".join(streams["lp"]) if "lp" in streams else None
         # The chosen tokens usually spell exactly the event's one text: their grams would be the same, so they are
         # fed once, until the first event where they differ (from then on the tokens are a stream of their own).
@@ -435,16 +437,26 @@ class OutputGuard:
                 holder[name] = ""
             elif key in suspended:  # decided (no fragment, or let through under alert): it goes out
                 holder[name] = suspended.pop(key) + holder[name]
-        if chosen is not None and mirrored is None and (victim := self._fragment(state, "lp", chosen)) is not None:
-            found |= await self._leak(Leak(victim, FRAGMENT)) is not None
+        # Every token-level stream too, the alternatives of each rank as much as the chosen tokens: an engine can
+        # spell a fragment in either. Their positions wait with the text while one of them is undecided.
+        held_tokens = False
+        for key, pieces in streams.items():
+            if key == "lp" and mirrored is not None:
+                continue
+            victim = self._fragment(state, key, chosen if key == "lp" and chosen is not None else "".join(pieces))
+            if victim is not None:
+                found |= await self._leak(Leak(victim, FRAGMENT)) is not None
+            elif not final:
+                held_tokens |= self._pending(state, key)
+        state.held_tokens = held_tokens
         if final and suspended:
             # Nothing more comes: what a stream this event did not write still holds goes out with its last chunk.
             for key in list(suspended):
                 place(choice, key, suspended.pop(key))
             slots[:] = texts(choice)
-        if found:
+        if found:  # under redact: the positions held for it go too
             held = positions(state.held_logprobs) if state.held_logprobs is not None else 0
-            state.dropped |= set(range(held, held + positions(choice["logprobs"])))
+            state.dropped |= set(range(held + positions(choice["logprobs"])))
 
     async def _induced(self, state: _Choice, key: str, victim: str, choice: dict[str, Any]) -> bool:
         """Ask the judge whether this text of `victim`'s comes back where her prompt never went: if so the answer was

@@ -291,3 +291,34 @@ async def test_a_stream_quoting_one_gram_of_another_tenants_prompt_comes_out_who
             )
             assert response.status_code == 200 and '"answer_withheld"' not in response.text
             assert streamed_text(response).endswith(answer), streamed_text(response)[-200:]
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_fragment_spelled_in_the_alternatives_of_any_rank_is_caught(
+    client: httpx.AsyncClient, tokenizer_dir: Path, rank: int, stream: bool
+) -> None:
+    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    text = document(15, 120)
+    with run_server(adversary.app()) as backend:
+        settings = gateway_settings(
+            {"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=FINGERPRINTS_ONLY
+        )
+        with run_server(create_app(settings)) as gateway_url:
+            await bob_sends_his_document(client, gateway_url, text)
+            # bob's prompt, 8 characters a position, as the alternatives of one rank: the chosen tokens are benign.
+            adversary.plan = Plan("top_logprob_token", piece=8, rank=rank)
+            body = chat_body("And this?", logprobs=True, top_logprobs=3, stream=stream)
+            response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth(ALICE_KEY))
+            assert '"answer_withheld"' in response.text, response.text[-300:]
+            said = " ".join(
+                alternative["token"]
+                for line in response.text.split("\n")
+                if line.startswith("data: {") or line.startswith("{")
+                for choice in orjson.loads(line.removeprefix("data: ")).get("choices") or ()
+                for entry in ((choice.get("logprobs") or {}).get("content") or ())
+                for alternative in entry["top_logprobs"]
+            )
+            assert len([w for w in words(said) if w in set(words(text))]) <= 20
+            [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "fingerprint_leak"]
+            assert leak["victim_tenant"] == "bob"
