@@ -1,6 +1,7 @@
 """The operators' API under /admin: a separate admin token (never a tenant key), off unless one is configured.
 
-Replicas and isolation events here; tenants and their keys in admin_tenants.py, under the same token.
+Replicas, isolation events and verdict blocks here; tenants and their keys in admin_tenants.py, under the same
+token.
 """
 
 from __future__ import annotations
@@ -99,6 +100,18 @@ def _set_state(target: AdminState | None) -> Handler:
     return handler
 
 
+async def verdict_blocks(request: Request, state: GatewayState) -> Response:
+    blocks = await state.verdicts.blocks()
+    return _json({"blocks": [{"tenant": tenant, "model": model} for tenant, model in blocks]})
+
+
+async def lift_verdict_block(request: Request, state: GatewayState) -> Response:
+    tenant, model = request.path_params["tenant"], request.path_params["model"]
+    if not await state.verdicts.lift(tenant, model):
+        raise NotFound(f"No verdict block of tenant '{tenant}' on model '{model}'.")
+    return _json({"tenant": tenant, "model": model, "lifted": True})
+
+
 def routes() -> list[Route]:
     tenants, tenant = "/admin/tenants", "/admin/tenants/{tenant}"
     return [
@@ -114,6 +127,8 @@ def routes() -> list[Route]:
         Route(f"{tenant}/keys/{{key_id}}", _authorized(admin_tenants.revoke_key), methods=["DELETE"]),
         Route(f"{tenant}/keys/{{key_id}}/rotate", _authorized(admin_tenants.rotate_key), methods=["POST"]),
         Route("/admin/replicas", _authorized(list_replicas), methods=["GET"]),
+        Route("/admin/verdict-blocks", _authorized(verdict_blocks), methods=["GET"]),
+        Route("/admin/verdict-blocks/{tenant}/{model:path}", _authorized(lift_verdict_block), methods=["DELETE"]),
         Route("/admin/replicas/{name}/quarantine", _authorized(_set_state("quarantined")), methods=["POST"]),
         Route("/admin/replicas/{name}/drain", _authorized(_set_state("draining")), methods=["POST"]),
         Route("/admin/replicas/{name}/release", _authorized(_set_state(None)), methods=["POST"]),

@@ -62,6 +62,7 @@ from gateway.state import GatewayState
 from gateway.store import MemoryStore, RedisStore, Store
 from gateway.tenants import TenantDirectory
 from gateway.tokens import ModelTokenizer, TokenizerLoadError
+from gateway.verdicts import VerdictBound
 from gateway.worker import work
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
 from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed, public_fingerprints
@@ -396,6 +397,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 await redis.aclose()
             raise
         store: Store = RedisStore(redis, prefix=prefix) if redis is not None else MemoryStore()
+        verdicts = VerdictBound(store, settings.isolation.fingerprints.max_verdicts_per_day)
         pool = ReplicaPool(settings.backends, metrics, store)
         capacity = CapacityMonitor(settings.models, pool, metrics)
         events: EventLog = (
@@ -466,6 +468,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     client=client,
                     fingerprints=fingerprinter,
                     quarantines=QuarantineBudget(store, settings.isolation.quarantine),
+                    verdicts=verdicts,
                     audit=(
                         RedisAuditLog(redis, settings.tenant_directory.audit_events_max, prefix=prefix)
                         if redis is not None
@@ -478,6 +481,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     asyncio.create_task(load.watch(client, settings.upstream.load_interval_s, timeout)),
                     asyncio.create_task(rotate_markers(markers, metrics)),
                     asyncio.create_task(tenants.follow()),
+                    asyncio.create_task(verdicts.watch(settings.upstream.health_interval_s)),
                 ]
                 if redis is not None and metrics.redis_up is not None:
                     interval = settings.upstream.health_interval_s

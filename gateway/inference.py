@@ -421,6 +421,7 @@ class InferenceCall:
             self.state.metrics.fragment_verdicts.labels(
                 self.tenant.id, self.model.name, self.replica.name, verdict
             ).inc()
+            await self.state.verdicts.draw(self.tenant.id, self.model.name)
         if verdict != "induced" or replica is None:
             return False
         detail = f"a fragment of another tenant's prompt that the answer was induced to say (judged on {replica.name})"
@@ -514,8 +515,10 @@ class InferenceCall:
         decode = counter.tokenizer.decode if isinstance(counter, LocalCounter) else None
         stop = self.request.stop
         stops = frozenset([stop] if isinstance(stop, str) else stop or ())
-        fragments = None
+        fragments, hold_tail = None, 0
         if fingerprints is not None:
+            if self.state.settings.isolation.fingerprints.stream_hold == "tail":
+                hold_tail = fingerprints.hasher.shape.min_fragment - 1
             fragments = AnswerCheck(
                 fingerprints.index, fingerprints.hasher, self.replica.name, owner, self.prompt.texts
             )
@@ -530,6 +533,7 @@ class InferenceCall:
             fragments,
             self.request.n,
             self.judge if fragments is not None else None,
+            hold_tail,
         )
 
     async def complete(self) -> Answer:
@@ -658,6 +662,7 @@ async def _admit(
     record.tenant = tenant.id
     parsed = validate(route.schema, payload)
     model = resolve_model(state, tenant, parsed.model)
+    state.verdicts.check(tenant.id, model.name)
     record.model, record.stream = model.name, parsed.stream
     default_output = check_request_limits(state, tenant, model, parsed)
     slot = Slot(state, tenant, model)

@@ -147,6 +147,12 @@ def _admin_paths() -> dict[str, Any]:
         "/admin/audit-events": {"get": _admin("Recent admin changes", _EVENTS, errors=(400, 503), query=("limit",))},
         "/admin/isolation-events": {"get": _admin("Recent isolation events", _EVENTS, errors=(400,), query=("limit",))},
         "/admin/replicas": {"get": _admin("Every replica and its state", {"type": "object"})},
+        "/admin/verdict-blocks": {
+            "get": _admin("Tenants refused on a model for the fragment verdicts they drew today", {"type": "object"})
+        },
+        "/admin/verdict-blocks/{tenant}/{model}": {
+            "delete": _admin("Lift a verdict block (and the day's count)", {"type": "object"})
+        },
         **{
             f"/admin/replicas/{{name}}/{action}": {"post": _admin(summary, {"type": "object"})}
             for action, summary in replica_actions.items()

@@ -275,6 +275,18 @@ class FingerprintSettings(_Section):
     inline_chars: int = Field(
         default=65_536, ge=0, description="prompts up to this size are fingerprinted on the event loop"
     )
+    stream_hold: Literal["first_hit", "tail"] = Field(
+        default="first_hit",
+        description="first_hit: a streamed text is held from a first hit of another tenant's prompt until it is "
+        "decided (at most 20 words of a fragment leave); tail: its last min_fragment_tokens - 1 words are always "
+        "held (none leave; the first words arrive that much later)",
+    )
+    max_verdicts_per_day: int = Field(
+        default=100,
+        ge=1,
+        description="fragment verdicts one tenant may draw per model per day (all instances); past it its requests to "
+        "the model are refused until an operator lifts the block",
+    )
     feed_wait_s: float = Field(
         default=2.0,
         gt=0,

@@ -24,6 +24,7 @@ from gateway.routing import Router
 from gateway.saturation import LoadMonitor
 from gateway.settings import Settings
 from gateway.tenants import TenantDirectory
+from gateway.verdicts import VerdictBound
 from isolation.events import EventLog
 from isolation.fingerprints import Fingerprinter
 from isolation.leaks import Webhook
@@ -53,6 +54,7 @@ class GatewayState:
     queue: JobQueue
     client: httpx.AsyncClient  # the process's one HTTP client, for everything but the proxied hop
     quarantines: QuarantineBudget
+    verdicts: VerdictBound  # how many fragment verdicts each tenant may still draw
     audit: AuditLog  # admin changes (the tenant directory's), in Redis or in memory
     fingerprints: Fingerprinter | None = None
     webhook: Webhook | None = None

@@ -9,6 +9,7 @@ Both implementations behave the same and are exercised by the same tests. What i
 
 from __future__ import annotations
 
+import time
 from typing import Literal, Protocol, TypeGuard
 
 from redis.asyncio import Redis
@@ -46,6 +47,18 @@ class Store(Protocol):
         instance); False when it is spent."""
         ...
 
+    async def forget(self, budget: str, window_s: float, now: float) -> None:
+        """Give back all that was taken of a budget in the current window."""
+        ...
+
+    async def block(self, name: str) -> None: ...
+
+    async def lift(self, name: str) -> bool:
+        """End a block; False when there was none."""
+        ...
+
+    async def blocks(self) -> list[str]: ...
+
 
 class MemoryStore:
     def __init__(self) -> None:
@@ -53,6 +66,7 @@ class MemoryStore:
         self._until: dict[str, float] = {}  # when each suspension ends at the latest
         self._failures: dict[str, int] = {}
         self._budgets: dict[str, tuple[int, int]] = {}  # budget → (its window, taken in it)
+        self._blocks: set[str] = set()
 
     async def set_admin_state(self, replica: str, state: AdminState | None) -> None:
         self._until.pop(replica, None)
@@ -97,6 +111,20 @@ class MemoryStore:
         self._budgets[budget] = (window, taken)
         return taken <= limit
 
+    async def forget(self, budget: str, window_s: float, now: float) -> None:
+        self._budgets.pop(budget, None)
+
+    async def block(self, name: str) -> None:
+        self._blocks.add(name)
+
+    async def lift(self, name: str) -> bool:
+        found = name in self._blocks
+        self._blocks.discard(name)
+        return found
+
+    async def blocks(self) -> list[str]:
+        return sorted(self._blocks)
+
 
 # KEYS: the admin hash, the suspensions' ends; ARGV: replica. 1 when it was suspended, and is released.
 _END_SUSPENSION = """
@@ -136,8 +164,9 @@ return released
 
 class RedisStore:
     """Three hashes, replica → state: `{prefix}replica-admin`, `{prefix}replica-failures` and
-    `{prefix}replica-suspended-until` (when each suspension ends at the latest); and a counter per budget and window,
-    `{prefix}budget:{name}:{window}`, which expires with its window."""
+    `{prefix}replica-suspended-until` (when each suspension ends at the latest); a counter per budget and window,
+    `{prefix}budget:{name}:{window}`, which expires with its window; and `{prefix}blocks`, what is blocked until an
+    operator lifts it (name → since when)."""
 
     def __init__(self, redis: Redis, *, prefix: str) -> None:
         self._redis = redis
@@ -145,6 +174,7 @@ class RedisStore:
         self._failures = f"{prefix}replica-failures"
         self._until = f"{prefix}replica-suspended-until"
         self._budgets = f"{prefix}budget:"
+        self._blocks = f"{prefix}blocks"
         self._end_suspension = redis.register_script(_END_SUSPENSION)
         self._suspend = redis.register_script(_SUSPEND)
         self._release_expired = redis.register_script(_RELEASE_EXPIRED)
@@ -186,6 +216,18 @@ class RedisStore:
             pipe.expire(key, max(1, int(window_s) + 1), nx=True)
             taken, _ = await pipe.execute()
         return int(taken) <= limit
+
+    async def forget(self, budget: str, window_s: float, now: float) -> None:
+        await self._redis.delete(f"{self._budgets}{budget}:{int(now // window_s)}")
+
+    async def block(self, name: str) -> None:
+        await self._redis.hset(self._blocks, name, repr(time.time()))
+
+    async def lift(self, name: str) -> bool:
+        return bool(await self._redis.hdel(self._blocks, name))
+
+    async def blocks(self) -> list[str]:
+        return sorted(text_fields(await self._redis.hgetall(self._blocks)))
 
 
 def _is_admin_state(value: str) -> TypeGuard[AdminState]:

@@ -32,7 +32,7 @@ from isolation.json_escapes import JsonStringReader, may_spell_a_marker
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import PREFIX, MarkerRegistry, normal_form
 from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
-from isolation.winnowing import AnswerGrams, word_start, words
+from isolation.winnowing import AnswerGrams, tail_start, word_start, words
 
 MARKER = "leak"
 FRAGMENT = "fingerprint_leak"
@@ -161,9 +161,11 @@ class OutputGuard:
         fragments: AnswerCheck | None = None,
         choices: int = 1,
         judge: Judge | None = None,
+        hold_tail: int = 0,
     ) -> None:
         self._registry = registry
         self._judge = judge
+        self._hold_tail = hold_tail  # words of every streamed text held back at all times (0: from a first hit only)
         self._choices_asked = choices  # the request's n: a choice of another index answers nothing that was asked
         self._fragments = fragments
         self._tenant = tenant
@@ -435,6 +437,12 @@ class OutputGuard:
             elif victim is None and not final and self._pending(state, key):
                 suspended[key] = suspended.get(key, "") + holder[name]
                 holder[name] = ""
+            elif self._hold_tail and victim is None and not final:
+                # The strict setting: the last min_fragment - 1 words wait, so no word of a fragment leaves before it
+                # is recognised.
+                held = suspended.get(key, "") + holder[name]
+                cut = tail_start(held, self._hold_tail)
+                holder[name], suspended[key] = held[:cut], held[cut:]
             elif key in suspended:  # decided (no fragment, or let through under alert): it goes out
                 holder[name] = suspended.pop(key) + holder[name]
         # Every token-level stream too, the alternatives of each rank as much as the chosen tokens: an engine can

@@ -123,6 +123,12 @@ def word_start(text: str, number: int) -> int:
     return len(text)
 
 
+def tail_start(text: str, number: int) -> int:
+    """Where the last `number` words of `text` start (0 when it has fewer): what a stream holding a tail keeps."""
+    starts = [match.start() for match in WORD.finditer(text.casefold())]
+    return starts[-number] if len(starts) >= number else 0
+
+
 PIECE_CHARS = 65_536
 
 

@@ -215,7 +215,6 @@ class Workspace:
         log = self.root / f"litellm-{port}.log"
         return child(command, port, log, "/health/liveliness", env=litellm_env.PROXY_ENVIRONMENT, cwd=self.root)
 
-
     def floor(
         self, backend_url: str, wrapper: Sequence[str] = (), start_timeout_s: float = START_TIMEOUT_S
     ) -> contextlib.AbstractContextManager[Server]:

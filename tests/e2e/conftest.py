@@ -71,9 +71,7 @@ def _environment(workdir: Path) -> dict[str, str]:
 
 
 @contextmanager
-def vllm_server(
-    python: Path, model_dir: Path, workdir: Path, cpus: set[int] | None = None
-) -> Iterator[VllmServer]:
+def vllm_server(python: Path, model_dir: Path, workdir: Path, cpus: set[int] | None = None) -> Iterator[VllmServer]:
     """Start `python -m vllm.entrypoints.openai.api_server` on a free port; yields once /health answers 200.
 
     The server runs in its own process group, so its engine-core child goes down with it. `cpus`: the cores it

@@ -242,18 +242,19 @@ def streamed_text(response: httpx.Response) -> str:
     return "".join(pieces)
 
 
+@pytest.mark.parametrize(("hold", "most"), [("first_hit", 20), ("tail", 0)])
 @pytest.mark.parametrize("piece", [1, 6, 40])
 async def test_a_stream_releases_at_most_twenty_words_of_a_fragment(
-    client: httpx.AsyncClient, tokenizer_dir: Path, piece: int
+    client: httpx.AsyncClient, tokenizer_dir: Path, piece: int, hold: str, most: int
 ) -> None:
     """From the first gram of another tenant's prompt on, nothing more of the text leaves until it is decided: at
-    most the words before that gram's second window can have gone (k + w - 2 = 20 with the defaults)."""
+    most the words before that gram's second window can have gone (k + w - 2 = 20 with the defaults); none when
+    every stream holds its last min_fragment - 1 words (stream_hold: tail)."""
     adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
     text = document(13, 250)
+    isolation = {**FINGERPRINTS_ONLY, "fingerprints": {"stream_hold": hold}}
     with run_server(adversary.app()) as backend:
-        settings = gateway_settings(
-            {"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=FINGERPRINTS_ONLY
-        )
+        settings = gateway_settings({"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=isolation)
         with run_server(create_app(settings)) as gateway_url:
             await bob_sends_his_document(client, gateway_url, text)
             adversary.plan = Plan("content", piece=piece)  # alice is streamed bob's prompt, `piece` characters a chunk
@@ -264,21 +265,21 @@ async def test_a_stream_releases_at_most_twenty_words_of_a_fragment(
             leaked = words(f"Please review this document:\n{text}")
             # Whole words, and perhaps the start of the next: a word is known only once it ends.
             whole = seen if not seen or seen[-1] == leaked[len(seen) - 1] else seen[:-1]
-            assert whole == leaked[: len(whole)] and len(whole) <= 20, (len(seen), seen)
+            assert whole == leaked[: len(whole)] and len(whole) <= most, (len(seen), seen)
             [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "fingerprint_leak"]
             assert leak["victim_tenant"] == "bob"
 
 
+@pytest.mark.parametrize("hold", ["first_hit", "tail"])
 async def test_a_stream_quoting_one_gram_of_another_tenants_prompt_comes_out_whole(
-    client: httpx.AsyncClient, tokenizer_dir: Path
+    client: httpx.AsyncClient, tokenizer_dir: Path, hold: str
 ) -> None:
     """A hit that no second hit follows is no leak: the text held for it goes out, in order, none lost."""
     adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
     text = document(14, 250)
+    isolation = {**FINGERPRINTS_ONLY, "fingerprints": {"stream_hold": hold}}
     with run_server(adversary.app()) as backend:
-        settings = gateway_settings(
-            {"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=FINGERPRINTS_ONLY
-        )
+        settings = gateway_settings({"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=isolation)
         with run_server(create_app(settings)) as gateway_url:
             await bob_sends_his_document(client, gateway_url, text)
             # Every 12-word gram of bob's text alone, each between words of alice's own: single hits, never a pair.

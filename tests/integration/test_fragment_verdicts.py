@@ -24,7 +24,9 @@ from gateway.tokens import ModelTokenizer
 from isolation.winnowing import words
 from tests.integration.adversary import DecodingModel, Plan
 from tests.integration.support import auth, chat_body, metric
+from tests.integration.tenant_support import until
 from tests.integration.test_canaries import canaries_only, session_on
+from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"
 ADMIN = "admin-token-0123456789"
@@ -88,19 +90,30 @@ Engines = dict[str, tuple[str, DecodingModel]]
 @pytest.fixture
 def deployment(make_gateway: Any, tokenizer_dir: Path) -> Iterator[Any]:
     """`deployment(["r1", "r2"])`: decoding models as the replicas of one model, behind a gateway with fingerprints
-    alone; returns (gateway URL, engines)."""
+    alone; returns (gateway URL, engines). `instances=2` puts a second gateway on the same Redis (then the URLs);
+    `isolation` is merged into the isolation settings."""
     tokenizer = ModelTokenizer.from_dir(tokenizer_dir)
     with ExitStack() as stack:
 
-        def start(names: list[str]) -> tuple[str, Engines]:
+        def start(names: list[str], isolation: dict[str, Any] | None = None, instances: int = 1) -> Any:
             engines = {name: DecodingModel(tokenizer) for name in names}
             served = {name: (stack.enter_context(run_server(e.app())), e) for name, e in engines.items()}
             tenants = [{"id": t, "key_hashes": [hash_key(key(t))]} for t in TENANTS]
-            url = make_gateway(
-                {name: url for name, (url, _) in served.items()}, models=canaries_only(tokenizer_dir, names),
-                tenants=tenants, admin_token=ADMIN, isolation=FINGERPRINTS_ONLY,
-            )  # fmt: skip
-            return str(url), served
+            redis = {"redis_url": stack.enter_context(redis_server())} if instances > 1 else {}
+            urls = [
+                str(
+                    make_gateway(
+                        {name: url for name, (url, _) in served.items()},
+                        models=canaries_only(tokenizer_dir, names),
+                        tenants=tenants,
+                        admin_token=ADMIN,
+                        isolation={**FINGERPRINTS_ONLY, **(isolation or {})},
+                        **redis,
+                    )
+                )  # fmt: skip
+                for _ in range(instances)
+            ]
+            return (urls if instances > 1 else urls[0]), served
 
         yield start
 
@@ -207,3 +220,35 @@ async def test_with_one_replica_an_induced_text_cannot_be_told_from_a_leak_and_i
     assert await verdicts(client, gateway_url) == [("fingerprint_leak", "asker", "primer")]
     exposition = (await client.get(f"{gateway_url}/metrics")).text
     assert metric(exposition, "bulkhead_fragment_verdicts_total", tenant="asker", verdict="unjudged") == 1
+
+
+async def test_past_its_verdicts_a_day_a_tenant_is_refused_on_the_model_everywhere_until_lifted(
+    client: httpx.AsyncClient, deployment: Any
+) -> None:
+    (first, second), _ = deployment(["r1", "r2"], {"fingerprints": {"max_verdicts_per_day": 2}}, instances=2)
+    texts = list(PUBLIC.values())[:3]
+    for text in texts:
+        assert (await send(client, first, "primer", text)).status_code == 200
+    for text in texts:  # three verdicts drawn: the third answer still goes out, and blocks the asker
+        assert what_came(await send(client, first, "asker", encoded(text)), False) == (200, False, "stop", text)
+    refused = await send(client, first, "asker", "Hello")
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "verdicts_exceeded", refused.text
+    assert (await send(client, first, "primer", "Hello")).status_code == 200, "no one else is refused"
+
+    async def refused_on_the_other_instance() -> bool:
+        return (await send(client, second, "asker", "Hello")).status_code == 403
+
+    await until(refused_on_the_other_instance)
+    blocks = (await client.get(f"{second}/admin/verdict-blocks", headers=auth(ADMIN))).json()["blocks"]
+    assert blocks == [{"tenant": "asker", "model": "tiny-llama"}]
+    lifted = await client.delete(f"{second}/admin/verdict-blocks/asker/tiny-llama", headers=auth(ADMIN))
+    assert lifted.status_code == 200
+    assert (await send(client, second, "asker", "Hello")).status_code == 200
+    assert (
+        await client.delete(f"{second}/admin/verdict-blocks/asker/tiny-llama", headers=auth(ADMIN))
+    ).status_code == 404
+
+    async def served_on_the_first_again() -> bool:
+        return (await send(client, first, "asker", "Hello")).status_code == 200
+
+    await until(served_on_the_first_again)

@@ -30,9 +30,20 @@ def usage_of(response: httpx.Response, stream: bool) -> dict[str, Any]:
 
 BODIES = [
     ("chat", CHAT, chat_body("A question about canaries.", max_tokens=5)),
-    ("chat with system", CHAT, {"model": MODEL, "max_tokens": 5, "messages": [
-        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "One"},
-        {"role": "assistant", "content": "Two"}, {"role": "user", "content": "Three"}]}),  # fmt: skip
+    (
+        "chat with system",
+        CHAT,
+        {
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "One"},
+                {"role": "assistant", "content": "Two"},
+                {"role": "user", "content": "Three"},
+            ],
+        },
+    ),  # fmt: skip
     ("completion", COMPLETIONS, {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5}),
 ]
 
@@ -97,7 +108,7 @@ async def test_logprobs_come_through_whole(
 ) -> None:
     chat = path == CHAT
     extra = {"logprobs": True, "top_logprobs": 3} if chat else {"logprobs": 3}
-    body = (chat_body("Tell me", max_tokens=6) if chat else {"model": MODEL, "prompt": "Tell me", "max_tokens": 6})
+    body = chat_body("Tell me", max_tokens=6) if chat else {"model": MODEL, "prompt": "Tell me", "max_tokens": 6}
     response = await client.post(gateway_url + path, json={**body, **extra, "stream": stream}, headers=auth())
     assert response.status_code == 200, response.text
     # The same request straight to the engine: the gateway relays its logprobs untouched (nothing to strip here).

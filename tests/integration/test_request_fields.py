@@ -71,8 +71,12 @@ PROMPT_ECHOES = [
     ("chat echo", CHAT, chat_body(echo=True), "echo"),
     ("completion echo with logprobs", COMPLETIONS, completion(echo=True, logprobs=1), "echo"),
     ("unknown field", CHAT, chat_body(guided_json={"type": "object"}), "guided_json"),
-    ("unknown message field", CHAT, chat_body() | {"messages": [{"role": "user", "content": "x", "x": 1}]},
-     "messages[0].x"),  # fmt: skip
+    (
+        "unknown message field",
+        CHAT,
+        chat_body() | {"messages": [{"role": "user", "content": "x", "x": 1}]},
+        "messages[0].x",
+    ),  # fmt: skip
     ("completions suffix", COMPLETIONS, completion(suffix="end"), "suffix"),
     ("a 1 MB stop string", CHAT, chat_body(stop="x" * 1_000_000), "stop"),
     ("a long stop list entry", CHAT, chat_body(stop=["x" * 300]), "stop[0]"),
@@ -85,12 +89,30 @@ PROMPT_ECHOES = [
     ("completion logprobs over 20", COMPLETIONS, completion(logprobs=21), "logprobs"),
     ("logit_bias with a word key", CHAT, chat_body(logit_bias={"hello": 1.0}), "logit_bias"),
     ("logit_bias too large", CHAT, chat_body(logit_bias={str(i): 1.0 for i in range(301)}), "logit_bias"),
-    ("a 5,000-property schema", CHAT, chat_body(response_format={"type": "json_schema", "json_schema": {
-        "name": "big", "schema": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}
-    }}), "response_format.json_schema.schema"),  # fmt: skip
-    ("a 5,000-property structured output", CHAT, chat_body(structured_outputs={"json": {
-        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}}),
-     "structured_outputs.json"),  # fmt: skip
+    (
+        "a 5,000-property schema",
+        CHAT,
+        chat_body(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "big",
+                    "schema": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}},
+                },
+            }
+        ),
+        "response_format.json_schema.schema",
+    ),  # fmt: skip
+    (
+        "a 5,000-property structured output",
+        CHAT,
+        chat_body(
+            structured_outputs={
+                "json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}
+            }
+        ),
+        "structured_outputs.json",
+    ),  # fmt: skip
     ("a huge regex", COMPLETIONS, completion(structured_outputs={"regex": "a" * 40_000}), "structured_outputs.regex"),
     ("too many allowed tokens", CHAT, chat_body(allowed_token_ids=list(range(2000))), "allowed_token_ids"),
 ]

@@ -669,6 +669,17 @@ async def test_a_budget_is_spent_within_its_window_and_renewed_with_the_next(sto
     assert await store.take(budget, 2, 3600.0, 10_800.0), "the next window"
 
 
+async def test_a_budget_forgotten_is_whole_again_and_blocks_hold_until_lifted(store: Store, prefix: str) -> None:
+    budget, blocked = f"{prefix}verdicts", f"{prefix}tenant-on-model"
+    assert [await store.take(budget, 1, 86_400.0, 100.0) for _ in range(2)] == [True, False]
+    await store.forget(budget, 86_400.0, 200.0)
+    assert await store.take(budget, 1, 86_400.0, 300.0)
+    await store.block(blocked)
+    assert blocked in await store.blocks()
+    assert await store.lift(blocked) and not await store.lift(blocked)
+    assert blocked not in await store.blocks()
+
+
 async def test_what_a_store_returns_is_a_copy(store: Store, prefix: str) -> None:
     await store.set_admin_state(f"{prefix}a", "draining")
     await store.report_failure(f"{prefix}a")
