@@ -671,11 +671,13 @@ async def _admit(
         chat = isinstance(parsed, ChatCompletionRequest)
         of = Prompt.of_chat if chat else Prompt.of_completion
         own = of(payload, tenant.incarnation())
-        # Started now so that a large prompt is hashed while it is counted and its request routed and queued.
-        prepared = prepare_fingerprints(state, model, own)
+        limit = known(model, state.capacity.limit(model, tenant))
+        # Started now so that a large prompt is hashed while it is counted and its request routed and queued; not for
+        # one its size alone refuses (admission says so at once), which would make hashing the cheapest refusal's cost.
+        if state.counters[model.name].lower_bound(own) < limit.tokens:
+            prepared = prepare_fingerprints(state, model, own)
         marker = plant_marker(state, tenant, payload, chat)
         sent = own if marker is None else of(payload, own.owner)
-        limit = known(model, state.capacity.limit(model, tenant))
         # Routed before counting: a backend that counts the prompt should be the one that will serve it.
         decision = state.router.choose(model, tenant.id, submission.session)
         slot.assign(decision.replica)
