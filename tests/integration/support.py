@@ -11,6 +11,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from gateway.backends import Replica
+from gateway.routing import affinity_key, rank
 from gateway.settings import Settings
 from gateway.tenants import hash_key
 
@@ -94,3 +96,23 @@ def accepts(url: str) -> bool:
     except ConnectionRefusedError:
         return False
     return True
+
+
+def session_on(tenant: str, replica: str, names: list[str]) -> str:
+    """A session id whose first rendezvous choice, for this tenant, is the given replica."""
+    replicas = [Replica(name=name, url="") for name in names]
+    return next(sid for n in range(1000) if rank(affinity_key(tenant, sid := f"s{n}"), replicas)[0].name == replica)
+
+
+def canaries_only(tokenizer_dir: Path, backends: list[str]) -> list[dict[str, Any]]:
+    # The gateway's KV cap and usage check are switched off, so that only the canaries stand between the tenants.
+    return [
+        {
+            "name": MODEL,
+            "backends": backends,
+            "tokenizer": str(tokenizer_dir),
+            "context_window": 2048,
+            "limit_by_kv_capacity": False,
+            "verify_usage": False,
+        }
+    ]

@@ -19,21 +19,23 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.backends import Replica
-from gateway.routing import affinity_key, rank
 from gateway.serving import run_server
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric, sent_as
+from tests.integration.support import (
+    ALICE_KEY,
+    BOB_KEY,
+    auth,
+    canaries_only,
+    chat_body,
+    forwarded,
+    metric,
+    sent_as,
+    session_on,
+)
 from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"
 ADMIN = "admin-token-0123456789"
 WEBHOOK_SECRET = "webhook-secret-0123456789"
-
-
-def session_on(tenant: str, replica: str, names: list[str]) -> str:
-    """A session id whose first rendezvous choice, for this tenant, is the given replica."""
-    replicas = [Replica(name=name, url="") for name in names]
-    return next(sid for n in range(1000) if rank(affinity_key(tenant, sid := f"s{n}"), replicas)[0].name == replica)
 
 
 @pytest.fixture
@@ -47,20 +49,6 @@ def webhook() -> Iterator[tuple[str, list[tuple[dict[str, str], bytes]]]]:
 
     with run_server(Starlette(routes=[Route("/hook", receive, methods=["POST"])])) as url:
         yield f"{url}/hook", received
-
-
-def canaries_only(tokenizer_dir: Path, backends: list[str]) -> list[dict[str, Any]]:
-    # The gateway's KV cap and usage check are switched off, so that only the canaries stand between the tenants.
-    return [
-        {
-            "name": MODEL,
-            "backends": backends,
-            "tokenizer": str(tokenizer_dir),
-            "context_window": 2048,
-            "limit_by_kv_capacity": False,
-            "verify_usage": False,
-        }
-    ]
 
 
 def over_capacity(**extra: Any) -> dict[str, Any]:

@@ -21,9 +21,18 @@ from gateway.settings import SettingsError
 from gateway.tokens import ModelTokenizer
 from isolation.winnowing import words
 from tests.integration.adversary import Adversary, Plan
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, gateway_settings, metric
+from tests.integration.support import (
+    ALICE_KEY,
+    BOB_KEY,
+    MODEL,
+    auth,
+    canaries_only,
+    chat_body,
+    forwarded,
+    gateway_settings,
+    metric,
+)
 from tests.integration.tenant_support import until
-from tests.integration.test_canaries import canaries_only
 from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"

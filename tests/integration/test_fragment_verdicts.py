@@ -23,9 +23,8 @@ from gateway.tenants import hash_key
 from gateway.tokens import ModelTokenizer
 from isolation.winnowing import words
 from tests.integration.adversary import DecodingModel, Plan
-from tests.integration.support import auth, chat_body, metric
+from tests.integration.support import auth, canaries_only, chat_body, metric, session_on
 from tests.integration.tenant_support import until
-from tests.integration.test_canaries import canaries_only, session_on
 from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"

@@ -27,8 +27,7 @@ from redis.asyncio import Redis
 
 from gateway.tenants import hash_key
 from tests.conftest import SimFactory
-from tests.integration.support import MODEL, forwarded, metric, sent_as
-from tests.integration.test_canaries import session_on
+from tests.integration.support import MODEL, forwarded, metric, sent_as, session_on
 from tests.redis_server import own_redis
 
 pytestmark = pytest.mark.slow

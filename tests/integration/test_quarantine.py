@@ -22,8 +22,18 @@ from gateway.serving import run_server
 from gateway.tenants import hash_key
 from gateway.tokens import ModelTokenizer
 from tests.integration.adversary import DecodingModel
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
-from tests.integration.test_canaries import alice_fills_the_cache, canaries_only, over_capacity, session_on
+from tests.integration.support import (
+    ALICE_KEY,
+    BOB_KEY,
+    MODEL,
+    auth,
+    canaries_only,
+    chat_body,
+    forwarded,
+    metric,
+    session_on,
+)
+from tests.integration.test_canaries import alice_fills_the_cache, over_capacity
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
