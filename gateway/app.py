@@ -290,10 +290,14 @@ async def fingerprint_key(settings: Settings, key: CanaryKey, redis: Redis | Non
             await redis.set(name, secrets.token_bytes(32), nx=True)
             stored = await redis.get(name)
         except (RedisError, OSError) as exc:
-            raise SettingsError(
-                f"the prompt fingerprint key could not be read from Redis ({type(exc).__name__}); set "
-                "isolation.canary.keys (the same on every instance) or start Redis first"
-            ) from exc
+            # Redis down is a bad day to serve through, not a reason to stay down: this instance hashes alone.
+            log.error(
+                "the prompt fingerprint key could not be read from Redis (%s): until this instance restarts with Redis "
+                "up, it and the others do not recognise each other's prompts; set isolation.canary.keys (the same on "
+                "every instance) to need no key from Redis",
+                type(exc).__name__,
+            )
+            stored = None
         if isinstance(stored, bytes):
             secret = stored
     return fingerprint_secret(secret)
