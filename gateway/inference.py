@@ -41,14 +41,14 @@ from gateway.settings import ModelSettings, TenantSettings
 from gateway.slot import Slot
 from gateway.sse import DONE as SSE_DONE
 from gateway.state import GatewayState
-from isolation.channels import prune
+from isolation.channels import prune, texts
 from isolation.events import IsolationEvent
 from isolation.fingerprints import AnswerCheck, Prepared
 from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard, Suspect
 from isolation.inject import completion_prefix, hide_injected, inject_chat, inject_completion
+from isolation.json_escapes import JsonStringReader
 from isolation.leaks import LeakPolicy
 from isolation.verify import usage_problem
-from isolation.winnowing import AnswerGrams, words
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 # What one token of one choice can take in an honest answer, per alternative: a chat logprob entry with its bytes
@@ -58,10 +58,14 @@ TOKEN_BYTES = 256
 ANSWER_BASE_BYTES = 1 << 20
 DATA = b"data: "
 INDUCED = "fingerprint_induced"  # the isolation event of a judged fragment that was no leak
-JUDGE_TOKENS = 96  # what a judge continues for: the rest of a fragment's minimum length, with room to spare
+JUDGE_TOKENS = 96  # a judge writes as far as the answer had, and this much more: the rest of a fragment and room
 MAX_VERDICTS = 4  # judges one answer may ask for: one per victim, and an answer names few
-# Nothing a judge's answer needs: it is read whole, once, for its first choice's text.
-JUDGE_DROPS = ("stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo")
+# What a judge's answer does without: it is read whole, once, for its first choice's texts. min_tokens could only
+# make it fail (a judge asks for fewer tokens than the request did); everything else stays as the tenant sent it,
+# so the judge says what the same request says.
+JUDGE_DROPS = (
+    "stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "min_tokens",
+)  # fmt: skip
 LEAK_DETAILS = {
     MARKER: "another tenant's canary marker in the answer",
     FRAGMENT: "a fragment of another tenant's recent prompt to this replica in the answer",
@@ -396,37 +400,34 @@ class InferenceCall:
             await self._fingerprint(fallback)
             self.response = await upstream.open(fallback, path, body, self.upstream_id)
 
-    async def judge(self, suspect: Suspect) -> bool:
-        """Whether a fragment of another tenant's prompt in this answer was induced: the answer's text before it is
-        continued (greedy, a few dozen tokens) on another replica, preferably one the victim's prompts never went
-        to, and the fragment comes back there. A stale page cannot follow a request to another replica; a text the
-        recipient had the model write (a public text, a candidate of an oracle) does. Either way the verdict is
-        counted and recorded for operators; it changes what the tenant sees only for a leak."""
+    async def judge(self, suspect: Suspect) -> frozenset[int] | None:
+        """Whether a fragment of another tenant's prompt in this answer was induced: the same request, greedy, on
+        another replica (preferably one the victim's prompts never went to), says it too. A stale page cannot follow
+        a request to another replica; a text the recipient had the model write (a public text, a candidate of an
+        oracle) does. Returns the victim's grams that the judge's answer holds (no evidence in this answer from now
+        on) when it was induced, else None (a leak). Every verdict is counted and recorded for operators."""
         fingerprints = self.state.fingerprints
         assert fingerprints is not None
         replica = self._judging_replica(suspect.victim)
-        verdict = "unjudged"
+        verdict, cleared = "unjudged", None
         try:
             if replica is not None and self._verdicts < MAX_VERDICTS:
                 self._verdicts += 1
-                said = await self._continue(replica, suspect)
+                said = await self._regenerate(replica, suspect)
                 if said is not None:
-                    check = AnswerCheck(
-                        fingerprints.index, fingerprints.hasher, replica.name, self.tenant.incarnation(),
-                        self.prompt.texts, only=suspect.victim,
-                    )  # fmt: skip
-                    tail = " ".join(words(suspect.prefix)[-fingerprints.hasher.shape.k :])
-                    verdict = "induced" if check.feed(AnswerGrams(fingerprints.hasher), f"{tail} {said} ") else "leak"
+                    cleared = self._came_back(replica, suspect, said)
+                    verdict = "leak" if cleared is None else "induced"
         finally:
             self.state.metrics.fragment_verdicts.labels(
                 self.tenant.id, self.model.name, self.replica.name, verdict
             ).inc()
-            await self.state.verdicts.draw(self.tenant.id, self.model.name)
-        if verdict != "induced" or replica is None:
-            return False
+            if verdict != "induced":  # what the tenant sees: a withheld answer
+                await self.state.verdicts.draw(self.tenant.id, self.model.name)
+        if cleared is None or replica is None:
+            return None
         detail = f"a fragment of another tenant's prompt that the answer was induced to say (judged on {replica.name})"
         await report(self.event(INDUCED, detail, victim_tenant=suspect.victim), self.state)
-        return True
+        return cleared
 
     def _judging_replica(self, victim: str) -> Replica | None:
         """Another routable replica of the model, one the victim's recent prompts never went to if there is one."""
@@ -436,24 +437,18 @@ class InferenceCall:
         clean = [r for r in others if not fingerprints.index.sent(victim, r.name)]
         return min(clean or others, key=lambda r: r.in_flight, default=None)
 
-    async def _continue(self, replica: Replica, suspect: Suspect) -> str | None:
-        """What `replica` writes after the suspect's prefix, greedily; None when it cannot be asked or does not say."""
+    async def _regenerate(self, replica: Replica, suspect: Suspect) -> list[str] | None:
+        """Every text of the first choice `replica` answers this request with, greedily and whole, as far as the
+        suspect's answer had gone and a little more; None when it could not be asked or did not answer."""
         if self._sent is None:
             return None
         path, body = self._sent
         payload = orjson.loads(body)
-        if isinstance(self.request, ChatCompletionRequest):
-            prefix = {"role": "assistant", "content": suspect.prefix}
-            payload.update(messages=[*payload["messages"], prefix], continue_final_message=True)
-            payload["add_generation_prompt"] = False
-        elif isinstance(payload.get("prompt"), str):
-            payload["prompt"] += suspect.prefix
-        else:
-            return None  # token ids: a prefix of text cannot follow them
         for name in JUDGE_DROPS:
             payload.pop(name, None)
         payload["temperature"] = 0.0
-        payload[self.request.output_param] = min(JUDGE_TOKENS, self.admission.max_tokens)
+        # Within what admission reserved, so the judge fits the window wherever the prompt stands in it.
+        payload[self.request.output_param] = min(self.admission.max_tokens, 2 * suspect.written + JUDGE_TOKENS)
         await self._fingerprint(replica)  # the tenant's prompt goes there now too
         try:
             response = await self.state.upstream.open(replica, path, orjson.dumps(payload), f"{self.upstream_id}.j")
@@ -461,11 +456,26 @@ class InferenceCall:
                 answer = parse_json_body(replica, await response.read(ANSWER_BASE_BYTES))
             finally:
                 await response.aclose()
-            choice = (answer.get("choices") or [{}])[0]
-            said = (choice.get("message") or {}).get("content") if "message" in choice else choice.get("text")
-        except (GatewayError, AttributeError, IndexError, TypeError):
+        except GatewayError:
             return None
-        return said if isinstance(said, str) else None
+        choices = answer.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+        if choice is None:
+            return None
+        prune({"choices": [choice]})
+        found = [holder[name] for _, holder, name in texts(choice)]
+        return found + [JsonStringReader().decoded(text) for text in found if "\\" in text]
+
+    def _came_back(self, replica: Replica, suspect: Suspect, said: list[str]) -> frozenset[int] | None:
+        """The victim's grams in a judge's texts, when they hold the two that made the suspect (else None)."""
+        fingerprints = self.state.fingerprints
+        assert fingerprints is not None
+        check = AnswerCheck(
+            fingerprints.index, fingerprints.hasher, replica.name, self.tenant.incarnation(), self.prompt.texts,
+            only=suspect.victim,
+        )  # fmt: skip
+        found = frozenset().union(*(check.found(text) for text in said))
+        return found if found.issuperset(suspect.pair) else None
 
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
         """Raise StreamWithheld when the backend's accounting does not add up."""

@@ -36,7 +36,7 @@ from gateway.incidents import report
 from gateway.prober import probe
 from gateway.settings import QuarantineSettings
 from gateway.state import GatewayState
-from gateway.store import AdminState, Store
+from gateway.store import AdminState, MemoryStore, Store
 from isolation.audit import AuditError, Finding
 from isolation.events import IsolationEvent
 
@@ -63,6 +63,7 @@ class QuarantineBudget:
 
     def __init__(self, store: Store, settings: QuarantineSettings) -> None:
         self._store = store
+        self._here = MemoryStore()  # the bounds this instance keeps while the store is unreachable
         self._settings = settings
         self.probing: set[str] = set()
 
@@ -74,16 +75,18 @@ class QuarantineBudget:
     async def probe(self, replica: str, tenant: str) -> bool:
         """One confirmation probe of this replica, drawn by this tenant's answer; False past either bound."""
         settings = self._settings
-        if not await self._take(f"probe-replica:{replica}", settings.max_probes_per_replica, 3600.0):
+        # The tenant's first: one past its own bound must not spend the replica's.
+        if not await self._take(f"probe-tenant:{tenant}", settings.max_probes_per_tenant, 3600.0):
             return False
-        return await self._take(f"probe-tenant:{tenant}", settings.max_probes_per_tenant, 3600.0)
+        return await self._take(f"probe-replica:{replica}", settings.max_probes_per_replica, 3600.0)
 
     async def _take(self, budget: str, limit: int, window_s: float) -> bool:
         try:
             return await self._store.take(budget, limit, window_s, time.time())
         except (RedisError, OSError) as exc:
-            log.error("budget %s not read: %s; nothing automatic is done", budget, type(exc).__name__)
-            return False
+            # The bound holds on this instance at least, until the store answers again.
+            log.error("budget %s not shared: %s", budget, type(exc).__name__)
+            return await self._here.take(budget, limit, window_s, time.time())
 
 
 async def _set(state: GatewayState, replica: Replica, admin_state: AdminState, reason: str) -> None:

@@ -22,6 +22,7 @@ import asyncio
 import errno
 import hashlib
 import logging
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -89,14 +90,18 @@ class FingerprintIndex:
             tenant = self._tenant_ids[prompt.tenant] = len(self._tenants)
             self._tenants.append(prompt.tenant)
         bit = self.replica_bit(prompt.replica)
-        entries = self._entries
+        entries, held = self._entries, self._held
         fresh = bit | (expires << 32) | tenant
+        added = 0
         for fingerprint in prompt.fingerprints.tolist():
             old = entries.get(fingerprint)
             if old is None:
                 entries[fingerprint] = fresh
+                added += 1
                 continue
             owner = old & _LOW
+            if owner != tenant and owner != SHARED:
+                held[owner] -= 1
             entries[fingerprint] = (
                 ((old | bit) >> _REPLICAS << _REPLICAS)
                 | (max(expires, (old >> 32) & _LOW) << 32)
@@ -104,11 +109,12 @@ class FingerprintIndex:
             )
         for fingerprint in prompt.shared.tolist():
             old = entries.get(fingerprint)
-            if old is not None:
+            if old is not None and old & _LOW != SHARED:
+                held[old & _LOW] -= 1
                 entries[fingerprint] = (old & ~_LOW) | SHARED
         self._batches.setdefault(tenant, deque()).append((prompt.at + self.ttl_s, prompt.fingerprints))
         self._sent[tenant, bit] = prompt.at + self.ttl_s
-        self._held[tenant] = self._held.get(tenant, 0) + len(prompt.fingerprints)
+        held[tenant] = held.get(tenant, 0) + added
         if len(entries) > self._max:
             self._evict()
 
@@ -146,31 +152,43 @@ class FingerprintIndex:
         self._sent = {sent: until for sent, until in self._sent.items() if until >= now}
         for tenant, batches in list(self._batches.items()):
             while batches and batches[0][0] < now:
-                self._drop(tenant, batches, now)
+                self._drop(tenant, batches, now, evicting=False)
         return before - len(self._entries)
 
     def _evict(self) -> None:
-        # Memory is bounded, and shared fairly: the tenant holding the most gives up its oldest prompts first, even
-        # unexpired (the newest pages are the likeliest to leak), so a flood of one tenant's prompts never pushes
-        # another tenant's out.
+        # Memory is bounded, and shared fairly: the tenant whose prompts own the most entries gives up its oldest
+        # first, even unexpired (the newest pages are the likeliest to leak), so a flood of one tenant's prompts
+        # never pushes another tenant's out. Text two tenants sent (shared) stays until it expires.
         held = self._held
         while len(self._entries) > self._max * 0.9:
             tenant = max(held, key=held.__getitem__, default=None)
-            batches = self._batches.get(tenant) if tenant is not None else None
-            if tenant is None or not batches:
+            if tenant is None or held[tenant] <= 0:
                 return
-            self._drop(tenant, batches, float("inf"))
+            batches = self._batches.get(tenant)
+            if not batches:
+                held[tenant] = 0  # nothing of its own left to give up
+                continue
+            self._drop(tenant, batches, batches[0][0], evicting=True)
 
-    def _drop(self, tenant: int, batches: deque[tuple[float, Fingerprints]], now: float) -> None:
+    def _drop(self, tenant: int, batches: deque[tuple[float, Fingerprints]], until: float, evicting: bool) -> None:
+        """Forget a tenant's oldest prompt: its entries that expire by `until` (an eviction: those this tenant owns
+        and sent no later prompt of)."""
         fingerprints = batches.popleft()[1]
-        self._held[tenant] -= len(fingerprints)
         if not batches:
-            del self._batches[tenant], self._held[tenant]
-        entries = self._entries
+            del self._batches[tenant]
+        entries, held, last = self._entries, self._held, int(until)
         for fingerprint in fingerprints.tolist():
             entry = entries.get(fingerprint)
-            if entry is not None and (entry >> 32) & _LOW < now:
-                del entries[fingerprint]
+            if entry is None:
+                continue
+            owner, expires = entry & _LOW, (entry >> 32) & _LOW
+            if (evicting and (owner != tenant or expires > last)) or (not evicting and expires >= until):
+                continue
+            del entries[fingerprint]
+            if owner != SHARED:
+                held[owner] -= 1
+        if not held.get(tenant, 1) and tenant not in self._batches:
+            del held[tenant]
 
 
 def public_fingerprints(hasher: Hasher, paths: Sequence[Path]) -> tuple[frozenset[int], int]:
@@ -332,6 +350,7 @@ class Fingerprinter:
         self._executor = executor
         self._inline_chars = inline_chars
         self._cache: OrderedDict[bytes, tuple[Fingerprints, Fingerprints]] = OrderedDict()
+        self._cache_lock = threading.Lock()  # the event loop and worker threads both read and reorder the cache
 
     def prepare(
         self, tenant: str, texts: Sequence[str], decode: Callable[[], str] | None = None
@@ -383,13 +402,16 @@ class Fingerprinter:
         if len(text) < CACHE_FROM_CHARS:
             return self._both(text)
         digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
-        found = self._cache.get(digest)
-        if found is None:
-            found = self._cache[digest] = self._both(text)
+        with self._cache_lock:
+            found = self._cache.get(digest)
+            if found is not None:
+                self._cache.move_to_end(digest)
+                return found
+        found = self._both(text)  # outside the lock: hashing a large text takes a while
+        with self._cache_lock:
+            self._cache[digest] = found
             if len(self._cache) > CACHED_TEXTS:
                 self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(digest)
         return found
 
     def _both(self, text: str) -> tuple[Fingerprints, Fingerprints]:
@@ -417,38 +439,57 @@ class AnswerCheck:
     _bit: int = field(init=False)
     _span: int = field(init=False)  # the most words between a fragment's two grams
     _own: set[int] | None = field(init=False, default=None)
-    _cleared: set[str] = field(init=False, default_factory=set)  # victims whose text this answer was induced to say
+    _cleared: set[int] = field(init=False, default_factory=set)  # grams this answer was judged induced to say
 
     def __post_init__(self) -> None:
         self._bit = -1 if self.only is not None else self.index.replica_bit(self.replica)
         self._span = self.hasher.shape.min_fragment - self.hasher.shape.k
 
-    def clear(self, victim: str) -> None:
-        """This answer's text of `victim`'s was judged induced (it came back where her prompt never went): it is
-        not evidence of a leak for the rest of the answer."""
-        self._cleared.add(victim)
+    def clear(self, grams: Iterable[int]) -> None:
+        """Grams a judge's answer said too (where the victim's prompt never went): the recipient's request makes the
+        model say them, so they are no evidence of a leak for the rest of this answer. Only those: the victim's other
+        text still is."""
+        self._cleared.update(grams)
+
+    def found(self, text: str) -> set[int]:
+        """The grams of a whole text that count (for a judge's check: those of the `only` victim)."""
+        now = self.clock()
+        return {gram for gram in self.hasher.grams(text).tolist() if self._victim(gram, now) is not None}
 
     def feed(self, grams: AnswerGrams, piece: str) -> str | None:
-        """Read one more piece of a text; the victim, once it carries a fragment of another tenant's prompt."""
+        """Read one more piece of a text; the victim, once it carries a fragment of another tenant's prompt (its two
+        grams: `grams.pair`; `resume` reads on past it)."""
         complete, unfinished = grams.feed(piece)
-        grams.suspect = False
+        grams.suspect, grams.pair, grams.rest = False, None, None
         if not complete and unfinished is None:
             return None
+        return self._check(grams, complete, unfinished)
+
+    def resume(self, grams: AnswerGrams) -> str | None:
+        """Read on past a fragment the last piece ended (judged no leak): the next one in the rest of that piece."""
+        rest, grams.rest, grams.pair = grams.rest, None, None
+        return None if rest is None else self._check(grams, *rest)
+
+    def _check(
+        self, grams: AnswerGrams, complete: list[tuple[int, int]], unfinished: tuple[int, int] | None
+    ) -> str | None:
         now = self.clock()
-        for position, gram in complete:
+        for at, (position, gram) in enumerate(complete):
             victim = self._victim(gram, now)
             if victim is None:
                 continue
             last = grams.hits.get(victim)
             if last is not None and 0 < position - last <= self._span:
+                grams.pair, grams.rest = (grams.hit_grams[victim], gram), (complete[at + 1 :], unfinished)
                 return victim
-            grams.hits[victim] = position
+            grams.hits[victim], grams.hit_grams[victim] = position, gram
         if unfinished is not None:
             # A word still being written may become another: it can complete a pair, not start one.
             position, gram = unfinished
             victim = self._victim(gram, now)
             last = grams.hits.get(victim) if victim is not None else None
-            if last is not None and 0 < position - last <= self._span:
+            if victim is not None and last is not None and 0 < position - last <= self._span:
+                grams.pair, grams.rest = (grams.hit_grams[victim], gram), ([], None)
                 return victim
             grams.suspect = victim is not None
         return None
@@ -463,7 +504,7 @@ class AnswerCheck:
 
     def _victim(self, gram: int, now: float) -> str | None:
         victim = self.index.victim(gram, self._bit, self.recipient, now)
-        if victim is None or victim in self._cleared or (self.only is not None and victim != self.only):
+        if victim is None or gram in self._cleared or (self.only is not None and victim != self.only):
             return None
         return None if gram in self._own_grams() else victim
 

@@ -32,7 +32,7 @@ from isolation.json_escapes import JsonStringReader, may_spell_a_marker
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import PREFIX, MarkerRegistry, normal_form
 from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
-from isolation.winnowing import AnswerGrams, tail_start, word_start, words
+from isolation.winnowing import AnswerGrams, tail_start, words
 
 MARKER = "leak"
 FRAGMENT = "fingerprint_leak"
@@ -40,17 +40,16 @@ FRAGMENT = "fingerprint_leak"
 
 @dataclass(frozen=True)
 class Suspect:
-    """A fragment of another tenant's prompt in one text of an answer, not yet called a leak: whose, where, and the
-    answer's text before it, for a judge to continue on a replica where the victim's prompt never went."""
+    """A fragment of another tenant's prompt in a text of an answer, not yet called a leak: whose, and how far the
+    choice had written (characters), for a judge to answer the same request as far on another replica."""
 
     victim: str
-    choice: int
-    key: str  # the text's stream key: "content" (chat) or "text" (completions)
-    prefix: str
+    written: int
+    pair: tuple[int, int]  # the two grams that made it a suspect: a judge's answer must say both
 
 
-Judge = Callable[[Suspect], Awaitable[bool]]  # True: the text comes back there, so the answer was induced to say it
-JUDGED = frozenset({"content", "text"})  # the texts a judge can continue (an assistant prefix, a completion's)
+# The victim's grams a judge's answer said too (the answer was induced to say them), or None: a leak.
+Judge = Callable[[Suspect], Awaitable[frozenset[int] | None]]
 
 
 @dataclass(frozen=True)
@@ -111,7 +110,7 @@ class _Choice:
     # Per stream, its text since a first hit of another tenant's prompt, held until the hit is paired (a leak) or
     # can no longer be.
     suspended: dict[str, str] = field(default_factory=dict)
-    said: dict[str, list[str]] = field(default_factory=dict)  # with a judge: the judged streams' text so far
+    written: int = 0  # characters of text this choice has written so far (a judge writes as far)
     held_tokens: bool = False  # a token-level stream's first hit is undecided: the logprobs wait
     mirror: str | None = None  # the text whose grams the chosen logprob tokens share so far
     readers: dict[str, JsonStringReader] = field(default_factory=dict)  # per stream: its JSON escapes, for its grams
@@ -254,7 +253,8 @@ class OutputGuard:
                 rest = self._rest(scanner)
                 if rest and not key.startswith("lp"):
                     place(choice, key, rest)
-            if state.held_logprobs is not None:
+            if state.held_logprobs is not None and not state.suspended and not state.held_tokens:
+                # (Those held with an undecided fragment's text go with it.)
                 drop(state.held_logprobs, state.dropped)
                 choice["logprobs"] = state.held_logprobs
             if len(choice) > 2:
@@ -423,11 +423,10 @@ class OutputGuard:
         suspended = state.suspended
         judged = self._judge is not None
         for key, holder, name in slots:
-            if judged and key in JUDGED:
-                state.said.setdefault(key, []).append(holder[name])
+            state.written += len(holder[name])
             victim = self._fragment(state, key, holder[name])
-            if victim is not None and judged and key in JUDGED and await self._induced(state, key, victim, choice):
-                victim = None
+            while victim is not None and judged and await self._induced(state, key, victim):
+                victim = self._read_on(state, key)
             hit = victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None
             found |= hit and key == mirrored
             if hit or key in state.tainted:
@@ -447,16 +446,18 @@ class OutputGuard:
                 holder[name] = suspended.pop(key) + holder[name]
         # Every token-level stream too, the alternatives of each rank as much as the chosen tokens: an engine can
         # spell a fragment in either. Their positions wait with the text while one of them is undecided.
-        held_tokens = False
         for key, pieces in streams.items():
             if key == "lp" and mirrored is not None:
                 continue
             victim = self._fragment(state, key, chosen if key == "lp" and chosen is not None else "".join(pieces))
+            # The chosen tokens spell what the model wrote, which a judge's answer holds too; the alternatives of
+            # other ranks are no text a request makes a model write.
+            while victim is not None and key == "lp" and judged and await self._induced(state, key, victim):
+                victim = self._read_on(state, key)
             if victim is not None:
                 found |= await self._leak(Leak(victim, FRAGMENT)) is not None
-            elif not final:
-                held_tokens |= self._pending(state, key)
-        state.held_tokens = held_tokens
+        # Every token stream read so far, not only this event's: an event without logprobs decides nothing.
+        state.held_tokens = not final and any(self._pending(state, key) for key in state.grams if key[:2] == "lp")
         if final and suspended:
             # Nothing more comes: what a stream this event did not write still holds goes out with its last chunk.
             for key in list(suspended):
@@ -466,21 +467,28 @@ class OutputGuard:
             held = positions(state.held_logprobs) if state.held_logprobs is not None else 0
             state.dropped |= set(range(held + positions(choice["logprobs"])))
 
-    async def _induced(self, state: _Choice, key: str, victim: str, choice: dict[str, Any]) -> bool:
+    async def _induced(self, state: _Choice, key: str, victim: str) -> bool:
         """Ask the judge whether this text of `victim`'s comes back where her prompt never went: if so the answer was
         induced to say it (a public text, a text the recipient had the model write) and it is no leak."""
         assert self._fragments is not None and self._judge is not None
-        twin = state.grams.get(key + "\\")
-        grams = [g for g in (state.grams[key], twin) if g is not None and victim in g.hits]
-        first = min((g.hits[victim] for g in grams), default=0) - self._fragments.hasher.shape.k + 1
-        said = "".join(state.said[key])
-        suspect = Suspect(victim, choice.get("index") or 0, key, said[: word_start(said, first)])
-        if not await self._judge(suspect):
+        both = [grams for grams in (state.grams.get(key), state.grams.get(key + "\\")) if grams is not None]
+        pair = next(grams.pair for grams in both if grams.pair is not None)
+        cleared = await self._judge(Suspect(victim, state.written, pair))
+        if cleared is None:
             return False
-        self._fragments.clear(victim)
-        for found in grams:
-            del found.hits[victim]
+        self._fragments.clear(cleared)
+        for grams in both:
+            grams.hits.pop(victim, None)
         return True
+
+    def _read_on(self, state: _Choice, key: str) -> str | None:
+        """Past a fragment judged induced: the next one in the rest of the piece (as sent, then as decoded)."""
+        assert self._fragments is not None
+        found = None
+        for grams in (state.grams.get(key), state.grams.get(key + "\\")):
+            if grams is not None:
+                found = self._fragments.resume(grams) or found
+        return found
 
     def _pending(self, state: _Choice, key: str) -> bool:
         assert self._fragments is not None

@@ -112,21 +112,22 @@ def winnow(grams: Fingerprints, w: int) -> Fingerprints:
     return np.unique(grams[np.arange(len(windows)) + rightmost])
 
 
-def word_start(text: str, number: int) -> int:
-    """Where the word of this number (counted from 0, as `words` counts them) starts in `text`; its length when
-    there are fewer. Exact for ASCII; elsewhere near (NFKD can change a text's length)."""
-    if number <= 0:
-        return 0
-    for found, match in enumerate(WORD.finditer(text.casefold())):
-        if found == number:
-            return match.start()
-    return len(text)
-
-
 def tail_start(text: str, number: int) -> int:
-    """Where the last `number` words of `text` start (0 when it has fewer): what a stream holding a tail keeps."""
-    starts = [match.start() for match in WORD.finditer(text.casefold())]
-    return starts[-number] if len(starts) >= number else 0
+    """Where `text`'s last `number` words (as `words` reads them) start; 0 when it has fewer: what a stream holding
+    a tail keeps."""
+    starts = [match.start() for match in WORD.finditer(text)]
+    if text.isascii():
+        return starts[-number] if len(starts) >= number else 0
+    # NFKD can split or join words: the latest start whose rest still reads as `number` words, found by bisection.
+    low, high = 0, len(starts) - 1
+    found = 0
+    while low <= high:
+        middle = (low + high) // 2
+        if len(words(text[starts[middle] :])) >= number:
+            found, low = starts[middle], middle + 1
+        else:
+            high = middle - 1
+    return found
 
 
 PIECE_CHARS = 65_536
@@ -164,12 +165,17 @@ class AnswerGrams:
         self._open = ""  # the raw characters of a word the next piece may continue
         self._words = 0  # complete words read so far
         self.hits: dict[str, int] = {}  # the checker's memory: per victim, the position of this text's last hit
+        self.hit_grams: dict[str, int] = {}  # and that hit's gram
+        self.pair: tuple[int, int] | None = None  # the two grams of the fragment the last piece completed
+        # What of the last piece is still to check past that fragment: (complete grams, the unfinished word's).
+        self.rest: tuple[list[tuple[int, int]], tuple[int, int] | None] | None = None
         self.suspect = False  # the checker's too: the word still being written ends a gram of another tenant's
 
     def copy(self) -> AnswerGrams:
         twin = AnswerGrams(self._hasher)
         twin._window, twin._prefix, twin._open = deque(self._window), self._prefix, self._open
         twin._words, twin.hits, twin.suspect = self._words, dict(self.hits), self.suspect
+        twin.hit_grams = dict(self.hit_grams)
         return twin
 
     @property

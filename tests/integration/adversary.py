@@ -448,6 +448,9 @@ class Adversary:
         if plan.channel == "not_json" and not body.get("stream"):
             return Response(f"Engine failure on: {text}", media_type="application/json")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        if body.get("min_tokens", 0) > max_tokens:  # as vLLM refuses it
+            error = {"message": "min_tokens must be less than or equal to max_tokens", "type": "BadRequestError"}
+            return _json({"error": {**error, "param": None, "code": 400}}, 400)
         answer = Answer(
             chat, body.get("model") or self.model, len(self._encode(body)), max_tokens, plan, text, self.tokenizer
         )
@@ -460,10 +463,11 @@ class Adversary:
 
 class DecodingModel(Adversary):
     """A chat model that follows one instruction: 'ROT13: <text>' (or 'BASE64: <text>') in the last user turn is
-    answered with the text decoded; asked to continue an assistant turn (`continue_final_message`), it writes the
-    rest of that text after what the turn already says, as a greedy model would. Anything else is answered as the
-    Adversary answers it. Honest usage, nothing mixed between requests: whatever its answers hold, the engine is
-    sound."""
+    answered with the text decoded, greedily, whatever the sampling settings ('ARGS BASE64: <text>': as a tool call's
+    arguments). Anything else is answered as the Adversary answers it. Honest usage; `stale`, when set, is written
+    after every decoded text (pages of other requests this replica holds: a stale-KV fault of its own)."""
+
+    stale = ""
 
     async def _chat(self, request: Request) -> Response:
         body = orjson.loads(await request.body())
@@ -474,11 +478,8 @@ class DecodingModel(Adversary):
         if decoded is None:
             self.plan = self.plan or Plan("content", source="benign")
             return self._answer(True, body, "\n".join(_contents(messages)))
-        if body.get("continue_final_message") and messages[-1].get("role") == "assistant":
-            said = str(messages[-1].get("content") or "")
-            decoded = decoded[len(said) :] if decoded.startswith(said) else decoded
-        self.plan = Plan("content", source="own")
-        return self._answer(True, body, decoded)
+        self.plan = Plan("tool_arguments" if "ARGS " in last[0] else "content", source="own")
+        return self._answer(True, body, f"{decoded} {self.stale}" if self.stale else decoded)
 
 
 def _decoded(turn: str) -> str | None:

@@ -7,8 +7,6 @@ tenants' prompts reads the same status, error and finish_reason for a true candi
 from __future__ import annotations
 
 import base64
-import codecs
-import this
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -50,7 +48,11 @@ PUBLIC = {
         "darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. And God "
         "said, Let there be light: and there was light."
     ),
-    "the Zen of Python": codecs.decode(this.s, "rot13"),
+    "the Zen of Python": (
+        "Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex. Complex is "
+        "better than complicated. Flat is better than nested. Sparse is better than dense. Readability counts. "
+        "Special cases aren't special enough to break the rules. Although practicality beats purity."
+    ),
     "argparse boilerplate": (
         "import argparse\n\n\ndef main() -> None:\n    parser = argparse.ArgumentParser(description='Process some "
         "integers.')\n    parser.add_argument('integers', metavar='N', type=int, nargs='+', help='an integer for "
@@ -221,15 +223,16 @@ async def test_with_one_replica_an_induced_text_cannot_be_told_from_a_leak_and_i
     assert metric(exposition, "bulkhead_fragment_verdicts_total", tenant="asker", verdict="unjudged") == 1
 
 
-async def test_past_its_verdicts_a_day_a_tenant_is_refused_on_the_model_everywhere_until_lifted(
+async def test_past_its_withheld_verdicts_a_day_a_tenant_is_refused_on_the_model_everywhere_until_lifted(
     client: httpx.AsyncClient, deployment: Any
 ) -> None:
-    (first, second), _ = deployment(["r1", "r2"], {"fingerprints": {"max_verdicts_per_day": 2}}, instances=2)
+    # One replica: nowhere to judge, so each induced text is withheld, which the tenant sees: an oracle, bounded.
+    (first, second), _ = deployment(["r1"], {"fingerprints": {"max_verdicts_per_day": 2}}, instances=2)
     texts = list(PUBLIC.values())[:3]
     for text in texts:
         assert (await send(client, first, "primer", text)).status_code == 200
-    for text in texts:  # three verdicts drawn: the third answer still goes out, and blocks the asker
-        assert what_came(await send(client, first, "asker", encoded(text)), False) == (200, False, "stop", text)
+    for text in texts:  # three verdicts drawn, the third past the bound
+        assert (await send(client, first, "asker", encoded(text))).status_code == 502
     refused = await send(client, first, "asker", "Hello")
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "verdicts_exceeded", refused.text
     assert (await send(client, first, "primer", "Hello")).status_code == 200, "no one else is refused"
@@ -243,11 +246,71 @@ async def test_past_its_verdicts_a_day_a_tenant_is_refused_on_the_model_everywhe
     lifted = await client.delete(f"{second}/admin/verdict-blocks/asker/tiny-llama", headers=auth(ADMIN))
     assert lifted.status_code == 200
     assert (await send(client, second, "asker", "Hello")).status_code == 200
-    assert (
-        await client.delete(f"{second}/admin/verdict-blocks/asker/tiny-llama", headers=auth(ADMIN))
-    ).status_code == 404
+    again = await client.delete(f"{second}/admin/verdict-blocks/asker/tiny-llama", headers=auth(ADMIN))
+    assert again.status_code == 404 and again.json()["error"]["code"] == "not_found"
 
     async def served_on_the_first_again() -> bool:
         return (await send(client, first, "asker", "Hello")).status_code == 200
 
     await until(served_on_the_first_again)
+
+
+async def test_induced_verdicts_count_against_no_one(client: httpx.AsyncClient, deployment: Any) -> None:
+    # Another tenant priming popular texts must not get an honest tenant quoting them refused.
+    gateway_url, _ = deployment(["r1", "r2"], {"fingerprints": {"max_verdicts_per_day": 1}})
+    for text in PUBLIC.values():
+        assert (await send(client, gateway_url, "primer", text)).status_code == 200
+        assert (await send(client, gateway_url, "asker", encoded(text))).status_code == 200
+    assert (await send(client, gateway_url, "asker", "Hello")).status_code == 200
+
+
+def tool_arguments(response: httpx.Response, stream: bool) -> tuple[int, bool, str]:
+    """Status, whether it is an error, and the first tool call's arguments as a client puts them together."""
+    if not stream:
+        body = response.json()
+        if "error" in body:
+            return response.status_code, True, ""
+        return response.status_code, False, body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    error, arguments = False, []
+    for line in response.text.split("\n"):
+        if line.startswith("data: {"):
+            event = orjson.loads(line.removeprefix("data: "))
+            error |= "error" in event
+            for choice in event.get("choices") or ():
+                for call in (choice.get("delta") or {}).get("tool_calls") or ():
+                    arguments.append((call.get("function") or {}).get("arguments") or "")
+    return response.status_code, error, "".join(arguments)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_the_oracle_reads_the_same_through_tool_arguments_and_sampling_settings(
+    client: httpx.AsyncClient, deployment: Any, stream: bool
+) -> None:
+    """Every channel is judged (a tool call's arguments here), and nothing a tenant sets makes the judge fail where
+    its own request does not (min_tokens near max_tokens: a judge that kept it asking fewer tokens was refused)."""
+    gateway_url, _ = deployment(["r1", "r2"])
+    candidates = [PUBLIC["Genesis 1"].replace("light", word) for word in ("light", "dawn", "fire", "morning")]
+    assert (await send(client, gateway_url, "victim", candidates[2])).status_code == 200
+    headers = auth(key("asker")) | {"x-session-affinity": session_on("asker", "r1", ["r1", "r2"])}
+    seen = []
+    for text in candidates:
+        body = chat_body("ARGS " + encoded(text), max_tokens=200, min_tokens=190, temperature=1.3, stream=stream)
+        response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=headers)
+        seen.append(tool_arguments(response, stream))
+    assert seen == [(200, False, text) for text in candidates]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_an_induced_text_clears_only_itself_and_a_stale_page_after_it_is_still_withheld(
+    client: httpx.AsyncClient, deployment: Any, stream: bool
+) -> None:
+    gateway_url, engines = deployment(["r1", "r2"])
+    known = PUBLIC["lorem ipsum"]  # a text of the victim's that the attacker knows (say, its public system prompt)
+    private = PUBLIC["MIT licence"].replace("Software", "Quillon ledger")
+    assert (await send(client, gateway_url, "victim", f"{known}\n\nReview this:\n{private}")).status_code == 200
+    engines["r1"][1].stale = private  # r1 writes the victim's private pages after what it was asked to decode
+    status, error, _, said = what_came(await send(client, gateway_url, "asker", encoded(known), stream), stream)
+    assert error and status == (200 if stream else 502)
+    assert len([w for w in words(said) if w in set(words(private)) - set(words(known))]) <= 20
+    kinds = [kind for kind, _, _ in await verdicts(client, gateway_url)]
+    assert sorted(kinds) == ["fingerprint_induced", "fingerprint_leak"], kinds  # newest first

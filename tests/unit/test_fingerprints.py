@@ -189,6 +189,28 @@ def test_a_full_index_evicts_the_largest_holders_oldest_prompts_first() -> None:
     assert index.victim(10_000 + 5, r1, "bob", 1100.0) is None, "its oldest went"
 
 
+def test_a_tenant_resending_its_prompt_is_counted_once_and_keeps_it_through_a_flood() -> None:
+    # A conversation resends its history every turn: five prompts of the same 200 fingerprints hold 200 entries,
+    # not 1,000, and a flood of another tenant's (900 more, over the bound) takes none of them.
+    index = FingerprintIndex(ttl_s=600, max_entries=1000)
+    for turn in range(5):
+        index.add(prompt("alice", "r1", list(range(200)), at=1000.0 + turn))
+    assert index.held_by("alice") == 200
+    index.add(prompt("mallory", "r1", list(range(10_000, 10_900)), at=1010.0))
+    r1 = index.replica_bit("r1")
+    assert all(index.victim(f, r1, "bob", 1100.0) == "alice" for f in range(200))
+    assert len(index) <= 1000 and index.held_by("mallory") < 900
+
+
+def test_text_both_tenants_sent_is_no_ones_share_and_expires_with_its_last_sender() -> None:
+    index = FingerprintIndex(ttl_s=60, max_entries=1000)
+    index.add(prompt("alice", "r1", [1, 2, 3], at=1000.0))
+    index.add(prompt("bob", "r1", [3, 4], at=1030.0))
+    assert (index.held_by("alice"), index.held_by("bob")) == (2, 1)
+    assert index.sweep(1070.0) == 2 and len(index) == 2, "alice's own went; the shared one lives on with bob's"
+    assert index.sweep(1100.0) == 2 and len(index) == 0
+
+
 def test_no_two_replicas_share_an_identity_however_many() -> None:
     index = FingerprintIndex(ttl_s=600, max_entries=10_000)
     names = [f"vllm-{n}" for n in range(200)]
