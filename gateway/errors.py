@@ -8,6 +8,7 @@ GatewayError                       status, type, code, param, message
 ├── AuthenticationFailed  401      authentication_error / invalid_api_key
 ├── ModelNotAllowed       403      permission_error / model_not_allowed
 ├── TenantDisabled        403      permission_error / tenant_disabled (the key is good, its tenant is switched off)
+├── VerdictsExceeded      403      permission_error / verdicts_exceeded (too many withheld verdicts on a model today)
 ├── ModelNotFound         404      not_found_error / model_not_found
 ├── NotFound              404      not_found_error / not_found (unknown route)
 ├── MethodNotAllowed      405      invalid_request_error / method_not_allowed
@@ -99,6 +100,12 @@ class TenantDisabled(GatewayError):
     status = 403
     type = "permission_error"
     code = "tenant_disabled"
+
+
+class VerdictsExceeded(GatewayError):
+    status = 403
+    type = "permission_error"
+    code = "verdicts_exceeded"
 
 
 class ModelNotFound(GatewayError):

@@ -17,18 +17,12 @@ import time
 import orjson
 from redis.exceptions import RedisError
 
-from gateway.errors import GatewayError
+from gateway.errors import VerdictsExceeded
 from gateway.store import Store
 
 log = logging.getLogger("bulkhead.isolation")
 
 DAY_S = 86_400.0
-
-
-class VerdictsExceeded(GatewayError):
-    status = 403
-    type = "permission_error"
-    code = "verdicts_exceeded"
 
 
 def _name(tenant: str, model: str) -> str:

@@ -63,7 +63,7 @@ UNICODE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u[0-9a-fA-F]{4}")  # \uXXXX, not
 # Each gateway error code (the error tree's in errors.py, and those its raise sites set: `backend_rejected`,
 # `job_failed`, `account_mismatch`, …) → (Workers AI code, HTTP status as Workers AI answers it). Codes from Workers
 # AI's errors page, from its answers where the page lists none (5006 bad input, 5021 context window), and from
-# Cloudflare's API (7000, 7001, 7003, 10000); 8000-8005 are Bulkhead's own, for failures Workers AI has no code for.
+# Cloudflare's API (7000, 7001, 7003, 10000); 8000-8006 are Bulkhead's own, for failures Workers AI has no code for.
 # docs/workers-compat.md gives the source of each.
 WORKERS_ERRORS: dict[str, tuple[int, int]] = {
     "invalid_request": (5006, 400),
@@ -104,6 +104,7 @@ WORKERS_ERRORS: dict[str, tuple[int, int]] = {
     "job_failed": (8003, 500),
     "conflict": (8004, 409),
     "client_disconnected": (8005, 499),
+    "verdicts_exceeded": (8006, 403),
     "tenant_exists": (8004, 409),
     "tenant_configured": (8004, 409),
 }
