@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
+import heapq
 import logging
 import threading
 import time
@@ -160,15 +161,17 @@ class FingerprintIndex:
         # first, even unexpired (the newest pages are the likeliest to leak), so a flood of one tenant's prompts
         # never pushes another tenant's out. Text two tenants sent (shared) stays until it expires.
         held = self._held
-        while len(self._entries) > self._max * 0.9:
-            tenant = max(held, key=held.__getitem__, default=None)
-            if tenant is None or held[tenant] <= 0:
-                return
+        largest = [(-count, tenant) for tenant, count in held.items()]  # a heap: the largest holder first
+        heapq.heapify(largest)
+        while len(self._entries) > self._max * 0.9 and largest:
+            count, tenant = heapq.heappop(largest)
+            if -count != held.get(tenant, 0):
+                continue  # an older count of a tenant pushed again since (or gone)
             batches = self._batches.get(tenant)
-            if not batches:
-                held[tenant] = 0  # nothing of its own left to give up
-                continue
+            if not batches or count >= 0:
+                continue  # nothing of its own left to give up
             self._drop(tenant, batches, batches[0][0], evicting=True)
+            heapq.heappush(largest, (-held.get(tenant, 0), tenant))
 
     def _drop(self, tenant: int, batches: deque[tuple[float, Fingerprints]], until: float, evicting: bool) -> None:
         """Forget a tenant's oldest prompt: its entries that expire by `until` (an eviction: those this tenant owns

@@ -112,6 +112,7 @@ class _Choice:
     suspended: dict[str, str] = field(default_factory=dict)
     written: int = 0  # characters of text this choice has written so far (a judge writes as far)
     held_tokens: bool = False  # a token-level stream's first hit is undecided: the logprobs wait
+    hits: bool = False  # some text of this choice has had a hit: from then on, whether one is undecided is asked
     mirror: str | None = None  # the text whose grams the chosen logprob tokens share so far
     readers: dict[str, JsonStringReader] = field(default_factory=dict)  # per stream: its JSON escapes, for its grams
 
@@ -433,7 +434,7 @@ class OutputGuard:
                 state.tainted.add(key)
                 suspect = suspended.pop(key, "")  # the held text goes with the rest
                 holder[name] = REDACTED if holder[name] or suspect else ""
-            elif victim is None and not final and self._pending(state, key):
+            elif victim is None and not final and state.hits and self._pending(state, key):
                 suspended[key] = suspended.get(key, "") + holder[name]
                 holder[name] = ""
             elif self._hold_tail and victim is None and not final:
@@ -457,7 +458,9 @@ class OutputGuard:
             if victim is not None:
                 found |= await self._leak(Leak(victim, FRAGMENT)) is not None
         # Every token stream read so far, not only this event's: an event without logprobs decides nothing.
-        state.held_tokens = not final and any(self._pending(state, key) for key in state.grams if key[:2] == "lp")
+        state.held_tokens = (
+            not final and state.hits and any(self._pending(state, key) for key in state.grams if key[:2] == "lp")
+        )
         if final and suspended:
             # Nothing more comes: what a stream this event did not write still holds goes out with its last chunk.
             for key in list(suspended):
@@ -514,8 +517,11 @@ class OutputGuard:
             # joins its "n" to the next word as sent, which broke every gram across a line of JSON-escaped code.
             decoded = state.grams[decoded_key] = grams.copy()
         victim = self._fragments.feed(grams, piece)
+        if grams.hits or grams.suspect:
+            state.hits = True
         if decoded is not None:
             victim = self._fragments.feed(decoded, state.reader(key).decoded(piece)) or victim
+            state.hits = state.hits or bool(decoded.hits) or decoded.suspect
         return victim
 
     def _strip_echo(self, state: _Choice, choice: dict[str, Any]) -> None:

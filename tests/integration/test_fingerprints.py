@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,16 @@ def stale_kv_gateway(make_gateway: Any, make_sim: Any, tokenizer_dir: Path, **ov
         **overrides,
     )  # fmt: skip
     return sim, gateway_url
+
+
+@contextmanager
+def adversary_gateway(tokenizer_dir: Path, isolation: dict[str, Any]) -> Iterator[tuple[Adversary, str]]:
+    """An adversarial backend and a gateway in front of it with these isolation settings."""
+    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    with run_server(adversary.app()) as backend:
+        settings = gateway_settings({"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=isolation)
+        with run_server(create_app(settings)) as gateway_url:
+            yield adversary, gateway_url
 
 
 async def bob_sends_his_document(client: httpx.AsyncClient, gateway_url: str, text: str) -> None:
@@ -226,20 +237,17 @@ async def test_a_prompt_of_token_ids_without_the_models_tokenizer_is_refused(
 async def test_one_tenants_flood_of_prompts_never_evicts_another_tenants_fingerprints(
     client: httpx.AsyncClient, tokenizer_dir: Path
 ) -> None:
-    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
     text = document(12, 250)
     isolation = {**FINGERPRINTS_ONLY, "fingerprints": {"max_entries": 1000}}
-    with run_server(adversary.app()) as backend:
-        settings = gateway_settings({"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=isolation)
-        with run_server(create_app(settings)) as gateway_url:
-            await bob_sends_his_document(client, gateway_url, text)
-            for seed in range(40):  # ~45 fingerprints each: twice what the index may hold
-                body = chat_body(document(100 + seed, 250), max_tokens=4)
-                response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth(ALICE_KEY))
-                assert response.status_code == 200
-            adversary.plan = Plan("content", source="first")  # alice is answered with bob's prompt
-            response = await client.post(f"{gateway_url}{CHAT}", json=chat_body("And this?"), headers=auth(ALICE_KEY))
-            assert_withheld_for_bob(response, text, await events(client, gateway_url), replica="adversary")
+    with adversary_gateway(tokenizer_dir, isolation) as (adversary, gateway_url):
+        await bob_sends_his_document(client, gateway_url, text)
+        for seed in range(40):  # ~45 fingerprints each: twice what the index may hold
+            body = chat_body(document(100 + seed, 250), max_tokens=4)
+            response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth(ALICE_KEY))
+            assert response.status_code == 200
+        adversary.plan = Plan("content", source="first")  # alice is answered with bob's prompt
+        response = await client.post(f"{gateway_url}{CHAT}", json=chat_body("And this?"), headers=auth(ALICE_KEY))
+        assert_withheld_for_bob(response, text, await events(client, gateway_url), replica="adversary")
 
 
 def streamed_text(response: httpx.Response) -> str:
@@ -259,24 +267,21 @@ async def test_a_stream_releases_at_most_twenty_words_of_a_fragment(
     """From the first gram of another tenant's prompt on, nothing more of the text leaves until it is decided: at
     most the words before that gram's second window can have gone (k + w - 2 = 20 with the defaults); none when
     every stream holds its last min_fragment - 1 words (stream_hold: tail)."""
-    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
     text = document(13, 250)
     isolation = {**FINGERPRINTS_ONLY, "fingerprints": {"stream_hold": hold}}
-    with run_server(adversary.app()) as backend:
-        settings = gateway_settings({"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=isolation)
-        with run_server(create_app(settings)) as gateway_url:
-            await bob_sends_his_document(client, gateway_url, text)
-            adversary.plan = Plan("content", piece=piece)  # alice is streamed bob's prompt, `piece` characters a chunk
-            body = chat_body("And this?", stream=True)
-            response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth(ALICE_KEY))
-            assert response.status_code == 200 and '"answer_withheld"' in response.text, response.text[-300:]
-            seen = words(streamed_text(response))
-            leaked = words(f"Please review this document:\n{text}")
-            # Whole words, and perhaps the start of the next: a word is known only once it ends.
-            whole = seen if not seen or seen[-1] == leaked[len(seen) - 1] else seen[:-1]
-            assert whole == leaked[: len(whole)] and len(whole) <= most, (len(seen), seen)
-            [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "fingerprint_leak"]
-            assert leak["victim_tenant"] == "bob"
+    with adversary_gateway(tokenizer_dir, isolation) as (adversary, gateway_url):
+        await bob_sends_his_document(client, gateway_url, text)
+        adversary.plan = Plan("content", piece=piece)  # alice is streamed bob's prompt, `piece` characters a chunk
+        body = chat_body("And this?", stream=True)
+        response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth(ALICE_KEY))
+        assert response.status_code == 200 and '"answer_withheld"' in response.text, response.text[-300:]
+        seen = words(streamed_text(response))
+        leaked = words(f"Please review this document:\n{text}")
+        # Whole words, and perhaps the start of the next: a word is known only once it ends.
+        whole = seen if not seen or seen[-1] == leaked[len(seen) - 1] else seen[:-1]
+        assert whole == leaked[: len(whole)] and len(whole) <= most, (len(seen), seen)
+        [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "fingerprint_leak"]
+        assert leak["victim_tenant"] == "bob"
 
 
 @pytest.mark.parametrize("hold", ["first_hit", "tail"])
@@ -284,23 +289,20 @@ async def test_a_stream_quoting_one_gram_of_another_tenants_prompt_comes_out_who
     client: httpx.AsyncClient, tokenizer_dir: Path, hold: str
 ) -> None:
     """A hit that no second hit follows is no leak: the text held for it goes out, in order, none lost."""
-    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
     text = document(14, 250)
     isolation = {**FINGERPRINTS_ONLY, "fingerprints": {"stream_hold": hold}}
-    with run_server(adversary.app()) as backend:
-        settings = gateway_settings({"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=isolation)
-        with run_server(create_app(settings)) as gateway_url:
-            await bob_sends_his_document(client, gateway_url, text)
-            # Every 12-word gram of bob's text alone, each between words of alice's own: single hits, never a pair.
-            grams = [" ".join(text.split()[at : at + 12]) for at in range(0, 240, 12)]
-            answer = " ".join(f"{gram} unrelated filler words written here by the model itself now" for gram in grams)
-            prompt = f"Repeat: {answer}"
-            adversary.plan = Plan("content", piece=5, source="own")
-            response = await client.post(
-                f"{gateway_url}{CHAT}", json=chat_body(prompt, stream=True), headers=auth(ALICE_KEY)
-            )
-            assert response.status_code == 200 and '"answer_withheld"' not in response.text
-            assert streamed_text(response).endswith(answer), streamed_text(response)[-200:]
+    with adversary_gateway(tokenizer_dir, isolation) as (adversary, gateway_url):
+        await bob_sends_his_document(client, gateway_url, text)
+        # Every 12-word gram of bob's text alone, each between words of alice's own: single hits, never a pair.
+        grams = [" ".join(text.split()[at : at + 12]) for at in range(0, 240, 12)]
+        answer = " ".join(f"{gram} unrelated filler words written here by the model itself now" for gram in grams)
+        prompt = f"Repeat: {answer}"
+        adversary.plan = Plan("content", piece=5, source="own")
+        response = await client.post(
+            f"{gateway_url}{CHAT}", json=chat_body(prompt, stream=True), headers=auth(ALICE_KEY)
+        )
+        assert response.status_code == 200 and '"answer_withheld"' not in response.text
+        assert streamed_text(response).endswith(answer), streamed_text(response)[-200:]
 
 
 @pytest.mark.parametrize("rank", [1, 2])
@@ -308,27 +310,22 @@ async def test_a_stream_quoting_one_gram_of_another_tenants_prompt_comes_out_who
 async def test_a_fragment_spelled_in_the_alternatives_of_any_rank_is_caught(
     client: httpx.AsyncClient, tokenizer_dir: Path, rank: int, stream: bool
 ) -> None:
-    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
     text = document(15, 120)
-    with run_server(adversary.app()) as backend:
-        settings = gateway_settings(
-            {"adversary": backend}, tokenizer_dir, admin_token=ADMIN, isolation=FINGERPRINTS_ONLY
+    with adversary_gateway(tokenizer_dir, FINGERPRINTS_ONLY) as (adversary, gateway_url):
+        await bob_sends_his_document(client, gateway_url, text)
+        # bob's prompt, 8 characters a position, as the alternatives of one rank: the chosen tokens are benign.
+        adversary.plan = Plan("top_logprob_token", piece=8, rank=rank)
+        body = chat_body("And this?", logprobs=True, top_logprobs=3, stream=stream)
+        response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth(ALICE_KEY))
+        assert '"answer_withheld"' in response.text, response.text[-300:]
+        said = " ".join(
+            alternative["token"]
+            for line in response.text.split("\n")
+            if line.startswith("data: {") or line.startswith("{")
+            for choice in orjson.loads(line.removeprefix("data: ")).get("choices") or ()
+            for entry in ((choice.get("logprobs") or {}).get("content") or ())
+            for alternative in entry["top_logprobs"]
         )
-        with run_server(create_app(settings)) as gateway_url:
-            await bob_sends_his_document(client, gateway_url, text)
-            # bob's prompt, 8 characters a position, as the alternatives of one rank: the chosen tokens are benign.
-            adversary.plan = Plan("top_logprob_token", piece=8, rank=rank)
-            body = chat_body("And this?", logprobs=True, top_logprobs=3, stream=stream)
-            response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth(ALICE_KEY))
-            assert '"answer_withheld"' in response.text, response.text[-300:]
-            said = " ".join(
-                alternative["token"]
-                for line in response.text.split("\n")
-                if line.startswith("data: {") or line.startswith("{")
-                for choice in orjson.loads(line.removeprefix("data: ")).get("choices") or ()
-                for entry in ((choice.get("logprobs") or {}).get("content") or ())
-                for alternative in entry["top_logprobs"]
-            )
-            assert len([w for w in words(said) if w in set(words(text))]) <= 20
-            [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "fingerprint_leak"]
-            assert leak["victim_tenant"] == "bob"
+        assert len([w for w in words(said) if w in set(words(text))]) <= 20
+        [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "fingerprint_leak"]
+        assert leak["victim_tenant"] == "bob"
