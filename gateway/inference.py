@@ -41,7 +41,7 @@ from gateway.settings import ModelSettings, TenantSettings
 from gateway.slot import Slot
 from gateway.sse import DONE as SSE_DONE
 from gateway.state import GatewayState
-from isolation.channels import prune, texts
+from isolation.channels import prune, texts, token_streams
 from isolation.events import IsolationEvent
 from isolation.fingerprints import AnswerCheck, Prepared
 from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard, Suspect
@@ -58,14 +58,10 @@ TOKEN_BYTES = 256
 ANSWER_BASE_BYTES = 1 << 20
 DATA = b"data: "
 INDUCED = "fingerprint_induced"  # the isolation event of a judged fragment that was no leak
-JUDGE_TOKENS = 96  # a judge writes as far as the answer had, and this much more: the rest of a fragment and room
 MAX_VERDICTS = 4  # judges one answer may ask for: one per victim, and an answer names few
-# What a judge's answer does without: it is read whole, once, for its first choice's texts. min_tokens could only
-# make it fail (a judge asks for fewer tokens than the request did); everything else stays as the tenant sent it,
-# so the judge says what the same request says.
-JUDGE_DROPS = (
-    "stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "min_tokens",
-)  # fmt: skip
+# What a judge's answer does without: it is read whole, once. Everything else stays as the tenant sent it (stop
+# strings, min_tokens, biases, tools, formats, logprobs), so the judge says what the same request says, greedily.
+JUDGE_DROPS = ("stream", "stream_options", "best_of", "prompt_logprobs", "echo")
 LEAK_DETAILS = {
     MARKER: "another tenant's canary marker in the answer",
     FRAGMENT: "a fragment of another tenant's recent prompt to this replica in the answer",
@@ -447,23 +443,31 @@ class InferenceCall:
         for name in JUDGE_DROPS:
             payload.pop(name, None)
         payload["temperature"] = 0.0
-        # Within what admission reserved, so the judge fits the window wherever the prompt stands in it.
-        payload[self.request.output_param] = min(self.admission.max_tokens, 2 * suspect.written + JUDGE_TOKENS)
+        if not payload.get("use_beam_search"):
+            payload["n"] = 1  # greedy choices are all alike (beam search keeps its width: its best beams differ)
+        # The output admission reserved (sent as it was): a judge fits the window as the request did, and writes at
+        # least as far as the answer can have gone, in tokens whatever the characters.
+        bound = answer_bound(self.request, self.admission.max_tokens, self.sent_bytes)
         await self._fingerprint(replica)  # the tenant's prompt goes there now too
         try:
             response = await self.state.upstream.open(replica, path, orjson.dumps(payload), f"{self.upstream_id}.j")
             try:
-                answer = parse_json_body(replica, await response.read(ANSWER_BASE_BYTES))
+                raw = await response.read(bound + 1)
             finally:
                 await response.aclose()
+            answer = parse_json_body(replica, raw)
         except GatewayError:
             return None
         choices = answer.get("choices")
-        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
-        if choice is None:
+        if len(raw) > bound or not isinstance(choices, list):
             return None
-        prune({"choices": [choice]})
-        found = [holder[name] for _, holder, name in texts(choice)]
+        found: list[str] = []
+        for choice in choices:
+            if isinstance(choice, dict):
+                prune({"choices": [choice]})
+                found += [holder[name] for _, holder, name in texts(choice)]
+                logprobs = choice.get("logprobs")
+                found += ["".join(pieces) for pieces in token_streams(logprobs).values()] if logprobs else []
         return found + [JsonStringReader().decoded(text) for text in found if "\\" in text]
 
     def _came_back(self, replica: Replica, suspect: Suspect, said: list[str]) -> frozenset[int] | None:

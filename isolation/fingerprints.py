@@ -92,30 +92,30 @@ class FingerprintIndex:
             self._tenants.append(prompt.tenant)
         bit = self.replica_bit(prompt.replica)
         entries, held = self._entries, self._held
+        held.setdefault(tenant, 0)
         fresh = bit | (expires << 32) | tenant
-        added = 0
         for fingerprint in prompt.fingerprints.tolist():
             old = entries.get(fingerprint)
             if old is None:
                 entries[fingerprint] = fresh
-                added += 1
+                held[tenant] += 1
                 continue
             owner = old & _LOW
             if owner != tenant and owner != SHARED:
-                held[owner] -= 1
+                held[owner] = held.get(owner, 1) - 1
             entries[fingerprint] = (
                 ((old | bit) >> _REPLICAS << _REPLICAS)
                 | (max(expires, (old >> 32) & _LOW) << 32)
                 | (owner if owner == tenant else SHARED)
             )
+        # (`shared` was read when the prompt was prepared: an entry it names may have gone, or be this prompt's own.)
         for fingerprint in prompt.shared.tolist():
             old = entries.get(fingerprint)
             if old is not None and old & _LOW != SHARED:
-                held[old & _LOW] -= 1
+                held[old & _LOW] = held.get(old & _LOW, 1) - 1
                 entries[fingerprint] = (old & ~_LOW) | SHARED
         self._batches.setdefault(tenant, deque()).append((prompt.at + self.ttl_s, prompt.fingerprints))
         self._sent[tenant, bit] = prompt.at + self.ttl_s
-        held[tenant] = held.get(tenant, 0) + added
         if len(entries) > self._max:
             self._evict()
 
@@ -185,11 +185,13 @@ class FingerprintIndex:
             if entry is None:
                 continue
             owner, expires = entry & _LOW, (entry >> 32) & _LOW
-            if (evicting and (owner != tenant or expires > last)) or (not evicting and expires >= until):
+            # An eviction keeps what a later prompt renewed and what another tenant owns (its own prompt frees it);
+            # text several tenants sent goes with any of them, or nothing would free it before it expires.
+            if (evicting and (owner not in (tenant, SHARED) or expires > last)) or (not evicting and expires >= until):
                 continue
             del entries[fingerprint]
             if owner != SHARED:
-                held[owner] -= 1
+                held[owner] = held.get(owner, 1) - 1
         if not held.get(tenant, 1) and tenant not in self._batches:
             del held[tenant]
 
@@ -487,14 +489,9 @@ class AnswerCheck:
                 return victim
             grams.hits[victim], grams.hit_grams[victim] = position, gram
         if unfinished is not None:
-            # A word still being written may become another: it can complete a pair, not start one.
-            position, gram = unfinished
-            victim = self._victim(gram, now)
-            last = grams.hits.get(victim) if victim is not None else None
-            if victim is not None and last is not None and 0 < position - last <= self._span:
-                grams.pair, grams.rest = (grams.hit_grams[victim], gram), ([], None)
-                return victim
-            grams.suspect = victim is not None
+            # A word still being written may become another: its gram holds the text (a stream's next piece decides
+            # it, a text's end completes it), and is never a pair's: a judge's whole text would not hold it.
+            grams.suspect = self._victim(unfinished[1], now) is not None
         return None
 
     def pending(self, grams: AnswerGrams) -> bool:

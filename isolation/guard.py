@@ -40,11 +40,10 @@ FRAGMENT = "fingerprint_leak"
 
 @dataclass(frozen=True)
 class Suspect:
-    """A fragment of another tenant's prompt in a text of an answer, not yet called a leak: whose, and how far the
-    choice had written (characters), for a judge to answer the same request as far on another replica."""
+    """A fragment of another tenant's prompt in a text of an answer, not yet called a leak: whose, and the grams a
+    judge answering the same request on another replica must say for it to be no leak."""
 
     victim: str
-    written: int
     pair: tuple[int, int]  # the two grams that made it a suspect: a judge's answer must say both
 
 
@@ -110,9 +109,9 @@ class _Choice:
     # Per stream, its text since a first hit of another tenant's prompt, held until the hit is paired (a leak) or
     # can no longer be.
     suspended: dict[str, str] = field(default_factory=dict)
-    written: int = 0  # characters of text this choice has written so far (a judge writes as far)
     held_tokens: bool = False  # a token-level stream's first hit is undecided: the logprobs wait
     hits: bool = False  # some text of this choice has had a hit: from then on, whether one is undecided is asked
+    paired: AnswerGrams | None = None  # the grams that found the last fragment (their pair goes to a judge)
     mirror: str | None = None  # the text whose grams the chosen logprob tokens share so far
     readers: dict[str, JsonStringReader] = field(default_factory=dict)  # per stream: its JSON escapes, for its grams
 
@@ -424,8 +423,7 @@ class OutputGuard:
         suspended = state.suspended
         judged = self._judge is not None
         for key, holder, name in slots:
-            state.written += len(holder[name])
-            victim = self._fragment(state, key, holder[name])
+            victim = self._fragment(state, key, holder[name], final)
             while victim is not None and judged and await self._induced(state, key, victim):
                 victim = self._read_on(state, key)
             hit = victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None
@@ -450,10 +448,10 @@ class OutputGuard:
         for key, pieces in streams.items():
             if key == "lp" and mirrored is not None:
                 continue
-            victim = self._fragment(state, key, chosen if key == "lp" and chosen is not None else "".join(pieces))
-            # The chosen tokens spell what the model wrote, which a judge's answer holds too; the alternatives of
-            # other ranks are no text a request makes a model write.
-            while victim is not None and key == "lp" and judged and await self._induced(state, key, victim):
+            text = chosen if key == "lp" and chosen is not None else "".join(pieces)
+            victim = self._fragment(state, key, text, final)
+            # A judge asks for the same logprobs: what a request makes the model write, chosen or ranked, it says too.
+            while victim is not None and judged and await self._induced(state, key, victim):
                 victim = self._read_on(state, key)
             if victim is not None:
                 found |= await self._leak(Leak(victim, FRAGMENT)) is not None
@@ -474,14 +472,14 @@ class OutputGuard:
         """Ask the judge whether this text of `victim`'s comes back where her prompt never went: if so the answer was
         induced to say it (a public text, a text the recipient had the model write) and it is no leak."""
         assert self._fragments is not None and self._judge is not None
-        both = [grams for grams in (state.grams.get(key), state.grams.get(key + "\\")) if grams is not None]
-        pair = next(grams.pair for grams in both if grams.pair is not None)
-        cleared = await self._judge(Suspect(victim, state.written, pair))
+        assert state.paired is not None and state.paired.pair is not None
+        cleared = await self._judge(Suspect(victim, state.paired.pair))
         if cleared is None:
             return False
         self._fragments.clear(cleared)
-        for grams in both:
-            grams.hits.pop(victim, None)
+        for grams in (state.grams.get(key), state.grams.get(key + "\\")):
+            if grams is not None:
+                grams.hits.pop(victim, None)
         return True
 
     def _read_on(self, state: _Choice, key: str) -> str | None:
@@ -489,8 +487,9 @@ class OutputGuard:
         assert self._fragments is not None
         found = None
         for grams in (state.grams.get(key), state.grams.get(key + "\\")):
-            if grams is not None:
-                found = self._fragments.resume(grams) or found
+            victim = self._fragments.resume(grams) if grams is not None else None
+            if victim is not None:
+                found, state.paired = victim, grams
         return found
 
     def _pending(self, state: _Choice, key: str) -> bool:
@@ -503,10 +502,13 @@ class OutputGuard:
         assert self._fragments is not None
         return AnswerGrams(self._fragments.hasher)
 
-    def _fragment(self, state: _Choice, key: str, piece: str) -> str | None:
+    def _fragment(self, state: _Choice, key: str, piece: str, final: bool = False) -> str | None:
         """Feed one piece of one stream to its k-grams; the victim when it ends a fragment of another tenant's prompt
-        (to report: _leak). Not a coroutine: it runs for every text of every event, and only a find needs to wait."""
+        (to report: _leak; its grams: state.paired). Not a coroutine: it runs for every text of every event, and only
+        a find needs to wait. A stream's last piece ends its last word."""
         assert self._fragments is not None
+        if final:
+            piece += " "
         grams = state.grams.get(key)
         if grams is None:
             grams = state.grams[key] = self._new_grams()
@@ -517,10 +519,13 @@ class OutputGuard:
             # joins its "n" to the next word as sent, which broke every gram across a line of JSON-escaped code.
             decoded = state.grams[decoded_key] = grams.copy()
         victim = self._fragments.feed(grams, piece)
+        state.paired = grams
         if grams.hits or grams.suspect:
             state.hits = True
         if decoded is not None:
-            victim = self._fragments.feed(decoded, state.reader(key).decoded(piece)) or victim
+            found = self._fragments.feed(decoded, state.reader(key).decoded(piece))
+            if found is not None:
+                victim, state.paired = found, decoded
             state.hits = state.hits or bool(decoded.hits) or decoded.suspect
         return victim
 

@@ -478,7 +478,8 @@ class DecodingModel(Adversary):
         if decoded is None:
             self.plan = self.plan or Plan("content", source="benign")
             return self._answer(True, body, "\n".join(_contents(messages)))
-        self.plan = Plan("tool_arguments" if "ARGS " in last[0] else "content", source="own")
+        # 7 characters a chunk in a stream: words cut between chunks, as an engine's tokens cut them.
+        self.plan = Plan("tool_arguments" if "ARGS " in last[0] else "content", piece=7, source="own")
         return self._answer(True, body, f"{decoded} {self.stale}" if self.stale else decoded)
 
 

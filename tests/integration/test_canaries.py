@@ -72,6 +72,8 @@ async def test_the_incident_is_caught_by_the_canaries(
     url, received = webhook
     with redis_server() as redis_url:
         store = redis.Redis.from_url(redis_url)
+        for spent in store.scan_iter("bulkhead:budget:*leaky*"):  # the bounds an earlier run this hour drew on
+            store.delete(spent)
         leaks_before = store.xlen("bulkhead:isolation-events")
         gateway_url = make_gateway(
             sims,

@@ -211,6 +211,28 @@ def test_text_both_tenants_sent_is_no_ones_share_and_expires_with_its_last_sende
     assert index.sweep(1100.0) == 2 and len(index) == 0
 
 
+def test_a_prompt_whose_shared_text_expired_before_it_was_registered_is_added_all_the_same() -> None:
+    # `shared` is read when a prompt is prepared; bob's entry it names expires before alice's prompt is registered.
+    index = FingerprintIndex(ttl_s=60, max_entries=1000)
+    index.add(prompt("bob", "r1", [1, 2], at=1000.0))
+    index.sweep(1100.0)
+    late = Prompt("alice", "r1", 1100.0, np.array([1, 3], dtype=np.uint64), np.array([1, 2], dtype=np.uint64))
+    index.add(late)
+    assert (index.held_by("alice"), index.held_by("bob")) == (1, 0) and len(index) == 2
+
+
+def test_text_two_tenants_share_goes_with_an_eviction_and_never_fills_the_index() -> None:
+    index = FingerprintIndex(ttl_s=600, max_entries=1000)
+    for tenant in ("alice", "bob"):
+        index.add(prompt(tenant, "r1", list(range(800)), at=1000.0))  # 800 shared entries, owned by no one
+    for n in range(5):  # floods that evict
+        index.add(prompt("mallory", "r1", list(range(10_000 * (n + 1), 10_000 * (n + 1) + 400)), at=1001.0 + n))
+    index.add(prompt("carol", "r1", list(range(90_000, 90_050)), at=1010.0))
+    r1 = index.replica_bit("r1")
+    assert all(index.victim(f, r1, "bob", 1100.0) == "carol" for f in range(90_000, 90_050)), "carol's is kept"
+    assert len(index) <= 1000
+
+
 def test_no_two_replicas_share_an_identity_however_many() -> None:
     index = FingerprintIndex(ttl_s=600, max_entries=10_000)
     names = [f"vllm-{n}" for n in range(200)]
