@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -191,7 +192,9 @@ async def test_a_prompt_still_being_answered_is_known_before_it_is_forwarded(
     isolation = {"canary": {"enabled": False, "quarantine_on_leak": False}}
     with ExitStack() as stack:
         backend = stack.enter_context(run_server(adversary.app()))
-        redis = {"redis_url": stack.enter_context(redis_server())} if instances == 2 else {}
+        redis: dict[str, str] = {}
+        if instances == 2:  # with a prefix of its own: a Redis it did not start holds other runs' bounds and blocks
+            redis = {"redis_url": stack.enter_context(redis_server()), "redis_key_prefix": f"t-{uuid.uuid4().hex[:8]}:"}
         urls = [
             stack.enter_context(
                 run_server(

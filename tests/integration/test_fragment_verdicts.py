@@ -7,6 +7,7 @@ tenants' prompts reads the same status, error and finish_reason for a true candi
 from __future__ import annotations
 
 import base64
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -100,7 +101,12 @@ def deployment(make_gateway: Any, tokenizer_dir: Path) -> Iterator[Any]:
             engines = {name: DecodingModel(tokenizer) for name in names}
             served = {name: (stack.enter_context(run_server(e.app())), e) for name, e in engines.items()}
             tenants = [{"id": t, "key_hashes": [hash_key(key(t))]} for t in TENANTS]
-            redis = {"redis_url": stack.enter_context(redis_server())} if instances > 1 else {}
+            redis: dict[str, str] = {}
+            if instances > 1:  # with a prefix of its own: a Redis it did not start holds other runs' bounds and blocks
+                redis = {
+                    "redis_url": stack.enter_context(redis_server()),
+                    "redis_key_prefix": f"t-{uuid.uuid4().hex[:8]}:",
+                }
             urls = [
                 str(
                     make_gateway(
