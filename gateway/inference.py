@@ -164,13 +164,13 @@ def prepare_fingerprints(
     if fingerprints is None:
         return None
     assert prompt.owner is not None
-    texts = list(prompt.texts())
+    own = list(prompt.texts())
     if prompt.token_ids is None:
-        return fingerprints.prepare(prompt.owner, texts)
+        return fingerprints.prepare(prompt.owner, own)
     counter = state.counters[model.name]
     if not isinstance(counter, LocalCounter):
         return None  # refused once admitted (a prompt over the limit hears that first): unfingerprinted()
-    return fingerprints.prepare(prompt.owner, texts, partial(counter.tokenizer.decode, prompt.token_ids))
+    return fingerprints.prepare(prompt.owner, own, partial(counter.tokenizer.decode, prompt.token_ids))
 
 
 def unfingerprinted(model: ModelSettings) -> InvalidRequest:
@@ -409,7 +409,7 @@ class InferenceCall:
         try:
             if replica is not None and self._verdicts < MAX_VERDICTS:
                 self._verdicts += 1
-                said = await self._regenerate(replica, suspect)
+                said = await self._regenerate(replica)
                 if said is not None:
                     cleared = self._came_back(replica, suspect, said)
                     verdict = "leak" if cleared is None else "induced"
@@ -433,9 +433,9 @@ class InferenceCall:
         clean = [r for r in others if not fingerprints.index.sent(victim, r.name)]
         return min(clean or others, key=lambda r: r.in_flight, default=None)
 
-    async def _regenerate(self, replica: Replica, suspect: Suspect) -> list[str] | None:
-        """Every text of the first choice `replica` answers this request with, greedily and whole, as far as the
-        suspect's answer had gone and a little more; None when it could not be asked or did not answer."""
+    async def _regenerate(self, replica: Replica) -> list[str] | None:
+        """Every text (and logprob token stream) of every choice `replica` answers this request with, greedily and
+        whole; None when it could not be asked or did not answer."""
         if self._sent is None:
             return None
         path, body = self._sent

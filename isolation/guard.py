@@ -421,11 +421,10 @@ class OutputGuard:
             state.mirror = mirrored = slots[0][0]
         found = False
         suspended = state.suspended
-        judged = self._judge is not None
         for key, holder, name in slots:
             victim = self._fragment(state, key, holder[name], final)
-            while victim is not None and judged and await self._induced(state, key, victim):
-                victim = self._read_on(state, key)
+            if victim is not None:  # (a coroutine only then: this runs for every text of every event)
+                victim = await self._unless_induced(state, key, victim)
             hit = victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None
             found |= hit and key == mirrored
             if hit or key in state.tainted:
@@ -449,10 +448,10 @@ class OutputGuard:
             if key == "lp" and mirrored is not None:
                 continue
             text = chosen if key == "lp" and chosen is not None else "".join(pieces)
-            victim = self._fragment(state, key, text, final)
             # A judge asks for the same logprobs: what a request makes the model write, chosen or ranked, it says too.
-            while victim is not None and judged and await self._induced(state, key, victim):
-                victim = self._read_on(state, key)
+            victim = self._fragment(state, key, text, final)
+            if victim is not None:
+                victim = await self._unless_induced(state, key, victim)
             if victim is not None:
                 found |= await self._leak(Leak(victim, FRAGMENT)) is not None
         # Every token stream read so far, not only this event's: an event without logprobs decides nothing.
@@ -468,41 +467,33 @@ class OutputGuard:
             held = positions(state.held_logprobs) if state.held_logprobs is not None else 0
             state.dropped |= set(range(held + positions(choice["logprobs"])))
 
-    async def _induced(self, state: _Choice, key: str, victim: str) -> bool:
-        """Ask the judge whether this text of `victim`'s comes back where her prompt never went: if so the answer was
-        induced to say it (a public text, a text the recipient had the model write) and it is no leak."""
-        assert self._fragments is not None and self._judge is not None
-        assert state.paired is not None and state.paired.pair is not None
-        cleared = await self._judge(Suspect(victim, state.paired.pair))
-        if cleared is None:
-            return False
-        self._fragments.clear(cleared)
-        for grams in (state.grams.get(key), state.grams.get(key + "\\")):
-            if grams is not None:
+    async def _unless_induced(self, state: _Choice, key: str, victim: str | None) -> str | None:
+        """The victim of a fragment this stream's last piece ended, unless a judge finds each one it ends induced (the
+        answer said it where her prompt never went: a public text, a text the recipient had the model write)."""
+        while victim is not None and self._judge is not None:
+            assert self._fragments is not None and state.paired is not None and state.paired.pair is not None
+            cleared = await self._judge(Suspect(victim, state.paired.pair))
+            if cleared is None:
+                return victim
+            self._fragments.clear(cleared)
+            found = None
+            for grams in _both(state, key):
                 grams.hits.pop(victim, None)
-        return True
-
-    def _read_on(self, state: _Choice, key: str) -> str | None:
-        """Past a fragment judged induced: the next one in the rest of the piece (as sent, then as decoded)."""
-        assert self._fragments is not None
-        found = None
-        for grams in (state.grams.get(key), state.grams.get(key + "\\")):
-            victim = self._fragments.resume(grams) if grams is not None else None
-            if victim is not None:
-                found, state.paired = victim, grams
-        return found
+                # Read on past it: the next fragment in the rest of the piece (as sent, then as decoded).
+                if (after := self._fragments.resume(grams)) is not None:
+                    found, state.paired = after, grams
+            victim = found
+        return victim
 
     def _pending(self, state: _Choice, key: str) -> bool:
         assert self._fragments is not None
-        pending = self._fragments.pending
-        decoded = state.grams.get(key + "\\")
-        return pending(state.grams[key]) or (decoded is not None and pending(decoded))
+        return any(self._fragments.pending(grams) for grams in _both(state, key))
 
     def _new_grams(self) -> AnswerGrams:
         assert self._fragments is not None
         return AnswerGrams(self._fragments.hasher)
 
-    def _fragment(self, state: _Choice, key: str, piece: str, final: bool = False) -> str | None:
+    def _fragment(self, state: _Choice, key: str, piece: str, final: bool) -> str | None:
         """Feed one piece of one stream to its k-grams; the victim when it ends a fragment of another tenant's prompt
         (to report: _leak; its grams: state.paired). Not a coroutine: it runs for every text of every event, and only
         a find needs to wait. A stream's last piece ends its last word."""
@@ -648,6 +639,11 @@ class OutputGuard:
         if self._policy is LeakPolicy.BLOCK:
             raise LeakBlocked
         return REDACTED if self._policy is LeakPolicy.REDACT else None
+
+
+def _both(state: _Choice, key: str) -> list[AnswerGrams]:
+    """A stream's k-grams, as sent and (from its first backslash on) as JSON-decoded."""
+    return [grams for grams in (state.grams.get(key), state.grams.get(key + "\\")) if grams is not None]
 
 
 def _idle(scanners: dict[str, StreamScanner]) -> bool:
