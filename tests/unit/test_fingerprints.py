@@ -254,8 +254,11 @@ async def test_an_answer_waits_until_its_instance_has_read_the_feed_to_its_mark(
         await feed_one.publish(prompt("alice", "r1", [7, 8], at=time.time()))
         mark = await feed_two.publish(prompt("bob", "r1", [], at=time.time()))  # an entry without grams: a mark
         assert not await feed_two.reached(mark, 0.2), "nothing read the stream yet"
+        # What an answer asks: not caught up within feed_wait_s (it is then withheld), and no wait without a mark.
+        waiting = Fingerprinter(Hasher(KEY, SHAPE), two, feed_two, ThreadPoolExecutor(1), 10**9, feed_wait_s=0.2)
+        assert not await waiting.caught_up(mark) and await waiting.caught_up(None)
         follower = asyncio.create_task(feed_two.follow(two, start))
-        assert await feed_two.reached(mark, 5.0)
+        assert await feed_two.reached(mark, 5.0) and await waiting.caught_up(mark)
         assert len(two) == 2, "alice's prompt, published before the mark, is known by then"
         follower.cancel()
         await redis.delete(f"{prefix}fingerprints")
