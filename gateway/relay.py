@@ -113,12 +113,12 @@ class StreamFilter:
             last = await self._checked_event(rest.rstrip() + b"\n\n") if rest.strip() else None
             if self._check is not None and not self._checked:
                 await self._check(None)  # a stream that never reported usage cannot be verified: withheld
-            tail = self._tail()
+            tail = await self._tail()
         return [*(self._held or ()), *(() if last is None else (last,)), *(() if tail is None else (tail,))]
 
-    def _tail(self) -> dict[str, Any] | None:
+    async def _tail(self) -> dict[str, Any] | None:
         """What the guard still held when the stream ended without a finish_reason, as one last chunk."""
-        choices = self._guard.closing() if self._guard is not None else []
+        choices = await self._guard.closing() if self._guard is not None else []
         if not choices:
             return None
         return {**{k: self._last[k] for k in ENVELOPE if k in self._last}, "choices": choices}

@@ -3,7 +3,8 @@
 An answer is pruned to the inventory first (channels.prune). What remains is checked, by kind:
 - texts that grow over a stream — each choice's content, reasoning, refusal, completion text, tool-call names and
   arguments — each a stream of its own, with the scanner's minimal hold-back (a marker split across chunks of
-  one field is found; fields never run into each other);
+  one field is found; the edits of one field never cut another), and read again joined as a client could join
+  them (joins.py: a marker split across fields or choices is found too);
 - token-level fields — each choice's chosen logprob tokens, and the alternatives of each rank — each sequence a
   stream of its own too. A choice's logprobs are atomic per position, so they are never split: an event's
   logprobs go out only once no stream that the event wrote holds anything back, and are otherwise joined to a
@@ -28,6 +29,7 @@ from typing import Any
 
 from isolation.channels import ENVELOPE, Removed, drop, join, positions, texts, token_streams
 from isolation.fingerprints import AnswerCheck
+from isolation.joins import Joins
 from isolation.json_escapes import JsonStringReader, may_spell_a_marker
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import PREFIX, MarkerRegistry, normal_form
@@ -71,19 +73,24 @@ class StripWouldJoin(Exception):
     gateway withholds the answer as a failed check)."""
 
 
+class SplitMarker(Exception):
+    """The tenant's own marker, split across texts of one answer: what went out of it cannot be taken back, and the
+    rest cannot be shown safe (the gateway withholds the answer as a failed check)."""
+
+
 class LeakBlocked(Exception):
     """Another tenant's marker was found and the policy is to block: the answer must not go out."""
 
 
-def place(choice: dict[str, Any], key: str, text: str) -> None:
-    """Append text to one of a streamed choice's texts, by its stream key (channels.texts)."""
+def place(choice: dict[str, Any], key: str, text: str) -> tuple[dict[str, Any], str]:
+    """Append text to one of a streamed choice's texts, by its stream key (channels.texts); where it stands."""
     if key == "text":
         choice["text"] = (choice.get("text") or "") + text
-        return
+        return choice, "text"
     delta = choice.setdefault("delta", {})
     if not key.startswith("tool:"):
         delta[key] = (delta.get(key) or "") + text
-        return
+        return delta, key
     _, slot, name = key.split(":")
     index = None if slot == "null" else int(slot)
     calls = delta.setdefault("tool_calls", [])
@@ -93,6 +100,7 @@ def place(choice: dict[str, Any], key: str, text: str) -> None:
         calls.append(call)
     function = call.setdefault("function", {})
     function[name] = (function.get(name) or "") + text
+    return function, name
 
 
 @dataclass
@@ -179,6 +187,7 @@ class OutputGuard:
         self._sinks: dict[str, _Sink] = {}
         self._reported: set[tuple[str, str]] = set()
         self._unknown: set[bytes] = set()
+        self._joins = Joins()
 
     async def check_chunk(self, chunk: dict[str, Any]) -> None:
         """Scan and edit one streamed chunk (pruned: channels.prune) in place."""
@@ -196,7 +205,7 @@ class OutputGuard:
             if state is None:
                 state = self._choices[index] = _Choice(self._echo_prefix)
             final = choice.get("finish_reason") is not None
-            await self._choice(state, choice, final)
+            await self._choice(index, state, choice, final)
             if final:
                 # Nothing more comes for this choice: what was held goes out with its last chunk, even when that
                 # chunk carries none of the fields (OpenAI's closing chunk has `delta: {}`).
@@ -208,7 +217,7 @@ class OutputGuard:
         await self._hold_envelope(body)
         choices = self._answered(body)
         for choice in choices if choices is not None else await self._unasked_out(body):
-            await self._choice(_Choice(self._echo_prefix), choice, final=True)
+            await self._choice(choice.get("index") or 0, _Choice(self._echo_prefix), choice, final=True)
 
     def _answered(self, answer: dict[str, Any]) -> list[dict[str, Any]] | None:
         """The answer's choices, when all of them answer the request (every event of an honest engine); else None.
@@ -241,7 +250,7 @@ class OutputGuard:
         choices[:] = kept
         return kept
 
-    def closing(self) -> list[dict[str, Any]]:
+    async def closing(self) -> list[dict[str, Any]]:
         """For a stream that ended without finishing its choices: their held texts and logprobs, as last choices.
 
         Empties the guard. Text held for an undecided fragment (not yet scanned for markers) is not among them.
@@ -252,7 +261,9 @@ class OutputGuard:
             for key, scanner in state.scanners.items():
                 rest = self._rest(scanner)
                 if rest and not key.startswith("lp"):
-                    place(choice, key, rest)
+                    holder, name = place(choice, key, rest)
+                    if found := self._joins.went_out(index, key, rest, False):
+                        await self._split(found, holder, name)
             if state.held_logprobs is not None and not state.suspended and not state.held_tokens:
                 # (Those held with an undecided fragment's text go with it.)
                 drop(state.held_logprobs, state.dropped)
@@ -340,7 +351,7 @@ class OutputGuard:
                 if value != first:
                     call["id"] = first
 
-    async def _choice(self, state: _Choice, choice: dict[str, Any], final: bool) -> None:
+    async def _choice(self, index: int, state: _Choice, choice: dict[str, Any], final: bool) -> None:
         if state.echo and type(choice.get("text")) is str:
             self._strip_echo(state, choice)
         stop = choice.get("stop_reason")
@@ -367,6 +378,10 @@ class OutputGuard:
         ):
             # Unless a backslash starts a JSON escape that spells a marker only once a client decodes the text.
             if not any(may_spell_a_marker(holder[name]) for _, holder, name in slots):
+                joins = self._joins
+                for key, holder, name in slots:
+                    if found := joins.went_out(index, key, holder[name], True):
+                        await self._split(found, holder, name)
                 return
         holding = bool(state.suspended) or state.held_tokens
         for position, (key, holder, name) in enumerate(slots):
@@ -377,6 +392,8 @@ class OutputGuard:
                 and (scanner is None or scanner.idle)
                 and not may_spell_a_marker(holder[name])
             ):
+                if found := self._joins.went_out(index, key, holder[name], True):
+                    await self._split(found, holder, name)
                 continue
             scanner = scanner or state.scanner(key)
             original = holder[name]
@@ -386,6 +403,8 @@ class OutputGuard:
             holding |= scanner.holding
             if released != original:
                 holder[name] = released
+            if found := self._joins.went_out(index, key, released, False):
+                await self._split(found, holder, name)
         if logprobs is not None or state.held_logprobs is not None:
             await self._logprobs(state, choice, streams, flagged, len(slots), holding, final)
         if final:
@@ -393,7 +412,9 @@ class OutputGuard:
             for key, scanner in state.scanners.items():
                 rest = self._rest(scanner)
                 if rest and key not in seen and not key.startswith("lp"):
-                    place(choice, key, rest)
+                    holder, name = place(choice, key, rest)
+                    if found := self._joins.went_out(index, key, rest, False):
+                        await self._split(found, holder, name)
 
     async def _find_fragments(
         self,
@@ -594,6 +615,21 @@ class OutputGuard:
             raise StripWouldJoin("stripping markers kept joining text into new ones")
         scanner.went_out(out)
         return out
+
+    async def _split(self, found: list[bytes], holder: dict[str, Any], name: str) -> None:
+        """Candidates that a text about to go out completes with texts that went out before (joins.py): the tenant's
+        own marker cannot be stripped from texts already gone (the answer is withheld as a failed check); another
+        tenant's is a leak (under redact, this text is redacted)."""
+        for candidate in found:
+            if candidate in self._unknown:
+                continue
+            owner = await self._registry.resolve(candidate)
+            if owner is None:
+                self._unknown.add(candidate)
+            elif owner.tenant == self._tenant:
+                raise SplitMarker("the tenant's own marker, split across texts of the answer")
+            elif await self._leak(Leak(owner.tenant, MARKER, str(owner.epoch))) is not None:
+                holder[name] = REDACTED
 
     def _rest(self, scanner: StreamScanner) -> str:
         """What a stream's scanner still held at its end: a tail that can no longer become a marker goes out, except

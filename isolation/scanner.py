@@ -20,9 +20,9 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from isolation.json_escapes import JsonStringReader
+from isolation.json_escapes import DEPTH, JsonStringLevels
 from isolation.markers import CODE_LENGTH, NORMAL_LENGTH
 
 _CANDIDATE = re.compile(rb"(?=(cnry[a-z2-7]{%d}))" % CODE_LENGTH)
@@ -101,22 +101,35 @@ def _hold_from(normal: bytes) -> int | None:
     return None
 
 
+@dataclass(slots=True)
+class _Level:
+    """A scanner's reading of its text decoded so many times: the held text's shadow and where each of its characters
+    began as sent, the carry, and the normal form of the end of what went out (now, and before the last scan)."""
+
+    shadow: str = ""  # these three are kept only while the scanner is apart: else they are the text as sent's own
+    begins: list[int] = field(default_factory=list)
+    carry: bytes = b""
+    out: bytes = b""
+    out_before: bytes = b""
+
+
 class StreamScanner:
     """One stream of text: a choice's content, its tool-call arguments, or its reasoning. With `json_strings`, text a
-    client may decode as the inside of a JSON string (json_escapes.py) is read both as sent and as decoded: a marker
-    in either is found, and text is held back while either could still become one."""
+    client may decode as the inside of a JSON string (json_escapes.py) is read as sent and as decoded once, twice,
+    up to DEPTH times: a marker in any reading is found, and text is held back while any could still become one."""
 
     def __init__(self, json_strings: bool = False) -> None:
         self._held = ""
         # The normal form of the end of a reported hit that could also be the start of another candidate: that text
         # went out with the hit (edited, if the hit was a marker), and a marker overlapping it must still be found.
         self._carry = b""
-        self._reader = JsonStringReader() if json_strings else None
-        self._shadow = ""  # the held text as decoded (as long as it), and the decoded view's own carry
-        self._shadow_carry = b""
-        # The normal form of the end of what went out (each view), and what it was before the last scan: a strip
-        # joins the text before it to the text after it (went_out).
-        self._out = self._shadow_out = self._out_before = self._shadow_out_before = b""
+        self._escapes = JsonStringLevels() if json_strings else None
+        self._levels = [_Level() for _ in range(DEPTH)] if json_strings else []
+        self._apart = False  # some decoded reading of the held text (or its carry) differs from the text as sent
+        self._at = 0  # where the held text begins, as the escape reader counts what it read
+        # The normal form of the end of what went out, and what it was before the last scan: a strip joins the text
+        # before it to the text after it (went_out).
+        self._out = self._out_before = b""
         self._sent = self._sent_before = ""  # the last characters that went out, as sent (`\\u004` is 5 of them)
 
     @property
@@ -127,21 +140,25 @@ class StreamScanner:
     @property
     def idle(self) -> bool:
         """Nothing held or carried: a piece that `suspects` clears passes through unchanged."""
-        return not self._held and not self._carry and not self._shadow_carry and not self.escaping
+        return not self._held and not self._carry and not self._apart and not self.escaping
 
     @property
     def escaping(self) -> bool:
         """A JSON escape was cut at the end of the last piece: the next one must be scanned, whatever it holds."""
-        return self._reader is not None and self._reader.pending
+        return self._escapes is not None and self._escapes.pending
 
     def scan(self, piece: str) -> Scan:
         text = self._held + piece if self._held else piece
-        self._out_before, self._shadow_out_before, self._sent_before = self._out, self._shadow_out, self._sent
-        if self._reader is not None:
-            shadow = self._shadow + self._reader.shadow(piece)
-            if shadow != text or self._shadow_carry != self._carry or self._reader.pending:
-                return self._scan_both(text, shadow)
-            self._shadow, self._shadow_carry = "", b""
+        self._out_before, self._sent_before = self._out, self._sent
+        escapes = self._escapes
+        if escapes is not None:
+            for level in self._levels:
+                level.out_before = level.out
+            if "\\" in piece or escapes.pending:
+                return self._scan_levels(text, escapes.read(piece))
+            escapes.skip(len(piece))
+            if self._apart:
+                return self._scan_levels(text, None)
         carry = self._carry
         normal = carry + normalize(text) if carry else normalize(text)
         # Most pieces are decided by two C-level searches: no "cnry" (no candidate) and no "c" near the end (nothing
@@ -165,36 +182,49 @@ class StreamScanner:
         self._carry = _carried(normal, hold, len(carry) + len(released))
         self._went(released, text[:release])
         self._held = text[release:]
-        if self._reader is not None:
-            self._shadow = self._held
-            self._shadow_carry = self._carry
         return Scan(text, hits, release)
 
     def _went(self, normal: bytes, text: str) -> None:
-        """`text` went out as it came, and (while no escape is near) read alike both ways; `normal` its normal form."""
-        self._out = (self._out + normal)[-_TAIL:]
-        if self._reader is not None:
-            self._shadow_out = (self._shadow_out + normal)[-_TAIL:]
+        """`text` went out as it came, and (while no escape is near) read alike every way; `normal` its normal form."""
+        self._out = (self._out + normal)[-TAIL:]
+        if self._escapes is not None:
+            self._at += len(text)
+            for level in self._levels:
+                level.out = (level.out + normal)[-TAIL:]
             self._sent = (self._sent + text)[-_SENT:]
 
     def after_out(self, text: str) -> list[Hit]:
         """The candidates in `text` (about to go out, edited) read after what went out before this scan: a stripped
         marker joins what stood before it, in earlier chunks too. A hit begun before `text` starts at its start."""
-        scanner = StreamScanner(self._reader is not None)
-        scanner._carry, scanner._shadow_carry = _tail(self._out_before), _tail(self._shadow_out_before)
+        scanner = StreamScanner(self._escapes is not None)
+        scanner._carry = open_end(self._out_before)
+        for mine, theirs in zip(self._levels, scanner._levels, strict=True):
+            theirs.carry = open_end(mine.out_before)
+        scanner._apart = bool(self._levels)
         scanner._sent = self._sent_before
         return scanner.scan(text).hits
 
-    def _scan_both(self, text: str, shadow: str) -> Scan:
-        """`scan` over the text as sent and its decoded shadow (as long as it, so positions are shared)."""
-        assert self._reader is not None
+    def _scan_levels(self, text: str, read: list[tuple[str, list[int]]] | None) -> Scan:
+        """`scan` over the text as sent and its decoded readings (`read`: this piece's; None when it reads as sent),
+        each as long as it, so positions are shared."""
+        assert self._escapes is not None
+        base, kept = self._at, len(self._held)
+        self._part()
+        if read is None:
+            start = base + kept
+            read = [(text[kept:], list(range(start, start + len(text) - kept)))] * len(self._levels)
         # An escape not yet complete stays back whole (what it decodes to is not known yet), and so does a hit that
         # reaches into one: it is found again, whole, once the escape is.
-        cut = len(text) - self._reader.unfinished
-        views = []
+        cut = min(len(text), self._escapes.began - base)
+        views: list[tuple[str, bytes, list[int] | None]] = [(text, self._carry, None)]
+        views += [
+            (level.shadow + shadow, level.carry, level.begins + begins)
+            for level, (shadow, begins) in zip(self._levels, read, strict=True)
+        ]
         hits: dict[tuple[int, int, bytes], Hit] = {}
         release = cut
-        for view, carry in ((text, self._carry), (shadow, self._shadow_carry)):
+        holds = []
+        for view, carry, begins in views:
             normal = carry + normalize(view)
             hold = _hold_from(normal)
             matches = [m.start() for m in _CANDIDATE.finditer(normal)] if b"cnry" in normal else _NO_MATCHES
@@ -202,8 +232,8 @@ class StreamScanner:
                 positions = [0] * len(carry) + _positions(view)
                 for at in matches:
                     start, end = positions[at], positions[at + NORMAL_LENGTH - 1] + 1
-                    if view is shadow:
-                        start = _escape_start(text, shadow, start)
+                    if begins is not None:  # from the first escape that spells it: an edit takes whole escapes
+                        start = _began(begins, start, base)
                     if end > cut:
                         hold = at if hold is None else min(hold, at)
                         continue
@@ -211,59 +241,71 @@ class StreamScanner:
                     hits.setdefault((start, end, hit.normal), hit)
                 if hold is not None:
                     at = positions[hold]
-                    release = min(release, _escape_start(text, shadow, at) if view is shadow else at)
-            views.append((carry, normal, hold))
+                    release = min(release, _began(begins, at, base) if begins is not None else at)
+            holds.append((normal, hold))
         release = max([release, *(hit.end for hit in hits.values())])
-        (carry, normal, hold), (shadow_carry, shadow_normal, shadow_hold) = views
-        released, shadow_released = normalize(text[:release]), normalize(shadow[:release])
-        self._carry = _carried(normal, hold, len(carry) + len(released))
-        self._shadow_carry = _carried(shadow_normal, shadow_hold, len(shadow_carry) + len(shadow_released))
-        self._out, self._shadow_out = (self._out + released)[-_TAIL:], (self._shadow_out + shadow_released)[-_TAIL:]
+        apart = self._escapes.pending
+        for index, ((view, carry, begins), (normal, hold)) in enumerate(zip(views, holds, strict=True)):
+            released = normalize(view[:release])
+            carried = _carried(normal, hold, len(carry) + len(released))
+            if begins is None:
+                self._carry = carried
+                self._out = (self._out + released)[-TAIL:]
+                continue
+            level = self._levels[index - 1]
+            level.carry, level.out = carried, (level.out + released)[-TAIL:]
+            level.shadow, level.begins = view[release:], begins[release:]
+            apart = apart or level.shadow != text[release:] or level.carry != self._carry
         self._sent = (self._sent + text[:release])[-_SENT:]
-        self._held, self._shadow = text[release:], shadow[release:]
+        self._held = text[release:]
+        self._at = base + release
+        self._apart = apart
         return Scan(text, list(hits.values()), release)
 
     def opens_escape(self, before: str) -> bool:
         """Whether what went out before this scan, then `before` (the start of this scan's text), ends in the start of
         a JSON escape: text removed after it would join it to what follows (`\\u00` + a stripped marker + `43`)."""
-        return self._reader is not None and _opens_escape((self._sent_before + before)[-_SENT:])
+        return self._escapes is not None and _opens_escape((self._sent_before + before)[-_SENT:])
 
     def went_out(self, released: str) -> None:
         """What went out ended in `released`, edited: stripping a marker joins what stood around it, so the next
         piece is read after that, not after the text as it came (`CN` + a stripped marker + `RY-…` is a candidate).
         The guard calls it after edits that strip, before the next scan."""
-        out = (self._out_before + normalize(released))[-_TAIL:]
-        self._carry, self._out = _tail(out), out
+        out = (self._out_before + normalize(released))[-TAIL:]
+        self._carry, self._out = open_end(out), out
         self._sent = (self._sent_before + released)[-_SENT:]
-        if self._reader is not None:
-            shadow = (self._shadow_out_before + normalize(JsonStringReader().shadow(released)))[-_TAIL:]
-            self._shadow_carry, self._shadow_out = _tail(shadow), shadow
+        if self._escapes is not None:
+            self._part()
+            for level, (shadow, _) in zip(self._levels, JsonStringLevels().read(released), strict=True):
+                level.out = (level.out_before + normalize(shadow))[-TAIL:]
+                level.carry = open_end(level.out)
+
+    def _part(self) -> None:
+        """From here the readings are kept apart: they start as the text as sent's own."""
+        if not self._apart:
+            held, at = self._held, self._at
+            for level in self._levels:
+                level.shadow, level.begins, level.carry = held, list(range(at, at + len(held))), self._carry
+            self._apart = True
 
     def flush(self) -> str:
         """The end of the stream: what was held can no longer become a marker."""
         held, self._held, self._carry = self._held, "", b""
-        self._shadow, self._shadow_carry = "", b""
-        self._out = self._shadow_out = b""
+        self._out = b""
         self._sent = ""
-        if self._reader is not None:
-            self._reader = JsonStringReader()
+        if self._escapes is not None:
+            self._escapes = JsonStringLevels()
+            self._levels = [_Level() for _ in self._levels]
+            self._apart, self._at = False, 0
         return held
 
 
-# The `\uXXXX` (or surrogate pair) whose decoded character stands, in the shadow, at its last digit.
-_ESCAPE_BEFORE = re.compile(r"(?:\\u[dD][89abAB][0-9a-fA-F]{2})?\\u[0-9a-fA-F]{3}\Z")
+def _began(begins: list[int], at: int, base: int) -> int:
+    """Where, in a scan's text, the escapes that spell the character at `at` of a decoded reading begin."""
+    return max(0, min(at, begins[at] - base)) if at < len(begins) else at
 
 
-def _escape_start(text: str, shadow: str, at: int) -> int:
-    """Where the escape that decodes to the character at `at` begins (`at` when it stands as sent): an edit of a
-    hit takes whole escapes, or what is left of one would not parse."""
-    if at >= len(text) or shadow[at] == text[at]:
-        return at
-    found = _ESCAPE_BEFORE.search(text, max(0, at - 11), at)
-    return found.start() if found else at
-
-
-_TAIL = NORMAL_LENGTH - 1  # the longest end of a normal form that could still become a marker
+TAIL = NORMAL_LENGTH - 1  # the longest end of a normal form that could still become a marker
 _SENT = 64
 _OPEN_UNICODE = re.compile(r"u[0-9a-fA-F]{0,3}\Z")
 
@@ -277,7 +319,7 @@ def _opens_escape(sent: str) -> bool:
     return run % 2 == 1 or (run > 0 and run == len(before))
 
 
-def _tail(normal: bytes) -> bytes:
+def open_end(normal: bytes) -> bytes:
     """The end of a normal form that could still start a marker."""
     hold = _hold_from(normal)
     return normal[hold:] if hold is not None else b""
@@ -286,6 +328,11 @@ def _tail(normal: bytes) -> bytes:
 def _carried(normal: bytes, hold: int | None, released: int) -> bytes:
     """What of a normal form went out (up to `released`) after the start of a tail that could still be a marker."""
     return normal[hold:released] if hold is not None and hold < released else b""
+
+
+def candidates(normal: bytes) -> list[bytes]:
+    """The candidate markers in a normal form."""
+    return [match.group(1) for match in _CANDIDATE.finditer(normal)] if b"cnry" in normal else []
 
 
 def scan_all(text: str) -> list[Hit]:

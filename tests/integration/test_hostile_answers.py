@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from gateway.serving import run_server
 from gateway.tokens import ModelTokenizer
+from isolation.json_escapes import JsonStringReader
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body
 
 CHAT = "/v1/chat/completions"
@@ -254,6 +255,97 @@ async def test_a_marker_that_json_escapes_hide_in_tool_arguments_is_withheld(
     else:
         assert response.status_code == 502 if path == CHAT else response.status_code >= 400, response.text
         assert "CNRY" not in response.text and normal(marker)[4:] not in normal(response.text)
+    assert await events_since(client, gateway, since) == [("leak", "alice")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("times", [2, 3])
+async def test_a_marker_json_escaped_more_than_once_in_tool_arguments_is_withheld(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, stream: bool, times: int
+) -> None:
+    # A tool argument that is a JSON document as a string: `\\u0043NRY…` is `\u0043NRY…` decoded once and alice's
+    # marker decoded twice (3 of 3 passed). Every layer a client decodes is read, up to three.
+    marker = await alice_marker(client, gateway, engine)
+    arguments = '{"note": "\\u0043' + marker[1:4] + "\\n" + marker[5:] + '"}'  # alice's marker, decoded once
+    for _ in range(times - 1):
+        arguments = orjson.dumps({"doc": arguments}).decode()
+    readings = [arguments]
+    for _ in range(times):
+        readings.append(JsonStringReader().decoded(readings[-1]))
+    assert all(normal(marker) not in normal(text) for text in readings[:-1]) and normal(marker) in normal(readings[-1])
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    engine.script = lambda prompt: answer(prompt, None, tool_calls=[call])
+    if stream:
+        pieces = [arguments[at : at + 5] for at in range(0, len(arguments), 5)]
+        calls = [{"index": 0, "function": {"name": "f" if at == 0 else "", "arguments": piece}}
+                 for at, piece in enumerate(pieces)]  # fmt: skip
+        engine.script = lambda prompt: [
+            *(chunk({"index": 0, "delta": {"tool_calls": [one]}, "finish_reason": None}) for one in calls),
+            chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls"}),
+            chunk(usage_=usage(prompt, len(calls))),
+            b"data: [DONE]\n\n",
+        ]
+    since = time.time()
+    response = await client.post(gateway + CHAT, json=chat_body("q", tools=TOOLS, stream=stream),
+                                 headers=auth(BOB_KEY))  # fmt: skip
+    if stream:
+        assert response.status_code == 200 and '"answer_withheld"' in response.text, response.text
+    else:
+        assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld", response.text
+    text = response.text
+    for _ in range(times + 1):  # as sent, and decoded as often as the client may
+        assert normal(marker) not in normal(text), text
+        text = JsonStringReader().decoded(text)
+    assert await events_since(client, gateway, since) == [("leak", "alice")]
+
+
+@pytest.mark.parametrize("where", ["reasoning then content", "content then tool arguments", "choice 0 then choice 1"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_marker_split_across_the_texts_of_an_answer_is_withheld(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, where: str, stream: bool
+) -> None:
+    # Each text is scanned on its own; a client that shows reasoning then content, or one choice after another,
+    # read alice's marker whole (20 of 20 passed).
+    marker = await alice_marker(client, gateway, engine)
+    first, second = "Thinking of " + marker[:13], marker[13:] + " is the answer."
+    if where == "reasoning then content":
+        messages = [{"reasoning_content": first}, {"content": second}]
+    elif where == "content then tool arguments":  # (arguments as a model wrote them: no JSON between)
+        call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": second}}
+        messages = [{"content": first}, {"tool_calls": [call]}]
+    else:
+        messages = [{"content": first}, {"content": second}]
+    two = where == "choice 0 then choice 1"
+
+    def script(prompt: int) -> JsonObject | list[JsonObject | bytes]:
+        if not stream:
+            if two:
+                body = answer(prompt, first)
+                body["choices"].append({**body["choices"][0], "index": 1, "message": {"role": "assistant",
+                                        "content": second}})  # fmt: skip
+                return body
+            message = {"role": "assistant", "content": None, **messages[0], **messages[1]}
+            if "tool_calls" in message:
+                for call in message["tool_calls"]:
+                    call.pop("index")
+            return {**answer(prompt), "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+        return [
+            chunk({"index": 0, "delta": {"role": "assistant", **messages[0]}, "finish_reason": None}),
+            chunk({"index": 1 if two else 0, "delta": messages[1], "finish_reason": None}),
+            *(chunk({"index": index, "delta": {}, "finish_reason": "stop"}) for index in range(2 if two else 1)),
+            chunk(usage_=usage(prompt, 2)),
+            b"data: [DONE]\n\n",
+        ]
+
+    engine.script = script
+    since = time.time()
+    body = chat_body("q", stream=stream, n=2 if two else 1, tools=TOOLS)
+    response = await client.post(gateway + CHAT, json=body, headers=auth(BOB_KEY))
+    if stream:
+        assert response.status_code == 200 and '"answer_withheld"' in response.text, response.text
+    else:
+        assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld", response.text
+    assert normal(marker) not in normal(response.text.replace("\\", "")), response.text
     assert await events_since(client, gateway, since) == [("leak", "alice")]
 
 

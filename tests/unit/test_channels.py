@@ -172,7 +172,7 @@ async def test_any_answer_is_pruned_to_the_inventory_without_losing_a_text(answe
     guard, _ = guard_for(registry_at(tenants=("alice", "bob")))
     await guard.check_removed(removed)
     await (guard.check_chunk(answer) if streamed else guard.check_body(answer))
-    guard.closing()
+    await guard.closing()
 
 
 def test_logprob_bytes_are_derived_from_the_token() -> None:

@@ -1,5 +1,5 @@
-"""Text written as the inside of JSON strings (tool-call arguments), read as a client's JSON parser reads it: the
-reader's two views, and markers that only decoding spells out."""
+"""Text written as the inside of JSON strings (tool-call arguments), read as a client's JSON parser reads it, once
+or (a JSON string holding JSON) up to DEPTH times: the readings, and markers that only decoding spells out."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isolation.guard import Leak, LeakBlocked, StripWouldJoin
-from isolation.json_escapes import JsonStringReader
+from isolation.json_escapes import DEPTH, JsonStringLevels, JsonStringReader
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import MarkerRegistry, normal_form
 from isolation.scanner import StreamScanner, normalize
@@ -35,6 +35,36 @@ def test_the_decoded_view_is_what_a_json_parser_reads_and_the_shadow_is_as_long_
     for piece in pieces:
         assert len(shadows.shadow(piece)) == len(piece)
     assert not decoded.pending and not shadows.pending
+
+
+def decoded(text: str, times: int) -> str:
+    for _ in range(times):
+        text = JsonStringReader().decoded(text)
+    return text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters(codec="ascii")), st.integers(1, DEPTH), st.lists(st.integers(0, 400), max_size=20))
+def test_each_level_reads_the_text_decoded_so_many_times_and_knows_where_each_character_began(
+    text: str, depth: int, cuts: list[int]
+) -> None:
+    raw = text
+    for _ in range(depth):
+        raw = inside(raw, True)
+    levels, shadows, begins = JsonStringLevels(), [""] * DEPTH, [list[int]() for _ in range(DEPTH)]
+    for piece in split(raw, [cut for cut in cuts if cut <= len(raw)]):
+        for level, (shadow, began) in enumerate(levels.read(piece)):
+            assert len(shadow) == len(piece) == len(began)
+            shadows[level] += shadow
+            begins[level] += began
+    for level in range(DEPTH):  # (a level past `depth` may end inside an escape: `\\` decoded once is one backslash)
+        shadow = shadows[level]
+        # Spaces pad each reading: in normal form (letters and digits) it is the text decoded level + 1 times.
+        assert normalize(shadow) == normalize(decoded(raw, level + 1))
+        for at, char in enumerate(shadow):
+            # What the characters from where it began to where it stands decode to, decoded as often, is it.
+            if char != " " and begins[level][at] < at:
+                assert decoded(raw[begins[level][at] : at + 1], level + 1) == char
 
 
 def test_a_broken_escape_is_dropped_up_to_the_character_that_broke_it() -> None:
@@ -64,8 +94,11 @@ def escaped(marker: str, draw: st.DrawFn) -> str:
 
 @st.composite
 def escaped_streams(draw: st.DrawFn) -> tuple[str, bytes, list[str]]:
+    """A marker in JSON text that decoding spells out once, twice or DEPTH times (a JSON string holding JSON)."""
     marker = draw(markers())
     text = inside(draw(st.text(max_size=30)), True) + escaped(marker, draw) + inside(draw(st.text(max_size=30)), True)
+    for _ in range(draw(st.integers(1, DEPTH)) - 1):
+        text = inside(text, True)
     pieces = list(text) if draw(st.booleans()) else split(text, draw(st.lists(st.integers(0, len(text)))))
     return text, normal_form(marker), pieces
 
@@ -82,8 +115,8 @@ def test_a_marker_only_decoding_spells_is_found_whatever_the_chunking(case: tupl
             break
         before += scan.text[: scan.release]
     assert found
-    # What went out before the scan that found it holds the marker neither as sent nor decoded.
-    assert normal not in normalize(before) and normal not in normalize(JsonStringReader().decoded(before))
+    # What went out before the scan that found it holds the marker neither as sent nor decoded, however often.
+    assert all(normal not in normalize(decoded(before, times)) for times in range(DEPTH + 1))
 
 
 async def relay_arguments(

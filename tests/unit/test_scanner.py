@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
-from isolation.guard import Leak, LeakBlocked, OutputGuard
+from isolation.guard import Leak, LeakBlocked, OutputGuard, SplitMarker
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import (
     CODE_LENGTH,
@@ -490,23 +490,45 @@ async def test_tool_call_arguments_are_scanned(registry: MarkerRegistry) -> None
     assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
 
 
-async def test_choices_and_fields_are_scanned_as_separate_streams(registry: MarkerRegistry) -> None:
-    guard, leaks = guard_for(registry, choices=2)
+async def test_a_marker_split_across_choices_or_fields_is_found_when_its_last_part_would_go_out(
+    registry: MarkerRegistry,
+) -> None:
     bobs = registry.marker("bob")
-    # Half a marker in choice 0 and the other half in choice 1 (or in another field) is no marker.
-    first = delta_chunk(content=bobs[:12])
-    second = delta_chunk(index=1, content=bobs[12:])
-    third = delta_chunk(reasoning_content=bobs[12:])
-    for chunk in (first, second, third):
-        await guard.check_chunk(chunk)
-    assert second["choices"][0]["delta"]["content"] == bobs[12:]
-    assert third["choices"][0]["delta"]["reasoning_content"] == bobs[12:]
-    assert guard.closing() == [{"index": 0, "finish_reason": None, "delta": {"content": bobs[:12]}}]
+    for policy in (LeakPolicy.BLOCK, LeakPolicy.REDACT):
+        guard, leaks = guard_for(registry, policy, choices=2)
+        # Each field is a stream of its own: half a marker in one goes out with the field's next piece...
+        first = delta_chunk(content=bobs[:12])
+        second = delta_chunk(index=1, content=bobs[12:])
+        third = delta_chunk(reasoning_content=bobs[12:])
+        for chunk in (first, second, third):
+            await guard.check_chunk(chunk)
+        assert second["choices"][0]["delta"]["content"] == bobs[12:]
+        assert third["choices"][0]["delta"]["reasoning_content"] == bobs[12:]
+        assert leaks.found == []
+        # ... but a client joins a choice's content and reasoning: the held half completes bob's marker there.
+        if policy is LeakPolicy.BLOCK:
+            with pytest.raises(LeakBlocked):
+                await guard.closing()
+        else:
+            assert await guard.closing() == [{"index": 0, "finish_reason": None, "delta": {"content": REDACTED}}]
+        assert leaks.found == [Leak("bob", "leak", str(EPOCH))]
+    # Choice 0 ends in half a marker, choice 1 starts with the rest: read one after the other, it is one.
+    guard, leaks = guard_for(registry, choices=2)
+    await guard.check_chunk(delta_chunk(index=1, content=bobs[12:] + " and more"))
+    with pytest.raises(LeakBlocked):
+        await guard.check_chunk(delta_chunk("stop", content="Note: " + bobs[:12]))
+    # Her own marker split so cannot be stripped from what went out: the answer is withheld. (A held start longer
+    # than "CNRY" is never handed over: below.)
+    mine = registry.marker("alice")
+    guard, leaks = guard_for(registry)
+    await guard.check_chunk(delta_chunk(reasoning_content="Note: " + mine[:4]))
+    with pytest.raises(SplitMarker):
+        await guard.check_chunk(delta_chunk("stop", content=mine[4:]))
     assert leaks.found == []
     # The held start of her own marker is never handed over: it would show her most of it.
     guard, leaks = guard_for(registry)
     await guard.check_chunk(delta_chunk(content=registry.marker("alice")[:12]))
-    assert guard.closing() == [] and leaks.found == []
+    assert await guard.closing() == [] and leaks.found == []
 
 
 async def test_text_held_at_the_finish_is_flushed_into_the_finishing_chunk(registry: MarkerRegistry) -> None:
@@ -517,7 +539,7 @@ async def test_text_held_at_the_finish_is_flushed_into_the_finishing_chunk(regis
     last = delta_chunk("stop", content=" tac")
     await guard.check_chunk(last)
     assert last["choices"][0]["delta"]["content"] == "c tac"
-    assert guard.closing() == []
+    assert await guard.closing() == []
     guard, _ = guard_for(registry)
     completion = {"choices": [{"index": 0, "text": "C-N", "finish_reason": "length"}]}
     await guard.check_chunk(completion)
@@ -528,11 +550,11 @@ async def test_what_a_stream_without_a_finish_still_held_is_handed_over(registry
     guard, _ = guard_for(registry, choices=2)
     await guard.check_chunk(delta_chunk(content="abc"))
     await guard.check_chunk({"choices": [{"index": 1, "text": "CNRY-AB", "finish_reason": None}]})
-    assert guard.closing() == [
+    assert await guard.closing() == [
         {"index": 0, "finish_reason": None, "delta": {"content": "c"}},
         {"index": 1, "finish_reason": None, "text": "CNRY-AB"},
     ]
-    assert guard.closing() == []
+    assert await guard.closing() == []
 
 
 async def test_text_held_at_a_finish_without_the_field_is_flushed_into_that_chunk(registry: MarkerRegistry) -> None:

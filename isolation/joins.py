@@ -1,0 +1,75 @@
+"""Markers that no one text of an answer holds, split across its texts: the texts read as a client could join them.
+
+Each text of an answer (a choice's content, reasoning, refusal, each tool call's name and arguments) is scanned on
+its own, with hold-back and edits (guard.py); fields never run into each other there. A client can join them all the
+same: one that prints every delta as it comes reads them in the order they went out, and one that shows reasoning
+and then content, or a choice after the one before, reads one text's end followed by another's start. Both
+readings are scanned here, to find, not to edit: a marker is found when the part that completes it is about to go
+out, so that part is withheld with the answer (or redacted), while what went out before it has gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from isolation.scanner import TAIL, StreamScanner, candidates, normalize, open_end
+
+MAX_TEXTS = 32  # texts of one choice whose ends are joined to other texts' starts (a bound on the pairs tried)
+
+
+@dataclass(slots=True)
+class _Ends:
+    head: bytes = b""  # the normal form of the text's start, as long as the most of a marker another text can end
+    tail: bytes = b""  # the normal form of its end, where it could still start a marker (mostly nothing)
+
+
+class Joins:
+    def __init__(self) -> None:
+        self._order = StreamScanner()  # every text that went out, in the order it went
+        self._order_idle = True
+        self._ends: dict[int, dict[str, _Ends]] = {}  # per choice, per text
+
+    def went_out(self, choice: int, key: str, text: str, plain: bool) -> list[bytes]:
+        """`text` is about to go out (as edited) in one text of a choice; the candidate markers that it completes in
+        either reading. `plain`: it holds no candidate and ends in nothing that could start one (scanner.suspects)."""
+        ends = self._ends.get(choice)
+        mine = ends.get(key) if ends is not None else None
+        # Most pieces: plain, in a text whose start is known and whose end starts nothing, after an idle order.
+        if not text or (plain and self._order_idle and mine is not None and not mine.tail and len(mine.head) == TAIL):
+            return _NONE
+        found = []
+        if not (plain and self._order_idle):
+            found = [hit.normal for hit in self._order.scan(text).hits]
+            self._order_idle = self._order.idle
+        if ends is None:
+            ends = self._ends[choice] = {}
+        if mine is None:
+            if len(ends) >= MAX_TEXTS:
+                return found
+            mine = ends[key] = _Ends()
+        grown = len(mine.head) < TAIL
+        if grown:
+            mine.head = (mine.head + normalize(text))[:TAIL]
+        tail = b"" if plain and not mine.tail else open_end((mine.tail + normalize(text))[-TAIL:])
+        moved, mine.tail = tail != mine.tail, tail
+        # Its end before the start of another text of its choice or the next; another's end before its start.
+        if moved and tail:
+            for other in (ends, self._ends.get(choice + 1, {})):
+                found += [
+                    candidate
+                    for theirs in other.values()
+                    if theirs is not mine
+                    for candidate in candidates(tail + theirs.head)
+                ]
+        if grown:
+            for other in (ends, self._ends.get(choice - 1, {})):
+                found += [
+                    candidate
+                    for theirs in other.values()
+                    if theirs is not mine and theirs.tail
+                    for candidate in candidates(theirs.tail + mine.head)
+                ]
+        return found
+
+
+_NONE: list[bytes] = []  # shared: never added to
