@@ -19,13 +19,18 @@ MAX_TEXTS = 32  # texts of one choice whose ends are joined to other texts' star
 
 @dataclass(slots=True)
 class _Ends:
-    head: bytes = b""  # the normal form of the text's start, as long as the most of a marker another text can end
+    start: str = ""  # the text's start as sent, while shorter than a head (normalized once, when it is not)
+    normal: bytes = b""  # then the normal form of its start, until it is as long as a head
+    head: bytes | None = None  # the normal form of its start: as much of a marker as another text's end can need
     tail: bytes = b""  # the normal form of its end, where it could still start a marker (mostly nothing)
+
+    def begins(self) -> bytes:
+        return self.head if self.head is not None else self.normal + normalize(self.start)
 
 
 class Joins:
     def __init__(self) -> None:
-        self._order = StreamScanner()  # every text that went out, in the order it went
+        self._order: StreamScanner | None = None  # every text that went out, in the order it went (made when needed)
         self._order_idle = True
         self._ends: dict[int, dict[str, _Ends]] = {}  # per choice, per text
 
@@ -35,21 +40,31 @@ class Joins:
         ends = self._ends.get(choice)
         mine = ends.get(key) if ends is not None else None
         # Most pieces: plain, in a text whose start is known and whose end starts nothing, after an idle order.
-        if not text or (plain and self._order_idle and mine is not None and not mine.tail and len(mine.head) == TAIL):
+        if (plain and self._order_idle and mine is not None and mine.head is not None and not mine.tail) or not text:
             return _NONE
         found = []
         if not (plain and self._order_idle):
-            found = [hit.normal for hit in self._order.scan(text).hits]
-            self._order_idle = self._order.idle
+            order = self._order
+            if order is None:
+                order = self._order = StreamScanner()
+            found = [hit.normal for hit in order.scan(text).hits]
+            self._order_idle = order.idle
         if ends is None:
             ends = self._ends[choice] = {}
         if mine is None:
             if len(ends) >= MAX_TEXTS:
                 return found
             mine = ends[key] = _Ends()
-        grown = len(mine.head) < TAIL
+        grown = mine.head is None
         if grown:
-            mine.head = (mine.head + normalize(text))[:TAIL]
+            # Each piece is normalized once at most: the first ones together, once they could make a head.
+            if mine.normal or len(mine.start) + len(text) >= TAIL:
+                mine.normal += normalize(mine.start + text)
+                mine.start = ""
+                if len(mine.normal) >= TAIL:
+                    mine.head, mine.normal = mine.normal[:TAIL], b""
+            else:
+                mine.start += text
         tail = b"" if plain and not mine.tail else open_end((mine.tail + normalize(text))[-TAIL:])
         moved, mine.tail = tail != mine.tail, tail
         # Its end before the start of another text of its choice or the next; another's end before its start.
@@ -59,7 +74,7 @@ class Joins:
                     candidate
                     for theirs in other.values()
                     if theirs is not mine
-                    for candidate in candidates(tail + theirs.head)
+                    for candidate in candidates(tail + theirs.begins())
                 ]
         if grown:
             for other in (ends, self._ends.get(choice - 1, {})):
@@ -67,7 +82,7 @@ class Joins:
                     candidate
                     for theirs in other.values()
                     if theirs is not mine and theirs.tail
-                    for candidate in candidates(theirs.tail + mine.head)
+                    for candidate in candidates(theirs.tail + mine.begins())
                 ]
         return found
 

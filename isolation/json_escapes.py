@@ -118,9 +118,9 @@ class JsonStringLevels:
     elsewhere), and for each of its characters where as sent the escapes that made it began (counted from the
     first character ever read)."""
 
-    def __init__(self, depth: int = DEPTH) -> None:
+    def __init__(self, depth: int = DEPTH, start: int = 0) -> None:
         self._readers = [JsonStringReader() for _ in range(depth)]
-        self._read = 0  # characters read so far
+        self._read = start  # characters read so far
         self.pending = False  # some level is in the middle of an escape (an attribute: asked of every piece)
 
     @property

@@ -123,8 +123,10 @@ class StreamScanner:
         # The normal form of the end of a reported hit that could also be the start of another candidate: that text
         # went out with the hit (edited, if the hit was a marker), and a marker overlapping it must still be found.
         self._carry = b""
-        self._escapes = JsonStringLevels() if json_strings else None
-        self._levels = [_Level() for _ in range(DEPTH)] if json_strings else []
+        self._json = json_strings
+        # The decoded readings, made at the first backslash (before it, each one is the text as sent).
+        self._escapes: JsonStringLevels | None = None
+        self._levels: list[_Level] = []
         self._apart = False  # some decoded reading of the held text (or its carry) differs from the text as sent
         self._at = 0  # where the held text begins, as the escape reader counts what it read
         # The normal form of the end of what went out, and what it was before the last scan: a strip joins the text
@@ -159,6 +161,8 @@ class StreamScanner:
             escapes.skip(len(piece))
             if self._apart:
                 return self._scan_levels(text, None)
+        elif self._json and "\\" in piece:
+            return self._scan_levels(text, self._open().read(piece))
         carry = self._carry
         normal = carry + normalize(text) if carry else normalize(text)
         # Most pieces are decided by two C-level searches: no "cnry" (no candidate) and no "c" near the end (nothing
@@ -187,7 +191,7 @@ class StreamScanner:
     def _went(self, normal: bytes, text: str) -> None:
         """`text` went out as it came, and (while no escape is near) read alike every way; `normal` its normal form."""
         self._out = (self._out + normal)[-TAIL:]
-        if self._escapes is not None:
+        if self._json:
             self._at += len(text)
             for level in self._levels:
                 level.out = (level.out + normal)[-TAIL:]
@@ -196,11 +200,13 @@ class StreamScanner:
     def after_out(self, text: str) -> list[Hit]:
         """The candidates in `text` (about to go out, edited) read after what went out before this scan: a stripped
         marker joins what stood before it, in earlier chunks too. A hit begun before `text` starts at its start."""
-        scanner = StreamScanner(self._escapes is not None)
+        scanner = StreamScanner(self._json)
         scanner._carry = open_end(self._out_before)
-        for mine, theirs in zip(self._levels, scanner._levels, strict=True):
-            theirs.carry = open_end(mine.out_before)
-        scanner._apart = bool(self._levels)
+        if self._levels:
+            scanner._open()
+            for mine, theirs in zip(self._levels, scanner._levels, strict=True):
+                theirs.carry = open_end(mine.out_before)
+            scanner._apart = True
         scanner._sent = self._sent_before
         return scanner.scan(text).hits
 
@@ -265,7 +271,7 @@ class StreamScanner:
     def opens_escape(self, before: str) -> bool:
         """Whether what went out before this scan, then `before` (the start of this scan's text), ends in the start of
         a JSON escape: text removed after it would join it to what follows (`\\u00` + a stripped marker + `43`)."""
-        return self._escapes is not None and _opens_escape((self._sent_before + before)[-_SENT:])
+        return self._json and _opens_escape((self._sent_before + before)[-_SENT:])
 
     def went_out(self, released: str) -> None:
         """What went out ended in `released`, edited: stripping a marker joins what stood around it, so the next
@@ -274,11 +280,19 @@ class StreamScanner:
         out = (self._out_before + normalize(released))[-TAIL:]
         self._carry, self._out = open_end(out), out
         self._sent = (self._sent_before + released)[-_SENT:]
-        if self._escapes is not None:
+        if self._escapes is not None or (self._json and "\\" in released):
+            self._open()
             self._part()
             for level, (shadow, _) in zip(self._levels, JsonStringLevels().read(released), strict=True):
                 level.out = (level.out_before + normalize(shadow))[-TAIL:]
                 level.carry = open_end(level.out)
+
+    def _open(self) -> JsonStringLevels:
+        escapes = self._escapes
+        if escapes is None:
+            escapes = self._escapes = JsonStringLevels(start=self._at + len(self._held))
+            self._levels = [_Level(out=self._out, out_before=self._out_before) for _ in range(DEPTH)]
+        return escapes
 
     def _part(self) -> None:
         """From here the readings are kept apart: they start as the text as sent's own."""
@@ -293,10 +307,8 @@ class StreamScanner:
         held, self._held, self._carry = self._held, "", b""
         self._out = b""
         self._sent = ""
-        if self._escapes is not None:
-            self._escapes = JsonStringLevels()
-            self._levels = [_Level() for _ in self._levels]
-            self._apart, self._at = False, 0
+        self._escapes, self._levels = None, []
+        self._apart, self._at = False, 0
         return held
 
 

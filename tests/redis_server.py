@@ -1,7 +1,12 @@
-"""A real Redis for the suite: the one on 127.0.0.1:6379 when it answers, else a redis-server of our own."""
+"""A real Redis for the suite: the one BULKHEAD_TEST_REDIS_URL names, else a redis-server of the suite's own.
+
+Never a Redis the suite did not start unless it is named: the one answering on 127.0.0.1:6379 may hold someone's data.
+"""
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
 import socket
 import subprocess
@@ -11,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from gateway.serving import free_port
+
+NAMED = "BULKHEAD_TEST_REDIS_URL"
 
 
 def _answers(port: int) -> bool:
@@ -22,30 +29,46 @@ def _answers(port: int) -> bool:
         return False
 
 
+_suite: str | None = None  # the URL of the suite's own redis-server, once one was asked for
+
+
 @contextmanager
 def redis_server() -> Iterator[str]:
-    if _answers(6379):
-        yield "redis://127.0.0.1:6379/0"
+    """The suite's Redis (tests keep their names apart by prefix or database): the named one, or one the suite starts
+    on a free port the first time it is asked for and stops when the suite ends."""
+    global _suite
+    named = os.environ.get(NAMED)
+    if named:
+        yield named
         return
+    if _suite is None:
+        _suite = _start()
+    yield _suite
+
+
+def _start() -> str:
     binary = shutil.which("redis-server")
     if binary is None:
-        raise RuntimeError("no Redis answers on 127.0.0.1:6379 and redis-server is not installed")
+        raise RuntimeError(f"redis-server is not installed (or name a Redis the suite may use in {NAMED})")
     port = free_port()
-    with tempfile.TemporaryDirectory() as workdir:
-        process = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
-            stdout=subprocess.DEVNULL,
-        )
-        try:
-            deadline = time.monotonic() + 10
-            while not _answers(port):
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            process.terminate()
-            process.wait(timeout=10)
+    workdir = tempfile.TemporaryDirectory()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir.name],
+        stdout=subprocess.DEVNULL,
+    )
+
+    def stop() -> None:
+        process.terminate()
+        process.wait(timeout=10)
+        workdir.cleanup()
+
+    atexit.register(stop)
+    deadline = time.monotonic() + 10
+    while not _answers(port):
+        if time.monotonic() > deadline or process.poll() is not None:
+            raise RuntimeError("redis-server did not start")
+        time.sleep(0.05)
+    return f"redis://127.0.0.1:{port}/0"
 
 
 class OwnRedis:

@@ -6,7 +6,6 @@ stream."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 import secrets
 import time
@@ -425,7 +424,6 @@ async def test_another_tenants_code_written_json_escaped_into_tool_arguments_is_
     # As sent, every `\n` glued its "n" to the next word, so no 12-word gram across a line of short code matched.
     code = LEDGER_CODE.replace("ledger", f"ledger_{int(stream)}")  # a text no test sent before
     assert (await client.post(gateway + CHAT, json=chat_body(code), headers=auth(ALICE_KEY))).status_code == 200
-    await asyncio.sleep(0.3)  # prompts are fingerprinted off the answer's path
     arguments = orjson.dumps({"path": "a.py", "body": code}).decode()
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
     engine.script = lambda prompt: answer(prompt, None, tool_calls=[call])
@@ -453,7 +451,6 @@ def memo() -> str:
 
 async def alices_words_are_fingerprinted(client: httpx.AsyncClient, gateway: str, body: JsonObject) -> None:
     assert (await client.post(gateway + CHAT, json=body, headers=auth(ALICE_KEY))).status_code == 200
-    await asyncio.sleep(0.3)  # prompts are fingerprinted off the answer's path
 
 
 @pytest.mark.parametrize("where", ["system_fingerprint", "id", "model", "tool_id", "error_400"])
