@@ -108,6 +108,7 @@ class _Choice:
     """What the guard keeps of one choice between the events of a stream."""
 
     echo: str  # what is left to strip of the injected prefix that a completion echo repeats
+    settled: set[str]  # its texts a plain piece changes nothing of, for the joins (Joins.settled)
     scanners: dict[str, StreamScanner] = field(default_factory=dict)
     held_logprobs: dict[str, Any] | None = None  # logprobs of earlier events, waiting for a hold to clear
     dropped: set[int] = field(default_factory=set)  # held positions that overlap a stripped marker
@@ -203,7 +204,7 @@ class OutputGuard:
             index = choice.get("index") or 0
             state = self._choices.get(index)
             if state is None:
-                state = self._choices[index] = _Choice(self._echo_prefix)
+                state = self._choices[index] = _Choice(self._echo_prefix, self._joins.settled(index))
             final = choice.get("finish_reason") is not None
             await self._choice(index, state, choice, final)
             if final:
@@ -217,7 +218,8 @@ class OutputGuard:
         await self._hold_envelope(body)
         choices = self._answered(body)
         for choice in choices if choices is not None else await self._unasked_out(body):
-            await self._choice(choice.get("index") or 0, _Choice(self._echo_prefix), choice, final=True)
+            index = choice.get("index") or 0
+            await self._choice(index, _Choice(self._echo_prefix, self._joins.settled(index)), choice, final=True)
 
     def _answered(self, answer: dict[str, Any]) -> list[dict[str, Any]] | None:
         """The answer's choices, when all of them answer the request (every event of an honest engine); else None.
@@ -378,8 +380,10 @@ class OutputGuard:
         ):
             # Unless a backslash starts a JSON escape that spells a marker only once a client decodes the text.
             if not any(may_spell_a_marker(holder[name]) for _, holder, name in slots):
-                joins = self._joins
+                joins, settled = self._joins, state.settled
                 for key, holder, name in slots:
+                    if key in settled and joins.order_idle:
+                        continue
                     if found := joins.went_out(index, key, holder[name], True):
                         await self._split(found, holder, name)
                 return
@@ -392,6 +396,8 @@ class OutputGuard:
                 and (scanner is None or scanner.idle)
                 and not may_spell_a_marker(holder[name])
             ):
+                if key in state.settled and self._joins.order_idle:
+                    continue
                 if found := self._joins.went_out(index, key, holder[name], True):
                     await self._split(found, holder, name)
                 continue

@@ -31,24 +31,33 @@ class _Ends:
 class Joins:
     def __init__(self) -> None:
         self._order: StreamScanner | None = None  # every text that went out, in the order it went (made when needed)
-        self._order_idle = True
+        self.order_idle = True  # it holds nothing: a plain piece changes nothing in that reading
         self._ends: dict[int, dict[str, _Ends]] = {}  # per choice, per text
+        self._settled: dict[int, set[str]] = {}  # per choice: Joins.settled
+        self._open_ends = 0  # texts whose end could start a marker
+
+    def settled(self, choice: int) -> set[str]:
+        """The texts of a choice that a plain piece changes nothing of while `order_idle` (the guard's fast path asks
+        it of every event): their start is known and their end starts nothing. A live set: it changes as they do."""
+        settled = self._settled.get(choice)
+        if settled is None:
+            settled = self._settled[choice] = set()
+        return settled
 
     def went_out(self, choice: int, key: str, text: str, plain: bool) -> list[bytes]:
         """`text` is about to go out (as edited) in one text of a choice; the candidate markers that it completes in
         either reading. `plain`: it holds no candidate and ends in nothing that could start one (scanner.suspects)."""
+        if not text:
+            return _NONE
         ends = self._ends.get(choice)
         mine = ends.get(key) if ends is not None else None
-        # Most pieces: plain, in a text whose start is known and whose end starts nothing, after an idle order.
-        if (plain and self._order_idle and mine is not None and mine.head is not None and not mine.tail) or not text:
-            return _NONE
         found = []
-        if not (plain and self._order_idle):
+        if not (plain and self.order_idle):
             order = self._order
             if order is None:
                 order = self._order = StreamScanner()
             found = [hit.normal for hit in order.scan(text).hits]
-            self._order_idle = order.idle
+            self.order_idle = order.idle
         if ends is None:
             ends = self._ends[choice] = {}
         if mine is None:
@@ -66,7 +75,14 @@ class Joins:
             else:
                 mine.start += text
         tail = b"" if plain and not mine.tail else open_end((mine.tail + normalize(text))[-TAIL:])
-        moved, mine.tail = tail != mine.tail, tail
+        moved, was = tail != mine.tail, mine.tail
+        if moved:
+            mine.tail = tail
+            self._open_ends += bool(tail) - bool(was)
+        if mine.head is not None and not tail:
+            self.settled(choice).add(key)
+        else:
+            self.settled(choice).discard(key)
         # Its end before the start of another text of its choice or the next; another's end before its start.
         if moved and tail:
             for other in (ends, self._ends.get(choice + 1, {})):
@@ -76,7 +92,7 @@ class Joins:
                     if theirs is not mine
                     for candidate in candidates(tail + theirs.begins())
                 ]
-        if grown:
+        if grown and self._open_ends:
             for other in (ends, self._ends.get(choice - 1, {})):
                 found += [
                     candidate
