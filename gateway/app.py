@@ -58,6 +58,7 @@ from gateway.ratelimit import RateLimiter, RedisBuckets
 from gateway.routing import Router
 from gateway.saturation import LoadMonitor
 from gateway.settings import Settings, SettingsError
+from gateway.shutdown import stop_tasks
 from gateway.state import GatewayState
 from gateway.store import MemoryStore, RedisStore, Store
 from gateway.tenants import TenantDirectory
@@ -334,22 +335,13 @@ def make_fingerprinter(
     return Fingerprinter(hasher, index, feed, executor, config.inline_chars, config.feed_wait_s)
 
 
-async def follow_fingerprints(fingerprinter: Fingerprinter, feed_ready: str | None, metrics: GatewayMetrics) -> None:
-    """Forget expired fingerprints every 30 s, and (with Redis) add the other instances' as they come."""
+async def sweep_fingerprints(fingerprinter: Fingerprinter, metrics: GatewayMetrics) -> None:
+    """Forget expired fingerprints every 30 s."""
     metrics.track(metrics.fingerprints, lambda: len(fingerprinter.index))
-    follower = None
-    if fingerprinter.feed is not None:
-        # From where the start read the stream to; when it could not, from the last ttl_s: answers wait on it.
-        start = feed_ready or f"{int((time.time() - fingerprinter.index.ttl_s) * 1000)}-0"
-        follower = asyncio.create_task(fingerprinter.feed.follow(fingerprinter.index, start))
-    try:
-        while True:
-            fingerprinter.index.sweep(time.time())
-            metrics.refresh()
-            await asyncio.sleep(30)
-    finally:
-        if follower is not None:
-            follower.cancel()
+    while True:
+        fingerprinter.index.sweep(time.time())
+        metrics.refresh()
+        await asyncio.sleep(30)
 
 
 def make_webhook(settings: Settings, client: httpx.AsyncClient) -> Webhook | None:
@@ -485,6 +477,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     asyncio.create_task(load.watch(client, settings.upstream.load_interval_s, timeout)),
                     asyncio.create_task(rotate_markers(markers, metrics)),
                     asyncio.create_task(tenants.follow()),
+                    asyncio.create_task(tenants.keep_up()),
                     asyncio.create_task(verdicts.watch(settings.upstream.health_interval_s)),
                 ]
                 if redis is not None and metrics.redis_up is not None:
@@ -494,7 +487,12 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 if settings.isolation.prober.enabled:
                     tasks.append(asyncio.create_task(run_prober(state)))
                 if fingerprinter is not None:
-                    tasks.append(asyncio.create_task(follow_fingerprints(fingerprinter, feed_ready, metrics)))
+                    tasks.append(asyncio.create_task(sweep_fingerprints(fingerprinter, metrics)))
+                if fingerprinter is not None and fingerprinter.feed is not None:
+                    # The other instances' prompts as they come, from where the start read the stream to; when it
+                    # could not, from the last ttl_s: answers wait on it.
+                    start = feed_ready or f"{int((time.time() - fingerprinter.index.ttl_s) * 1000)}-0"
+                    tasks.append(asyncio.create_task(fingerprinter.feed.follow(fingerprinter.index, start)))
                 tasks += [asyncio.create_task(work(state, state.queue, f"{instance}-{n}")) for n in range(workers)]
                 # What start-up built (modules, the tokenizer, settings, tables) lives as long as the process: frozen
                 # out of the collector's sight, a full collection stops walking it, which took ~40 ms a time under
@@ -507,11 +505,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     yield
                 finally:
                     gc.unfreeze()
-                    for task in tasks:
-                        task.cancel()
-                    # Bounded: a task that swallows its cancellation (seen: a blocking XREADGROUP under uvloop)
-                    # must not keep the process from exiting.
-                    await asyncio.wait(tasks, timeout=SHUTDOWN_WAIT_S)
+                    await stop_tasks(tasks, SHUTDOWN_WAIT_S)
                     if redis is not None:
                         await redis.aclose()
                     metrics.close()

@@ -334,18 +334,17 @@ class TenantDirectory:
             self._drop(key_hash)
 
     async def follow(self) -> None:
-        """Until cancelled: hear every change at once, write last-used times, resync, announce new tenants."""
-        listener = asyncio.create_task(self.store.follow(self.forget))
-        try:
-            while True:
-                await asyncio.sleep(UPKEEP_S)
-                try:
-                    await self.upkeep()
-                except (RedisError, OSError) as exc:
-                    log.warning("tenant directory upkeep failed: %s; retrying", type(exc).__name__)
-        finally:
-            listener.cancel()
-            await asyncio.wait([listener], timeout=1.0)
+        """Until cancelled: hear every change at once."""
+        await self.store.follow(self.forget)
+
+    async def keep_up(self) -> None:
+        """Until cancelled: write last-used times, resync, announce new tenants."""
+        while True:
+            await asyncio.sleep(UPKEEP_S)
+            try:
+                await self.upkeep()
+            except (RedisError, OSError) as exc:
+                log.warning("tenant directory upkeep failed: %s; retrying", type(exc).__name__)
 
     async def upkeep(self) -> None:
         if self._check_secret is None:

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 
 from gateway.queue import Job, RedisJobQueue
 from tests.integration.support import ALICE_KEY, auth, forwarded, metric
-from tests.integration.test_workers_api import RUN, queue_config, wait_done, worker_process
+from tests.integration.test_workers_api import RUN, queue_config, stopped, wait_done, worker_process
 from tests.redis_server import own_redis
 
 JOBS = 60
@@ -73,9 +73,7 @@ async def test_each_item_runs_once_through_a_killed_worker_and_a_redis_restart(
                 assert [response["success"] for response in done["responses"]] == [True] * ITEMS, done
         finally:
             for process in workers:
-                if process.poll() is None:
-                    process.terminate()
-                    process.wait(timeout=10)
+                assert stopped(process), "a queue worker kept running 10 s after SIGTERM"
     # Only what the killed process had in hand may run again: one item per queue worker in it (`bulkhead worker`'s
     # default --concurrency 2), whether the engine aborted it or finished it just before the result could be stored.
     extra = engine_runs(sim_url) - JOBS * ITEMS

@@ -159,6 +159,20 @@ def worker_process(config: Path) -> subprocess.Popen[bytes]:
     )
 
 
+def stopped(process: subprocess.Popen[bytes]) -> bool:
+    """SIGTERM, then whether it exited within 10 s; one that did not is killed, never left to outlive the test."""
+    if process.poll() is not None:
+        return True
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+        return True
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return False
+
+
 async def test_a_killed_worker_leaves_its_job_to_another(
     client: httpx.AsyncClient, make_gateway_process: Any, make_sim: Any, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
@@ -191,9 +205,8 @@ async def test_a_killed_worker_leaves_its_job_to_another(
             assert 4 <= len(requests) <= 5, "at most the item in flight when the worker died ran twice"
         finally:
             for process in (first, second):
-                if process is not None and process.poll() is None:
-                    process.terminate()
-                    process.wait(timeout=10)
+                if process is not None:
+                    assert stopped(process), "a queue worker kept running 10 s after SIGTERM"
 
 
 async def test_redis_restarted_under_load(
