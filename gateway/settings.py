@@ -176,7 +176,8 @@ class TenantSettings(_Section):
         """This tenant, told apart from another of the same id before or after it. What the gateway keeps per tenant
         must not pass to a tenant created under a deleted one's id: its cache salt (a shared prefix cache), canary
         marker (the old one's marker would read as the new one's own), prompt fingerprints, queued jobs, rate-limit
-        budgets and kept counts (gateway/piece_counts.py). A configured tenant is one for the life of the process."""
+        budgets and kept counts (gateway/pipeline/piece_counts.py). A configured tenant is one for the life of the
+        process."""
         return self.id
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.serving import run_server
+from gateway.server.serving import run_server
 from isolation.sim import SimConfig, create_sim_app
 from isolation.sim.tinymodel import build_tokenizer
 

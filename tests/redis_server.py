@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gateway.serving import free_port
+from gateway.server.serving import free_port
 
 NAMED = "BULKHEAD_TEST_REDIS_URL"
 

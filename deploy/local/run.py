@@ -40,8 +40,8 @@ from typing import Any
 
 import httpx
 
-from gateway.serving import free_port
-from gateway.tenants import hash_key, new_api_key
+from gateway.server.serving import free_port
+from gateway.tenancy.tenants import hash_key, new_api_key
 from isolation.sim.tinymodel import cached_tokenizer
 
 MODEL = "tiny-llama"

@@ -36,7 +36,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.tokens import ChatTemplateError, ModelTokenizer
 from isolation.sim.config import SimConfig
 from isolation.sim.detokenizer import Detokenizer
 from isolation.sim.engine import Abandoned, Engine, Run
@@ -62,6 +61,7 @@ from isolation.sim.protocol import (
 from isolation.sim.recorder import RequestLog
 from isolation.sim.replies import ChatReply, CompletionReply, Reply
 from isolation.sim.streaming import EngineStream
+from isolation.tokens import ChatTemplateError, ModelTokenizer
 
 VERSION = "0.32.0-sim"
 REQUEST_LOG_LIMIT = 1000

@@ -2,7 +2,7 @@
 
     python -m tests.bench.bench_admission [--cycles N] [--rate R] [--skip-10m] [--skip-fairness] [--json out.json]
 
-Part 1, in process: `gateway.admission.admit` with a real LocalCounter over the tiny tokenizer, for prompts of
+Part 1, in process: `gateway.pipeline.admission.admit` with a real LocalCounter over the tiny tokenizer, for prompts of
 about 1k, 32k, 256k and 1M tokens and one ten times over the limit, under a 2,048-token window (big prompts are
 refused by the lower bound, unread) and a 1,048,576-token window (they are admitted by the upper bound or
 counted). Which path decided is observed, not assumed: a counter that notes when it really tokenizes.
@@ -37,16 +37,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.admission import Admission, admit
-from gateway.backends import Replica
-from gateway.capacity import PromptLimit
-from gateway.counting import LocalCounter, Prompt
 from gateway.errors import ContextLengthExceeded
 from gateway.metrics import GatewayMetrics
+from gateway.pipeline.admission import Admission, admit
+from gateway.pipeline.counting import LocalCounter, Prompt
 from gateway.settings import ModelSettings, TenantSettings
-from gateway.tenants import hash_key
-from gateway.tokens import ModelTokenizer
+from gateway.tenancy.tenants import hash_key
+from gateway.upstream.backends import Replica
+from gateway.upstream.capacity import PromptLimit
 from isolation.sim.tinymodel import build_tokenizer
+from isolation.tokens import ModelTokenizer
 from tests.bench import fairness
 from tests.bench.load import LoadError
 from tests.bench.prose import characters_per_token, prose_of_tokens

@@ -45,11 +45,11 @@ import orjson
 import yaml
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from gateway.directory import ApiKey, RedisDirectoryStore, Tenant, new_key_id
 from gateway.errors import AuthenticationFailed, DirectoryUnavailable
-from gateway.serving import free_port
+from gateway.server.serving import free_port
 from gateway.settings import REDIS_KEY_PREFIX, TenantDirectorySettings, TenantSettings
-from gateway.tenants import TenantDirectory, hash_key, new_api_key
+from gateway.tenancy.directory import ApiKey, RedisDirectoryStore, Tenant, new_key_id
+from gateway.tenancy.tenants import TenantDirectory, hash_key, new_api_key
 from tests.bench.load import new_session, percentile
 from tests.bench.processes import MODEL, Workspace, child
 from tests.redis_server import own_redis

@@ -26,9 +26,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from gateway.counting import LocalCounter, Prompt
-from gateway.tokens import ModelTokenizer
+from gateway.pipeline.counting import LocalCounter, Prompt
 from isolation.sim.tinymodel import build_tokenizer
+from isolation.tokens import ModelTokenizer
 from tests.bench.prose import characters_per_token, prose
 
 TENANT = "acme"

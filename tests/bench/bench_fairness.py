@@ -35,8 +35,8 @@ import aiohttp
 import orjson
 import yaml
 
-from gateway.serving import free_port
-from gateway.tenants import hash_key
+from gateway.server.serving import free_port
+from gateway.tenancy.tenants import hash_key
 from tests.bench.load import percentile
 from tests.bench.processes import MODEL, Server, Workspace, child
 from tests.redis_server import own_redis

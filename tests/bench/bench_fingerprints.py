@@ -6,7 +6,7 @@
 Words, not tokens: fingerprints are made of words (isolation/winnowing.py) and `min_fragment_tokens` (32) counts
 words. Prompt sizes are given in tokens at 0.75 words per token (a 1k-token prompt is 750 words). A tenant's
 document mixes prose (tests/bench/prose.py, a seed of its own) with excerpts of Python's own modules in code
-fences (files of its own), so no two tenants share text by accident. Everything is wired as gateway/app.py wires
+fences (files of its own), so no two tenants share text by accident. Everything is wired as gateway/server/app.py wires
 it: the hasher's key derived from the canary key by `make_fingerprinter`, prompts registered with
 `Fingerprinter.add` (its own texts, without markers; on a worker thread above `inline_chars`), answers
 streamed as OpenAI chat chunks of 1-7 characters through `channels.prune` and `OutputGuard.check_chunk` (policy
@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 from redis.asyncio import Redis
 
-from gateway.app import canary_keys, fingerprint_secret, make_fingerprinter
+from gateway.server.app import canary_keys, fingerprint_secret, make_fingerprinter
 from gateway.settings import Settings
 from isolation.channels import prune
 from isolation.fingerprints import AnswerCheck, Fingerprinter, FingerprintIndex, Prompt, RedisFingerprintFeed
@@ -120,7 +120,7 @@ REPEATS = 5
 SPACES = (" ", "  ", "\t", "\n", "\n\n", " \n")
 
 
-# --- The gateway's isolation objects, wired as gateway/app.py wires them ------------------------------------------
+# --- The gateway's isolation objects, wired as gateway/server/app.py wires them -------------------------------------
 
 
 def bench_settings(public: Sequence[Path] = ()) -> Settings:
@@ -754,7 +754,8 @@ async def _fingerprinting(big_tokens: int, seed: int) -> dict[str, Any]:
 
 def feed_entry_bytes(fingerprints: Fingerprints, tenant: str = "tenant-0123", replica: str = REPLICA) -> int:
     """The payload of the stream entry RedisFingerprintFeed.publish adds: its field names and values."""
-    instance = "gateway-7d9f8c6b5-x2x4q-12345-0a1b2c3d"  # host name, pid and random suffix, as gateway/app.py names it
+    # host name, pid and random suffix, as gateway/server/app.py names it
+    instance = "gateway-7d9f8c6b5-x2x4q-12345-0a1b2c3d"
     values = [instance.encode(), tenant.encode(), replica.encode(), repr(time.time()).encode()]
     return 5 + sum(map(len, values)) + len(fingerprints) * 8
 

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.serving import run_server
+from gateway.server.serving import run_server
 from tests.bench.processes import BENCH_KEY, MODEL, Workspace
 from tests.bench.prose import prose
 from tests.redis_server import redis_server

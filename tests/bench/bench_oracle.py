@@ -29,11 +29,11 @@ from pathlib import Path
 
 import httpx
 
-from gateway.app import create_app
-from gateway.serving import run_server
-from gateway.tenants import hash_key
-from gateway.tokens import ModelTokenizer
+from gateway.server.app import create_app
+from gateway.server.serving import run_server
+from gateway.tenancy.tenants import hash_key
 from isolation.sim.tinymodel import build_tokenizer
+from isolation.tokens import ModelTokenizer
 from tests.integration.adversary import DecodingModel
 from tests.integration.support import canaries_only, gateway_settings, session_on
 

@@ -22,10 +22,10 @@ import yaml
 from redis.asyncio import Redis
 
 from gateway.metrics import GatewayMetrics
-from gateway.ratelimit import RateLimiter, RedisBuckets
-from gateway.serving import free_port
+from gateway.server.serving import free_port
 from gateway.settings import REDIS_KEY_PREFIX, TenantLimits, TenantSettings
-from gateway.tenants import hash_key
+from gateway.tenancy.ratelimit import RateLimiter, RedisBuckets
+from gateway.tenancy.tenants import hash_key
 from tests.bench.load import percentile
 from tests.bench.processes import BENCH_KEY, MODEL, Workspace, child
 from tests.redis_server import own_redis

@@ -2,7 +2,7 @@
 
     python -m tests.bench.bench_routing [--sessions N] [--turns T] [--json out.json]
 
-Part 1, in process: the real `gateway.routing.Router` over a real `ReplicaPool` of 8 replicas (9 for the join
+Part 1, in process: the real `gateway.upstream.routing.Router` over a real `ReplicaPool` of 8 replicas (9 for the join
 test). 10,000 sessions of 100 tenants are placed with nothing in flight (pure rendezvous order); then one
 replica leaves, comes back, and a 9th joins, and every session is placed again, to see which moved and where.
 Bounded load is exercised by keeping a fixed number of requests in flight (each placement adds one to its
@@ -44,13 +44,13 @@ import orjson
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.backends import Replica, ReplicaPool
 from gateway.metrics import GatewayMetrics
-from gateway.routing import Reason, Router
-from gateway.serving import free_port
+from gateway.server.serving import free_port
 from gateway.settings import BackendSettings, ModelSettings, RoutingSettings
 from gateway.store import MemoryStore
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
+from gateway.upstream.backends import Replica, ReplicaPool
+from gateway.upstream.routing import Reason, Router
 from isolation.sim.tinymodel import cached_tokenizer
 from tests.bench.bench_admission import markdown_table
 from tests.bench.load import LoadError, new_session, percentile

@@ -46,7 +46,7 @@ from typing import Any
 import orjson
 import yaml
 
-from gateway.serving import free_port
+from gateway.server.serving import free_port
 from isolation.markers import NORMAL_LENGTH, CanaryKey, MarkerRegistry, make_marker, normal_form
 from isolation.scanner import StreamScanner, normalize
 from tests.bench import processes

@@ -28,8 +28,8 @@ import aiohttp
 import orjson
 import yaml
 
-from gateway.serving import free_port
-from gateway.tenants import hash_key
+from gateway.server.serving import free_port
+from gateway.tenancy.tenants import hash_key
 from tests.bench.load import LoadError, new_session, percentile
 from tests.bench.processes import KEEPALIVE_EXPIRY_S, Server, child, cpu_seconds
 from tests.bench.prose import prose_of_tokens

@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
-from gateway.serving import free_port
-from gateway.tenants import hash_key
+from gateway.server.serving import free_port
+from gateway.tenancy.tenants import hash_key
 from isolation.sim.tinymodel import build_tokenizer
 from tests.bench import litellm_env
 

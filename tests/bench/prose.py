@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from gateway.tokens import ModelTokenizer
+from isolation.tokens import ModelTokenizer
 
 WORDS = (
     "the of and to in is that it for on with as was be by this are or at from but not have an they which one you "

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.settings import Settings, load_settings
 from tests.deploy.conftest import KUSTOMIZATIONS
 from tests.deploy.tools import DEPLOY, module

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.preflight import ALLOW_FLAG, published_secrets
+from gateway.cli.preflight import ALLOW_FLAG, published_secrets
 from tests.deploy.test_compose import COMPOSE, compose_settings, gateways
 from tests.deploy.test_manifests import BUILDS, GATEWAY, container, gateway_settings, one
 

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.serving import free_port, run_server
+from gateway.server.app import create_app
+from gateway.server.serving import free_port, run_server
 from isolation.sim.tinymodel import build_model
 from tests.e2e.vllm_env import find_python, venv_dir
 from tests.integration.support import MODEL, gateway_settings

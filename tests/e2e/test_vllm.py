@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.counting import LocalCounter, Prompt
-from gateway.tokens import ModelTokenizer
+from gateway.pipeline.counting import LocalCounter, Prompt
+from isolation.tokens import ModelTokenizer
 from tests.e2e.conftest import MAX_MODEL_LEN, GatewayFactory, VllmFactory, VllmServer
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, metric
 from tests.prompt_corpus import CORPUS, CorpusPrompt

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.tokens import ModelTokenizer
+from isolation.tokens import ModelTokenizer
 from tests.integration.support import MODEL
 
 JsonObject = dict[str, Any]

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.serving import run_server
+from gateway.server.app import create_app
+from gateway.server.serving import run_server
 from tests.integration.support import gateway_settings, stop
 from tests.redis_server import free_port
 

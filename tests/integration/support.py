@@ -11,10 +11,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from gateway.backends import Replica
-from gateway.routing import affinity_key, rank
 from gateway.settings import Settings
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
+from gateway.upstream.backends import Replica
+from gateway.upstream.routing import affinity_key, rank
 
 MODEL = "tiny-llama"
 ALICE_KEY = "bk-test-alice-0123456789"

@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.counting import LocalCounter, Prompt
-from gateway.serving import run_server
-from gateway.tenants import hash_key
-from gateway.tokens import ModelTokenizer
+from gateway.pipeline.counting import LocalCounter, Prompt
+from gateway.server.serving import run_server
+from gateway.tenancy.tenants import hash_key
+from isolation.tokens import ModelTokenizer
 from tests.integration.adversary import Adversary, Plan
 from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.prompt_corpus import CORPUS, CorpusPrompt

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.cli import build_parser, sim_config
-from gateway.serving import free_port, run_server
+from gateway.cli.commands import build_parser, sim_config
+from gateway.server.serving import free_port, run_server
 from isolation.audit import AuditConfig, Report, make_identities, probe_replica, run_audit
 from isolation.audit.runs import RUN_WORDS
 from isolation.sim import create_sim_app

@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from gateway.app import create_app
-from gateway.serving import run_server
+from gateway.server.app import create_app
+from gateway.server.serving import run_server
 from tests.integration.support import MODEL, auth, chat_body, forwarded, gateway_settings, metric
 
 KEY = "sk-vllm-backend-0123456789"

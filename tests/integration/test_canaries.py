@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.serving import run_server
+from gateway.server.serving import run_server
 from tests.integration.support import (
     ALICE_KEY,
     BOB_KEY,

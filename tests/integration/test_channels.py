@@ -25,9 +25,9 @@ import httpx
 import orjson
 import pytest
 
-from gateway.app import create_app
-from gateway.serving import run_server
-from gateway.tokens import ModelTokenizer
+from gateway.server.app import create_app
+from gateway.server.serving import run_server
+from isolation.tokens import ModelTokenizer
 from tests.integration.adversary import EXTRA, Adversary, Plan, Source
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, gateway_settings
 

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.serving import run_server
+from gateway.server.app import create_app
+from gateway.server.serving import run_server
 from gateway.settings import load_settings
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
 from tests.integration.support import stop
 from tests.redis_server import free_port
 

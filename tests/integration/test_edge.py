@@ -22,7 +22,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
 from tests.integration.support import ALICE_KEY, accepts, address, auth, chat_body
 from tests.redis_server import free_port
 

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.serving import run_server
+from gateway.server.app import create_app
+from gateway.server.serving import run_server
 from tests.integration.support import (
     ALICE_KEY,
     BOB_KEY,

@@ -17,10 +17,10 @@ import httpx
 import orjson
 import pytest
 
-from gateway.app import create_app
-from gateway.serving import run_server
+from gateway.server.app import create_app
+from gateway.server.serving import run_server
 from gateway.settings import SettingsError
-from gateway.tokens import ModelTokenizer
+from isolation.tokens import ModelTokenizer
 from isolation.winnowing import words
 from tests.integration.adversary import Adversary, Plan
 from tests.integration.support import (

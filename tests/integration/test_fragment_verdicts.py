@@ -17,9 +17,9 @@ import httpx
 import orjson
 import pytest
 
-from gateway.serving import run_server
-from gateway.tenants import hash_key
-from gateway.tokens import ModelTokenizer
+from gateway.server.serving import run_server
+from gateway.tenancy.tenants import hash_key
+from isolation.tokens import ModelTokenizer
 from isolation.winnowing import words
 from tests.integration.adversary import DecodingModel, Plan
 from tests.integration.support import auth, canaries_only, chat_body, metric, session_on

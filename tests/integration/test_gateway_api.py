@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import orjson
 
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, auth, chat_body, forwarded, sent_as
 
 

@@ -21,9 +21,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.serving import run_server
-from gateway.tokens import ModelTokenizer
+from gateway.server.serving import run_server
 from isolation.json_escapes import JsonStringReader
+from isolation.tokens import ModelTokenizer
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body
 
 CHAT = "/v1/chat/completions"
@@ -98,7 +98,7 @@ def engine(tokenizer_dir: Path) -> Engine:
 
 @pytest.fixture(scope="module")
 def gateway(engine: Engine, tokenizer_dir: Path) -> Iterator[str]:
-    from gateway.app import create_app
+    from gateway.server.app import create_app
     from tests.integration.support import gateway_settings
 
     model = {"name": MODEL, "backends": ["engine"], "tokenizer": str(tokenizer_dir), "context_window": 2048}

@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 from redis.asyncio import Redis
 
-from gateway.app import create_app
-from gateway.serving import run_server
-from gateway.tenants import hash_key
+from gateway.server.app import create_app
+from gateway.server.serving import run_server
+from gateway.tenancy.tenants import hash_key
 from isolation.redis_text import text
 from tests.conftest import SimFactory
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, gateway_settings

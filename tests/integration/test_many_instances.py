@@ -25,7 +25,7 @@ import orjson
 import pytest
 from redis.asyncio import Redis
 
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
 from tests.conftest import SimFactory
 from tests.integration.support import MODEL, forwarded, metric, sent_as, session_on
 from tests.redis_server import own_redis
@@ -43,7 +43,7 @@ HEALTH_INTERVAL_S = 1.0
 RECLAIM_AFTER_S = 2.0
 CONCURRENCY = 12  # in flight at once through the three gateways (the rate-limit burst comes on top)
 KINDS = ("chat", "completion", "chat-stream", "completion-stream", "workers")
-# The queue's names under the default redis_key_prefix (gateway/queue.py): the names used before it was a setting.
+# The queue's names under the default redis_key_prefix (gateway/jobs/queue.py): the names used before it was a setting.
 STREAM, GROUP = "bulkhead:jobs", "bulkhead-workers"
 
 
@@ -437,7 +437,7 @@ async def held_by(store: Redis, consumer: str) -> dict[str, int]:
             if fields is None:
                 continue  # finished and deleted meanwhile
             job = orjson.loads(fields[b"job"])
-            # The job's hash (gateway/queue.py): status, items, attempts, and one result:<i> field per item stored.
+            # The job's hash (gateway/jobs/queue.py): status, items, attempts, and one result:<i> field per item stored.
             fields = await store.hkeys(f"bulkhead:job:{job['tenant']}:{job['id']}")
             held[job["id"]] = sum(1 for name in fields if name.startswith(b"result:"))
     return held
@@ -456,7 +456,7 @@ async def jobs_until_one_is_held(
         # Early enough that the kill cannot come after the job's end: several items still to run.
         if any(stored <= JOB_ITEMS - 3 for stored in (await held_by(store, consumer)).values()):
             return jobs
-        # Jobs wait in their tenants' lanes until a worker takes one (gateway/queue.py).
+        # Jobs wait in their tenants' lanes until a worker takes one (gateway/jobs/queue.py).
         unclaimed = sum([await store.llen(lane) async for lane in store.scan_iter("bulkhead:lane:*")])
         if unclaimed == 0 and len(jobs) < 16:
             tenant = TENANTS[4 + len(jobs)]
@@ -502,7 +502,7 @@ async def check_jobs(client: httpx.AsyncClient, topo: Topology, jobs: dict[str, 
 async def a_killed_gateway_loses_nothing(client: httpx.AsyncClient, topo: Topology) -> None:
     doomed = topo.gateways[2]
     pid = pid_listening_on(urlsplit(doomed).port or 0)
-    consumer = f"{socket.gethostname()}-{pid}-0"  # how gateway/app.py names the queue workers of a process
+    consumer = f"{socket.gethostname()}-{pid}-0"  # how gateway/server/app.py names the queue workers of a process
     stop = asyncio.Event()
     load = asyncio.create_task(steady_load(client, topo.gateways, stop))
     await asyncio.sleep(0.5)

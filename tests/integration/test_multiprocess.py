@@ -19,7 +19,7 @@ import orjson
 import pytest
 import redis
 
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, accepts, auth, forwarded, metric, stop
 from tests.integration.test_workers_api import RUN, queue_config, wait_done
 from tests.redis_server import free_port, own_redis

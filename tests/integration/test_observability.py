@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
 from tests.integration.support import ALICE_KEY, auth, chat_body, metric
 from tests.redis_server import free_port, own_redis
 

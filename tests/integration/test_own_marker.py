@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
 from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body, forwarded, metric
 
 CHAT = "/v1/chat/completions"

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.serving import run_server
-from gateway.tenants import hash_key
-from gateway.tokens import ModelTokenizer
+from gateway.server.serving import run_server
+from gateway.tenancy.tenants import hash_key
+from isolation.tokens import ModelTokenizer
 from tests.integration.adversary import DecodingModel
 from tests.integration.support import (
     ALICE_KEY,

@@ -17,7 +17,7 @@ import orjson
 import redis
 from redis.asyncio import Redis
 
-from gateway.queue import Job, RedisJobQueue
+from gateway.jobs.queue import Job, RedisJobQueue
 from tests.integration.support import ALICE_KEY, auth, forwarded, metric
 from tests.integration.test_workers_api import RUN, queue_config, stopped, wait_done, worker_process
 from tests.redis_server import own_redis

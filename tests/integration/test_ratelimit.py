@@ -11,7 +11,7 @@ import httpx
 import pytest
 import redis
 
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.redis_server import free_port, redis_server
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 import redis
 
-from gateway.serving import run_server
-from gateway.tenants import hash_key
+from gateway.server.serving import run_server
+from gateway.tenancy.tenants import hash_key
 from isolation.sim import SimConfig, create_sim_app
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric, sent_as
 from tests.redis_server import redis_server

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.cli import build_parser, sim_config
+from gateway.cli.commands import build_parser, sim_config
 from isolation.sim import SimConfig
 from tests.conftest import SimFactory
 from tests.integration.test_sim import HELLO, MODEL, metric, wait_for_metric

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.backends import Replica
-from gateway.routing import affinity_key, rank
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
+from gateway.upstream.backends import Replica
+from gateway.upstream.routing import affinity_key, rank
 from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body, forwarded, metric, sent_as
 from tests.redis_server import free_port
 
@@ -159,8 +159,8 @@ async def test_only_requests_that_reached_a_replica_count_as_its_completions(
     client: httpx.AsyncClient, sim_url: str, tokenizer_dir: Path
 ) -> None:
     # The fair queue predicts its waits from the model's completion rate; refusals once inflated it.
-    from gateway.app import create_app
-    from gateway.serving import run_server
+    from gateway.server.app import create_app
+    from gateway.server.serving import run_server
     from tests.integration.support import gateway_settings
 
     app = create_app(gateway_settings({"sim": sim_url}, tokenizer_dir))

@@ -19,11 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.app import create_app
-from gateway.auditlog import token_id
-from gateway.counting import LocalCounter
-from gateway.serving import run_server
-from gateway.tenants import hash_key
+from gateway.pipeline.counting import LocalCounter
+from gateway.server.app import create_app
+from gateway.server.serving import run_server
+from gateway.tenancy.auditlog import token_id
+from gateway.tenancy.tenants import hash_key
 from tests.integration.conftest import GatewayFactory
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, gateway_settings
 from tests.integration.tenant_support import ADMIN_TOKEN, Admin, chat, new_id, redis_database, until
@@ -412,8 +412,8 @@ def test_generated_tenant_bodies_are_created_or_refused_as_the_schema_says(gatew
 async def test_a_tenant_made_again_under_a_deleted_ones_id_inherits_none_of_its_kept_prompt_counts(
     client: httpx.AsyncClient, sim_url: str, tokenizer_dir: Path, store: str
 ) -> None:
-    """Prompt pieces' counts are kept per tenant (gateway/piece_counts.py); how fast a text is counted would tell
-    whether it was sent before, so a new tenant under an old id must start with none of them."""
+    """Prompt pieces' counts are kept per tenant (gateway/pipeline/piece_counts.py); how fast a text is counted would
+    tell whether it was sent before, so a new tenant under an old id must start with none of them."""
     with ExitStack() as stack:
         redis = {"redis_url": redis_database(stack.enter_context(redis_server()))} if store == "redis" else {}
         app = create_app(gateway_settings({"sim": sim_url}, tokenizer_dir, admin_token=ADMIN_TOKEN, **redis))

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
 from tests.integration.conftest import GatewayFactory
 from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body
 from tests.integration.tenant_support import ADMIN_TOKEN, new_id

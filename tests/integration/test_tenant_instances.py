@@ -17,9 +17,9 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from gateway.app import create_app
-from gateway.serving import run_server
-from gateway.tenants import hash_key
+from gateway.server.app import create_app
+from gateway.server.serving import run_server
+from gateway.tenancy.tenants import hash_key
 from isolation.markers import normal_form
 from isolation.redis_text import text
 from tests.integration.conftest import GatewayFactory

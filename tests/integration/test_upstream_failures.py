@@ -11,9 +11,9 @@ from typing import Any
 
 import httpx
 
-from gateway.backends import Replica
-from gateway.routing import affinity_key, rank
-from gateway.serving import run_server
+from gateway.server.serving import run_server
+from gateway.upstream.backends import Replica
+from gateway.upstream.routing import affinity_key, rank
 from tests.integration.support import MODEL, auth, chat_body, forwarded, metric
 from tests.redis_server import free_port
 

@@ -12,9 +12,9 @@ import orjson
 import pytest
 import redis
 
-from gateway.serving import run_server
-from gateway.tenants import hash_key
-from gateway.tokens import ModelTokenizer
+from gateway.server.serving import run_server
+from gateway.tenancy.tenants import hash_key
+from isolation.tokens import ModelTokenizer
 from tests.integration.adversary import Adversary, Plan, Usage
 from tests.integration.support import BOB_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.redis_server import redis_server

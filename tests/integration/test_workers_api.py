@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import orjson
 
-from gateway.tenants import hash_key
-from gateway.workers_api import workers_result
+from gateway.api.workers import workers_result
+from gateway.tenancy.tenants import hash_key
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, forwarded
 from tests.redis_server import own_redis
 

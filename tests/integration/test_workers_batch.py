@@ -206,7 +206,7 @@ async def test_an_item_refused_for_now_waits_its_turn_instead_of_failing(
 ) -> None:
     # Alice's one concurrent request is taken by a slow stream: her batch item is refused for now (429), which
     # was once stored as its answer.
-    from gateway.tenants import hash_key
+    from gateway.tenancy.tenants import hash_key
 
     sim_url = make_sim(tokens_per_s=20)
     alice = {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": {"max_concurrent_requests": 1}}
@@ -227,7 +227,7 @@ async def test_a_tenant_held_back_by_its_own_rate_limit_holds_no_other_tenants_j
 ) -> None:
     # One worker serves every tenant. It used to wait out bob's own limit (up to 10 minutes an item) holding his
     # job, while alice's stood behind it (red team, 2026-12-01); his job is deferred now.
-    from gateway.tenants import hash_key
+    from gateway.tenancy.tenants import hash_key
 
     alice = {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}
     bob = {"id": "bob", "key_hashes": [hash_key(BOB_KEY)], "limits": {"requests_per_minute": 1}}
@@ -253,7 +253,7 @@ async def test_tenants_take_turns_even_inside_a_batch(
 ) -> None:
     # Bob's batch of 8 was queued first, then his single job; alice's one job waits for one of his items, not his
     # whole batch, nor his job queued before hers.
-    from gateway.tenants import hash_key
+    from gateway.tenancy.tenants import hash_key
 
     sim_url = make_sim(ttft_ms=150)
     tenants = [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}, {"id": "bob", "key_hashes": [hash_key(BOB_KEY)]}]
@@ -285,7 +285,7 @@ async def test_tenants_take_turns_even_inside_a_batch(
 async def test_a_tenants_queued_requests_stop_at_its_cap_until_its_jobs_finish(
     client: httpx.AsyncClient, make_gateway: GatewayFactory, make_sim: Any
 ) -> None:
-    from gateway.tenants import hash_key
+    from gateway.tenancy.tenants import hash_key
 
     sim_url = make_sim(ttft_ms=200)
     alice = {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": {"max_queued_requests": 3}}

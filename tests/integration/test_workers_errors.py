@@ -11,9 +11,9 @@ import orjson
 import pytest
 
 import gateway
+from gateway.api.workers import WORKERS_ERRORS
 from gateway.errors import GatewayError
-from gateway.tenants import hash_key
-from gateway.workers_api import WORKERS_ERRORS
+from gateway.tenancy.tenants import hash_key
 from tests.integration.conftest import GatewayFactory
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, auth, forwarded
 from tests.integration.test_workers_api import RUN

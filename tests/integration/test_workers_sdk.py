@@ -17,7 +17,7 @@ import orjson
 import pytest
 from cloudflare import AsyncCloudflare, Cloudflare
 
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
 from tests.integration.conftest import GatewayFactory
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, forwarded
 

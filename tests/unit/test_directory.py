@@ -15,7 +15,10 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import pytest
 from redis.asyncio import Redis
 
-from gateway.directory import (
+from gateway.errors import AuthenticationFailed, DirectoryUnavailable, TenantDisabled
+from gateway.metrics import GatewayMetrics
+from gateway.settings import SettingsError, TenantDirectorySettings, TenantLimits, TenantSettings
+from gateway.tenancy.directory import (
     ApiKey,
     DirectoryStore,
     Found,
@@ -25,10 +28,7 @@ from gateway.directory import (
     Tenant,
     new_key_id,
 )
-from gateway.errors import AuthenticationFailed, DirectoryUnavailable, TenantDisabled
-from gateway.metrics import GatewayMetrics
-from gateway.settings import SettingsError, TenantDirectorySettings, TenantLimits, TenantSettings
-from gateway.tenants import TenantDirectory, hash_key, new_api_key
+from gateway.tenancy.tenants import TenantDirectory, hash_key, new_api_key
 from tests.redis_server import redis_server
 
 TWINS = ["memory", "redis"]

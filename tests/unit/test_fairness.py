@@ -11,15 +11,15 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.backends import Replica, ReplicaPool
 from gateway.errors import CapacityExceeded
-from gateway.fairness import Gate, RoundRobin, Waiter
 from gateway.metrics import GatewayMetrics
-from gateway.routing import Router
-from gateway.saturation import EngineLoad, LoadMonitor, parse_load
 from gateway.settings import BackendSettings, ModelSettings, RoutingSettings, TenantSettings
 from gateway.store import MemoryStore
-from gateway.tenants import hash_key
+from gateway.tenancy.tenants import hash_key
+from gateway.upstream.backends import Replica, ReplicaPool
+from gateway.upstream.fairness import Gate, RoundRobin, Waiter
+from gateway.upstream.routing import Router
+from gateway.upstream.saturation import EngineLoad, LoadMonitor, parse_load
 from tests.redis_server import free_port
 
 VLLM_METRICS = """\

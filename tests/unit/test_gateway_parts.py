@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 
 from gateway.accesslog import request_id
-from gateway.body import parse_json_object
-from gateway.edge import TickCorkedTransport
+from gateway.api.body import parse_json_object
+from gateway.api.workers import decoded_arguments
 from gateway.errors import AuthenticationFailed, InvalidRequest
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import ChatCompletionRequest, request_path
+from gateway.server.edge import TickCorkedTransport
 from gateway.settings import SettingsError, TenantSettings, load_settings
-from gateway.sse import EventSplitter
-from gateway.tenants import TenantDirectory, hash_key, new_api_key
-from gateway.workers_api import decoded_arguments
+from gateway.tenancy.tenants import TenantDirectory, hash_key, new_api_key
+from gateway.upstream.sse import EventSplitter
 
 
 def test_event_splitter_yields_only_whole_events_across_any_boundaries() -> None:

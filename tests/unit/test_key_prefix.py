@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis
 
-from gateway.auditlog import AuditEvent, RedisAuditLog
-from gateway.directory import ApiKey, KeyUse, RedisDirectoryStore, Tenant
-from gateway.queue import Job, RedisJobQueue
-from gateway.ratelimit import Quota, RedisBuckets
+from gateway.jobs.queue import Job, RedisJobQueue
 from gateway.settings import REDIS_KEY_PREFIX, Settings, SettingsError, load_settings
 from gateway.store import RedisStore
-from gateway.tenants import hash_key
+from gateway.tenancy.auditlog import AuditEvent, RedisAuditLog
+from gateway.tenancy.directory import ApiKey, KeyUse, RedisDirectoryStore, Tenant
+from gateway.tenancy.ratelimit import Quota, RedisBuckets
+from gateway.tenancy.tenants import hash_key
 from isolation.events import IsolationEvent, RedisEventLog
 from isolation.fingerprints import Prompt, RedisFingerprintFeed
 from isolation.markers import Owner, RedisMarkerStore

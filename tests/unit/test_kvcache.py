@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tokens import ModelTokenizer
 from isolation.sim.detokenizer import Detokenizer
 from isolation.sim.kvcache import BlockTable, KVCache
+from isolation.tokens import ModelTokenizer
 
 BLOCK = 4
 

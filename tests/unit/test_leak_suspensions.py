@@ -1,7 +1,7 @@
-"""What a leak does to its replica (gateway/quarantine.py), where integration tests cannot make it happen on cue: two
-leaks at once, a probe that dies or cannot run, an operator's decision made before the leak. The probe is replaced by
-its possible outcomes and the instance by the parts these rules use (the replica pool and store are the real ones);
-tests/integration/test_quarantine.py runs the same rules end to end."""
+"""What a leak does to its replica (gateway/incidents/quarantine.py), where integration tests cannot make it happen on
+cue: two leaks at once, a probe that dies or cannot run, an operator's decision made before the leak. The probe is
+replaced by its possible outcomes and the instance by the parts these rules use (the replica pool and store are the
+real ones); tests/integration/test_quarantine.py runs the same rules end to end."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from gateway import quarantine
-from gateway.backends import ReplicaPool
+from gateway.incidents import quarantine
 from gateway.metrics import GatewayMetrics
 from gateway.settings import QuarantineSettings
 from gateway.store import MemoryStore
+from gateway.upstream.backends import ReplicaPool
 from isolation.audit import AuditError
 from isolation.events import IsolationEvent, MemoryEventLog
 

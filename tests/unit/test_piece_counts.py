@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from gateway.directory import Tenant
-from gateway.piece_counts import ENTRY_BYTES, MAX_PIECES, PieceCounts, _trie_pattern
+from gateway.pipeline.piece_counts import ENTRY_BYTES, MAX_PIECES, PieceCounts, _trie_pattern
 from gateway.settings import TenantSettings
-from gateway.tenants import hash_key
-from gateway.tokens import ModelTokenizer, token_counts
+from gateway.tenancy.directory import Tenant
+from gateway.tenancy.tenants import hash_key
 from isolation.sim.tinymodel import BOS, EOT, HEADER_END, HEADER_START
+from isolation.tokens import ModelTokenizer, token_counts
 
 SPECIALS = [BOS, EOT, HEADER_START, HEADER_END]
 # Text that tokenizes differently depending on what stands beside it: spaces, newlines, words, digits, non-ASCII.

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from gateway.errors import BackendTimeout
-from gateway.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, failing_closed, filtered
+from gateway.pipeline.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, failing_closed, filtered
 from isolation.guard import LeakBlocked
 
 

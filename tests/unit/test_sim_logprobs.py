@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from gateway.tokens import ModelTokenizer
 from isolation.sim.detokenizer import Detokenizer
 from isolation.sim.generation import WordVocabulary
 from isolation.sim.logprobs import Scorer, chat_logprobs, completion_logprobs, prompt_logprobs
 from isolation.sim.tinymodel import BOS
+from isolation.tokens import ModelTokenizer
 
 
 @pytest.fixture(scope="module")

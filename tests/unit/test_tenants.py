@@ -11,7 +11,7 @@ import pytest
 
 from gateway.errors import AuthenticationFailed
 from gateway.settings import TenantLimits, TenantSettings
-from gateway.tenants import TenantDirectory, checks_out, hash_key, new_api_key
+from gateway.tenancy.tenants import TenantDirectory, checks_out, hash_key, new_api_key
 
 # Fixed rather than new_api_key(), so the brute-force search below takes the same (short) time on every run.
 KEY = "bk-7QhXoR2m1c0Jx9bTzL4pVw8sK3nD6yFgA5eU0iHtWqE"

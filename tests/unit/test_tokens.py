@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tokens import ChatTemplateError, ModelTokenizer, TokenizerLoadError
 from isolation.sim.tinymodel import BOS, EOT, HEADER_END, HEADER_START
+from isolation.tokens import ChatTemplateError, ModelTokenizer, TokenizerLoadError
 
 USER_HI = [{"role": "user", "content": "hi"}]
 

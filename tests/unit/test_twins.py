@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from gateway.queue import Claimed, Job, JobQueue, JobStatus, MemoryJobQueue, QueueFull, RedisJobQueue
-from gateway.ratelimit import Buckets, MemoryBuckets, Quota, RedisBuckets, Verdict
+from gateway.jobs.queue import Claimed, Job, JobQueue, JobStatus, MemoryJobQueue, QueueFull, RedisJobQueue
 from gateway.store import MemoryStore, RedisStore, Store
+from gateway.tenancy.ratelimit import Buckets, MemoryBuckets, Quota, RedisBuckets, Verdict
 from isolation.events import EventLog, IsolationEvent, MemoryEventLog, RedisEventLog
 from tests.redis_server import redis_server
 

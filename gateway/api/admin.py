@@ -1,0 +1,135 @@
+"""The operators' API under /admin: a separate admin token (never a tenant key), off unless one is configured.
+
+Replicas, isolation events and verdict blocks here; tenants and their keys in admin_tenants.py, under the same
+token.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.api import admin_tenants
+from gateway.api.state import GatewayState, state_of
+from gateway.errors import AuthenticationFailed, GatewayError, InvalidRequest, NotFound, error_response
+from gateway.store import AdminState
+from gateway.tenancy.tenants import reaching_store
+from gateway.upstream.backends import Replica
+
+Handler = Callable[[Request, GatewayState], Awaitable[Response]]
+
+
+def bearer_matches(request: Request, token: str) -> bool:
+    """Whether the request presents `token` (an operator's: the admin or the metrics token), compared in constant
+    time."""
+    presented = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    return hmac.compare_digest(presented.encode(), token.encode())
+
+
+def _authorized(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        state = state_of(request)
+        token = state.settings.admin_token
+        if token is None:
+            return error_response(NotFound("The admin API is off: set admin_token to enable it."))
+        if not bearer_matches(request, token):
+            return error_response(AuthenticationFailed("This route needs the admin token."))
+        try:
+            return await handler(request, state)
+        except GatewayError as error:
+            return error_response(error)
+
+    return endpoint
+
+
+def _json(value: object) -> Response:
+    return Response(orjson.dumps(value), media_type="application/json")
+
+
+def _describe(replica: Replica, state: GatewayState) -> dict[str, object]:
+    capacity = state.capacity.by_backend.get(replica.name)
+    return {
+        "name": replica.name,
+        "url": replica.url,
+        "state": replica.state.value,
+        "healthy": replica.healthy,
+        "in_flight": replica.in_flight,
+        "models": [m.name for m in state.settings.models if replica.name in m.backends],
+        "max_model_len": capacity.max_model_len if capacity else None,
+        "kv_capacity_tokens": capacity.kv_tokens if capacity else None,
+    }
+
+
+def _limit(request: Request) -> int:
+    limit = request.query_params.get("limit", "100")
+    if not limit.isdigit() or not 1 <= int(limit) <= 10_000:
+        raise InvalidRequest("limit must be an integer from 1 to 10000.", param="limit")
+    return int(limit)
+
+
+async def isolation_events(request: Request, state: GatewayState) -> Response:
+    recent = await state.events.recent(_limit(request))
+    return _json({"events": [e.fields() for e in recent]})
+
+
+async def audit_events(request: Request, state: GatewayState) -> Response:
+    with reaching_store():
+        recent = await state.audit.recent(_limit(request))
+    return _json({"events": [asdict(e) for e in recent]})
+
+
+async def list_replicas(request: Request, state: GatewayState) -> Response:
+    return _json({"replicas": [_describe(r, state) for r in state.pool.replicas.values()]})
+
+
+def _set_state(target: AdminState | None) -> Handler:
+    async def handler(request: Request, state: GatewayState) -> Response:
+        name = request.path_params["name"]
+        replica = state.pool.replicas.get(name)
+        if replica is None:
+            raise NotFound(f"No replica named '{name}'.")
+        await state.pool.set_admin_state(replica, target, "by the admin API")
+        return _json(_describe(replica, state))
+
+    return handler
+
+
+async def verdict_blocks(request: Request, state: GatewayState) -> Response:
+    blocks = await state.verdicts.blocks()
+    return _json({"blocks": [{"tenant": tenant, "model": model} for tenant, model in blocks]})
+
+
+async def lift_verdict_block(request: Request, state: GatewayState) -> Response:
+    tenant, model = request.path_params["tenant"], request.path_params["model"]
+    if not await state.verdicts.lift(tenant, model):
+        raise NotFound(f"No verdict block of tenant '{tenant}' on model '{model}'.")
+    return _json({"tenant": tenant, "model": model, "lifted": True})
+
+
+def routes() -> list[Route]:
+    tenants, tenant = "/admin/tenants", "/admin/tenants/{tenant}"
+    return [
+        Route("/admin/isolation-events", _authorized(isolation_events), methods=["GET"]),
+        Route("/admin/audit-events", _authorized(audit_events), methods=["GET"]),
+        Route(tenants, _authorized(admin_tenants.list_tenants), methods=["GET"]),
+        Route(tenants, _authorized(admin_tenants.create_tenant), methods=["POST"]),
+        Route(tenant, _authorized(admin_tenants.show_tenant), methods=["GET"]),
+        Route(tenant, _authorized(admin_tenants.update_tenant), methods=["PATCH"]),
+        Route(tenant, _authorized(admin_tenants.delete_tenant), methods=["DELETE"]),
+        Route(f"{tenant}/keys", _authorized(admin_tenants.list_keys), methods=["GET"]),
+        Route(f"{tenant}/keys", _authorized(admin_tenants.create_key), methods=["POST"]),
+        Route(f"{tenant}/keys/{{key_id}}", _authorized(admin_tenants.revoke_key), methods=["DELETE"]),
+        Route(f"{tenant}/keys/{{key_id}}/rotate", _authorized(admin_tenants.rotate_key), methods=["POST"]),
+        Route("/admin/replicas", _authorized(list_replicas), methods=["GET"]),
+        Route("/admin/verdict-blocks", _authorized(verdict_blocks), methods=["GET"]),
+        Route("/admin/verdict-blocks/{tenant}/{model:path}", _authorized(lift_verdict_block), methods=["DELETE"]),
+        Route("/admin/replicas/{name}/quarantine", _authorized(_set_state("quarantined")), methods=["POST"]),
+        Route("/admin/replicas/{name}/drain", _authorized(_set_state("draining")), methods=["POST"]),
+        Route("/admin/replicas/{name}/release", _authorized(_set_state(None)), methods=["POST"]),
+    ]

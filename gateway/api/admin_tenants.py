@@ -1,0 +1,283 @@
+"""/admin/tenants: tenants and their API keys, managed at runtime (gateway/tenancy/tenants.py keeps them).
+
+Bodies are validated strictly (no "5" for 5, no unknown field), each refusal a 400 naming the field; unknown ids are
+404, an id that exists 409, and tenants from the settings file can be read but not changed (409). A new key is
+in the answer that creates it, and nowhere else, ever. Every change is an audit event (gateway/tenancy/auditlog.py).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal, TypeVar
+
+import orjson
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.body import parse_json_object, read_body
+from gateway.api.state import GatewayState
+from gateway.errors import InvalidRequest
+from gateway.settings import TENANT_ID_PATTERN, TenantLimits, TenantSettings
+from gateway.tenancy.auditlog import AuditEvent, record, token_id
+from gateway.tenancy.directory import ApiKey, Tenant
+
+ADMIN_BODY_BYTES = 64 * 1024
+MAX_BODY_DEPTH = 8
+MAX_PAGE = 1000
+MAX_OVERLAP_S = 30 * 86_400  # a rotation's overlap is for deploying the new key, not a second lifetime
+HASH_PREFIX_HEX = 12  # enough to tell keys apart in a listing; says nothing useful about the key
+
+ModelList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=256)]
+Label = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$")]
+# Strict everywhere else, but a time in JSON can only be a string: RFC 3339, with its offset.
+Expiry = Annotated[AwareDatetime, Field(strict=False)]
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class TenantCreate(_Body):
+    id: str = Field(pattern=TENANT_ID_PATTERN)
+    models: ModelList = Field(default_factory=lambda: ["*"], description='model names, or "*" for all')
+    limits: TenantLimits = TenantLimits()
+    enabled: bool = True
+
+
+class TenantPatch(_Body):
+    models: ModelList | None = None
+    limits: dict[str, Any] | None = Field(
+        default=None, description="merged into the current limits (TenantLimits); null lifts a limit"
+    )
+    enabled: bool | None = None
+
+
+class KeyCreate(_Body):
+    label: Label | None = None
+    expires_at: Expiry | None = Field(default=None, description="RFC 3339 time, in the future")
+
+
+class KeyRotate(_Body):
+    overlap_s: float = Field(default=0, ge=0, le=MAX_OVERLAP_S, description="seconds the old key stays valid")
+    label: Label | None = Field(default=None, description='the new key\'s (default: "rotated from <key_id>")')
+    expires_at: Expiry | None = Field(default=None, description="the new key's expiry, RFC 3339, in the future")
+
+
+class TenantView(BaseModel):
+    id: str
+    source: Literal["api", "config"]
+    models: list[str]
+    limits: TenantLimits
+    enabled: bool
+    created_at: str | None
+    updated_at: str | None
+
+
+class KeyView(BaseModel):
+    key_id: str
+    tenant: str
+    source: Literal["api", "config"]
+    label: str | None
+    hash_prefix: str
+    created_at: str | None
+    expires_at: str | None
+    expired: bool
+    last_used_at: str | None
+
+
+class NewKeyView(KeyView):
+    key: str = Field(description="the API key: shown in this answer only, never again")
+
+
+class RotatedKeyView(NewKeyView):
+    previous: KeyView
+
+
+def _refusal(exc: ValidationError, prefix: str = "") -> InvalidRequest:
+    error = exc.errors()[0]
+    path = prefix
+    for part in error["loc"]:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    reason = "not a field of this request" if error["type"] == "extra_forbidden" else error["msg"]
+    return InvalidRequest(f"{path}: {reason}." if path else f"{reason}.", param=path or None)
+
+
+async def _body(request: Request, state: GatewayState, model: type[M]) -> M:
+    raw = await read_body(request, ADMIN_BODY_BYTES, state.settings.edge.body_timeout_s) or b"{}"
+    parse_json_object(raw, MAX_BODY_DEPTH)  # the same checks and messages as everywhere: JSON, an object, nesting
+    try:
+        # From JSON, so that strict validation still takes a time as an RFC 3339 string.
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as exc:
+        raise _refusal(exc) from exc
+
+
+def _check_limits(patch: dict[str, Any]) -> None:
+    """A limits patch, each field checked as strictly as a whole body would be."""
+    try:
+        TenantLimits.model_validate(patch, strict=True)
+    except ValidationError as exc:
+        raise _refusal(exc, "limits") from exc
+
+
+def _time(when: float | None) -> str | None:
+    if when is None:
+        return None
+    return datetime.fromtimestamp(when, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _future(when: datetime | None, param: str) -> float | None:
+    if when is None:
+        return None
+    at = when.timestamp()
+    if at <= time.time():
+        raise InvalidRequest(f"{param}: {when.isoformat()} is not in the future.", param=param)
+    return at
+
+
+def _json(view: BaseModel | dict[str, Any], status: int = 200) -> Response:
+    body = view.model_dump(mode="json") if isinstance(view, BaseModel) else view
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def tenant_view(tenant: TenantSettings) -> TenantView:
+    """A tenant made at runtime, or one of the settings file (always enabled, its times unknown)."""
+    runtime = tenant if isinstance(tenant, Tenant) else None
+    return TenantView(
+        id=tenant.id,
+        source="config" if runtime is None else "api",
+        models=tenant.models,
+        limits=tenant.limits,
+        enabled=runtime is None or runtime.enabled,
+        created_at=None if runtime is None else _time(runtime.created_at),
+        updated_at=None if runtime is None else _time(runtime.updated_at),
+    )
+
+
+def key_view(key: ApiKey) -> KeyView:
+    return KeyView(
+        key_id=key.key_id,
+        tenant=key.tenant,
+        source="api",
+        label=key.label,
+        hash_prefix=key.key_hash[: len("sha256:") + HASH_PREFIX_HEX],
+        created_at=_time(key.created_at),
+        expires_at=_time(key.expires_at),
+        expired=key.expired(time.time()),
+        last_used_at=_time(key.last_used_at),
+    )
+
+
+def configured_key_view(tenant: TenantSettings, key_hash: str) -> KeyView:
+    prefix = key_hash[: len("sha256:") + HASH_PREFIX_HEX]
+    return KeyView(
+        key_id="config-" + prefix.removeprefix("sha256:"),
+        tenant=tenant.id,
+        source="config",
+        label=None,
+        hash_prefix=prefix,
+        created_at=None,
+        expires_at=None,
+        expired=False,
+        last_used_at=None,
+    )
+
+
+def _models_known(state: GatewayState, models: list[str] | None) -> None:
+    known = {m.name for m in state.settings.models}
+    for index, name in enumerate(models or []):
+        if name != "*" and name not in known:
+            raise InvalidRequest(f"models[{index}]: no model '{name}' is configured.", param=f"models[{index}]")
+
+
+async def _audit(
+    state: GatewayState, action: str, tenant: str, key_id: str = "", detail: dict[str, Any] | None = None
+) -> None:
+    assert state.settings.admin_token is not None, "the admin API runs only with a token"
+    text = "" if detail is None else orjson.dumps(detail).decode()
+    event = AuditEvent(token_id(state.settings.admin_token), action, tenant, key_id, text)
+    await record(state.audit, event)
+
+
+async def create_tenant(request: Request, state: GatewayState) -> Response:
+    body = await _body(request, state, TenantCreate)
+    _models_known(state, body.models)
+    tenant = await state.tenants.create_tenant(body.id, body.models, body.limits, body.enabled)
+    await _audit(state, "tenant.create", tenant.id, detail=body.model_dump(mode="json", exclude={"id"}))
+    return _json(tenant_view(tenant), 201)
+
+
+async def list_tenants(request: Request, state: GatewayState) -> Response:
+    limit = request.query_params.get("limit", "100")
+    if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
+        raise InvalidRequest(f"limit must be an integer from 1 to {MAX_PAGE}.", param="limit")
+    page, more = await state.tenants.tenants(request.query_params.get("after", ""), int(limit))
+    views = [tenant_view(t).model_dump(mode="json") for t in page]
+    return _json({"tenants": views, "next": page[-1].id if more else None})
+
+
+async def show_tenant(request: Request, state: GatewayState) -> Response:
+    return _json(tenant_view(await state.tenants.tenant(request.path_params["tenant"])))
+
+
+async def update_tenant(request: Request, state: GatewayState) -> Response:
+    tenant_id = request.path_params["tenant"]
+    body = await _body(request, state, TenantPatch)
+    changes = body.model_dump(exclude_unset=True)
+    if not changes:
+        raise InvalidRequest("Nothing to change: give models, limits or enabled.")
+    for name in ("models", "enabled", "limits"):
+        if name in changes and changes[name] is None:
+            raise InvalidRequest(f"{name}: cannot be null.", param=name)
+    _models_known(state, body.models)
+    if body.limits is not None:
+        _check_limits(body.limits)
+    tenant = await state.tenants.update_tenant(tenant_id, changes)
+    await _audit(state, "tenant.update", tenant_id, detail=changes)
+    return _json(tenant_view(tenant))
+
+
+async def delete_tenant(request: Request, state: GatewayState) -> Response:
+    tenant_id = request.path_params["tenant"]
+    await state.tenants.delete_tenant(tenant_id)
+    await _audit(state, "tenant.delete", tenant_id)
+    return Response(status_code=204)
+
+
+async def list_keys(request: Request, state: GatewayState) -> Response:
+    tenant_id = request.path_params["tenant"]
+    configured = state.tenants.configured(tenant_id)
+    if configured is not None:
+        views = [configured_key_view(configured, h) for h in configured.key_hashes]
+    else:
+        views = [key_view(k) for k in await state.tenants.keys(tenant_id)]
+    return _json({"keys": [v.model_dump(mode="json") for v in views]})
+
+
+async def create_key(request: Request, state: GatewayState) -> Response:
+    tenant_id = request.path_params["tenant"]
+    body = await _body(request, state, KeyCreate)
+    key, secret = await state.tenants.create_key(tenant_id, body.label, _future(body.expires_at, "expires_at"))
+    await _audit(state, "key.create", tenant_id, key.key_id, body.model_dump(mode="json", exclude_unset=True))
+    return _json(NewKeyView(**key_view(key).model_dump(), key=secret), 201)
+
+
+async def revoke_key(request: Request, state: GatewayState) -> Response:
+    tenant_id, key_id = request.path_params["tenant"], request.path_params["key_id"]
+    await state.tenants.revoke_key(tenant_id, key_id)
+    await _audit(state, "key.revoke", tenant_id, key_id)
+    return Response(status_code=204)
+
+
+async def rotate_key(request: Request, state: GatewayState) -> Response:
+    tenant_id, key_id = request.path_params["tenant"], request.path_params["key_id"]
+    body = await _body(request, state, KeyRotate)
+    expires_at = _future(body.expires_at, "expires_at")
+    old, new, secret = await state.tenants.rotate_key(tenant_id, key_id, body.overlap_s, body.label, expires_at)
+    detail = {"new_key_id": new.key_id, **body.model_dump(mode="json", exclude_unset=True)}
+    await _audit(state, "key.rotate", tenant_id, key_id, detail)
+    view = RotatedKeyView(**key_view(new).model_dump(), key=secret, previous=key_view(old))
+    return _json(view, 201)

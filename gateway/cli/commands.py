@@ -1,0 +1,462 @@
+"""The `bulkhead` command: serve, demo, sim, keys, tenants, audit."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+
+from gateway.cli import preflight
+from gateway.cli import tenants as tenant_commands
+from gateway.server import multiprocess
+from gateway.server.app import check_files, create_app
+from gateway.server.edge import EdgeConfig
+from gateway.server.process import configure_logging, run_lifespan
+from gateway.server.serving import free_port
+from gateway.settings import ListenSettings, Settings, SettingsError, TenantSettings, load_settings
+from gateway.tenancy.tenants import hash_key, new_api_key
+from isolation.audit import command as audit_command
+from isolation.sim import FAULTS, SimConfig, create_sim_app
+from isolation.sim.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_GPU_BLOCKS, fault_blocks
+from isolation.sim.tinymodel import cached_tokenizer
+
+EMBEDDED_MODEL = "tiny-llama"
+EMBEDDED_CONTEXT = 2048
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
+
+
+def _cache_root() -> Path:
+    return Path.home() / ".cache" / "bulkhead"
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """For Popen's preexec_fn, on Linux: the child gets SIGTERM when this process ends, however it ends (even by
+    SIGKILL, where no cleanup of ours runs). prctl is looked up here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def arrange() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # the parent ended before prctl took effect
+            os._exit(1)
+
+    return arrange
+
+
+@contextlib.contextmanager
+def embedded_simulator(tokenizer: Path) -> Iterator[str]:
+    """A `bulkhead sim` child process on a free loopback port, for running with no backend configured.
+
+    It lives in its own session, so that a Ctrl-C at the terminal reaches only the gateway, which drains its streams
+    (served by the simulator) before it stops the simulator; and it dies with the gateway however that ends."""
+    port = free_port()
+    command = [sys.executable, "-m", "gateway", "sim", "--port", str(port), "--tokenizer", str(tokenizer)]
+    child = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if child.poll() is not None:
+                raise SystemExit(f"the built-in simulator exited at start (code {child.returncode})")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit("the built-in simulator did not become healthy within 30 s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+
+
+def with_embedded_backend(settings: Settings, url: str, tokenizer: Path) -> Settings:
+    data = settings.model_dump()
+    data["backends"] = [{"name": "simulator", "url": url}]
+    data["models"] = [
+        {"name": EMBEDDED_MODEL, "backends": ["simulator"], "tokenizer": tokenizer, "context_window": EMBEDDED_CONTEXT}
+    ]
+    return Settings.model_validate(data)
+
+
+def with_demo_tenant(settings: Settings, key: str) -> Settings:
+    demo = TenantSettings(id="demo", key_hashes=[hash_key(key)])
+    return settings.model_copy(update={"tenants": [demo]})
+
+
+def _settings(args: argparse.Namespace) -> Settings | None:
+    """The settings, with logging set up by them; None (after saying why) when they are bad."""
+    try:
+        settings = load_settings(args.config, os.environ)
+    except SettingsError as exc:
+        print(f"bulkhead: bad settings: {exc}", file=sys.stderr)
+        return None
+    configure_logging(settings.log_level)
+    return settings
+
+
+def _listen_at(settings: Settings, host: str | None, port: int | None) -> Settings:
+    """The settings with `--host`/`--port` in place of listen.host/listen.port where given."""
+    listen = ListenSettings(host=host or settings.listen.host, port=settings.listen.port if port is None else port)
+    return settings.model_copy(update={"listen": listen})
+
+
+def _bind(settings: Settings, count: int) -> socket.socket:
+    """The listening socket, bound before the banner (with several processes, uvicorn's supervisor hands it to
+    each); ListenError or SettingsError when the start cannot work."""
+    sock = preflight.listening_socket(settings.listen.host, settings.listen.port)
+    if count > 1:
+        try:
+            check_files(settings)  # one process checks them in create_app, before its banner
+        except SettingsError:
+            sock.close()
+            raise
+    return sock
+
+
+def _serve(args: argparse.Namespace) -> int:
+    # Until the server takes the signal over: SIGTERM ends the start as Ctrl-C does, through the cleanups.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    settings = _settings(args)
+    if settings is None:
+        return 2
+    settings = _listen_at(settings, args.host, args.port)
+    count = multiprocess.process_count(args.workers or settings.workers)
+    refusal = multiprocess.refusal(settings, count, "serve") or (
+        None if args.allow_example_secrets else preflight.refusal(settings)
+    )
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
+    try:
+        sock = _bind(settings, count)
+    except preflight.ListenError as exc:
+        print(f"bulkhead: {exc}", file=sys.stderr)
+        return 2
+    except SettingsError as exc:
+        print(f"bulkhead: bad settings: {exc}", file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as stack:
+        stack.callback(sock.close)
+        settings = _listen_at(settings, None, sock.getsockname()[1])  # port 0: the one the system chose
+        if not settings.backends:
+            tokenizer = cached_tokenizer(_cache_root())
+            url = stack.enter_context(embedded_simulator(tokenizer))
+            settings = with_embedded_backend(settings, url, tokenizer)
+        demo_key = None
+        # With an admin token, tenants are made at runtime (and a demo id could clash with one in Redis).
+        if not settings.tenants and settings.admin_token is None:
+            demo_key = new_api_key()
+            settings = with_demo_tenant(settings, demo_key)
+        if count > 1:
+            _print_banner(settings, demo_key, count)
+            multiprocess.serve(settings, count, sock)
+            return 0
+        try:
+            app = create_app(settings)  # loads the tokenizers: a bad directory stops the start here
+        except SettingsError as exc:
+            print(f"bulkhead: bad settings: {exc}", file=sys.stderr)
+            return 2
+        _print_banner(settings, demo_key, count)
+        return _run(app, settings, sock)
+
+
+@contextlib.contextmanager
+def signals_absorbed() -> Iterator[None]:
+    """Around uvicorn's Server.run: once shut down, uvicorn raises again the SIGINT/SIGTERM that stopped it, for the
+    handler it found to end the process (a KeyboardInterrupt traceback; for SIGTERM, death by the signal before any
+    cleanup of ours). The handler it finds here takes the signal and does nothing: the command returns, stops the
+    built-in simulator on its way out, and exits 0."""
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(app: Starlette, settings: Settings, sock: socket.socket) -> int:
+    """Serve on the socket bound before the banner until SIGINT/SIGTERM; 2 when the lifespan finds the settings bad
+    (what only it can find, with Redis: a tenant id that is also in the tenant directory; it logged the line)."""
+    config = EdgeConfig(app, settings.edge, host=settings.listen.host, port=settings.listen.port)
+    try:
+        with signals_absorbed():
+            uvicorn.Server(config).run(sockets=[sock])
+    except SystemExit:
+        if app.state.bad_settings is not None:
+            return 2
+        raise
+    return 0
+
+
+def _print_banner(settings: Settings, demo_key: str | None, processes: int) -> None:
+    address = f"http://{settings.listen.host}:{settings.listen.port}"
+    lines = [f"bulkhead: listening on {address}" + (f" with {processes} worker processes" if processes > 1 else "")]
+    for backend in settings.backends:
+        lines.append(f"bulkhead: backend '{backend.name}' at {backend.url}")
+    lines.append(f"bulkhead: state in {'redis' if settings.redis_url else 'memory (this process only)'}")
+    if not settings.tenants and demo_key is None:
+        lines.append(f"bulkhead: no tenants in the settings: make them with `bulkhead tenants create --url {address}`")
+    if demo_key is not None:
+        model = settings.models[0].name if settings.models else "MODEL"
+        lines.append(f"bulkhead: demo tenant API key (shown once, valid for this run): {demo_key}")
+        lines.append(
+            f"curl -s {address}/v1/chat/completions -H 'Authorization: Bearer {demo_key}' "
+            f"-H 'Content-Type: application/json' "
+            f"""-d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'"""
+        )
+    print("\n".join(lines), flush=True)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if settings is None:
+        return 2
+    if settings.redis_url is None:
+        print(
+            "bulkhead worker: needs redis_url (without Redis the queue lives inside `bulkhead serve`)", file=sys.stderr
+        )
+        return 2
+    count = multiprocess.process_count(args.workers or settings.workers)
+    where = settings.redis_url.split("@")[-1]
+    print(f"bulkhead worker: {count} process(es) of {args.concurrency} queue worker(s) on {where}", flush=True)
+    if count > 1:
+        return multiprocess.run_queue_workers(settings, count, args.concurrency)
+    asyncio.run(run_lifespan(create_app(settings, workers=args.concurrency)))
+    return 0
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    key = new_api_key()
+    print(f"API key for tenant '{args.tenant}' (shown once; store it now): {key}")
+    print("Add its hash to the tenant in your config:")
+    print(f'  - id: {args.tenant}\n    key_hashes: ["{hash_key(key)}"]')
+    return 0
+
+
+def _tenants(args: argparse.Namespace) -> int:
+    return tenant_commands.run(args, os.environ)
+
+
+def _sized_for_fault(args: argparse.Namespace) -> bool:
+    """A stale fault and no KV cache size given: the cache is made smaller than the window, or the fault never shows."""
+    return args.fault != "none" and args.block_size is None and args.num_gpu_blocks is None
+
+
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    """`bulkhead sim`'s settings; with a stale fault and no KV cache size given, a cache of half the window."""
+    block_size = DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size
+    blocks = args.num_gpu_blocks
+    if blocks is None:
+        blocks = fault_blocks(args.max_model_len, block_size) if _sized_for_fault(args) else DEFAULT_NUM_GPU_BLOCKS
+    return SimConfig(
+        tokenizer_dir=args.tokenizer or cached_tokenizer(_cache_root()),
+        model=args.model,
+        max_model_len=args.max_model_len,
+        block_size=block_size,
+        num_gpu_blocks=blocks,
+        ttft_ms=args.ttft_ms,
+        tokens_per_s=args.tokens_per_s,
+        output_tokens=args.output_tokens,
+        seed=args.seed,
+        fault=args.fault,
+        max_num_seqs=args.max_num_seqs,
+        batch_slowdown=args.batch_slowdown,
+        api_key=args.api_key,
+    )
+
+
+def _say_kv_cache(config: SimConfig, sized: bool) -> None:
+    kv, window = config.kv_cache_size_tokens, config.max_model_len
+    if config.fault_unreachable:
+        print(
+            f"bulkhead sim: warning: --fault {config.fault} cannot trigger: the KV cache ({kv} tokens) is not smaller "
+            f"than the window (--max-model-len {window}), so the window refuses every prompt the fault acts on; "
+            "give fewer --num-gpu-blocks",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif sized:
+        print(
+            f"bulkhead sim: --fault {config.fault}: KV cache of {kv} tokens ({config.num_gpu_blocks} blocks of "
+            f"{config.block_size}), half the {window}-token window, so prompts between the two reach the fault "
+            "(--num-gpu-blocks and --block-size set it)",
+            flush=True,
+        )
+
+
+def _sim(args: argparse.Namespace) -> int:
+    try:
+        sock = preflight.listening_socket(args.host, args.port, from_settings=False)
+    except preflight.ListenError as exc:
+        print(f"bulkhead sim: {exc}", file=sys.stderr)
+        return 2
+    with sock:
+        config = sim_config(args)
+        print(f"bulkhead sim: serving '{args.model}' on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+        _say_kv_cache(config, _sized_for_fault(args))
+        served = uvicorn.Config(create_sim_app(config), access_log=False, log_level="warning")
+        with signals_absorbed():
+            uvicorn.Server(served).run(sockets=[sock])
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from gateway.cli.demo import run_demo
+
+    return run_demo(args.tokenizer or cached_tokenizer(_cache_root()))
+
+
+def _audit(args: argparse.Namespace) -> int:
+    return audit_command.run(args)
+
+
+WORKERS_HELP = "processes, or auto (one per core); default: the settings' workers (1); more than 1 needs redis_url"
+
+
+def _workers(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of processes or 'auto': {value!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError("at least 1 process")
+    return count
+
+
+N = TypeVar("N", int, float)
+
+
+def _number(parse: Callable[[str], N], name: str, low: N, high: N | None = None) -> Callable[[str], N]:
+    """An argparse type: `parse`d, then within [low, high] (NaN is within nothing)."""
+
+    def check(value: str) -> N:
+        try:
+            number = parse(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {name}: {value!r}") from None
+        if not (number >= low and (high is None or number <= high)):
+            bounds = f"{low:g} or more" if high is None else f"{low:g} to {high:g}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return number
+
+    return check
+
+
+_port = _number(int, "a port number", 0, 65535)
+_at_least_one = _number(int, "a whole number", 1)
+_not_negative = _number(float, "a number", 0.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bulkhead", description="Multi-tenant LLM gateway in front of vLLM.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", type=Path, help="YAML settings file (BULKHEAD_* variables override it)")
+    serve.add_argument("--workers", type=_workers, help=WORKERS_HELP)
+    serve.add_argument("--host", help="address to listen on (default: the settings' listen.host, 127.0.0.1)")
+    serve.add_argument("--port", type=_port, help="port to listen on (default: the settings' listen.port, 8080)")
+    serve.add_argument(
+        preflight.ALLOW_FLAG,
+        action="store_true",
+        help="start even with the published example key hashes or placeholder secrets of deploy/ (demos only)",
+    )
+    serve.set_defaults(run=_serve)
+
+    worker = commands.add_parser("worker", help="run queue workers for the async API (needs redis_url)")
+    worker.add_argument("--config", type=Path, help="YAML settings file (BULKHEAD_* variables override it)")
+    worker.add_argument("--workers", type=_workers, help=WORKERS_HELP)
+    worker.add_argument("--concurrency", type=int, default=2, help="queue workers in each process (default 2)")
+    worker.set_defaults(run=_worker)
+
+    keys = commands.add_parser("keys", help="manage tenant API keys")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True)
+    create = key_commands.add_parser("create", help="make a new API key and print its hash for the config")
+    create.add_argument("--tenant", required=True)
+    create.set_defaults(run=_keys_create)
+
+    tenant_commands.add_parser(commands).set_defaults(run=_tenants)
+
+    demo = commands.add_parser("demo", help="replay the stale-KV incident and show what each defence catches")
+    demo.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer directory (default: a built tiny one)")
+    demo.set_defaults(run=_demo)
+
+    sim = commands.add_parser("sim", help="run the vLLM-compatible engine simulator")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=_port, default=8000)
+    sim.add_argument("--model", default=EMBEDDED_MODEL)
+    sim.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer directory (default: a built tiny one)")
+    sim.add_argument("--max-model-len", type=int, default=EMBEDDED_CONTEXT)
+    # No defaults here: whether they were given decides how a fault's KV cache is sized (sim_config).
+    sim.add_argument("--block-size", type=int, help=f"tokens per KV block ({DEFAULT_BLOCK_SIZE})")
+    sim.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        help=f"KV blocks ({DEFAULT_NUM_GPU_BLOCKS}; with a --fault and neither this nor --block-size: half the window)",
+    )
+    sim.add_argument("--ttft-ms", type=float, default=0.0, help="time to first token")
+    sim.add_argument("--tokens-per-s", type=float, default=0.0, help="decode speed; 0 = as fast as possible")
+    sim.add_argument("--output-tokens", type=int, default=16, help="length of an answer max_tokens does not cut")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--fault",
+        choices=FAULTS,
+        default="none",
+        help="stale-kv: answer over-capacity prompts from stale KV blocks of earlier requests (the incident); "
+        "stale-kv-logprobs / stale-kv-tool-names: the same, leaked through logprobs / a tool call's name",
+    )
+    sim.add_argument(
+        "--max-num-seqs",
+        type=_at_least_one,
+        default=256,
+        help="requests running at once, as vLLM's --max-num-seqs; the rest wait, first come first served "
+        "(default %(default)s)",
+    )
+    sim.add_argument(
+        "--batch-slowdown",
+        type=_not_negative,
+        default=0.0,
+        help="how a full batch slows pacing: with R requests running, the TTFT and token interval are multiplied "
+        "by 1 + this x (R - 1) / --max-num-seqs (default %(default)s: no slowdown)",
+    )
+    sim.add_argument(
+        "--api-key", help="as vLLM's --api-key: /v1/* answers 401 without `Authorization: Bearer KEY` (default: none)"
+    )
+    sim.set_defaults(run=_sim)
+
+    audit = commands.add_parser("audit", help="test an OpenAI-compatible endpoint for cross-request leaks")
+    audit_command.add_arguments(audit)
+    audit.set_defaults(run=_audit)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C before a server took over the signal (at start-up, in a client command)
+        return INTERRUPTED
+    return code

@@ -1,0 +1,1 @@
+"""What a leak does: the operators' event, the replica's suspension, probe and quarantine, the verdict bounds."""

@@ -1,0 +1,90 @@
+"""Continuous isolation probing: the audit's canary and accounting probes, run against every replica at a low rate
+with two synthetic tenants, so a replica that starts mixing requests is caught before a customer sees it.
+
+The same probe confirms a leak before the last replica of a model is quarantined (quarantine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+import httpx
+
+from gateway.incidents.reporting import ReportingParts, report
+from gateway.settings import ModelSettings, Settings
+from gateway.upstream.backends import Replica, ReplicaPool
+from gateway.upstream.capacity import CapacityMonitor
+from isolation.audit import AuditError, Finding, make_identities, probe_replica
+from isolation.audit.report import REDACTED
+from isolation.events import IsolationEvent
+
+log = logging.getLogger("bulkhead.prober")
+
+KIND = "probe_finding"
+PROBER = "bulkhead-prober"
+
+
+class ProbingParts(ReportingParts, Protocol):
+    """What probing replicas uses."""
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def pool(self) -> ReplicaPool: ...
+    @property
+    def capacity(self) -> CapacityMonitor: ...
+    @property
+    def client(self) -> httpx.AsyncClient: ...
+
+
+async def probe(state: ProbingParts, replica: Replica, model: ModelSettings) -> list[Finding]:
+    """The critical findings of the canary and accounting probes against one replica; raises AuditError when the
+    probes cannot run."""
+    settings = state.settings.isolation.prober
+    # Fresh identities per probe: markers of this probe only, with salts of their own (no tenant keys are used).
+    # Both speak with the replica's own key, if it has one (vLLM --api-key), as the gateway's requests do.
+    limit = state.capacity.limit(model)
+    results = await probe_replica(
+        state.client,
+        replica.url,
+        model.name,
+        make_identities((replica.api_key,) if replica.api_key else ()),
+        limit=limit.tokens if limit else None,
+        max_requests=settings.max_requests,
+        rate=settings.rate,
+        time_limit_s=settings.time_limit_s,
+    )
+    return [f for result in results for f in result.findings if f.severity == "critical"]
+
+
+async def probe_once(state: ProbingParts) -> int:
+    """One pass over the routable replicas; returns how many critical findings it recorded."""
+    found = 0
+    for replica in [r for r in state.pool.replicas.values() if r.routable]:
+        model = next((m for m in state.settings.models if replica.name in m.backends), None)
+        if model is None:
+            continue
+        try:
+            critical = await probe(state, replica, model)
+        except AuditError as exc:
+            # The endpoint's own words can echo the key it was sent.
+            why = str(exc).replace(replica.api_key, REDACTED) if replica.api_key else str(exc)
+            log.warning("isolation probe of %s did not run: %s", replica.name, why)
+            continue
+        for finding in critical:
+            event = IsolationEvent(KIND, f"probe-{replica.name}", PROBER, model.name, replica.name, finding.title)
+            await report(event, state)
+        if critical and state.settings.isolation.prober.quarantine:
+            await state.pool.set_admin_state(replica, "quarantined", f"isolation probe: {critical[0].title}")
+        found += len(critical)
+    return found
+
+
+async def run_prober(state: ProbingParts) -> None:
+    """Started by the lifespan when isolation.prober.enabled; a pass every interval_s, the first soon after start."""
+    interval = state.settings.isolation.prober.interval_s
+    await asyncio.sleep(min(5.0, interval))
+    while True:
+        await probe_once(state)
+        await asyncio.sleep(interval)

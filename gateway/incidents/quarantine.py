@@ -1,0 +1,196 @@
+"""What a leak does to the replica that answered: out of rotation on every instance, within bounds no tenant can
+turn into a weapon.
+
+A leak event shows that an answer carried another tenant's marker or prompt text. That is an engine fault only if
+the engine put it there, and tenants can fake one: a tenant who learned a marker can have the engine echo it, and
+two accounts of one person need no secret at all to make a fingerprint event (one sends a text, the other asks the
+model to decode an encoding of it). So no tenant's request decides on its own; the prober's canary probe does
+(synthetic identities whose markers exist for that probe only, so no tenant can fake its outcome):
+- while other routable replicas serve the model, the replica is suspended at once (out of rotation, the model
+  stays served) and probed; it is quarantined when the probe sees it mix requests, and released when it does not.
+  The store sets the suspension in one step, only while another replica of the model is free and this one has no
+  state: two leaks at once never take every replica out, and an operator's drain is never overwritten;
+- a replica that cannot be suspended (the last one free, or one with an operator's state) stays as it is while it
+  is probed, and is quarantined only when the probe sees it mix requests;
+- a probe that cannot tell keeps a suspension, and a suspension ends by itself at its time (ReplicaPool.sync), so
+  none outlives a probe that died with its instance;
+- the follow-up event (kind `leak_check`) says whether the probe confirmed it (yes, no, unknown) and what was done;
+- automatic suspensions and quarantines of one replica are bounded per window, and confirmation probes per replica
+  and per recipient tenant per hour (`isolation.quarantine`), across every instance (the store); past a bound the
+  leak is still blocked and recorded, and the decision is counted.
+Every decision is counted in `bulkhead_quarantines_total{replica,outcome}`. With `quarantine_on_leak: false`
+nothing is suspended or quarantined, on any path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Final, Protocol
+
+from redis.exceptions import RedisError
+
+from gateway.incidents.prober import ProbingParts, probe
+from gateway.incidents.reporting import report
+from gateway.settings import QuarantineSettings
+from gateway.store import AdminState, MemoryStore, Store
+from gateway.upstream.backends import Replica
+from isolation.audit import AuditError, Finding
+from isolation.events import IsolationEvent
+
+log = logging.getLogger("bulkhead.isolation")
+
+QUARANTINED: Final = "quarantined"
+SUSPENDED: Final = "suspended"
+RELEASED = "released"
+PROBING = "probing"
+BOUNDED = "bounded"
+DISABLED = "disabled"
+NONE = "none"
+CHECK = "leak_check"
+OUTCOMES = {"yes": "confirmed", "no": "unconfirmed", "unknown": "inconclusive"}  # the probe's, as metric outcomes
+DETAILS = {"no": "the canary probe saw no requests mixed", "unknown": "the canary probe could not run"}
+SUSPENSION_SLACK_S = 60.0
+
+
+class QuarantineBudget:
+    """What a leak's automatic decisions may cost, counted across every instance (the store): suspensions and
+    quarantines of one replica per window, and confirmation probes per replica and per recipient tenant per hour (a
+    probe is a few dozen requests a tenant could otherwise make the gateway send at will); and one probe of a
+    replica at a time from this instance."""
+
+    def __init__(self, store: Store, settings: QuarantineSettings) -> None:
+        self._store = store
+        self._here = MemoryStore()  # the bounds this instance keeps while the store is unreachable
+        self._settings = settings
+        self.probing: set[str] = set()
+
+    async def take(self, replica: str) -> bool:
+        """One automatic suspension or quarantine of this replica; False past the bound (or the store unreachable)."""
+        settings = self._settings
+        return await self._take(f"quarantine:{replica}", settings.max_per_replica, settings.window_s)
+
+    async def probe(self, replica: str, tenant: str) -> bool:
+        """One confirmation probe of this replica, drawn by this tenant's answer; False past either bound."""
+        settings = self._settings
+        # The tenant's first: one past its own bound must not spend the replica's.
+        if not await self._take(f"probe-tenant:{tenant}", settings.max_probes_per_tenant, 3600.0):
+            return False
+        return await self._take(f"probe-replica:{replica}", settings.max_probes_per_replica, 3600.0)
+
+    async def _take(self, budget: str, limit: int, window_s: float) -> bool:
+        try:
+            return await self._store.take(budget, limit, window_s, time.time())
+        except (RedisError, OSError) as exc:
+            # The bound holds on this instance at least, until the store answers again.
+            log.error("budget %s not shared: %s", budget, type(exc).__name__)
+            return await self._here.take(budget, limit, window_s, time.time())
+
+
+class ResponderParts(ProbingParts, Protocol):
+    """What responding to a leak uses: the probe's parts and the budget of its decisions."""
+
+    @property
+    def quarantines(self) -> QuarantineBudget: ...
+
+
+async def _set(state: ResponderParts, replica: Replica, admin_state: AdminState, reason: str) -> None:
+    try:
+        await state.pool.set_admin_state(replica, admin_state, reason)
+    except (RedisError, OSError) as exc:
+        log.error("%s of %s not shared: %s", admin_state, replica.name, type(exc).__name__)
+        replica.admin_state = admin_state  # at least here, when the store cannot tell the others
+
+
+async def _suspend(state: ResponderParts, replica: Replica, others: list[Replica], reason: str) -> bool:
+    """Suspend the replica, unless it has a state (an operator's drain) or every other replica of its model has one
+    by now (another leak, on this instance or another, suspended them): checked and set in one step in the store."""
+    # The probe's own limit, and time for it to start and report: a suspension whose probe died ends by then.
+    until = time.time() + state.settings.isolation.prober.time_limit_s + SUSPENSION_SLACK_S
+    try:
+        return await state.pool.suspend(replica, others, until, reason)
+    except (RedisError, OSError) as exc:
+        log.error("suspension of %s not shared: %s", replica.name, type(exc).__name__)
+        if replica.admin_state is not None or all(other.admin_state is not None for other in others):
+            return False
+        replica.admin_state = SUSPENDED  # at least here, when the store cannot tell the others
+        return True
+
+
+async def _release(state: ResponderParts, replica: Replica, reason: str) -> bool:
+    """End a suspension; False when the replica is no longer suspended (an operator decided meanwhile)."""
+    try:
+        return await state.pool.end_suspension(replica, reason)
+    except (RedisError, OSError) as exc:
+        log.error("release of %s not shared: %s", replica.name, type(exc).__name__)
+        if replica.admin_state != SUSPENDED:
+            return False
+        replica.admin_state = None  # here, as _set suspended it here when the store could not tell the others
+        return True
+
+
+async def _decide(event: IsolationEvent, state: ResponderParts, replica: Replica | None) -> str:
+    if replica is None or replica.admin_state in (QUARANTINED, SUSPENDED):
+        return NONE
+    if not state.settings.isolation.canary.quarantine_on_leak:
+        return DISABLED
+    model = state.settings.model(event.model)
+    if model is None:
+        return PROBING
+    others = [state.pool.replicas[name] for name in model.backends if name != replica.name]
+    if not any(other.routable for other in others):
+        return PROBING
+    if not await state.quarantines.take(replica.name):
+        return BOUNDED
+    # Another leak (here or on another instance) may have suspended the others since: then this one is the last.
+    reason = f"{event.kind} in request {event.request_id}, being probed"
+    return SUSPENDED if await _suspend(state, replica, others, reason) else PROBING
+
+
+async def on_leak(event: IsolationEvent, state: ResponderParts) -> None:
+    """Report a leak with what it does to its replica, and do it."""
+    replica = state.pool.replicas.get(event.replica)
+    action = await _decide(event, state, replica)
+    state.metrics.quarantines.labels(event.replica, action).inc()
+    await report(replace(event, action=action), state)
+    if replica is None or action not in (SUSPENDED, PROBING) or replica.name in state.quarantines.probing:
+        return
+    if not await state.quarantines.probe(replica.name, event.tenant):
+        # Past the bound a suspension still ends by itself at its time, and the next leak may be probed again.
+        state.metrics.quarantines.labels(replica.name, "probe_bounded").inc()
+        return
+    state.quarantines.probing.add(replica.name)
+    state.background(_confirm(state, replica, event))
+
+
+async def _confirm(state: ResponderParts, replica: Replica, event: IsolationEvent) -> None:
+    findings: list[Finding] | None = None  # None: the probe could not tell
+    try:
+        model = state.settings.model(event.model)
+        findings = await probe(state, replica, model) if model is not None else None
+    except AuditError as exc:
+        log.warning("leak on %s: the confirmation probe did not run: %s", replica.name, exc)
+    except Exception:
+        log.exception("leak on %s: the confirmation probe failed", replica.name)
+    finally:
+        state.quarantines.probing.discard(replica.name)
+    outcome = "unknown" if findings is None else "yes" if findings else "no"
+    state.metrics.quarantines.labels(replica.name, OUTCOMES[outcome]).inc()
+    # A suspension took its place in the bound already.
+    suspended = replica.admin_state == SUSPENDED
+    if findings:
+        action = QUARANTINED if suspended or await state.quarantines.take(replica.name) else BOUNDED
+    elif findings is None:
+        # No evidence either way: a suspension stays, until its time ends (ReplicaPool.sync) or an operator decides.
+        action = NONE
+    else:
+        released = suspended and await _release(state, replica, "the leak's confirmation probe saw no requests mixed")
+        action = RELEASED if released else NONE
+    if action != NONE:
+        state.metrics.quarantines.labels(replica.name, action).inc()
+    detail = findings[0].title if findings else DETAILS[outcome]
+    check = replace(event, kind=CHECK, detail=detail, action=action, confirmed=outcome, time=time.time())
+    await report(check, state)
+    if action == QUARANTINED:
+        await _set(state, replica, QUARANTINED, f"confirmed leak in request {event.request_id}")

@@ -1,0 +1,1 @@
+"""The async API's queue and the workers that run its jobs."""

@@ -1,0 +1,177 @@
+"""Queue workers: claim a job, run every item through the normal pipeline, store the results, then acknowledge.
+
+Each item runs once unless a worker dies while running it. A worker renews its claim while it works, so a live
+worker's job never looks abandoned; it stores every result (retrying through a store outage, first write wins)
+before it acknowledges; and an exception of any kind leaves the job to be claimed again — after MAX_ATTEMPTS
+attempts it ends `failed`, with an error result for every item that has none.
+
+Workers serve every tenant, so none waits out one tenant's own limits: an item its tenant's rate or concurrency
+limit refuses for now defers the job (queue.py) and the worker goes on with the next. Refusals that say "not now"
+to everyone (no replica free, a store unreachable) are waited out in place. And a batch gives way between its
+items while another tenant's jobs wait: it goes back to the front of its tenant's lane, and tenants take turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, TypeVar
+
+from redis.exceptions import RedisError
+
+from gateway.accesslog import RequestRecord
+from gateway.errors import AuthenticationFailed, GatewayError
+from gateway.jobs.queue import Claimed, Job, JobQueue
+from gateway.pipeline import inference
+from gateway.pipeline.inference import PipelineParts
+from gateway.pipeline.outcome import Answer
+
+log = logging.getLogger("bulkhead.worker")
+
+ROUTES = {inference.CHAT.name: inference.CHAT, inference.COMPLETIONS.name: inference.COMPLETIONS}
+MAX_ATTEMPTS = 3
+# Refusals of a request that never left the gateway and may pass later: 429 (rate, concurrency, capacity) and 503
+# (no replica, a store unreachable). A batch item waits them out.
+NOT_NOW = frozenset({429, 503})
+# ... of those, the refusals by the tenant's own limits: the job is deferred instead.
+TENANTS_OWN = frozenset({"rate_limit_exceeded", "concurrency_limit_exceeded"})
+MAX_PAUSE_S = 30.0
+MAX_WAIT_S = 600.0  # then the refusal is the item's answer: a replica gone for good must not hold the job forever
+T = TypeVar("T")
+
+
+async def stored(operation: Callable[[], Awaitable[T]], what: str) -> T:
+    """Retry a store operation until the store answers: what a worker has done must not be lost to an outage."""
+    pause = 0.2
+    while True:
+        try:
+            return await operation()
+        except (RedisError, OSError) as exc:
+            log.warning("worker waits for the queue's store to %s: %s", what, type(exc).__name__)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)
+
+
+def error_result(error: GatewayError) -> dict[str, Any]:
+    return {"status": error.status, "body": error.body()}
+
+
+@dataclass(frozen=True)
+class Later:
+    """The item's tenant's own limits refused it for now: try the job again from `until` (epoch s)."""
+
+    until: float
+    since: float  # when they first refused this item
+
+
+async def run_item(state: PipelineParts, job: Job, index: int, lost: asyncio.Event) -> dict[str, Any] | Later:
+    """The item's result; or, when its tenant's own limits refuse it for now, when to try again (for MAX_WAIT_S in
+    all, then the refusal is its answer). A refusal that says "not now" to every tenant (no replica free) is
+    waited out here, as the job holds its claim, not stored as the item's answer."""
+    pause, deadline = 0.5, time.monotonic() + MAX_WAIT_S
+    while True:
+        tenant = await state.tenants.by_id(job.tenant)
+        # A job queued before jobs named their tenant's incarnation belongs to whoever has its tenant's id.
+        if tenant is None or (job.incarnation and tenant.incarnation() != job.incarnation):
+            return error_result(AuthenticationFailed("The tenant no longer exists or is disabled."))
+        route = ROUTES[job.route]
+        record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
+        outcome = await inference.run(
+            state, route, inference.Submission(tenant, dict(job.items[index]), batch=True), record
+        )
+        assert isinstance(outcome, Answer), "queued items are never streamed (workers_api sets stream: false)"
+        result = {"status": outcome.status, "body": outcome.body}
+        if outcome.status not in NOT_NOW or lost.is_set() or time.monotonic() > deadline:
+            return result
+        retry = outcome.headers.get("retry-after", "")
+        wait = min(MAX_PAUSE_S, float(retry) if retry.isdigit() else pause)
+        if outcome.body.get("error", {}).get("code") in TENANTS_OWN:
+            now = time.time()
+            since = job.waiting_since if job.waiting_item == index else now
+            return result if now - since > MAX_WAIT_S else Later(now + wait, since)
+        await asyncio.sleep(wait)
+        pause = min(MAX_PAUSE_S, pause * 2)
+
+
+async def process(state: PipelineParts, queue: JobQueue, claimed: Claimed, name: str, lost: asyncio.Event) -> None:
+    """Run the job's items not yet done, until they are or another worker has taken the job over."""
+    job = claimed.job
+    attempt = await stored(partial(queue.start, job), "mark a job running")
+    status = await stored(partial(queue.status, job.owner, job.id), "read a job")
+    done = set(status.results) if status is not None else set()
+    if attempt > MAX_ATTEMPTS:
+        failed = GatewayError(f"The request could not be run in {MAX_ATTEMPTS} attempts.", code="job_failed")
+        for index in range(len(job.items)):
+            if index not in done:
+                await stored(partial(queue.store_result, job, index, error_result(failed)), "store a result")
+        await stored(partial(queue.finish, claimed, "failed"), "finish a job")
+        return
+    for index in range(len(job.items)):
+        if index in done:
+            continue  # stored before an earlier worker died: never run twice
+        if lost.is_set() or not await stored(partial(queue.keep, claimed, name), "renew a claim"):
+            # Our claim lapsed (a store outage longer than reclaim_after_s) and another worker has the job now:
+            # it runs what is left; only the item in flight when the claim went may have run twice.
+            log.warning("worker gave up job %s: another worker took it over", job.id)
+            return
+        result = await run_item(state, job, index, lost)
+        if isinstance(result, Later):
+            waiting = replace(job, waiting_item=index, waiting_since=result.since)
+            if not await stored(partial(queue.defer, claimed, waiting, result.until, name), "defer a job"):
+                log.warning("worker gave up job %s: another worker took it over", job.id)
+            return
+        if lost.is_set() and result["status"] in NOT_NOW:
+            # Refused for now, and the job is another worker's already: its answer is for that worker to find.
+            log.warning("worker gave up job %s: another worker took it over", job.id)
+            return
+        await stored(partial(queue.store_result, job, index, result), "store a result")
+        if index + 1 < len(job.items) and await stored(partial(queue.others_waiting, job.owner), "read the queue"):
+            # Another tenant's turn: this batch's next item waits one, not this batch's every item.
+            if not await stored(partial(queue.defer, claimed, job, time.time(), name), "give way"):
+                log.warning("worker gave up job %s: another worker took it over", job.id)
+            return
+    await stored(partial(queue.finish, claimed), "finish a job")
+
+
+async def keep_claimed(queue: JobQueue, claimed: Claimed, name: str, lost: asyncio.Event) -> None:
+    """Renew the claim while the job is worked on, however long one item takes; set `lost` if it is gone."""
+    while True:
+        await asyncio.sleep(queue.keep_every_s)
+        try:
+            if not await queue.keep(claimed, name):
+                lost.set()
+                return
+        except (RedisError, OSError) as exc:
+            log.warning("worker %s could not renew its claim: %s", name, type(exc).__name__)
+
+
+async def work(state: PipelineParts, queue: JobQueue, name: str) -> None:
+    """Run until cancelled; a store outage pauses the worker, and a job that fails goes back to the queue."""
+    while True:
+        # New work only while nothing waits at the gateway's fair queue: a backlog of jobs never delays
+        # interactive requests, and a job claimed is one that runs now, not one that waits holding its claim.
+        await state.gate.quiet()
+        try:
+            claims = await queue.claim(name, wait_s=1.0)
+        except (RedisError, OSError) as exc:
+            log.warning("worker %s waits for the queue's store: %s", name, type(exc).__name__)
+            await asyncio.sleep(1.0)
+            continue
+        for claimed in claims:
+            lost = asyncio.Event()
+            keeper = asyncio.create_task(keep_claimed(queue, claimed, name, lost))
+            try:
+                # A claim that waited for a job may have come back while requests started to wait at the gateway:
+                # the job stays queued, its claim kept, until they have gone.
+                await state.gate.quiet()
+                await process(state, queue, claimed, name, lost)
+            except Exception:
+                # Whatever it was, the job is not lost: it is claimed again, and fails for good after MAX_ATTEMPTS.
+                log.exception("worker %s failed on job %s; it will be tried again", name, claimed.job.id)
+                await stored(partial(queue.abandon, claimed), "give a job back")
+            finally:
+                keeper.cancel()

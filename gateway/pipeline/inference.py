@@ -1,0 +1,690 @@
+"""The path of one inference request, step by step: authenticate, read, validate, admit, route, forward, relay."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import orjson
+
+from gateway import accesslog
+from gateway.accesslog import RequestRecord
+from gateway.errors import (
+    AnswerWithheld,
+    BackendBadResponse,
+    GatewayError,
+    InvalidRequest,
+    ModelNotAllowed,
+    ModelNotFound,
+    UpstreamError,
+)
+from gateway.incidents.quarantine import ResponderParts, on_leak
+from gateway.incidents.reporting import report
+from gateway.incidents.verdicts import VerdictBound
+from gateway.pipeline.admission import Admission, admit, known
+from gateway.pipeline.counting import LocalCounter, Prompt, PromptCounter
+from gateway.pipeline.outcome import DONE, Answer, Event, Outcome, Stream
+from gateway.pipeline.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, failing_closed, filtered
+from gateway.pipeline.slot import Slot, SlotParts
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, InferenceRequest, request_path, validate
+from gateway.settings import ModelSettings, TenantSettings
+from gateway.tenancy.tenants import TenantDirectory
+from gateway.upstream.backends import Replica
+from gateway.upstream.proxy import Upstream, UpstreamResponse, parse_json_body
+from gateway.upstream.routing import Decision, Router
+from isolation.channels import prune, texts, token_streams
+from isolation.events import IsolationEvent
+from isolation.fingerprints import AnswerCheck, Fingerprinter, Prepared
+from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard, Suspect
+from isolation.inject import completion_prefix, hide_injected, inject_chat, inject_completion
+from isolation.json_escapes import JsonStringReader
+from isolation.leaks import LeakPolicy
+from isolation.markers import MarkerRegistry
+from isolation.salts import CacheSalts
+from isolation.verify import usage_problem
+
+SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
+# What one token of one choice can take in an honest answer, per alternative: a chat logprob entry with its bytes
+# list is ~80 bytes of JSON (measured: 1.6 KB a token with 20 alternatives). A backend that sends more than
+# answer_bound allows would only grow the gateway's memory.
+TOKEN_BYTES = 256
+ANSWER_BASE_BYTES = 1 << 20
+DATA = b"data: "
+INDUCED = "fingerprint_induced"  # the isolation event of a judged fragment that was no leak
+MAX_VERDICTS = 4  # judges one answer may ask for: one per victim, and an answer names few
+# What a judge's answer does without: it is read whole, once. Everything else stays as the tenant sent it (stop
+# strings, min_tokens, biases, tools, formats, logprobs), so the judge says what the same request says, greedily.
+JUDGE_DROPS = ("stream", "stream_options", "best_of", "prompt_logprobs", "echo")
+LEAK_DETAILS = {
+    MARKER: "another tenant's canary marker in the answer",
+    FRAGMENT: "a fragment of another tenant's recent prompt to this replica in the answer",
+}
+
+
+class PipelineParts(SlotParts, ResponderParts, Protocol):
+    """What a request's path uses, beside the slot's and the leak responder's parts."""
+
+    @property
+    def tenants(self) -> TenantDirectory: ...
+    @property
+    def counters(self) -> dict[str, PromptCounter]: ...
+    @property
+    def router(self) -> Router: ...
+    @property
+    def upstream(self) -> Upstream: ...
+    @property
+    def salts(self) -> CacheSalts: ...
+    @property
+    def markers(self) -> MarkerRegistry: ...
+    @property
+    def fingerprints(self) -> Fingerprinter | None: ...
+    @property
+    def verdicts(self) -> VerdictBound: ...
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str
+    path: str
+    schema: type[ChatCompletionRequest] | type[CompletionRequest]
+
+
+CHAT = Route("chat", "/v1/chat/completions", ChatCompletionRequest)
+COMPLETIONS = Route("completions", "/v1/completions", CompletionRequest)
+
+
+def resolve_model(state: PipelineParts, tenant: TenantSettings, name: str) -> ModelSettings:
+    model = state.settings.model(name)
+    if model is None:
+        raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
+    if not tenant.may_use(name):
+        raise ModelNotAllowed(f"This API key may not use the model '{name}'.", param="model")
+    return model
+
+
+def output_cap(state: PipelineParts, tenant: TenantSettings) -> int:
+    """The most output tokens this tenant may ask for in one request."""
+    limits = state.settings.limits
+    return min(limits.max_output_tokens, tenant.limits.max_output_tokens or limits.max_output_tokens)
+
+
+def check_request_limits(
+    state: PipelineParts, tenant: TenantSettings, model: ModelSettings, request: InferenceRequest
+) -> int:
+    """Refuse outputs and choices over the caps; return the output size a request without max_tokens gets."""
+    limits = state.settings.limits
+    output = request.requested_output
+    cap = output_cap(state, tenant)
+    if output is not None and output > cap:
+        param = request.output_param
+        raise InvalidRequest(f"{param} is {output}; at most {cap} output tokens may be requested.", param=param)
+    # Not getattr(request, "best_of", None): a name a pydantic model lacks costs 3 µs (its __getattr__ raises).
+    best_of = request.best_of if isinstance(request, CompletionRequest) else None
+    for name, choices in (("n", request.n), ("best_of", best_of)):
+        if choices is not None and choices > limits.max_n:
+            raise InvalidRequest(f"{name} is {choices}; at most {limits.max_n} choices may be requested.", param=name)
+    # The legacy completions API defaults to 16 tokens (OpenAI's and vLLM's default); chat to the model's reserve.
+    default = 16 if isinstance(request, CompletionRequest) else model.default_output_reserve
+    return min(default, cap)
+
+
+def upstream_body(
+    payload: dict[str, Any],
+    request: InferenceRequest,
+    model: ModelSettings,
+    admission: Admission,
+    salt: str,
+    tenant: TenantSettings,
+) -> bytes:
+    if model.cache_salt:
+        # Always the tenant's own: a salt the client chose could be another tenant's, and would join its cache.
+        payload["cache_salt"] = salt
+    else:
+        payload.pop("cache_salt", None)
+    if model.fairness.forward_priority:
+        # The tenant's setting is the only source: a client's own `priority` is refused (schemas.ENGINE_CONTROL).
+        payload["priority"] = tenant.limits.priority
+    # Always: without it the engine would generate up to its whole window, past what admission reserved.
+    payload[request.output_param] = admission.max_tokens
+    if request.stream:
+        # Usage is always asked of the backend, to verify and account for every stream; what the client did not
+        # ask for is taken out again. With continuous usage the very first chunk can be verified.
+        continuous = model.continuous_usage or request.continuous_usage
+        payload["stream_options"] = {
+            **(payload.get("stream_options") or {}),
+            "include_usage": True,
+            "continuous_usage_stats": continuous,
+        }
+    return orjson.dumps(payload)
+
+
+def plant_marker(state: PipelineParts, tenant: TenantSettings, payload: dict[str, Any], chat: bool) -> str | None:
+    """The tenant's marker, when one was put into the prompt."""
+    canary = state.settings.isolation.canary
+    if not canary.enabled:
+        return None
+    marker = state.markers.marker(tenant.incarnation())
+    if chat:
+        inject_chat(payload, marker, canary.placement)
+        return marker
+    return marker if inject_completion(payload, marker) else None
+
+
+def prepare_fingerprints(
+    state: PipelineParts, model: ModelSettings, prompt: Prompt
+) -> Prepared | asyncio.Future[Prepared] | None:
+    """The tenant's own prompt's fingerprints (none of the gateway's markers), made or being made."""
+    fingerprints = state.fingerprints
+    if fingerprints is None:
+        return None
+    assert prompt.owner is not None
+    own = list(prompt.texts())
+    if prompt.token_ids is None:
+        return fingerprints.prepare(prompt.owner, own)
+    counter = state.counters[model.name]
+    if not isinstance(counter, LocalCounter):
+        return None  # refused once admitted (a prompt over the limit hears that first): unfingerprinted()
+    return fingerprints.prepare(prompt.owner, own, partial(counter.tokenizer.decode, prompt.token_ids))
+
+
+def unfingerprinted(model: ModelSettings) -> InvalidRequest:
+    # Token ids are text to the engine all the same, and only the model's tokenizer tells which.
+    return InvalidRequest(
+        f"A prompt of token ids needs the model's tokenizer in the gateway (models[].tokenizer for '{model.name}'), "
+        "to protect it with prompt fingerprints; send the prompt as text.",
+        param="prompt",
+    )
+
+
+class InferenceCall:
+    """One admitted request, holding a replica slot and a tenant slot until `close`."""
+
+    def __init__(
+        self,
+        state: PipelineParts,
+        record: RequestRecord,
+        tenant: TenantSettings,
+        model: ModelSettings,
+        request: InferenceRequest,
+        admission: Admission,
+        decision: Decision,
+        slot: Slot,
+        prompt: Prompt,
+        echo_prefix: str = "",
+        prepared: Prepared | asyncio.Future[Prepared] | None = None,
+    ) -> None:
+        self.state = state
+        self.prepared = prepared  # the prompt's fingerprints, registered for each replica before it is sent there
+        self.slot = slot
+        self.prompt = prompt  # the tenant's own, without what the gateway injects
+        self.echo_prefix = echo_prefix
+        self.limit_headers = slot.limit_headers
+        self.record = record
+        self.tenant = tenant
+        self.model = model
+        self.request = request
+        self.admission = admission
+        self.decision = decision
+        self.replica = decision.replica
+        record.backend = self.replica.name
+        # The engine's request id, unique whatever the client's x-request-id says: vLLM takes the header as its
+        # request id, and two requests with one id (a tenant can send another's) must never meet in an engine.
+        self.upstream_id = f"{record.request_id}.{secrets.token_hex(8)}"
+        self.response: UpstreamResponse | None = None
+        self.sent_bytes = 0  # the request as forwarded: an echo can answer with all of it
+        self.finished = False
+        self._closed = False
+        self._injected: int | None = None  # the tokens the gateway injected, once counted
+        self._mark: str | None = None  # the prompt's last entry in the fingerprint feed
+        self._sent: tuple[str, bytes] | None = None  # the path and body forwarded
+        self._verdicts = 0  # suspects judged in this answer
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.response is not None:
+            await self.response.aclose()
+        self.admission.cancel()
+        if not self.finished and self.record.status == 200:
+            self.record.status, self.record.error_code = 499, "client_disconnected"
+        try:
+            accesslog.finish(self.record, self.state.metrics)
+        finally:
+            # Whatever the log made of it, the slots are given back: a lost one would cap the tenant for good.
+            ran = self.response is not None
+            if self.record.prompt_tokens is not None:
+                used = self.record.prompt_tokens + (self.record.completion_tokens or 0)
+            elif ran and self.record.error_code == "client_disconnected":
+                # The engine worked, but the client left before the usage came (a stream without usage on every
+                # chunk): the reservation stands, or leaving early would make any answer free of the tokens limit.
+                used = self.slot.reserved
+            else:
+                used = 0  # refused, failed or withheld: nothing the tenant received is charged
+            self.slot.release(used, ran=ran)
+
+    def fail(self, error: GatewayError) -> Answer:
+        self.record.status, self.record.error_code = error.status, error.code
+        return Answer.refusal(error, {"x-request-id": self.record.request_id, **self.limit_headers})
+
+    async def forward(self, path: str, body: bytes) -> None:
+        self.sent_bytes = len(body)
+        self._sent = (path, body)
+        try:
+            await self._fingerprint(self.replica)
+            await self._open(path, body)
+        except InvalidRequest as refusal:
+            # The backend's own words about the request: they can quote the prompt, markers included.
+            refusal.message = await self.scrub(refusal.message)
+            param = request_path(refusal.param, type(self.request))
+            refusal.param = param if param is None or await self.scrub(param) == param else None
+            raise
+        except BackendBadResponse as failure:
+            # Its words are never relayed, but a leak there is one all the same.
+            await self.scan_dropped("error.body", failure.quoted)
+            raise
+        self.state.metrics.routed.labels(self.replica.name, self.decision.reason.value).inc()
+        fingerprints = self.state.fingerprints
+        if fingerprints is not None and not await fingerprints.caught_up(self._mark):
+            # Prompts other instances forwarded before this one may not be known here yet, and the answer could carry
+            # one unseen. In health the feed is read within a round trip of Redis.
+            lag = "the other gateway instances' prompt fingerprints could not be read in time"
+            raise await self.withhold(StreamWithheld(lag, "fingerprint_feed_lag"))
+
+    async def _fingerprint(self, replica: Replica) -> None:
+        """Make this prompt known to every instance as sent to `replica`, before it is (its mark: `_mark`)."""
+        fingerprints, prepared = self.state.fingerprints, self.prepared
+        if fingerprints is None or prepared is None:
+            return
+        if isinstance(prepared, asyncio.Future):
+            prepared = self.prepared = await prepared
+        self._mark = await fingerprints.register(prepared, replica.name)
+
+    async def scrub(self, text: str) -> str:
+        guard = self.output_guard()
+        if guard is None:
+            return text
+        try:
+            with failing_closed():
+                return await guard.check_text(text)
+        except StreamWithheld as exc:
+            raise await self.withhold(exc) from exc
+
+    async def scan_dropped(self, where: str, text: str) -> None:
+        """Scan a text of the backend's that never goes out: a leak in it withholds the answer all the same."""
+        guard = self.output_guard()
+        if guard is None or not text:
+            return
+        try:
+            with failing_closed():
+                await guard.check_removed([(where, text)])
+        except StreamWithheld as exc:
+            raise await self.withhold(exc) from exc
+
+    async def _open(self, path: str, body: bytes) -> None:
+        upstream = self.state.upstream
+        try:
+            self.response = await upstream.open(self.replica, path, body, self.upstream_id)
+        except UpstreamError as error:
+            # Retried once, and only when nothing reached the backend: a request is never sent twice.
+            fallback = self.decision.fail_over() if error.before_sending else None
+            if fallback is None:
+                raise
+            self.slot.assign(fallback)
+            self.replica, self.record.backend = fallback, fallback.name
+            await self._fingerprint(fallback)
+            self.response = await upstream.open(fallback, path, body, self.upstream_id)
+
+    async def judge(self, suspect: Suspect) -> frozenset[int] | None:
+        """Whether a fragment of another tenant's prompt in this answer was induced: the same request, greedy, on
+        another replica (preferably one the victim's prompts never went to), says it too. A stale page cannot follow
+        a request to another replica; a text the recipient had the model write (a public text, a candidate of an
+        oracle) does. Returns the victim's grams that the judge's answer holds (no evidence in this answer from now
+        on) when it was induced, else None (a leak). Every verdict is counted and recorded for operators."""
+        fingerprints = self.state.fingerprints
+        assert fingerprints is not None
+        replica = self._judging_replica(suspect.victim)
+        verdict, cleared = "unjudged", None
+        try:
+            if replica is not None and self._verdicts < MAX_VERDICTS:
+                self._verdicts += 1
+                said = await self._regenerate(replica)
+                if said is not None:
+                    cleared = self._came_back(replica, suspect, said)
+                    verdict = "leak" if cleared is None else "induced"
+        finally:
+            self.state.metrics.fragment_verdicts.labels(
+                self.tenant.id, self.model.name, self.replica.name, verdict
+            ).inc()
+            if verdict != "induced":  # what the tenant sees: a withheld answer
+                await self.state.verdicts.draw(self.tenant.id, self.model.name)
+        if cleared is None or replica is None:
+            return None
+        detail = f"a fragment of another tenant's prompt that the answer was induced to say (judged on {replica.name})"
+        await report(self.event(INDUCED, detail, victim_tenant=suspect.victim), self.state)
+        return cleared
+
+    def _judging_replica(self, victim: str) -> Replica | None:
+        """Another routable replica of the model, one the victim's recent prompts never went to if there is one."""
+        fingerprints = self.state.fingerprints
+        assert fingerprints is not None
+        others = [r for r in self.state.pool.routable(self.model) if r.name != self.replica.name]
+        clean = [r for r in others if not fingerprints.index.sent(victim, r.name)]
+        return min(clean or others, key=lambda r: r.in_flight, default=None)
+
+    async def _regenerate(self, replica: Replica) -> list[str] | None:
+        """Every text (and logprob token stream) of every choice `replica` answers this request with, greedily and
+        whole; None when it could not be asked or did not answer."""
+        if self._sent is None:
+            return None
+        path, body = self._sent
+        payload = orjson.loads(body)
+        for name in JUDGE_DROPS:
+            payload.pop(name, None)
+        payload["temperature"] = 0.0
+        if not payload.get("use_beam_search"):
+            payload["n"] = 1  # greedy choices are all alike (beam search keeps its width: its best beams differ)
+        # The output admission reserved (sent as it was): a judge fits the window as the request did, and writes at
+        # least as far as the answer can have gone, in tokens whatever the characters.
+        bound = answer_bound(self.request, self.admission.max_tokens, self.sent_bytes)
+        await self._fingerprint(replica)  # the tenant's prompt goes there now too
+        try:
+            response = await self.state.upstream.open(replica, path, orjson.dumps(payload), f"{self.upstream_id}.j")
+            try:
+                raw = await response.read(bound + 1)
+            finally:
+                await response.aclose()
+            answer = parse_json_body(replica, raw)
+        except GatewayError:
+            return None
+        choices = answer.get("choices")
+        if len(raw) > bound or not isinstance(choices, list):
+            return None
+        found: list[str] = []
+        for choice in choices:
+            if isinstance(choice, dict):
+                prune({"choices": [choice]})
+                found += [holder[name] for _, holder, name in texts(choice)]
+                logprobs = choice.get("logprobs")
+                found += ["".join(pieces) for pieces in token_streams(logprobs).values()] if logprobs else []
+        return found + [JsonStringReader().decoded(text) for text in found if "\\" in text]
+
+    def _came_back(self, replica: Replica, suspect: Suspect, said: list[str]) -> frozenset[int] | None:
+        """The victim's grams in a judge's texts, when they hold the two that made the suspect (else None)."""
+        fingerprints = self.state.fingerprints
+        assert fingerprints is not None
+        check = AnswerCheck(
+            fingerprints.index, fingerprints.hasher, replica.name, self.tenant.incarnation(), self.prompt.texts,
+            only=suspect.victim,
+        )  # fmt: skip
+        found = frozenset().union(*(check.found(text) for text in said))
+        return found if found.issuperset(suspect.pair) else None
+
+    async def check_usage(self, usage: dict[str, Any] | None) -> None:
+        """Raise StreamWithheld when the backend's accounting does not add up."""
+        sent = await self.admission.prompt_tokens()
+        problem = usage_problem(usage, sent, self.model.usage_tolerance, self.admission.max_tokens * self.request.n)
+        if problem is not None:
+            raise StreamWithheld(problem, "usage_mismatch")
+
+    async def withhold(self, exc: StreamWithheld) -> AnswerWithheld:
+        """The error the tenant gets for an answer that cannot be shown safe, once its event is recorded."""
+        if exc.kind is not None:
+            await report(self.event(exc.kind, exc.reason), self.state)
+        return withheld()
+
+    async def leak(self, leak: Leak) -> None:
+        event = self.event(leak.kind, LEAK_DETAILS[leak.kind], victim_tenant=leak.victim, epoch=leak.epoch)
+        await on_leak(event, self.state)
+
+    def event(self, kind: str, detail: str, victim_tenant: str = "", epoch: str = "") -> IsolationEvent:
+        """An isolation event about this request."""
+        return IsolationEvent(
+            kind=kind,
+            request_id=self.record.request_id,
+            tenant=self.tenant.id,
+            model=self.model.name,
+            replica=self.replica.name,
+            detail=detail,
+            victim_tenant=victim_tenant,
+            epoch=epoch,
+        )
+
+    async def view_usage(self, usage: dict[str, Any]) -> None:
+        """The backend's usage as the tenant sees it and is charged: without the tokens the gateway injected."""
+        injected = self._injected
+        if injected is None:
+            # Counted once: a stream with usage on every chunk asks for it at every event.
+            injected = self._injected = await self.admission.injected_tokens()
+            self.state.metrics.injected_tokens.labels(self.model.name).observe(injected)
+        hide_injected(usage, injected)
+
+    def output_guard(self) -> OutputGuard | None:
+        canary, fingerprints = self.state.settings.isolation.canary, self.state.fingerprints
+        if not canary.enabled and fingerprints is None:
+            return None
+        owner = self.tenant.incarnation()  # whose marker is its own, whose prompts are its own
+        counter = self.state.counters[self.model.name]
+        decode = counter.tokenizer.decode if isinstance(counter, LocalCounter) else None
+        stop = self.request.stop
+        stops = frozenset([stop] if isinstance(stop, str) else stop or ())
+        fragments, hold_tail = None, 0
+        if fingerprints is not None:
+            if self.state.settings.isolation.fingerprints.stream_hold == "tail":
+                hold_tail = fingerprints.hasher.shape.min_fragment - 1
+            fragments = AnswerCheck(
+                fingerprints.index, fingerprints.hasher, self.replica.name, owner, self.prompt.texts
+            )
+        return OutputGuard(
+            self.state.markers,
+            owner,
+            LeakPolicy(canary.policy),
+            self.leak,
+            self.echo_prefix,
+            decode,
+            stops,
+            fragments,
+            self.request.n,
+            self.judge if fragments is not None else None,
+            hold_tail,
+        )
+
+    async def complete(self) -> Answer:
+        assert self.response is not None
+        bound = answer_bound(self.request, self.admission.max_tokens, self.sent_bytes)
+        raw = await self.response.read(bound + 1)
+        self.record.mark_first_byte()
+        if len(raw) > bound:
+            raise BackendBadResponse(f"Backend '{self.replica.name}' answered more than {bound} bytes.")
+        try:
+            with failing_closed():
+                body = await self._checked(raw)
+        except StreamWithheld as exc:
+            raise await self.withhold(exc) from exc
+        self.finished = True
+        headers = {"x-request-id": self.record.request_id, **self.limit_headers}
+        return Answer(200, body, headers)
+
+    async def _checked(self, raw: bytes) -> dict[str, Any]:
+        """A whole answer, pruned, verified and scanned."""
+        guard = self.output_guard()
+        try:
+            body = parse_json_body(self.replica, raw)
+        except BackendBadResponse:
+            if guard is not None:  # never relayed, but a leak there is one all the same
+                await guard.check_removed([("answer.raw", raw.decode("utf-8", "replace"))])
+            raise
+        removed = prune(body)
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
+        if guard is not None and removed:
+            await guard.check_removed(removed)
+        if self.model.verify_usage:
+            await self.check_usage(usage)
+        if usage is not None:
+            await self.view_usage(usage)
+            self.record.take_usage(usage)
+        if guard is not None:
+            await guard.check_body(body)
+        return body
+
+    async def relay(self) -> AsyncGenerator[Event, None]:
+        assert self.response is not None
+        record = self.record
+        wanted = UsageWanted(final=self.request.include_usage, every_chunk=self.request.continuous_usage)
+        check = self.check_usage if self.model.verify_usage else None
+        bound = answer_bound(self.request, self.request.stream_interval or 1, self.sent_bytes)
+        stream_filter = StreamFilter(
+            wanted, check, self.view_usage, self.model.continuous_usage, self.output_guard(), bound
+        )
+        last: Event | None = None
+        try:
+            async for event in filtered(self.response.chunks(), stream_filter):
+                record.mark_first_byte()
+                yield event
+            self.finished = True
+            last = DONE if stream_filter.done else None
+        except StreamWithheld as exc:
+            last = self._ended(await self.withhold(exc))
+        except StreamFailed:
+            last = self._ended(
+                BackendBadResponse(f"Backend '{self.replica.name}' reported an error in the middle of the answer.")
+            )
+        except GatewayError as error:
+            last = self._ended(error)
+        finally:
+            if stream_filter.usage is not None:
+                record.take_usage(stream_filter.usage)
+            # Before the stream's last event goes out, so the log and metrics are complete when the client is.
+            await self.close()
+        if last is not None:
+            yield last
+
+    def _ended(self, error: GatewayError) -> GatewayError:
+        """The stream ends with this error (in an event of its own, then [DONE])."""
+        self.finished = True
+        self.record.status, self.record.error_code = error.status, error.code
+        return error
+
+
+def answer_bound(request: InferenceRequest, tokens: int, sent_bytes: int) -> int:
+    """The most bytes an honest answer (or one stream event) of `tokens` tokens per choice can take."""
+    alternatives = (request.top_logprobs or 0) if isinstance(request, ChatCompletionRequest) else request.logprobs or 0
+    return ANSWER_BASE_BYTES + sent_bytes + request.n * tokens * (alternatives + 1) * TOKEN_BYTES
+
+
+def withheld() -> AnswerWithheld:
+    # Generic on purpose: the tenant learns that the answer was withheld, not what it contained or whose it was.
+    return AnswerWithheld(
+        "The backend's answer could not be verified as belonging to this request and was withheld. "
+        "The event has been recorded; retrying is safe."
+    )
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One inference request as the pipeline takes it: from HTTP, from the Workers-style route, from the queue."""
+
+    tenant: TenantSettings
+    payload: dict[str, Any]
+    session: str | None = None
+    batch: bool = False  # a queued job's: waits behind interactive requests, never refused for capacity
+    gone: Callable[[], Awaitable[None]] | None = None  # returns when the client has gone away
+
+
+async def _admit(
+    state: PipelineParts, route: Route, submission: Submission, record: RequestRecord
+) -> tuple[InferenceCall, bytes]:
+    tenant, payload = submission.tenant, submission.payload
+    record.tenant = tenant.id
+    parsed = validate(route.schema, payload)
+    model = resolve_model(state, tenant, parsed.model)
+    state.verdicts.check(tenant.id, model.name)
+    record.model, record.stream = model.name, parsed.stream
+    default_output = check_request_limits(state, tenant, model, parsed)
+    slot = Slot(state, tenant, model)
+    prepared = None
+    try:
+        chat = isinstance(parsed, ChatCompletionRequest)
+        of = Prompt.of_chat if chat else Prompt.of_completion
+        own = of(payload, tenant.incarnation())
+        limit = known(model, state.capacity.limit(model, tenant))
+        # Started now so that a large prompt is hashed while it is counted and its request routed and queued; not for
+        # one its size alone refuses (admission says so at once), which would make hashing the cheapest refusal's cost.
+        if state.counters[model.name].lower_bound(own) < limit.tokens:
+            prepared = prepare_fingerprints(state, model, own)
+        marker = plant_marker(state, tenant, payload, chat)
+        sent = own if marker is None else of(payload, own.owner)
+        # Routed before counting: a backend that counts the prompt should be the one that will serve it.
+        decision = state.router.choose(model, tenant.id, submission.session)
+        slot.assign(decision.replica)
+        admission = await admit(
+            sent,
+            own,
+            parsed.requested_output,
+            default_output,
+            model,
+            tenant,
+            limit,
+            state.counters[model.name],
+            state.metrics,
+            decision.replica,
+        )
+        if prepared is None and state.fingerprints is not None:
+            raise unfingerprinted(model)
+        body = upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.incarnation()), tenant)
+        await slot.reserve(admission.estimate + admission.max_tokens * parsed.n)
+        decision = await state.gate.enter(
+            model, tenant, decision, submission.session, submission.batch, submission.gone, slot.assign
+        )
+    except BaseException:
+        slot.release()
+        if isinstance(prepared, asyncio.Future):
+            prepared.cancel()
+        raise
+    echo = isinstance(parsed, CompletionRequest) and parsed.echo and marker is not None
+    call = InferenceCall(
+        state,
+        record,
+        tenant,
+        model,
+        parsed,
+        admission,
+        decision,
+        slot,
+        own,
+        completion_prefix(marker) if echo and marker is not None else "",
+        prepared,
+    )
+    return call, body
+
+
+def refuse(state: PipelineParts, record: RequestRecord, error: GatewayError) -> Answer:
+    """A request refused before it ran: logged, and answered with its request id."""
+    record.status, record.error_code = error.status, error.code
+    accesslog.finish(record, state.metrics)
+    return Answer.refusal(error, {"x-request-id": record.request_id})
+
+
+async def run(state: PipelineParts, route: Route, submission: Submission, record: RequestRecord) -> Outcome:
+    """The whole pipeline for one request, whatever surface it came in by; the surface renders the outcome."""
+    try:
+        call, body = await _admit(state, route, submission, record)
+    except GatewayError as error:
+        return refuse(state, record, error)
+    streaming = False
+    try:
+        await call.forward(route.path, body)
+        if call.request.stream:
+            streaming = True
+            headers = {"x-request-id": record.request_id, "cache-control": "no-cache", **call.limit_headers}
+            return Stream(call.relay(), headers, call.close)
+        return await call.complete()
+    except GatewayError as error:
+        return call.fail(error)
+    finally:
+        if not streaming:
+            await call.close()

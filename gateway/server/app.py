@@ -1,0 +1,521 @@
+"""create_app(settings) → the Starlette app. Its lifespan owns the httpx client, Redis pool and background tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hashlib
+import hmac
+import logging
+import os
+import random
+import secrets
+import socket
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.accesslog import RequestIdHeader
+from gateway.api import admin, catalog, openai
+from gateway.api import workers as workers_api
+from gateway.api.state import GatewayState, state_of
+from gateway.errors import (
+    AuthenticationFailed,
+    GatewayError,
+    MethodNotAllowed,
+    NotFound,
+    error_response,
+)
+from gateway.incidents.prober import run_prober
+from gateway.incidents.quarantine import QuarantineBudget
+from gateway.incidents.verdicts import VerdictBound
+from gateway.jobs.queue import MemoryJobQueue, RedisJobQueue
+from gateway.jobs.worker import work
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline.counting import BackendCounter, LocalCounter, PromptCounter
+from gateway.server import readiness
+from gateway.server.openapi import openapi_document
+from gateway.server.shutdown import stop_tasks
+from gateway.settings import Settings, SettingsError
+from gateway.store import MemoryStore, RedisStore, Store
+from gateway.tenancy.auditlog import MemoryAuditLog, RedisAuditLog
+from gateway.tenancy.directory import MemoryDirectoryStore, RedisDirectoryStore
+from gateway.tenancy.ratelimit import RateLimiter, RedisBuckets
+from gateway.tenancy.tenants import TenantDirectory
+from gateway.upstream.backends import Replica, ReplicaPool
+from gateway.upstream.capacity import CapacityMonitor
+from gateway.upstream.fairness import Gate
+from gateway.upstream.proxy import Upstream, make_client, make_session
+from gateway.upstream.routing import Router
+from gateway.upstream.saturation import LoadMonitor
+from isolation.events import EventLog, MemoryEventLog, RedisEventLog
+from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed, public_fingerprints
+from isolation.leaks import Webhook
+from isolation.markers import CanaryKey, MarkerRegistry, RedisMarkerStore
+from isolation.salts import CacheSalts
+from isolation.tokens import ModelTokenizer, TokenizerLoadError
+from isolation.winnowing import Hasher, Shape
+
+log = logging.getLogger("bulkhead")
+
+SHUTDOWN_WAIT_S = 5.0
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    """200 while this instance can serve (what is degraded in the body), 503 when it cannot: see readiness.py."""
+    found = await readiness.check(state_of(request))
+    return JSONResponse(found.body(), status_code=200 if found.ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    state = state_of(request)
+    token = state.settings.metrics_token
+    if token is not None:
+        # Its labels name tenants, and its series say when each is busy and what waits: not for tenants to read.
+        if not admin.bearer_matches(request, token):
+            return error_response(AuthenticationFailed("This route needs the metrics token."))
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def openapi(request: Request) -> Response:
+    return Response(request.app.state.openapi, media_type="application/json")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}."))
+    return error_response(NotFound(f"No route {request.method} {request.url.path}."))
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(GatewayError("The gateway failed unexpectedly; the failure has been logged."))
+
+
+class BadSettingsAtStart:
+    """ASGI middleware: settings that only the lifespan can find bad (a tenant id that is also in the tenant
+    directory, which needs Redis) fail the start with one line, not Starlette's traceback; the error is kept as
+    `app.state.bad_settings`, for the command to exit on."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        held: list[Message] = []
+
+        async def send_holding_failure(message: Message) -> None:
+            if message["type"] == "lifespan.startup.failed":
+                held.append(message)  # its message is the traceback: sent once the error is known
+                return
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_holding_failure)
+        except SettingsError as exc:
+            scope["app"].state.bad_settings = exc
+            await send({"type": "lifespan.startup.failed", "message": f"bulkhead: bad settings: {exc}"})
+        except BaseException:
+            for message in held:
+                await send(message)
+            raise
+
+
+def load_tokenizers(settings: Settings) -> dict[str, ModelTokenizer]:
+    """Every configured tokenizer, loaded before serving so that a bad path stops the start."""
+    loaded = {}
+    for index, model in enumerate(settings.models):
+        if model.tokenizer is not None:
+            try:
+                loaded[model.name] = ModelTokenizer.from_dir(model.tokenizer)
+            except TokenizerLoadError as exc:
+                raise SettingsError(f"models[{index}].tokenizer: {exc}") from exc
+    return loaded
+
+
+def check_files(settings: Settings) -> dict[str, ModelTokenizer]:
+    """The files the settings name, before serving, so that a bad path stops the start with one line: the
+    tokenizers loaded, the public texts looked for (read by the lifespan)."""
+    tokenizers = load_tokenizers(settings)
+    if settings.isolation.fingerprints.enabled:
+        for index, path in enumerate(settings.isolation.fingerprints.public_texts):
+            if not path.exists():
+                raise SettingsError(f"isolation.fingerprints.public_texts[{index}]: {path} does not exist")
+    return tokenizers
+
+
+def build_counters(
+    settings: Settings,
+    tokenizers: dict[str, ModelTokenizer],
+    pool: ReplicaPool,
+    upstream: Upstream,
+    executor: ThreadPoolExecutor,
+) -> dict[str, PromptCounter]:
+    counters: dict[str, PromptCounter] = {}
+    for model in settings.models:
+        tokenizer = tokenizers.get(model.name)
+        if tokenizer is None:
+            counters[model.name] = BackendCounter(model, pool, upstream)
+        else:
+            admission = settings.admission
+            counters[model.name] = LocalCounter(
+                tokenizer, executor, admission.inline_count_chars, admission.count_cache_mib * 2**20
+            )
+    return counters
+
+
+def make_redis(settings: Settings) -> Redis | None:
+    """The process's one Redis pool: bounded, and a request waits for a free connection instead of failing."""
+    if settings.redis_url is None:
+        return None
+    pool = BlockingConnectionPool.from_url(
+        settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=settings.redis_pool_timeout_s,
+        # After a Redis restart every pooled connection is dead: a command that meets one is sent again on a fresh
+        # connection (it never reached the server), instead of failing one request per stale connection.
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
+        retry_on_error=[RedisConnectionError],
+    )
+    return Redis.from_pool(pool)
+
+
+def salt_secret(settings: Settings) -> bytes:
+    if settings.cache_salt_secret is not None:
+        return settings.cache_salt_secret.encode()
+    if settings.redis_url is not None:
+        log.warning(
+            "cache_salt_secret is not set: each gateway instance salts tenants differently, so a tenant's prefix "
+            "cache hits are split across instances; set it to the same secret on every instance"
+        )
+    return secrets.token_bytes(32)
+
+
+def canary_keys(settings: Settings) -> list[CanaryKey]:
+    configured = settings.isolation.canary.keys
+    if configured:
+        return [CanaryKey(k.id, k.secret.encode()) for k in configured]
+    isolation = settings.isolation
+    if settings.redis_url is not None and (isolation.canary.enabled or isolation.fingerprints.enabled):
+        log.warning(
+            "isolation.canary.keys is not set: each gateway instance makes its canary markers with a random key of "
+            "its own, so a tenant's prompts differ between instances (their prefix cache hits are lost) and no "
+            "instance recognises another's markers in an answer (prompt fingerprints share a key kept in Redis); "
+            "set the same keys on every instance"
+        )
+    return [CanaryKey("random", secrets.token_bytes(32))]
+
+
+async def marker_registry(
+    settings: Settings, keys: list[CanaryKey], redis: Redis | None, metrics: GatewayMetrics
+) -> MarkerRegistry:
+    canary = settings.isolation.canary
+    store = RedisMarkerStore(redis, prefix=settings.redis_key_prefix) if redis is not None else None
+    registry = MarkerRegistry(keys, canary.epoch_s, store)
+    registry.add_tenants(t.id for t in settings.tenants)
+    metrics.canary_markers.set(len(registry))
+    try:
+        await registry.publish()
+    except (RedisError, OSError) as exc:
+        log.warning("canary markers not published to Redis: %s", type(exc).__name__)
+    return registry
+
+
+async def rotate_markers(registry: MarkerRegistry, metrics: GatewayMetrics) -> None:
+    """Check for a new epoch every minute; on one, make and publish the new markers."""
+    while True:
+        await asyncio.sleep(60)
+        if registry.rotate(time.time()):
+            metrics.canary_markers.set(len(registry))
+            try:
+                await registry.publish()
+            except (RedisError, OSError) as exc:
+                log.warning("canary markers not published to Redis: %s", type(exc).__name__)
+
+
+async def watch_redis(redis: Redis, gauge: Gauge, interval: float) -> None:
+    while True:
+        try:
+            await redis.ping()
+            gauge.set(1)
+        except (RedisError, OSError):
+            gauge.set(0)
+        await asyncio.sleep(interval)
+
+
+async def fingerprint_key(settings: Settings, key: CanaryKey, redis: Redis | None) -> bytes:
+    """The key every instance hashes prompt words with: derived from the canary secret, so instances configured with
+    the same canary keys hash alike. Without configured keys each instance's canary secret is its own, so the
+    instances on one Redis share a key kept there instead (the first to start makes it): else none would recognise
+    another's prompts."""
+    secret = key.secret
+    if redis is not None and not settings.isolation.canary.keys:
+        name = f"{settings.redis_key_prefix}fingerprint-key"
+        try:
+            await redis.set(name, secrets.token_bytes(32), nx=True)
+            stored = await redis.get(name)
+        except (RedisError, OSError) as exc:
+            # Redis down is a bad day to serve through, not a reason to stay down: this instance hashes alone.
+            log.error(
+                "the prompt fingerprint key could not be read from Redis (%s): until this instance restarts with Redis "
+                "up, it and the others do not recognise each other's prompts; set isolation.canary.keys (the same on "
+                "every instance) to need no key from Redis",
+                type(exc).__name__,
+            )
+            stored = None
+        if isinstance(stored, bytes):
+            secret = stored
+    return fingerprint_secret(secret)
+
+
+def fingerprint_secret(secret: bytes) -> bytes:
+    return hmac.new(secret, b"bulkhead prompt fingerprints", hashlib.sha256).digest()
+
+
+def make_fingerprinter(
+    settings: Settings, secret: bytes, redis: Redis | None, executor: ThreadPoolExecutor, instance: str
+) -> Fingerprinter | None:
+    config = settings.isolation.fingerprints
+    if not config.enabled:
+        return None
+    hasher = Hasher(secret, Shape.for_fragments(config.min_fragment_tokens))
+    public: frozenset[int] = frozenset()
+    if config.public_texts:
+        started = time.monotonic()
+        try:
+            public, files = public_fingerprints(hasher, config.public_texts)
+        except OSError as exc:
+            where = "isolation.fingerprints.public_texts"
+            raise SettingsError(f"{where}: cannot read {exc.filename}: {exc.strerror}") from exc
+        log.info(
+            "public texts: %d fingerprints from %d files in %.1f s", len(public), files, time.monotonic() - started
+        )
+    index = FingerprintIndex(config.ttl_s, config.max_entries, public)
+    feed = (
+        RedisFingerprintFeed(redis, instance, config.ttl_s, prefix=settings.redis_key_prefix)
+        if redis is not None
+        else None
+    )
+    return Fingerprinter(hasher, index, feed, executor, config.inline_chars, config.feed_wait_s)
+
+
+async def sweep_fingerprints(fingerprinter: Fingerprinter, metrics: GatewayMetrics) -> None:
+    """Forget expired fingerprints every 30 s."""
+    metrics.track(metrics.fingerprints, lambda: len(fingerprinter.index))
+    while True:
+        fingerprinter.index.sweep(time.time())
+        metrics.refresh()
+        await asyncio.sleep(30)
+
+
+def make_webhook(settings: Settings, client: httpx.AsyncClient) -> Webhook | None:
+    canary = settings.isolation.canary
+    if canary.webhook_url is None or canary.webhook_secret is None:
+        return None
+    return Webhook(client, canary.webhook_url, canary.webhook_secret.encode())
+
+
+def warn_unreachable(pool: ReplicaPool) -> None:
+    for replica in pool.replicas.values():
+        if not replica.healthy:
+            log.warning(
+                "backend %s at %s does not answer its health check at start (%s): it gets no requests until it does",
+                replica.name,
+                replica.url,
+                replica.problem,
+            )
+
+
+def warn_short_grace(settings: Settings) -> None:
+    grace, read = settings.edge.shutdown_grace_s, settings.upstream.read_timeout_s
+    if grace < read:
+        log.warning(
+            "edge.shutdown_grace_s (%s s) is shorter than upstream.read_timeout_s (%s s): on SIGTERM a stream that "
+            "the engine is still answering can be cut; raise it (and the platform's grace period to match)",
+            grace,
+            read,
+        )
+
+
+def create_app(settings: Settings, workers: int | None = None) -> Starlette:
+    """The gateway; `workers` queue workers run inside it (default: settings.queue.workers). A file the settings
+    name that is missing or bad raises SettingsError here, before anything is served."""
+    tokenizers = check_files(settings)
+    workers = settings.queue.workers if workers is None else workers
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        redis = make_redis(settings)
+        prefix = settings.redis_key_prefix  # starts every Redis name: deployments on one Redis share nothing
+        metrics = GatewayMetrics(with_redis=redis is not None)
+        directory = RedisDirectoryStore(redis, prefix=prefix) if redis is not None else MemoryDirectoryStore()
+        tenants = TenantDirectory(settings.tenants, directory, settings.tenant_directory, metrics)
+        try:
+            await tenants.start()
+        except SettingsError:  # said in one line by BadSettingsAtStart
+            if redis is not None:
+                await redis.aclose()
+            raise
+        store: Store = RedisStore(redis, prefix=prefix) if redis is not None else MemoryStore()
+        verdicts = VerdictBound(store, settings.isolation.fingerprints.max_verdicts_per_day)
+        pool = ReplicaPool(settings.backends, metrics, store)
+        capacity = CapacityMonitor(settings.models, pool, metrics)
+        events: EventLog = (
+            RedisEventLog(redis, settings.isolation.events_max, prefix=prefix)
+            if redis is not None
+            else MemoryEventLog(settings.isolation.events_max)
+        )
+        timeout = settings.upstream.connect_timeout_s
+        with ThreadPoolExecutor(settings.admission.tokenizer_threads, "bulkhead-tokens") as executor:
+            async with make_client(settings.upstream) as client, make_session(settings.upstream) as session:
+                upstream = Upstream(session, settings.upstream, pool, metrics)
+                await pool.refresh(client, timeout)
+                warn_unreachable(pool)
+                warn_short_grace(settings)
+                keys = canary_keys(settings)
+                markers = await marker_registry(settings, keys, redis, metrics)
+                tenants.joined = markers.publish_tenants
+                instance = f"{socket.gethostname()}-{os.getpid()}"
+                # Random too: several apps can run in one process (tests, the demo), and must not skip each other.
+                feed_name = f"{instance}-{secrets.token_hex(4)}"
+                fingerprints_on = settings.isolation.fingerprints.enabled
+                secret = await fingerprint_key(settings, keys[0], redis) if fingerprints_on else b""
+                fingerprinter = make_fingerprinter(settings, secret, redis, executor, feed_name)
+                feed_ready = None
+                if fingerprinter is not None and fingerprinter.feed is not None:
+                    try:
+                        feed_ready = await fingerprinter.feed.catch_up(fingerprinter.index)
+                    except (RedisError, OSError) as exc:
+                        log.warning("fingerprints of other instances not read at start: %s", type(exc).__name__)
+                await capacity.refresh_all(client, timeout)
+                router = Router(pool, metrics, settings.routing, random.Random())
+                load = LoadMonitor(settings.backends, pool, metrics)
+
+                def recovered(replica: Replica) -> None:
+                    # Back from down, perhaps a new engine: other capacity, other slots.
+                    capacity.refresh_soon(client, replica, timeout)
+                    load.restarted(replica)
+
+                pool.on_recovered = recovered
+                in_flight: Counter[str] = Counter()  # what each tenant holds here: Slot counts it, the gate reads it
+                app.state.gateway = GatewayState(
+                    settings=settings,
+                    tenants=tenants,
+                    pool=pool,
+                    upstream=upstream,
+                    metrics=metrics,
+                    capacity=capacity,
+                    counters=build_counters(settings, tokenizers, pool, upstream, executor),
+                    events=events,
+                    router=router,
+                    load=load,
+                    gate=Gate(pool, router, load, metrics, in_flight),
+                    tenant_in_flight=in_flight,
+                    salts=CacheSalts(salt_secret(settings)),
+                    markers=markers,
+                    queue=(
+                        RedisJobQueue(redis, settings.queue.result_ttl_s, settings.queue.reclaim_after_s, prefix=prefix)
+                        if redis is not None
+                        else MemoryJobQueue(settings.queue.result_ttl_s)
+                    ),
+                    limiter=RateLimiter(
+                        RedisBuckets(redis, prefix=prefix) if redis is not None else None,
+                        fail_open=settings.rate_limits.on_store_failure == "fail_open",
+                        metrics=metrics,
+                    ),
+                    webhook=make_webhook(settings, client),
+                    redis=redis,
+                    client=client,
+                    fingerprints=fingerprinter,
+                    quarantines=QuarantineBudget(store, settings.isolation.quarantine),
+                    verdicts=verdicts,
+                    audit=(
+                        RedisAuditLog(redis, settings.tenant_directory.audit_events_max, prefix=prefix)
+                        if redis is not None
+                        else MemoryAuditLog(settings.tenant_directory.audit_events_max)
+                    ),
+                )
+                tasks = [
+                    asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
+                    asyncio.create_task(capacity.watch(client, settings.upstream.capacity_refresh_s, timeout)),
+                    asyncio.create_task(load.watch(client, settings.upstream.load_interval_s, timeout)),
+                    asyncio.create_task(rotate_markers(markers, metrics)),
+                    asyncio.create_task(tenants.follow()),
+                    asyncio.create_task(tenants.keep_up()),
+                    asyncio.create_task(verdicts.watch(settings.upstream.health_interval_s)),
+                ]
+                if redis is not None and metrics.redis_up is not None:
+                    interval = settings.upstream.health_interval_s
+                    tasks.append(asyncio.create_task(watch_redis(redis, metrics.redis_up, interval)))
+                state = app.state.gateway
+                if settings.isolation.prober.enabled:
+                    tasks.append(asyncio.create_task(run_prober(state)))
+                if fingerprinter is not None:
+                    tasks.append(asyncio.create_task(sweep_fingerprints(fingerprinter, metrics)))
+                if fingerprinter is not None and fingerprinter.feed is not None:
+                    # The other instances' prompts as they come, from where the start read the stream to; when it
+                    # could not, from the last ttl_s: answers wait on it.
+                    start = feed_ready or f"{int((time.time() - fingerprinter.index.ttl_s) * 1000)}-0"
+                    tasks.append(asyncio.create_task(fingerprinter.feed.follow(fingerprinter.index, start)))
+                tasks += [asyncio.create_task(work(state, state.queue, f"{instance}-{n}")) for n in range(workers)]
+                # What start-up built (modules, the tokenizer, settings, tables) lives as long as the process: frozen
+                # out of the collector's sight, a full collection stops walking it, which took ~40 ms a time under
+                # load (a p99 spike for every request in flight then). Thawed at shutdown (the whole process's
+                # frozen objects, not only this app's), so that an app made and dropped in a longer-lived process
+                # (tests, the demo) does not keep its start-up's cycles out of the collector's reach for good.
+                gc.collect()
+                gc.freeze()
+                try:
+                    yield
+                finally:
+                    gc.unfreeze()
+                    await stop_tasks(tasks, SHUTDOWN_WAIT_S)
+                    if redis is not None:
+                        await redis.aclose()
+                    metrics.close()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+            Route("/v1/completions", openai.completions, methods=["POST"]),
+            Route("/v1/models", catalog.list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", catalog.retrieve_model, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
+            *admin.routes(),
+            *workers_api.routes(),
+        ],
+        exception_handlers={HTTPException: _http_error, Exception: _unexpected},
+        middleware=[Middleware(BadSettingsAtStart), Middleware(RequestIdHeader)],
+        lifespan=lifespan,
+    )
+    app.state.openapi = orjson.dumps(openapi_document())
+    app.state.bad_settings = None
+    return app

@@ -1,0 +1,211 @@
+"""The OpenAPI document of the gateway's own API, built from the same models that validate requests."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from gateway.api.admin_tenants import (
+    KeyCreate,
+    KeyRotate,
+    KeyView,
+    NewKeyView,
+    RotatedKeyView,
+    TenantCreate,
+    TenantPatch,
+    TenantView,
+)
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    return {str(status): {"description": "OpenAI-style error", **ref} for status in statuses}
+
+
+def _inference(summary: str, schema: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearer": []}],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+            },
+            "responses": {
+                "200": {
+                    "description": "The completion, or with stream: true, server-sent events ending in [DONE]",
+                    "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
+                },
+                **_errors(400, 401, 403, 404, 413, 429, 502, 503, 504),
+            },
+        }
+    }
+
+
+def _ref(schema: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{schema}"}
+
+
+def _admin(
+    summary: str,
+    answer: dict[str, Any] | None,
+    *,
+    status: int = 200,
+    errors: tuple[int, ...] = (),
+    body: str = "",
+    query: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """An operation of the admin API (Bearer admin token); `body` names its JSON body's schema."""
+    done: dict[str, Any] = {"description": summary}
+    if answer is not None:
+        done["content"] = {"application/json": {"schema": answer}}
+    operation: dict[str, Any] = {
+        "summary": summary,
+        "security": [{"admin": []}],
+        "responses": {str(status): done, **_errors(401, 404, *errors)},
+    }
+    if body:
+        operation["requestBody"] = {"required": False, "content": {"application/json": {"schema": _ref(body)}}}
+    if query:
+        operation["parameters"] = [_QUERY[name] for name in query]
+    return operation
+
+
+_QUERY = {
+    "limit": {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1}},
+    "after": {"name": "after", "in": "query", "schema": {"type": "string"}, "description": "the last id of a page"},
+}
+_EVENTS = {"type": "object", "properties": {"events": {"type": "array", "items": {"type": "object"}}}}
+
+
+def _list_of(name: str, schema: str, *extra: str) -> dict[str, Any]:
+    properties = {name: {"type": "array", "items": _ref(schema)}, **{e: {"type": ["string", "null"]} for e in extra}}
+    return {"type": "object", "required": [name, *extra], "properties": properties}
+
+
+def _admin_paths() -> dict[str, Any]:
+    tenant, key = "/admin/tenants/{tenant}", "/admin/tenants/{tenant}/keys/{key_id}"
+    replica_actions = {
+        "quarantine": "Out of rotation on every instance until released",
+        "drain": "No new requests; those in flight finish",
+        "release": "Back in rotation (if healthy)",
+    }
+    store, change = (503,), (400, 409, 503)
+    paths: dict[str, dict[str, Any]] = {
+        "/admin/tenants": {
+            "get": _admin(
+                "Tenants, in id order",
+                _list_of("tenants", "TenantView", "next"),
+                errors=(400, 503),
+                query=("limit", "after"),
+            ),
+            "post": _admin("Create a tenant", _ref("TenantView"), status=201, errors=change, body="TenantCreate"),
+        },
+        tenant: {
+            "get": _admin("A tenant", _ref("TenantView"), errors=store),
+            "patch": _admin(
+                "Change a tenant (enabled: false disables it)", _ref("TenantView"), errors=change, body="TenantPatch"
+            ),
+            "delete": _admin("Delete a tenant and all its keys", None, status=204, errors=change),
+        },
+        f"{tenant}/keys": {
+            "get": _admin("A tenant's keys (hash prefixes, never keys)", _list_of("keys", "KeyView"), errors=store),
+            "post": _admin(
+                "A new key, shown in this answer only", _ref("NewKeyView"), status=201, errors=change, body="KeyCreate"
+            ),
+        },
+        key: {"delete": _admin("Revoke a key", None, status=204, errors=change)},
+        f"{key}/rotate": {
+            "post": _admin(
+                "A new key; the old one stays valid overlap_s more",
+                _ref("RotatedKeyView"),
+                status=201,
+                errors=change,
+                body="KeyRotate",
+            ),
+        },
+        "/admin/audit-events": {"get": _admin("Recent admin changes", _EVENTS, errors=(400, 503), query=("limit",))},
+        "/admin/isolation-events": {"get": _admin("Recent isolation events", _EVENTS, errors=(400,), query=("limit",))},
+        "/admin/replicas": {"get": _admin("Every replica and its state", {"type": "object"})},
+        "/admin/verdict-blocks": {
+            "get": _admin("Tenants refused on a model for the fragment verdicts they drew today", {"type": "object"})
+        },
+        "/admin/verdict-blocks/{tenant}/{model}": {
+            "delete": _admin("Lift a verdict block (and the day's count)", {"type": "object"})
+        },
+        **{
+            f"/admin/replicas/{{name}}/{action}": {"post": _admin(summary, {"type": "object"})}
+            for action, summary in replica_actions.items()
+        },
+    }
+    for path, item in paths.items():
+        names = re.findall(r"{(\w+)}", path)
+        if names:
+            item["parameters"] = [
+                {"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names
+            ]
+    return paths
+
+
+def openapi_document() -> dict[str, Any]:
+    _, definitions = models_json_schema(
+        [
+            (ChatCompletionRequest, "validation"),
+            (CompletionRequest, "validation"),
+            *((model, "validation") for model in (TenantCreate, TenantPatch, KeyCreate, KeyRotate)),
+            *((model, "serialization") for model in (TenantView, KeyView, NewKeyView, RotatedKeyView)),
+        ],
+        ref_template="#/components/schemas/{model}",
+    )
+    schemas: dict[str, Any] = dict(definitions.get("$defs", {}))
+    schemas["Error"] = _ERROR_SCHEMA
+    security = {"bearer": {"type": "http", "scheme": "bearer"}, "admin": {"type": "http", "scheme": "bearer"}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Bulkhead gateway", "version": "0.1.0"},
+        "components": {"schemas": schemas, "securitySchemes": security},
+        "paths": {
+            "/v1/chat/completions": _inference("Create a chat completion", "ChatCompletionRequest"),
+            "/v1/completions": _inference("Create a completion", "CompletionRequest"),
+            "/v1/models": {
+                "get": {
+                    "summary": "The models this API key may use",
+                    "security": [{"bearer": []}],
+                    "responses": {"200": {"description": "A list of models"}, **_errors(401)},
+                }
+            },
+            "/healthz": {"get": {"summary": "The process is up", "responses": {"200": {"description": "ok"}}}},
+            "/readyz": {
+                "get": {
+                    "summary": "This instance can serve: a backend is routable, and Redis answers where something "
+                    "configured needs it; the body names what is degraded",
+                    "responses": {
+                        "200": {"description": "ready, perhaps degraded"},
+                        "503": {"description": "cannot serve"},
+                    },
+                }
+            },
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}},
+            **_admin_paths(),
+        },
+    }

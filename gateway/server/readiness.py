@@ -1,0 +1,102 @@
+"""What `/readyz` answers: whether this instance can take traffic now, and what about it is degraded.
+
+Not ready (503) only when sending this instance a request is pointless: no backend is routable, or Redis is
+unreachable while something configured cannot work without it. Everything else is served with Redis down, so the
+instance stays in rotation and says what is degraded; one Redis restart must not take every gateway out at once.
+
+What needs Redis, and what happens without it:
+
+- rate limits: `fail_open` falls back to per-instance buckets (degraded); `fail_closed` refuses every
+  rate-limited request (not ready);
+- tenants made at runtime: keys this instance holds in memory keep working; a key it does not hold cannot be
+  checked. With no tenant in the settings and none held, no request can be authenticated (not ready);
+- the async queue, isolation events, canary markers and prompt fingerprints shared with other instances, replica
+  decisions made elsewhere: unavailable or local until Redis is back (degraded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from gateway.api.state import GatewayState
+
+# Below the probes' timeouts (Kubernetes: 3 s; HAProxy: its connect timeout): a Redis that does not answer within
+# this is down as far as readiness goes, and the probe still gets an answer.
+REDIS_PING_TIMEOUT_S = 1.0
+
+
+@dataclass
+class Readiness:
+    blocking: list[str] = field(default_factory=list)  # why this instance cannot serve
+    degraded: list[str] = field(default_factory=list)  # what is not as it should be: "redis", "backend:NAME", ...
+    problems: list[str] = field(default_factory=list)  # each in a sentence, the blocking ones first
+
+    @property
+    def ready(self) -> bool:
+        return not self.blocking
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "status": "ready" if self.ready else "not ready",
+            "ready": self.ready,
+            "degraded": self.degraded,
+            "problems": self.blocking + self.problems,
+        }
+
+
+async def redis_failure(redis: Redis) -> str | None:
+    """None when Redis answers a PING in time, else the name of what went wrong."""
+    try:
+        await asyncio.wait_for(redis.ping(), REDIS_PING_TIMEOUT_S)
+    except TimeoutError:
+        return "TimeoutError"
+    except (RedisError, OSError) as exc:
+        return type(exc).__name__
+    return None
+
+
+def _backends(state: GatewayState, readiness: Readiness) -> None:
+    replicas = state.pool.replicas.values()
+    for replica in replicas:
+        if not replica.routable:
+            readiness.degraded.append(f"backend:{replica.name}")
+            readiness.problems.append(f"backend {replica.name} is {replica.state.value}")
+    if not any(r.routable for r in replicas):
+        readiness.blocking.append(
+            "no backend answers its health check (or every one is quarantined, draining or suspended)"
+        )
+        return
+    for model in state.settings.models:
+        if not state.pool.routable(model):
+            readiness.degraded.append(f"model:{model.name}")
+            readiness.problems.append(f"model {model.name} has no routable backend")
+
+
+async def _redis(state: GatewayState, readiness: Readiness) -> None:
+    if state.redis is None:
+        return
+    failure = await redis_failure(state.redis)
+    if failure is None:
+        return
+    readiness.degraded.append("redis")
+    unreachable = f"redis unreachable ({failure})"
+    if state.settings.rate_limits.on_store_failure == "fail_closed":
+        readiness.blocking.append(f"{unreachable}: rate_limits.on_store_failure is fail_closed")
+    elif not state.tenants.known_without_store:
+        readiness.blocking.append(f"{unreachable}: every tenant is in the tenant directory and none is held here")
+    else:
+        readiness.problems.append(
+            f"{unreachable}: rate limits are per instance, the async queue and keys not held here are unavailable"
+        )
+
+
+async def check(state: GatewayState) -> Readiness:
+    readiness = Readiness()
+    _backends(state, readiness)
+    await _redis(state, readiness)
+    return readiness

@@ -1,0 +1,1 @@
+"""Tenants: keys, the directory shared through Redis, rate limits and the admin audit log."""
