@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -38,6 +39,7 @@ EMBEDDED_MODEL = "tiny-llama"
 EMBEDDED_CONTEXT = 2048
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
+LISTEN_BACKLOG = 2048  # uvicorn's own, which it sets again when it serves the socket
 
 
 def _cache_root() -> Path:
@@ -122,9 +124,11 @@ def _listen_at(settings: Settings, host: str | None, port: int | None) -> Settin
 
 
 def _bind(settings: Settings, count: int) -> socket.socket:
-    """The listening socket, bound before the banner (with several processes, uvicorn's supervisor hands it to
-    each); ListenError or SettingsError when the start cannot work."""
+    """The listening socket, bound and listening before the banner (with several processes, uvicorn's supervisor
+    hands it to each): a connection made as soon as the banner is out waits in its backlog for a process to take it,
+    never refused; ListenError or SettingsError when the start cannot work."""
     sock = preflight.listening_socket(settings.listen.host, settings.listen.port)
+    sock.listen(LISTEN_BACKLOG)
     if count > 1:
         try:
             check_files(settings)  # one process checks them in create_app, before its banner
@@ -177,8 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
         except SettingsError as exc:
             print(f"bulkhead: bad settings: {exc}", file=sys.stderr)
             return 2
-        _print_banner(settings, demo_key, count)
-        return _run(app, settings, sock)
+        return _run(app, settings, sock, partial(_print_banner, settings, demo_key, count))
 
 
 @contextlib.contextmanager
@@ -195,13 +198,28 @@ def signals_absorbed() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _run(app: Starlette, settings: Settings, sock: socket.socket) -> int:
-    """Serve on the socket bound before the banner until SIGINT/SIGTERM; 2 when the lifespan finds the settings bad
-    (what only it can find, with Redis: a tenant id that is also in the tenant directory; it logged the line)."""
+class _Announced(uvicorn.Server):
+    """A server that says it is up (the banner) once its lifespan has started and it serves the socket: a script
+    that sends as soon as it reads the banner is answered at once."""
+
+    def __init__(self, config: uvicorn.Config, announce: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._announce = announce
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._announce()
+
+
+def _run(app: Starlette, settings: Settings, sock: socket.socket, announce: Callable[[], None]) -> int:
+    """Serve on the socket bound before the start until SIGINT/SIGTERM, announced once it serves; 2 when the lifespan
+    finds the settings bad (what only it can find, with Redis: a tenant id that is also in the tenant directory; it
+    logged the line)."""
     config = EdgeConfig(app, settings.edge, host=settings.listen.host, port=settings.listen.port)
     try:
         with signals_absorbed():
-            uvicorn.Server(config).run(sockets=[sock])
+            _Announced(config, announce).run(sockets=[sock])
     except SystemExit:
         if app.state.bad_settings is not None:
             return 2

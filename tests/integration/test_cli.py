@@ -80,7 +80,7 @@ def test_serve_on_embedded_defaults_answers_the_printed_curl(served: tuple[subpr
     assert address and backend and key, text
     assert "state in memory" in text
     url = address.group(1)
-    wait_until_ready(process, url)
+    # Sent the moment the banner's curl line is out, as a script that waits for it would: the port is served by then.
     data = re.search(r"-d '(.*)'$", banner[-1])
     assert data is not None
     payload = json.loads(data.group(1))

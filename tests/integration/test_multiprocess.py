@@ -72,6 +72,8 @@ def serve(
         banner = process.stdout.readline().decode()
         assert banner.startswith("bulkhead: listening on "), process.stderr.read().decode() if process.stderr else ""
         url = banner.removeprefix("bulkhead: listening on ").split()[0]
+        # Sent the moment the banner is out, as a script would: the port takes it and a process answers it.
+        assert httpx.get(f"{url}/healthz", timeout=30).status_code == 200
 
         def ready() -> bool:
             assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
