@@ -47,18 +47,15 @@ from gateway.errors import (
 from gateway.incidents.prober import run_prober
 from gateway.incidents.quarantine import QuarantineBudget
 from gateway.incidents.verdicts import VerdictBound
-from gateway.jobs.queue import MemoryJobQueue, RedisJobQueue
 from gateway.jobs.worker import work
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.counting import BackendCounter, LocalCounter, PromptCounter
 from gateway.server import readiness
 from gateway.server.openapi import openapi_document
 from gateway.server.shutdown import stop_tasks
+from gateway.server.stores import build_stores
 from gateway.settings import Settings, SettingsError
-from gateway.store import MemoryStore, RedisStore, Store
-from gateway.tenancy.auditlog import MemoryAuditLog, RedisAuditLog
-from gateway.tenancy.directory import MemoryDirectoryStore, RedisDirectoryStore
-from gateway.tenancy.ratelimit import RateLimiter, RedisBuckets
+from gateway.tenancy.ratelimit import RateLimiter
 from gateway.tenancy.tenants import TenantDirectory
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
@@ -66,7 +63,6 @@ from gateway.upstream.fairness import Gate
 from gateway.upstream.proxy import Upstream, make_client, make_session
 from gateway.upstream.routing import Router
 from gateway.upstream.saturation import LoadMonitor
-from isolation.events import EventLog, MemoryEventLog, RedisEventLog
 from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed, public_fingerprints
 from isolation.leaks import Webhook
 from isolation.markers import CanaryKey, MarkerRegistry, RedisMarkerStore
@@ -232,11 +228,9 @@ def canary_keys(settings: Settings) -> list[CanaryKey]:
 
 
 async def marker_registry(
-    settings: Settings, keys: list[CanaryKey], redis: Redis | None, metrics: GatewayMetrics
+    settings: Settings, keys: list[CanaryKey], store: RedisMarkerStore | None, metrics: GatewayMetrics
 ) -> MarkerRegistry:
-    canary = settings.isolation.canary
-    store = RedisMarkerStore(redis, prefix=settings.redis_key_prefix) if redis is not None else None
-    registry = MarkerRegistry(keys, canary.epoch_s, store)
+    registry = MarkerRegistry(keys, settings.isolation.canary.epoch_s, store)
     registry.add_tenants(t.id for t in settings.tenants)
     metrics.canary_markers.set(len(registry))
     try:
@@ -298,7 +292,7 @@ def fingerprint_secret(secret: bytes) -> bytes:
 
 
 def make_fingerprinter(
-    settings: Settings, secret: bytes, redis: Redis | None, executor: ThreadPoolExecutor, instance: str
+    settings: Settings, secret: bytes, feed: RedisFingerprintFeed | None, executor: ThreadPoolExecutor
 ) -> Fingerprinter | None:
     config = settings.isolation.fingerprints
     if not config.enabled:
@@ -316,11 +310,6 @@ def make_fingerprinter(
             "public texts: %d fingerprints from %d files in %.1f s", len(public), files, time.monotonic() - started
         )
     index = FingerprintIndex(config.ttl_s, config.max_entries, public)
-    feed = (
-        RedisFingerprintFeed(redis, instance, config.ttl_s, prefix=settings.redis_key_prefix)
-        if redis is not None
-        else None
-    )
     return Fingerprinter(hasher, index, feed, executor, config.inline_chars, config.feed_wait_s)
 
 
@@ -371,25 +360,18 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         redis = make_redis(settings)
-        prefix = settings.redis_key_prefix  # starts every Redis name: deployments on one Redis share nothing
+        stores = build_stores(settings, redis)
         metrics = GatewayMetrics(with_redis=redis is not None)
-        directory = RedisDirectoryStore(redis, prefix=prefix) if redis is not None else MemoryDirectoryStore()
-        tenants = TenantDirectory(settings.tenants, directory, settings.tenant_directory, metrics)
+        tenants = TenantDirectory(settings.tenants, stores.directory, settings.tenant_directory, metrics)
         try:
             await tenants.start()
         except SettingsError:  # said in one line by BadSettingsAtStart
             if redis is not None:
                 await redis.aclose()
             raise
-        store: Store = RedisStore(redis, prefix=prefix) if redis is not None else MemoryStore()
-        verdicts = VerdictBound(store, settings.isolation.fingerprints.max_verdicts_per_day)
-        pool = ReplicaPool(settings.backends, metrics, store)
+        verdicts = VerdictBound(stores.store, settings.isolation.fingerprints.max_verdicts_per_day)
+        pool = ReplicaPool(settings.backends, metrics, stores.store)
         capacity = CapacityMonitor(settings.models, pool, metrics)
-        events: EventLog = (
-            RedisEventLog(redis, settings.isolation.events_max, prefix=prefix)
-            if redis is not None
-            else MemoryEventLog(settings.isolation.events_max)
-        )
         timeout = settings.upstream.connect_timeout_s
         with ThreadPoolExecutor(settings.admission.tokenizer_threads, "bulkhead-tokens") as executor:
             async with make_client(settings.upstream) as client, make_session(settings.upstream) as session:
@@ -398,14 +380,14 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 warn_unreachable(pool)
                 warn_short_grace(settings)
                 keys = canary_keys(settings)
-                markers = await marker_registry(settings, keys, redis, metrics)
+                markers = await marker_registry(settings, keys, stores.markers, metrics)
                 tenants.joined = markers.publish_tenants
                 instance = f"{socket.gethostname()}-{os.getpid()}"
                 # Random too: several apps can run in one process (tests, the demo), and must not skip each other.
                 feed_name = f"{instance}-{secrets.token_hex(4)}"
                 fingerprints_on = settings.isolation.fingerprints.enabled
                 secret = await fingerprint_key(settings, keys[0], redis) if fingerprints_on else b""
-                fingerprinter = make_fingerprinter(settings, secret, redis, executor, feed_name)
+                fingerprinter = make_fingerprinter(settings, secret, stores.fingerprint_feed(feed_name), executor)
                 feed_ready = None
                 if fingerprinter is not None and fingerprinter.feed is not None:
                     try:
@@ -431,20 +413,16 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     metrics=metrics,
                     capacity=capacity,
                     counters=build_counters(settings, tokenizers, pool, upstream, executor),
-                    events=events,
+                    events=stores.events,
                     router=router,
                     load=load,
                     gate=Gate(pool, router, load, metrics, in_flight),
                     tenant_in_flight=in_flight,
                     salts=CacheSalts(salt_secret(settings)),
                     markers=markers,
-                    queue=(
-                        RedisJobQueue(redis, settings.queue.result_ttl_s, settings.queue.reclaim_after_s, prefix=prefix)
-                        if redis is not None
-                        else MemoryJobQueue(settings.queue.result_ttl_s)
-                    ),
+                    queue=stores.queue,
                     limiter=RateLimiter(
-                        RedisBuckets(redis, prefix=prefix) if redis is not None else None,
+                        stores.buckets,
                         fail_open=settings.rate_limits.on_store_failure == "fail_open",
                         metrics=metrics,
                     ),
@@ -452,13 +430,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     redis=redis,
                     client=client,
                     fingerprints=fingerprinter,
-                    quarantines=QuarantineBudget(store, settings.isolation.quarantine),
+                    quarantines=QuarantineBudget(stores.store, settings.isolation.quarantine),
                     verdicts=verdicts,
-                    audit=(
-                        RedisAuditLog(redis, settings.tenant_directory.audit_events_max, prefix=prefix)
-                        if redis is not None
-                        else MemoryAuditLog(settings.tenant_directory.audit_events_max)
-                    ),
+                    audit=stores.audit,
                 )
                 tasks = [
                     asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),

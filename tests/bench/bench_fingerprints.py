@@ -72,6 +72,7 @@ import numpy as np
 from redis.asyncio import Redis
 
 from gateway.server.app import canary_keys, fingerprint_secret, make_fingerprinter
+from gateway.server.stores import build_stores
 from gateway.settings import Settings
 from isolation.channels import prune
 from isolation.fingerprints import AnswerCheck, Fingerprinter, FingerprintIndex, Prompt, RedisFingerprintFeed
@@ -165,7 +166,8 @@ class Gateway:
         keys = canary_keys(settings)
         registry = MarkerRegistry(keys, settings.isolation.canary.epoch_s)
         registry.add_tenants(tenants)
-        fingerprinter = make_fingerprinter(settings, fingerprint_secret(keys[0].secret), redis, executor, "bench")
+        feed = build_stores(settings, redis).fingerprint_feed("bench")
+        fingerprinter = make_fingerprinter(settings, fingerprint_secret(keys[0].secret), feed, executor)
         assert fingerprinter is not None
         return cls(settings, registry, fingerprinter, {} if keep else None)
 

@@ -6,49 +6,65 @@ real ones); tests/integration/test_quarantine.py runs the same rules end to end.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from types import SimpleNamespace
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 
 from gateway.incidents import quarantine
 from gateway.metrics import GatewayMetrics
-from gateway.settings import QuarantineSettings
+from gateway.settings import QuarantineSettings, Settings
 from gateway.store import MemoryStore
 from gateway.upstream.backends import ReplicaPool
+from gateway.upstream.capacity import CapacityMonitor
 from isolation.audit import AuditError
-from isolation.events import IsolationEvent, MemoryEventLog
+from isolation.events import EventLog, IsolationEvent, MemoryEventLog
+from isolation.leaks import Webhook
 
-MODEL = SimpleNamespace(name="m", backends=["a", "b"])
 METRICS = GatewayMetrics()  # one registry for the module: prometheus names are global
 Probe = Callable[..., Awaitable[list[Any]]]
 
 
-def instance(store: MemoryStore, probe_time_s: float = 30.0) -> Any:
-    """One gateway instance: its own view of the replicas and its own bound, the store shared with the others."""
-    backends = [SimpleNamespace(name=n, url=f"http://{n}", api_key=None) for n in MODEL.backends]
-    pool = ReplicaPool(backends, METRICS, store)  # type: ignore[arg-type]
+@dataclass
+class Instance:
+    """One gateway instance as the leak responder sees it (quarantine.ResponderParts): its own view of the replicas
+    and its own bound, the store shared with the others."""
+
+    settings: Settings
+    pool: ReplicaPool
+    capacity: CapacityMonitor
+    client: httpx.AsyncClient
+    quarantines: quarantine.QuarantineBudget
+    metrics: GatewayMetrics = METRICS
+    events: EventLog = field(default_factory=lambda: MemoryEventLog(100))
+    webhook: Webhook | None = None
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def background(self, work: Coroutine[Any, Any, Any]) -> None:
+        self.tasks.add(asyncio.get_running_loop().create_task(work))
+
+
+def instance(store: MemoryStore, probe_time_s: float = 30.0) -> Instance:
+    settings = Settings.model_validate(
+        {
+            "backends": [{"name": name, "url": f"http://{name}"} for name in ("a", "b")],
+            "models": [{"name": "m", "backends": ["a", "b"]}],
+        }
+    )
+    # Past validation (which wants a probe some time): 0 s makes a suspension's time pass at once.
+    prober = settings.isolation.prober.model_copy(update={"time_limit_s": probe_time_s})
+    settings = settings.model_copy(update={"isolation": settings.isolation.model_copy(update={"prober": prober})})
+    pool = ReplicaPool(settings.backends, METRICS, store)
     for replica in pool.replicas.values():
         replica.healthy = True
-    tasks: set[asyncio.Task[Any]] = set()
-
-    def background(work: Any) -> None:
-        tasks.add(asyncio.get_running_loop().create_task(work))
-
-    isolation = SimpleNamespace(
-        canary=SimpleNamespace(quarantine_on_leak=True), prober=SimpleNamespace(time_limit_s=probe_time_s)
-    )
-    settings = SimpleNamespace(isolation=isolation, model=lambda name: MODEL)
-    return SimpleNamespace(
-        pool=pool,
-        settings=settings,
-        quarantines=quarantine.QuarantineBudget(store, QuarantineSettings()),
-        metrics=METRICS,
-        webhook=None,
-        events=MemoryEventLog(100),
-        background=background,
-        tasks=tasks,
+    return Instance(
+        settings,
+        pool,
+        CapacityMonitor(settings.models, pool, METRICS),
+        httpx.AsyncClient(),  # never used: the probe is replaced
+        quarantine.QuarantineBudget(store, QuarantineSettings()),
     )
 
 
@@ -64,11 +80,11 @@ def leak_on(replica: str) -> IsolationEvent:
     return IsolationEvent("leak", f"r-{replica}", "bob", "m", replica, "", victim_tenant="alice")
 
 
-async def settle(state: Any) -> None:
+async def settle(state: Instance) -> None:
     await asyncio.gather(*state.tasks, return_exceptions=True)
 
 
-async def checks(state: Any) -> list[IsolationEvent]:
+async def checks(state: Instance) -> list[IsolationEvent]:
     return [e for e in await state.events.recent(10) if e.kind == quarantine.CHECK]
 
 
@@ -97,7 +113,7 @@ async def test_two_leaks_on_two_instances_at_once_never_suspend_every_replica(mo
     await asyncio.gather(quarantine.on_leak(leak_on("a"), x), quarantine.on_leak(leak_on("b"), y))
     await x.pool.sync()
     try:
-        assert x.pool.routable(MODEL), f"no replica serves the model: {await store.admin_states()}"
+        assert x.pool.routable(x.settings.models[0]), f"no replica serves the model: {await store.admin_states()}"
         actions = [e.action for e in await x.events.recent(10)] + [e.action for e in await y.events.recent(10)]
         assert sorted(actions) == ["probing", "suspended"]
     finally:
@@ -112,7 +128,7 @@ async def test_two_leaks_on_one_instance_at_once_never_suspend_every_replica(mon
     x.events = NetworkLog(100)
     await asyncio.gather(quarantine.on_leak(leak_on("a"), x), quarantine.on_leak(leak_on("b"), x))
     try:
-        assert x.pool.routable(MODEL)
+        assert x.pool.routable(x.settings.models[0])
     finally:
         going_on.set()
         await settle(x)

@@ -1,0 +1,68 @@
+"""Where shared state lives: with `redis_url`, every store is the Redis twin (shared by every instance on that Redis,
+under `redis_key_prefix`); without, the memory twin (this process only). The twin is picked here, once, for all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from gateway.jobs.queue import JobQueue, MemoryJobQueue, RedisJobQueue
+from gateway.settings import Settings
+from gateway.store import MemoryStore, RedisStore, Store
+from gateway.tenancy.auditlog import AuditLog, MemoryAuditLog, RedisAuditLog
+from gateway.tenancy.directory import DirectoryStore, MemoryDirectoryStore, RedisDirectoryStore
+from gateway.tenancy.ratelimit import RedisBuckets
+from isolation.events import EventLog, MemoryEventLog, RedisEventLog
+from isolation.fingerprints import RedisFingerprintFeed
+from isolation.markers import RedisMarkerStore
+
+
+@dataclass(frozen=True)
+class Stores:
+    redis: Redis | None
+    directory: DirectoryStore  # tenants and keys made at runtime
+    store: Store  # replicas' admin states and the windowed budgets (suspensions, probes, verdicts)
+    events: EventLog  # isolation events
+    audit: AuditLog  # admin changes
+    queue: JobQueue  # the async API's jobs
+    buckets: RedisBuckets | None  # rate limits across instances; None: each instance counts its own
+    markers: RedisMarkerStore | None  # canary markers, for other instances to recognise
+    prefix: str  # every Redis name starts with it: deployments on one Redis share nothing
+    feed_ttl_s: float  # how long a prompt's fingerprints stay in the feed
+
+    def fingerprint_feed(self, instance: str) -> RedisFingerprintFeed | None:
+        """Every instance's prompts, for the fingerprint index; None: this instance's only."""
+        if self.redis is None:
+            return None
+        return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix)
+
+
+def build_stores(settings: Settings, redis: Redis | None) -> Stores:
+    events_max, audit_max = settings.isolation.events_max, settings.tenant_directory.audit_events_max
+    queue, ttl, prefix = settings.queue, settings.isolation.fingerprints.ttl_s, settings.redis_key_prefix
+    if redis is None:
+        return Stores(
+            redis=None,
+            directory=MemoryDirectoryStore(),
+            store=MemoryStore(),
+            events=MemoryEventLog(events_max),
+            audit=MemoryAuditLog(audit_max),
+            queue=MemoryJobQueue(queue.result_ttl_s),
+            buckets=None,
+            markers=None,
+            prefix=prefix,
+            feed_ttl_s=ttl,
+        )
+    return Stores(
+        redis=redis,
+        directory=RedisDirectoryStore(redis, prefix=prefix),
+        store=RedisStore(redis, prefix=prefix),
+        events=RedisEventLog(redis, events_max, prefix=prefix),
+        audit=RedisAuditLog(redis, audit_max, prefix=prefix),
+        queue=RedisJobQueue(redis, queue.result_ttl_s, queue.reclaim_after_s, prefix=prefix),
+        buckets=RedisBuckets(redis, prefix=prefix),
+        markers=RedisMarkerStore(redis, prefix=prefix),
+        prefix=prefix,
+        feed_ttl_s=ttl,
+    )
