@@ -34,11 +34,17 @@ class _Section(BaseModel):
 
 
 class ListenSettings(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8080, ge=0, le=65535)
+    """Where the gateway listens."""
+
+    host: str = Field(default="127.0.0.1", description="the address to listen on (`serve --host` overrides it)")
+    port: int = Field(
+        default=8080, ge=0, le=65535, description="`serve --port` overrides it; 0: any free port, shown in the banner"
+    )
 
 
 class LimitSettings(_Section):
+    """Bounds on any one request's shape, for every tenant."""
+
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="request bodies above this get 413")
     # At most 250: what is accepted must also serialize upstream (orjson writes 254 levels at most).
     max_json_depth: int = Field(default=32, ge=4, le=250, description="deeper JSON gets 400")
@@ -47,18 +53,20 @@ class LimitSettings(_Section):
 
 
 class UpstreamSettings(_Section):
-    connect_timeout_s: float = Field(default=5.0, gt=0)
+    """The one HTTP client to the backends (per process), and how often the replicas are read."""
+
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="to open a connection to a backend")
     read_timeout_s: float = Field(default=300.0, gt=0, description="longest silence between two bytes")
-    write_timeout_s: float = Field(default=30.0, gt=0)
+    write_timeout_s: float = Field(default=30.0, gt=0, description="longest wait to send a request's bytes upstream")
     pool_timeout_s: float = Field(default=5.0, gt=0, description="wait for a free connection")
-    max_connections: int = Field(default=512, ge=1)
-    max_keepalive_connections: int = Field(default=128, ge=0)
+    max_connections: int = Field(default=512, ge=1, description="connections to all backends, per process")
+    max_keepalive_connections: int = Field(default=128, ge=0, description="idle connections kept open for reuse")
     keepalive_expiry_s: float = Field(
         default=4.0,
         ge=0,
         description="below the backend's idle timeout (uvicorn and vLLM: 5 s), or reuse races its close",
     )
-    health_interval_s: float = Field(default=5.0, gt=0)
+    health_interval_s: float = Field(default=5.0, gt=0, description="how often each backend's /health is checked")
     capacity_refresh_s: float = Field(default=60.0, gt=0, description="re-read /v1/models and /metrics")
     load_interval_s: float = Field(
         default=1.0, gt=0, description="read every replica's load (running, waiting, KV usage) from its /metrics"
@@ -66,9 +74,11 @@ class UpstreamSettings(_Section):
 
 
 class BackendSettings(_Section):
-    name: str = Field(min_length=1)
-    url: str = Field(pattern=r"^https?://[^\s/]+(/[^\s]*)?$")
-    api_key: str | None = Field(default=None, repr=False)
+    """One engine replica: a vLLM (or SGLang) OpenAI-compatible server."""
+
+    name: str = Field(min_length=1, description="the replica's name in models[].backends, events and metrics")
+    url: str = Field(pattern=r"^https?://[^\s/]+(/[^\s]*)?$", description="a vLLM (or SGLang) OpenAI server")
+    api_key: str | None = Field(default=None, repr=False, description="sent upstream as a Bearer token")
     max_num_seqs: int | None = Field(
         default=None, ge=1, description="the engine's --max-num-seqs; unset = learned from /metrics when it queues"
     )
@@ -111,8 +121,10 @@ class FairnessSettings(_Section):
 
 
 class ModelSettings(_Section):
-    name: str = Field(min_length=1)
-    backends: list[str] = Field(min_length=1)
+    """A model as clients name it, its replicas, how its prompts are admitted and its answers verified."""
+
+    name: str = Field(min_length=1, description="as clients send it and the backends serve it")
+    backends: list[str] = Field(min_length=1, description="names from backends[]: the replicas serving it")
     tokenizer: Path | None = Field(default=None, description="HF tokenizer dir; unset = ask the backend's /tokenize")
     context_window: int | None = Field(default=None, ge=1, description="the window advertised to clients")
     kv_capacity_tokens: int | None = Field(
@@ -136,6 +148,8 @@ class ModelSettings(_Section):
 
 
 class TenantLimits(_Section):
+    """One tenant's limits; unset = no limit of that kind."""
+
     max_concurrent_requests: int | None = Field(default=None, ge=1, description="per gateway instance; 429 above")
     max_output_tokens: int | None = Field(default=None, ge=1, description="max_tokens above this gets 400")
     max_prompt_tokens: int | None = Field(default=None, ge=1, description="the tenant's cap on prompt + output")
@@ -156,8 +170,12 @@ class TenantLimits(_Section):
 
 
 class TenantSettings(_Section):
-    id: str = Field(pattern=TENANT_ID_PATTERN)
-    key_hashes: list[str] = Field(min_length=1)
+    """A tenant fixed in the settings (read-only through the admin API; runtime tenants live in the directory)."""
+
+    id: str = Field(
+        pattern=TENANT_ID_PATTERN, description="1-64 letters, digits or . _ -, starting with a letter or digit"
+    )
+    key_hashes: list[str] = Field(min_length=1, description="`sha256:<hex>` of each API key (`bulkhead keys create`)")
     models: list[str] = Field(default_factory=lambda: ["*"], description='model names, or "*" for all')
     limits: TenantLimits = TenantLimits()
 
@@ -182,6 +200,8 @@ class TenantSettings(_Section):
 
 
 class TenantDirectorySettings(_Section):
+    """Tenants and keys made at runtime through the admin API."""
+
     resync_s: float = Field(
         default=30.0, gt=0, description="re-read every cached key and tenant (pub/sub invalidates at once)"
     )
@@ -197,12 +217,16 @@ class TenantDirectorySettings(_Section):
 
 
 class RateLimitSettings(_Section):
+    """Requests and tokens per minute, counted across instances."""
+
     on_store_failure: Literal["fail_open", "fail_closed"] = Field(
         default="fail_open", description="Redis unreachable: per-instance limits (open) or 503 (closed)"
     )
 
 
 class QueueSettings(_Section):
+    """The async (queued) API and its workers."""
+
     workers: int = Field(default=1, ge=0, description="queue workers inside `bulkhead serve` (0: none)")
     result_ttl_s: int = Field(default=86_400, ge=60, description="how long finished results can be polled")
     reclaim_after_s: float = Field(default=60.0, gt=0, description="a job claimed this long ago is taken over")
@@ -213,27 +237,41 @@ class QueueSettings(_Section):
 
 
 class RoutingSettings(_Section):
+    """Session-affinity routing over a model's replicas, with bounded load."""
+
     load_factor: float = Field(default=1.25, ge=1.0, description="a replica above this × mean in-flight spills")
     min_slack: int = Field(default=4, ge=0, description="...but never below mean + this many requests")
     tracked_sessions: int = Field(default=100_000, ge=0, description="sessions remembered to count remaps")
 
 
 class CanaryKeySettings(_Section):
-    id: str = Field(min_length=1, max_length=32)
-    secret: str = Field(min_length=16, repr=False)
+    """A secret that canary markers are made from."""
+
+    id: str = Field(min_length=1, max_length=32, description="names the key in events; never the secret")
+    secret: str = Field(min_length=16, repr=False, description="HMAC key of the markers; the same on every instance")
 
 
 class CanarySettings(_Section):
-    enabled: bool = True
+    """Secret per-tenant canary markers, injected into prompts and looked for in every answer."""
+
+    enabled: bool = Field(default=True, description="inject each tenant's marker and scan answers for others'")
     keys: list[CanaryKeySettings] = Field(
         default=[], description="the first makes markers, all are recognised; none = a random key per process"
     )
     epoch_s: int = Field(default=86_400, ge=60, description="markers rotate this often; two epochs are live")
-    placement: Literal["both", "system", "user"] = "both"
-    policy: Literal["block", "redact", "alert"] = "block"
-    quarantine_on_leak: bool = True
-    webhook_url: str | None = Field(default=None, pattern=r"^https?://")
-    webhook_secret: str | None = Field(default=None, min_length=16, repr=False)
+    placement: Literal["both", "system", "user"] = Field(
+        default="both", description="markers in the system text, at the start of every user turn, or both"
+    )
+    policy: Literal["block", "redact", "alert"] = Field(
+        default="block",
+        description="on another tenant's marker: withhold the answer (502, or an error event in a stream), replace "
+        "the marker with [redacted], or only record it",
+    )
+    quarantine_on_leak: bool = Field(default=True, description="a leak takes the replica out of rotation everywhere")
+    webhook_url: str | None = Field(default=None, pattern=r"^https?://", description="isolation events are POSTed here")
+    webhook_secret: str | None = Field(
+        default=None, min_length=16, repr=False, description="signs each POST: x-bulkhead-signature: sha256=<HMAC>"
+    )
 
     @model_validator(mode="after")
     def _webhook(self) -> Self:
@@ -243,6 +281,8 @@ class CanarySettings(_Section):
 
 
 class ProberSettings(_Section):
+    """The active prober: canary requests that look for cross-request leaks on every replica."""
+
     enabled: bool = Field(default=False, description="probe every replica for cross-request leaks continuously")
     interval_s: float = Field(default=600.0, ge=1, description="pause between two passes over the replicas")
     rate: float = Field(default=1.0, gt=0, description="probe requests per second to one replica")
@@ -252,12 +292,14 @@ class ProberSettings(_Section):
 
 
 class QuarantineSettings(_Section):
+    """Bounds on what leak verdicts may cost: replica suspensions and confirmation probes."""
+
     max_per_replica: int = Field(
         default=1,
         ge=0,
         description="automatic suspensions and quarantines of one replica per window (all instances); more are counted",
     )
-    window_s: float = Field(default=3600.0, gt=0)
+    window_s: float = Field(default=3600.0, gt=0, description="the window of max_per_replica")
     max_probes_per_replica: int = Field(
         default=6, ge=0, description="confirmation probes of one replica per hour (all instances)"
     )
@@ -267,6 +309,8 @@ class QuarantineSettings(_Section):
 
 
 class FingerprintSettings(_Section):
+    """Prompt fingerprints: fragments of one tenant's recent prompt found in another tenant's answer."""
+
     enabled: bool = Field(default=True, description="fingerprint prompts, find their fragments in other answers")
     min_fragment_tokens: int = Field(
         default=32, ge=4, le=512, description="a shared fragment of this many words or more is always found"
@@ -301,6 +345,8 @@ class FingerprintSettings(_Section):
 
 
 class IsolationSettings(_Section):
+    """Leak detection and the response to a leak."""
+
     events_max: int = Field(default=10_000, ge=100, description="isolation events kept (Redis stream or memory)")
     canary: CanarySettings = CanarySettings()
     fingerprints: FingerprintSettings = FingerprintSettings()
@@ -341,6 +387,8 @@ class EdgeSettings(_Section):
 
 
 class AdmissionSettings(_Section):
+    """Exact-token counting of prompts before they are admitted."""
+
     tokenizer_threads: int = Field(default=2, ge=1, description="threads counting large prompts off the loop")
     inline_count_chars: int = Field(
         default=16_384, ge=0, description="prompts up to this size are counted on the event loop (cheaper than a hop)"
@@ -354,11 +402,17 @@ class AdmissionSettings(_Section):
 
 
 class Settings(_Section):
+    """Every setting of the gateway; the top-level keys of the YAML file."""
+
     listen: ListenSettings = ListenSettings()
     workers: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         default=1, description="gateway processes on the port (`auto`: one per core); more than 1 needs redis_url"
     )
-    redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
+    redis_url: str | None = Field(
+        default=None,
+        pattern=r"^(redis|rediss|unix)://",
+        description="shared state for many gateway instances; unset = in memory, this process only",
+    )
     redis_max_connections: int = Field(default=64, ge=1, description="the Redis pool's size; more wait their turn")
     redis_pool_timeout_s: float = Field(default=5.0, gt=0, description="longest wait for a free Redis connection")
     redis_key_prefix: str = Field(
@@ -377,7 +431,9 @@ class Settings(_Section):
     queue: QueueSettings = QueueSettings()
     isolation: IsolationSettings = IsolationSettings()
     admission: AdmissionSettings = AdmissionSettings()
-    log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$")
+    log_level: str = Field(
+        default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", description="JSON log lines at this level and above"
+    )
     limits: LimitSettings = LimitSettings()
     upstream: UpstreamSettings = UpstreamSettings()
     edge: EdgeSettings = EdgeSettings()
