@@ -354,15 +354,9 @@ class OutputGuard:
                     call["id"] = first
 
     async def _choice(self, index: int, state: _Choice, choice: dict[str, Any], final: bool) -> None:
-        if state.echo and type(choice.get("text")) is str:
-            self._strip_echo(state, choice)
-        stop = choice.get("stop_reason")
-        if type(stop) is str and stop not in self._stops:
-            await self.check_removed([("choice.stop_reason", stop)])
-            choice["stop_reason"] = None
-        message = choice.get("delta") or choice.get("message")
-        if state.tool_ids or (message is not None and message.get("tool_calls")):
-            await self._hold_tool_ids(state, choice)
+        """One choice of one event, channel by channel: its own fields, its texts' fragments, its texts' markers, its
+        logprobs, and at its end what its scanners still hold."""
+        await self._choice_fields(state, choice)
         slots = texts(choice)
         logprobs = choice.get("logprobs")
         streams = token_streams(logprobs) if logprobs is not None else {}
@@ -377,16 +371,46 @@ class OutputGuard:
             and _idle(state.scanners)
             and not state.suspended
             and not state.held_tokens
-        ):
             # Unless a backslash starts a JSON escape that spells a marker only once a client decodes the text.
-            if not any(may_spell_a_marker(holder[name]) for _, holder, name in slots):
-                joins, settled = self._joins, state.settled
-                for key, holder, name in slots:
-                    if key in settled and joins.order_idle:
-                        continue
-                    if found := joins.went_out(index, key, holder[name], True):
-                        await self._split(found, holder, name)
-                return
+            and not any(may_spell_a_marker(holder[name]) for _, holder, name in slots)
+        ):
+            for key, holder, name in slots:
+                await self._plain(index, state, key, holder, name)
+            return
+        holding = await self._texts(index, state, slots, flagged, final)
+        if logprobs is not None or state.held_logprobs is not None:
+            await self._logprobs(state, choice, streams, flagged, len(slots), holding, final)
+        if final:
+            await self._flush(index, state, choice, {key for key, _, _ in slots})
+
+    async def _choice_fields(self, state: _Choice, choice: dict[str, Any]) -> None:
+        """The choice's strings that are not texts: the echo of what was injected, stop_reason, tool-call ids."""
+        if state.echo and type(choice.get("text")) is str:
+            self._strip_echo(state, choice)
+        stop = choice.get("stop_reason")
+        if type(stop) is str and stop not in self._stops:
+            await self.check_removed([("choice.stop_reason", stop)])
+            choice["stop_reason"] = None
+        message = choice.get("delta") or choice.get("message")
+        if state.tool_ids or (message is not None and message.get("tool_calls")):
+            await self._hold_tool_ids(state, choice)
+
+    async def _plain(self, index: int, state: _Choice, key: str, holder: dict[str, Any], name: str) -> None:
+        """A text no scanner needs to read: only the joins, for a marker it ends that began in another text."""
+        if key in state.settled and self._joins.order_idle:
+            return
+        if found := self._joins.went_out(index, key, holder[name], True):
+            await self._split(found, holder, name)
+
+    async def _texts(
+        self,
+        index: int,
+        state: _Choice,
+        slots: list[tuple[str, dict[str, Any], str]],
+        flagged: set[int] | None,
+        final: bool,
+    ) -> bool:
+        """Scan each text of the event for markers, releasing what cannot still become one; whether any is held."""
         holding = bool(state.suspended) or state.held_tokens
         for position, (key, holder, name) in enumerate(slots):
             scanner = state.scanners.get(key)
@@ -396,10 +420,7 @@ class OutputGuard:
                 and (scanner is None or scanner.idle)
                 and not may_spell_a_marker(holder[name])
             ):
-                if key in state.settled and self._joins.order_idle:
-                    continue
-                if found := self._joins.went_out(index, key, holder[name], True):
-                    await self._split(found, holder, name)
+                await self._plain(index, state, key, holder, name)
                 continue
             scanner = scanner or state.scanner(key)
             original = holder[name]
@@ -411,16 +432,16 @@ class OutputGuard:
                 holder[name] = released
             if found := self._joins.went_out(index, key, released, False):
                 await self._split(found, holder, name)
-        if logprobs is not None or state.held_logprobs is not None:
-            await self._logprobs(state, choice, streams, flagged, len(slots), holding, final)
-        if final:
-            seen = {key for key, _, _ in slots}
-            for key, scanner in state.scanners.items():
-                rest = self._rest(scanner)
-                if rest and key not in seen and not key.startswith("lp"):
-                    holder, name = place(choice, key, rest)
-                    if found := self._joins.went_out(index, key, rest, False):
-                        await self._split(found, holder, name)
+        return holding
+
+    async def _flush(self, index: int, state: _Choice, choice: dict[str, Any], seen: set[str]) -> None:
+        """The choice's last event: what a scanner of a text this event did not write still holds goes out in it."""
+        for key, scanner in state.scanners.items():
+            rest = self._rest(scanner)
+            if rest and key not in seen and not key.startswith("lp"):
+                holder, name = place(choice, key, rest)
+                if found := self._joins.went_out(index, key, rest, False):
+                    await self._split(found, holder, name)
 
     async def _find_fragments(
         self,
@@ -436,8 +457,27 @@ class OutputGuard:
         on, and the event's logprob positions are dropped. The chosen tokens and the alternatives of every rank are
         token-level streams of their own, checked the same way."""
         chosen = "".join(streams["lp"]) if "lp" in streams else None
-        # The chosen tokens usually spell exactly the event's one text: their grams would be the same, so they are
-        # fed once, until the first event where they differ (from then on the tokens are a stream of their own).
+        mirrored = self._mirror(state, slots, chosen)
+        found = await self._text_fragments(state, slots, mirrored, final)
+        found |= await self._token_fragments(state, streams, chosen, mirrored, final)
+        # Every token stream read so far, not only this event's: an event without logprobs decides nothing.
+        state.held_tokens = (
+            not final and state.hits and any(self._pending(state, key) for key in state.grams if key[:2] == "lp")
+        )
+        suspended = state.suspended
+        if final and suspended:
+            # Nothing more comes: what a stream this event did not write still holds goes out with its last chunk.
+            for key in list(suspended):
+                place(choice, key, suspended.pop(key))
+            slots[:] = texts(choice)
+        if found:  # under redact: the positions held for it go too
+            held = positions(state.held_logprobs) if state.held_logprobs is not None else 0
+            state.dropped |= set(range(held + positions(choice["logprobs"])))
+
+    def _mirror(self, state: _Choice, slots: list[tuple[str, dict[str, Any], str]], chosen: str | None) -> str | None:
+        """The text whose grams the chosen logprob tokens share. The chosen tokens usually spell exactly the event's
+        one text: their grams would be the same, so they are fed once, until the first event where they differ (from
+        then on the tokens are a stream of their own)."""
         mirrors = chosen is not None and len(slots) == 1 and chosen == slots[0][1][slots[0][2]]
         mirrored = state.mirror
         if mirrored is not None and not (mirrors and slots[0][0] == mirrored):
@@ -446,6 +486,13 @@ class OutputGuard:
             state.mirror = mirrored = None
         elif mirrored is None and mirrors and "lp" not in state.grams:
             state.mirror = mirrored = slots[0][0]
+        return mirrored
+
+    async def _text_fragments(
+        self, state: _Choice, slots: list[tuple[str, dict[str, Any], str]], mirrored: str | None, final: bool
+    ) -> bool:
+        """Each text of the event: a fragment found redacts it (under redact) from there on; an undecided first hit
+        holds it; a decided one releases what was held. Whether a fragment was found in the text the tokens mirror."""
         found = False
         suspended = state.suspended
         for key, holder, name in slots:
@@ -469,8 +516,14 @@ class OutputGuard:
                 holder[name], suspended[key] = held[:cut], held[cut:]
             elif key in suspended:  # decided (no fragment, or let through under alert): it goes out
                 holder[name] = suspended.pop(key) + holder[name]
-        # Every token-level stream too, the alternatives of each rank as much as the chosen tokens: an engine can
-        # spell a fragment in either. Their positions wait with the text while one of them is undecided.
+        return found
+
+    async def _token_fragments(
+        self, state: _Choice, streams: dict[str, list[str]], chosen: str | None, mirrored: str | None, final: bool
+    ) -> bool:
+        """Every token-level stream, the alternatives of each rank as much as the chosen tokens: an engine can spell a
+        fragment in either. Their positions wait with the text while one of them is undecided."""
+        found = False
         for key, pieces in streams.items():
             if key == "lp" and mirrored is not None:
                 continue
@@ -481,18 +534,7 @@ class OutputGuard:
                 victim = await self._unless_induced(state, key, victim)
             if victim is not None:
                 found |= await self._leak(Leak(victim, FRAGMENT)) is not None
-        # Every token stream read so far, not only this event's: an event without logprobs decides nothing.
-        state.held_tokens = (
-            not final and state.hits and any(self._pending(state, key) for key in state.grams if key[:2] == "lp")
-        )
-        if final and suspended:
-            # Nothing more comes: what a stream this event did not write still holds goes out with its last chunk.
-            for key in list(suspended):
-                place(choice, key, suspended.pop(key))
-            slots[:] = texts(choice)
-        if found:  # under redact: the positions held for it go too
-            held = positions(state.held_logprobs) if state.held_logprobs is not None else 0
-            state.dropped |= set(range(held + positions(choice["logprobs"])))
+        return found
 
     async def _unless_induced(self, state: _Choice, key: str, victim: str | None) -> str | None:
         """The victim of a fragment this stream's last piece ended, unless a judge finds each one it ends induced (the
