@@ -5,7 +5,7 @@ characters inside a marker vanish; text with non-ASCII characters is first folde
 decomposition, NFKD, so full-width, mathematical or accented look-alikes of a marker's letters become those
 letters) by C-level string operations; one fixed-form pattern then finds every
 candidate, and a dictionary lookup says whose it is — 1k or 100k live markers cost the same. Measured against
-Aho-Corasick and Hyperscan (BENCHMARKS.md): 2–3× their per-chunk time (still ~3 µs at 100k markers), but
+Aho-Corasick and Hyperscan (docs/benchmarks.md): 2–3× their per-chunk time (still ~3 µs at 100k markers), but
 adding a tenant is a dict insert instead of a rebuild, memory is a fraction, and markers made by other
 instances are found without knowing them in advance.
 

@@ -12,7 +12,7 @@ Under `/accounts/{account_id}` (and the same under `/client/v4`, Cloudflare's AP
 A translation at the edges only: every request runs through the very same pipeline as /v1 (admission, salting,
 canaries, scanning, verification), and each answer is rendered here from the pipeline's outcome, in Workers AI's
 envelope `{"result", "success", "errors", "messages"}` with Workers AI's error codes (WORKERS_ERRORS). The account
-id must be the key's tenant. docs/workers-compat.md sets every documented behaviour next to this one.
+id must be the key's tenant. docs/workers-and-async.md sets every documented behaviour next to this one.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ UNICODE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u[0-9a-fA-F]{4}")  # \uXXXX, not
 # `job_failed`, `account_mismatch`, …) → (Workers AI code, HTTP status as Workers AI answers it). Codes from Workers
 # AI's errors page, from its answers where the page lists none (5006 bad input, 5021 context window), and from
 # Cloudflare's API (7000, 7001, 7003, 10000); 8000-8006 are Bulkhead's own, for failures Workers AI has no code for.
-# docs/workers-compat.md gives the source of each.
+# docs/workers-and-async.md gives the source of each.
 WORKERS_ERRORS: dict[str, tuple[int, int]] = {
     "invalid_request": (5006, 400),
     "backend_rejected": (5006, 400),

@@ -1,7 +1,7 @@
 """Forwarding to a backend replica, and upstream failures mapped to clear gateway errors.
 
 The proxied request and its stream go through one aiohttp session per process: measured side by side, it serves
-well over twice the requests per CPU second of httpx's connection pool on this hop (BENCHMARKS.md, issue 15).
+well over twice the requests per CPU second of httpx's connection pool on this hop (docs/benchmarks.md).
 Everything else (health checks, capacity reads, webhooks, probes) uses the process's httpx client, where cost does
 not matter. Only the headers named here go upstream: the client's own headers (hop-by-hop ones, cookies, its API
 key) never do. The upstream is always read as a stream, so a non-stream answer and a stream share one path.
