@@ -356,7 +356,8 @@ class OutputGuard:
     async def _choice(self, index: int, state: _Choice, choice: dict[str, Any], final: bool) -> None:
         """One choice of one event, channel by channel: its own fields, its texts' fragments, its texts' markers, its
         logprobs, and at its end what its scanners still hold."""
-        await self._choice_fields(state, choice)
+        if state.echo or state.tool_ids or choice.get("stop_reason") is not None or _calls(choice):
+            await self._choice_fields(state, choice)
         slots = texts(choice)
         logprobs = choice.get("logprobs")
         streams = token_streams(logprobs) if logprobs is not None else {}
@@ -364,18 +365,10 @@ class OutputGuard:
             await self._find_fragments(state, slots, streams, choice, final)
         # One pass over every text of this event finds the few that a scanner must look at; most events have none.
         flagged = suspects([holder[name] for _, holder, name in slots] + ["".join(p) for p in streams.values()])
-        if (
-            flagged is not None
-            and not flagged
-            and state.held_logprobs is None
-            and _idle(state.scanners)
-            and not state.suspended
-            and not state.held_tokens
-            # Unless a backslash starts a JSON escape that spells a marker only once a client decodes the text.
-            and not any(may_spell_a_marker(holder[name]) for _, holder, name in slots)
-        ):
+        if _quiet(state, slots, flagged):
             for key, holder, name in slots:
-                await self._plain(index, state, key, holder, name)
+                if found := self._plain(index, state, key, holder[name]):
+                    await self._split(found, holder, name)
             return
         holding = await self._texts(index, state, slots, flagged, final)
         if logprobs is not None or state.held_logprobs is not None:
@@ -391,16 +384,15 @@ class OutputGuard:
         if type(stop) is str and stop not in self._stops:
             await self.check_removed([("choice.stop_reason", stop)])
             choice["stop_reason"] = None
-        message = choice.get("delta") or choice.get("message")
-        if state.tool_ids or (message is not None and message.get("tool_calls")):
+        if state.tool_ids or _calls(choice):
             await self._hold_tool_ids(state, choice)
 
-    async def _plain(self, index: int, state: _Choice, key: str, holder: dict[str, Any], name: str) -> None:
-        """A text no scanner needs to read: only the joins, for a marker it ends that began in another text."""
+    def _plain(self, index: int, state: _Choice, key: str, text: str) -> list[bytes]:
+        """A text no scanner needs to read: only the joins, for a marker it ends that began in another text. Not a
+        coroutine: it runs for every text of every event, and only a find needs to wait (_split)."""
         if key in state.settled and self._joins.order_idle:
-            return
-        if found := self._joins.went_out(index, key, holder[name], True):
-            await self._split(found, holder, name)
+            return []
+        return self._joins.went_out(index, key, text, True)
 
     async def _texts(
         self,
@@ -420,7 +412,8 @@ class OutputGuard:
                 and (scanner is None or scanner.idle)
                 and not may_spell_a_marker(holder[name])
             ):
-                await self._plain(index, state, key, holder, name)
+                if found := self._plain(index, state, key, holder[name]):
+                    await self._split(found, holder, name)
                 continue
             scanner = scanner or state.scanner(key)
             original = holder[name]
@@ -459,7 +452,8 @@ class OutputGuard:
         chosen = "".join(streams["lp"]) if "lp" in streams else None
         mirrored = self._mirror(state, slots, chosen)
         found = await self._text_fragments(state, slots, mirrored, final)
-        found |= await self._token_fragments(state, streams, chosen, mirrored, final)
+        if streams:
+            found |= await self._token_fragments(state, streams, chosen, mirrored, final)
         # Every token stream read so far, not only this event's: an event without logprobs decides nothing.
         state.held_tokens = (
             not final and state.hits and any(self._pending(state, key) for key in state.grams if key[:2] == "lp")
@@ -723,6 +717,25 @@ class OutputGuard:
         if self._policy is LeakPolicy.BLOCK:
             raise LeakBlocked
         return REDACTED if self._policy is LeakPolicy.REDACT else None
+
+
+def _quiet(state: _Choice, slots: list[tuple[str, dict[str, Any], str]], flagged: set[int] | None) -> bool:
+    """Nothing of this event needs a scanner: no text is a suspect, nothing is held, and no backslash starts a JSON
+    escape that spells a marker only once a client decodes the text."""
+    return (
+        flagged is not None
+        and not flagged
+        and state.held_logprobs is None
+        and _idle(state.scanners)
+        and not state.suspended
+        and not state.held_tokens
+        and not any(may_spell_a_marker(holder[name]) for _, holder, name in slots)
+    )
+
+
+def _calls(choice: dict[str, Any]) -> bool:
+    message = choice.get("delta") or choice.get("message")
+    return message is not None and bool(message.get("tool_calls"))
 
 
 def _both(state: _Choice, key: str) -> list[AnswerGrams]:

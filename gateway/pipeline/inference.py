@@ -34,8 +34,9 @@ from gateway.schemas import ChatCompletionRequest, CompletionRequest, InferenceR
 from gateway.settings import ModelSettings, TenantSettings
 from gateway.tenancy.tenants import TenantDirectory
 from gateway.upstream.backends import Replica
+from gateway.upstream.placement import Placement
 from gateway.upstream.proxy import Upstream, UpstreamResponse, parse_json_body
-from gateway.upstream.routing import Decision, Router
+from gateway.upstream.routing import Router
 from isolation.channels import prune, texts, token_streams
 from isolation.events import IsolationEvent
 from isolation.fingerprints import AnswerCheck, Fingerprinter, Prepared
@@ -211,7 +212,7 @@ class InferenceCall:
         model: ModelSettings,
         request: InferenceRequest,
         admission: Admission,
-        decision: Decision,
+        placement: Placement,
         slot: Slot,
         prompt: Prompt,
         echo_prefix: str = "",
@@ -228,8 +229,8 @@ class InferenceCall:
         self.model = model
         self.request = request
         self.admission = admission
-        self.decision = decision
-        self.replica = decision.replica
+        self.placement = placement
+        self.replica = placement.replica
         record.backend = self.replica.name
         # The engine's request id, unique whatever the client's x-request-id says: vLLM takes the header as its
         # request id, and two requests with one id (a tenant can send another's) must never meet in an engine.
@@ -287,7 +288,7 @@ class InferenceCall:
             # Its words are never relayed, but a leak there is one all the same.
             await self.scan_dropped("error.body", failure.quoted)
             raise
-        self.state.metrics.routed.labels(self.replica.name, self.decision.reason.value).inc()
+        self.state.metrics.routed.labels(self.replica.name, self.placement.reason.value).inc()
         fingerprints = self.state.fingerprints
         if fingerprints is not None and not await fingerprints.caught_up(self._mark):
             # Prompts other instances forwarded before this one may not be known here yet, and the answer could carry
@@ -331,10 +332,9 @@ class InferenceCall:
             self.response = await upstream.open(self.replica, path, body, self.upstream_id)
         except UpstreamError as error:
             # Retried once, and only when nothing reached the backend: a request is never sent twice.
-            fallback = self.decision.fail_over() if error.before_sending else None
+            fallback = self.placement.fail_over() if error.before_sending else None
             if fallback is None:
                 raise
-            self.slot.assign(fallback)
             self.replica, self.record.backend = fallback, fallback.name
             await self._fingerprint(fallback)
             self.response = await upstream.open(fallback, path, body, self.upstream_id)
@@ -619,8 +619,7 @@ async def _admit(
         marker = plant_marker(state, tenant, payload, chat)
         sent = own if marker is None else of(payload, own.owner)
         # Routed before counting: a backend that counts the prompt should be the one that will serve it.
-        decision = state.router.choose(model, tenant.id, submission.session)
-        slot.assign(decision.replica)
+        placement = Placement(state.router, model, tenant.id, submission.session, slot)
         admission = await admit(
             sent,
             own,
@@ -631,15 +630,13 @@ async def _admit(
             limit,
             state.counters[model.name],
             state.metrics,
-            decision.replica,
+            placement.replica,
         )
         if prepared is None and state.fingerprints is not None:
             raise unfingerprinted(model)
         body = upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.incarnation()), tenant)
         await slot.reserve(admission.estimate + admission.max_tokens * parsed.n)
-        decision = await state.gate.enter(
-            model, tenant, decision, submission.session, submission.batch, submission.gone, slot.assign
-        )
+        await state.gate.enter(model, tenant, placement, submission.batch, submission.gone)
     except BaseException:
         slot.release()
         if isinstance(prepared, asyncio.Future):
@@ -653,7 +650,7 @@ async def _admit(
         model,
         parsed,
         admission,
-        decision,
+        placement,
         slot,
         own,
         completion_prefix(marker) if echo and marker is not None else "",

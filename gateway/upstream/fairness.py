@@ -37,7 +37,7 @@ from gateway.errors import CapacityExceeded, ClientGone
 from gateway.metrics import GatewayMetrics
 from gateway.settings import ModelSettings, TenantSettings
 from gateway.upstream.backends import Replica, ReplicaPool
-from gateway.upstream.routing import Decision, Router
+from gateway.upstream.placement import Placement
 from gateway.upstream.saturation import LoadMonitor
 
 RATE_WINDOW_S = 10.0  # completions older than this say nothing about how fast the queue moves now
@@ -51,10 +51,9 @@ MAX_RETRY_AFTER_S = 60
 class Waiter:
     tenant: str
     weight: float
-    session: str | None
     batch: bool
-    assign: Callable[[Replica | None], None] = field(repr=False)
-    future: asyncio.Future[Decision] = field(repr=False)
+    placement: Placement = field(repr=False)
+    future: asyncio.Future[None] = field(repr=False)
 
 
 class RoundRobin:
@@ -223,7 +222,6 @@ class Gate:
     def __init__(
         self,
         pool: ReplicaPool,
-        router: Router,
         monitor: LoadMonitor,
         metrics: GatewayMetrics,
         in_flight: Mapping[str, int],
@@ -231,7 +229,6 @@ class Gate:
         """`in_flight`: each tenant's requests on this instance that hold a slot (Slot), running or about to."""
         self._in_flight = in_flight
         self._pool = pool
-        self._router = router
         self._monitor = monitor
         self._metrics = metrics
         self._queues: dict[str, ModelQueue] = {}
@@ -253,19 +250,15 @@ class Gate:
         self,
         model: ModelSettings,
         tenant: TenantSettings,
-        decision: Decision,
-        session: str | None,
+        placement: Placement,
         batch: bool,
         gone: Callable[[], Awaitable[None]] | None,
-        assign: Callable[[Replica | None], None],
-    ) -> Decision:
-        """The replica the request goes to now, or after its turn in the queue; raise CapacityExceeded or ClientGone.
-
-        The request arrives counted on `decision.replica`; `assign` moves it (None: onto no replica, while queued).
-        """
+    ) -> None:
+        """Return once the request may go to `placement.replica`, now or after its turn in the queue (placed again
+        then); raise CapacityExceeded or ClientGone. It arrives counted on its router's first choice."""
         fairness = model.fairness
         if not fairness.enabled:
-            return decision
+            return
         queue = self._queues.get(model.name)
         if queue is None:
             queue = self._queues[model.name] = ModelQueue(model)
@@ -273,32 +266,28 @@ class Gate:
         if not (queue.size if batch else queue.interactive):
             # Nobody it must let go first. Counted on its replica already: room for itself is room >= 0.
             here = monitor.batch_room if batch else monitor.room
-            if here(decision.replica, fairness) >= 0:
+            if here(placement.replica, fairness) >= 0:
                 queue.served(tenant.id, time.monotonic())
-                return decision
-            assign(None)
-            placed = self._router.place(model, tenant.id, session, self._room(model, batch))
-            if placed is not None:
-                assign(placed.replica)
+                return
+            placement.leave()
+            if placement.place(self._room(model, batch)):
                 queue.served(tenant.id, time.monotonic())
-                return placed
+                return
         else:
-            assign(None)
+            placement.leave()
         now = time.monotonic()
         priority = tenant.limits.priority
         # A new flow: nothing else of the tenant queued or running (its one slot held is this request's own).
         new = self._in_flight.get(tenant.id, 0) <= 1
         if not batch:
             self._refuse_early(queue, tenant, priority, now, new)
-        waiter = Waiter(
-            tenant.id, tenant.limits.weight, session, batch, assign, asyncio.get_running_loop().create_future()
-        )
+        waiter = Waiter(tenant.id, tenant.limits.weight, batch, placement, asyncio.get_running_loop().create_future())
         queue.push(waiter, priority, new)
         self._changed(queue, tenant.id)
         self.pump()  # a light tenant's request, at the head of the ring, may take the slot kept free for it
         timeout = None if batch else fairness.max_queue_wait_s
         try:
-            return await _wait(waiter.future, timeout, gone)
+            await _wait(waiter.future, timeout, gone)
         except TimeoutError:
             raise self._shed(model, "timed_out", fairness.max_queue_wait_s) from None
         finally:
@@ -337,12 +326,11 @@ class Gate:
                 if waiter.future.done():
                     continue  # gone or timed out: it is leaving on its own
                 queue.served(waiter.tenant, now)
-                placed = self._router.place(model, waiter.tenant, waiter.session, room)
-                assert placed is not None, "a replica with room was there a moment ago, with no await in between"
                 # Counted on the replica at once, by the waiter's own slot: whatever becomes of the waiter, its slot
                 # gives the count back.
-                waiter.assign(placed.replica)
-                waiter.future.set_result(placed)
+                placed = waiter.placement.place(room)
+                assert placed, "a replica with room was there a moment ago, with no await in between"
+                waiter.future.set_result(None)
             self._metrics.model_saturated.labels(model.name).set(0 if self.has_room(model, False) else 1)
 
     def _room(self, model: ModelSettings, batch: bool, spare: int = 0) -> Callable[[Replica], bool]:
@@ -402,8 +390,8 @@ class Gate:
 
 
 async def _wait(
-    future: asyncio.Future[Decision], timeout: float | None, gone: Callable[[], Awaitable[None]] | None
-) -> Decision:
+    future: asyncio.Future[None], timeout: float | None, gone: Callable[[], Awaitable[None]] | None
+) -> None:
     if gone is None:
         return await asyncio.wait_for(asyncio.shield(future), timeout)
     watching: asyncio.Future[None] = asyncio.ensure_future(gone())

@@ -18,6 +18,7 @@ from gateway.store import MemoryStore
 from gateway.tenancy.tenants import hash_key
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.fairness import Gate, RoundRobin, Waiter
+from gateway.upstream.placement import Placement
 from gateway.upstream.routing import Router
 from gateway.upstream.saturation import EngineLoad, LoadMonitor, parse_load
 from tests.redis_server import free_port
@@ -49,7 +50,8 @@ LOOP = asyncio.new_event_loop()  # the waiters' futures need one; the round robi
 
 
 def waiter(tenant: str, weight: float = 1.0) -> Waiter:
-    return Waiter(tenant, weight, None, False, lambda replica: None, LOOP.create_future())
+    # Nor their placements: the round robin only orders waiters.
+    return Waiter(tenant, weight, False, None, LOOP.create_future())  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("weights", [(1, 2, 4), (1, 1, 1), (0.5, 1, 3)])
@@ -95,7 +97,7 @@ class Fixture:
         self.router = Router(self.pool, self.metrics, RoutingSettings(), random.Random(0))
         self.monitor = LoadMonitor(backends, self.pool, self.metrics)
         self.in_flight: Counter[str] = Counter()  # as Slot keeps it: taken before the gate, given back at the end
-        self.gate = Gate(self.pool, self.router, self.monitor, self.metrics, self.in_flight)
+        self.gate = Gate(self.pool, self.monitor, self.metrics, self.in_flight)
         self.placed: list[str] = []
 
     def tenant(self, name: str, weight: float = 1.0, priority: int = 0) -> TenantSettings:
@@ -103,22 +105,12 @@ class Fixture:
         return TenantSettings.model_validate({"id": name, "key_hashes": [hash_key(name * 20)], "limits": limits})
 
     async def enter(self, tenant: TenantSettings, batch: bool = False) -> None:
-        """One request as inference._admit sends it: counted on its replica first, like Slot.assign does."""
-        holder: list[Replica | None] = [self.replica]
-        self.replica.started += 1
+        """One request as inference._admit sends it: placed (and counted on its replica) first, like Slot does."""
         self.in_flight[tenant.id] += 1
-
-        def assign(replica: Replica | None) -> None:
-            if holder[0] is not None:
-                holder[0].finished += 1
-                self.gate.released("m", finished=False)
-            if replica is not None:
-                replica.started += 1
-            holder[0] = replica
-
-        decision = self.router.choose(self.model, tenant.id, None)
-        placed = await self.gate.enter(self.model, tenant, decision, None, batch, None, assign)
-        assert holder[0] is placed.replica
+        counted = Counted(self.gate)
+        placement = Placement(self.router, self.model, tenant.id, None, counted)
+        await self.gate.enter(self.model, tenant, placement, batch, None)
+        assert counted.replica is placement.replica and not placement.queued
         self.placed.append(tenant.id + ("/batch" if batch else ""))
 
     def finish(self, tenant: str | None = None) -> None:
@@ -127,6 +119,22 @@ class Fixture:
             self.in_flight[tenant] -= 1
         self.replica.finished += 1
         self.gate.released("m", finished=True)
+
+
+class Counted:
+    """Counts a request on its replica as Slot.assign does: the replica's started and finished, the gate's slot."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+        self.replica: Replica | None = None
+
+    def assign(self, replica: Replica | None) -> None:
+        if self.replica is not None:
+            self.replica.finished += 1
+            self.gate.released("m", finished=False)
+        if replica is not None:
+            replica.started += 1
+        self.replica = replica
 
 
 async def settle() -> None:
