@@ -34,6 +34,7 @@ Logprobs = Annotated[int, Field(ge=0, le=20)]  # vLLM's default --max-logprobs
 MAX_GRAMMAR_BYTES = 32 * 1024
 MAX_TOKEN_LIST = 1024
 T = TypeVar("T")
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class _Strict(BaseModel):
@@ -375,9 +376,8 @@ def _reason(error: Any) -> str:
     return str(error["msg"]).removeprefix("Value error, ")
 
 
-def validate(
-    schema: type[ChatCompletionRequest] | type[CompletionRequest], payload: dict[str, Any]
-) -> InferenceRequest:
+def validate(schema: type[Body], payload: dict[str, Any]) -> Body:
+    """The body as `schema` reads it, or InvalidRequest naming the most specific field at fault."""
     try:
         return schema.model_validate(payload)
     except ValidationError as exc:

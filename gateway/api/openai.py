@@ -111,8 +111,11 @@ def openai_response(outcome: Outcome) -> Response:
     return Response(content, status_code=outcome.status, media_type="application/json", headers=outcome.headers)
 
 
-async def read_submission(request: Request, state: GatewayState, record: RequestRecord) -> Submission:
-    tenant = await state.tenants.authenticate(request.headers.get("authorization"))
+async def read_submission(
+    request: Request, state: GatewayState, record: RequestRecord, authorization: str | None = None
+) -> Submission:
+    """The tenant (by `authorization`, else the request's Authorization header), its session and its body."""
+    tenant = await state.tenants.authenticate(authorization or request.headers.get("authorization"))
     record.tenant = tenant.id
     session = session_id(request.headers.get(SESSION_HEADER))
     limits = state.settings.limits

@@ -17,6 +17,7 @@ from gateway.api.admin_tenants import (
     TenantPatch,
     TenantView,
 )
+from gateway.api.anthropic_shapes import CountTokensRequest, MessagesRequest
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 _ERROR_SCHEMA = {
@@ -33,6 +34,18 @@ _ERROR_SCHEMA = {
                 "code": {"type": ["string", "null"]},
             },
         }
+    },
+}
+_ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
     },
 }
 
@@ -57,6 +70,26 @@ def _inference(summary: str, schema: str) -> dict[str, Any]:
                     "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
                 },
                 **_errors(400, 401, 403, 404, 413, 429, 502, 503, 504),
+            },
+        }
+    }
+
+
+def _anthropic(summary: str, schema: str, answer: str) -> dict[str, Any]:
+    ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}}}
+    statuses = (400, 401, 403, 404, 413, 429, 502, 503, 504)
+    errors = {str(status): {"description": "Anthropic-style error", **ref} for status in statuses}
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"x-api-key": []}, {"bearer": []}],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(schema)}}},
+            "responses": {
+                "200": {
+                    "description": answer,
+                    "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
+                },
+                **errors,
             },
         }
     }
@@ -172,6 +205,8 @@ def openapi_document() -> dict[str, Any]:
         [
             (ChatCompletionRequest, "validation"),
             (CompletionRequest, "validation"),
+            (MessagesRequest, "validation"),
+            (CountTokensRequest, "validation"),
             *((model, "validation") for model in (TenantCreate, TenantPatch, KeyCreate, KeyRotate)),
             *((model, "serialization") for model in (TenantView, KeyView, NewKeyView, RotatedKeyView)),
         ],
@@ -179,7 +214,12 @@ def openapi_document() -> dict[str, Any]:
     )
     schemas: dict[str, Any] = dict(definitions.get("$defs", {}))
     schemas["Error"] = _ERROR_SCHEMA
-    security = {"bearer": {"type": "http", "scheme": "bearer"}, "admin": {"type": "http", "scheme": "bearer"}}
+    schemas["AnthropicError"] = _ANTHROPIC_ERROR_SCHEMA
+    security = {
+        "bearer": {"type": "http", "scheme": "bearer"},
+        "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        "admin": {"type": "http", "scheme": "bearer"},
+    }
     return {
         "openapi": "3.1.0",
         "info": {"title": "Bulkhead gateway", "version": "0.1.0"},
@@ -187,6 +227,16 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _inference("Create a chat completion", "ChatCompletionRequest"),
             "/v1/completions": _inference("Create a completion", "CompletionRequest"),
+            "/v1/messages": _anthropic(
+                "Create a message (Anthropic's Messages API)",
+                "MessagesRequest",
+                "The message, or with stream: true, Anthropic's server-sent events",
+            ),
+            "/v1/messages/count_tokens": _anthropic(
+                "Count a message's prompt tokens exactly, without the gateway's markers",
+                "CountTokensRequest",
+                '{"input_tokens": N}',
+            ),
             "/v1/models": {
                 "get": {
                     "summary": "The models this API key may use",

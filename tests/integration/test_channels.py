@@ -435,3 +435,62 @@ async def test_the_tenants_own_prompt_comes_back_without_his_marker_on_the_worke
     assert_none_of(marker_in(adversary.prompts[-1]), (), got, text)
     assert all(word in normal(text) for word in BOB_WORDS), text
     assert await isolation_events(client, gateway, since) == []
+
+
+MESSAGES = "/v1/messages"
+ANTHROPIC_TOOLS = [{"name": "lookup", "input_schema": {"type": "object"}}]
+
+
+def messages_body(channel: str, stream: bool) -> JsonObject:
+    body: JsonObject = {
+        "model": MODEL,
+        "max_tokens": 64,
+        "stream": stream,
+        "messages": [{"role": "user", "content": BOB_SAYS}],
+    }
+    if channel.startswith("tool_"):
+        body["tools"] = ANTHROPIC_TOOLS
+    return body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", ["content", "reasoning_content", "tool_name", "tool_arguments", "tool_id"])
+async def test_a_leak_through_the_messages_route_is_withheld(
+    client: httpx.AsyncClient, gateway: str, adversary: Adversary, name: str, stream: bool
+) -> None:
+    alice_marker = await alice_asks(client, gateway, adversary, CHAT, name)
+    adversary.plan = Plan(name, 3, "previous", RANK)
+    since = time.time()
+    response = await client.post(gateway + MESSAGES, json=messages_body(name, stream), headers=auth(BOB_KEY))
+    raw = response.content.decode("utf-8", "replace")
+    seen = normal(raw)
+    assert normal(alice_marker) not in seen and not any(word in seen for word in ALICE_WORDS), raw[:2000]
+    if stream:
+        assert response.status_code == 200 and "event: error" in raw and "message_stop" not in raw, raw[-2000:]
+    else:
+        assert response.status_code == 502 and response.json()["error"]["type"] == "api_error", raw
+    assert await isolation_events(client, gateway, since) == [("leak", "bob", "alice")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", ["content", "reasoning_content"])
+async def test_the_tenants_own_prompt_comes_back_without_his_marker_on_the_messages_route(
+    client: httpx.AsyncClient, gateway: str, adversary: Adversary, name: str, stream: bool
+) -> None:
+    adversary.plan = Plan(name, 3, "own", RANK)
+    since = time.time()
+    response = await client.post(gateway + MESSAGES, json=messages_body(name, stream), headers=auth(BOB_KEY))
+    raw = response.content.decode("utf-8", "replace")
+    assert response.status_code == 200 and "error" not in raw, raw[-2000:]
+    assert normal(marker_in(adversary.prompts[-1])) not in normal(raw)
+    kind = "thinking" if name == "reasoning_content" else "text"
+    assert all(word in normal(messages_text(response, kind)) for word in BOB_WORDS), raw
+    assert await isolation_events(client, gateway, since) == []
+
+
+def messages_text(response: httpx.Response, kind: str) -> str:
+    """A Messages answer's blocks of one kind (text, thinking) joined, or its stream's deltas of that kind."""
+    if not response.headers["content-type"].startswith("text/event-stream"):
+        return "".join(block.get(kind) or "" for block in response.json()["content"])
+    events = [orjson.loads(line[6:]) for line in response.content.split(b"\n") if line.startswith(b"data: ")]
+    return "".join(event["delta"].get(kind) or "" for event in events if event["type"] == "content_block_delta")

@@ -51,11 +51,43 @@ COMPLETION = st.fixed_dictionaries(
     {"model": MODELS, "prompt": TEXT | st.lists(st.integers(min_value=-2, max_value=4000), max_size=8) | JSON},
     optional={**COMMON, "echo": st.booleans() | JSON},
 )
+BLOCK = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image"])},
+    optional={
+        "text": TEXT | JSON,
+        "id": TEXT,
+        "name": TEXT | JSON,
+        "input": st.dictionaries(TEXT, JSON, max_size=2) | JSON,
+        "tool_use_id": TEXT,
+        "content": TEXT | st.lists(TEXT_PART, max_size=2) | JSON,
+        "thinking": TEXT,
+        "data": TEXT,
+    },
+)
+ANTHROPIC_MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant", "user", "system"]),
+        "content": TEXT | st.lists(BLOCK, max_size=3) | JSON,
+    }
+)
+ANTHROPIC = st.fixed_dictionaries(
+    {"model": MODELS, "max_tokens": INTS, "messages": st.lists(ANTHROPIC_MESSAGE, min_size=0, max_size=3) | JSON},
+    optional={
+        "system": TEXT | st.lists(TEXT_PART, max_size=2) | JSON,
+        "stream": st.booleans() | JSON,
+        "temperature": st.floats(min_value=-1, max_value=2) | JSON,
+        "stop_sequences": st.lists(TEXT, max_size=20) | JSON,
+        "tools": st.lists(st.fixed_dictionaries({"name": TEXT, "input_schema": JSON}), max_size=2) | JSON,
+        "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"])}) | JSON,
+        "unknown_field": JSON,
+    },
+)
 CASES = [
     ("/v1/chat/completions", "ChatCompletionRequest", CHAT, 900),
     ("/v1/completions", "CompletionRequest", COMPLETION, 800),
     ("/v1/chat/completions", "ChatCompletionRequest", JSON, 200),
     ("/v1/completions", "CompletionRequest", JSON, 200),
+    ("/v1/messages", "MessagesRequest", ANTHROPIC, 400),
 ]
 
 

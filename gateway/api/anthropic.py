@@ -1,0 +1,132 @@
+"""The Anthropic surface: /v1/messages and /v1/messages/count_tokens, as Anthropic's SDK and Claude Code speak them.
+
+A Messages request runs through the same pipeline as a chat completion (anthropic_shapes.chat_payload), and its
+outcome is written back in Anthropic's shapes: a message, its server-sent events, or `{"type": "error", ...}`.
+A key is read from `x-api-key` (Anthropic's header) or `Authorization: Bearer`; `anthropic-version` and
+`anthropic-beta` are accepted and change nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway import accesslog
+from gateway.api.anthropic_shapes import (
+    CountTokensRequest,
+    EventWriter,
+    MessagesRequest,
+    chat_payload,
+    error_body,
+    message,
+    message_id,
+)
+from gateway.api.openai import RelayResponse, new_record, read_submission
+from gateway.api.state import GatewayState, state_of
+from gateway.errors import GatewayError
+from gateway.pipeline.counting import Prompt
+from gateway.pipeline.inference import Route, refuse, resolve_model, run
+from gateway.pipeline.outcome import DONE, Answer, Event, Outcome, Stream
+from gateway.pipeline.slot import Slot
+from gateway.schemas import ChatCompletionRequest, validate
+from gateway.settings import ModelSettings, TenantSettings
+
+# Asked of the engine on its chat route: the rendering the gateway counts is the one the engine runs.
+MESSAGES = Route("messages", "/v1/chat/completions", ChatCompletionRequest)
+COUNT_TOKENS = Route("count_tokens", "/v1/chat/completions", ChatCompletionRequest)
+
+
+def authorization(request: Request) -> str | None:
+    """`Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>` as one."""
+    header = request.headers.get("authorization")
+    if header is None and (key := request.headers.get("x-api-key")):
+        return f"Bearer {key}"
+    return header
+
+
+async def messages(request: Request) -> Response:
+    state = state_of(request)
+    record = new_record(request, MESSAGES)
+    try:
+        submission = await read_submission(request, state, record, authorization(request))
+        asked = validate(MessagesRequest, submission.payload)
+        submission = replace(submission, payload=chat_payload(asked))
+    except GatewayError as error:
+        return anthropic_response(refuse(state, record, error), "", "")
+    outcome = await run(state, MESSAGES, submission, record)
+    return anthropic_response(outcome, asked.model, message_id())
+
+
+async def count_tokens(request: Request) -> Response:
+    """The prompt's exact count, as the engine would count it and without what the gateway adds for isolation."""
+    state = state_of(request)
+    record = new_record(request, COUNT_TOKENS)
+    try:
+        submission = await read_submission(request, state, record, authorization(request))
+        asked = validate(CountTokensRequest, submission.payload)
+        payload = chat_payload(asked)
+        # The same checks as the request itself would meet: the chat fields it becomes, the model the key may use.
+        validate(ChatCompletionRequest, {**payload, "max_tokens": 1})
+        tenant = submission.tenant
+        model = resolve_model(state, tenant, asked.model)
+        record.model = model.name
+        tokens = await _count(state, submission.tenant, model, payload)
+    except GatewayError as error:
+        return anthropic_response(refuse(state, record, error), "", "")
+    record.status, record.prompt_tokens = 200, tokens
+    accesslog.finish(record, state.metrics)
+    return Response(
+        orjson.dumps({"input_tokens": tokens}),
+        media_type="application/json",
+        headers={"x-request-id": record.request_id},
+    )
+
+
+async def _count(state: GatewayState, tenant: TenantSettings, model: ModelSettings, payload: dict[str, Any]) -> int:
+    # A count is a request: under the tenant's concurrency cap and request rate, on the replica it would go to.
+    slot = Slot(state, tenant, model)
+    try:
+        await slot.reserve(0)
+        replica = state.router.choose(model, tenant.id, None).replica
+        return await state.counters[model.name].count(Prompt.of_chat(payload, tenant.incarnation()), replica)
+    finally:
+        slot.release()
+
+
+def anthropic_response(outcome: Outcome, model: str, response_id: str) -> Response:
+    """The Anthropic routes' edge: a message as JSON, a stream as Anthropic's events, a refusal as its error."""
+    if isinstance(outcome, Stream):
+        writer = EventWriter(model, response_id)
+        return RelayResponse(outcome, lambda event: _render(writer, event))
+    if outcome.status != 200:
+        return _json(error_body_of(outcome), outcome)
+    try:
+        body = message(outcome.body, model, response_id)
+    except GatewayError as error:
+        return _json(error_body(error.status, error.message), Answer(error.status, {}, outcome.headers))
+    return _json(body, outcome)
+
+
+def _render(writer: EventWriter, event: Event) -> bytes:
+    if isinstance(event, GatewayError):
+        return writer.error(event)
+    if event is DONE:
+        return writer.done()
+    assert isinstance(event, dict)
+    return writer.chunk(event)
+
+
+def error_body_of(answer: Answer) -> dict[str, Any]:
+    """A refusal the pipeline made in OpenAI's shape, in Anthropic's: the same status and message."""
+    said = answer.body.get("error") or {}
+    return error_body(answer.status, str(said.get("message") or "The request failed."))
+
+
+def _json(body: dict[str, Any], answer: Answer) -> Response:
+    return Response(
+        orjson.dumps(body), status_code=answer.status, media_type="application/json", headers=answer.headers
+    )

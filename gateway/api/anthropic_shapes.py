@@ -1,0 +1,420 @@
+"""Anthropic's Messages API in the gateway's terms: a request read as a chat completion, and a checked chat answer
+(or stream) written back as Anthropic's message (or events).
+
+The request is translated before the pipeline sees it, so a Messages request gets every defence a chat completion
+gets (exact admission of the rendered prompt, salt, affinity, markers, fingerprints, the scan of every channel,
+usage verification), and the engine is asked on its chat route, whose rendering the gateway counts. What goes back
+is built only from what the pipeline checked: the text, reasoning and tool calls of its one choice, its finish
+reason and its usage (without the markers), never a field of the engine's own.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import BackendBadResponse, GatewayError, InvalidRequest
+from gateway.schemas import ModelName, OutputTokens, ShortText
+
+# Anthropic's error types by status; a status it has no type of its own for is an api_error.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# Prompt caching is the engine's own (a per-tenant cache_salt); Anthropic's breakpoints are accepted and change nothing.
+CacheControl = dict[str, Any] | None
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl = None
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    input: dict[str, Any]
+    cache_control: CacheControl = None
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: Annotated[str, Field(min_length=1, max_length=256)]
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl = None
+
+
+class ThinkingBlock(_Strict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock, Field(discriminator="type")
+]
+
+
+class Message(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | Annotated[list[Block], Field(min_length=1)]
+
+
+class ToolDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None  # Anthropic's server tools (web search, code execution) run nowhere here
+    cache_control: CacheControl = None
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(_Strict):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+class Metadata(_Strict):
+    user_id: ShortText | None = None
+
+
+class MessagesRequest(_Strict):
+    """POST /v1/messages: the fields of Anthropic's Messages API that an open-weight engine can honour."""
+
+    model: ModelName
+    max_tokens: OutputTokens
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | Annotated[list[TextBlock], Field(min_length=1)] | None = None
+    stop_sequences: Annotated[list[ShortText], Field(max_length=16)] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    metadata: Metadata | None = None
+
+
+class CountTokensRequest(_Strict):
+    """POST /v1/messages/count_tokens: what a Messages request's prompt would cost, without generating."""
+
+    model: ModelName
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | Annotated[list[TextBlock], Field(min_length=1)] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+def chat_payload(request: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    """The chat completion a Messages request is: the pipeline validates it again as one, with every other check."""
+    messages: list[dict[str, Any]] = []
+    if request.system is not None:
+        system = request.system if isinstance(request.system, str) else "\n".join(b.text for b in request.system)
+        messages.append({"role": "system", "content": system})
+    for message in request.messages:
+        messages.extend(_chat_messages(message))
+    payload: dict[str, Any] = {"model": request.model, "messages": messages}
+    if isinstance(request, MessagesRequest):
+        payload["max_tokens"] = request.max_tokens
+        if request.stream:
+            payload["stream"] = True
+            # Usage on every chunk: message_start carries the prompt's tokens, as Anthropic's does.
+            payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        for name in ("temperature", "top_p", "top_k"):
+            value = getattr(request, name)
+            if value is not None:
+                payload[name] = value
+        if request.stop_sequences:
+            payload["stop"] = request.stop_sequences
+    if request.tools:
+        payload["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    **({"description": tool.description} if tool.description is not None else {}),
+                    "parameters": tool.input_schema,
+                },
+            }
+            for tool in request.tools
+        ]
+    choice = request.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if choice.name is None:
+                raise _invalid("tool_choice.name: required when tool_choice.type is 'tool'", "tool_choice.name")
+            payload["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            payload["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            payload["parallel_tool_calls"] = False
+    thinking = request.thinking
+    if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is not None:
+        payload["thinking_token_budget"] = thinking.budget_tokens
+    return payload
+
+
+def _chat_messages(message: Message) -> list[dict[str, Any]]:
+    """One Anthropic turn as chat messages: a user turn's tool results are tool messages of their own, in order."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+
+    def flush_user() -> None:
+        if texts:
+            out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
+            texts.clear()
+
+    for block in message.content:
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            if message.role != "assistant":
+                raise _invalid("a tool_use block belongs to an assistant turn", "messages")
+            arguments = orjson.dumps(block.input).decode()
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+        elif isinstance(block, ToolResultBlock):
+            if message.role != "user":
+                raise _invalid("a tool_result block belongs to a user turn", "messages")
+            flush_user()
+            content = block.content or ""
+            text = content if isinstance(content, str) else "\n".join(part.text for part in content)
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
+        elif isinstance(block, ThinkingBlock):
+            reasoning.append(block.thinking)
+        # A redacted_thinking block is the provider's encrypted reasoning: nothing an open-weight engine can read.
+    if message.role == "user":
+        flush_user()
+        return out
+    assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
+    if calls:
+        assistant["tool_calls"] = calls
+    if reasoning:
+        assistant["reasoning_content"] = "".join(reasoning)
+    return [assistant]
+
+
+def _invalid(message: str, param: str) -> GatewayError:
+    return InvalidRequest(message, param=param)
+
+
+def message_id() -> str:
+    return "msg_" + secrets.token_hex(12)
+
+
+def message(answer: dict[str, Any], model: str, request_id: str) -> dict[str, Any]:
+    """A checked chat completion (one choice) as Anthropic's message."""
+    choice = (answer.get("choices") or [{}])[0]
+    said = choice.get("message") or {}
+    content: list[dict[str, Any]] = []
+    reasoning = said.get("reasoning_content") or said.get("reasoning")
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if said.get("content"):
+        content.append({"type": "text", "text": said["content"]})
+    for call in said.get("tool_calls") or ():
+        function = call.get("function") or {}
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.get("id") or _tool_id(),
+                "name": function.get("name") or "",
+                "input": tool_input(function.get("arguments")),
+            }
+        )
+    stop_reason, stop_sequence = _stop(choice)
+    usage = answer.get("usage") or {}
+    return {
+        "id": request_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)},
+    }
+
+
+def tool_input(arguments: str | None) -> dict[str, Any]:
+    """A tool call's arguments as the object Anthropic's `input` is; arguments that are not one fail the answer."""
+    try:
+        value = orjson.loads(arguments or "{}")
+    except orjson.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise BackendBadResponse("The model's tool call arguments are not a JSON object.")
+    return value
+
+
+def _tool_id() -> str:
+    return "toolu_" + secrets.token_hex(12)
+
+
+def _stop(choice: dict[str, Any]) -> tuple[str | None, str | None]:
+    finish = choice.get("finish_reason")
+    matched = choice.get("stop_reason")
+    if finish == "stop" and isinstance(matched, str):
+        return "stop_sequence", matched
+    return (STOP_REASONS.get(finish, "end_turn") if finish is not None else None), None
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body: its type named by the status, and the gateway's message."""
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+class EventWriter:
+    """A checked chat stream as Anthropic's server-sent events: message_start, a content block per text, thinking
+    or tool call (start, deltas, stop), message_delta with the stop reason and usage, message_stop."""
+
+    def __init__(self, model: str, request_id: str) -> None:
+        self._model = model
+        self._id = request_id
+        self._started = False
+        self._block = -1  # the index of the open content block, -1 before the first
+        self._open: str | None = None  # what the open block holds: "text", "thinking" or "tool:<index>"
+        self._stop: tuple[str | None, str | None] = (None, None)
+        self._input_tokens = 0
+        self._output_tokens = 0
+
+    def chunk(self, chunk: dict[str, Any]) -> bytes:
+        out: list[bytes] = []
+        usage = chunk.get("usage")
+        if usage:
+            self._input_tokens = usage.get("prompt_tokens", self._input_tokens)
+            self._output_tokens = usage.get("completion_tokens", self._output_tokens)
+        if not self._started:
+            self._started = True
+            out.append(self._start())
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                out += self._delta(
+                    "thinking",
+                    {"type": "thinking", "thinking": "", "signature": ""},
+                    {"type": "thinking_delta", "thinking": reasoning},
+                )
+            if delta.get("content"):
+                out += self._delta(
+                    "text", {"type": "text", "text": ""}, {"type": "text_delta", "text": delta["content"]}
+                )
+            for call in delta.get("tool_calls") or ():
+                out += self._tool(call)
+            if choice.get("finish_reason") is not None:
+                self._stop = _stop(choice)
+        return b"".join(out)
+
+    def done(self) -> bytes:
+        out = [] if self._started else [self._start()]
+        out += self._close()
+        stop_reason, stop_sequence = self._stop
+        out.append(
+            _event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason or "end_turn", "stop_sequence": stop_sequence},
+                    "usage": {"input_tokens": self._input_tokens, "output_tokens": self._output_tokens},
+                },
+            )
+        )
+        out.append(_event("message_stop", {"type": "message_stop"}))
+        return b"".join(out)
+
+    def error(self, error: GatewayError) -> bytes:
+        return _event("error", error_body(error.status, error.message))
+
+    def _start(self) -> bytes:
+        message: dict[str, Any] = {
+            "id": self._id,
+            "type": "message",
+            "role": "assistant",
+            "model": self._model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self._input_tokens, "output_tokens": 0},
+        }
+        return _event("message_start", {"type": "message_start", "message": message})
+
+    def _delta(self, kind: str, opening: dict[str, Any], delta: dict[str, Any]) -> list[bytes]:
+        out = []
+        if self._open != kind:
+            out += self._close()
+            out.append(self._begin(kind, opening))
+        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": self._block, "delta": delta}))
+        return out
+
+    def _tool(self, call: dict[str, Any]) -> list[bytes]:
+        kind = f"tool:{call.get('index', 0)}"
+        function = call.get("function") or {}
+        out = []
+        if self._open != kind:
+            out += self._close()
+            opening: dict[str, Any] = {
+                "type": "tool_use",
+                "id": call.get("id") or _tool_id(),
+                "name": function.get("name") or "",
+                "input": {},
+            }
+            out.append(self._begin(kind, opening))
+        if function.get("arguments"):
+            delta = {"type": "input_json_delta", "partial_json": function["arguments"]}
+            out.append(
+                _event("content_block_delta", {"type": "content_block_delta", "index": self._block, "delta": delta})
+            )
+        return out
+
+    def _begin(self, kind: str, block: dict[str, Any]) -> bytes:
+        self._block += 1
+        self._open = kind
+        return _event(
+            "content_block_start", {"type": "content_block_start", "index": self._block, "content_block": block}
+        )
+
+    def _close(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": self._block})]
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"

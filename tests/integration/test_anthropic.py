@@ -1,0 +1,249 @@
+"""Anthropic's Messages API through the gateway, with Anthropic's own SDK (`anthropic`) and only its base URL changed:
+every defence a chat completion has, Anthropic's shapes out, and bad input refused in Anthropic's error shape."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import orjson
+import pytest
+
+from tests.integration.support import (
+    ALICE_KEY,
+    BOB_KEY,
+    MODEL,
+    auth,
+    canaries_only,
+    chat_body,
+    forwarded,
+    sent_as,
+)
+
+MESSAGES = "/v1/messages"
+HELLO = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture
+def sdk(gateway_url: str) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=gateway_url, api_key=ALICE_KEY, max_retries=0) as client:
+        yield client
+
+
+def test_a_message_goes_through_every_defence_as_a_chat_completion(
+    sdk: anthropic.Anthropic, gateway_url: str, sim_url: str
+) -> None:
+    answer = sdk.messages.create(model=MODEL, max_tokens=4, system="You are terse.", messages=HELLO)
+    assert answer.type == "message" and answer.role == "assistant" and answer.model == MODEL
+    assert answer.stop_reason == "max_tokens" and answer.usage.output_tokens == 4
+    assert answer.content[0].type == "text" and answer.content[0].text
+    [sent] = forwarded(sim_url)
+    # Asked of the engine on its chat route, with the tenant's marker planted and salt set, and its usage checked.
+    assert sent["path"] == "/v1/chat/completions"
+    body = sent["body"]
+    assert body["messages"][0]["role"] == "system" and "CNRY" in body["messages"][0]["content"]
+    assert "You are terse." in body["messages"][0]["content"] and body["cache_salt"]
+    assert "CNRY" not in answer.model_dump_json()
+    # The tenant's usage is its own prompt's, without the markers: what count_tokens says, and what chat says.
+    counted = sdk.messages.count_tokens(model=MODEL, system="You are terse.", messages=HELLO)
+    chat = httpx.post(
+        f"{gateway_url}/v1/chat/completions",
+        json=chat_body("Name a colour.", max_tokens=1)
+        | {"messages": [{"role": "system", "content": "You are terse."}, *HELLO]},
+        headers=auth(),
+    ).json()
+    assert answer.usage.input_tokens == counted.input_tokens == chat["usage"]["prompt_tokens"]
+
+
+def test_a_stream_comes_as_anthropics_events(sdk: anthropic.Anthropic) -> None:
+    with sdk.messages.stream(model=MODEL, max_tokens=5, messages=HELLO) as stream:
+        texts = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(texts) == 5 and final.content[0].text == "".join(texts)
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 5 and final.usage.input_tokens > 0
+
+
+def test_events_are_in_anthropics_order(gateway_url: str) -> None:
+    with httpx.stream(
+        "POST",
+        f"{gateway_url}{MESSAGES}",
+        json={"model": MODEL, "max_tokens": 3, "stream": True, "messages": HELLO},
+        headers={"x-api-key": ALICE_KEY, "anthropic-version": "2023-06-01"},
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = [block.split("\n", 1) for block in raw.strip().split("\n\n")]
+    names = [name.removeprefix("event: ") for name, _ in events]
+    assert names == ["message_start", "content_block_start"] + ["content_block_delta"] * 3 + [
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    for name, data in events:
+        assert orjson.loads(data.removeprefix("data: "))["type"] == name.removeprefix("event: ")
+
+
+def test_tool_results_and_tools_go_as_chat_tools(sdk: anthropic.Anthropic, sim_url: str) -> None:
+    tools: Any = [
+        {"name": "weather", "description": "Weather now", "input_schema": {"type": "object", "properties": {}}}
+    ]
+    turns: Any = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"c": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}]},
+    ]
+    sdk.messages.create(model=MODEL, max_tokens=2, tools=tools, tool_choice={"type": "auto"}, messages=turns)
+    body = forwarded(sim_url)[-1]["body"]
+    assert body["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "description": "Weather now",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+    ]
+    assert body["tool_choice"] == "auto"
+    roles = [m["role"] for m in body["messages"]]
+    assert roles[-3:] == ["user", "assistant", "tool"]
+    assert body["messages"][-2]["tool_calls"][0]["function"] == {"name": "weather", "arguments": '{"c":1}'}
+    assert body["messages"][-1]["tool_call_id"] == "toolu_1" and body["messages"][-1]["content"] == "Sunny"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "kind", "says"),
+    [
+        ({"model": "nope", "max_tokens": 4, "messages": HELLO}, 404, "not_found_error", "does not exist"),
+        ({"model": MODEL, "messages": HELLO}, 400, "invalid_request_error", "max_tokens"),
+        ({"model": MODEL, "max_tokens": 4, "messages": HELLO, "bogus": 1}, 400, "invalid_request_error", "bogus"),
+        ({"model": MODEL, "max_tokens": 4, "messages": []}, 400, "invalid_request_error", "messages"),
+        (
+            {"model": MODEL, "max_tokens": 4, "messages": HELLO, "temperature": 1.5},
+            400,
+            "invalid_request_error",
+            "temperature",
+        ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": [
+                    {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}
+                ],
+            },
+            400,
+            "invalid_request_error",
+            "messages",
+        ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "n", "input": {}}]}],
+            },
+            400,
+            "invalid_request_error",
+            "assistant turn",
+        ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": HELLO,
+                "tools": [{"name": "t", "input_schema": {}}],
+                "tool_choice": {"type": "tool"},
+            },
+            400,
+            "invalid_request_error",
+            "tool_choice.name",
+        ),
+        (
+            {
+                "model": MODEL,
+                "max_tokens": 4,
+                "messages": HELLO,
+                "tools": [{"name": "web", "type": "web_search", "input_schema": {}}],
+            },
+            400,
+            "invalid_request_error",
+            "tools",
+        ),
+        (
+            {"model": MODEL, "max_tokens": 4, "messages": HELLO, "stop_sequences": ["CNRY-"]},
+            400,
+            "invalid_request_error",
+            "stop",
+        ),
+    ],
+)
+def test_bad_requests_get_anthropics_error_and_nothing_is_forwarded(
+    gateway_url: str, sim_url: str, body: dict[str, Any], status: int, kind: str, says: str
+) -> None:
+    response = httpx.post(f"{gateway_url}{MESSAGES}", json=body, headers={"x-api-key": ALICE_KEY})
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == kind and says in error["error"]["message"]
+    assert forwarded(sim_url) == []
+
+
+@pytest.mark.parametrize("route", [MESSAGES, f"{MESSAGES}/count_tokens"])
+def test_keys_are_read_from_x_api_key_or_bearer_and_a_bad_one_is_refused(gateway_url: str, route: str) -> None:
+    body: dict[str, Any] = {"model": MODEL, "messages": HELLO}
+    if route == MESSAGES:
+        body["max_tokens"] = 2
+    assert httpx.post(f"{gateway_url}{route}", json=body, headers={"x-api-key": ALICE_KEY}).status_code == 200
+    assert httpx.post(f"{gateway_url}{route}", json=body, headers=auth(BOB_KEY)).status_code == 200
+    for headers, status, kind in [
+        ({"x-api-key": "bk-not-a-key-0123456789"}, 401, "authentication_error"),
+        ({}, 401, "authentication_error"),
+    ]:
+        response = httpx.post(f"{gateway_url}{route}", json=body, headers=headers)
+        assert response.status_code == status and response.json()["error"]["type"] == kind
+    garbage = httpx.post(f"{gateway_url}{route}", content=b"{not json", headers={"x-api-key": ALICE_KEY})
+    assert garbage.status_code == 400 and garbage.json()["type"] == "error"
+
+
+def test_count_tokens_is_exact_and_costs_the_engine_nothing(gateway_url: str, sim_url: str) -> None:
+    longer = [{"role": "user", "content": "Name a colour, then another, then a third one."}]
+    counts = [
+        httpx.post(
+            f"{gateway_url}{MESSAGES}/count_tokens",
+            json={"model": MODEL, "messages": m},
+            headers={"x-api-key": ALICE_KEY},
+        ).json()["input_tokens"]
+        for m in (HELLO, longer)
+    ]
+    assert 0 < counts[0] < counts[1]
+    assert forwarded(sim_url) == []  # the gateway's tokenizer counted: no request reached the engine
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_another_tenants_marker_in_a_messages_answer_is_withheld(
+    make_gateway: Any, make_sim: Any, tokenizer_dir: Path, stream: bool
+) -> None:
+    sim = make_sim(num_gpu_blocks=16, output_tokens=64, fault="stale-kv")
+    gateway_url = make_gateway({"sim": sim}, models=canaries_only(tokenizer_dir, ["sim"]))
+    confidential = chat_body("Here is my confidential merger plan, step by step. " * 4, max_tokens=4)
+    assert (
+        httpx.post(f"{gateway_url}/v1/chat/completions", json=confidential, headers=auth(ALICE_KEY)).status_code == 200
+    )
+    over = {
+        "model": MODEL,
+        "max_tokens": 64,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "Summarise this contract clause by clause. " * 45}],
+    }
+    with httpx.stream("POST", f"{gateway_url}{MESSAGES}", json=over, headers={"x-api-key": BOB_KEY}) as response:
+        text = response.read().decode()
+    assert "CNRY" not in text and "merger" not in text and "alice" not in text
+    if stream:
+        assert "event: error" in text and '"type":"api_error"' in text and "message_stop" not in text
+    else:
+        assert response.status_code == 502 and response.json()["error"]["type"] == "api_error"
+    # The engine did answer bob's request (then the leak's confirmation probe ran, without a request id).
+    sent = [sent_as(r) for r in forwarded(sim) if "x-request-id" in r["headers"]]
+    assert response.headers["x-request-id"] in sent
