@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
 
@@ -139,6 +140,23 @@ def test_chat_through_the_gateway(http: httpx.Client, gateway: str) -> None:
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert "CNRY" not in choice["message"]["content"].upper()
     assert response.headers["x-request-id"]
+
+
+def test_a_messages_turn_through_the_gateway(http: httpx.Client, gateway: str, vllm: VllmServer) -> None:
+    """Anthropic's Messages API, with Anthropic's SDK: vLLM answers the chat completion it means; the counts agree."""
+    system, turns = "Be brief.", [{"role": "user", "content": "Tell me a story."}]
+    with anthropic.Anthropic(base_url=gateway, api_key=ALICE_KEY, max_retries=0, timeout=120) as client:
+        answer = client.messages.create(model=MODEL, max_tokens=8, system=system, messages=turns)
+        with client.messages.stream(model=MODEL, max_tokens=4, system=system, messages=turns) as stream:
+            streamed = stream.get_final_message()
+        counted = client.messages.count_tokens(model=MODEL, system=system, messages=turns)
+    assert answer.stop_reason in ("end_turn", "max_tokens") and 1 <= answer.usage.output_tokens <= 8
+    assert answer.content and answer.content[0].type == "text" and "CNRY" not in answer.model_dump_json().upper()
+    assert 1 <= streamed.usage.output_tokens <= 4 and streamed.usage.input_tokens == counted.input_tokens
+    # The tenant's own prompt, without the gateway's markers, as vLLM itself counts it.
+    chat = {"model": MODEL, "messages": [{"role": "system", "content": system}, *turns]}
+    theirs = http.post(f"{vllm.url}/tokenize", json=chat).json()["count"]
+    assert answer.usage.input_tokens == counted.input_tokens == theirs
 
 
 def test_completion_through_the_gateway(http: httpx.Client, gateway: str) -> None:
