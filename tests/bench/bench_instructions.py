@@ -33,7 +33,7 @@ import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ from tests.bench.load import LoadError, Target, new_session, run_batch
 from tests.bench.processes import Server, Workspace
 
 SCENARIOS = [Scenario(False, 1), Scenario(True, 1)]
+# --messages: the same requests as Anthropic's Messages API, counted for this checkout's gateway against its chat.
+MESSAGES_SCENARIOS = [Scenario(False, 1, "messages"), Scenario(True, 1, "messages")]
 # The gateway's pollers (health, capacity, each replica's load from its /metrics every second) read once at start and
 # then not for an hour: work that runs by the clock would land in a count by how long the batch took, and a batch
 # under valgrind on a busy box takes many seconds.
@@ -127,12 +129,14 @@ async def _batch(server: Server, scenario: Scenario, count: int) -> None:
         await run_batch(Target(server.url, server.url, session), scenario.request(), scenario.concurrency, count)
 
 
-def measure(server: Server, out: Path, requests: int, warmup: int) -> dict[str, Count]:
+def measure(
+    server: Server, out: Path, requests: int, warmup: int, scenarios: Sequence[Scenario] = SCENARIOS
+) -> dict[str, Count]:
     """Each scenario's count for one target running under callgrind_wrapper(out)."""
     counts = {}
-    for scenario in SCENARIOS:
+    for scenario in scenarios:
         asyncio.run(_batch(server, scenario, warmup))
-    for scenario in SCENARIOS:
+    for scenario in scenarios:
         trigger = scenario.name.replace(" ", "-")
         _control(server, "--instr=on")
         _control(server, "--zero")
@@ -168,7 +172,8 @@ def run(workspace: Workspace, args: argparse.Namespace) -> dict[str, dict[str, C
                     )
                     server = stack.enter_context(gateway)
                 print(f"measuring {name} ({args.requests} requests a scenario)", file=sys.stderr)
-                results[name] = measure(server, out, args.requests, args.warmup)
+                scenarios = SCENARIOS + (MESSAGES_SCENARIOS if name == "gateway" and args.messages else [])
+                results[name] = measure(server, out, args.requests, args.warmup, scenarios)
     return results
 
 
@@ -195,6 +200,21 @@ def render(results: dict[str, dict[str, Count]], top: int = 8) -> str:
         if "floor" in results:
             row += [f"{per['gateway'] / per['floor']:.2f}", _millions(per["gateway"] - per["floor"])]
         lines.append("| " + " | ".join(row) + " |")
+    messages = [scenario for scenario in MESSAGES_SCENARIOS if scenario.name in results["gateway"]]
+    if messages:
+        lines += [
+            "",
+            "| scenario | gateway M instr/req (+ gc) | its chat twin | messages/chat |",
+            "| --- | --- | --- | --- |",
+        ]
+        for scenario in messages:
+            count = results["gateway"][scenario.name]
+            chat = results["gateway"][replace(scenario, api="chat").name]
+            own = count.without_collector
+            lines.append(
+                f"| {scenario.name} | {_millions(own)} (+{_millions(count.collector / count.requests)}) | "
+                f"{_millions(chat.without_collector)} | {own / chat.without_collector:.4f} |"
+            )
     for scenario in SCENARIOS:
         count = results["gateway"][scenario.name]
         ranked = sorted(count.by_object.items(), key=lambda item: item[1], reverse=True)[:top]
@@ -228,6 +248,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=300, help="requests per scenario before counting")
     parser.add_argument("--baseline", type=Path, help="a checkout of another revision, counted the same way")
     parser.add_argument("--no-floor", dest="floor", action="store_false", help="leave the bare forwarder out")
+    parser.add_argument(
+        "--messages", action="store_true", help="also count Anthropic's Messages API against chat (the gateway only)"
+    )
     parser.add_argument("--log-level", default="WARNING", help="the servers' log level (default WARNING)")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
     args = parser.parse_args(argv)

@@ -38,16 +38,17 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
 from tests.bench import litellm_env, processes
-from tests.bench.load import Batch, LoadError, Request, Target, new_session, percentile, run_batch
+from tests.bench.load import MESSAGE_STOP, Batch, LoadError, Request, Target, new_session, percentile, run_batch
 from tests.bench.processes import BENCH_KEY, MODEL, Server, Workspace
 from tests.redis_server import own_redis
 
 CHAT_PATH = "/v1/chat/completions"
+MESSAGES_PATH = "/v1/messages"
 # Sent to the simulator too (it ignores the key), so both targets receive the very same bytes.
 HEADERS = {"content-type": "application/json", "authorization": f"Bearer {BENCH_KEY}"}
 OUTPUT_TOKENS = 16  # a short answer: per-request cost dominates, which is what the gateway adds
@@ -60,10 +61,11 @@ PEERS = ("litellm", "floor")
 class Scenario:
     stream: bool
     concurrency: int
+    api: Literal["chat", "messages"] = "chat"  # OpenAI's chat completions, or Anthropic's Messages (the gateway only)
 
     @property
     def name(self) -> str:
-        return f"chat {'stream' if self.stream else 'non-stream'} c={self.concurrency}"
+        return f"{self.api} {'stream' if self.stream else 'non-stream'} c={self.concurrency}"
 
     def request(self) -> Request:
         # What a typical OpenAI client sends: no stream_options, so the gateway adds include_usage for its own
@@ -74,6 +76,8 @@ class Scenario:
             "max_tokens": OUTPUT_TOKENS,
             "stream": self.stream,
         }
+        if self.api == "messages":
+            return Request(MESSAGES_PATH, orjson.dumps(payload), HEADERS, self.stream, MESSAGE_STOP)
         return Request(CHAT_PATH, orjson.dumps(payload), HEADERS, self.stream)
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 DONE_EVENT = b"data: [DONE]\n\n"
+# How an Anthropic Messages stream ends.
+MESSAGE_STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 ERROR_EXCERPT = 400
 KEEPALIVE_S = 4.0
 
@@ -31,6 +33,7 @@ class Request:
     body: bytes
     headers: Mapping[str, str]
     stream: bool
+    ends: bytes = DONE_EVENT  # how a stream's last event reads (an Anthropic stream's: MESSAGE_STOP)
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,8 @@ async def _one(target: Target, request: Request) -> tuple[float, float]:
         raise LoadError(f"{target.name}: {request.path} failed: {type(exc).__name__}: {exc}") from exc
     if reply.status != 200:
         raise LoadError(f"{target.name}: HTTP {reply.status} from {request.path}: {received.decode(errors='replace')}")
-    if request.stream and not received.endswith(DONE_EVENT):
-        raise LoadError(f"{target.name}: a stream from {request.path} ended without 'data: [DONE]'")
+    if request.stream and not received.endswith(request.ends):
+        raise LoadError(f"{target.name}: a stream from {request.path} ended without {request.ends!r}")
     return ended - started, (first or ended) - started
 
 
