@@ -25,12 +25,12 @@ from gateway.api.anthropic_shapes import (
     message,
     message_id,
 )
-from gateway.api.openai import RelayResponse, new_record, read_submission
+from gateway.api.openai import new_record, read_submission, relayed_as
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import GatewayError
 from gateway.pipeline.counting import Prompt
 from gateway.pipeline.inference import Route, refuse, resolve_model, run
-from gateway.pipeline.outcome import DONE, Answer, Event, Outcome, Stream
+from gateway.pipeline.outcome import Answer, Outcome, Stream
 from gateway.pipeline.slot import Slot
 from gateway.schemas import ChatCompletionRequest, validate
 from gateway.settings import ModelSettings, TenantSettings
@@ -100,8 +100,7 @@ async def _count(state: GatewayState, tenant: TenantSettings, model: ModelSettin
 def anthropic_response(outcome: Outcome, model: str, response_id: str) -> Response:
     """The Anthropic routes' edge: a message as JSON, a stream as Anthropic's events, a refusal as its error."""
     if isinstance(outcome, Stream):
-        writer = EventWriter(model, response_id)
-        return RelayResponse(outcome, lambda event: _render(writer, event))
+        return relayed_as(outcome, EventWriter(model, response_id))
     if outcome.status != 200:
         return _json(error_body_of(outcome), outcome)
     try:
@@ -109,15 +108,6 @@ def anthropic_response(outcome: Outcome, model: str, response_id: str) -> Respon
     except GatewayError as error:
         return _json(error_body(error.status, error.message), Answer(error.status, {}, outcome.headers))
     return _json(body, outcome)
-
-
-def _render(writer: EventWriter, event: Event) -> bytes:
-    if isinstance(event, GatewayError):
-        return writer.error(event)
-    if event is DONE:
-        return writer.done()
-    assert isinstance(event, dict)
-    return writer.chunk(event)
 
 
 def error_body_of(answer: Answer) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Callable
 from contextlib import suppress
 from functools import partial
+from typing import Any, Protocol
 
 import orjson
 from starlette.requests import Request
@@ -90,6 +91,30 @@ class RelayResponse(StreamingResponse):
     async def _close(self) -> None:
         await self._stream.events.aclose()
         await self._stream.close()
+
+
+class Writer(Protocol):
+    """Writes a checked chat stream's events in another API's shapes (anthropic_shapes, responses_shapes)."""
+
+    def chunk(self, chunk: dict[str, Any]) -> bytes: ...
+
+    def done(self) -> bytes: ...
+
+    def error(self, error: GatewayError) -> bytes: ...
+
+
+def relayed_as(stream: Stream, writer: Writer) -> RelayResponse:
+    """The stream, each event written by `writer`, relayed like the OpenAI routes' own."""
+
+    def render(event: Event) -> bytes:
+        if isinstance(event, GatewayError):
+            return writer.error(event)
+        if event is DONE:
+            return writer.done()
+        assert isinstance(event, dict)
+        return writer.chunk(event)
+
+    return RelayResponse(stream, render)
 
 
 def openai_event(event: Event) -> bytes:

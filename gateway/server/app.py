@@ -34,7 +34,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.accesslog import RequestIdHeader
-from gateway.api import admin, anthropic, catalog, openai
+from gateway.api import admin, anthropic, catalog, openai, responses
 from gateway.api import workers as workers_api
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import (
@@ -477,6 +477,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
         routes=[
             Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
             Route("/v1/completions", openai.completions, methods=["POST"]),
+            Route("/v1/responses", responses.create, methods=["POST"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/models", catalog.list_models, methods=["GET"]),

@@ -18,6 +18,7 @@ from gateway.api.admin_tenants import (
     TenantView,
 )
 from gateway.api.anthropic_shapes import CountTokensRequest, MessagesRequest
+from gateway.api.responses_shapes import ResponsesRequest
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 _ERROR_SCHEMA = {
@@ -205,6 +206,7 @@ def openapi_document() -> dict[str, Any]:
         [
             (ChatCompletionRequest, "validation"),
             (CompletionRequest, "validation"),
+            (ResponsesRequest, "validation"),
             (MessagesRequest, "validation"),
             (CountTokensRequest, "validation"),
             *((model, "validation") for model in (TenantCreate, TenantPatch, KeyCreate, KeyRotate)),
@@ -227,6 +229,9 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _inference("Create a chat completion", "ChatCompletionRequest"),
             "/v1/completions": _inference("Create a completion", "CompletionRequest"),
+            "/v1/responses": _inference(
+                "Create a response (OpenAI's Responses API, stateless: store is false)", "ResponsesRequest"
+            ),
             "/v1/messages": _anthropic(
                 "Create a message (Anthropic's Messages API)",
                 "MessagesRequest",

@@ -20,6 +20,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import openai
 import pytest
 
 from gateway.pipeline.counting import LocalCounter, Prompt
@@ -157,6 +158,25 @@ def test_a_messages_turn_through_the_gateway(http: httpx.Client, gateway: str, v
     chat = {"model": MODEL, "messages": [{"role": "system", "content": system}, *turns]}
     theirs = http.post(f"{vllm.url}/tokenize", json=chat).json()["count"]
     assert answer.usage.input_tokens == counted.input_tokens == theirs
+
+
+def test_a_responses_turn_through_the_gateway(http: httpx.Client, gateway: str, vllm: VllmServer) -> None:
+    """OpenAI's Responses API, with the openai SDK: vLLM answers the chat completion it means, stateless."""
+    with openai.OpenAI(base_url=f"{gateway}/v1", api_key=ALICE_KEY, max_retries=0, timeout=120) as client:
+        answer = client.responses.create(
+            model=MODEL, instructions="Be brief.", input="Tell me a story.", max_output_tokens=8
+        )
+        with client.responses.stream(model=MODEL, input="Tell me a story.", max_output_tokens=4) as stream:
+            streamed = stream.get_final_response()
+    assert answer.status in ("completed", "incomplete") and answer.store is False and answer.output_text
+    assert answer.usage is not None and 1 <= answer.usage.output_tokens <= 8
+    assert streamed.usage is not None and 1 <= streamed.usage.output_tokens <= 4
+    assert "CNRY" not in answer.model_dump_json().upper()
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}],
+    }
+    assert answer.usage.input_tokens == http.post(f"{vllm.url}/tokenize", json=chat).json()["count"]
 
 
 def test_completion_through_the_gateway(http: httpx.Client, gateway: str) -> None:

@@ -494,3 +494,63 @@ def messages_text(response: httpx.Response, kind: str) -> str:
         return "".join(block.get(kind) or "" for block in response.json()["content"])
     events = [orjson.loads(line[6:]) for line in response.content.split(b"\n") if line.startswith(b"data: ")]
     return "".join(event["delta"].get(kind) or "" for event in events if event["type"] == "content_block_delta")
+
+
+RESPONSES = "/v1/responses"
+
+
+def responses_body(channel: str, stream: bool) -> JsonObject:
+    body: JsonObject = {"model": MODEL, "max_output_tokens": 64, "stream": stream, "input": BOB_SAYS}
+    if channel.startswith("tool_"):
+        body["tools"] = [{"type": "function", "name": "lookup", "parameters": {"type": "object"}}]
+    return body
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", ["content", "reasoning_content", "tool_name", "tool_arguments", "tool_id"])
+async def test_a_leak_through_the_responses_route_is_withheld(
+    client: httpx.AsyncClient, gateway: str, adversary: Adversary, name: str, stream: bool
+) -> None:
+    alice_marker = await alice_asks(client, gateway, adversary, CHAT, name)
+    adversary.plan = Plan(name, 3, "previous", RANK)
+    since = time.time()
+    response = await client.post(gateway + RESPONSES, json=responses_body(name, stream), headers=auth(BOB_KEY))
+    raw = response.content.decode("utf-8", "replace")
+    seen = normal(raw)
+    assert normal(alice_marker) not in seen and not any(word in seen for word in ALICE_WORDS), raw[:2000]
+    if stream:
+        assert response.status_code == 200 and "response.failed" in raw and "response.completed" not in raw, raw[-2000:]
+    else:
+        assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld", raw
+    assert await isolation_events(client, gateway, since) == [("leak", "bob", "alice")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", ["content", "reasoning_content", "tool_arguments"])
+async def test_the_tenants_own_prompt_comes_back_without_his_marker_on_the_responses_route(
+    client: httpx.AsyncClient, gateway: str, adversary: Adversary, name: str, stream: bool
+) -> None:
+    adversary.plan = Plan(name, 3, "own", RANK)
+    since = time.time()
+    response = await client.post(gateway + RESPONSES, json=responses_body(name, stream), headers=auth(BOB_KEY))
+    raw = response.content.decode("utf-8", "replace")
+    assert response.status_code == 200 and "response.failed" not in raw, raw[-2000:]
+    assert normal(marker_in(adversary.prompts[-1])) not in normal(raw)
+    assert all(word in normal(responses_text(response, name)) for word in BOB_WORDS), raw
+    assert await isolation_events(client, gateway, since) == []
+
+
+def responses_text(response: httpx.Response, channel: str) -> str:
+    """What a response says in one channel: its message text, reasoning text or call arguments, or their deltas."""
+    item, delta = {
+        "content": ("message", "response.output_text.delta"),
+        "reasoning_content": ("reasoning", "response.reasoning_text.delta"),
+        "tool_arguments": ("function_call", "response.function_call_arguments.delta"),
+    }[channel]
+    if not response.headers["content-type"].startswith("text/event-stream"):
+        said = [i for i in response.json()["output"] if i["type"] == item]
+        if item == "function_call":
+            return "".join(i["arguments"] for i in said)
+        return "".join(part["text"] for i in said for part in i["content"])
+    events = [orjson.loads(line[6:]) for line in response.content.split(b"\n") if line.startswith(b"data: ")]
+    return "".join(event["delta"] for event in events if event["type"] == delta)

@@ -82,12 +82,48 @@ ANTHROPIC = st.fixed_dictionaries(
         "unknown_field": JSON,
     },
 )
+RESPONSE_ITEM = st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "web_search_call"])},
+    optional={
+        "role": st.sampled_from(["user", "assistant", "developer", "tool"]),
+        "content": TEXT
+        | st.lists(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["input_text", "output_text", "input_image"]), "text": TEXT}
+            ),
+            max_size=2,
+        )
+        | JSON,
+        "call_id": TEXT,
+        "name": TEXT,
+        "arguments": TEXT | JSON,
+        "output": TEXT | JSON,
+    },
+)
+RESPONSES = st.fixed_dictionaries(
+    {"model": MODELS, "input": TEXT | st.lists(RESPONSE_ITEM, max_size=3) | JSON},
+    optional={
+        "instructions": TEXT | JSON,
+        "max_output_tokens": INTS,
+        "stream": st.booleans() | JSON,
+        "temperature": st.floats(min_value=-1, max_value=3) | JSON,
+        "tools": st.lists(
+            st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]), "name": TEXT}), max_size=2
+        )
+        | JSON,
+        "tool_choice": st.sampled_from(["auto", "none", "required", "x"]) | JSON,
+        "store": st.booleans() | JSON,
+        "previous_response_id": TEXT,
+        "unknown_field": JSON,
+    },
+)
 CASES = [
     ("/v1/chat/completions", "ChatCompletionRequest", CHAT, 900),
     ("/v1/completions", "CompletionRequest", COMPLETION, 800),
     ("/v1/chat/completions", "ChatCompletionRequest", JSON, 200),
     ("/v1/completions", "CompletionRequest", JSON, 200),
     ("/v1/messages", "MessagesRequest", ANTHROPIC, 400),
+    ("/v1/responses", "ResponsesRequest", RESPONSES, 400),
 ]
 
 

@@ -1,0 +1,481 @@
+"""OpenAI's Responses API in the gateway's terms: a request read as a chat completion, and a checked chat answer
+(or stream) written back as a response object (or its events).
+
+As with Anthropic's Messages (anthropic_shapes.py), the translation is made before the pipeline, so a Responses
+request gets every defence a chat completion gets, and what goes back is built only from what the pipeline
+checked. Engines get the full input every time and nothing of a stored conversation: `previous_response_id` is
+refused until the gateway holds conversation state per tenant, and a response is never stored (`store: false`
+in what it answers).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.schemas import ModelName, OutputTokens, ShortText
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class InputText(_Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Strict):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | Annotated[list[Annotated[InputText | OutputText, Field(discriminator="type")]], Field(min_length=1)]
+    id: ShortText | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: Annotated[str, Field(min_length=1, max_length=256)]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    arguments: str
+    id: ShortText | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Field(min_length=1, max_length=256)]
+    output: str
+    id: ShortText | None = None
+    status: str | None = None
+
+
+class ReasoningItem(_Strict):
+    type: Literal["reasoning"]
+    id: ShortText | None = None
+    summary: list[Any] = []
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(_Strict):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: ShortText | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextOptions(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class Reasoning(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(_Strict):
+    """POST /v1/responses: the fields of OpenAI's Responses API that an open-weight engine behind a stateless
+    gateway can honour."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    model: ModelName
+    input: str | Annotated[list[Item], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: OutputTokens | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    reasoning: Reasoning | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    user: ShortText | None = None
+    truncation: Literal["disabled"] | None = None
+    include: Annotated[list[str], Field(max_length=0)] | None = None
+
+
+def chat_payload(request: ResponsesRequest) -> dict[str, Any]:
+    """The chat completion a Responses request is: the pipeline validates it again as one, with every other check."""
+    if request.previous_response_id is not None:
+        raise InvalidRequest(
+            "previous_response_id: this gateway keeps no conversation state yet; send the whole conversation as "
+            "input (store: false)",
+            param="previous_response_id",
+        )
+    messages: list[dict[str, Any]] = []
+    if request.instructions:
+        messages.append({"role": "system", "content": request.instructions})
+    if isinstance(request.input, str):
+        messages.append({"role": "user", "content": request.input})
+    else:
+        for item in request.input:
+            _append(messages, item)
+    payload: dict[str, Any] = {"model": request.model, "messages": messages}
+    if request.max_output_tokens is not None:
+        payload["max_tokens"] = request.max_output_tokens
+    if request.stream:
+        payload["stream"] = True
+        payload["stream_options"] = {"include_usage": True}
+    for name in ("temperature", "top_p", "parallel_tool_calls", "user"):
+        value = getattr(request, name)
+        if value is not None:
+            payload[name] = value
+    if request.tools:
+        payload["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    **({"description": tool.description} if tool.description is not None else {}),
+                    "parameters": tool.parameters or {"type": "object", "properties": {}},
+                    **({"strict": tool.strict} if tool.strict is not None else {}),
+                },
+            }
+            for tool in request.tools
+        ]
+    choice = request.tool_choice
+    if isinstance(choice, NamedFunction):
+        payload["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    elif choice is not None:
+        payload["tool_choice"] = choice
+    form = request.text.format if request.text is not None else None
+    if form is not None and form.type != "text":
+        if form.type == "json_object":
+            payload["response_format"] = {"type": "json_object"}
+        else:
+            if form.name is None or form.schema_ is None:
+                raise InvalidRequest("text.format: a json_schema format needs a name and a schema", param="text.format")
+            schema = {"name": form.name, "schema": form.schema_}
+            payload["response_format"] = {"type": "json_schema", "json_schema": schema | _strict(form.strict)}
+    if request.reasoning is not None and request.reasoning.effort is not None:
+        payload["reasoning_effort"] = request.reasoning.effort
+    return payload
+
+
+def _strict(strict: bool | None) -> dict[str, Any]:
+    return {} if strict is None else {"strict": strict}
+
+
+def _append(messages: list[dict[str, Any]], item: Item) -> None:
+    if isinstance(item, MessageItem):
+        content = item.content
+        text = content if isinstance(content, str) else "".join(part.text for part in content)
+        messages.append({"role": item.role, "content": text})
+    elif isinstance(item, FunctionCallItem):
+        call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        last = messages[-1] if messages else None
+        # Consecutive calls are one assistant turn, as the model made them.
+        if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+            last["tool_calls"].append(call)
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif isinstance(item, FunctionCallOutputItem):
+        messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    # A reasoning item is the model's earlier thinking: chat templates leave it out of later turns.
+
+
+def response_id() -> str:
+    return "resp_" + secrets.token_hex(24)
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_" + secrets.token_hex(24)
+
+
+def envelope(request: ResponsesRequest, response: str, status: str, created: int) -> dict[str, Any]:
+    """The response object's fields that the request decides, with no output yet."""
+    form = request.text.format if request.text is not None else None
+    return {
+        "id": response,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "model": request.model,
+        "output": [],
+        "parallel_tool_calls": request.parallel_tool_calls if request.parallel_tool_calls is not None else True,
+        "previous_response_id": None,
+        "reasoning": {"effort": request.reasoning.effort if request.reasoning else None, "summary": None},
+        "store": False,
+        "temperature": request.temperature,
+        "text": {"format": form.model_dump(by_alias=True, exclude_none=True) if form is not None else {"type": "text"}},
+        "tool_choice": request.tool_choice.model_dump()
+        if isinstance(request.tool_choice, NamedFunction)
+        else (request.tool_choice or "auto"),
+        "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or ()],
+        "top_p": request.top_p,
+        "truncation": "disabled",
+        "usage": None,
+        "metadata": request.metadata or {},
+        **({"user": request.user} if request.user is not None else {}),
+    }
+
+
+def response(answer: dict[str, Any], request: ResponsesRequest, response_id: str) -> dict[str, Any]:
+    """A checked chat completion (one choice) as a response object."""
+    choice = (answer.get("choices") or [{}])[0]
+    said = choice.get("message") or {}
+    output: list[dict[str, Any]] = []
+    reasoning = said.get("reasoning_content") or said.get("reasoning")
+    if reasoning:
+        output.append(_reasoning_item(_item_id("rs"), reasoning))
+    if said.get("content"):
+        output.append(_message_item(_item_id("msg"), said["content"], "completed"))
+    for call in said.get("tool_calls") or ():
+        function = call.get("function") or {}
+        output.append(
+            _call_item(
+                _item_id("fc"),
+                call.get("id") or _item_id("call"),
+                function.get("name") or "",
+                function.get("arguments") or "",
+                "completed",
+            )
+        )
+    body = envelope(request, response_id, _status(choice.get("finish_reason")), int(time.time()))
+    body["incomplete_details"] = _incomplete(choice.get("finish_reason"))
+    body["output"] = output
+    body["usage"] = usage(answer.get("usage") or {})
+    return body
+
+
+def _status(finish: str | None) -> str:
+    return "incomplete" if finish == "length" else "completed"
+
+
+def _incomplete(finish: str | None) -> dict[str, str] | None:
+    return {"reason": "max_output_tokens"} if finish == "length" else None
+
+
+def usage(counted: dict[str, Any]) -> dict[str, Any]:
+    prompt, completion = counted.get("prompt_tokens", 0), counted.get("completion_tokens", 0)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+def _reasoning_item(item: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _message_item(item: str, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "message", "id": item, "status": status, "role": "assistant", "content": [part] if text else []}
+
+
+def _call_item(item: str, call: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item,
+        "call_id": call,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+class EventWriter:
+    """A checked chat stream as the Responses API's server-sent events: response.created and in_progress; per output
+    item (reasoning, message, function call) its added, deltas, done; response.completed with the whole response."""
+
+    def __init__(self, request: ResponsesRequest, response_id: str) -> None:
+        self._request = request
+        self._id = response_id
+        self._created = int(time.time())
+        self._sequence = 0
+        self._started = False
+        self._open: str | None = None  # "reasoning", "message" or "tool:<index>"
+        self._item: dict[str, Any] = {}
+        self._text = ""  # what the open item has said
+        self._output: list[dict[str, Any]] = []
+        self._finish: str | None = None
+        self._usage: dict[str, Any] = {}
+
+    def chunk(self, chunk: dict[str, Any]) -> bytes:
+        out: list[bytes] = []
+        if not self._started:
+            out += self._start()
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                out += self._text_delta("reasoning", reasoning)
+            if delta.get("content"):
+                out += self._text_delta("message", delta["content"])
+            for call in delta.get("tool_calls") or ():
+                out += self._call_delta(call)
+            if choice.get("finish_reason") is not None:
+                self._finish = choice["finish_reason"]
+        return b"".join(out)
+
+    def done(self) -> bytes:
+        out = [] if self._started else self._start()
+        out += self._close()
+        body = envelope(self._request, self._id, _status(self._finish), self._created)
+        body["incomplete_details"] = _incomplete(self._finish)
+        body["output"] = self._output
+        body["usage"] = usage(self._usage)
+        # Always response.completed, its status "incomplete" when the output was cut, as vLLM sends it: the SDK's
+        # stream helper finishes only on response.completed.
+        out.append(self._event("response.completed", {"response": body}))
+        return b"".join(out)
+
+    def error(self, error: GatewayError) -> bytes:
+        body = envelope(self._request, self._id, "failed", self._created)
+        body["error"] = {"code": error.code, "message": error.message}
+        out = [] if self._started else self._start()
+        out.append(self._event("error", {"code": error.code, "message": error.message, "param": error.param}))
+        out.append(self._event("response.failed", {"response": body}))
+        return b"".join(out)
+
+    def _start(self) -> list[bytes]:
+        self._started = True
+        body = envelope(self._request, self._id, "in_progress", self._created)
+        return [
+            self._event("response.created", {"response": body}),
+            self._event("response.in_progress", {"response": body}),
+        ]
+
+    def _text_delta(self, kind: str, delta: str) -> list[bytes]:
+        out = []
+        if self._open != kind:
+            out += self._close()
+            out += self._begin(kind)
+        self._text += delta
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        fields = {"item_id": self._item["id"], "output_index": len(self._output), "content_index": 0, "delta": delta}
+        if kind == "message":
+            fields["logprobs"] = []
+        out.append(self._event(name, fields))
+        return out
+
+    def _call_delta(self, call: dict[str, Any]) -> list[bytes]:
+        kind = f"tool:{call.get('index', 0)}"
+        function = call.get("function") or {}
+        out = []
+        if self._open != kind:
+            out += self._close()
+            self._open, self._text = kind, ""
+            self._item = _call_item(
+                _item_id("fc"), call.get("id") or _item_id("call"), function.get("name") or "", "", "in_progress"
+            )
+            out.append(
+                self._event("response.output_item.added", {"output_index": len(self._output), "item": self._item})
+            )
+        if function.get("arguments"):
+            self._text += function["arguments"]
+            out.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    {"item_id": self._item["id"], "output_index": len(self._output), "delta": function["arguments"]},
+                )
+            )
+        return out
+
+    def _begin(self, kind: str) -> list[bytes]:
+        self._open, self._text = kind, ""
+        index = len(self._output)
+        if kind == "reasoning":
+            self._item = {"type": "reasoning", "id": _item_id("rs"), "summary": []}
+            return [self._event("response.output_item.added", {"output_index": index, "item": self._item})]
+        self._item = _message_item(_item_id("msg"), "", "in_progress")
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self._event("response.output_item.added", {"output_index": index, "item": self._item}),
+            self._event(
+                "response.content_part.added",
+                {"item_id": self._item["id"], "output_index": index, "content_index": 0, "part": part},
+            ),
+        ]
+
+    def _close(self) -> list[bytes]:
+        kind, index, item, text = self._open, len(self._output), self._item, self._text
+        if kind is None:
+            return []
+        self._open = None
+        out = []
+        if kind == "reasoning":
+            out.append(
+                self._event(
+                    "response.reasoning_text.done",
+                    {"item_id": item["id"], "output_index": index, "content_index": 0, "text": text},
+                )
+            )
+            done = _reasoning_item(item["id"], text)
+        elif kind == "message":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            out.append(
+                self._event(
+                    "response.output_text.done",
+                    {"item_id": item["id"], "output_index": index, "content_index": 0, "text": text, "logprobs": []},
+                )
+            )
+            out.append(
+                self._event(
+                    "response.content_part.done",
+                    {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part},
+                )
+            )
+            done = _message_item(item["id"], text, "completed")
+        else:
+            out.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    {"item_id": item["id"], "output_index": index, "arguments": text},
+                )
+            )
+            done = _call_item(item["id"], item["call_id"], item["name"], text, "completed")
+        out.append(self._event("response.output_item.done", {"output_index": index, "item": done}))
+        self._output.append(done)
+        return out
+
+    def _event(self, name: str, fields: dict[str, Any]) -> bytes:
+        data = {"type": name, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"

@@ -1,0 +1,117 @@
+"""OpenAI's Responses shapes, read as a chat completion and written back from a checked one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.api.responses_shapes import EventWriter, ResponsesRequest, chat_payload, response
+from gateway.errors import BackendBadResponse, InvalidRequest
+from gateway.schemas import validate
+
+
+def asked(**body: Any) -> ResponsesRequest:
+    return validate(ResponsesRequest, {"model": "m", "input": "hi", **body})
+
+
+def test_instructions_items_tools_and_formats_become_chat_fields() -> None:
+    chat = chat_payload(
+        asked(
+            instructions="be brief",
+            input=[
+                {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "ok", "annotations": []}]},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "a", "output": "1"},
+            ],
+            tools=[{"type": "function", "name": "f", "strict": True}],
+            tool_choice={"type": "function", "name": "f"},
+            text={"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": True}},
+            reasoning={"effort": "low"},
+            max_output_tokens=9,
+            store=True,
+            metadata={"k": "v"},
+        )
+    )
+    assert [m["role"] for m in chat["messages"]] == ["system", "developer", "assistant", "assistant", "tool"]
+    assert chat["messages"][3]["tool_calls"][0]["id"] == "a" and chat["max_tokens"] == 9
+    assert chat["tools"][0]["function"]["parameters"] == {"type": "object", "properties": {}}
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    schema = {"name": "n", "schema": {"type": "object"}, "strict": True}
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": schema}
+    assert chat["reasoning_effort"] == "low" and "store" not in chat and "metadata" not in chat
+
+
+@pytest.mark.parametrize(
+    "body", [{"previous_response_id": "resp_1"}, {"text": {"format": {"type": "json_schema", "name": "n"}}}]
+)
+def test_what_a_stateless_chat_cannot_honour_is_refused(body: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequest):
+        chat_payload(asked(**body))
+
+
+def test_a_checked_answer_becomes_a_response() -> None:
+    answer = {
+        "choices": [
+            {
+                "finish_reason": "tool_calls",
+                "message": {
+                    "content": "sure",
+                    "reasoning_content": "think",
+                    "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 3},
+    }
+    said = response(answer, asked(metadata={"k": "v"}), "resp_1")
+    assert [item["type"] for item in said["output"]] == ["reasoning", "message", "function_call"]
+    assert said["output"][2]["call_id"] == "c1" and said["output"][2]["arguments"] == '{"a": 1}'
+    assert said["status"] == "completed" and said["store"] is False and said["metadata"] == {"k": "v"}
+    assert said["usage"]["total_tokens"] == 10
+    cut = response({"choices": [{"finish_reason": "length", "message": {"content": "x"}}]}, asked(), "r")
+    assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def events(raw: bytes) -> list[dict[str, Any]]:
+    return [orjson.loads(block.split(b"\ndata: ", 1)[1]) for block in raw.strip().split(b"\n\n")]
+
+
+def test_a_stream_adds_and_finishes_each_item_in_order() -> None:
+    writer = EventWriter(asked(stream=True), "resp_1")
+    raw = writer.chunk({"choices": [{"delta": {"reasoning_content": "hm"}}]})
+    raw += writer.chunk({"choices": [{"delta": {"content": "hi"}}]})
+    call = {"index": 0, "id": "c", "function": {"name": "f", "arguments": "{"}}
+    raw += writer.chunk({"choices": [{"delta": {"tool_calls": [call]}}]})
+    raw += writer.chunk({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}}]})
+    raw += writer.chunk({"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
+    raw += writer.chunk({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}})
+    raw += writer.done()
+    said = events(raw)
+    assert [e["type"] for e in said] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    assert [e["sequence_number"] for e in said] == list(range(len(said)))
+    final = said[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call"]
+    assert final["output"][2]["arguments"] == "{}" and final["usage"]["output_tokens"] == 4
+    assert [e["output_index"] for e in said if e["type"] == "response.output_item.added"] == [0, 1, 2]
+
+
+def test_an_error_ends_a_stream_failed() -> None:
+    writer = EventWriter(asked(stream=True), "resp_1")
+    writer.chunk({"choices": [{"delta": {"content": "x"}}]})
+    error, failed = events(writer.error(BackendBadResponse("withheld")))
+    assert error["type"] == "error" and error["message"] == "withheld"
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
