@@ -42,8 +42,9 @@ from tests.bench.load import LoadError, Target, new_session, run_batch
 from tests.bench.processes import Server, Workspace
 
 SCENARIOS = [Scenario(False, 1), Scenario(True, 1)]
-# --messages: the same requests as Anthropic's Messages API, counted for this checkout's gateway against its chat.
-MESSAGES_SCENARIOS = [Scenario(False, 1, "messages"), Scenario(True, 1, "messages")]
+# --apis: the same requests as Anthropic's Messages or OpenAI's Responses, counted for this checkout's gateway
+# against its own chat completions.
+API_SCENARIOS = {api: [Scenario(False, 1, api), Scenario(True, 1, api)] for api in ("messages", "responses")}
 # The gateway's pollers (health, capacity, each replica's load from its /metrics every second) read once at start and
 # then not for an hour: work that runs by the clock would land in a count by how long the batch took, and a batch
 # under valgrind on a busy box takes many seconds.
@@ -172,7 +173,8 @@ def run(workspace: Workspace, args: argparse.Namespace) -> dict[str, dict[str, C
                     )
                     server = stack.enter_context(gateway)
                 print(f"measuring {name} ({args.requests} requests a scenario)", file=sys.stderr)
-                scenarios = SCENARIOS + (MESSAGES_SCENARIOS if name == "gateway" and args.messages else [])
+                apis = args.apis if name == "gateway" else []
+                scenarios = SCENARIOS + [scenario for api in apis for scenario in API_SCENARIOS[api]]
                 results[name] = measure(server, out, args.requests, args.warmup, scenarios)
     return results
 
@@ -200,14 +202,14 @@ def render(results: dict[str, dict[str, Count]], top: int = 8) -> str:
         if "floor" in results:
             row += [f"{per['gateway'] / per['floor']:.2f}", _millions(per["gateway"] - per["floor"])]
         lines.append("| " + " | ".join(row) + " |")
-    messages = [scenario for scenario in MESSAGES_SCENARIOS if scenario.name in results["gateway"]]
-    if messages:
+    others = [s for scenarios in API_SCENARIOS.values() for s in scenarios if s.name in results["gateway"]]
+    if others:
         lines += [
             "",
-            "| scenario | gateway M instr/req (+ gc) | its chat twin | messages/chat |",
+            "| scenario | gateway M instr/req (+ gc) | its chat twin | api/chat |",
             "| --- | --- | --- | --- |",
         ]
-        for scenario in messages:
+        for scenario in others:
             count = results["gateway"][scenario.name]
             chat = results["gateway"][replace(scenario, api="chat").name]
             own = count.without_collector
@@ -249,7 +251,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--baseline", type=Path, help="a checkout of another revision, counted the same way")
     parser.add_argument("--no-floor", dest="floor", action="store_false", help="leave the bare forwarder out")
     parser.add_argument(
-        "--messages", action="store_true", help="also count Anthropic's Messages API against chat (the gateway only)"
+        "--apis",
+        nargs="*",
+        choices=sorted(API_SCENARIOS),
+        default=[],
+        help="also count these APIs against chat completions (the gateway only)",
     )
     parser.add_argument("--log-level", default="WARNING", help="the servers' log level (default WARNING)")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")

@@ -43,12 +43,23 @@ from typing import Any, Literal
 import orjson
 
 from tests.bench import litellm_env, processes
-from tests.bench.load import MESSAGE_STOP, Batch, LoadError, Request, Target, new_session, percentile, run_batch
+from tests.bench.load import (
+    MESSAGE_STOP,
+    RESPONSE_COMPLETED,
+    Batch,
+    LoadError,
+    Request,
+    Target,
+    new_session,
+    percentile,
+    run_batch,
+)
 from tests.bench.processes import BENCH_KEY, MODEL, Server, Workspace
 from tests.redis_server import own_redis
 
 CHAT_PATH = "/v1/chat/completions"
 MESSAGES_PATH = "/v1/messages"
+RESPONSES_PATH = "/v1/responses"
 # Sent to the simulator too (it ignores the key), so both targets receive the very same bytes.
 HEADERS = {"content-type": "application/json", "authorization": f"Bearer {BENCH_KEY}"}
 OUTPUT_TOKENS = 16  # a short answer: per-request cost dominates, which is what the gateway adds
@@ -61,7 +72,8 @@ PEERS = ("litellm", "floor")
 class Scenario:
     stream: bool
     concurrency: int
-    api: Literal["chat", "messages"] = "chat"  # OpenAI's chat completions, or Anthropic's Messages (the gateway only)
+    # OpenAI's chat completions, Anthropic's Messages or OpenAI's Responses (the last two: the gateway only).
+    api: Literal["chat", "messages", "responses"] = "chat"
 
     @property
     def name(self) -> str:
@@ -70,14 +82,18 @@ class Scenario:
     def request(self) -> Request:
         # What a typical OpenAI client sends: no stream_options, so the gateway adds include_usage for its own
         # accounting and drops the usage chunk on the way back; that re-encoding is part of its real cost.
+        text = "Say something short about bulkheads on ships."
         payload = {
             "model": MODEL,
-            "messages": [{"role": "user", "content": "Say something short about bulkheads on ships."}],
+            "messages": [{"role": "user", "content": text}],
             "max_tokens": OUTPUT_TOKENS,
             "stream": self.stream,
         }
         if self.api == "messages":
             return Request(MESSAGES_PATH, orjson.dumps(payload), HEADERS, self.stream, MESSAGE_STOP)
+        if self.api == "responses":
+            asked = {"model": MODEL, "input": text, "max_output_tokens": OUTPUT_TOKENS, "stream": self.stream}
+            return Request(RESPONSES_PATH, orjson.dumps(asked), HEADERS, self.stream, RESPONSE_COMPLETED)
         return Request(CHAT_PATH, orjson.dumps(payload), HEADERS, self.stream)
 
 

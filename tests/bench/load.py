@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 import aiohttp
 
 DONE_EVENT = b"data: [DONE]\n\n"
-# How an Anthropic Messages stream ends.
+# How an Anthropic Messages stream and a Responses stream end.
+RESPONSE_COMPLETED = b"event: response.completed\n"
 MESSAGE_STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 ERROR_EXCERPT = 400
+# What of an answer's end is kept: enough for a Responses stream's last event (the whole response) to be in it.
+TAIL = 8192
 KEEPALIVE_S = 4.0
 
 
@@ -33,7 +36,7 @@ class Request:
     body: bytes
     headers: Mapping[str, str]
     stream: bool
-    ends: bytes = DONE_EVENT  # how a stream's last event reads (an Anthropic stream's: MESSAGE_STOP)
+    ends: bytes = DONE_EVENT  # how a stream's last event begins (Anthropic's: MESSAGE_STOP; Responses': COMPLETED)
 
 
 @dataclass(frozen=True)
@@ -81,14 +84,15 @@ async def _one(target: Target, request: Request) -> tuple[float, float]:
             async for chunk in reply.content.iter_any():
                 if first is None:
                     first = time.perf_counter()
-                # Only the end matters ([DONE], or an error's text): keep a short tail, not the whole body.
-                received = (received + chunk)[-ERROR_EXCERPT:]
+                # Only the end matters (the stream's last event, or an error's text): a tail, not the whole body.
+                received = (received + chunk)[-TAIL:]
             ended = time.perf_counter()
     except aiohttp.ClientError as exc:
         raise LoadError(f"{target.name}: {request.path} failed: {type(exc).__name__}: {exc}") from exc
     if reply.status != 200:
-        raise LoadError(f"{target.name}: HTTP {reply.status} from {request.path}: {received.decode(errors='replace')}")
-    if request.stream and not received.endswith(request.ends):
+        excerpt = received[-ERROR_EXCERPT:].decode(errors="replace")
+        raise LoadError(f"{target.name}: HTTP {reply.status} from {request.path}: {excerpt}")
+    if request.stream and request.ends not in received:
         raise LoadError(f"{target.name}: a stream from {request.path} ended without {request.ends!r}")
     return ended - started, (first or ended) - started
 
