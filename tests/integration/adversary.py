@@ -369,6 +369,7 @@ class Adversary:
         self.prompts: list[str] = []  # every inference request's prompt text, as it arrived, oldest first
         self.plan: Plan | None = None  # for the next inference request only
         self.metrics = b""  # what /metrics answers
+        self.model_lists = 0  # /v1/models answered: a gateway reads it first in each capacity refresh
 
     def app(self) -> Starlette:
         return Starlette(
@@ -394,6 +395,7 @@ class Adversary:
         return self.tokenizer.encode_prompt(body["prompt"])
 
     async def _models(self, request: Request) -> Response:
+        self.model_lists += 1
         card = {
             "id": self.model,
             "object": "model",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -62,10 +63,15 @@ async def chat(client: httpx.AsyncClient, url: str, key: str, **extra: Any) -> h
     return await client.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=3, **extra), headers=auth(key))
 
 
-async def until(condition: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> float:
-    """Seconds until `condition` holds (checked every millisecond or so); fails after `timeout`."""
+async def until(condition: Callable[[], Awaitable[bool] | bool], timeout: float = 5.0, every: float = 0.001) -> float:
+    """Seconds until `condition` (a plain or an async predicate) holds, checked every `every` s (a millisecond or
+    so unless told); fails after `timeout`. How a test waits for an event it cannot be told of."""
     started = time.monotonic()
-    while not await condition():
+    while not await _holds(condition()):
         assert time.monotonic() - started < timeout, f"not within {timeout} s"
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(every)
     return time.monotonic() - started
+
+
+async def _holds(answer: Awaitable[bool] | bool) -> bool:
+    return await answer if inspect.isawaitable(answer) else bool(answer)

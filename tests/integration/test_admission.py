@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -18,6 +17,7 @@ from gateway.tenancy.tenants import hash_key
 from isolation.tokens import ModelTokenizer
 from tests.integration.adversary import Adversary, Plan
 from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body, forwarded, metric
+from tests.integration.tenant_support import until
 from tests.prompt_corpus import CORPUS, CorpusPrompt
 
 CHAT = "/v1/chat/completions"
@@ -251,7 +251,10 @@ async def test_a_garbled_metrics_read_neither_lifts_the_kv_limit_nor_stops_watch
 
     async def status_after(metrics: bytes) -> int:
         engine.metrics = metrics
-        await asyncio.sleep(0.8)  # several refreshes
+        # Two capacity refreshes begun since (each reads /v1/models, then /metrics): the first has read these
+        # metrics and taken them, or not, by the time the second begins.
+        begun = engine.model_lists
+        await until(lambda: engine.model_lists >= begun + 2, timeout=5, every=0.01)
         return (await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth())).status_code
 
     with run_server(engine.app()) as url:

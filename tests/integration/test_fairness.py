@@ -25,6 +25,7 @@ from tests.integration.support import (
     gateway_settings,
     metric,
 )
+from tests.integration.tenant_support import until
 
 CHAT = "/v1/chat/completions"
 
@@ -77,6 +78,11 @@ async def metrics_of(client: httpx.AsyncClient, gateway: str) -> str:
     return (await client.get(f"{gateway}/metrics")).text
 
 
+async def read_running(client: httpx.AsyncClient, gateway: str, running: int = 1) -> bool:
+    """Whether the gateway's last load read found `running` requests running on the replica."""
+    return metric(await metrics_of(client, gateway), "bulkhead_replica_requests_running", backend="sim") == running
+
+
 async def occupy(client: httpx.AsyncClient, gateway: str, sim: str) -> asyncio.Task[httpx.Response]:
     """Alice's request "first", once it holds the replica's one slot."""
     running = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("first"), headers=auth()))
@@ -92,7 +98,8 @@ async def test_a_request_the_engine_runs_and_has_reported_counts_once(
     sim = make_sim(ttft_ms=1500)
     gateway = one_slot(sim, slots=2)
     running = await occupy(client, gateway, sim)
-    await asyncio.sleep(0.3)  # reads every 0.1 s: one has seen it running
+    # A load read has counted it (the gateway shows what its last read of the replica's /metrics saw).
+    await until(lambda: read_running(client, gateway), timeout=10, every=0.02)
     second = asyncio.create_task(client.post(f"{gateway}{CHAT}", json=chat_body("second"), headers=auth(BOB_KEY)))
     await until_running(client, sim, 2)
     assert [a.status_code for a in await asyncio.gather(running, second)] == [200, 200]
@@ -199,6 +206,8 @@ async def test_queue_workers_claim_no_job_while_an_interactive_request_waits(
         headers=auth(),
     )
     job = queued.json()["result"]["request_id"]
+    # An absence, so waited out: the gateway's worker, were it not held back, would claim the job as soon as it
+    # came (a waiting claim is woken by the job's arrival), well within this.
     await asyncio.sleep(0.5)
     polled = await client.get(f"{gateway}/v1/requests/{job}", headers=auth())
     assert polled.json()["status"] == "queued", "a worker took new work while a request waited at the gateway"

@@ -11,6 +11,7 @@ import orjson
 
 from gateway.tenancy.tenants import hash_key
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, auth, chat_body, forwarded, sent_as
+from tests.integration.test_fairness import until_running
 
 
 def sse_events(text: str) -> list[str]:
@@ -191,7 +192,7 @@ async def test_tenant_concurrency_cap_is_429_and_frees_when_done(
     gateway_url = make_gateway({"sim": sim_url}, tenants=tenants)
     url = f"{gateway_url}/v1/chat/completions"
     first = asyncio.create_task(client.post(url, json=chat_body(), headers=auth()))
-    await asyncio.sleep(0.1)
+    await until_running(client, sim_url)  # the first holds alice's one slot, 300 ms from its answer
     second = await client.post(url, json=chat_body(), headers=auth())
     assert second.status_code == 429
     assert second.json()["error"]["code"] == "concurrency_limit_exceeded"

@@ -108,7 +108,10 @@ async def queues_are_apart(client: httpx.AsyncClient, a: str, b: str) -> str:
     on_b = await submit(client, b)
     await until(lambda: done(client, b, on_b), timeout=10.0)
     on_a = await submit(client, a)
-    await asyncio.sleep(1.0)  # B's idle worker would have claimed it many times over
+    # The witness: a job B's worker takes after it. Were the queues one, A's job (alice's too, so in the same lane,
+    # ahead) would have been claimed first.
+    after = await submit(client, b)
+    await until(lambda: done(client, b, after), timeout=10.0)
     assert await status(client, a, on_a) == (200, "queued")
     assert (await status(client, b, on_a))[0] == 404, "B does not know A's job"
     assert (await status(client, a, on_b))[0] == 404, "A does not know B's job"
@@ -133,7 +136,9 @@ async def replica_state(client: httpx.AsyncClient, url: str) -> str:
 async def quarantines_are_apart(client: httpx.AsyncClient, a: str, b: str) -> None:
     quarantined = await client.post(f"{a}/admin/replicas/sim/quarantine", headers=ADMIN_AUTH)
     assert quarantined.status_code == 200 and await replica_state(client, a) == "quarantined"
-    await asyncio.sleep(5 * HEALTH_INTERVAL_S)  # B would have read the shared state at each interval
+    # An absence, so waited out: B reads its shared replica states at each interval and shows nothing of a read
+    # that found no change; five intervals would have brought A's quarantine to it, were the states one.
+    await asyncio.sleep(5 * HEALTH_INTERVAL_S)
     assert await replica_state(client, b) == "healthy"
     assert (await client.post(f"{b}/v1/chat/completions", json=chat_body(max_tokens=2), headers=auth())).is_success
 

@@ -28,6 +28,7 @@ from redis.asyncio import Redis
 from gateway.tenancy.tenants import hash_key
 from tests.conftest import SimFactory
 from tests.integration.support import MODEL, forwarded, metric, sent_as, session_on
+from tests.integration.tenant_support import until
 from tests.redis_server import own_redis
 
 pytestmark = pytest.mark.slow
@@ -402,9 +403,11 @@ async def leak_is_withheld_and_quarantined(client: httpx.AsyncClient, topo: Topo
 JOB_ITEMS = 8  # about 0.2 s of work per job: time to see one running and kill its worker
 
 
-async def steady_load(client: httpx.AsyncClient, gateways: list[str], stop: asyncio.Event) -> dict[str, Answer]:
-    """CONCURRENCY clients, each sending one call after another (round the gateways) until `stop` is set."""
-    answers: dict[str, Answer] = {}
+async def steady_load(
+    client: httpx.AsyncClient, gateways: list[str], stop: asyncio.Event, answers: dict[str, Answer]
+) -> None:
+    """CONCURRENCY clients, each sending one call after another (round the gateways) until `stop` is set; each
+    answer goes into `answers` as it comes, by request id."""
     unlimited = [t for t in TENANTS if t not in LIMITED]
 
     async def client_loop(worker: int) -> None:
@@ -417,7 +420,6 @@ async def steady_load(client: httpx.AsyncClient, gateways: list[str], stop: asyn
             await asyncio.sleep(0.02)  # a steady load, not the most the machine can do
 
     await asyncio.gather(*(client_loop(worker) for worker in range(CONCURRENCY)))
-    return answers
 
 
 async def enqueue(client: httpx.AsyncClient, gateway_url: str, tenant: str, n: int) -> str:
@@ -504,16 +506,18 @@ async def a_killed_gateway_loses_nothing(client: httpx.AsyncClient, topo: Topolo
     pid = pid_listening_on(urlsplit(doomed).port or 0)
     consumer = f"{socket.gethostname()}-{pid}-0"  # how gateway/server/app.py names the queue workers of a process
     stop = asyncio.Event()
-    load = asyncio.create_task(steady_load(client, topo.gateways, stop))
-    await asyncio.sleep(0.5)
+    answers: dict[str, Answer] = {}
+    load = asyncio.create_task(steady_load(client, topo.gateways, stop, answers))
     try:
+        await until(lambda: len(answers) >= CONCURRENCY, timeout=20)  # the load is under way
         jobs = await jobs_until_one_is_held(client, doomed, topo.store, consumer)
         os.kill(pid, signal.SIGKILL)
         held = await held_by(topo.store, consumer)
-        await asyncio.sleep(1.0)  # the clients go on: each call first sent to the dead gateway is sent again
+        # The clients go on: a call first sent to the dead gateway is sent again, and answered by another.
+        await until(lambda: any(answer.failures for answer in answers.values()), timeout=20)
     finally:
         stop.set()
-        answers = await load
+        await load
     check_calls_sent_again(answers, served_by(topo.sims))
     await check_jobs(client, topo, jobs, held)
 

@@ -16,6 +16,7 @@ import pytest
 
 from gateway.tenancy.tenants import hash_key
 from tests.integration.support import ALICE_KEY, auth, chat_body, metric
+from tests.integration.tenant_support import until
 from tests.redis_server import free_port, own_redis
 
 CHAT = "/v1/chat/completions"
@@ -139,6 +140,26 @@ async def test_openapi_document_is_served(client: httpx.AsyncClient, gateway_url
     assert set(document["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}
 
 
+def taken_in(sock: socket.socket) -> bool:
+    """Whether what was sent on `sock` has all been read by the server at its other end: nothing left in either
+    end's queue (Linux's /proc/net/tcp: our send queue, the server's receive queue)."""
+
+    def hexed(host: str, port: int) -> str:
+        return f"{int.from_bytes(socket.inet_aton(host), 'little'):08X}:{port:04X}"
+
+    ours, theirs = hexed(*sock.getsockname()), hexed(*sock.getpeername())
+    queues = {}
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, _, both = line.split()[1:5]
+        send_queue, receive_queue = (int(n, 16) for n in both.split(":"))
+        if (local, remote) == (ours, theirs):
+            queues["sent"] = send_queue
+        elif (local, remote) == (theirs, ours):
+            queues["unread"] = receive_queue
+    assert set(queues) == {"sent", "unread"}, "the connection is not in /proc/net/tcp"
+    return queues == {"sent": 0, "unread": 0}
+
+
 async def test_a_client_gone_mid_upload_is_one_access_log_line_with_499_and_no_error(
     make_gateway_process: Any, sim_url: str, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
@@ -156,7 +177,8 @@ async def test_a_client_gone_mid_upload_is_one_access_log_line_with_499_and_no_e
     )
     with socket.create_connection((address.hostname, address.port)) as sock:
         sock.sendall(head.encode() + b'{"model": "tiny-llama", "messages": [' + b" " * 65536)
-        await asyncio.sleep(0.2)  # the gateway is reading the body when the client goes
+        # The gateway is reading the body when the client goes: it has taken in all that was sent so far.
+        await until(lambda: taken_in(sock), timeout=10, every=0.01)
     requests: list[dict[str, Any]] = []
     deadline = time.monotonic() + 10
     while not requests and time.monotonic() < deadline:

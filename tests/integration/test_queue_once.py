@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 
 from gateway.jobs.queue import Job, RedisJobQueue
 from tests.integration.support import ALICE_KEY, auth, forwarded, metric
+from tests.integration.tenant_support import until
 from tests.integration.test_workers_api import RUN, queue_config, stopped, wait_done, worker_process
 from tests.redis_server import own_redis
 
@@ -48,7 +49,8 @@ async def test_each_item_runs_once_through_a_killed_worker_and_a_redis_restart(
         gateway_url = make_gateway_process(config)
         config_file = tmp_path / "worker.yaml"
         config_file.write_text(orjson.dumps(config).decode())
-        workers = [worker_process(config_file), worker_process(config_file)]
+        survivor_log = tmp_path / "survivor.log"
+        workers = [worker_process(config_file), worker_process(config_file, log=survivor_log)]
         try:
             jobs = []
             for n in range(JOBS):
@@ -65,7 +67,8 @@ async def test_each_item_runs_once_through_a_killed_worker_and_a_redis_restart(
             workers[0].send_signal(signal.SIGKILL)  # mid-item, most likely
             workers[0].wait(timeout=10)
             server.stop()  # the survivor waits out the outage with what it has done in hand
-            await asyncio.sleep(1.0)
+            # ... once it has met the outage (gateway/jobs/worker.py logs each wait for the store).
+            await until(lambda: "waits for the queue's store" in survivor_log.read_text(), timeout=20, every=0.05)
             server.start()
             workers.append(worker_process(config_file))
             for job in jobs:
@@ -114,11 +117,13 @@ def one_job(job_id: str = "j1") -> Job:
 
 
 async def test_a_worker_whose_claim_lapsed_stops_where_another_took_over() -> None:
-    async with redis_queue(reclaim_after_s=0.2) as (_, queue):
+    reclaim_after_s = 0.2
+    async with redis_queue(reclaim_after_s) as (_, queue):
         await queue.enqueue(one_job(), 100)
         [first] = await queue.claim("worker-a", wait_s=1.0)
         assert await queue.keep(first, "worker-a")
-        await asyncio.sleep(0.3)  # worker-a could not renew (an outage, say): its claim lapses
+        # worker-a could not renew (an outage, say): its claim lapses. Time itself is what this waits out.
+        await asyncio.sleep(reclaim_after_s * 1.5)
         [taken] = await queue.claim("worker-b", wait_s=1.0)
         assert taken.job.id == "j1"
         # worker-a learns it has lost the job, and does not take it back; worker-b keeps it.

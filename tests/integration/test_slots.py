@@ -22,6 +22,8 @@ from gateway.tenancy.tenants import hash_key
 from gateway.upstream.backends import Replica
 from gateway.upstream.routing import affinity_key, rank
 from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body, forwarded, metric, sent_as
+from tests.integration.tenant_support import until
+from tests.integration.test_fairness import until_running
 from tests.redis_server import free_port
 
 CHAT = "/v1/chat/completions"
@@ -77,9 +79,11 @@ async def test_the_concurrency_cap_holds_while_prompts_are_being_counted(
     assert len([r for r in forwarded(sim) if r["path"] == CHAT]) == 1
 
 
-async def held(client: httpx.AsyncClient, gateway_url: str) -> tuple[float, float]:
+async def nothing_held(client: httpx.AsyncClient, gateway_url: str) -> bool:
+    """Whether no request holds a slot on the gateway, nor on a replica."""
     metrics = (await client.get(f"{gateway_url}/metrics")).text
-    return metric(metrics, "bulkhead_in_flight_requests"), metric(metrics, "bulkhead_replica_in_flight_requests")
+    held = metric(metrics, "bulkhead_in_flight_requests"), metric(metrics, "bulkhead_replica_in_flight_requests")
+    return held == (0, 0)
 
 
 async def test_everything_a_request_holds_comes_back_on_every_path(
@@ -99,12 +103,15 @@ async def test_everything_a_request_holds_comes_back_on_every_path(
     for name, body in paths.items():
         answer = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth())
         assert answer.status_code in (400, 502), (name, answer.text)
-    # A client that goes away mid-stream, and one that goes away before the first token.
-    for wait in (0.5, 0.05):
-        async with client.stream("POST", f"{gateway_url}{CHAT}", json=chat_body(stream=True), headers=auth()):
-            await asyncio.sleep(wait)
-    await asyncio.sleep(0.3)
-    assert await held(client, gateway_url) == (0, 0)
+    # A client that goes away before the first token (the engine running its request, the only one, 300 ms from
+    # its first token), and one that goes away mid-stream (a token read).
+    for mid_stream in (False, True):
+        async with client.stream("POST", f"{gateway_url}{CHAT}", json=chat_body(stream=True), headers=auth()) as sent:
+            if mid_stream:
+                assert b"data: {" in await anext(sent.aiter_raw())
+            else:
+                await until_running(client, sim)
+    await until(lambda: nothing_held(client, gateway_url), timeout=5, every=0.02)
     # The reservations of requests that used nothing (or less) were given back.
     probe = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth())
     remaining = int(probe.headers["x-ratelimit-remaining-tokens"])

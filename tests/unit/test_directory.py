@@ -268,8 +268,9 @@ async def test_requests_presenting_one_cold_key_at_once_share_one_read(counting:
     directory = directory_over(counting, clock)
     _, secret = await with_key(directory)
     counting.gate = asyncio.Event()
+    before = counting.lookups
     waiting = [asyncio.create_task(directory.authenticate(bearer(secret))) for _ in range(20)]
-    await asyncio.sleep(0.01)
+    await wait_for(lambda: counting.lookups == before + 1)  # the read is under way
     waiting[0].cancel()  # a client gone does not cancel the read the others wait on
     counting.gate.set()
     results = await asyncio.gather(*waiting[1:])
@@ -433,12 +434,13 @@ async def test_a_read_that_began_before_a_change_is_not_kept(counting: CountingS
     directory = directory_over(counting, clock)
     key, secret = await with_key(directory)
     counting.gate = asyncio.Event()
+    before = counting.lookups
     early = asyncio.create_task(directory.authenticate(bearer(secret)))
-    await asyncio.sleep(0.01)  # the read is under way, with the key still valid
+    await wait_for(lambda: counting.lookups == before + 1)  # the read is under way, with the key still valid
     await counting.remove_key("acme", key.key_id)  # revoked elsewhere ...
     directory.forget("acme")  # ... and heard of here
     late = asyncio.create_task(directory.authenticate(bearer(secret)))
-    await asyncio.sleep(0.01)
+    await wait_for(lambda: counting.lookups == before + 2)  # a read of its own, not the early one's
     counting.gate.set()
     assert (await early).id == "acme", "a request that began before the revocation may pass"
     with pytest.raises(AuthenticationFailed):

@@ -186,7 +186,7 @@ async def test_buckets_refill_at_the_limit_per_minute(buckets: Buckets, prefix: 
     refused = await buckets.take(f"{prefix}a", quota, 1)
     assert not refused.allowed
     assert 0 < refused.retry_after_s <= 0.1
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(3 * 60 / quota.tokens_per_minute)  # the refill itself: three tokens' worth of time
     before_read = time.monotonic()
     level = (await buckets.take(f"{prefix}a", quota, 0)).tokens_left
     read = time.monotonic()
@@ -207,6 +207,17 @@ async def test_tenants_have_buckets_of_their_own(buckets: Buckets, prefix: str) 
 
 QueueFactory = Callable[[int], JobQueue]
 NO_CAP = 1_000_000  # a tenant's cap on requests queued or running, where a test is not about it
+SHORTEST_TTL_S = 1  # Redis expires keys in whole seconds: 1 is the shortest TTL it has
+
+
+async def outlive(lifetime_s: float) -> None:
+    """Wait out a lifetime (a status's, a job's hold on its tenant's cap): time itself is what the test is about."""
+    await asyncio.sleep(lifetime_s + 0.2)
+
+
+async def until_due(due: float) -> None:
+    """Wait until a deferral's time (epoch s) has come: again, time itself is the subject."""
+    await asyncio.sleep(max(0.0, due - time.time()) + 0.05)
 
 
 @pytest.fixture(params=TWINS)
@@ -252,13 +263,13 @@ async def test_a_tenant_made_again_under_the_same_id_never_finds_the_old_ones_jo
 
 
 async def past_its_lifetime(make_queue: QueueFactory, prefix: str, started: bool) -> tuple[JobQueue, Job]:
-    """A job whose status (a lifetime of 1 s) expired while it waited, or (`started`) while it ran."""
-    queue = make_queue(1)
+    """A job whose status (the shortest lifetime) expired while it waited, or (`started`) while it ran."""
+    queue = make_queue(SHORTEST_TTL_S)
     job = job_of(f"{prefix}a")
     await queue.enqueue(job, NO_CAP)
     if started:
         await queue.start(job)
-    await asyncio.sleep(1.2)
+    await outlive(SHORTEST_TTL_S)
     return queue, job
 
 
@@ -329,13 +340,13 @@ async def test_the_first_result_stored_for_an_item_wins(make_queue: QueueFactory
 
 
 async def test_a_job_and_its_results_are_gone_after_the_result_ttl(make_queue: QueueFactory, prefix: str) -> None:
-    queue = make_queue(1)  # Redis expires keys in whole seconds: 1 is the shortest TTL it has
+    queue = make_queue(SHORTEST_TTL_S)
     job = job_of(f"{prefix}a")
     await queue.enqueue(job, NO_CAP)
     await queue.start(job)
     await queue.store_result(job, 0, {"answer": "a's"})
     assert await queue.status(job.tenant, job.id) is not None
-    await asyncio.sleep(1.1)
+    await outlive(SHORTEST_TTL_S)
     assert await queue.status(job.tenant, job.id) is None
 
 
@@ -383,6 +394,8 @@ async def test_a_job_queued_while_a_worker_waits_is_claimed_at_once(make_queue: 
     queue = make_queue(60)
     job = job_of(f"{prefix}a")
     waiting = asyncio.create_task(queue.claim("worker", 5.0))
+    # For the claim to be blocked waiting: neither twin shows that (an asyncio.Event's wait, a BLPOP on a
+    # connection of a shared pool), so it is given time. Too little makes the test weaker, never wrong.
     await asyncio.sleep(0.2)
     queued_at = time.monotonic()
     await queue.enqueue(job, NO_CAP)
@@ -405,7 +418,7 @@ async def test_a_deferred_job_waits_queued_until_due_behind_later_jobs_and_its_d
     await queue.enqueue(alice, NO_CAP)
     await claimed(queue, alice)  # queued after bob's, claimed before it
     assert await queue.claim("worker", 0.1) == [], "not due yet"
-    await asyncio.sleep(due - time.time() + 0.05)
+    await until_due(due)
     again = await claimed(queue, bob)
     assert (again.job.waiting_item, again.job.waiting_since, again.job.items) == (1, 123.5, bob.items)
     assert await queue.start(again.job) == 1, "a deferral is not an attempt"
@@ -423,11 +436,12 @@ async def test_a_job_due_again_makes_another_tenants_batch_give_way(make_queue: 
     taken = await claimed(queue, bob)
     await queue.start(bob)
     waiting = replace(bob, waiting_item=0, waiting_since=time.time())
-    assert await queue.defer(taken, waiting, time.time() + 0.2, "worker")
+    due = time.time() + 0.2
+    assert await queue.defer(taken, waiting, due, "worker")
     await queue.enqueue(alice, NO_CAP)
     await claimed(queue, alice)
     assert not await queue.others_waiting(alice.owner)
-    await asyncio.sleep(0.3)
+    await until_due(due)
     assert await queue.others_waiting(alice.owner)
 
 
@@ -440,19 +454,19 @@ async def test_a_tenants_jobs_deferred_together_come_back_in_their_order(make_qu
     due = time.time() + 0.1
     assert await queue.defer(one, first, due, "worker")
     assert await queue.defer(two, second, due + 0.01, "worker")
-    await asyncio.sleep(0.2)
+    await until_due(due + 0.01)
     assert [c.job.id for _ in range(2) for c in await queue.claim("worker", 0.5)] == [first.id, second.id]
 
 
 async def test_a_deferral_after_the_status_expired_counts_no_attempt_back(
     make_queue: QueueFactory, prefix: str
 ) -> None:
-    queue = make_queue(1)
+    queue = make_queue(SHORTEST_TTL_S)
     bob = job_of(f"{prefix}b", items=2)
     await queue.enqueue(bob, NO_CAP)
     taken = await claimed(queue, bob)
     assert await queue.start(bob) == 1
-    await asyncio.sleep(1.1)  # the status expired while the item ran
+    await outlive(SHORTEST_TTL_S)  # the status expired while the item ran
     assert await queue.defer(taken, bob, time.time(), "worker")
     status = await queue.status(bob.owner, bob.id)
     assert status is not None and status.attempts == 0
@@ -512,11 +526,11 @@ async def test_a_job_never_finished_counts_against_the_cap_for_at_most_the_resul
     make_queue: QueueFactory, prefix: str
 ) -> None:
     # A job lost with the store's data, or one whose worker never comes back, must not hold the cap for good.
-    queue = make_queue(1)
+    queue = make_queue(SHORTEST_TTL_S)
     await queue.enqueue(job_of(f"{prefix}a", items=2), 2)
     with pytest.raises(QueueFull):
         await queue.enqueue(job_of(f"{prefix}a", items=1), 2)
-    await asyncio.sleep(1.2)
+    await outlive(SHORTEST_TTL_S)
     await queue.enqueue(job_of(f"{prefix}a", items=2), 2)
 
 
@@ -691,10 +705,10 @@ async def test_what_a_store_returns_is_a_copy(store: Store, prefix: str) -> None
 
 async def test_the_embedded_queue_forgets_what_outlived_its_lifetime() -> None:
     # Redis expires a job's hash; the in-memory twin once kept every status (and its answers) for good.
-    queue = MemoryJobQueue(1)
+    queue = MemoryJobQueue(SHORTEST_TTL_S)
     for tenant in ("a", "b", "c"):
         await queue.enqueue(job_of(tenant), NO_CAP)
-    await asyncio.sleep(1.2)
+    await outlive(SHORTEST_TTL_S)
     kept = job_of("d")
     await queue.enqueue(kept, NO_CAP)
     assert list(queue._statuses) == [(kept.owner, kept.id)]
