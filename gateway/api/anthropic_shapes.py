@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.api.openai import tokens
 from gateway.errors import BackendBadResponse, GatewayError, InvalidRequest
 from gateway.schemas import ModelName, OutputTokens, ShortText
 
@@ -32,6 +33,7 @@ ERROR_TYPES = {
     529: "overloaded_error",
 }
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 class _Strict(BaseModel):
@@ -100,8 +102,13 @@ class ToolChoice(_Strict):
 
 
 class Thinking(_Strict):
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[int, Field(ge=1)] | None = None
+    display: str | None = None  # how a client shows thinking: nothing the engine does
+
+
+class OutputConfig(_Strict):
+    effort: Literal["low", "medium", "high", "max"] | None = None
 
 
 class Metadata(_Strict):
@@ -123,6 +130,7 @@ class MessagesRequest(_Strict):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
     metadata: Metadata | None = None
 
 
@@ -141,8 +149,17 @@ def chat_payload(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
     """The chat completion a Messages request is: the pipeline validates it again as one, with every other check."""
     messages: list[dict[str, Any]] = []
     if request.system is not None:
-        system = request.system if isinstance(request.system, str) else "\n".join(b.text for b in request.system)
-        messages.append({"role": "system", "content": system})
+        blocks = [request.system] if isinstance(request.system, str) else [b.text for b in request.system]
+        # Claude Code's first system block is a per-request billing line that would make every prompt's prefix
+        # differ (vLLM drops it too): it is for Anthropic's billing, not for the model.
+        system = "\n".join(b for b in blocks if not b.startswith(BILLING_HEADER))
+        if system:
+            messages.append({"role": "system", "content": system})
+    if request.messages[-1].role == "assistant":
+        raise InvalidRequest(
+            "messages: a last assistant turn (a prefill to continue) is not supported; end with a user turn",
+            param="messages",
+        )
     for message in request.messages:
         messages.extend(_chat_messages(message))
     payload: dict[str, Any] = {"model": request.model, "messages": messages}
@@ -183,6 +200,8 @@ def chat_payload(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
     thinking = request.thinking
     if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is not None:
         payload["thinking_token_budget"] = thinking.budget_tokens
+    if isinstance(request, MessagesRequest) and request.output_config and request.output_config.effort is not None:
+        payload["reasoning_effort"] = request.output_config.effort
     return payload
 
 
@@ -241,23 +260,18 @@ def message(answer: dict[str, Any], model: str, request_id: str) -> dict[str, An
     """A checked chat completion (one choice) as Anthropic's message."""
     choice = (answer.get("choices") or [{}])[0]
     said = choice.get("message") or {}
+    finish = choice.get("finish_reason")
     content: list[dict[str, Any]] = []
     reasoning = said.get("reasoning_content") or said.get("reasoning")
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if said.get("content"):
         content.append({"type": "text", "text": said["content"]})
-    for call in said.get("tool_calls") or ():
-        function = call.get("function") or {}
-        content.append(
-            {
-                "type": "tool_use",
-                "id": call.get("id") or _tool_id(),
-                "name": function.get("name") or "",
-                "input": tool_input(function.get("arguments")),
-            }
-        )
-    stop_reason, stop_sequence = _stop(choice)
+    calls = [_tool_use(call, finish) for call in said.get("tool_calls") or ()]
+    content += [call for call in calls if call is not None]
+    if not content:
+        content.append({"type": "text", "text": ""})  # as Anthropic answers nothing: clients read content[0]
+    stop_reason, stop_sequence = _stop(finish, choice.get("stop_reason"), any(calls))
     usage = answer.get("usage") or {}
     return {
         "id": request_id,
@@ -267,8 +281,20 @@ def message(answer: dict[str, Any], model: str, request_id: str) -> dict[str, An
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
-        "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)},
+        "usage": {"input_tokens": tokens(usage, "prompt_tokens"), "output_tokens": tokens(usage, "completion_tokens")},
     }
+
+
+def _tool_use(call: dict[str, Any], finish: str | None) -> dict[str, Any] | None:
+    """A tool call as a tool_use block; None for one the output limit cut short (its arguments are unfinished)."""
+    function = call.get("function") or {}
+    try:
+        value = tool_input(function.get("arguments"))
+    except BackendBadResponse:
+        if finish == "length":
+            return None
+        raise
+    return {"type": "tool_use", "id": call.get("id") or _tool_id(), "name": function.get("name") or "", "input": value}
 
 
 def tool_input(arguments: str | None) -> dict[str, Any]:
@@ -286,12 +312,16 @@ def _tool_id() -> str:
     return "toolu_" + secrets.token_hex(12)
 
 
-def _stop(choice: dict[str, Any]) -> tuple[str | None, str | None]:
-    finish = choice.get("finish_reason")
-    matched = choice.get("stop_reason")
+def _stop(finish: str | None, matched: Any, called: bool) -> tuple[str | None, str | None]:
+    if finish is None:
+        return None, None
+    if called and finish != "length":
+        # A named tool_choice finishes with "stop" in vLLM's chat layer, not "tool_calls": a tool was called all
+        # the same, and an agent's loop runs tools on tool_use.
+        return "tool_use", None
     if finish == "stop" and isinstance(matched, str):
         return "stop_sequence", matched
-    return (STOP_REASONS.get(finish, "end_turn") if finish is not None else None), None
+    return STOP_REASONS.get(finish, "end_turn"), None
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -300,25 +330,29 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 
 class EventWriter:
-    """A checked chat stream as Anthropic's server-sent events: message_start, a content block per text, thinking
-    or tool call (start, deltas, stop), message_delta with the stop reason and usage, message_stop."""
+    """A checked chat stream as Anthropic's server-sent events: message_start, a content block per stretch of text or
+    thinking (start, deltas, stop), the tool calls' tool_use blocks, message_delta with the stop reason and usage,
+    message_stop.
+
+    Tool calls are held until the stream ends and go out whole: the guard may hold the end of a call's name or
+    arguments (what could still begin a marker) until the last chunk, after the next call has begun, and a tool_use
+    block cannot be reopened once another has started."""
 
     def __init__(self, model: str, request_id: str) -> None:
         self._model = model
         self._id = request_id
         self._started = False
-        self._block = -1  # the index of the open content block, -1 before the first
-        self._open: str | None = None  # what the open block holds: "text", "thinking" or "tool:<index>"
-        self._stop: tuple[str | None, str | None] = (None, None)
-        self._input_tokens = 0
-        self._output_tokens = 0
+        self._block = -1  # the index of the last content block opened, -1 before the first
+        self._open: str | None = None  # what the open block holds: "text" or "thinking"
+        self._calls: dict[Any, dict[str, str]] = {}  # by the call's index: its id, name and arguments so far
+        self._finish: str | None = None
+        self._matched: Any = None
+        self._usage: dict[str, Any] = {}
 
     def chunk(self, chunk: dict[str, Any]) -> bytes:
         out: list[bytes] = []
-        usage = chunk.get("usage")
-        if usage:
-            self._input_tokens = usage.get("prompt_tokens", self._input_tokens)
-            self._output_tokens = usage.get("completion_tokens", self._output_tokens)
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
         if not self._started:
             self._started = True
             out.append(self._start())
@@ -326,35 +360,43 @@ class EventWriter:
             delta = choice.get("delta") or {}
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if reasoning:
-                out += self._delta(
-                    "thinking",
-                    {"type": "thinking", "thinking": "", "signature": ""},
-                    {"type": "thinking_delta", "thinking": reasoning},
-                )
+                out += self._delta("thinking", {"type": "thinking_delta", "thinking": reasoning})
             if delta.get("content"):
-                out += self._delta(
-                    "text", {"type": "text", "text": ""}, {"type": "text_delta", "text": delta["content"]}
-                )
+                out += self._delta("text", {"type": "text_delta", "text": delta["content"]})
             for call in delta.get("tool_calls") or ():
-                out += self._tool(call)
+                held = self._calls.setdefault(call.get("index"), {"id": "", "name": "", "arguments": ""})
+                function = call.get("function") or {}
+                held["id"] = held["id"] or call.get("id") or ""
+                held["name"] += function.get("name") or ""
+                held["arguments"] += function.get("arguments") or ""
             if choice.get("finish_reason") is not None:
-                self._stop = _stop(choice)
+                self._finish, self._matched = choice["finish_reason"], choice.get("stop_reason")
         return b"".join(out)
 
     def done(self) -> bytes:
         out = [] if self._started else [self._start()]
         out += self._close()
-        stop_reason, stop_sequence = self._stop
-        out.append(
-            _event(
-                "message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": stop_reason or "end_turn", "stop_sequence": stop_sequence},
-                    "usage": {"input_tokens": self._input_tokens, "output_tokens": self._output_tokens},
-                },
-            )
-        )
+        called = False
+        for held in self._calls.values():
+            try:
+                value = tool_input(held["arguments"])
+            except BackendBadResponse as error:
+                if self._finish == "length":
+                    continue  # cut short by the output limit: stop_reason max_tokens says so
+                return b"".join([*out, self.error(error)])
+            called = True
+            block = {"type": "tool_use", "id": held["id"] or _tool_id(), "name": held["name"], "input": {}}
+            out.append(self._begin("tool", block))
+            arguments = orjson.dumps(value).decode()
+            out.append(self._event_delta({"type": "input_json_delta", "partial_json": arguments}))
+            out += self._close()
+        stop_reason, stop_sequence = _stop(self._finish or "stop", self._matched, called)
+        usage = {
+            "input_tokens": tokens(self._usage, "prompt_tokens"),
+            "output_tokens": tokens(self._usage, "completion_tokens"),
+        }
+        delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+        out.append(_event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}))
         out.append(_event("message_stop", {"type": "message_stop"}))
         return b"".join(out)
 
@@ -370,37 +412,25 @@ class EventWriter:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": self._input_tokens, "output_tokens": 0},
+            "usage": {"input_tokens": tokens(self._usage, "prompt_tokens"), "output_tokens": 0},
         }
         return _event("message_start", {"type": "message_start", "message": message})
 
-    def _delta(self, kind: str, opening: dict[str, Any], delta: dict[str, Any]) -> list[bytes]:
+    def _delta(self, kind: str, delta: dict[str, Any]) -> list[bytes]:
         out = []
         if self._open != kind:
             out += self._close()
+            opening = (
+                {"type": "text", "text": ""}
+                if kind == "text"
+                else {"type": "thinking", "thinking": "", "signature": ""}
+            )
             out.append(self._begin(kind, opening))
-        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": self._block, "delta": delta}))
+        out.append(self._event_delta(delta))
         return out
 
-    def _tool(self, call: dict[str, Any]) -> list[bytes]:
-        kind = f"tool:{call.get('index', 0)}"
-        function = call.get("function") or {}
-        out = []
-        if self._open != kind:
-            out += self._close()
-            opening: dict[str, Any] = {
-                "type": "tool_use",
-                "id": call.get("id") or _tool_id(),
-                "name": function.get("name") or "",
-                "input": {},
-            }
-            out.append(self._begin(kind, opening))
-        if function.get("arguments"):
-            delta = {"type": "input_json_delta", "partial_json": function["arguments"]}
-            out.append(
-                _event("content_block_delta", {"type": "content_block_delta", "index": self._block, "delta": delta})
-            )
-        return out
+    def _event_delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"type": "content_block_delta", "index": self._block, "delta": delta})
 
     def _begin(self, kind: str, block: dict[str, Any]) -> bytes:
         self._block += 1

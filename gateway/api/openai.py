@@ -18,7 +18,7 @@ from gateway import accesslog
 from gateway.accesslog import RequestRecord
 from gateway.api.body import parse_json_object, read_body
 from gateway.api.state import GatewayState, state_of
-from gateway.errors import GatewayError
+from gateway.errors import BackendBadResponse, GatewayError
 from gateway.pipeline.inference import CHAT, COMPLETIONS, Route, Submission, refuse, run
 from gateway.pipeline.outcome import DONE, Event, Outcome, Stream
 from gateway.settings import TenantSettings
@@ -40,11 +40,14 @@ async def completions(request: Request) -> Response:
 class RelayResponse(StreamingResponse):
     """A stream that stops its upstream the moment the client goes away, not at the next chunk's send."""
 
-    def __init__(self, stream: Stream, render: Callable[[Event], bytes]) -> None:
+    def __init__(
+        self, stream: Stream, render: Callable[[Event], bytes], ending: Callable[[], bytes] | None = None
+    ) -> None:
         # Not StreamingResponse's __init__: its body is an iterator of bytes, and this one renders the stream's events
-        # itself (stream_response).
+        # itself (stream_response). `ending`: what goes out after the last event.
         self._stream = stream
         self._render = render
+        self._ending = ending
         self.status_code = 200
         self.media_type = SSE_MEDIA_TYPE
         self.background = None
@@ -86,7 +89,7 @@ class RelayResponse(StreamingResponse):
             out = render(event)
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": self._ending() if self._ending else b"", "more_body": False})
 
     async def _close(self) -> None:
         await self._stream.events.aclose()
@@ -103,18 +106,33 @@ class Writer(Protocol):
     def error(self, error: GatewayError) -> bytes: ...
 
 
+def tokens(usage: dict[str, Any], name: str) -> int:
+    """A usage count for another API's shapes, 0 where the backend gave none (the usage check, when on, vouched for
+    what it gave; when off, a count pruned for its type is null)."""
+    value = usage.get(name)
+    return value if type(value) is int else 0
+
+
 def relayed_as(stream: Stream, writer: Writer) -> RelayResponse:
-    """The stream, each event written by `writer`, relayed like the OpenAI routes' own."""
+    """The stream, each event written by `writer`, relayed like the OpenAI routes' own. A backend's stream that ends
+    without its [DONE] (cut off) ends in the writer's error: these APIs have no way to say "ended, unfinished"."""
+    ended = False
 
     def render(event: Event) -> bytes:
+        nonlocal ended
         if isinstance(event, GatewayError):
+            ended = True
             return writer.error(event)
         if event is DONE:
+            ended = True
             return writer.done()
         assert isinstance(event, dict)
         return writer.chunk(event)
 
-    return RelayResponse(stream, render)
+    def ending() -> bytes:
+        return b"" if ended else writer.error(BackendBadResponse("The backend's stream ended before its end."))
+
+    return RelayResponse(stream, render, ending)
 
 
 def openai_event(event: Event) -> bytes:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.api.openai import tokens
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.schemas import ModelName, OutputTokens, ShortText
 
@@ -105,6 +106,10 @@ class Reasoning(_Strict):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+class StreamOptions(_Strict):
+    include_obfuscation: bool | None = None
+
+
 class ResponsesRequest(_Strict):
     """POST /v1/responses: the fields of OpenAI's Responses API that an open-weight engine behind a stateless
     gateway can honour."""
@@ -128,7 +133,14 @@ class ResponsesRequest(_Strict):
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
     user: ShortText | None = None
     truncation: Literal["disabled"] | None = None
-    include: Annotated[list[str], Field(max_length=0)] | None = None
+    # Encrypted reasoning is a provider's to hand back: asking for it here gets none (Codex asks when reasoning is on).
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    # A hosted API's controls, accepted as clients send them (Codex sends prompt_cache_key every time) and not
+    # forwarded: the prefix cache is the engine's, salted per tenant; there is no tier; the tenant is the key's.
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    service_tier: ShortText | None = None
+    safety_identifier: ShortText | None = None
+    stream_options: StreamOptions | None = None
 
 
 def chat_payload(request: ResponsesRequest) -> dict[str, Any]:
@@ -194,21 +206,35 @@ def _strict(strict: bool | None) -> dict[str, Any]:
 
 
 def _append(messages: list[dict[str, Any]], item: Item) -> None:
-    if isinstance(item, MessageItem):
+    """One input item onto the chat messages. An assistant's text, reasoning and calls that follow one another are
+    one assistant turn, as the model made them (and as vLLM's own Responses route renders them)."""
+    if isinstance(item, FunctionCallOutputItem):
+        messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        return
+    if isinstance(item, MessageItem) and item.role != "assistant":
         content = item.content
-        text = content if isinstance(content, str) else "".join(part.text for part in content)
-        messages.append({"role": item.role, "content": text})
+        messages.append({"role": item.role, "content": content if isinstance(content, str) else _joined(content)})
+        return
+    last = messages[-1] if messages else None
+    calls_first = last is not None and bool(last.get("tool_calls")) and not isinstance(item, FunctionCallItem)
+    if last is None or last["role"] != "assistant" or calls_first:
+        # Text or reasoning after a turn's calls (their outputs not given back) starts a turn of its own.
+        last = {"role": "assistant", "content": None}
+        messages.append(last)
+    if isinstance(item, MessageItem):
+        text = item.content if isinstance(item.content, str) else _joined(item.content)
+        last["content"] = (last["content"] or "") + text
     elif isinstance(item, FunctionCallItem):
         call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-        last = messages[-1] if messages else None
-        # Consecutive calls are one assistant turn, as the model made them.
-        if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-            last["tool_calls"].append(call)
-        else:
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    elif isinstance(item, FunctionCallOutputItem):
-        messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
-    # A reasoning item is the model's earlier thinking: chat templates leave it out of later turns.
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        said = "".join(part.get("text", "") for part in item.content or () if isinstance(part, dict))
+        if said:
+            last["reasoning_content"] = (last.get("reasoning_content") or "") + said
+
+
+def _joined(parts: list[InputText | OutputText]) -> str:
+    return "\n".join(part.text for part in parts)
 
 
 def response_id() -> str:
@@ -288,7 +314,7 @@ def _incomplete(finish: str | None) -> dict[str, str] | None:
 
 
 def usage(counted: dict[str, Any]) -> dict[str, Any]:
-    prompt, completion = counted.get("prompt_tokens", 0), counted.get("completion_tokens", 0)
+    prompt, completion = tokens(counted, "prompt_tokens"), tokens(counted, "completion_tokens")
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": 0},
@@ -328,12 +354,13 @@ class EventWriter:
         self._created = int(time.time())
         self._sequence = 0
         self._started = False
-        self._open: str | None = None  # "reasoning", "message" or "tool:<index>"
+        self._open: str | None = None  # "reasoning" or "message"
         self._item: dict[str, Any] = {}
         self._text = ""  # what the open item has said
         self._output: list[dict[str, Any]] = []
         self._finish: str | None = None
         self._usage: dict[str, Any] = {}
+        self._calls: dict[Any, dict[str, str]] = {}  # by the call's index: its id, name and arguments so far
 
     def chunk(self, chunk: dict[str, Any]) -> bytes:
         out: list[bytes] = []
@@ -349,7 +376,11 @@ class EventWriter:
             if delta.get("content"):
                 out += self._text_delta("message", delta["content"])
             for call in delta.get("tool_calls") or ():
-                out += self._call_delta(call)
+                held = self._calls.setdefault(call.get("index"), {"id": "", "name": "", "arguments": ""})
+                function = call.get("function") or {}
+                held["id"] = held["id"] or call.get("id") or ""
+                held["name"] += function.get("name") or ""
+                held["arguments"] += function.get("arguments") or ""
             if choice.get("finish_reason") is not None:
                 self._finish = choice["finish_reason"]
         return b"".join(out)
@@ -357,6 +388,8 @@ class EventWriter:
     def done(self) -> bytes:
         out = [] if self._started else self._start()
         out += self._close()
+        for held in self._calls.values():
+            out += self._call(held)
         body = envelope(self._request, self._id, _status(self._finish), self._created)
         body["incomplete_details"] = _incomplete(self._finish)
         body["output"] = self._output
@@ -395,28 +428,20 @@ class EventWriter:
         out.append(self._event(name, fields))
         return out
 
-    def _call_delta(self, call: dict[str, Any]) -> list[bytes]:
-        kind = f"tool:{call.get('index', 0)}"
-        function = call.get("function") or {}
-        out = []
-        if self._open != kind:
-            out += self._close()
-            self._open, self._text = kind, ""
-            self._item = _call_item(
-                _item_id("fc"), call.get("id") or _item_id("call"), function.get("name") or "", "", "in_progress"
-            )
-            out.append(
-                self._event("response.output_item.added", {"output_index": len(self._output), "item": self._item})
-            )
-        if function.get("arguments"):
-            self._text += function["arguments"]
-            out.append(
-                self._event(
-                    "response.function_call_arguments.delta",
-                    {"item_id": self._item["id"], "output_index": len(self._output), "delta": function["arguments"]},
-                )
-            )
-        return out
+    def _call(self, held: dict[str, str]) -> list[bytes]:
+        """One function call, whole: held to the stream's end, since the guard may hold the end of its name or
+        arguments until the last chunk, after the next call has begun."""
+        index, item = len(self._output), _item_id("fc")
+        added = _call_item(item, held["id"] or _item_id("call"), held["name"], "", "in_progress")
+        done = {**added, "arguments": held["arguments"], "status": "completed"}
+        self._output.append(done)
+        where = {"item_id": item, "output_index": index}
+        return [
+            self._event("response.output_item.added", {"output_index": index, "item": added}),
+            self._event("response.function_call_arguments.delta", {**where, "delta": held["arguments"]}),
+            self._event("response.function_call_arguments.done", {**where, "arguments": held["arguments"]}),
+            self._event("response.output_item.done", {"output_index": index, "item": done}),
+        ]
 
     def _begin(self, kind: str) -> list[bytes]:
         self._open, self._text = kind, ""
@@ -448,7 +473,7 @@ class EventWriter:
                 )
             )
             done = _reasoning_item(item["id"], text)
-        elif kind == "message":
+        else:
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             out.append(
                 self._event(
@@ -463,14 +488,6 @@ class EventWriter:
                 )
             )
             done = _message_item(item["id"], text, "completed")
-        else:
-            out.append(
-                self._event(
-                    "response.function_call_arguments.done",
-                    {"item_id": item["id"], "output_index": index, "arguments": text},
-                )
-            )
-            done = _call_item(item["id"], item["call_id"], item["name"], text, "completed")
         out.append(self._event("response.output_item.done", {"output_index": index, "item": done}))
         self._output.append(done)
         return out

@@ -554,3 +554,23 @@ def responses_text(response: httpx.Response, channel: str) -> str:
         return "".join(part["text"] for i in said for part in i["content"])
     events = [orjson.loads(line[6:]) for line in response.content.split(b"\n") if line.startswith(b"data: ")]
     return "".join(event["delta"] for event in events if event["type"] == delta)
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "ends"),
+    [
+        (MESSAGES, messages_body("content", True), "error"),
+        (RESPONSES, responses_body("content", True), "response.failed"),
+    ],
+)
+async def test_a_backends_stream_cut_off_ends_in_an_error_on_the_other_apis(
+    client: httpx.AsyncClient, gateway: str, adversary: Adversary, route: str, body: JsonObject, ends: str
+) -> None:
+    """A stream with no [DONE] was cut off: Anthropic's and the Responses API's events have no way to say "ended,
+    unfinished" but an error."""
+    adversary.plan = Plan("unterminated", 3, "benign", RANK)
+    response = await client.post(gateway + route, json=body, headers=auth(BOB_KEY))
+    raw = response.content.decode()
+    names = re.findall(r"^event: (\S+)$", raw, re.MULTILINE)
+    assert response.status_code == 200 and names[-1] == ends, raw[-1000:]
+    assert "message_stop" not in names and "response.completed" not in names

@@ -131,13 +131,13 @@ def test_a_stream_opens_and_closes_one_block_per_kind_in_order() -> None:
         "message_start",
         "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
         "content_block_start", "content_block_delta", "content_block_stop",
-        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_stop",
         "message_delta", "message_stop",
     ]  # fmt: skip
     assert said[0]["message"]["usage"] == {"input_tokens": 9, "output_tokens": 0}
     assert [e["index"] for e in said if e["type"] == "content_block_start"] == [0, 1, 2]
     assert said[8]["content_block"] == {"type": "tool_use", "id": "c", "name": "f", "input": {}}
-    assert said[9]["delta"] == {"type": "input_json_delta", "partial_json": "{"}
+    assert said[9]["delta"] == {"type": "input_json_delta", "partial_json": "{}"}
     assert said[-2]["delta"]["stop_reason"] == "tool_use" and said[-2]["usage"]["output_tokens"] == 4
 
 
@@ -146,3 +146,53 @@ def test_an_error_ends_a_stream_in_anthropics_shape() -> None:
     writer.chunk({"choices": [{"delta": {"content": "x"}}]})
     [error] = events(writer.error(BackendBadResponse("withheld")))
     assert error == {"type": "error", "error": {"type": "api_error", "message": "withheld"}}
+
+
+def test_a_tool_call_whose_name_ends_late_goes_out_whole_and_once() -> None:
+    """The guard can hold a name's end ("c": a marker could begin there) until the stream's last chunk."""
+    writer = EventWriter("m", "msg_1")
+    first = {"index": 0, "id": "a", "function": {"name": "exe", "arguments": "{}"}}
+    second = {"index": 1, "id": "b", "function": {"name": "cal", "arguments": '{"x": 1}'}}
+    raw = writer.chunk({"choices": [{"delta": {"tool_calls": [first]}}]})
+    raw += writer.chunk({"choices": [{"delta": {"tool_calls": [second]}}]})
+    late = [{"index": 0, "function": {"name": "c"}}, {"index": 1, "function": {"name": "c"}}]
+    raw += writer.chunk({"choices": [{"delta": {"tool_calls": late}, "finish_reason": "stop"}]})
+    raw += writer.done()
+    said = events(raw)
+    blocks = [e["content_block"] for e in said if e["type"] == "content_block_start"]
+    assert [(b["id"], b["name"]) for b in blocks] == [("a", "exec"), ("b", "calc")]
+    # A named tool_choice finishes with "stop" in vLLM's chat layer: a tool was called all the same.
+    assert said[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_unfinished_tool_arguments_fail_the_stream_or_are_dropped_when_the_output_was_cut() -> None:
+    for finish, ends in (("tool_calls", "error"), ("length", "message_stop")):
+        writer = EventWriter("m", "msg_1")
+        call = {"index": 0, "id": "a", "function": {"name": "f", "arguments": '{"x": [1, 2'}}
+        raw = writer.chunk({"choices": [{"delta": {"tool_calls": [call]}, "finish_reason": finish}]})
+        said = events(raw + writer.done())
+        assert said[-1]["type"] == ends and not any(e["type"] == "content_block_start" for e in said)
+    cut = {"choices": [{"finish_reason": "length", "message": {"tool_calls": [{"function": {"arguments": "{"}}]}}]}
+    said = message(cut, "m", "i")
+    assert said["content"] == [{"type": "text", "text": ""}] and said["stop_reason"] == "max_tokens"
+
+
+def test_usage_the_backend_did_not_give_counts_as_nothing() -> None:
+    said = message({"choices": [{"finish_reason": "stop", "message": {}}], "usage": {"prompt_tokens": None}}, "m", "i")
+    assert said["usage"] == {"input_tokens": 0, "output_tokens": 0}
+    writer = EventWriter("m", "msg_1")
+    writer.chunk({"choices": [], "usage": {"prompt_tokens": "x", "completion_tokens": None}})
+    assert events(writer.done())[-2]["usage"] == {"input_tokens": 0, "output_tokens": 0}
+
+
+def test_a_prefill_is_refused_and_claude_codes_billing_line_is_not_sent() -> None:
+    with pytest.raises(InvalidRequest, match="prefill"):
+        payload(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "{"}])
+    billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abc;"}
+    chat = payload(
+        system=[billing, {"type": "text", "text": "You are Claude Code."}],
+        thinking={"type": "adaptive", "display": "summarized"},
+        output_config={"effort": "high"},
+    )
+    assert chat["messages"][0] == {"role": "system", "content": "You are Claude Code."}
+    assert chat["reasoning_effort"] == "high" and "thinking_token_budget" not in chat

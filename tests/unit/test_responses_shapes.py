@@ -36,8 +36,10 @@ def test_instructions_items_tools_and_formats_become_chat_fields() -> None:
             metadata={"k": "v"},
         )
     )
-    assert [m["role"] for m in chat["messages"]] == ["system", "developer", "assistant", "assistant", "tool"]
-    assert chat["messages"][3]["tool_calls"][0]["id"] == "a" and chat["max_tokens"] == 9
+    # The assistant's text, reasoning and call are one turn, as the model made them.
+    assert [m["role"] for m in chat["messages"]] == ["system", "developer", "assistant", "tool"]
+    assert chat["messages"][2]["content"] == "ok" and chat["messages"][2]["tool_calls"][0]["id"] == "a"
+    assert chat["max_tokens"] == 9
     assert chat["tools"][0]["function"]["parameters"] == {"type": "object", "properties": {}}
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
     schema = {"name": "n", "schema": {"type": "object"}, "strict": True}
@@ -98,8 +100,7 @@ def test_a_stream_adds_and_finishes_each_item_in_order() -> None:
         "response.output_item.added", "response.content_part.added", "response.output_text.delta",
         "response.output_text.done", "response.content_part.done", "response.output_item.done",
         "response.output_item.added", "response.function_call_arguments.delta",
-        "response.function_call_arguments.delta", "response.function_call_arguments.done",
-        "response.output_item.done",
+        "response.function_call_arguments.done", "response.output_item.done",
         "response.completed",
     ]  # fmt: skip
     assert [e["sequence_number"] for e in said] == list(range(len(said)))
@@ -115,3 +116,34 @@ def test_an_error_ends_a_stream_failed() -> None:
     error, failed = events(writer.error(BackendBadResponse("withheld")))
     assert error["type"] == "error" and error["message"] == "withheld"
     assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+
+
+def test_a_call_whose_name_ends_late_goes_out_whole_and_once() -> None:
+    writer = EventWriter(asked(stream=True), "resp_1")
+    first = {"index": 0, "id": "a", "function": {"name": "exe", "arguments": "{}"}}
+    writer.chunk({"choices": [{"delta": {"tool_calls": [first]}}]})
+    writer.chunk({"choices": [{"delta": {"tool_calls": [{"index": 1, "id": "b", "function": {"name": "cal"}}]}}]})
+    late = [{"index": 0, "function": {"name": "c"}}, {"index": 1, "function": {"name": "c", "arguments": "{}"}}]
+    writer.chunk({"choices": [{"delta": {"tool_calls": late}, "finish_reason": "tool_calls"}]})
+    final = events(writer.done())[-1]["response"]
+    assert [(i["call_id"], i["name"]) for i in final["output"]] == [("a", "exec"), ("b", "calc")]
+
+
+def test_usage_the_backend_did_not_give_counts_as_nothing() -> None:
+    said = response(
+        {"choices": [{"message": {}}], "usage": {"prompt_tokens": None, "completion_tokens": "x"}}, asked(), "r"
+    )
+    assert said["usage"]["input_tokens"] == 0 and said["usage"]["total_tokens"] == 0
+
+
+def test_codexs_fields_are_accepted_and_not_forwarded() -> None:
+    chat = chat_payload(
+        asked(
+            prompt_cache_key="k",
+            include=["reasoning.encrypted_content"],
+            service_tier="auto",
+            safety_identifier="u",
+            stream_options={"include_obfuscation": False},
+        )
+    )
+    assert not {"prompt_cache_key", "include", "service_tier", "safety_identifier"} & chat.keys()
