@@ -113,6 +113,17 @@ def tokens(usage: dict[str, Any], name: str) -> int:
     return value if type(value) is int else 0
 
 
+def hold_call(calls: dict[Any, dict[str, str]], call: dict[str, Any]) -> None:
+    """Add a streamed tool-call delta to the call it continues (by its index): its first id, its name and arguments
+    so far. The other APIs' writers send calls whole at a stream's end: the guard may hold the end of a name or of
+    arguments until the last chunk, after the next call has begun."""
+    held = calls.setdefault(call.get("index"), {"id": "", "name": "", "arguments": ""})
+    function = call.get("function") or {}
+    held["id"] = held["id"] or call.get("id") or ""
+    held["name"] += function.get("name") or ""
+    held["arguments"] += function.get("arguments") or ""
+
+
 def relayed_as(stream: Stream, writer: Writer) -> RelayResponse:
     """The stream, each event written by `writer`, relayed like the OpenAI routes' own. A backend's stream that ends
     without its [DONE] (cut off) ends in the writer's error: these APIs have no way to say "ended, unfinished"."""

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.api.openai import tokens
+from gateway.api.openai import hold_call, tokens
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.schemas import ModelName, OutputTokens, ShortText
 
@@ -376,11 +376,7 @@ class EventWriter:
             if delta.get("content"):
                 out += self._text_delta("message", delta["content"])
             for call in delta.get("tool_calls") or ():
-                held = self._calls.setdefault(call.get("index"), {"id": "", "name": "", "arguments": ""})
-                function = call.get("function") or {}
-                held["id"] = held["id"] or call.get("id") or ""
-                held["name"] += function.get("name") or ""
-                held["arguments"] += function.get("arguments") or ""
+                hold_call(self._calls, call)
             if choice.get("finish_reason") is not None:
                 self._finish = choice["finish_reason"]
         return b"".join(out)

@@ -116,3 +116,17 @@ def canaries_only(tokenizer_dir: Path, backends: list[str]) -> list[dict[str, An
             "verify_usage": False,
         }
     ]
+
+
+def after_alices_confidential_prompt(make_gateway: Any, make_sim: Any, tokenizer_dir: Path) -> tuple[str, str]:
+    """A gateway with only the canaries standing, over an engine in stale-kv mode whose cache holds alice's
+    confidential prompt: an over-capacity request is answered from her pages. The gateway's URL and the engine's."""
+    sim = make_sim(num_gpu_blocks=16, output_tokens=64, fault="stale-kv")
+    gateway_url: str = make_gateway({"sim": sim}, models=canaries_only(tokenizer_dir, ["sim"]))
+    confidential = chat_body("Here is my confidential merger plan, step by step. " * 4, max_tokens=4)
+    answer = httpx.post(f"{gateway_url}/v1/chat/completions", json=confidential, headers=auth(ALICE_KEY))
+    assert answer.status_code == 200, answer.text
+    return gateway_url, sim
+
+
+OVER_CAPACITY = "Summarise this contract clause by clause. " * 45

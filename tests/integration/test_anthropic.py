@@ -16,8 +16,9 @@ from tests.integration.support import (
     ALICE_KEY,
     BOB_KEY,
     MODEL,
+    OVER_CAPACITY,
+    after_alices_confidential_prompt,
     auth,
-    canaries_only,
     chat_body,
     forwarded,
     sent_as,
@@ -225,17 +226,12 @@ def test_count_tokens_is_exact_and_costs_the_engine_nothing(gateway_url: str, si
 def test_another_tenants_marker_in_a_messages_answer_is_withheld(
     make_gateway: Any, make_sim: Any, tokenizer_dir: Path, stream: bool
 ) -> None:
-    sim = make_sim(num_gpu_blocks=16, output_tokens=64, fault="stale-kv")
-    gateway_url = make_gateway({"sim": sim}, models=canaries_only(tokenizer_dir, ["sim"]))
-    confidential = chat_body("Here is my confidential merger plan, step by step. " * 4, max_tokens=4)
-    assert (
-        httpx.post(f"{gateway_url}/v1/chat/completions", json=confidential, headers=auth(ALICE_KEY)).status_code == 200
-    )
+    gateway_url, sim = after_alices_confidential_prompt(make_gateway, make_sim, tokenizer_dir)
     over = {
         "model": MODEL,
         "max_tokens": 64,
         "stream": stream,
-        "messages": [{"role": "user", "content": "Summarise this contract clause by clause. " * 45}],
+        "messages": [{"role": "user", "content": OVER_CAPACITY}],
     }
     with httpx.stream("POST", f"{gateway_url}{MESSAGES}", json=over, headers={"x-api-key": BOB_KEY}) as response:
         text = response.read().decode()

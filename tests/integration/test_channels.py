@@ -454,25 +454,6 @@ def messages_body(channel: str, stream: bool) -> JsonObject:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("name", ["content", "reasoning_content", "tool_name", "tool_arguments", "tool_id"])
-async def test_a_leak_through_the_messages_route_is_withheld(
-    client: httpx.AsyncClient, gateway: str, adversary: Adversary, name: str, stream: bool
-) -> None:
-    alice_marker = await alice_asks(client, gateway, adversary, CHAT, name)
-    adversary.plan = Plan(name, 3, "previous", RANK)
-    since = time.time()
-    response = await client.post(gateway + MESSAGES, json=messages_body(name, stream), headers=auth(BOB_KEY))
-    raw = response.content.decode("utf-8", "replace")
-    seen = normal(raw)
-    assert normal(alice_marker) not in seen and not any(word in seen for word in ALICE_WORDS), raw[:2000]
-    if stream:
-        assert response.status_code == 200 and "event: error" in raw and "message_stop" not in raw, raw[-2000:]
-    else:
-        assert response.status_code == 502 and response.json()["error"]["type"] == "api_error", raw
-    assert await isolation_events(client, gateway, since) == [("leak", "bob", "alice")]
-
-
-@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("name", ["content", "reasoning_content"])
 async def test_the_tenants_own_prompt_comes_back_without_his_marker_on_the_messages_route(
     client: httpx.AsyncClient, gateway: str, adversary: Adversary, name: str, stream: bool
@@ -504,25 +485,6 @@ def responses_body(channel: str, stream: bool) -> JsonObject:
     if channel.startswith("tool_"):
         body["tools"] = [{"type": "function", "name": "lookup", "parameters": {"type": "object"}}]
     return body
-
-
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("name", ["content", "reasoning_content", "tool_name", "tool_arguments", "tool_id"])
-async def test_a_leak_through_the_responses_route_is_withheld(
-    client: httpx.AsyncClient, gateway: str, adversary: Adversary, name: str, stream: bool
-) -> None:
-    alice_marker = await alice_asks(client, gateway, adversary, CHAT, name)
-    adversary.plan = Plan(name, 3, "previous", RANK)
-    since = time.time()
-    response = await client.post(gateway + RESPONSES, json=responses_body(name, stream), headers=auth(BOB_KEY))
-    raw = response.content.decode("utf-8", "replace")
-    seen = normal(raw)
-    assert normal(alice_marker) not in seen and not any(word in seen for word in ALICE_WORDS), raw[:2000]
-    if stream:
-        assert response.status_code == 200 and "response.failed" in raw and "response.completed" not in raw, raw[-2000:]
-    else:
-        assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld", raw
-    assert await isolation_events(client, gateway, since) == [("leak", "bob", "alice")]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -574,3 +536,33 @@ async def test_a_backends_stream_cut_off_ends_in_an_error_on_the_other_apis(
     names = re.findall(r"^event: (\S+)$", raw, re.MULTILINE)
     assert response.status_code == 200 and names[-1] == ends, raw[-1000:]
     assert "message_stop" not in names and "response.completed" not in names
+
+
+# The other APIs a Messages or Responses request is written back in: its body, and the events a stream ends with when
+# withheld and when finished.
+OTHER_APIS = {
+    MESSAGES: (messages_body, "error", "message_stop"),
+    RESPONSES: (responses_body, "response.failed", "response.completed"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", ["content", "reasoning_content", "tool_name", "tool_arguments", "tool_id"])
+@pytest.mark.parametrize("route", list(OTHER_APIS))
+async def test_a_leak_through_the_other_apis_is_withheld(
+    client: httpx.AsyncClient, gateway: str, adversary: Adversary, route: str, name: str, stream: bool
+) -> None:
+    body_of, withheld, finished = OTHER_APIS[route]
+    alice_marker = await alice_asks(client, gateway, adversary, CHAT, name)
+    adversary.plan = Plan(name, 3, "previous", RANK)
+    since = time.time()
+    response = await client.post(gateway + route, json=body_of(name, stream), headers=auth(BOB_KEY))
+    raw = response.content.decode("utf-8", "replace")
+    seen = normal(raw)
+    assert normal(alice_marker) not in seen and not any(word in seen for word in ALICE_WORDS), raw[:2000]
+    if stream:
+        names = re.findall(r"^event: (\S+)$", raw, re.MULTILINE)
+        assert response.status_code == 200 and names[-1] == withheld and finished not in names, raw[-2000:]
+    else:
+        assert response.status_code == 502 and "withheld" in raw, raw
+    assert await isolation_events(client, gateway, since) == [("leak", "bob", "alice")]

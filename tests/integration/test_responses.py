@@ -12,7 +12,16 @@ import openai
 import orjson
 import pytest
 
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, canaries_only, chat_body, forwarded
+from tests.integration.support import (
+    ALICE_KEY,
+    BOB_KEY,
+    MODEL,
+    OVER_CAPACITY,
+    after_alices_confidential_prompt,
+    auth,
+    chat_body,
+    forwarded,
+)
 
 RESPONSES = "/v1/responses"
 
@@ -121,17 +130,12 @@ def test_bad_requests_are_refused_in_openais_shape_and_never_forwarded(
 def test_another_tenants_marker_in_a_response_is_withheld(
     make_gateway: Any, make_sim: Any, tokenizer_dir: Path, stream: bool
 ) -> None:
-    sim = make_sim(num_gpu_blocks=16, output_tokens=64, fault="stale-kv")
-    gateway_url = make_gateway({"sim": sim}, models=canaries_only(tokenizer_dir, ["sim"]))
-    confidential = chat_body("Here is my confidential merger plan, step by step. " * 4, max_tokens=4)
-    assert (
-        httpx.post(f"{gateway_url}/v1/chat/completions", json=confidential, headers=auth(ALICE_KEY)).status_code == 200
-    )
+    gateway_url, sim = after_alices_confidential_prompt(make_gateway, make_sim, tokenizer_dir)
     over = {
         "model": MODEL,
         "max_output_tokens": 64,
         "stream": stream,
-        "input": "Summarise this contract clause by clause. " * 45,
+        "input": OVER_CAPACITY,
     }
     with httpx.stream("POST", f"{gateway_url}{RESPONSES}", json=over, headers=auth(BOB_KEY)) as response:
         text = response.read().decode()
