@@ -160,9 +160,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="session")
+# The servers and gateways are the e2e package's: they stop when its last test ends, not at the end of the session,
+# so an idle vLLM (its workers poll) does not take a share of these 2-core machines from the rest of the suite.
+@pytest.fixture(scope="package")
 def make_vllm(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFactory]:
-    """`make_vllm(name)` starts a vLLM server (the same name twice gives the same server); all stop at the end."""
+    """`make_vllm(name)` starts a vLLM server (the same name twice gives the same server); all stop after e2e."""
     servers: dict[str, VllmServer] = {}
     with ExitStack() as stack:
 
@@ -175,12 +177,12 @@ def make_vllm(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempP
         yield start
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm(make_vllm: VllmFactory) -> VllmServer:
     return make_vllm("a")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def make_e2e_gateway(model_dir: Path) -> Iterator[GatewayFactory]:
     """`make_e2e_gateway({"vllm": url}, **overrides)`: a gateway over those backends, counting with the model's
     own tokenizer; returns its URL once it has discovered the backends' limits."""
@@ -205,6 +207,6 @@ def _wait_for_capacity(url: str, backends: dict[str, str]) -> None:
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def gateway(vllm: VllmServer, make_e2e_gateway: GatewayFactory) -> str:
     return make_e2e_gateway({"vllm": vllm.url})
