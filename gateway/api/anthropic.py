@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import accesslog
+from gateway.accesslog import RequestRecord
 from gateway.api.anthropic_shapes import (
     CountTokensRequest,
     EventWriter,
@@ -29,10 +30,10 @@ from gateway.api.openai import new_record, read_submission, relayed_as
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import GatewayError
 from gateway.pipeline.counting import Prompt
-from gateway.pipeline.inference import Route, refuse, resolve_model, run
+from gateway.pipeline.inference import Route, Submission, refuse, resolve_model, run
 from gateway.pipeline.outcome import Answer, Outcome, Stream
 from gateway.pipeline.slot import Slot
-from gateway.schemas import ChatCompletionRequest, validate
+from gateway.schemas import Body, ChatCompletionRequest, validate
 from gateway.settings import ModelSettings, TenantSettings
 
 # Asked of the engine on its chat route: the rendering the gateway counts is the one the engine runs.
@@ -48,15 +49,27 @@ def authorization(request: Request) -> str | None:
     return header
 
 
+async def _read(
+    request: Request, state: GatewayState, record: RequestRecord, schema: type[Body]
+) -> tuple[Submission, Body]:
+    """The tenant, its session and its body, read as `schema` (Anthropic's shape)."""
+    submission = await read_submission(request, state, record, authorization(request))
+    return submission, validate(schema, submission.payload)
+
+
+def _refused(state: GatewayState, record: RequestRecord, error: GatewayError) -> Response:
+    refusal = refuse(state, record, error)
+    return _json(error_body_of(refusal), refusal)
+
+
 async def messages(request: Request) -> Response:
     state = state_of(request)
     record = new_record(request, MESSAGES)
     try:
-        submission = await read_submission(request, state, record, authorization(request))
-        asked = validate(MessagesRequest, submission.payload)
+        submission, asked = await _read(request, state, record, MessagesRequest)
         submission = replace(submission, payload=chat_payload(asked))
     except GatewayError as error:
-        return anthropic_response(refuse(state, record, error), "", "")
+        return _refused(state, record, error)
     outcome = await run(state, MESSAGES, submission, record)
     return anthropic_response(outcome, asked.model, message_id())
 
@@ -66,17 +79,16 @@ async def count_tokens(request: Request) -> Response:
     state = state_of(request)
     record = new_record(request, COUNT_TOKENS)
     try:
-        submission = await read_submission(request, state, record, authorization(request))
-        asked = validate(CountTokensRequest, submission.payload)
+        submission, asked = await _read(request, state, record, CountTokensRequest)
         payload = chat_payload(asked)
         # The same checks as the request itself would meet: the chat fields it becomes, the model the key may use.
         validate(ChatCompletionRequest, {**payload, "max_tokens": 1})
         tenant = submission.tenant
         model = resolve_model(state, tenant, asked.model)
         record.model = model.name
-        tokens = await _count(state, submission.tenant, model, payload)
+        tokens = await _count(state, tenant, model, payload)
     except GatewayError as error:
-        return anthropic_response(refuse(state, record, error), "", "")
+        return _refused(state, record, error)
     record.status, record.prompt_tokens = 200, tokens
     accesslog.finish(record, state.metrics)
     return Response(

@@ -12,10 +12,12 @@ import httpx
 import orjson
 import pytest
 
+from gateway.tenancy.tenants import hash_key
 from tests.integration.support import (
     ALICE_KEY,
     BOB_KEY,
     MODEL,
+    NOBODY_KEY,
     OVER_CAPACITY,
     after_alices_confidential_prompt,
     auth,
@@ -243,3 +245,29 @@ def test_another_tenants_marker_in_a_messages_answer_is_withheld(
     # The engine did answer bob's request (then the leak's confirmation probe ran, without a request id).
     sent = [sent_as(r) for r in forwarded(sim) if "x-request-id" in r["headers"]]
     assert response.headers["x-request-id"] in sent
+
+
+def test_count_tokens_keeps_the_keys_models_and_its_request_rate(
+    make_gateway: Any, sim_url: str, gateway_url: str
+) -> None:
+    route = f"{gateway_url}{MESSAGES}/count_tokens"
+    for key, model, status, kind in [
+        (NOBODY_KEY, MODEL, 403, "permission_error"),
+        (ALICE_KEY, "no-such-model", 404, "not_found_error"),
+    ]:
+        refused = httpx.post(route, json={"model": model, "messages": HELLO}, headers={"x-api-key": key})
+        assert (refused.status_code, refused.json()["error"]["type"]) == (status, kind), refused.text
+    # A count is a request: it draws on the key's request rate like any other.
+    limited = [{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": {"requests_per_minute": 2}}]
+    capped = make_gateway({"sim": sim_url}, tenants=limited)
+    answers = [
+        httpx.post(
+            f"{capped}{MESSAGES}/count_tokens",
+            json={"model": MODEL, "messages": HELLO},
+            headers={"x-api-key": ALICE_KEY},
+        )
+        for _ in range(3)
+    ]
+    assert [a.status_code for a in answers] == [200, 200, 429]
+    assert answers[2].json()["error"]["type"] == "rate_limit_error" and answers[0].json()["input_tokens"] > 0
+    assert forwarded(sim_url) == []
