@@ -191,7 +191,9 @@ def chat_payload(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
     if choice is not None:
         if choice.type == "tool":
             if choice.name is None:
-                raise _invalid("tool_choice.name: required when tool_choice.type is 'tool'", "tool_choice.name")
+                raise InvalidRequest(
+                    "tool_choice.name: required when tool_choice.type is 'tool'", param="tool_choice.name"
+                )
             payload["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
         else:
             payload["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
@@ -224,12 +226,12 @@ def _chat_messages(message: Message) -> list[dict[str, Any]]:
             texts.append(block.text)
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
-                raise _invalid("a tool_use block belongs to an assistant turn", "messages")
+                raise InvalidRequest("a tool_use block belongs to an assistant turn", param="messages")
             arguments = orjson.dumps(block.input).decode()
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
         elif isinstance(block, ToolResultBlock):
             if message.role != "user":
-                raise _invalid("a tool_result block belongs to a user turn", "messages")
+                raise InvalidRequest("a tool_result block belongs to a user turn", param="messages")
             flush_user()
             content = block.content or ""
             text = content if isinstance(content, str) else "\n".join(part.text for part in content)
@@ -246,10 +248,6 @@ def _chat_messages(message: Message) -> list[dict[str, Any]]:
     if reasoning:
         assistant["reasoning_content"] = "".join(reasoning)
     return [assistant]
-
-
-def _invalid(message: str, param: str) -> GatewayError:
-    return InvalidRequest(message, param=param)
 
 
 def message_id() -> str:

@@ -67,13 +67,9 @@ def _bounds(field: FieldInfo) -> str:
         for attribute, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
             if isinstance(item, getattr(annotated_types, attribute.title())):
                 parts.append(f"{sign} {getattr(item, attribute)}")
-        if isinstance(item, annotated_types.MinLen) and item.min_length > 0 and _plural_items(field):
+        if isinstance(item, annotated_types.MinLen) and item.min_length > 0 and get_origin(field.annotation) is list:
             parts.append(f"at least {item.min_length}")
     return ", ".join(parts)
-
-
-def _plural_items(field: FieldInfo) -> bool:
-    return get_origin(field.annotation) is list
 
 
 def _default(field: FieldInfo) -> str:

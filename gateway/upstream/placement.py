@@ -28,9 +28,9 @@ class Placement:
     ) -> None:
         """The router's first choice, counted at once; raise BackendUnavailable when the model has no replica."""
         self._router = router
-        self.model = model
-        self.tenant = tenant
-        self.session = session
+        self._model = model
+        self._tenant = tenant
+        self._session = session
         self._counted = counted
         self._decision = router.choose(model, tenant, session)
         self.queued = False
@@ -52,7 +52,7 @@ class Placement:
 
     def place(self, room: Callable[[Replica], bool]) -> bool:
         """Onto a replica that has room, chosen by the router now; False (and still queued) when none has."""
-        decision = self._router.place(self.model, self.tenant, self.session, room)
+        decision = self._router.place(self._model, self._tenant, self._session, room)
         if decision is None:
             return False
         self._move(decision)
