@@ -201,6 +201,11 @@ class QueueUnavailable(UpstreamError):
     code = "queue_unavailable"
 
 
+class ConversationsUnavailable(UpstreamError):
+    status = 503
+    code = "conversations_unavailable"
+
+
 class DirectoryUnavailable(UpstreamError):
     status = 503
     code = "directory_unavailable"

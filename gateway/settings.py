@@ -236,6 +236,17 @@ class QueueSettings(_Section):
     )
 
 
+class ResponsesSettings(_Section):
+    """The Responses API's stored responses (`store`, `previous_response_id`), kept by the gateway per tenant."""
+
+    ttl_s: int = Field(default=2_592_000, ge=60, description="how long a stored response lasts (OpenAI's: 30 days)")
+    max_bytes_per_tenant: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024,
+        description="stored responses a tenant may hold, in bytes; storing past it drops the tenant's oldest",
+    )
+
+
 class RoutingSettings(_Section):
     """Session-affinity routing over a model's replicas, with bounded load."""
 
@@ -429,6 +440,7 @@ class Settings(_Section):
     rate_limits: RateLimitSettings = RateLimitSettings()
     tenant_directory: TenantDirectorySettings = TenantDirectorySettings()
     queue: QueueSettings = QueueSettings()
+    responses: ResponsesSettings = ResponsesSettings()
     isolation: IsolationSettings = IsolationSettings()
     admission: AdmissionSettings = AdmissionSettings()
     log_level: str = Field(

@@ -2,42 +2,245 @@
 
 A Responses request runs through the same pipeline as a chat completion (responses_shapes.chat_payload), and its
 outcome is written back as a response object or the Responses API's events; refusals keep OpenAI's error shape.
+Responses asked to be stored (`store`, true unless false, as OpenAI's) are kept by the gateway per tenant
+(conversations.py), stored before the client is told they are complete: a client may name one as
+`previous_response_id` the moment it has its answer.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import replace
+from typing import Any, TypeVar
 
 import orjson
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway import accesslog
+from gateway.api.conversations import Turn
 from gateway.api.openai import new_record, openai_response, read_submission, relayed_as
-from gateway.api.responses_shapes import EventWriter, ResponsesRequest, chat_payload, response, response_id
-from gateway.api.state import state_of
-from gateway.errors import GatewayError
+from gateway.api.responses_shapes import (
+    EventWriter,
+    ResponsesRequest,
+    chat_payload,
+    item_page,
+    response,
+    response_id,
+    stored_input,
+)
+from gateway.api.state import GatewayState, state_of
+from gateway.errors import ConversationsUnavailable, GatewayError, InvalidRequest, NotFound, error_response
 from gateway.pipeline.inference import Route, refuse, run
-from gateway.pipeline.outcome import Stream
+from gateway.pipeline.outcome import DONE, Event, Stream
 from gateway.schemas import ChatCompletionRequest, validate
+from gateway.settings import TenantSettings
+
+log = logging.getLogger("bulkhead.responses")
+T = TypeVar("T")
 
 # Asked of the engine on its chat route, stateless: the rendering the gateway counts is the one the engine runs.
 RESPONSES = Route("responses", "/v1/chat/completions", ChatCompletionRequest)
+# The stored responses' own routes, in the access log and metrics.
+STORED = Route("responses_stored", "", ChatCompletionRequest)
+# What OpenAI lets a client ask of the routes that read a stored response, and that means nothing here (nothing is
+# kept that `include` could add): accepted so that clients work unchanged.
+_INCLUDES = {
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+}
 
 
-async def create(request: Request) -> Response:
+async def create(request: Request, admit_tenant: Callable[[TenantSettings], None] | None = None) -> Response:
+    """POST /v1/responses; `admit_tenant` refuses a key the route does not serve (another account's)."""
     state = state_of(request)
     record = new_record(request, RESPONSES)
     try:
         submission = await read_submission(request, state, record)
+        if admit_tenant is not None:
+            admit_tenant(submission.tenant)
         asked = validate(ResponsesRequest, submission.payload)
-        submission = replace(submission, payload=chat_payload(asked))
+        owner, made = submission.tenant.incarnation(), response_id()
+        before, history = await _conversation(state, owner, asked.previous_response_id, "previous_response_id")
+        keep = asked.store is not False
+        # A kept conversation's turns go to one replica, where its prefix is cached, unless the client says where.
+        session = submission.session or (before.root if before is not None else made if keep else None)
+        submission = replace(submission, payload=chat_payload(asked, history), session=session)
     except GatewayError as error:
         return openai_response(refuse(state, record, error))
     outcome = await run(state, RESPONSES, submission, record)
-    made = response_id()
+
+    async def save(answered: dict[str, Any]) -> None:
+        if not keep:
+            return
+        kept = stored_input(asked)
+        size = (before.size if before is not None else 0) + len(orjson.dumps([kept, answered["output"]]))
+        chain = [*before.chain, before.id] if before is not None else []
+        await _stored(state.conversations.save(owner, Turn(made, answered, kept, chain, size)))
+
     if isinstance(outcome, Stream):
-        return relayed_as(outcome, EventWriter(asked, made))
+        writer = EventWriter(asked, made)
+        if keep:
+            outcome = replace(outcome, events=_saved_at_end(outcome.events, writer, save))
+        return relayed_as(outcome, writer)
     if outcome.status != 200:
         return openai_response(outcome)
     body = response(outcome.body, asked, made)
+    try:
+        await save(body)
+    except GatewayError as error:
+        return error_response(error, outcome.headers)
     return Response(orjson.dumps(body), media_type="application/json", headers=outcome.headers)
+
+
+async def _saved_at_end(
+    events: AsyncGenerator[Event, None], writer: EventWriter, save: Callable[[dict[str, Any]], Any]
+) -> AsyncGenerator[Event, None]:
+    """The stream's events, the response stored before its end goes out; an end that could not be stored is an
+    error (the client must not name a response it was told is complete and find it missing)."""
+    try:
+        async for event in events:
+            if event is DONE:
+                try:
+                    await save(writer.finish())
+                except GatewayError as error:
+                    event = error
+            yield event
+    finally:
+        await events.aclose()
+
+
+async def _conversation(
+    state: GatewayState, owner: str, last: str | None, param: str
+) -> tuple[Turn | None, list[dict[str, Any]]]:
+    """The stored turn `last` and every item of its conversation up to it (its own input and output included)."""
+    if last is None:
+        return None, []
+    [turn] = await _stored(state.conversations.load(owner, [last]))
+    if turn is None:
+        raise _missing(last, param)
+    if turn.size > state.settings.limits.max_body_bytes:
+        raise InvalidRequest(
+            f"{param}: this conversation holds over {state.settings.limits.max_body_bytes} bytes, more than one "
+            "request may; start a new one.",
+            param=param,
+        )
+    earlier = await _stored(state.conversations.load(owner, turn.chain))
+    items: list[dict[str, Any]] = []
+    for held in [*earlier, turn]:
+        if held is None:
+            raise NotFound(
+                f"{param}: an earlier response of this conversation has expired or was deleted.",
+                param=param,
+                code="response_not_found",
+            )
+        items += held.items()
+    return turn, items
+
+
+def _missing(name: str, param: str | None = None) -> NotFound:
+    # The same whether it never existed, expired, was deleted or is another tenant's: nothing to learn between them.
+    return NotFound(f"No response with id {name[:80]!r}.", param=param, code="response_not_found")
+
+
+async def _stored(work: Awaitable[T]) -> T:
+    try:
+        return await work
+    except (RedisError, OSError) as exc:
+        log.error("responses: conversation store failed: %s: %s", type(exc).__name__, exc)
+        raise ConversationsUnavailable("Stored responses cannot be reached right now; retry shortly.") from exc
+
+
+Answer = Callable[[GatewayState, str, Turn, Request], Awaitable[dict[str, Any]]]
+
+
+async def _serve_stored(request: Request, allowed: set[str], answer: Answer) -> Response:
+    """A stored response's route: the tenant's turn by its id (404 when the tenant has none by that id, whoever else
+    may) and what `answer` makes of it, given the tenant's incarnation."""
+    state = state_of(request)
+    record = new_record(request, STORED)
+    try:
+        tenant = await state.tenants.authenticate(request.headers.get("authorization"))
+        record.tenant = tenant.id
+        _check_query(request, allowed)
+        owner, name = tenant.incarnation(), request.path_params["response_id"]
+        [turn] = await _stored(state.conversations.load(owner, [name]))
+        if turn is None:
+            raise _missing(name)
+        body = await answer(state, owner, turn, request)
+    except GatewayError as error:
+        return openai_response(refuse(state, record, error))
+    accesslog.finish(record, state.metrics)
+    return Response(orjson.dumps(body), media_type="application/json", headers={"x-request-id": record.request_id})
+
+
+def _check_query(request: Request, allowed: set[str]) -> None:
+    unknown = set(request.query_params) - allowed
+    if unknown:
+        name = sorted(unknown)[0][:64]
+        raise InvalidRequest(f"{name}: not a parameter of this route.", param=name)
+    for include in request.query_params.getlist("include"):
+        if include not in _INCLUDES:
+            raise InvalidRequest(f"include: {include[:64]!r} is not one of {sorted(_INCLUDES)}.", param="include")
+    if request.query_params.get("stream", "false") != "false":
+        # A stream to resume is a background response's; none are run here.
+        raise InvalidRequest("stream: only a background response's events can be streamed again.", param="stream")
+
+
+async def _retrieved(state: GatewayState, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
+    return turn.response
+
+
+async def _deleted(state: GatewayState, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
+    if not await _stored(state.conversations.delete(owner, turn.id)):
+        raise _missing(turn.id)  # deleted meanwhile, by another request
+    return {"id": turn.id, "object": "response.deleted", "deleted": True}
+
+
+async def _cancelled(state: GatewayState, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
+    # OpenAI cancels only a background response; every response here was answered as it was asked, so a stored one
+    # has nothing left to cancel, and OpenAI says so of a response that was not in the background.
+    raise InvalidRequest("Only a background response can be cancelled; this one has finished.", code="not_cancellable")
+
+
+async def _input_items(state: GatewayState, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order: 'asc' or 'desc'.", param="order")
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise InvalidRequest("limit: a whole number from 1 to 100.", param="limit")
+    earlier: list[dict[str, Any]] = []
+    if turn.chain:
+        _, earlier = await _conversation(state, owner, turn.chain[-1], "response_id")
+    return item_page([*earlier, *turn.input], order, query.get("after"), int(limit))
+
+
+async def retrieve(request: Request) -> Response:
+    """GET /v1/responses/{response_id}: a stored response, as it was answered."""
+    return await _serve_stored(request, {"include", "stream", "include_obfuscation"}, _retrieved)
+
+
+async def delete(request: Request) -> Response:
+    """DELETE /v1/responses/{response_id}: gone for good; a conversation that reached back to it ends there."""
+    return await _serve_stored(request, set(), _deleted)
+
+
+async def cancel(request: Request) -> Response:
+    """POST /v1/responses/{response_id}/cancel."""
+    return await _serve_stored(request, set(), _cancelled)
+
+
+async def input_items(request: Request) -> Response:
+    """GET /v1/responses/{response_id}/input_items: the items the response was made from, its conversation's
+    earlier turns included, a page at a time."""
+    return await _serve_stored(request, {"after", "limit", "order", "include"}, _input_items)

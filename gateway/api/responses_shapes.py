@@ -3,9 +3,8 @@
 
 As with Anthropic's Messages (anthropic_shapes.py), the translation is made before the pipeline, so a Responses
 request gets every defence a chat completion gets, and what goes back is built only from what the pipeline
-checked. Engines get the full input every time and nothing of a stored conversation: `previous_response_id` is
-refused until the gateway holds conversation state per tenant, and a response is never stored (`store: false`
-in what it answers).
+checked. Engines get the full input every time, a stored conversation's earlier turns included
+(conversations.py): never a `previous_response_id`, never `store`.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import time
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from gateway.api.openai import hold_call, tokens
 from gateway.errors import GatewayError, InvalidRequest
@@ -73,6 +72,9 @@ class ReasoningItem(_Strict):
 
 
 Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+_ITEMS: TypeAdapter[list[Item]] = TypeAdapter(list[Item])
+# An item's id where its sender gave none, by its type (OpenAI's own prefixes).
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 class FunctionTool(_Strict):
@@ -143,17 +145,15 @@ class ResponsesRequest(_Strict):
     stream_options: StreamOptions | None = None
 
 
-def chat_payload(request: ResponsesRequest) -> dict[str, Any]:
-    """The chat completion a Responses request is: the pipeline validates it again as one, with every other check."""
-    if request.previous_response_id is not None:
-        raise InvalidRequest(
-            "previous_response_id: this gateway keeps no conversation state yet; send the whole conversation as "
-            "input (store: false)",
-            param="previous_response_id",
-        )
+def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The chat completion a Responses request is: the pipeline validates it again as one, with every other check.
+    `history`: a stored conversation's items before this request's input (its instructions are not carried over,
+    as OpenAI's are not)."""
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
+    for item in _history(history or []):
+        _append(messages, item)
     if isinstance(request.input, str):
         messages.append({"role": "user", "content": request.input})
     else:
@@ -199,6 +199,33 @@ def chat_payload(request: ResponsesRequest) -> dict[str, Any]:
     if request.reasoning is not None and request.reasoning.effort is not None:
         payload["reasoning_effort"] = request.reasoning.effort
     return payload
+
+
+def _history(items: list[dict[str, Any]]) -> list[Item]:
+    try:
+        return _ITEMS.validate_python(items)
+    except ValidationError as exc:
+        # Stored by this gateway, so read as it wrote them: one that is not is a store to fix, not the client's fault.
+        unreadable = "A stored response of this conversation cannot be read."
+        raise GatewayError(unreadable, code="conversation_unreadable") from exc
+
+
+def stored_input(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as the items it is kept as: each with an id, its text as content parts (as OpenAI lists
+    input items; joined they render the same)."""
+    items = request.input
+    if isinstance(items, str):
+        items = [MessageItem(type="message", role="user", content=items)]
+    kept = []
+    for item in items:
+        data = item.model_dump(by_alias=True, exclude_none=True)
+        data.setdefault("type", "message")
+        if isinstance(item, MessageItem) and isinstance(item.content, str):
+            part = "output_text" if item.role == "assistant" else "input_text"
+            data["content"] = [{"type": part, "text": item.content}]
+        data["id"] = item.id or _item_id(_ID_PREFIXES[data["type"]])
+        kept.append(data)
+    return kept
 
 
 def _strict(strict: bool | None) -> dict[str, Any]:
@@ -260,9 +287,9 @@ def envelope(request: ResponsesRequest, response: str, status: str, created: int
         "model": request.model,
         "output": [],
         "parallel_tool_calls": request.parallel_tool_calls if request.parallel_tool_calls is not None else True,
-        "previous_response_id": None,
+        "previous_response_id": request.previous_response_id,
         "reasoning": {"effort": request.reasoning.effort if request.reasoning else None, "summary": None},
-        "store": False,
+        "store": request.store is not False,
         "temperature": request.temperature,
         "text": {"format": form.model_dump(by_alias=True, exclude_none=True) if form is not None else {"type": "text"}},
         "tool_choice": request.tool_choice.model_dump()
@@ -361,6 +388,8 @@ class EventWriter:
         self._finish: str | None = None
         self._usage: dict[str, Any] = {}
         self._calls: dict[Any, dict[str, str]] = {}  # by the call's index: its id, name and arguments so far
+        self._ending: bytes | None = None  # the last events, once finish has made them
+        self._body: dict[str, Any] = {}
 
     def chunk(self, chunk: dict[str, Any]) -> bytes:
         out: list[bytes] = []
@@ -381,19 +410,28 @@ class EventWriter:
                 self._finish = choice["finish_reason"]
         return b"".join(out)
 
+    def finish(self) -> dict[str, Any]:
+        """The response as it ends, once the chat stream has: its last events are made (sent by done), so that the
+        response can be stored before the client is told it is complete."""
+        if self._ending is None:
+            out = [] if self._started else self._start()
+            out += self._close()
+            for held in self._calls.values():
+                out += self._call(held)
+            body = envelope(self._request, self._id, _status(self._finish), self._created)
+            body["incomplete_details"] = _incomplete(self._finish)
+            body["output"] = self._output
+            body["usage"] = usage(self._usage)
+            # Always response.completed, its status "incomplete" when the output was cut, as vLLM sends it: the
+            # SDK's stream helper finishes only on response.completed.
+            out.append(self._event("response.completed", {"response": body}))
+            self._ending, self._body = b"".join(out), body
+        return self._body
+
     def done(self) -> bytes:
-        out = [] if self._started else self._start()
-        out += self._close()
-        for held in self._calls.values():
-            out += self._call(held)
-        body = envelope(self._request, self._id, _status(self._finish), self._created)
-        body["incomplete_details"] = _incomplete(self._finish)
-        body["output"] = self._output
-        body["usage"] = usage(self._usage)
-        # Always response.completed, its status "incomplete" when the output was cut, as vLLM sends it: the SDK's
-        # stream helper finishes only on response.completed.
-        out.append(self._event("response.completed", {"response": body}))
-        return b"".join(out)
+        self.finish()
+        assert self._ending is not None
+        return self._ending
 
     def error(self, error: GatewayError) -> bytes:
         body = envelope(self._request, self._id, "failed", self._created)
@@ -492,3 +530,22 @@ class EventWriter:
         data = {"type": name, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def item_page(items: list[dict[str, Any]], order: str, after: str | None, limit: int) -> dict[str, Any]:
+    """GET /v1/responses/{id}/input_items: one page of the items a response was made from, OpenAI's list shape."""
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise InvalidRequest(f"after: no item {after[:64]!r} in this response's input.", param="after")
+        start = ids.index(after) + 1
+    page = ordered[start : start + limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + limit < len(ordered),
+    }

@@ -12,6 +12,7 @@ import httpx
 from redis.asyncio import Redis
 from starlette.requests import Request
 
+from gateway.api.conversations import ConversationStore
 from gateway.incidents.verdicts import VerdictBound
 from gateway.jobs.queue import JobQueue
 from gateway.metrics import GatewayMetrics
@@ -57,6 +58,7 @@ class GatewayState:
     quarantines: QuarantineBudget
     verdicts: VerdictBound  # how many fragment verdicts each tenant may still draw
     audit: AuditLog  # admin changes (the tenant directory's), in Redis or in memory
+    conversations: ConversationStore  # the Responses API's stored responses
     fingerprints: Fingerprinter | None = None
     webhook: Webhook | None = None
     redis: Redis | None = None

@@ -433,6 +433,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     quarantines=QuarantineBudget(stores.store, settings.isolation.quarantine),
                     verdicts=verdicts,
                     audit=stores.audit,
+                    conversations=stores.conversations,
                 )
                 tasks = [
                     asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
@@ -478,6 +479,10 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
             Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
             Route("/v1/completions", openai.completions, methods=["POST"]),
             Route("/v1/responses", responses.create, methods=["POST"]),
+            Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
+            Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
             Route("/v1/models", catalog.list_models, methods=["GET"]),

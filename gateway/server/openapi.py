@@ -132,6 +132,21 @@ _QUERY = {
 _EVENTS = {"type": "object", "properties": {"events": {"type": "array", "items": {"type": "object"}}}}
 
 
+def _stored_response(summary: str, *query: str) -> dict[str, Any]:
+    """An operation on a response the tenant stored: another tenant's id, an expired one and an unknown one are the
+    same 404."""
+    parameters: list[dict[str, Any]] = [
+        {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    parameters += [_QUERY.get(name) or {"name": name, "in": "query", "schema": {"type": "string"}} for name in query]
+    return {
+        "summary": summary,
+        "security": [{"bearer": []}],
+        "parameters": parameters,
+        "responses": {"200": {"description": summary}, **_errors(400, 401, 404, 503)},
+    }
+
+
 def _list_of(name: str, schema: str, *extra: str) -> dict[str, Any]:
     properties = {name: {"type": "array", "items": _ref(schema)}, **{e: {"type": ["string", "null"]} for e in extra}}
     return {"type": "object", "required": [name, *extra], "properties": properties}
@@ -230,8 +245,25 @@ def openapi_document() -> dict[str, Any]:
             "/v1/chat/completions": _inference("Create a chat completion", "ChatCompletionRequest"),
             "/v1/completions": _inference("Create a completion", "CompletionRequest"),
             "/v1/responses": _inference(
-                "Create a response (OpenAI's Responses API, stateless: store is false)", "ResponsesRequest"
+                "Create a response (OpenAI's Responses API; stored by the gateway unless store is false)",
+                "ResponsesRequest",
             ),
+            "/v1/responses/{response_id}": {
+                "get": _stored_response("A stored response, as it was answered", "include", "stream"),
+                "delete": _stored_response("Delete a stored response: {id, object: response.deleted, deleted}"),
+            },
+            "/v1/responses/{response_id}/cancel": {
+                "post": _stored_response("Only a background response can be cancelled (none run here): 400")
+            },
+            "/v1/responses/{response_id}/input_items": {
+                "get": _stored_response(
+                    "The items a response was made from, its conversation's earlier turns included",
+                    "after",
+                    "limit",
+                    "order",
+                    "include",
+                )
+            },
             "/v1/messages": _anthropic(
                 "Create a message (Anthropic's Messages API)",
                 "MessagesRequest",

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from gateway.api.conversations import ConversationStore, MemoryConversationStore, RedisConversationStore
 from gateway.jobs.queue import JobQueue, MemoryJobQueue, RedisJobQueue
 from gateway.settings import Settings
 from gateway.store import MemoryStore, RedisStore, Store
@@ -26,6 +27,7 @@ class Stores:
     events: EventLog  # isolation events
     audit: AuditLog  # admin changes
     queue: JobQueue  # the async API's jobs
+    conversations: ConversationStore  # the Responses API's stored responses
     buckets: RedisBuckets | None  # rate limits across instances; None: each instance counts its own
     markers: RedisMarkerStore | None  # canary markers, for other instances to recognise
     prefix: str  # every Redis name starts with it: deployments on one Redis share nothing
@@ -41,6 +43,7 @@ class Stores:
 def build_stores(settings: Settings, redis: Redis | None) -> Stores:
     events_max, audit_max = settings.isolation.events_max, settings.tenant_directory.audit_events_max
     queue, ttl, prefix = settings.queue, settings.isolation.fingerprints.ttl_s, settings.redis_key_prefix
+    kept = settings.responses
     if redis is None:
         return Stores(
             redis=None,
@@ -49,6 +52,7 @@ def build_stores(settings: Settings, redis: Redis | None) -> Stores:
             events=MemoryEventLog(events_max),
             audit=MemoryAuditLog(audit_max),
             queue=MemoryJobQueue(queue.result_ttl_s),
+            conversations=MemoryConversationStore(kept.ttl_s, kept.max_bytes_per_tenant),
             buckets=None,
             markers=None,
             prefix=prefix,
@@ -61,6 +65,7 @@ def build_stores(settings: Settings, redis: Redis | None) -> Stores:
         events=RedisEventLog(redis, events_max, prefix=prefix),
         audit=RedisAuditLog(redis, audit_max, prefix=prefix),
         queue=RedisJobQueue(redis, queue.result_ttl_s, queue.reclaim_after_s, prefix=prefix),
+        conversations=RedisConversationStore(redis, kept.ttl_s, kept.max_bytes_per_tenant, prefix=prefix),
         buckets=RedisBuckets(redis, prefix=prefix),
         markers=RedisMarkerStore(redis, prefix=prefix),
         prefix=prefix,

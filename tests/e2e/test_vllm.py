@@ -168,7 +168,11 @@ def test_a_responses_turn_through_the_gateway(http: httpx.Client, gateway: str, 
         )
         with client.responses.stream(model=MODEL, input="Tell me a story.", max_output_tokens=4) as stream:
             streamed = stream.get_final_response()
-    assert answer.status in ("completed", "incomplete") and answer.store is False and answer.output_text
+        # The next turn names the first: the gateway sends vLLM the whole conversation, vLLM keeps nothing.
+        follow = client.responses.create(
+            model=MODEL, input="And then?", previous_response_id=answer.id, max_output_tokens=4
+        )
+    assert answer.status in ("completed", "incomplete") and answer.store is True and answer.output_text
     assert answer.usage is not None and 1 <= answer.usage.output_tokens <= 8
     assert streamed.usage is not None and 1 <= streamed.usage.output_tokens <= 4
     assert "CNRY" not in answer.model_dump_json().upper()
@@ -177,6 +181,14 @@ def test_a_responses_turn_through_the_gateway(http: httpx.Client, gateway: str, 
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}],
     }
     assert answer.usage.input_tokens == http.post(f"{vllm.url}/tokenize", json=chat).json()["count"]
+    history = [
+        {"role": "user", "content": "Tell me a story."},
+        {"role": "assistant", "content": answer.output_text},
+        {"role": "user", "content": "And then?"},
+    ]
+    assert follow.usage is not None and follow.previous_response_id == answer.id
+    conversation = {"model": MODEL, "messages": history}
+    assert follow.usage.input_tokens == http.post(f"{vllm.url}/tokenize", json=conversation).json()["count"]
 
 
 def test_completion_through_the_gateway(http: httpx.Client, gateway: str) -> None:

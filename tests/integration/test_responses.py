@@ -3,6 +3,7 @@ changed: every defence a chat completion has, the Responses API's shapes out, ba
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from tests.integration.support import (
     chat_body,
     forwarded,
 )
+from tests.redis_server import redis_server
 
 RESPONSES = "/v1/responses"
 
@@ -36,7 +38,7 @@ def test_a_response_goes_through_every_defence_as_a_chat_completion(
     sdk: openai.OpenAI, gateway_url: str, sim_url: str
 ) -> None:
     answer = sdk.responses.create(model=MODEL, input="Name a colour.", instructions="Be terse.", max_output_tokens=4)
-    assert answer.object == "response" and answer.model == MODEL and answer.store is False
+    assert answer.object == "response" and answer.model == MODEL and answer.store is True
     assert answer.status == "incomplete" and answer.incomplete_details is not None
     assert answer.output_text and answer.usage is not None and answer.usage.output_tokens == 4
     [sent] = forwarded(sim_url)
@@ -144,3 +146,140 @@ def test_another_tenants_marker_in_a_response_is_withheld(
         assert "event: error" in text and "response.failed" in text and "response.completed" not in text
     else:
         assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld"
+
+
+def user_texts(body: dict[str, Any]) -> list[str]:
+    return [str(message["content"]) for message in body["messages"] if message["role"] in ("user", "assistant")]
+
+
+def test_a_conversation_goes_on_from_a_stored_response_with_its_whole_history_sent(
+    sdk: openai.OpenAI, sim_url: str
+) -> None:
+    first = sdk.responses.create(model=MODEL, input="My name is Ada.", instructions="Be terse.", max_output_tokens=3)
+    assert first.store is True and first.previous_response_id is None
+    second = sdk.responses.create(
+        model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=3
+    )
+    assert second.previous_response_id == first.id and second.id != first.id
+    sent = forwarded(sim_url)[-1]["body"]
+    # Stateless upstream: the whole conversation each time, the earlier turn's instructions not carried (OpenAI's
+    # rule), and nothing of the stored state's ids.
+    texts = user_texts(sent)
+    assert any("My name is Ada." in text for text in texts) and any("What is my name?" in text for text in texts)
+    assert first.output_text in texts
+    assert "Be terse." not in orjson.dumps(sent).decode()
+    assert "previous_response_id" not in sent and "store" not in sent and first.id not in orjson.dumps(sent).decode()
+    assert sdk.responses.retrieve(first.id).model_dump() == first.model_dump()
+    items = list(sdk.responses.input_items.list(second.id, order="asc", limit=1))  # a page at a time
+    assert [(item.type, getattr(item, "role", None)) for item in items] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    assert [part.text for item in items for part in getattr(item, "content", [])] == [
+        "My name is Ada.",
+        first.output_text,
+        "What is my name?",
+    ]
+    assert len({item.id for item in items}) == 3
+    newest = sdk.responses.input_items.list(second.id, limit=2)
+    assert [item.id for item in newest.data] == [items[2].id, items[1].id] and newest.has_more
+
+
+def test_a_streamed_response_is_stored_before_the_client_hears_it_is_complete(sdk: openai.OpenAI) -> None:
+    with sdk.responses.stream(model=MODEL, input="Hi", max_output_tokens=2) as stream:
+        for event in stream:
+            if event.type == "response.completed":
+                # Still inside the stream: the next turn may name it at once.
+                assert sdk.responses.retrieve(event.response.id).output_text == event.response.output_text
+        final = stream.get_final_response()
+    follow = sdk.responses.create(model=MODEL, input="More", previous_response_id=final.id, max_output_tokens=1)
+    assert follow.previous_response_id == final.id
+
+
+def error_of(response: httpx.Response, name: str) -> tuple[int, dict[str, Any]]:
+    error = response.json()["error"]
+    return response.status_code, {**error, "message": error["message"].replace(name, "ID")}
+
+
+def test_a_response_is_its_tenants_alone_and_another_tenants_id_reads_as_unknown(
+    sdk: openai.OpenAI, gateway_url: str, sim_url: str
+) -> None:
+    kept = sdk.responses.create(model=MODEL, input="My secret is 42.", max_output_tokens=2)
+    unknown = "resp_" + "0" * 48
+
+    def every_route(key: str, name: str) -> list[tuple[int, dict[str, Any]]]:
+        base, headers = f"{gateway_url}{RESPONSES}", auth(key)
+        answers = [
+            httpx.get(f"{base}/{name}", headers=headers),
+            httpx.get(f"{base}/{name}/input_items", headers=headers),
+            httpx.post(f"{base}/{name}/cancel", headers=headers),
+            httpx.delete(f"{base}/{name}", headers=headers),
+            httpx.post(base, json={"model": MODEL, "input": "?", "previous_response_id": name}, headers=headers),
+        ]
+        return [error_of(answer, name) for answer in answers]
+
+    before = len(forwarded(sim_url))
+    bobs = every_route(BOB_KEY, kept.id)
+    assert [status for status, _ in bobs] == [404] * 5
+    assert bobs == every_route(BOB_KEY, unknown) == every_route(ALICE_KEY, unknown)
+    assert "42" not in orjson.dumps(bobs).decode() and len(forwarded(sim_url)) == before
+    assert sdk.responses.retrieve(kept.id).id == kept.id  # bob's delete deleted nothing
+
+
+def test_a_deleted_or_unstored_response_is_gone_and_so_is_the_conversation_after_it(
+    sdk: openai.OpenAI, gateway_url: str
+) -> None:
+    first = sdk.responses.create(model=MODEL, input="One", max_output_tokens=1)
+    second = sdk.responses.create(model=MODEL, input="Two", previous_response_id=first.id, max_output_tokens=1)
+    cancel = httpx.post(f"{gateway_url}{RESPONSES}/{second.id}/cancel", headers=auth())
+    assert cancel.status_code == 400 and cancel.json()["error"]["code"] == "not_cancellable"
+    deleted = httpx.delete(f"{gateway_url}{RESPONSES}/{first.id}", headers=auth())
+    assert deleted.json() == {"id": first.id, "object": "response.deleted", "deleted": True}
+    for gone in (
+        httpx.get(f"{gateway_url}{RESPONSES}/{first.id}", headers=auth()),
+        httpx.post(
+            f"{gateway_url}{RESPONSES}",
+            json={"model": MODEL, "input": "Three", "previous_response_id": second.id},
+            headers=auth(),
+        ),
+    ):
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
+    unstored = sdk.responses.create(model=MODEL, input="Once", store=False, max_output_tokens=1)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(unstored.id)
+
+
+@pytest.mark.parametrize(
+    ("path", "says"),
+    [
+        ("/{id}?stream=true", "stream"),
+        ("/{id}?starting_after=3", "starting_after"),
+        ("/{id}?include=everything", "include"),
+        ("/{id}/input_items?limit=0", "limit"),
+        ("/{id}/input_items?limit=101", "limit"),
+        ("/{id}/input_items?order=up", "order"),
+        ("/{id}/input_items?after=msg_nope", "after"),
+    ],
+)
+def test_bad_reads_of_a_stored_response_are_refused(sdk: openai.OpenAI, gateway_url: str, path: str, says: str) -> None:
+    kept = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
+    answer = httpx.get(f"{gateway_url}{RESPONSES}{path.format(id=kept.id)}", headers=auth())
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == says, answer.text
+
+
+def test_instances_on_one_redis_share_conversations(make_gateway: Any, sim_url: str) -> None:
+    with redis_server() as redis_url:
+        shared = {"redis_url": redis_url, "redis_key_prefix": f"t-{uuid.uuid4().hex[:8]}:"}
+        one, other = (make_gateway({"sim": sim_url}, **shared) for _ in range(2))
+        with (
+            openai.OpenAI(base_url=f"{one}/v1", api_key=ALICE_KEY, max_retries=0) as first_client,
+            openai.OpenAI(base_url=f"{other}/v1", api_key=ALICE_KEY, max_retries=0) as second_client,
+        ):
+            first = first_client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=2)
+            second = second_client.responses.create(
+                model=MODEL, input="And mine?", previous_response_id=first.id, max_output_tokens=2
+            )
+            assert first.output_text in user_texts(forwarded(sim_url)[-1]["body"])
+            assert first_client.responses.retrieve(second.id).previous_response_id == first.id

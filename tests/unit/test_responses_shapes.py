@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.api.responses_shapes import EventWriter, ResponsesRequest, chat_payload, response
+from gateway.api.responses_shapes import EventWriter, ResponsesRequest, chat_payload, response, stored_input
 from gateway.errors import BackendBadResponse, InvalidRequest
 from gateway.schemas import validate
 
@@ -47,12 +47,9 @@ def test_instructions_items_tools_and_formats_become_chat_fields() -> None:
     assert chat["reasoning_effort"] == "low" and "store" not in chat and "metadata" not in chat
 
 
-@pytest.mark.parametrize(
-    "body", [{"previous_response_id": "resp_1"}, {"text": {"format": {"type": "json_schema", "name": "n"}}}]
-)
-def test_what_a_stateless_chat_cannot_honour_is_refused(body: dict[str, Any]) -> None:
+def test_a_json_schema_format_without_its_schema_is_refused() -> None:
     with pytest.raises(InvalidRequest):
-        chat_payload(asked(**body))
+        chat_payload(asked(text={"format": {"type": "json_schema", "name": "n"}}))
 
 
 def test_a_checked_answer_becomes_a_response() -> None:
@@ -72,7 +69,7 @@ def test_a_checked_answer_becomes_a_response() -> None:
     said = response(answer, asked(metadata={"k": "v"}), "resp_1")
     assert [item["type"] for item in said["output"]] == ["reasoning", "message", "function_call"]
     assert said["output"][2]["call_id"] == "c1" and said["output"][2]["arguments"] == '{"a": 1}'
-    assert said["status"] == "completed" and said["store"] is False and said["metadata"] == {"k": "v"}
+    assert said["status"] == "completed" and said["store"] is True and said["metadata"] == {"k": "v"}
     assert said["usage"]["total_tokens"] == 10
     cut = response({"choices": [{"finish_reason": "length", "message": {"content": "x"}}]}, asked(), "r")
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
@@ -147,3 +144,25 @@ def test_codexs_fields_are_accepted_and_not_forwarded() -> None:
         )
     )
     assert not {"prompt_cache_key", "include", "service_tier", "safety_identifier"} & chat.keys()
+
+
+def test_a_stored_conversation_renders_as_the_same_conversation_sent_whole() -> None:
+    turns: list[Any] = [
+        "Hi",
+        [{"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}],
+        [{"type": "function_call_output", "call_id": "c1", "output": "42"}, {"role": "user", "content": "go"}],
+    ]
+    answers = [
+        {"choices": [{"message": {"content": "Hello", "reasoning_content": "greet"}}]},
+        {"choices": [{"message": {"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]}}]},
+    ]
+    history: list[dict[str, Any]] = []
+    for said, answer in zip(turns, answers, strict=False):
+        history += stored_input(asked(input=said)) + response(answer, asked(), "r")["output"]
+    kept = chat_payload(asked(input=turns[-1], instructions="now"), history)
+    whole = chat_payload(asked(input=[*history, *stored_input(asked(input=turns[-1]))], instructions="now"))
+    assert kept == whole
+    assert [m["role"] for m in kept["messages"]] == ["system", "user", "assistant", "user", "assistant", "tool", "user"]
+    assert kept["messages"][2] == {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}
+    assert kept["messages"][3]["content"] == "a\nb"
+    assert [item["id"][:4] for item in stored_input(asked(input=turns[2]))] == ["fco_", "msg_"]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+from gateway.api.conversations import ConversationStore, MemoryConversationStore, RedisConversationStore, Turn
 from gateway.jobs.queue import Claimed, Job, JobQueue, JobStatus, MemoryJobQueue, QueueFull, RedisJobQueue
 from gateway.store import MemoryStore, RedisStore, Store
 from gateway.tenancy.ratelimit import Buckets, MemoryBuckets, Quota, RedisBuckets, Verdict
@@ -712,3 +713,76 @@ async def test_the_embedded_queue_forgets_what_outlived_its_lifetime() -> None:
     kept = job_of("d")
     await queue.enqueue(kept, NO_CAP)
     assert list(queue._statuses) == [(kept.owner, kept.id)]
+
+
+# --- Stored responses (the Responses API's conversations) ----------------------------------------------------------
+
+ConversationsFactory = Callable[..., ConversationStore]
+
+
+@pytest.fixture(params=TWINS)
+async def make_conversations(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[ConversationsFactory]:
+    """`make_conversations(ttl_s=..., max_bytes=...)`."""
+    async with redis_for(request, prefix) as redis:
+
+        def make(ttl_s: float = 3600, max_bytes: int = 1_000_000) -> ConversationStore:
+            if redis is None:
+                return MemoryConversationStore(ttl_s, max_bytes)
+            return RedisConversationStore(redis, ttl_s, max_bytes, prefix=prefix)
+
+        yield make
+
+
+def turn(name: str, chain: list[str] | None = None, text: str = "hi") -> Turn:
+    message = {
+        "type": "message",
+        "id": f"msg-{name}",
+        "role": "user",
+        "content": [{"type": "input_text", "text": text}],
+    }
+    return Turn(name, {"id": name, "output": []}, [message], chain or [], len(text))
+
+
+async def test_a_stored_turn_is_found_only_by_its_owner(make_conversations: ConversationsFactory) -> None:
+    store = make_conversations()
+    kept = turn("r1", text="secret")
+    await store.save("alice-1", kept)
+    assert await store.load("alice-1", ["r1", "nope"]) == [kept, None]
+    assert await store.load("bob-1", ["r1"]) == [None]
+    # A tenant made again under the same id is another incarnation: the old one's turns are not its own.
+    assert await store.load("alice-2", ["r1"]) == [None]
+    assert not await store.delete("bob-1", "r1")
+    assert await store.load("alice-1", ["r1"]) == [kept]
+    assert await store.delete("alice-1", "r1")
+    assert await store.load("alice-1", ["r1"]) == [None] and not await store.delete("alice-1", "r1")
+
+
+async def test_stored_turns_are_gone_after_the_ttl(make_conversations: ConversationsFactory) -> None:
+    store = make_conversations(ttl_s=SHORTEST_TTL_S)
+    await store.save("alice", turn("r1"))
+    await outlive(SHORTEST_TTL_S)
+    assert await store.load("alice", ["r1"]) == [None]
+
+
+async def test_past_its_bound_an_owner_loses_its_oldest_turns_and_no_one_elses(
+    make_conversations: ConversationsFactory,
+) -> None:
+    one = len(turn("r0", text="x" * 100).encode())
+    store = make_conversations(max_bytes=3 * one + one // 2)
+    await store.save("bob", turn("b0", text="x" * 100))
+    for i in range(5):
+        await store.save("alice", turn(f"r{i}", text="x" * 100))
+    found = await store.load("alice", [f"r{i}" for i in range(5)])
+    assert [held is not None for held in found] == [False, False, True, True, True]
+    assert (await store.load("bob", ["b0"]))[0] is not None
+    # Deleting gives its bytes back: two more fit before the oldest kept goes.
+    assert await store.delete("alice", "r4")
+    await store.save("alice", turn("r5", text="x" * 100))
+    assert [held is not None for held in await store.load("alice", ["r2", "r3", "r5"])] == [True, True, True]
+
+
+async def test_a_turn_larger_than_the_bound_is_still_kept_alone(make_conversations: ConversationsFactory) -> None:
+    store = make_conversations(max_bytes=1024)
+    await store.save("alice", turn("small"))
+    await store.save("alice", turn("large", text="x" * 2000))
+    assert [held is not None for held in await store.load("alice", ["small", "large"])] == [False, True]
