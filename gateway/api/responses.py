@@ -93,8 +93,8 @@ async def create(request: Request, admit_tenant: Callable[[TenantSettings], None
         return relayed_as(outcome, writer)
     if outcome.status != 200:
         return openai_response(outcome)
-    body = response(outcome.body, asked, made)
     try:
+        body = response(outcome.body, asked, made)
         await save(body)
     except GatewayError as error:
         return error_response(error, outcome.headers)

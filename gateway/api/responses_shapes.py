@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from gateway.api.openai import hold_call, tokens
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.errors import BackendBadResponse, GatewayError, InvalidRequest
 from gateway.schemas import ModelName, OutputTokens, ShortText
 
 
@@ -37,10 +38,18 @@ class OutputText(_Strict):
     logprobs: list[Any] | None = None
 
 
+class Refusal(_Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+Part = InputText | OutputText | Refusal
+
+
 class MessageItem(_Strict):
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | Annotated[list[Annotated[InputText | OutputText, Field(discriminator="type")]], Field(min_length=1)]
+    content: str | Annotated[list[Annotated[Part, Field(discriminator="type")]], Field(min_length=1)]
     id: ShortText | None = None
     status: str | None = None
 
@@ -57,7 +66,7 @@ class FunctionCallItem(_Strict):
 class FunctionCallOutputItem(_Strict):
     type: Literal["function_call_output"]
     call_id: Annotated[str, Field(min_length=1, max_length=256)]
-    output: str
+    output: str | Annotated[list[InputText], Field(min_length=1)]
     id: ShortText | None = None
     status: str | None = None
 
@@ -236,7 +245,8 @@ def _append(messages: list[dict[str, Any]], item: Item) -> None:
     """One input item onto the chat messages. An assistant's text, reasoning and calls that follow one another are
     one assistant turn, as the model made them (and as vLLM's own Responses route renders them)."""
     if isinstance(item, FunctionCallOutputItem):
-        messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        output = item.output if isinstance(item.output, str) else _joined(item.output)
+        messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         return
     if isinstance(item, MessageItem) and item.role != "assistant":
         content = item.content
@@ -260,8 +270,8 @@ def _append(messages: list[dict[str, Any]], item: Item) -> None:
             last["reasoning_content"] = (last.get("reasoning_content") or "") + said
 
 
-def _joined(parts: list[InputText | OutputText]) -> str:
-    return "\n".join(part.text for part in parts)
+def _joined(parts: Sequence[Part]) -> str:
+    return "\n".join(part.refusal if isinstance(part, Refusal) else part.text for part in parts)
 
 
 def response_id() -> str:
@@ -312,8 +322,8 @@ def response(answer: dict[str, Any], request: ResponsesRequest, response_id: str
     reasoning = said.get("reasoning_content") or said.get("reasoning")
     if reasoning:
         output.append(_reasoning_item(_item_id("rs"), reasoning))
-    if said.get("content"):
-        output.append(_message_item(_item_id("msg"), said["content"], "completed"))
+    if said.get("content") or said.get("refusal"):
+        output.append(_message_item(_item_id("msg"), said.get("content") or "", "completed", said.get("refusal") or ""))
     for call in said.get("tool_calls") or ():
         function = call.get("function") or {}
         output.append(
@@ -332,12 +342,20 @@ def response(answer: dict[str, Any], request: ResponsesRequest, response_id: str
     return body
 
 
+# A chat answer's end that is no end: vLLM's for a request it aborted or failed. As a response it is a failure, not a
+# completed answer that happens to be short.
+FAILED_ENDS = ("abort", "error")
+
+
 def _status(finish: str | None) -> str:
-    return "incomplete" if finish == "length" else "completed"
+    if finish in FAILED_ENDS:
+        raise BackendBadResponse(f"The engine ended the answer without finishing it (finish_reason {finish!r}).")
+    return "incomplete" if finish in ("length", "content_filter") else "completed"
 
 
 def _incomplete(finish: str | None) -> dict[str, str] | None:
-    return {"reason": "max_output_tokens"} if finish == "length" else None
+    reasons = {"length": "max_output_tokens", "content_filter": "content_filter"}
+    return {"reason": reasons[finish]} if finish in reasons else None
 
 
 def usage(counted: dict[str, Any]) -> dict[str, Any]:
@@ -355,9 +373,18 @@ def _reasoning_item(item: str, text: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _message_item(item: str, text: str, status: str) -> dict[str, Any]:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    return {"type": "message", "id": item, "status": status, "role": "assistant", "content": [part] if text else []}
+def _message_item(item: str, text: str, status: str, refusal: str = "") -> dict[str, Any]:
+    parts = [_part("message", text)] if text else []
+    if refusal:
+        parts.append(_part("refusal", refusal))
+    return {"type": "message", "id": item, "status": status, "role": "assistant", "content": parts}
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    """A message's content part: its text (`message`) or a refusal (`refusal`)."""
+    if kind == "refusal":
+        return {"type": "refusal", "refusal": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 def _call_item(item: str, call: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -369,6 +396,14 @@ def _call_item(item: str, call: str, name: str, arguments: str, status: str) -> 
         "arguments": arguments,
         "status": status,
     }
+
+
+# Each kind of text a stream says, as the event that carries a piece of it.
+_DELTAS = {
+    "reasoning": "response.reasoning_text.delta",
+    "message": "response.output_text.delta",
+    "refusal": "response.refusal.delta",
+}
 
 
 class EventWriter:
@@ -404,6 +439,8 @@ class EventWriter:
                 out += self._text_delta("reasoning", reasoning)
             if delta.get("content"):
                 out += self._text_delta("message", delta["content"])
+            if delta.get("refusal"):
+                out += self._text_delta("refusal", delta["refusal"])
             for call in delta.get("tool_calls") or ():
                 hold_call(self._calls, call)
             if choice.get("finish_reason") is not None:
@@ -414,11 +451,12 @@ class EventWriter:
         """The response as it ends, once the chat stream has: its last events are made (sent by done), so that the
         response can be stored before the client is told it is complete."""
         if self._ending is None:
+            status = _status(self._finish)
             out = [] if self._started else self._start()
             out += self._close()
             for held in self._calls.values():
                 out += self._call(held)
-            body = envelope(self._request, self._id, _status(self._finish), self._created)
+            body = envelope(self._request, self._id, status, self._created)
             body["incomplete_details"] = _incomplete(self._finish)
             body["output"] = self._output
             body["usage"] = usage(self._usage)
@@ -429,7 +467,10 @@ class EventWriter:
         return self._body
 
     def done(self) -> bytes:
-        self.finish()
+        try:
+            self.finish()
+        except GatewayError as error:
+            return self.error(error)
         assert self._ending is not None
         return self._ending
 
@@ -455,7 +496,7 @@ class EventWriter:
             out += self._close()
             out += self._begin(kind)
         self._text += delta
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        name = _DELTAS[kind]
         fields = {"item_id": self._item["id"], "output_index": len(self._output), "content_index": 0, "delta": delta}
         if kind == "message":
             fields["logprobs"] = []
@@ -484,7 +525,7 @@ class EventWriter:
             self._item = {"type": "reasoning", "id": _item_id("rs"), "summary": []}
             return [self._event("response.output_item.added", {"output_index": index, "item": self._item})]
         self._item = _message_item(_item_id("msg"), "", "in_progress")
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        part = _part(kind, "")
         return [
             self._event("response.output_item.added", {"output_index": index, "item": self._item}),
             self._event(
@@ -508,20 +549,14 @@ class EventWriter:
             )
             done = _reasoning_item(item["id"], text)
         else:
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            out.append(
-                self._event(
-                    "response.output_text.done",
-                    {"item_id": item["id"], "output_index": index, "content_index": 0, "text": text, "logprobs": []},
-                )
-            )
-            out.append(
-                self._event(
-                    "response.content_part.done",
-                    {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part},
-                )
-            )
-            done = _message_item(item["id"], text, "completed")
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            if kind == "refusal":
+                out.append(self._event("response.refusal.done", {**where, "refusal": text}))
+                done = _message_item(item["id"], "", "completed", text)
+            else:
+                out.append(self._event("response.output_text.done", {**where, "text": text, "logprobs": []}))
+                done = _message_item(item["id"], text, "completed")
+            out.append(self._event("response.content_part.done", {**where, "part": _part(kind, text)}))
         out.append(self._event("response.output_item.done", {"output_index": index, "item": done}))
         self._output.append(done)
         return out

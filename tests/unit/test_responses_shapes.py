@@ -166,3 +166,37 @@ def test_a_stored_conversation_renders_as_the_same_conversation_sent_whole() -> 
     assert kept["messages"][2] == {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}
     assert kept["messages"][3]["content"] == "a\nb"
     assert [item["id"][:4] for item in stored_input(asked(input=turns[2]))] == ["fco_", "msg_"]
+
+
+def test_a_refusal_is_a_refusal_part_and_goes_back_to_the_engine_as_said() -> None:
+    said = response({"choices": [{"message": {"content": None, "refusal": "No."}}]}, asked(), "r")
+    assert said["output"][0]["content"] == [{"type": "refusal", "refusal": "No."}]
+    writer = EventWriter(asked(stream=True), "resp_1")
+    raw = writer.chunk({"choices": [{"delta": {"refusal": "N"}}]}) + writer.chunk(
+        {"choices": [{"delta": {"refusal": "o."}, "finish_reason": "stop"}]}
+    )
+    streamed = events(raw + writer.done())
+    kinds = [e["type"] for e in streamed]
+    assert kinds.count("response.refusal.delta") == 2 and "response.refusal.done" in kinds
+    assert "response.output_text.delta" not in kinds
+    assert streamed[-1]["response"]["output"][0]["content"] == [{"type": "refusal", "refusal": "No."}]
+    kept = chat_payload(asked(input="again"), said["output"])
+    assert kept["messages"][0] == {"role": "assistant", "content": "No."}
+
+
+@pytest.mark.parametrize("end", ["abort", "error"])
+def test_an_answer_the_engine_did_not_finish_is_a_failure_not_a_completed_response(end: str) -> None:
+    with pytest.raises(BackendBadResponse):
+        response({"choices": [{"message": {"content": "par"}, "finish_reason": end}]}, asked(), "r")
+    writer = EventWriter(asked(stream=True), "resp_1")
+    writer.chunk({"choices": [{"delta": {"content": "par"}, "finish_reason": end}]})
+    kinds = [e["type"] for e in events(writer.done())]
+    assert kinds[-2:] == ["error", "response.failed"] and "response.completed" not in kinds
+    filtered = response({"choices": [{"message": {"content": "x"}, "finish_reason": "content_filter"}]}, asked(), "r")
+    assert filtered["status"] == "incomplete" and filtered["incomplete_details"] == {"reason": "content_filter"}
+
+
+def test_a_function_calls_output_may_be_text_parts() -> None:
+    parts = [{"type": "input_text", "text": "4"}, {"type": "input_text", "text": "2"}]
+    chat = chat_payload(asked(input=[{"type": "function_call_output", "call_id": "c", "output": parts}]))
+    assert chat["messages"] == [{"role": "tool", "tool_call_id": "c", "content": "4\n2"}]
