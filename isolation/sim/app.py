@@ -2,6 +2,8 @@
 
 vLLM's routes, with vLLM's shapes, status codes and error texts:
     GET  /v1/models            POST /v1/chat/completions    POST /v1/completions
+    POST /v1/responses         POST /v1/messages            POST /v1/messages/count_tokens
+    GET  /v1/responses/{id}    POST /v1/responses/{id}/cancel (404: no store, as vLLM's default)
     POST /tokenize             POST /detokenize
     GET  /health               GET  /version                GET  /metrics
 
@@ -10,8 +12,8 @@ Behind them, a paged KV cache with prefix caching keyed by cache_salt (kvcache.p
 fault: over-long prompts answered from stale KV blocks (engine.py, SimConfig.fault).
 
 Simulator-only inspection, for tests that must prove what a gateway did or did not forward:
-    GET    /sim/requests   the last 1000 inference requests received (POSTs to the two completion routes,
-                           refused ones included), oldest first, as JSON
+    GET    /sim/requests   the last 1000 inference requests received (POSTs to the completion, responses and
+                           messages routes, refused ones included), oldest first, as JSON
                            `[{"path": ..., "headers": {lower-case name: value}, "body": parsed JSON or null}]`
     DELETE /sim/requests   forget them (204)
 
@@ -36,12 +38,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from isolation.sim import embeddings
 from isolation.sim.config import SimConfig
 from isolation.sim.detokenizer import Detokenizer
 from isolation.sim.engine import Abandoned, Engine, Run
-from isolation.sim.errors import SimError, bad_request, model_not_found, render_sim_error
+from isolation.sim.errors import SimError, bad_request, model_not_found, render_anthropic_error, render_sim_error
 from isolation.sim.generation import WordVocabulary
 from isolation.sim.logprobs import Scorer
+from isolation.sim.message_replies import MessagesReply
+from isolation.sim.messages import counted, merges_inline_system, parse_count_tokens, parse_messages
 from isolation.sim.metrics import build_registry, render
 from isolation.sim.protocol import (
     ChatPrompt,
@@ -60,6 +65,8 @@ from isolation.sim.protocol import (
 )
 from isolation.sim.recorder import RequestLog
 from isolation.sim.replies import ChatReply, CompletionReply, Reply
+from isolation.sim.response_replies import ResponsesReply
+from isolation.sim.responses import parse_responses, response_not_found
 from isolation.sim.streaming import EngineStream
 from isolation.tokens import ChatTemplateError, ModelTokenizer
 
@@ -77,6 +84,12 @@ def create_sim_app(config: SimConfig) -> Starlette:
             Route("/v1/models", endpoints.models, methods=["GET"]),
             Route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"]),
             Route("/v1/completions", endpoints.completions, methods=["POST"]),
+            Route("/v1/responses", endpoints.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", endpoints.stored_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}/cancel", endpoints.stored_response, methods=["POST"]),
+            Route("/v1/messages", endpoints.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", endpoints.count_message_tokens, methods=["POST"]),
+            embeddings.route(config, tokenizer, engine, endpoints.request_log),
             Route("/tokenize", endpoints.tokenize, methods=["POST"]),
             Route("/detokenize", endpoints.detokenize, methods=["POST"]),
             Route("/health", endpoints.health, methods=["GET"]),
@@ -131,6 +144,7 @@ class _Endpoints:
         self.request_log = request_log
         self.vocab_size = int(tokenizer.tokenizer.get_vocab_size(with_added_tokens=True))
         self.scorer = Scorer(engine.vocabulary, engine.detokenizer)
+        self.merge_inline_system = merges_inline_system(tokenizer)
 
     async def models(self, request: Request) -> Response:
         now = int(time.time())
@@ -173,6 +187,38 @@ class _Endpoints:
         prompt_ids = self._encode_text(completion.prompt)
         reply = partial(CompletionReply, echo=self._echoed(completion, prompt_ids))
         return await self._generate(request, prompt_ids, completion.sampling, reply)
+
+    async def responses(self, request: Request) -> Response:
+        asked = parse_responses(await self._read_body(request, record=True))
+        self._check_model(asked.sampling.model)
+        asked.check(self.config.max_model_len)
+        prompt_ids = self._encode_chat(asked.prompt)
+        settings = asked.settings_for(len(prompt_ids), self.config.max_model_len)
+        reply = partial(ResponsesReply, tools=bool(asked.prompt.tools), request_id=asked.response_id, settings=settings)
+        return await self._generate(request, prompt_ids, asked.sampling, reply)
+
+    async def stored_response(self, request: Request) -> Response:
+        # Like vLLM without VLLM_ENABLE_RESPONSES_API_STORE, the simulator stores no response (responses.py).
+        raise response_not_found(request.path_params["response_id"])
+
+    async def messages(self, request: Request) -> Response:
+        asked = parse_messages(await self._read_body(request, record=True), self.merge_inline_system)
+        try:
+            self._check_model(asked.sampling.model)
+            asked.check(self.config.max_model_len)
+            prompt_ids = self._encode_chat(asked.prompt)
+            reply = partial(MessagesReply, tools=bool(asked.prompt.tools))
+            return await self._generate(request, prompt_ids, asked.sampling, reply)
+        except SimError as exc:
+            return render_anthropic_error(exc)
+
+    async def count_message_tokens(self, request: Request) -> Response:
+        asked = parse_count_tokens(await self._read_body(request, record=False), self.merge_inline_system)
+        try:
+            self._check_model(asked.model)
+            return _json(counted(self._encode_chat(asked.prompt), self.config.max_model_len))
+        except SimError as exc:
+            return render_anthropic_error(exc)
 
     async def tokenize(self, request: Request) -> Response:
         body = await self._read_body(request, record=False)

@@ -88,6 +88,11 @@ class Run:
         return len(self.prompt_ids)
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache (none for a stale-kv placeholder, which is never cached)."""
+        return self.table.hit_tokens if self.table is not None else 0
+
+    @property
     def length(self) -> int:
         return len(self.outputs[0])
 

@@ -2,7 +2,9 @@
 
     SimError               a request the engine refuses: HTTP status, message, OpenAI error type, param
 
-vLLM answers every refusal with `{"error": {"message", "type", "param", "code"}}`. Its validation errors
+vLLM answers every refusal with `{"error": {"message", "type", "param", "code"}}`, except that its Anthropic
+routes answer a refusal that comes after the body's validation with Anthropic's `{"type": "error", "error":
+{"type", "message"}}` (anthropic/api_router.py, translate_error_response). Its validation errors
 (VLLMValidationError) append "(parameter=P, value=V)" to the message (", value=V" only when there is one) and
 set `param`; the constructors below reproduce those texts exactly, because gateways and clients match on them.
 """
@@ -30,6 +32,9 @@ class SimError(Exception):
         error = {"message": self.message, "type": self.error_type, "param": self.param, "code": self.status}
         return orjson.dumps({"error": error})
 
+    def anthropic_body(self) -> bytes:
+        return orjson.dumps({"type": "error", "error": {"type": self.error_type, "message": self.message}})
+
 
 def bad_request(message: str, param: str | None = None) -> SimError:
     return SimError(message, param=param)
@@ -55,6 +60,15 @@ def context_length_exceeded(max_model_len: int, prompt_tokens: int) -> SimError:
     )
 
 
+def output_over_window(param: str, value: int, max_model_len: int) -> SimError:
+    """vLLM's refusal of an output budget larger than the whole window, before the prompt is even rendered."""
+    return invalid_value(
+        f"{param}={value} cannot be greater than max_model_len={max_model_len}. Please request fewer output tokens.",
+        param,
+        value,
+    )
+
+
 def max_tokens_too_small(value: int) -> SimError:
     return invalid_value(f"max_tokens must be at least 1, got {value}.", "max_tokens", value)
 
@@ -64,6 +78,11 @@ def too_many_logprobs(kind: str, param: str, requested: int, limit: int) -> SimE
     return invalid_value(
         f"Requested {kind} logprobs of {requested}, which is greater than max allowed: {limit}", param, requested
     )
+
+
+def render_anthropic_error(exc: SimError) -> Response:
+    """A refusal on an Anthropic route once its body has passed validation."""
+    return Response(exc.anthropic_body(), status_code=exc.status, media_type="application/json")
 
 
 async def render_sim_error(request: Request, exc: Exception) -> Response:

@@ -234,9 +234,7 @@ def parse_model(body: JsonObject) -> str | None:
 def parse_sampling(
     body: JsonObject, *max_keys: str, default_max_tokens: int | None = None, extras: Extras = PLAIN
 ) -> Sampling:
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.")
+    salt = parse_cache_salt(body)
     model = parse_model(body)
     stream = flag(body, "stream", False)
     options = body.get("stream_options")
@@ -258,6 +256,27 @@ def parse_sampling(
     include_usage = options is not None and bool(options.get("include_usage", True))
     continuous = options is not None and bool(options.get("continuous_usage_stats", False))
     return Sampling(model, n, max_tokens, stream, include_usage, include_usage and continuous, salt, extras)
+
+
+def parse_cache_salt(body: JsonObject) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.")
+    return salt
+
+
+def optional_int(body: JsonObject, name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and not _is_int(value):
+        raise bad_request(f"Field '{name}' must be an integer.", name)
+    return value
+
+
+def optional_str(body: JsonObject, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"Field '{name}' must be a string.", name)
+    return value
 
 
 def flag(body: JsonObject, name: str, default: bool) -> bool:

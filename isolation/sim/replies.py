@@ -27,6 +27,7 @@ from isolation.sim.engine import Run
 from isolation.sim.generation import WordVocabulary
 from isolation.sim.logprobs import Scored, Scorer, chat_logprobs, completion_logprobs, prompt_logprobs
 from isolation.sim.protocol import Sampling
+from isolation.sim.sse import DONE, data_event
 
 JsonObject = dict[str, Any]
 
@@ -52,6 +53,31 @@ class Reply:
 
     def body(self) -> JsonObject:
         raise NotImplementedError
+
+    def head_events(self) -> list[bytes]:
+        """What a stream sends once the run is admitted, before its first token: nothing, for OpenAI's chunks."""
+        return []
+
+    def token_events(self, step: int) -> list[bytes]:
+        """What a stream sends once the token at `step` is produced."""
+        return [data_event(chunk) for chunk in self.token_chunks(step)]
+
+    def closing_events(self) -> list[bytes]:
+        """What a stream sends after its last token."""
+        return [*(data_event(chunk) for chunk in self.closing_chunks()), DONE]
+
+    def token_chunks(self, step: int) -> list[JsonObject]:
+        """The chunks for the token at `step`, choices interleaved as vLLM batches them; vLLM sends the opening
+        chunks (a chat's role) with the first output, so they too arrive after the time to first token."""
+        chunks = self.opening_chunks() if step == 0 else []
+        for index in range(self.run.n):
+            chunk = self.token_chunk(index, step)
+            if chunk is not None:  # a tool call's withheld tokens have none
+                chunks.append(chunk)
+        return chunks
+
+    def closing_chunks(self) -> list[JsonObject]:
+        return [self.usage_chunk()] if self.sampling.include_usage else []
 
     def opening_chunks(self) -> list[JsonObject]:
         return []
@@ -209,7 +235,7 @@ class ChatReply(Reply):
             "function_call": None,
         }
         if self.calls_tool:
-            message["tool_calls"] = [{"id": _tool_call_id(), "type": "function", "function": self._function(index)}]
+            message["tool_calls"] = [{"id": tool_call_id(), "type": "function", "function": self._function(index)}]
         message["reasoning"] = None
         return message
 
@@ -217,7 +243,7 @@ class ChatReply(Reply):
         """The whole call in the last token's chunk, as a tool parser emits it once the call parses; before
         that vLLM sends a token's chunk (with an empty delta) only to carry its logprobs or token ids."""
         if step == self.run.length - 1:
-            call = {"id": _tool_call_id(), "type": "function", "index": 0, "function": self._function(index)}
+            call = {"id": tool_call_id(), "type": "function", "index": 0, "function": self._function(index)}
             return {"tool_calls": [call]}
         extras = self.sampling.extras
         return {} if extras.logprobs is not None or extras.token_ids else None
@@ -325,5 +351,5 @@ class CompletionReply(Reply):
         return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model}
 
 
-def _tool_call_id() -> str:
+def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex[:16]}"

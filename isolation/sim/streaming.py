@@ -11,39 +11,27 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
-import orjson
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from isolation.sim.engine import Engine, Run
-from isolation.sim.replies import JsonObject, Reply
-
-_DONE = b"data: [DONE]\n\n"
-
-
-def _event(chunk: JsonObject) -> bytes:
-    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+from isolation.sim.replies import Reply
 
 
 async def stream_events(engine: Engine, reply: Reply) -> AsyncGenerator[bytes, None]:
-    """One chunk per token per choice (choices interleaved, as vLLM batches them; a tool call's withheld tokens
-    have none), then usage, then [DONE]."""
+    """The reply's head events at once, then its events for each token as the engine produces it, then its
+    closing events; each API's reply decides what those are (replies.py, responses.py, messages.py)."""
     run = reply.run
+    for event in reply.head_events():
+        yield event
     for step in range(run.length):
         await engine.step(run)
-        if step == 0:
-            # vLLM sends the role chunks with the first output, so they too arrive after the TTFT.
-            for opening in reply.opening_chunks():
-                yield _event(opening)
         if step == run.length - 1:
             engine.finish(run)
-        for index in range(run.n):
-            chunk = reply.token_chunk(index, step)
-            if chunk is not None:
-                yield _event(chunk)
-    if reply.sampling.include_usage:
-        yield _event(reply.usage_chunk())
-    yield _DONE
+        for event in reply.token_events(step):
+            yield event
+    for event in reply.closing_events():
+        yield event
 
 
 class EngineStream(StreamingResponse):
