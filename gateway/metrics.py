@@ -289,7 +289,8 @@ class GatewayMetrics:
         self.shed = Counter(
             "bulkhead_shed_requests",
             "Requests refused with 429 capacity_exceeded because a model was saturated, by reason: queue_full, "
-            "wait_too_long (refused at once), timed_out (after fairness.max_queue_wait_s).",
+            "wait_too_long (refused at once), timed_out (after fairness.max_queue_wait_s), reject_if_busy (the request "
+            "asked not to wait: Workers AI's rejectIfBusy).",
             ["model", "reason"],
             registry=self.registry,
         )

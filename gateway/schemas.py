@@ -13,7 +13,7 @@ grammars, token lists) are bounded.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -346,6 +346,66 @@ class CompletionRequest(_Generation):
 InferenceRequest = ChatCompletionRequest | CompletionRequest
 
 
+# OpenAI's bound on the inputs of one embeddings request; and the most dimensions a vector may have, more than any
+# embedding model we know of (an answer above them is refused as too large: inference.answer_bound).
+MAX_EMBEDDING_INPUTS = 2048
+MAX_EMBEDDING_DIMENSIONS = 16_384
+WRITES_BASE64 = "the gateway writes base64 itself, as OpenAI's API does (little-endian float32)"
+EMBEDDING_REFUSED: dict[str, str] = {
+    "padding": UNCOUNTABLE,
+    "messages": "embeddings take `input` (texts or token ids); a conversation is not embedded here",
+    "embed_dtype": WRITES_BASE64,
+    "endianness": WRITES_BASE64,
+}
+EmbeddingText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request, with vLLM's `use_activation`."""
+
+    # Never streamed, one vector per input, no stop strings: what the pipeline asks of every request.
+    stream: ClassVar[bool] = False
+    n: ClassVar[int] = 1
+    stop: ClassVar[None] = None
+
+    model: ModelName
+    input: (
+        EmbeddingText
+        | Annotated[list[EmbeddingText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, le=MAX_EMBEDDING_DIMENSIONS)] | None = None
+    user: ShortText | None = None
+    # Overwritten with the tenant's own salt (or removed), as for the other routes.
+    cache_salt: Annotated[str, Field(max_length=1024)] | None = None
+    use_activation: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in data.keys() & EMBEDDING_REFUSED.keys():
+                raise ValueError(f"'{name}' is not accepted: {EMBEDDING_REFUSED[name]}")
+        return _refuse_known(data)
+
+    @property
+    def inputs(self) -> list[tuple[str, str | list[int]]]:
+        """Each input and its place in the request, which errors name (`input` when it is alone)."""
+        given = self.input
+        if isinstance(given, str):
+            return [("input", given)]
+        items: list[Any] = given
+        if isinstance(items[0], int):
+            return [("input", items)]
+        return [(f"input[{index}]", item) for index, item in enumerate(items)]
+
+
+AnyRequest = InferenceRequest | EmbeddingRequest
+
+
 _NAMED = re.compile(r"^'(\w+)'")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
@@ -363,7 +423,7 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
 _PATH = re.compile(r"([a-z_]+)(?:\.[a-z_]+|\[\d+\])*")
 
 
-def request_path(param: str | None, schema: type[ChatCompletionRequest] | type[CompletionRequest]) -> str | None:
+def request_path(param: str | None, schema: type[BaseModel]) -> str | None:
     """A backend's `param` when it is a path into a request field (`messages[0].content`), else None: anything
     else is just more of the backend's words."""
     found = _PATH.fullmatch(param or "")

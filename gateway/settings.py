@@ -50,6 +50,9 @@ class LimitSettings(_Section):
     max_json_depth: int = Field(default=32, ge=4, le=250, description="deeper JSON gets 400")
     max_output_tokens: int = Field(default=1_048_576, ge=1, description="max_tokens above this is absurd: 400")
     max_n: int = Field(default=16, ge=1, le=128, description="choices per request")
+    max_embedding_tokens: int = Field(
+        default=300_000, ge=1, description="tokens summed over the inputs of one embeddings request (OpenAI's cap)"
+    )
 
 
 class UpstreamSettings(_Section):
@@ -125,6 +128,11 @@ class ModelSettings(_Section):
 
     name: str = Field(min_length=1, description="as clients send it and the backends serve it")
     backends: list[str] = Field(min_length=1, description="names from backends[]: the replicas serving it")
+    task: Literal["generate", "embed"] = Field(
+        default="generate",
+        description="what its engines do: generate text (chat, completions, Responses, Messages) or embed "
+        "(/v1/embeddings; vLLM's --runner pooling); a request of the other kind gets 400, never forwarded",
+    )
     tokenizer: Path | None = Field(default=None, description="HF tokenizer dir; unset = ask the backend's /tokenize")
     context_window: int | None = Field(default=None, ge=1, description="the window advertised to clients")
     kv_capacity_tokens: int | None = Field(
@@ -470,10 +478,19 @@ class Settings(_Section):
         _unique("tenants", [t.id for t in self.tenants])
         _unique("tenants[].key_hashes", [h for t in self.tenants for h in t.key_hashes])
         backend_names = {b.name for b in self.backends}
+        tasks: dict[str, ModelSettings] = {}
         for i, model in enumerate(self.models):
             for backend in model.backends:
                 if backend not in backend_names:
                     raise ValueError(f"models[{i}].backends: model '{model.name}' names unknown backend '{backend}'")
+                # A vLLM server runs one task; and an embedding replica's inputs carry no marker, so it must never
+                # also answer with text.
+                other = tasks.setdefault(backend, model)
+                if other.task != model.task:
+                    raise ValueError(
+                        f"models[{i}].backends: backend '{backend}' serves '{other.name}' ({other.task}) and "
+                        f"'{model.name}' ({model.task}); a backend serves one task"
+                    )
         model_names = {m.name for m in self.models}
         for i, tenant in enumerate(self.tenants):
             for name in tenant.models:

@@ -21,6 +21,7 @@ from gateway.api.anthropic_shapes import (
     CountTokensRequest,
     EventWriter,
     MessagesRequest,
+    chat_error,
     chat_payload,
     error_body,
     message,
@@ -35,6 +36,8 @@ from gateway.pipeline.outcome import Answer, Outcome, Stream
 from gateway.pipeline.slot import Slot
 from gateway.schemas import Body, ChatCompletionRequest, validate
 from gateway.settings import ModelSettings, TenantSettings
+
+Asked = MessagesRequest | CountTokensRequest  # either route's request, as the client sent it
 
 # Asked of the engine on its chat route: the rendering the gateway counts is the one the engine runs.
 MESSAGES = Route("messages", "/v1/chat/completions", ChatCompletionRequest)
@@ -57,9 +60,10 @@ async def _read(
     return submission, validate(schema, submission.payload)
 
 
-def _refused(state: GatewayState, record: RequestRecord, error: GatewayError) -> Response:
+def _refused(state: GatewayState, record: RequestRecord, error: GatewayError, asked: Asked | None = None) -> Response:
+    """`asked`: the request, once it was translated (an error of the chat request then names the client's field)."""
     refusal = refuse(state, record, error)
-    return _json(error_body_of(refusal), refusal)
+    return _json(error_body_of(refusal, asked), refusal)
 
 
 async def messages(request: Request) -> Response:
@@ -70,8 +74,20 @@ async def messages(request: Request) -> Response:
         submission = replace(submission, payload=chat_payload(asked))
     except GatewayError as error:
         return _refused(state, record, error)
-    outcome = await run(state, MESSAGES, submission, record)
-    return anthropic_response(outcome, asked.model, message_id())
+    made = message_id()
+    writer = EventWriter(asked.model, made)
+
+    # What the client gets instead of a message (an answer the engine did not finish, tool arguments that are not an
+    # object), raised inside the pipeline so that the log and the metrics say it.
+    async def readable(answer: dict[str, Any]) -> None:
+        message(answer, asked.model, made)
+
+    async def at_end() -> None:
+        if (failed := writer.ending_failure()) is not None:
+            raise failed
+
+    outcome = await run(state, MESSAGES, submission, record, accept=readable, at_end=at_end)
+    return anthropic_response(outcome, asked, made, writer)
 
 
 async def count_tokens(request: Request) -> Response:
@@ -81,14 +97,19 @@ async def count_tokens(request: Request) -> Response:
     try:
         submission, asked = await _read(request, state, record, CountTokensRequest)
         payload = chat_payload(asked)
-        # The same checks as the request itself would meet: the chat fields it becomes, the model the key may use.
+    except GatewayError as error:
+        return _refused(state, record, error)
+    try:
+        # The same checks as the request itself would meet: the chat fields it becomes, the model the key may use, a
+        # block on the tenant's use of the model.
         validate(ChatCompletionRequest, {**payload, "max_tokens": 1})
         tenant = submission.tenant
         model = resolve_model(state, tenant, asked.model)
+        state.verdicts.check(tenant.id, model.name)
         record.model = model.name
         tokens = await _count(state, tenant, model, payload)
     except GatewayError as error:
-        return _refused(state, record, error)
+        return _refused(state, record, error, asked)
     record.status, record.prompt_tokens = 200, tokens
     accesslog.finish(record, state.metrics)
     return Response(
@@ -109,23 +130,29 @@ async def _count(state: GatewayState, tenant: TenantSettings, model: ModelSettin
         slot.release()
 
 
-def anthropic_response(outcome: Outcome, model: str, response_id: str) -> Response:
-    """The Anthropic routes' edge: a message as JSON, a stream as Anthropic's events, a refusal as its error."""
+def anthropic_response(outcome: Outcome, asked: MessagesRequest, response_id: str, writer: EventWriter) -> Response:
+    """The Anthropic routes' edge: a message as JSON, a stream as Anthropic's events (by `writer`), a refusal as its
+    error."""
     if isinstance(outcome, Stream):
-        return relayed_as(outcome, EventWriter(model, response_id))
+        return relayed_as(outcome, writer)
     if outcome.status != 200:
-        return _json(error_body_of(outcome), outcome)
+        return _json(error_body_of(outcome, asked), outcome)
     try:
-        body = message(outcome.body, model, response_id)
+        body = message(outcome.body, asked.model, response_id)
     except GatewayError as error:
         return _json(error_body(error.status, error.message), Answer(error.status, {}, outcome.headers))
     return _json(body, outcome)
 
 
-def error_body_of(answer: Answer) -> dict[str, Any]:
-    """A refusal the pipeline made in OpenAI's shape, in Anthropic's: the same status and message."""
+def error_body_of(answer: Answer, asked: Asked | None = None) -> dict[str, Any]:
+    """A refusal the pipeline made in OpenAI's shape, in Anthropic's: the same status and message, a chat field it
+    names (once `asked` was translated) named as the client's own."""
     said = answer.body.get("error") or {}
-    return error_body(answer.status, str(said.get("message") or "The request failed."))
+    text = str(said.get("message") or "The request failed.")
+    param = said.get("param")
+    if asked is not None:
+        text = chat_error(text, param if isinstance(param, str) else None, asked)
+    return error_body(answer.status, text)
 
 
 def _json(body: dict[str, Any], answer: Answer) -> Response:

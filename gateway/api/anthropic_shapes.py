@@ -10,6 +10,7 @@ reason and its usage (without the markers), never a field of the engine's own.
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Annotated, Any, Literal
 
@@ -32,8 +33,30 @@ ERROR_TYPES = {
     503: "overloaded_error",
     529: "overloaded_error",
 }
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# A filter that stopped the answer (content_filter) is what Anthropic's "refusal" says of its own classifiers.
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
+# vLLM's finish reasons for an answer the engine did not finish: the request aborted in the engine, or its generation
+# failed. The chat route relays them as they come; Anthropic has no stop_reason for either, and end_turn would tell a
+# client that a cut answer is whole: the answer fails instead, as a backend's error in the middle of a stream does.
+FAILED = {"abort": "was aborted in the engine", "error": "failed in the engine"}
 BILLING_HEADER = "x-anthropic-billing-header:"
+# The Messages request's field each chat field it sets came from (chat_payload), for errors that name a chat field.
+CHAT_FIELDS = {
+    "model": "model",
+    "max_tokens": "max_tokens",
+    "stream": "stream",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "stop": "stop_sequences",
+    "tools": "tools",
+    "tool_choice": "tool_choice",
+    "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
+    "thinking_token_budget": "thinking.budget_tokens",
+    "reasoning_effort": "output_config.effort",
+}
+TOOL_FIELDS = {"name": "name", "description": "description", "parameters": "input_schema"}
+CHAT_PATH = re.compile(r"([a-z_]+)(?:\[(\d+)\])?((?:\.[a-z_]+|\[\d+\])*)")
 
 
 class _Strict(BaseModel):
@@ -148,13 +171,9 @@ class CountTokensRequest(_Strict):
 def chat_payload(request: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     """The chat completion a Messages request is: the pipeline validates it again as one, with every other check."""
     messages: list[dict[str, Any]] = []
-    if request.system is not None:
-        blocks = [request.system] if isinstance(request.system, str) else [b.text for b in request.system]
-        # Claude Code's first system block is a per-request billing line that would make every prompt's prefix
-        # differ (vLLM drops it too): it is for Anthropic's billing, not for the model.
-        system = "\n".join(b for b in blocks if not b.startswith(BILLING_HEADER))
-        if system:
-            messages.append({"role": "system", "content": system})
+    system = _system(request)
+    if system:
+        messages.append({"role": "system", "content": system})
     if request.messages[-1].role == "assistant":
         raise InvalidRequest(
             "messages: a last assistant turn (a prefill to continue) is not supported; end with a user turn",
@@ -207,6 +226,52 @@ def chat_payload(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
     return payload
 
 
+def _system(request: MessagesRequest | CountTokensRequest) -> str | None:
+    if request.system is None:
+        return None
+    blocks = [request.system] if isinstance(request.system, str) else [b.text for b in request.system]
+    # Claude Code's first system block is a per-request billing line that would make every prompt's prefix differ
+    # (vLLM drops it too): it is for Anthropic's billing, not for the model.
+    return "\n".join(b for b in blocks if not b.startswith(BILLING_HEADER))
+
+
+def request_path(chat_path: str, request: MessagesRequest | CountTokensRequest) -> str | None:
+    """The field of the Messages request that a path into the chat request it became (`messages[3].content`) comes
+    from, as precisely as the translation tells (`messages[2]`: a turn can become several chat messages); None for
+    a chat field the client did not set."""
+    found = CHAT_PATH.fullmatch(chat_path)
+    if found is None:
+        return None
+    name, index, rest = found.group(1), found.group(2), found.group(3)
+    if name == "messages":
+        if index is None:
+            return "messages" if not rest else None
+        origins = (["system"] if _system(request) else []) + [
+            f"messages[{turn}]" for turn, said in enumerate(request.messages) for _ in _chat_messages(said)
+        ]
+        return origins[int(index)] if int(index) < len(origins) else None
+    if name == "tools" and index is not None:
+        field = re.fullmatch(r"\.function\.([a-z_]+)(.*)", rest)
+        if field is None or field.group(1) not in TOOL_FIELDS:
+            return f"tools[{index}]"
+        return f"tools[{index}].{TOOL_FIELDS[field.group(1)]}{field.group(2)}"
+    if name == "stop":
+        return "stop_sequences" + (f"[{index}]" if index is not None else "")
+    if name == "tool_choice":
+        return "tool_choice"  # its shape is the translation's: only the field is the client's
+    return CHAT_FIELDS.get(name) if index is None and not rest else None
+
+
+def chat_error(message: str, param: str | None, request: MessagesRequest | CountTokensRequest) -> str:
+    """An error's message about the chat request a Messages request became, naming the client's own field where it
+    names a chat field first (`messages[3].content: ...`), or no field where none of the client's is at fault."""
+    if param is None or not message.startswith(f"{param}: "):
+        return message
+    said = message.removeprefix(f"{param}: ")
+    field = request_path(param, request)
+    return f"{field}: {said}" if field is not None else said
+
+
 def _chat_messages(message: Message) -> list[dict[str, Any]]:
     """One Anthropic turn as chat messages: a user turn's tool results are tool messages of their own, in order."""
     if isinstance(message.content, str):
@@ -255,21 +320,25 @@ def message_id() -> str:
 
 
 def message(answer: dict[str, Any], model: str, request_id: str) -> dict[str, Any]:
-    """A checked chat completion (one choice) as Anthropic's message."""
+    """A checked chat completion (one choice) as Anthropic's message. A refusal (the model's own, in chat's
+    `refusal`) is its text, with stop_reason "refusal"."""
     choice = (answer.get("choices") or [{}])[0]
     said = choice.get("message") or {}
     finish = choice.get("finish_reason")
+    if (failed := failure(finish)) is not None:
+        raise failed
     content: list[dict[str, Any]] = []
     reasoning = said.get("reasoning_content") or said.get("reasoning")
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    if said.get("content"):
-        content.append({"type": "text", "text": said["content"]})
+    text = (said.get("content") or "") + (said.get("refusal") or "")
+    if text:
+        content.append({"type": "text", "text": text})
     calls = [_tool_use(call, finish) for call in said.get("tool_calls") or ()]
     content += [call for call in calls if call is not None]
     if not content:
         content.append({"type": "text", "text": ""})  # as Anthropic answers nothing: clients read content[0]
-    stop_reason, stop_sequence = _stop(finish, choice.get("stop_reason"), any(calls))
+    stop_reason, stop_sequence = _stop(finish, choice.get("stop_reason"), any(calls), bool(said.get("refusal")))
     usage = answer.get("usage") or {}
     return {
         "id": request_id,
@@ -310,9 +379,17 @@ def _tool_id() -> str:
     return "toolu_" + secrets.token_hex(12)
 
 
-def _stop(finish: str | None, matched: Any, called: bool) -> tuple[str | None, str | None]:
+def failure(finish: str | None) -> BackendBadResponse | None:
+    """The error that an answer the engine did not finish (finish_reason "abort" or "error") is, else None."""
+    how = FAILED.get(finish or "")
+    return None if how is None else BackendBadResponse(f"The answer {how} (finish_reason '{finish}').")
+
+
+def _stop(finish: str | None, matched: Any, called: bool, refused: bool) -> tuple[str | None, str | None]:
     if finish is None:
         return None, None
+    if refused:
+        return "refusal", None  # the model declined: no tool of its to run, nothing a larger max_tokens would change
     if called and finish != "length":
         # A named tool_choice finishes with "stop" in vLLM's chat layer, not "tool_calls": a tool was called all
         # the same, and an agent's loop runs tools on tool_use.
@@ -328,13 +405,22 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 
 class EventWriter:
-    """A checked chat stream as Anthropic's server-sent events: message_start, a content block per stretch of text or
-    thinking (start, deltas, stop), the tool calls' tool_use blocks, message_delta with the stop reason and usage,
+    """A checked chat stream as Anthropic's server-sent events: message_start; a thinking block, then a text block
+    (each streamed as it comes); the tool calls' tool_use blocks; message_delta with the stop reason and usage;
     message_stop.
+
+    Claude's own streams have one thinking block, then the text: reasoning that comes once the text has begun (the
+    guard releases a held end of the reasoning with the stream's last chunk, and some engines interleave the two)
+    would otherwise close the text and open block after block. It is held instead, and goes out as one thinking
+    block after the text, when the stream ends: text is never held back for it. A refusal (chat's `refusal`) is text
+    too, and makes the stop reason "refusal".
 
     Tool calls are held until the stream ends and go out whole: the guard may hold the end of a call's name or
     arguments (what could still begin a marker) until the last chunk, after the next call has begun, and a tool_use
-    block cannot be reopened once another has started."""
+    block cannot be reopened once another has started.
+
+    `failure`: the error the stream will end in instead of message_stop (an answer the engine did not finish, tool
+    arguments that are not an object), known from the choice's last chunk on, before the pipeline logs the stream."""
 
     def __init__(self, model: str, request_id: str) -> None:
         self._model = model
@@ -342,10 +428,14 @@ class EventWriter:
         self._started = False
         self._block = -1  # the index of the last content block opened, -1 before the first
         self._open: str | None = None  # what the open block holds: "text" or "thinking"
+        self._texted = False  # a text block was opened: reasoning from now on is held
+        self._late = ""  # reasoning held since, for a thinking block at the end
+        self._refused = False
         self._calls: dict[Any, dict[str, str]] = {}  # by the call's index: its id, name and arguments so far
         self._finish: str | None = None
         self._matched: Any = None
         self._usage: dict[str, Any] = {}
+        self.failure: GatewayError | None = None
 
     def chunk(self, chunk: dict[str, Any]) -> bytes:
         out: list[bytes] = []
@@ -357,34 +447,50 @@ class EventWriter:
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if reasoning:
+            if reasoning and self._texted:
+                self._late += reasoning
+            elif reasoning:
                 out += self._delta("thinking", {"type": "thinking_delta", "thinking": reasoning})
-            if delta.get("content"):
-                out += self._delta("text", {"type": "text_delta", "text": delta["content"]})
+            self._refused = self._refused or bool(delta.get("refusal"))
+            text = (delta.get("content") or "") + (delta.get("refusal") or "")
+            if text:
+                out += self._delta("text", {"type": "text_delta", "text": text})
             for call in delta.get("tool_calls") or ():
                 hold_call(self._calls, call)
             if choice.get("finish_reason") is not None:
                 self._finish, self._matched = choice["finish_reason"], choice.get("stop_reason")
+                # Nothing more comes for the choice: the guard released what it held with this chunk.
+                self.failure = failure(self._finish) or self._bad_call()
         return b"".join(out)
+
+    def ending_failure(self) -> GatewayError | None:
+        """The error the stream must end in instead of message_stop, once every chunk has come (a stream can end
+        without a finish_reason)."""
+        return self.failure or self._bad_call()
 
     def done(self) -> bytes:
         out = [] if self._started else [self._start()]
         out += self._close()
+        failed = self.ending_failure()
+        if failed is not None:
+            return b"".join([*out, self.error(failed)])
+        if self._late:
+            out.append(self._begin("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
+            out.append(self._event_delta({"type": "thinking_delta", "thinking": self._late}))
+            out += self._close()
         called = False
         for held in self._calls.values():
             try:
                 value = tool_input(held["arguments"])
-            except BackendBadResponse as error:
-                if self._finish == "length":
-                    continue  # cut short by the output limit: stop_reason max_tokens says so
-                return b"".join([*out, self.error(error)])
+            except BackendBadResponse:
+                continue  # cut short by the output limit (_bad_call): stop_reason max_tokens says so
             called = True
             block = {"type": "tool_use", "id": held["id"] or _tool_id(), "name": held["name"], "input": {}}
             out.append(self._begin("tool", block))
             arguments = orjson.dumps(value).decode()
             out.append(self._event_delta({"type": "input_json_delta", "partial_json": arguments}))
             out += self._close()
-        stop_reason, stop_sequence = _stop(self._finish or "stop", self._matched, called)
+        stop_reason, stop_sequence = _stop(self._finish or "stop", self._matched, called, self._refused)
         usage = {
             "input_tokens": tokens(self._usage, "prompt_tokens"),
             "output_tokens": tokens(self._usage, "completion_tokens"),
@@ -393,6 +499,17 @@ class EventWriter:
         out.append(_event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}))
         out.append(_event("message_stop", {"type": "message_stop"}))
         return b"".join(out)
+
+    def _bad_call(self) -> BackendBadResponse | None:
+        """The error of a held call whose arguments are not an object, unless the output limit cut it short."""
+        if self._finish == "length":
+            return None
+        for held in self._calls.values():
+            try:
+                tool_input(held["arguments"])
+            except BackendBadResponse as error:
+                return error
+        return None
 
     def error(self, error: GatewayError) -> bytes:
         return _event("error", error_body(error.status, error.message))
@@ -414,6 +531,7 @@ class EventWriter:
         out = []
         if self._open != kind:
             out += self._close()
+            self._texted = self._texted or kind == "text"
             opening = (
                 {"type": "text", "text": ""}
                 if kind == "text"

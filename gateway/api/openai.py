@@ -1,5 +1,5 @@
-"""The OpenAI surface: /v1/chat/completions and /v1/completions read from HTTP, run through the pipeline, and the
-outcome rendered as OpenAI's JSON or server-sent events."""
+"""The OpenAI surface: /v1/chat/completions, /v1/completions and /v1/embeddings read from HTTP, run through the
+pipeline, and the outcome rendered as OpenAI's JSON or server-sent events."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from gateway.accesslog import RequestRecord
 from gateway.api.body import parse_json_object, read_body
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import BackendBadResponse, GatewayError
-from gateway.pipeline.inference import CHAT, COMPLETIONS, Route, Submission, refuse, run
+from gateway.pipeline.inference import CHAT, COMPLETIONS, EMBEDDINGS, Route, Submission, refuse, run
 from gateway.pipeline.outcome import DONE, Event, Outcome, Stream
 from gateway.settings import TenantSettings
 from gateway.upstream.routing import SESSION_HEADER, session_id
@@ -35,6 +35,10 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     return await serve(request, state_of(request), COMPLETIONS)
+
+
+async def embeddings(request: Request) -> Response:
+    return await serve(request, state_of(request), EMBEDDINGS)
 
 
 class RelayResponse(StreamingResponse):

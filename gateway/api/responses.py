@@ -10,7 +10,7 @@ Responses asked to be stored (`store`, true unless false, as OpenAI's) are kept 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -23,8 +23,10 @@ from gateway import accesslog
 from gateway.api.conversations import Turn
 from gateway.api.openai import new_record, openai_response, read_submission, relayed_as
 from gateway.api.responses_shapes import (
+    MAX_ID,
     EventWriter,
     ResponsesRequest,
+    chat_error,
     chat_payload,
     item_page,
     response,
@@ -32,14 +34,15 @@ from gateway.api.responses_shapes import (
     stored_input,
 )
 from gateway.api.state import GatewayState, state_of
-from gateway.errors import ConversationsUnavailable, GatewayError, InvalidRequest, NotFound, error_response
+from gateway.errors import ConversationsUnavailable, GatewayError, InvalidRequest, NotFound
 from gateway.pipeline.inference import Route, refuse, run
-from gateway.pipeline.outcome import DONE, Event, Stream
+from gateway.pipeline.outcome import Stream
 from gateway.schemas import ChatCompletionRequest, validate
 from gateway.settings import TenantSettings
 
 log = logging.getLogger("bulkhead.responses")
 T = TypeVar("T")
+Admit = Callable[[TenantSettings], None] | None  # refuses a key the route does not serve (another account's)
 
 # Asked of the engine on its chat route, stateless: the rendering the gateway counts is the one the engine runs.
 RESPONSES = Route("responses", "/v1/chat/completions", ChatCompletionRequest)
@@ -59,7 +62,7 @@ _INCLUDES = {
 }
 
 
-async def create(request: Request, admit_tenant: Callable[[TenantSettings], None] | None = None) -> Response:
+async def create(request: Request, admit_tenant: Admit = None) -> Response:
     """POST /v1/responses; `admit_tenant` refuses a key the route does not serve (another account's)."""
     state = state_of(request)
     record = new_record(request, RESPONSES)
@@ -76,46 +79,37 @@ async def create(request: Request, admit_tenant: Callable[[TenantSettings], None
         submission = replace(submission, payload=chat_payload(asked, history), session=session)
     except GatewayError as error:
         return openai_response(refuse(state, record, error))
-    outcome = await run(state, RESPONSES, submission, record)
+    answered: dict[str, Any] = {}
 
-    async def save(answered: dict[str, Any]) -> None:
+    async def save(said: dict[str, Any]) -> None:
         if not keep:
             return
         kept = stored_input(asked)
-        size = (before.size if before is not None else 0) + len(orjson.dumps([kept, answered["output"]]))
+        size = (before.size if before is not None else 0) + len(orjson.dumps([kept, said["output"]]))
         chain = [*before.chain, before.id] if before is not None else []
-        await _stored(state.conversations.save(owner, Turn(made, answered, kept, chain, size)))
+        await _stored(state.conversations.save(owner, Turn(made, said, kept, chain, size)))
 
+    async def accept(answer: dict[str, Any]) -> None:
+        # Inside the pipeline, so that what the client gets instead (an answer the engine did not finish, a
+        # response that could not be stored) is what the log and the metrics say.
+        answered.update(response(answer, asked, made))
+        await save(answered)
+
+    writer = EventWriter(asked, made)
+
+    async def at_end() -> None:
+        # A stream's response is made, and stored, before its end goes out: the client must not name a response it
+        # was told is complete and find it missing.
+        await save(writer.finish())
+
+    outcome = await run(state, RESPONSES, submission, record, accept=accept, at_end=at_end)
     if isinstance(outcome, Stream):
-        writer = EventWriter(asked, made)
-        if keep:
-            outcome = replace(outcome, events=_saved_at_end(outcome.events, writer, save))
         return relayed_as(outcome, writer)
     if outcome.status != 200:
-        return openai_response(outcome)
-    try:
-        body = response(outcome.body, asked, made)
-        await save(body)
-    except GatewayError as error:
-        return error_response(error, outcome.headers)
-    return Response(orjson.dumps(body), media_type="application/json", headers=outcome.headers)
-
-
-async def _saved_at_end(
-    events: AsyncGenerator[Event, None], writer: EventWriter, save: Callable[[dict[str, Any]], Any]
-) -> AsyncGenerator[Event, None]:
-    """The stream's events, the response stored before its end goes out; an end that could not be stored is an
-    error (the client must not name a response it was told is complete and find it missing)."""
-    try:
-        async for event in events:
-            if event is DONE:
-                try:
-                    await save(writer.finish())
-                except GatewayError as error:
-                    event = error
-            yield event
-    finally:
-        await events.aclose()
+        said = outcome.body.get("error") or {}
+        message, param = chat_error(str(said.get("message")), said.get("param"), asked, history)
+        return openai_response(replace(outcome, body={"error": {**said, "message": message, "param": param}}))
+    return Response(orjson.dumps(answered), media_type="application/json", headers=outcome.headers)
 
 
 async def _conversation(
@@ -162,17 +156,19 @@ async def _stored(work: Awaitable[T]) -> T:
 Answer = Callable[[GatewayState, str, Turn, Request], Awaitable[dict[str, Any]]]
 
 
-async def _serve_stored(request: Request, allowed: set[str], answer: Answer) -> Response:
+async def _serve_stored(request: Request, allowed: set[str], answer: Answer, admit_tenant: Admit) -> Response:
     """A stored response's route: the tenant's turn by its id (404 when the tenant has none by that id, whoever else
-    may) and what `answer` makes of it, given the tenant's incarnation."""
+    may) and what `answer` makes of it, given the tenant's incarnation; `admit_tenant` as for create."""
     state = state_of(request)
     record = new_record(request, STORED)
     try:
         tenant = await state.tenants.authenticate(request.headers.get("authorization"))
         record.tenant = tenant.id
+        if admit_tenant is not None:
+            admit_tenant(tenant)
         _check_query(request, allowed)
         owner, name = tenant.incarnation(), request.path_params["response_id"]
-        [turn] = await _stored(state.conversations.load(owner, [name]))
+        [turn] = await _stored(state.conversations.load(owner, [name])) if len(name) <= MAX_ID else [None]
         if turn is None:
             raise _missing(name)
         body = await answer(state, owner, turn, request)
@@ -225,22 +221,22 @@ async def _input_items(state: GatewayState, owner: str, turn: Turn, request: Req
     return item_page([*earlier, *turn.input], order, query.get("after"), int(limit))
 
 
-async def retrieve(request: Request) -> Response:
+async def retrieve(request: Request, admit_tenant: Admit = None) -> Response:
     """GET /v1/responses/{response_id}: a stored response, as it was answered."""
-    return await _serve_stored(request, {"include", "stream", "include_obfuscation"}, _retrieved)
+    return await _serve_stored(request, {"include", "stream", "include_obfuscation"}, _retrieved, admit_tenant)
 
 
-async def delete(request: Request) -> Response:
+async def delete(request: Request, admit_tenant: Admit = None) -> Response:
     """DELETE /v1/responses/{response_id}: gone for good; a conversation that reached back to it ends there."""
-    return await _serve_stored(request, set(), _deleted)
+    return await _serve_stored(request, set(), _deleted, admit_tenant)
 
 
-async def cancel(request: Request) -> Response:
+async def cancel(request: Request, admit_tenant: Admit = None) -> Response:
     """POST /v1/responses/{response_id}/cancel."""
-    return await _serve_stored(request, set(), _cancelled)
+    return await _serve_stored(request, set(), _cancelled, admit_tenant)
 
 
-async def input_items(request: Request) -> Response:
+async def input_items(request: Request, admit_tenant: Admit = None) -> Response:
     """GET /v1/responses/{response_id}/input_items: the items the response was made from, its conversation's
     earlier turns included, a page at a time."""
-    return await _serve_stored(request, {"after", "limit", "order", "include"}, _input_items)
+    return await _serve_stored(request, {"after", "limit", "order", "include"}, _input_items, admit_tenant)

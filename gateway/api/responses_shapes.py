@@ -9,6 +9,7 @@ checked. Engines get the full input every time, a stored conversation's earlier 
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from gateway.api.anthropic_shapes import CHAT_PATH
 from gateway.api.openai import hold_call, tokens
 from gateway.errors import BackendBadResponse, GatewayError, InvalidRequest
 from gateway.schemas import ModelName, OutputTokens, ShortText
@@ -82,6 +84,7 @@ class ReasoningItem(_Strict):
 
 Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 _ITEMS: TypeAdapter[list[Item]] = TypeAdapter(list[Item])
+MAX_ID = 128  # a response id's length at most (the gateway's are 53): longer is no id, and never looked up
 # An item's id where its sender gave none, by its type (OpenAI's own prefixes).
 _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
@@ -140,7 +143,7 @@ class ResponsesRequest(_Strict):
     text: TextOptions | None = None
     reasoning: Reasoning | None = None
     store: bool | None = None
-    previous_response_id: str | None = None
+    previous_response_id: Annotated[str, Field(min_length=1, max_length=MAX_ID)] | None = None
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
     user: ShortText | None = None
     truncation: Literal["disabled"] | None = None
@@ -152,12 +155,20 @@ class ResponsesRequest(_Strict):
     service_tier: ShortText | None = None
     safety_identifier: ShortText | None = None
     stream_options: StreamOptions | None = None
+    # Read only to be refused with its reason (LangChain sends it when asked to compact): server-side compaction
+    # would summarise a conversation behind the client's back, and nothing here runs it.
+    context_management: list[dict[str, Any]] | None = None
 
 
 def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The chat completion a Responses request is: the pipeline validates it again as one, with every other check.
     `history`: a stored conversation's items before this request's input (its instructions are not carried over,
     as OpenAI's are not)."""
+    if request.context_management:
+        raise InvalidRequest(
+            "context_management: a conversation is not compacted here; send it whole, or shorten it yourself.",
+            param="context_management",
+        )
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
@@ -208,6 +219,84 @@ def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None
     if request.reasoning is not None and request.reasoning.effort is not None:
         payload["reasoning_effort"] = request.reasoning.effort
     return payload
+
+
+# A chat field named in an error, as the Responses request's own (None: not one the client set).
+_FIELDS = {
+    "model": "model",
+    "max_tokens": "max_output_tokens",
+    "stream": "stream",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "parallel_tool_calls": "parallel_tool_calls",
+    "user": "user",
+    "tool_choice": "tool_choice",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
+_TOOL_FIELDS = ("name", "description", "parameters", "strict")
+
+
+def request_path(chat_path: str, request: ResponsesRequest, history: list[dict[str, Any]]) -> str | None:
+    """The field of the Responses request that a path into the chat request it became (`messages[3].content`)
+    comes from, as precisely as the translation tells: `input[k]`, or `input` where items were made one turn, and
+    `previous_response_id` for a stored turn's; None for a chat field the client did not set."""
+    found = CHAT_PATH.fullmatch(chat_path)
+    if found is None:
+        return None
+    name, index, rest = found.group(1), found.group(2), found.group(3)
+    if name == "messages":
+        if index is None:
+            return "input" if not rest else None
+        origins = _origins(request, history)
+        return origins[int(index)] if int(index) < len(origins) else None
+    if name == "tools" and index is not None:
+        field = re.fullmatch(r"\.function\.([a-z_]+)(.*)", rest)
+        if field is None or field.group(1) not in _TOOL_FIELDS:
+            return f"tools[{index}]"
+        return f"tools[{index}].{field.group(1)}{field.group(2)}"
+    if name in ("tool_choice", "response_format"):
+        return _FIELDS[name]  # their shapes are the translation's: only the field is the client's
+    return _FIELDS.get(name) if index is None and not rest else None
+
+
+def _origins(request: ResponsesRequest, history: list[dict[str, Any]]) -> list[str]:
+    """Where each chat message of the request's translation comes from."""
+    messages: list[dict[str, Any]] = []
+    origins: list[str] = []
+    if request.instructions:
+        messages.append({"role": "system", "content": request.instructions})
+        origins.append("instructions")
+    stored = [(item, "previous_response_id") for item in _history(history)]
+    given = (
+        [(MessageItem(role="user", content=request.input), "input")]
+        if isinstance(request.input, str)
+        else [(item, f"input[{k}]") for k, item in enumerate(request.input)]
+    )
+    for item, origin in [*stored, *given]:
+        before = len(messages)
+        _append(messages, item)
+        if len(messages) > before:
+            origins.append(origin)
+        elif origins[-1] != origin:
+            origins[-1] = "input"  # one turn made of several items
+    return origins
+
+
+def chat_error(
+    message: str, param: str | None, request: ResponsesRequest, history: list[dict[str, Any]]
+) -> tuple[str, str | None]:
+    """An error about the chat request a Responses request became, as the client's: its message and `param` name the
+    client's own field (None where none of the client's is at fault)."""
+    if param is None or CHAT_PATH.fullmatch(param) is None:
+        return message, param  # not a field's path (a header's name): the client's as it is
+    field = request_path(param, request, history)
+    for joint in (": ", " "):
+        if message.startswith(param + joint):
+            said = message.removeprefix(param + joint)
+            message = f"{field}{joint}{said}" if field is not None else said
+            break
+    return re.sub(r"\bmax_tokens\b", "max_output_tokens", message), field
 
 
 def _history(items: list[dict[str, Any]]) -> list[Item]:

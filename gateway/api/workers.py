@@ -7,19 +7,24 @@ Under `/accounts/{account_id}` (and the same under `/client/v4`, Cloudflare's AP
                                           `external_reference`); answers `{"status": "queued", "request_id", "model"}`
     POST ai/run/{model}  {"request_id"}   poll (with or without the flag): `queued` / `running`, then `responses`
     GET  ai/run/{model}/requests/{id}     the same poll, as a GET (ours)
-    ai/v1/chat/completions, ai/v1/completions, ai/v1/models[/{model}]: the OpenAI-compatible routes
+    GET  ai/models/search                 the key's models, as Cloudflare's model search lists them (paged)
+    GET  ai/models/schema?model=…         a model's input and output JSON Schemas
+    ai/v1/chat/completions, ai/v1/completions, ai/v1/embeddings, ai/v1/responses[/{id}[/cancel|/input_items]],
+    ai/v1/models[/{model}]:               the OpenAI-compatible routes; any other ai/v1 path is OpenAI's 404
 
-A translation at the edges only: every request runs through the very same pipeline as /v1 (admission, salting,
-canaries, scanning, verification), and each answer is rendered here from the pipeline's outcome, in Workers AI's
-envelope `{"result", "success", "errors", "messages"}` with Workers AI's error codes (WORKERS_ERRORS). The account
-id must be the key's tenant. docs/workers-and-async.md sets every documented behaviour next to this one.
+A translation at the edges only (workers_shapes.py): every request runs through the very same pipeline as /v1
+(admission, salting, canaries, scanning, verification), and each answer is rendered from the pipeline's outcome, in
+Workers AI's envelope `{"result", "success", "errors", "messages"}` with Workers AI's error codes. The account id must
+be the key's tenant. Workers AI's own request options are never forwarded: JSON mode's `response_format` (its schema
+given bare) becomes the engine's, `temperature` and `top_p` in Workers AI's ranges are brought into the engine's,
+and `options.rejectIfBusy` makes the pipeline refuse rather than queue for a slot. The model catalogue's shapes are
+workers_models.py's. docs/workers-and-async.md sets every documented behaviour next to this one.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -32,10 +37,10 @@ from starlette.routing import Match, Route
 
 from gateway import accesslog
 from gateway.accesslog import RequestRecord
-from gateway.api import catalog, openai
-from gateway.api.body import depth_exceeds
+from gateway.api import catalog, openai, responses, workers_models
 from gateway.api.openai import RelayResponse
 from gateway.api.state import GatewayState, state_of
+from gateway.api.workers_shapes import rejects_if_busy, to_openai, workers_error, workers_event, workers_result
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -48,95 +53,30 @@ from gateway.errors import (
 )
 from gateway.jobs.queue import Job, JobQueue, JobStatus, QueueFull
 from gateway.pipeline import inference
-from gateway.pipeline.inference import CHAT, COMPLETIONS
-from gateway.pipeline.outcome import Answer, Event, Stream
+from gateway.pipeline.inference import CHAT, COMPLETIONS, EMBEDDINGS
+from gateway.pipeline.outcome import Answer, Stream
 from gateway.schemas import validate
 from gateway.settings import TenantSettings
-from gateway.upstream.sse import DONE as SSE_DONE
 
 log = logging.getLogger("bulkhead.queue")
 
-DATA = b"data: "
 QUEUE_ROUTE = "queue"  # the access log's route for enqueueing and polling
-# Workers AI's default output for text generation (`max_tokens`, default 256, in every model's input schema).
-WORKERS_MAX_TOKENS = 256
-ARGUMENTS_DEPTH = 64  # a tool call's arguments deeper than this stay text (orjson writes 254 levels at most)
-UNICODE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u[0-9a-fA-F]{4}")  # \uXXXX, not an escaped backslash before a u
-
-# Each gateway error code (the error tree's in errors.py, and those its raise sites set: `backend_rejected`,
-# `job_failed`, `account_mismatch`, …) → (Workers AI code, HTTP status as Workers AI answers it). Codes from Workers
-# AI's errors page, from its answers where the page lists none (5006 bad input, 5021 context window), and from
-# Cloudflare's API (7000, 7001, 7003, 10000); 8000-8006 are Bulkhead's own, for failures Workers AI has no code for.
-# docs/workers-and-async.md gives the source of each.
-WORKERS_ERRORS: dict[str, tuple[int, int]] = {
-    "invalid_request": (5006, 400),
-    "backend_rejected": (5006, 400),
-    "incomplete_request": (3003, 400),
-    "context_length_exceeded": (5021, 413),
-    "request_too_large": (3006, 413),
-    "lora_unsupported": (5005, 405),
-    "invalid_api_key": (10000, 401),
-    "account_mismatch": (10000, 403),
-    "model_not_allowed": (5018, 403),
-    "tenant_disabled": (3023, 403),
-    "model_not_found": (5007, 400),
-    "not_found": (7000, 404),
-    "request_not_found": (7003, 404),
-    "method_not_allowed": (7001, 405),
-    "rate_limited": (3036, 429),
-    "concurrency_limit_exceeded": (3036, 429),
-    "rate_limit_exceeded": (3036, 429),
-    "too_many_queued_requests": (3036, 429),
-    "exceeds_tokens_per_minute": (5006, 400),
-    "capacity_exceeded": (3040, 429),
-    "backend_unavailable": (3040, 429),
-    "capacity_unknown": (3040, 429),
-    "backend_unreachable": (3040, 429),
-    "rate_limit_unavailable": (3040, 429),
-    "queue_unavailable": (3040, 429),
-    "directory_unavailable": (3040, 429),
-    "unavailable": (3040, 429),
-    "shutting_down": (3040, 429),
-    "too_many_connections": (3040, 429),
-    "backend_timeout": (3007, 408),
-    "request_timeout": (3007, 408),
-    "internal_error": (8000, 500),
-    "answer_withheld": (8001, 502),
-    "backend_error": (8002, 502),
-    "backend_bad_response": (8002, 502),
-    "job_failed": (8003, 500),
-    "conflict": (8004, 409),
-    "client_disconnected": (8005, 499),
-    "verdicts_exceeded": (8006, 403),
-    "tenant_exists": (8004, 409),
-    "tenant_configured": (8004, 409),
-}
-UNMAPPED = 8000  # a code missing from the table (a test keeps the table complete): reported, never a KeyError
 
 
-# --- Errors ---------------------------------------------------------------------------------------------------------
-
-
-def workers_error(error: dict[str, Any], status: int) -> tuple[dict[str, Any], int]:
-    """An OpenAI error object as Workers AI reports it, and the HTTP status it goes with.
-
-    `code` is Workers AI's number; `type` keeps the gateway's own code (OpenAI's `error.code`) for our tools;
-    `source.pointer` names the offending field, as Cloudflare's API does.
-    """
-    code = error.get("code")
-    number, workers_status = WORKERS_ERRORS.get(code if isinstance(code, str) else "", (UNMAPPED, status))
-    reported: dict[str, Any] = {"code": number, "message": error.get("message"), "type": code}
-    param = error.get("param")
-    if isinstance(param, str) and param:
-        # "messages[0].content" → "/messages/0/content"
-        reported["source"] = {"pointer": "/" + re.sub(r"\[(\d+)\]", r".\1", param).replace(".", "/")}
-    return reported, workers_status
+# --- Cloudflare's envelope ------------------------------------------------------------------------------------------
 
 
 def envelope(
-    result: Any, status: int, errors: list[dict[str, Any]] | None = None, headers: dict[str, str] | None = None
+    result: Any,
+    status: int,
+    errors: list[dict[str, Any]] | None = None,
+    headers: dict[str, str] | None = None,
+    info: dict[str, Any] | None = None,
 ) -> Response:
+    """Cloudflare's envelope; `info`: a paged list's `result_info`."""
     body = {"result": result, "success": not errors, "errors": errors or [], "messages": []}
+    if info is not None:
+        body["result_info"] = info
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
@@ -153,124 +93,17 @@ def check_account(account_id: str, tenant: TenantSettings) -> None:
         )
 
 
-# --- A Workers AI body as an OpenAI request -------------------------------------------------------------------------
+# --- Answers --------------------------------------------------------------------------------------------------------
 
 
-def to_openai(
-    state: GatewayState, tenant: TenantSettings, model: str, body: dict[str, Any]
-) -> tuple[inference.Route, dict[str, Any]]:
-    """A Workers AI text-generation body as the OpenAI request the pipeline runs.
-
-    `prompt` is templated as a user turn (Workers AI does so unless `raw: true`, which sends it as a completion);
-    the output defaults to Workers AI's 256 tokens; Workers-style tools become OpenAI tools; a stream always ends
-    with its usage line, as Workers AI's do.
-    """
-    payload = {k: v for k, v in body.items() if k != "queueRequest"}
-    raw = payload.pop("raw", False)
-    if not isinstance(raw, bool):
-        raise InvalidRequest("`raw` must be true or false.", param="raw")
-    _check_run_options(payload.pop("options", {}))
-    if "lora" in payload:
-        raise InvalidRequest("LoRA adapters are not served here.", param="lora", code="lora_unsupported")
-    if "requests" in payload:
-        raise InvalidRequest("`requests` is a batch: queue it with `?queueRequest=true`.", param="requests")
-    if "messages" in payload and "prompt" in payload:
-        raise InvalidRequest("Send `messages` or `prompt`, not both.", param="prompt")
-    if "messages" not in payload and "prompt" not in payload:
-        raise InvalidRequest(
-            "The body needs `messages` (chat) or `prompt`.", param="messages", code="incomplete_request"
-        )
-    payload["model"] = model
-    if "max_tokens" not in payload and "max_completion_tokens" not in payload:
-        payload["max_tokens"] = min(WORKERS_MAX_TOKENS, inference.output_cap(state, tenant))
-    if isinstance(payload.get("tools"), list):
-        payload["tools"] = [_openai_tool(tool) for tool in payload["tools"]]
-    options = payload.get("stream_options")
-    if payload.get("stream") is True and (options is None or isinstance(options, dict)):
-        payload["stream_options"] = {**(options or {}), "include_usage": True}
-    if "prompt" in payload and not raw:
-        payload["messages"] = [{"role": "user", "content": payload.pop("prompt")}]
-    return (CHAT if "messages" in payload else COMPLETIONS), payload
-
-
-def _check_run_options(options: Any) -> None:
-    """`options.rejectIfBusy` asks Workers AI not to wait in a capacity queue; the gateway never does, so it has
-    nothing to change here, but anything else in `options` is refused like any unknown field."""
-    if not isinstance(options, dict) or any(k != "rejectIfBusy" or not isinstance(v, bool) for k, v in options.items()):
-        raise InvalidRequest("`options` takes `rejectIfBusy` (true or false) alone.", param="options")
-
-
-def _openai_tool(tool: Any) -> Any:
-    """Workers AI also takes a tool as `{name, description, parameters}`; OpenAI's form passes as it is."""
-    if isinstance(tool, dict) and "name" in tool and "function" not in tool:
-        return {"type": "function", "function": tool}
-    return tool
-
-
-# --- Answers in Workers AI's shapes ---------------------------------------------------------------------------------
-
-
-def _first_choice(answer: dict[str, Any]) -> dict[str, Any]:
-    """The choice Workers AI shows (index 0): a choice of another index is never mistaken for it."""
-    for choice in answer.get("choices") or ():
-        if isinstance(choice, dict) and (choice.get("index") or 0) == 0:
-            return choice
-    return {}
-
-
-def workers_result(body: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI answer as Workers AI's text-generation result: `response`, `tool_calls` when any, `usage`."""
-    choice = _first_choice(body)
-    message = choice.get("message")
-    text = message.get("content") if isinstance(message, dict) else choice.get("text")
-    result: dict[str, Any] = {"response": text or ""}
-    calls = message.get("tool_calls") if isinstance(message, dict) else None
-    if isinstance(calls, list) and calls:
-        result["tool_calls"] = [_tool_call(call) for call in calls]
-    result["usage"] = body.get("usage")
-    return result
-
-
-def _tool_call(call: Any) -> dict[str, Any]:
-    """Workers AI's `{name, arguments}`, the arguments an object; OpenAI's are JSON text (kept as text if not JSON)."""
-    function = call.get("function") if isinstance(call, dict) else None
-    function = function if isinstance(function, dict) else {}
-    return {"name": function.get("name"), "arguments": decoded_arguments(function.get("arguments"))}
-
-
-def decoded_arguments(text: Any) -> Any:
-    """The arguments decoded, when what goes out is then exactly what the guard scanned: a \\u escape would decode
-    to characters it never saw (a marker spelled in escapes), so such text stays text, as does JSON too deep to
-    write back out."""
-    if not isinstance(text, str) or ("\\u" in text and UNICODE_ESCAPE.search(text)):
-        return text
-    try:
-        decoded = orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return text  # not JSON: the model's text, as it wrote it
-    return text if depth_exceeds(decoded, ARGUMENTS_DEPTH) else decoded
-
-
-def workers_answer(answer: Answer) -> Response:
+def workers_answer(answer: Answer, json_mode: bool = False) -> Response:
     if answer.status != 200:
         return failure(answer)
-    return envelope(workers_result(answer.body), 200, headers=answer.headers)
-
-
-def workers_event(event: Event) -> bytes:
-    """One event of a stream as Workers AI's SSE lines: `{"response"}` chunks, the usage line, errors, [DONE]."""
-    if isinstance(event, GatewayError):
-        error, _ = workers_error(event.body()["error"], event.status)
-        return DATA + orjson.dumps({"errors": [error]}) + b"\n\n" + SSE_DONE
-    if not isinstance(event, dict):  # DONE
-        return SSE_DONE
-    choice = _first_choice(event)
-    delta = choice.get("delta")
-    text = (delta.get("content") if isinstance(delta, dict) else None) if "delta" in choice else choice.get("text")
-    line: dict[str, Any] = {"response": text or ""}
-    if event.get("usage"):
-        line["usage"] = event["usage"]
-    return DATA + orjson.dumps(line) + b"\n\n" if text or "usage" in line else b""
+    try:
+        result = workers_result(answer.body, json_mode)
+    except GatewayError as error:  # JSON mode's answer is not JSON
+        return failure(Answer.refusal(error, answer.headers))
+    return envelope(result, 200, headers=answer.headers)
 
 
 # --- The batch API --------------------------------------------------------------------------------------------------
@@ -315,7 +148,13 @@ def _queued_item(
     try:
         if reference is not None and not isinstance(reference, str):
             raise InvalidRequest("`external_reference` must be a string.", param="external_reference")
-        route, payload = to_openai(state, tenant, model, item)
+        asked = to_openai(state, tenant, model, item)
+        if asked.json_mode:
+            # A poll renders a stored answer without its request: it could not know to parse this one.
+            raise InvalidRequest(
+                "JSON mode is not served in a queued batch: run it synchronously.", param="response_format"
+            )
+        route, payload = asked.route, asked.payload
         payload["stream"] = False  # a queued answer is stored whole
         payload.pop("stream_options", None)
         validate(route.schema, payload)
@@ -383,8 +222,8 @@ def batch_result(request_id: str, status: JobStatus) -> dict[str, Any]:
     if not _finished(status):
         return {"status": status.status, "request_id": request_id}
     references = status.references + [None] * (status.items - len(status.references))
-    responses = [item_response(i, status.results.get(i), references[i]) for i in range(status.items)]
-    return {"responses": responses, "usage": total_usage(status.results.values())}
+    answers = [item_response(i, status.results.get(i), references[i]) for i in range(status.items)]
+    return {"responses": answers, "usage": total_usage(status.results.values())}
 
 
 def item_response(index: int, stored: dict[str, Any] | None, reference: str | None) -> dict[str, Any]:
@@ -445,14 +284,15 @@ async def run_model(request: Request) -> Response:
         if is_queued(request, body):
             record.route = QUEUE_ROUTE
             return _answered(state, record, await enqueue(state, tenant, model, body))
-        route, payload = to_openai(state, tenant, model, body)
+        asked = to_openai(state, tenant, model, body)
     except GatewayError as error:
         return failure(inference.refuse(state, record, error))
-    record.route = route.name
-    outcome = await inference.run(state, route, replace(submission, payload=payload), record)
+    record.route = asked.route.name
+    submission = replace(submission, payload=asked.payload, reject_if_busy=asked.reject_if_busy)
+    outcome = await inference.run(state, asked.route, submission, record)
     if isinstance(outcome, Stream):
         return RelayResponse(outcome, workers_event)
-    return workers_answer(outcome)
+    return workers_answer(outcome, asked.json_mode)
 
 
 async def _polled(request: Request, state: GatewayState, record: RequestRecord, account: str | None) -> JobStatus:
@@ -489,20 +329,50 @@ def _account_check(request: Request) -> Callable[[TenantSettings], None]:
     return partial(check_account, request.path_params["account_id"])
 
 
+async def _account_tenant(request: Request, state: GatewayState) -> TenantSettings:
+    tenant = await state.tenants.authenticate(request.headers.get("authorization"))
+    check_account(request.path_params["account_id"], tenant)
+    return tenant
+
+
 async def account_chat(request: Request) -> Response:
-    return await openai.serve(request, state_of(request), CHAT, _account_check(request))
+    """/v1's chat completions for this account, with Workers AI's `options.rejectIfBusy` at the body's top level
+    (taken out before the body is validated as /v1's: it goes nowhere upstream)."""
+    state = state_of(request)
+    record = openai.new_record(request, CHAT)
+    try:
+        submission = await openai.read_submission(request, state, record)
+        check_account(request.path_params["account_id"], submission.tenant)
+        if "options" in submission.payload:
+            submission = replace(submission, reject_if_busy=rejects_if_busy(submission.payload.pop("options")))
+    except GatewayError as error:
+        return openai.openai_response(inference.refuse(state, record, error))
+    return openai.openai_response(await inference.run(state, CHAT, submission, record))
 
 
 async def account_completions(request: Request) -> Response:
     return await openai.serve(request, state_of(request), COMPLETIONS, _account_check(request))
 
 
+async def account_embeddings(request: Request) -> Response:
+    return await openai.serve(request, state_of(request), EMBEDDINGS, _account_check(request))
+
+
+def _on_account(
+    serve: Callable[[Request, Callable[[TenantSettings], None]], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """A Responses route (responses.py) for this account: another account's key is refused."""
+
+    async def endpoint(request: Request) -> Response:
+        return await serve(request, _account_check(request))
+
+    return endpoint
+
+
 async def _account_catalog(request: Request, answer: Callable[[GatewayState, TenantSettings], Any]) -> Response:
     state = state_of(request)
     try:
-        tenant = await state.tenants.authenticate(request.headers.get("authorization"))
-        check_account(request.path_params["account_id"], tenant)
-        content = answer(state, tenant)
+        content = answer(state, await _account_tenant(request, state))
     except GatewayError as error:
         return error_response(error)
     return Response(orjson.dumps(content), media_type="application/json")
@@ -517,23 +387,56 @@ async def account_model(request: Request) -> Response:
     return await _account_catalog(request, lambda state, tenant: catalog.retrieve(state, tenant, name))
 
 
+async def _cloudflare_api(request: Request, answer: workers_models.Listing) -> Response:
+    """A route of Cloudflare's own API for this account (the model catalogue), in its envelope."""
+    state = state_of(request)
+    try:
+        result, info = answer(state, await _account_tenant(request, state), request.query_params)
+    except GatewayError as error:
+        return failure(Answer.refusal(error, {}))
+    return envelope(result, 200, info=info)
+
+
+async def models_search(request: Request) -> Response:
+    return await _cloudflare_api(request, workers_models.search)
+
+
+async def model_schema(request: Request) -> Response:
+    return await _cloudflare_api(request, workers_models.schema)
+
+
+def _unrouted(request: Request) -> GatewayError:
+    if any(route.matches(request.scope)[0] is Match.PARTIAL for route in request.app.router.routes):
+        return MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}.")
+    return NotFound(f"No route {request.method} {request.url.path}.")
+
+
 async def unknown_route(request: Request) -> Response:
     """Under the account and Cloudflare's API root, what matches no route is answered in the Workers envelope."""
-    method_only = any(route.matches(request.scope)[0] is Match.PARTIAL for route in request.app.router.routes)
-    if method_only:
-        error: GatewayError = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}.")
-    else:
-        error = NotFound(f"No route {request.method} {request.url.path}.")
+    error = _unrouted(request)
     reported, status = workers_error(error.body()["error"], error.status)
     return envelope(None, status, [reported])
+
+
+async def unknown_openai_route(request: Request) -> Response:
+    """Under the account's OpenAI-compatible base URL (`…/ai/v1`), what matches no route is OpenAI's 404 (or 405)."""
+    return error_response(_unrouted(request))
 
 
 ACCOUNT_ROUTES: list[tuple[str, Callable[[Request], Any], list[str]]] = [
     # The GET poll first: `{model:path}` would otherwise swallow ".../requests/{id}".
     ("/ai/run/{model:path}/requests/{request_id}", poll_workers, ["GET"]),
     ("/ai/run/{model:path}", run_model, ["POST"]),
+    ("/ai/models/search", models_search, ["GET"]),
+    ("/ai/models/schema", model_schema, ["GET"]),
     ("/ai/v1/chat/completions", account_chat, ["POST"]),
+    ("/ai/v1/responses", _on_account(responses.create), ["POST"]),
+    ("/ai/v1/responses/{response_id}", _on_account(responses.retrieve), ["GET"]),
+    ("/ai/v1/responses/{response_id}", _on_account(responses.delete), ["DELETE"]),
+    ("/ai/v1/responses/{response_id}/cancel", _on_account(responses.cancel), ["POST"]),
+    ("/ai/v1/responses/{response_id}/input_items", _on_account(responses.input_items), ["GET"]),
     ("/ai/v1/completions", account_completions, ["POST"]),
+    ("/ai/v1/embeddings", account_embeddings, ["POST"]),
     ("/ai/v1/models", account_models, ["GET"]),
     ("/ai/v1/models/{model:path}", account_model, ["GET"]),
 ]
@@ -549,7 +452,12 @@ def routes() -> list[Route]:
         for path, endpoint, methods in ACCOUNT_ROUTES
     ]
     # Last: they take only what no other route of the app matched (every method: Starlette's default is GET alone).
+    # The OpenAI-compatible base URL answers as OpenAI does, everything else under the account as Cloudflare does.
+    unknown_openai = [
+        Route(f"{root}/accounts/{{account_id}}/ai/v1/{{rest:path}}", unknown_openai_route, methods=ANY_METHOD)
+        for root in ROOTS
+    ]
     unknown = [
         Route(f"{root}/{{rest:path}}", unknown_route, methods=ANY_METHOD) for root in ("/accounts", "/client/v4")
     ]
-    return [*account, Route("/v1/requests/{request_id}", poll_openai, methods=["GET"]), *unknown]
+    return [*account, Route("/v1/requests/{request_id}", poll_openai, methods=["GET"]), *unknown_openai, *unknown]

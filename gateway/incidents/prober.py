@@ -62,8 +62,9 @@ async def probe_once(state: ProbingParts) -> int:
     """One pass over the routable replicas; returns how many critical findings it recorded."""
     found = 0
     for replica in [r for r in state.pool.replicas.values() if r.routable]:
+        # The probes are chat requests: a replica that embeds has no text to leak into and is not probed.
         model = next((m for m in state.settings.models if replica.name in m.backends), None)
-        if model is None:
+        if model is None or model.task != "generate":
             continue
         try:
             critical = await probe(state, replica, model)

@@ -7,6 +7,9 @@ then run alongside the upstream call). Only prompts in between wait for the toke
 Two prompts are counted: the one sent (with the gateway's canary markers, which the engine must hold) decides
 admission and is what the backend's usage is checked against; the tenant's own (without them) is what the
 tenant sees in its usage and is charged for.
+
+An embeddings request's inputs (admit_inputs) carry no marker, and each is embedded on its own with no output: each
+is counted exactly against the limit, and their sum against a cap on the whole request.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from gateway.upstream.backends import Replica
 from gateway.upstream.capacity import PromptLimit
 
 Count = int | asyncio.Future[int]
+# Inputs of one embeddings request counted at once: 2,048 inputs must not be 2,048 /tokenize calls to one replica.
+COUNTS_AT_ONCE = 16
 
 
 @dataclass
@@ -129,3 +134,58 @@ async def admit(
         return Admission(estimate=own_count, max_tokens=limit.tokens - counted, sent=counted, own=own_count)
     added = f" ({counted - own_count} of them added by the gateway for isolation)" if counted > own_count else ""
     raise _refuse(metrics, model, limit, f"{counted} tokens{added}", counted, output, explicit, param)
+
+
+async def admit_inputs(
+    inputs: list[Prompt],
+    max_total: int,
+    model: ModelSettings,
+    limit: PromptLimit | None,
+    counter: PromptCounter,
+    metrics: GatewayMetrics,
+    replica: Replica | None = None,
+) -> Admission:
+    """Admit an embeddings request's inputs: each against the limit (the engine embeds each in a window of its own),
+    all of them against `max_total`. Lower bounds refuse first; then every input is counted exactly before anything is
+    forwarded, since the answer's usage is checked against their sum."""
+    limit = known(model, limit)
+    lower = [counter.lower_bound(prompt) for prompt in inputs]
+    _check_inputs(inputs, lower, "at least ", max_total, model, limit, metrics)
+    counts: list[int] = []
+    for start in range(0, len(inputs), COUNTS_AT_ONCE):
+        group = inputs[start : start + COUNTS_AT_ONCE]
+        if all(map(counter.is_cheap, group)):
+            counts += [await counter.count(prompt, replica) for prompt in group]
+        else:
+            counts += await asyncio.gather(*(counter.count(prompt, replica) for prompt in group))
+    total = sum(counts)
+    metrics.prompt_tokens.labels(model.name).observe(total)
+    _check_inputs(inputs, counts, "", max_total, model, limit, metrics)
+    return Admission(estimate=total, max_tokens=0, sent=total, own=total)
+
+
+def _check_inputs(
+    inputs: list[Prompt],
+    counts: list[int],
+    at_least: str,
+    max_total: int,
+    model: ModelSettings,
+    limit: PromptLimit,
+    metrics: GatewayMetrics,
+) -> None:
+    for prompt, count in zip(inputs, counts, strict=True):
+        if count > limit.tokens:
+            metrics.admission_rejections.labels(model.name, limit.reason).inc()
+            raise ContextLengthExceeded(
+                f"{prompt.param} has {at_least}{count} tokens; the limit is {limit.tokens} tokens an input, set by "
+                f"{limit.source}. Shorten it.",
+                param=prompt.param,
+            )
+    total = sum(counts)
+    if total > max_total:
+        metrics.admission_rejections.labels(model.name, "max_embedding_tokens").inc()
+        raise ContextLengthExceeded(
+            f"The inputs have {at_least}{total} tokens in all; at most {max_total} are embedded in one request "
+            "(limits.max_embedding_tokens). Send fewer inputs at a time.",
+            param="input",
+        )

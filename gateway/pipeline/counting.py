@@ -39,6 +39,7 @@ class Prompt:
     # Whose prompt it is (TenantSettings.incarnation): its pieces' counts are kept for this owner only
     # (gateway/pipeline/piece_counts.py).
     owner: str | None = None
+    param: str = "prompt"  # where a text or token-id prompt is in its request, which errors name
 
     @classmethod
     def of_chat(cls, payload: Mapping[str, Any], owner: str | None = None) -> Prompt:
@@ -52,8 +53,14 @@ class Prompt:
 
     @classmethod
     def of_completion(cls, payload: Mapping[str, Any], owner: str | None = None) -> Prompt:
-        prompt = payload["prompt"]
-        return cls(text=prompt, owner=owner) if isinstance(prompt, str) else cls(token_ids=prompt, owner=owner)
+        return cls.of_text(payload["prompt"], "prompt", owner)
+
+    @classmethod
+    def of_text(cls, value: str | list[int], param: str, owner: str | None = None) -> Prompt:
+        """A text or token ids as they are (a completion's prompt, one input of an embeddings request)."""
+        if isinstance(value, str):
+            return cls(text=value, owner=owner, param=param)
+        return cls(token_ids=value, owner=owner, param=param)
 
     def contents(self, roles: frozenset[str] | None = None) -> Iterator[str]:
         """The caller's free text: the completion prompt, or the contents of messages (of these roles)."""
@@ -209,7 +216,7 @@ class LocalCounter:
     def count_now(self, prompt: Prompt) -> int:
         if prompt.token_ids is not None:
             if any(token >= self._vocab for token in prompt.token_ids):
-                raise InvalidRequest(f"prompt: token ids must be below {self._vocab}.", param="prompt")
+                raise InvalidRequest(f"{prompt.param}: token ids must be below {self._vocab}.", param=prompt.param)
             return len(prompt.token_ids)
         if prompt.text is not None:
             # What the post-processor adds (BOS) does not depend on the text.

@@ -25,12 +25,21 @@ from gateway.errors import (
 from gateway.incidents.quarantine import ResponderParts, on_leak
 from gateway.incidents.reporting import report
 from gateway.incidents.verdicts import VerdictBound
-from gateway.pipeline.admission import Admission, admit, known
+from gateway.pipeline import embeddings
+from gateway.pipeline.admission import Admission, admit, admit_inputs, known
 from gateway.pipeline.counting import LocalCounter, Prompt, PromptCounter
 from gateway.pipeline.outcome import DONE, Answer, Event, Outcome, Stream
 from gateway.pipeline.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, failing_closed, filtered
 from gateway.pipeline.slot import Slot, SlotParts
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, InferenceRequest, request_path, validate
+from gateway.schemas import (
+    AnyRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    InferenceRequest,
+    request_path,
+    validate,
+)
 from gateway.settings import ModelSettings, TenantSettings
 from gateway.tenancy.tenants import TenantDirectory
 from gateway.upstream.backends import Replica
@@ -91,11 +100,12 @@ class PipelineParts(SlotParts, ResponderParts, Protocol):
 class Route:
     name: str
     path: str
-    schema: type[ChatCompletionRequest] | type[CompletionRequest]
+    schema: type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
 
 
 CHAT = Route("chat", "/v1/chat/completions", ChatCompletionRequest)
 COMPLETIONS = Route("completions", "/v1/completions", CompletionRequest)
+EMBEDDINGS = Route("embeddings", "/v1/embeddings", EmbeddingRequest)
 
 
 def resolve_model(state: PipelineParts, tenant: TenantSettings, name: str) -> ModelSettings:
@@ -105,6 +115,16 @@ def resolve_model(state: PipelineParts, tenant: TenantSettings, name: str) -> Mo
     if not tenant.may_use(name):
         raise ModelNotAllowed(f"This API key may not use the model '{name}'.", param="model")
     return model
+
+
+def check_task(model: ModelSettings, request: AnyRequest) -> None:
+    """Refuse a request its model's engines do not serve (vLLM would answer it with an error of its own)."""
+    if isinstance(request, EmbeddingRequest) and model.task != "embed":
+        raise InvalidRequest(f"The model '{model.name}' generates text; it makes no embeddings.", param="model")
+    if not isinstance(request, EmbeddingRequest) and model.task != "generate":
+        raise InvalidRequest(
+            f"The model '{model.name}' is an embedding model: send its requests to /v1/embeddings.", param="model"
+        )
 
 
 def output_cap(state: PipelineParts, tenant: TenantSettings) -> int:
@@ -141,14 +161,7 @@ def upstream_body(
     salt: str,
     tenant: TenantSettings,
 ) -> bytes:
-    if model.cache_salt:
-        # Always the tenant's own: a salt the client chose could be another tenant's, and would join its cache.
-        payload["cache_salt"] = salt
-    else:
-        payload.pop("cache_salt", None)
-    if model.fairness.forward_priority:
-        # The tenant's setting is the only source: a client's own `priority` is refused (schemas.ENGINE_CONTROL).
-        payload["priority"] = tenant.limits.priority
+    set_controls(payload, model, salt, tenant)
     # Always: without it the engine would generate up to its whole window, past what admission reserved.
     payload[request.output_param] = admission.max_tokens
     if request.stream:
@@ -161,6 +174,18 @@ def upstream_body(
             "continuous_usage_stats": continuous,
         }
     return orjson.dumps(payload)
+
+
+def set_controls(payload: dict[str, Any], model: ModelSettings, salt: str, tenant: TenantSettings) -> None:
+    """What the gateway alone sets on any request to an engine: the tenant's cache salt and its priority."""
+    if model.cache_salt:
+        # Always the tenant's own: a salt the client chose could be another tenant's, and would join its cache.
+        payload["cache_salt"] = salt
+    else:
+        payload.pop("cache_salt", None)
+    if model.fairness.forward_priority:
+        # The tenant's setting is the only source: a client's own `priority` is refused (schemas.ENGINE_CONTROL).
+        payload["priority"] = tenant.limits.priority
 
 
 def plant_marker(state: PipelineParts, tenant: TenantSettings, payload: dict[str, Any], chat: bool) -> str | None:
@@ -210,7 +235,7 @@ class InferenceCall:
         record: RequestRecord,
         tenant: TenantSettings,
         model: ModelSettings,
-        request: InferenceRequest,
+        request: AnyRequest,
         admission: Admission,
         placement: Placement,
         slot: Slot,
@@ -518,6 +543,8 @@ class InferenceCall:
             if guard is not None:  # never relayed, but a leak there is one all the same
                 await guard.check_removed([("answer.raw", raw.decode("utf-8", "replace"))])
             raise
+        if isinstance(self.request, EmbeddingRequest):
+            return await self._embeddings(body, self.request, guard)
         removed = prune(body)
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
         if guard is not None and removed:
@@ -531,12 +558,27 @@ class InferenceCall:
             await guard.check_body(body)
         return body
 
-    async def relay(self) -> AsyncGenerator[Event, None]:
+    async def _embeddings(
+        self, body: dict[str, Any], request: EmbeddingRequest, guard: OutputGuard | None
+    ) -> dict[str, Any]:
+        """An embeddings answer built again from its vectors, once they answer the inputs and its usage adds up."""
+        vectors, removed = embeddings.vectors(body, request, self.replica.name)
+        if guard is not None and removed:
+            await guard.check_removed(removed)
+        if self.model.verify_usage:
+            await self.check_usage(body.get("usage") if isinstance(body.get("usage"), dict) else None)
+        answer = embeddings.answer(vectors, request, self.model.name, await self.admission.prompt_tokens())
+        self.record.take_usage(answer["usage"])
+        return answer
+
+    async def relay(self, at_end: Callable[[], Awaitable[object]] | None = None) -> AsyncGenerator[Event, None]:
+        """The checked stream; `at_end`: run run's at a clean end, before the log is written and [DONE] goes out."""
         assert self.response is not None
-        record = self.record
-        wanted = UsageWanted(final=self.request.include_usage, every_chunk=self.request.continuous_usage)
+        record, request = self.record, self.request
+        assert not isinstance(request, EmbeddingRequest)  # never streamed
+        wanted = UsageWanted(final=request.include_usage, every_chunk=request.continuous_usage)
         check = self.check_usage if self.model.verify_usage else None
-        bound = answer_bound(self.request, self.request.stream_interval or 1, self.sent_bytes)
+        bound = answer_bound(request, request.stream_interval or 1, self.sent_bytes)
         stream_filter = StreamFilter(
             wanted, check, self.view_usage, self.model.continuous_usage, self.output_guard(), bound
         )
@@ -547,6 +589,8 @@ class InferenceCall:
                 yield event
             self.finished = True
             last = DONE if stream_filter.done else None
+            if last is DONE and at_end is not None:
+                await at_end()
         except StreamWithheld as exc:
             last = self._ended(await self.withhold(exc))
         except StreamFailed:
@@ -570,8 +614,10 @@ class InferenceCall:
         return error
 
 
-def answer_bound(request: InferenceRequest, tokens: int, sent_bytes: int) -> int:
+def answer_bound(request: AnyRequest, tokens: int, sent_bytes: int) -> int:
     """The most bytes an honest answer (or one stream event) of `tokens` tokens per choice can take."""
+    if isinstance(request, EmbeddingRequest):
+        return ANSWER_BASE_BYTES + sent_bytes + embeddings.answer_bound(request)
     alternatives = (request.top_logprobs or 0) if isinstance(request, ChatCompletionRequest) else request.logprobs or 0
     return ANSWER_BASE_BYTES + sent_bytes + request.n * tokens * (alternatives + 1) * TOKEN_BYTES
 
@@ -593,6 +639,7 @@ class Submission:
     session: str | None = None
     batch: bool = False  # a queued job's: waits behind interactive requests, never refused for capacity
     gone: Callable[[], Awaitable[None]] | None = None  # returns when the client has gone away
+    reject_if_busy: bool = False  # refused (429 capacity_exceeded) rather than wait in the fair queue for a slot
 
 
 async def _admit(
@@ -602,8 +649,11 @@ async def _admit(
     record.tenant = tenant.id
     parsed = validate(route.schema, payload)
     model = resolve_model(state, tenant, parsed.model)
+    check_task(model, parsed)
     state.verdicts.check(tenant.id, model.name)
     record.model, record.stream = model.name, parsed.stream
+    if isinstance(parsed, EmbeddingRequest):
+        return await _admit_inputs(state, submission, record, model, parsed)
     default_output = check_request_limits(state, tenant, model, parsed)
     slot = Slot(state, tenant, model)
     prepared = None
@@ -636,7 +686,7 @@ async def _admit(
             raise unfingerprinted(model)
         body = upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.incarnation()), tenant)
         await slot.reserve(admission.estimate + admission.max_tokens * parsed.n)
-        await state.gate.enter(model, tenant, placement, submission.batch, submission.gone)
+        await state.gate.enter(model, tenant, placement, submission.batch, submission.gone, submission.reject_if_busy)
     except BaseException:
         slot.release()
         if isinstance(prepared, asyncio.Future):
@@ -659,6 +709,39 @@ async def _admit(
     return call, body
 
 
+async def _admit_inputs(
+    state: PipelineParts, submission: Submission, record: RequestRecord, model: ModelSettings, parsed: EmbeddingRequest
+) -> tuple[InferenceCall, bytes]:
+    """An embeddings request: each input admitted on its own and all of them together, held like any request. No
+    marker is planted (it would change the vectors) and nothing is fingerprinted (no text comes back, and a replica
+    that embeds serves nothing else: settings.py)."""
+    tenant = submission.tenant
+    owner = tenant.incarnation()
+    inputs = [Prompt.of_text(value, where, owner) for where, value in parsed.inputs]
+    slot = Slot(state, tenant, model)
+    try:
+        placement = Placement(state.router, model, tenant.id, submission.session, slot)
+        admission = await admit_inputs(
+            inputs,
+            state.settings.limits.max_embedding_tokens,
+            model,
+            state.capacity.limit(model, tenant),
+            state.counters[model.name],
+            state.metrics,
+            placement.replica,
+        )
+        payload = embeddings.upstream_body(submission.payload)
+        set_controls(payload, model, state.salts.salt(owner), tenant)
+        await slot.reserve(admission.estimate)
+        await state.gate.enter(model, tenant, placement, submission.batch, submission.gone, submission.reject_if_busy)
+    except BaseException:
+        slot.release()
+        raise
+    # The tenant's own texts, for the checks that tell its own words from another's (there are none to check here).
+    own = Prompt(owner=owner)
+    return InferenceCall(state, record, tenant, model, parsed, admission, placement, slot, own), orjson.dumps(payload)
+
+
 def refuse(state: PipelineParts, record: RequestRecord, error: GatewayError) -> Answer:
     """A request refused before it ran: logged, and answered with its request id."""
     record.status, record.error_code = error.status, error.code
@@ -666,8 +749,19 @@ def refuse(state: PipelineParts, record: RequestRecord, error: GatewayError) -> 
     return Answer.refusal(error, {"x-request-id": record.request_id})
 
 
-async def run(state: PipelineParts, route: Route, submission: Submission, record: RequestRecord) -> Outcome:
-    """The whole pipeline for one request, whatever surface it came in by; the surface renders the outcome."""
+async def run(
+    state: PipelineParts,
+    route: Route,
+    submission: Submission,
+    record: RequestRecord,
+    accept: Callable[[dict[str, Any]], Awaitable[object]] | None = None,
+    at_end: Callable[[], Awaitable[object]] | None = None,
+) -> Outcome:
+    """The whole pipeline for one request, whatever surface it came in by; the surface renders the outcome.
+    `accept` (a whole answer, with its checked body) and `at_end` (a stream, once every event but its end has gone to
+    the surface): the surface's own work on the answer (its reading of it, storing it), raising the GatewayError its
+    client gets instead (an Anthropic `input` that is not an object, a response that could not be stored), so that
+    the log, the metrics and the charge say what the client got."""
     try:
         call, body = await _admit(state, route, submission, record)
     except GatewayError as error:
@@ -678,8 +772,11 @@ async def run(state: PipelineParts, route: Route, submission: Submission, record
         if call.request.stream:
             streaming = True
             headers = {"x-request-id": record.request_id, "cache-control": "no-cache", **call.limit_headers}
-            return Stream(call.relay(), headers, call.close)
-        return await call.complete()
+            return Stream(call.relay(at_end), headers, call.close)
+        answer = await call.complete()
+        if accept is not None and answer.status == 200:
+            await accept(answer.body)
+        return answer
     except GatewayError as error:
         return call.fail(error)
     finally:

@@ -478,6 +478,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
         routes=[
             Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
             Route("/v1/completions", openai.completions, methods=["POST"]),
+            Route("/v1/embeddings", openai.embeddings, methods=["POST"]),
             Route("/v1/responses", responses.create, methods=["POST"]),
             Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
             Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),

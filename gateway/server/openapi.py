@@ -19,7 +19,7 @@ from gateway.api.admin_tenants import (
 )
 from gateway.api.anthropic_shapes import CountTokensRequest, MessagesRequest
 from gateway.api.responses_shapes import ResponsesRequest
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 _ERROR_SCHEMA = {
     "type": "object",
@@ -56,7 +56,11 @@ def _errors(*statuses: int) -> dict[str, Any]:
     return {str(status): {"description": "OpenAI-style error", **ref} for status in statuses}
 
 
-def _inference(summary: str, schema: str) -> dict[str, Any]:
+def _inference(summary: str, schema: str, streams: bool = True) -> dict[str, Any]:
+    answer = "The completion, or with stream: true, server-sent events ending in [DONE]" if streams else "The answer"
+    content: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
+    if streams:
+        content["text/event-stream"] = {}
     return {
         "post": {
             "summary": summary,
@@ -66,10 +70,7 @@ def _inference(summary: str, schema: str) -> dict[str, Any]:
                 "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
             },
             "responses": {
-                "200": {
-                    "description": "The completion, or with stream: true, server-sent events ending in [DONE]",
-                    "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
-                },
+                "200": {"description": answer, "content": content},
                 **_errors(400, 401, 403, 404, 413, 429, 502, 503, 504),
             },
         }
@@ -221,6 +222,7 @@ def openapi_document() -> dict[str, Any]:
         [
             (ChatCompletionRequest, "validation"),
             (CompletionRequest, "validation"),
+            (EmbeddingRequest, "validation"),
             (ResponsesRequest, "validation"),
             (MessagesRequest, "validation"),
             (CountTokensRequest, "validation"),
@@ -244,6 +246,9 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _inference("Create a chat completion", "ChatCompletionRequest"),
             "/v1/completions": _inference("Create a completion", "CompletionRequest"),
+            "/v1/embeddings": _inference(
+                "Create embeddings: a vector per input (never streamed)", "EmbeddingRequest", streams=False
+            ),
             "/v1/responses": _inference(
                 "Create a response (OpenAI's Responses API; stored by the gateway unless store is false)",
                 "ResponsesRequest",

@@ -13,8 +13,9 @@ recent tenant is backlogged, or one is alone, nothing is held back.
 
 Bounded: a model's interactive queue holds at most `fairness.max_queue_depth` requests, and a request that
 would wait longer than `fairness.max_queue_wait_s` (its place in fair order over the model's recent completion
-rate) is refused at once; one that has waited that long is refused then. Refusals are 429 `capacity_exceeded`
-with Retry-After, and nothing of them reached a replica. A client that goes away while queued leaves at once.
+rate) is refused at once; one that has waited that long is refused then; one that asked not to wait (Workers AI's
+`rejectIfBusy`) is refused where it would queue. Refusals are 429 `capacity_exceeded` with Retry-After, and nothing
+of them reached a replica. A client that goes away while queued leaves at once.
 Batch jobs are never refused here: they wait, bounded by the number of queue workers, and take only the slots
 beyond `fairness.batch_reserve`, so a backlog of jobs leaves room for the interactive requests that come.
 
@@ -253,9 +254,11 @@ class Gate:
         placement: Placement,
         batch: bool,
         gone: Callable[[], Awaitable[None]] | None,
+        reject_if_busy: bool = False,
     ) -> None:
         """Return once the request may go to `placement.replica`, now or after its turn in the queue (placed again
-        then); raise CapacityExceeded or ClientGone. It arrives counted on its router's first choice."""
+        then); raise CapacityExceeded or ClientGone. It arrives counted on its router's first choice.
+        `reject_if_busy`: refused at once where it would wait in the queue (Workers AI's `rejectIfBusy`)."""
         fairness = model.fairness
         if not fairness.enabled:
             return
@@ -276,6 +279,9 @@ class Gate:
         else:
             placement.leave()
         now = time.monotonic()
+        if reject_if_busy:
+            rate = queue.rate(now)
+            raise self._shed(model, "reject_if_busy", (queue.interactive + 1) / rate if rate else 1)
         priority = tenant.limits.priority
         # A new flow: nothing else of the tenant queued or running (its one slot held is this request's own).
         new = self._in_flight.get(tenant.id, 0) <= 1
@@ -374,6 +380,7 @@ class Gate:
             "queue_full": f"its queue holds {model.fairness.max_queue_depth} requests",
             "wait_too_long": f"this request would wait more than {model.fairness.max_queue_wait_s:g} s",
             "timed_out": f"this request waited {model.fairness.max_queue_wait_s:g} s",
+            "reject_if_busy": "this request asked not to wait for a slot (rejectIfBusy)",
         }[reason]
         error = CapacityExceeded(
             f"Model '{model.name}' is at capacity and {waited}; retry after the time in Retry-After."

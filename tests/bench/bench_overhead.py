@@ -234,14 +234,19 @@ async def open_targets(
 
 
 async def run_scenarios(
-    sim: Server, gateways: Sequence[tuple[str, Server]], requests: int, rounds: int, warmup: int
+    sim: Server,
+    gateways: Sequence[tuple[str, Server]],
+    requests: int,
+    rounds: int,
+    warmup: int,
+    scenarios: Sequence[Scenario] = SCENARIOS,
 ) -> list[Result]:
     """`gateways`: (name, server) pairs, named as `_measure` wants them."""
     async with contextlib.AsyncExitStack() as stack:
         direct, named = await open_targets(stack, sim, gateways)
         await _warm_up([direct, *(target for target, _ in named)], warmup)
         results = []
-        for scenario in SCENARIOS:
+        for scenario in scenarios:
             result = await _measure(scenario, direct, named, requests, rounds)
             print(f"  measured {scenario.name}", file=sys.stderr, flush=True)
             results.append(result)
@@ -332,6 +337,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="gateway log level; INFO writes one access-log line per request (default WARNING)",
     )
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    parser.add_argument(
+        "--apis",
+        nargs="+",
+        choices=["messages", "responses"],
+        default=[],
+        help="also Anthropic's Messages and OpenAI's Responses, one client at a time, each against the simulator's "
+        "own route of that API (vLLM serves both)",
+    )
     comparison = parser.add_mutually_exclusive_group()
     comparison.add_argument("--baseline", type=Path, help="a checkout of another revision, measured side by side")
     comparison.add_argument("--workers", type=int, help="measure `serve --workers N` against one process")
@@ -393,7 +406,9 @@ def _run(workspace: Workspace, args: argparse.Namespace) -> dict[str, Any]:
             named.append(("floor", stack.enter_context(workspace.floor(sim.url))))
         names = ", ".join(f"{name} {server.url}" for name, server in named)
         print(f"simulator {sim.url}, {names} (log level {args.log_level})", file=sys.stderr)
-        results = asyncio.run(run_scenarios(sim, named, args.requests, args.rounds, args.warmup))
+        # The other APIs at c=1 beside chat's own: what each adds over its direct call, in the same rounds.
+        scenarios = [*SCENARIOS, *(Scenario(stream, 1, api) for api in args.apis for stream in (False, True))]
+        results = asyncio.run(run_scenarios(sim, named, args.requests, args.rounds, args.warmup, scenarios))
         stack.close()
         summaries = [result.summary() for result in results]
         print(render_table(summaries))

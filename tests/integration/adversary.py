@@ -4,6 +4,7 @@ honest usage, that can be told to replay a prompt it saw into any one channel of
     GET  /v1/models, /health, /metrics       what the gateway reads of a backend (/metrics: `adversary.metrics`)
     POST /tokenize                           counted as the simulator counts
     POST /v1/chat/completions, /v1/completions   streamed or not
+    POST /v1/embeddings                      the simulator's vectors for the inputs (isolation/sim/embeddings.py)
 
 It remembers the prompt text of every inference request as it arrived (markers included: chat contents joined by
 newlines, or the completion prompt). Tests drive it in-process: `adversary.plan = Plan(...)` answers the next
@@ -30,12 +31,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from isolation.sim.embeddings import DIMENSIONS, embedding
 from isolation.tokens import ModelTokenizer
 from tests.integration.support import MODEL
 
 JsonObject = dict[str, Any]
 Source = Literal["previous", "first", "own", "benign"]
-Usage = Literal["honest", "none", "negative"]
+Usage = Literal["honest", "none", "negative", "short"]
 
 MAX_MODEL_LEN = 2048
 BENIGN = "The harbour tide tables for Tuesday look calm and ordinary."
@@ -49,6 +51,8 @@ TOP_STRINGS = ("id", "model", "system_fingerprint")
 TOOL_CHANNELS = ("tool_name", "tool_arguments", "tool_id")
 DONE = b"data: [DONE]\n\n"
 AFTER_ONE = ("midstream_error", "not_json")  # a stream's channels that come after one benign chunk
+# An embeddings answer that does not answer its inputs: a vector fewer, one more, an index twice, one vector shorter.
+VECTOR_CHANNELS = ("vector_missing", "vector_extra", "index_repeated", "vector_short")
 
 
 @dataclass(frozen=True)
@@ -65,13 +69,15 @@ class Plan:
         [DONE]), midstream_error (a `data: {"error": ...}` event after the first chunk), error_400 and error_500
         (an HTTP 400 or 500 whose message and param quote the text), not_json (the whole answer, or a stream's
         event after the first chunk, is the text and not JSON), tokenize_400 (the next /tokenize refused, quoting
-        the prompt it was given).
+        the prompt it was given). An embeddings answer: extra_top, extra_item (the text in an unknown field of the
+        answer or of its first vector), id, model (the text as that string), and VECTOR_CHANNELS (the text nowhere).
     source: the text put there: the previous request's prompt, the first request's, this one's own, or benign.
     piece: characters per stream chunk and logprob position (token ids: the ids of those characters); 0, all at once.
     rank: the alternative that top_logprob_token / top_logprobs fill.
     delay_s: how long a chat answer takes to begin (its prompt is recorded at once): a slow generation.
     usage: "honest"; "none" (no usage anywhere in the answer); "negative" (completion_tokens below zero, with a
-        total that adds up).
+        total that adds up); "short" (an embeddings answer's prompt_tokens one fewer than the inputs', as a
+        placeholder's).
     """
 
     channel: str
@@ -380,6 +386,7 @@ class Adversary:
                 Route("/tokenize", self._tokenize, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/embeddings", self._embeddings, methods=["POST"]),
             ]
         )
 
@@ -436,13 +443,48 @@ class Adversary:
         body = orjson.loads(await request.body())
         return self._answer(False, body, body["prompt"])
 
-    def _answer(self, chat: bool, body: JsonObject, prompt: str) -> Response:
-        plan = self.plan or Plan("content" if chat else "text", source="benign")
+    async def _embeddings(self, request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        given = body["input"]
+        inputs = [given] if isinstance(given, str) or isinstance(given[0], int) else given
+        ids = [self.tokenizer.encode_prompt(item) if isinstance(item, str) else item for item in inputs]
+        plan, text = self._planned(Plan("vectors", source="benign"), "\n".join(i for i in inputs if isinstance(i, str)))
+        data = [
+            {"index": index, "object": "embedding", "embedding": embedding(tokens, DIMENSIONS, True).tolist()}
+            for index, tokens in enumerate(ids)
+        ]
+        if plan.channel == "vector_missing":
+            data.pop()
+        elif plan.channel == "vector_extra":
+            data.append({**data[0], "index": len(data)})
+        elif plan.channel == "index_repeated":
+            data[-1]["index"] = 0
+        elif plan.channel == "vector_short":
+            data[-1]["embedding"] = data[-1]["embedding"][:-1]
+        elif plan.channel == "extra_item":
+            data[0][EXTRA] = text
+        answer: JsonObject = {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time())}
+        answer.update(model=body.get("model") or self.model, data=data)
+        prompt = sum(map(len, ids)) - (1 if plan.usage == "short" else 0)
+        if plan.usage != "none":
+            answer["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt, "completion_tokens": 0}
+        if plan.channel == "extra_top":
+            answer[EXTRA] = text
+        elif plan.channel in ("id", "model"):
+            answer[plan.channel] = text
+        return _json(answer)
+
+    def _planned(self, default: Plan, prompt: str) -> tuple[Plan, str]:
+        """The plan for this request (once), and the text it puts into its channel; the prompt is remembered."""
+        plan = self.plan or default
         self.plan = None
         earlier = self.prompts or [""]
         texts = {"previous": earlier[-1], "first": earlier[0], "own": prompt, "benign": BENIGN}
         self.prompts.append(prompt)
-        text = texts[plan.source]
+        return plan, texts[plan.source]
+
+    def _answer(self, chat: bool, body: JsonObject, prompt: str) -> Response:
+        plan, text = self._planned(Plan("content" if chat else "text", source="benign"), prompt)
         if plan.channel in ("error_400", "error_500"):
             status = int(plan.channel[-3:])
             error = {"message": f"Prompt rejected: {text}", "type": "BadRequestError", "param": text, "code": status}

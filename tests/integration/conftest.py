@@ -17,6 +17,7 @@ import pytest
 
 from gateway.server.app import create_app
 from gateway.server.serving import run_server
+from isolation.sim import SimConfig, create_sim_app
 from tests.integration.support import gateway_settings, stop
 from tests.redis_server import free_port
 
@@ -38,6 +39,29 @@ def make_gateway(tokenizer_dir: Path) -> Iterator[GatewayFactory]:
 @pytest.fixture
 def gateway_url(make_gateway: GatewayFactory, sim_url: str) -> str:
     return make_gateway({"sim": sim_url})
+
+
+@pytest.fixture(scope="module")
+def module_sim(tokenizer_dir: Path) -> Iterator[str]:
+    """One default simulator for a whole test module; a test takes it as `shared_sim`, its record emptied."""
+    with run_server(create_sim_app(SimConfig(tokenizer_dir=tokenizer_dir))) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_gateway(module_sim: str, tokenizer_dir: Path) -> Iterator[str]:
+    """`gateway_url`'s gateway, over `module_sim`, for a whole test module: one per test costs its start and its
+    shutdown (~1.5 s). For tests that leave nothing behind that another would see (limits, queued jobs)."""
+    settings = gateway_settings({"sim": module_sim}, tokenizer_dir)
+    with run_server(create_app(settings), settings.edge) as url:
+        yield url
+
+
+@pytest.fixture
+def shared_sim(module_sim: str) -> str:
+    """`module_sim`, with what earlier tests sent it forgotten."""
+    httpx.delete(f"{module_sim}/sim/requests").raise_for_status()
+    return module_sim
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from gateway.upstream.backends import Replica
 from gateway.upstream.routing import affinity_key, rank
 
 MODEL = "tiny-llama"
+EMBED_MODEL = "tiny-embed"  # an embedding model: its simulators are started with SimConfig(model=EMBED_MODEL)
 ALICE_KEY = "bk-test-alice-0123456789"
 BOB_KEY = "bk-test-bob-0123456789"
 NOBODY_KEY = "bk-test-nobody-0123456789"
@@ -39,6 +40,11 @@ def gateway_settings(backend_urls: dict[str, str], tokenizer_dir: Path, **overri
     for key, value in overrides.items():
         data[key] = {**data[key], **value} if isinstance(value, dict) and key in data else value
     return Settings.model_validate(data)
+
+
+def embedding_model(tokenizer_dir: Path, backends: list[str], **settings: Any) -> dict[str, Any]:
+    """The settings of EMBED_MODEL (or of `name=`) over these backends."""
+    return {"name": EMBED_MODEL, "backends": backends, "tokenizer": str(tokenizer_dir), "task": "embed", **settings}
 
 
 def auth(key: str = ALICE_KEY) -> dict[str, str]:

@@ -3,6 +3,9 @@ every defence a chat completion has, Anthropic's shapes out, and bad input refus
 
 from __future__ import annotations
 
+import logging
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,8 +14,12 @@ import anthropic
 import httpx
 import orjson
 import pytest
+import redis
 
 from gateway.tenancy.tenants import hash_key
+from isolation.tokens import ModelTokenizer
+from tests.integration.adversary import BENIGN, WORDS, Adversary, Plan
+from tests.integration.scripted import gateway_over
 from tests.integration.support import (
     ALICE_KEY,
     BOB_KEY,
@@ -23,8 +30,10 @@ from tests.integration.support import (
     auth,
     chat_body,
     forwarded,
+    metric,
     sent_as,
 )
+from tests.redis_server import redis_server
 
 MESSAGES = "/v1/messages"
 HELLO = [{"role": "user", "content": "Name a colour."}]
@@ -271,3 +280,121 @@ def test_count_tokens_keeps_the_keys_models_and_its_request_rate(
     assert [a.status_code for a in answers] == [200, 200, 429]
     assert answers[2].json()["error"]["type"] == "rate_limit_error" and answers[0].json()["input_tokens"] > 0
     assert forwarded(sim_url) == []
+
+
+@pytest.fixture(scope="module")
+def adversary(tokenizer_dir: Path) -> Adversary:
+    return Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def scripted(adversary: Adversary, tokenizer_dir: Path) -> Iterator[str]:
+    """A gateway over an engine whose next answer a test plans (`adversary.plan`), started once for the module."""
+    with gateway_over(adversary, tokenizer_dir) as url:
+        yield url
+
+
+@pytest.fixture
+def planned(scripted: str, adversary: Adversary) -> Iterator[anthropic.Anthropic]:
+    adversary.plan = None
+    with anthropic.Anthropic(base_url=scripted, api_key=ALICE_KEY, max_retries=0) as client:
+        yield client
+    adversary.plan = None  # a case that failed before its request must not leave its plan to the next
+
+
+def test_reasoning_interleaved_with_text_is_a_thinking_block_then_the_text(
+    planned: anthropic.Anthropic, adversary: Adversary
+) -> None:
+    # The engine sends a piece of reasoning and a word of text in every chunk.
+    adversary.plan = Plan("reasoning", piece=8, source="benign")
+    with planned.messages.stream(model=MODEL, max_tokens=16, messages=HELLO) as stream:
+        final = stream.get_final_message()
+    assert [block.type for block in final.content] == ["thinking", "text", "thinking"]
+    first, text, late = final.content
+    assert first.type == late.type == "thinking" and text.type == "text"
+    assert first.thinking + late.thinking == BENIGN
+    assert text.text == "".join(WORDS[i % len(WORDS)] for i in range(len(BENIGN) // 8 + 1))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refusal_reads_as_anthropics_refusal(
+    planned: anthropic.Anthropic, adversary: Adversary, stream: bool
+) -> None:
+    adversary.plan = Plan("refusal", source="benign")
+    if stream:
+        with planned.messages.stream(model=MODEL, max_tokens=16, messages=HELLO) as events:
+            answer = events.get_final_message()
+    else:
+        answer = planned.messages.create(model=MODEL, max_tokens=16, messages=HELLO)
+    [text] = answer.content
+    assert answer.stop_reason == "refusal" and text.type == "text" and BENIGN in text.text
+
+
+def access_log(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    return [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "bulkhead.access"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_arguments_that_are_not_an_object_are_logged_and_counted_as_the_502_the_client_gets(
+    scripted: str, adversary: Adversary, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    before = metric(httpx.get(f"{scripted}/metrics").text, "bulkhead_requests_total", route="messages", status="502")
+    adversary.plan = Plan("tool_arguments", source="benign")  # the arguments: a sentence, not a JSON object
+    body = {"model": MODEL, "max_tokens": 16, "messages": HELLO, "stream": stream}
+    with caplog.at_level(logging.INFO, logger="bulkhead.access"):
+        answer = httpx.post(f"{scripted}{MESSAGES}", json=body, headers={"x-api-key": ALICE_KEY})
+    if stream:
+        assert answer.status_code == 200 and "event: error" in answer.text and "message_stop" not in answer.text
+    else:
+        assert answer.status_code == 502 and answer.json()["error"]["type"] == "api_error"
+    [line] = [line for line in access_log(caplog) if line["request_id"] == answer.headers["x-request-id"]]
+    assert (line["status"], line["error"]) == (502, "backend_bad_response")
+    after = metric(httpx.get(f"{scripted}/metrics").text, "bulkhead_requests_total", route="messages", status="502")
+    assert after == before + 1
+
+
+@pytest.mark.parametrize("route", [MESSAGES, f"{MESSAGES}/count_tokens"])
+def test_an_error_about_the_chat_request_names_the_clients_own_field(gateway_url: str, route: str) -> None:
+    thought_only = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": ""}]},
+        {"role": "user", "content": "go on"},
+    ]
+    body: dict[str, Any] = {"model": MODEL, "system": "Be terse.", "messages": thought_only}
+    if route == MESSAGES:
+        body["max_tokens"] = 4
+    refused = httpx.post(f"{gateway_url}{route}", json=body, headers={"x-api-key": ALICE_KEY})
+    assert refused.status_code == 400, refused.text
+    # The chat request's messages[2] (after the system message) is the client's messages[1].
+    assert refused.json()["error"]["message"].startswith("messages[1]: "), refused.text
+    stop = {"model": MODEL, "max_tokens": 4, "messages": HELLO, "stop_sequences": ["ok", "CNRY-"]}
+    said = httpx.post(f"{gateway_url}{MESSAGES}", json=stop, headers={"x-api-key": ALICE_KEY}).json()
+    assert said["error"]["message"].startswith("stop_sequences: may not contain 'CNRY'"), said
+
+
+def test_count_tokens_is_refused_to_a_tenant_blocked_on_the_model_as_its_requests_are(
+    make_gateway: Any, sim_url: str
+) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:8]}:"
+    with redis_server() as redis_url:
+        gateway_url = make_gateway({"sim": sim_url}, redis_url=redis_url, redis_key_prefix=prefix)
+        with redis.Redis.from_url(redis_url) as store:
+            store.hset(f"{prefix}blocks", orjson.dumps(["alice", MODEL]).decode(), "0")  # as VerdictBound.draw does
+        chat = f"{gateway_url}/v1/chat/completions"
+        deadline = time.monotonic() + 5
+        while httpx.post(chat, json=chat_body(max_tokens=1), headers=auth()).status_code != 403:
+            assert time.monotonic() < deadline, "the block was not read"  # read on the health interval (0.2 s)
+            time.sleep(0.05)
+        refused = httpx.post(
+            f"{gateway_url}{MESSAGES}/count_tokens",
+            json={"model": MODEL, "messages": HELLO},
+            headers={"x-api-key": ALICE_KEY},
+        )
+        assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error", refused.text
+        assert "verdicts" in refused.json()["error"]["message"]
+        assert (
+            httpx.post(
+                f"{gateway_url}{MESSAGES}/count_tokens", json={"model": MODEL, "messages": HELLO}, headers=auth(BOB_KEY)
+            ).status_code
+            == 200
+        ), "no one else is refused"

@@ -3,6 +3,7 @@ rejects is ever forwarded. 2,000+ cases per run over real HTTP."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.integration.support import MODEL, auth
+from gateway.tenancy.tenants import hash_key
+from tests.integration.support import ALICE_KEY, EMBED_MODEL, MODEL, auth, embedding_model
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
@@ -117,6 +119,22 @@ RESPONSES = st.fixed_dictionaries(
         "unknown_field": JSON,
     },
 )
+TOKEN_IDS = st.lists(st.integers(min_value=-2, max_value=4200), max_size=8)
+EMBEDDING = st.fixed_dictionaries(
+    {
+        "model": st.sampled_from([EMBED_MODEL, EMBED_MODEL, EMBED_MODEL, MODEL, ""]) | JSON,
+        "input": TEXT | st.lists(TEXT, max_size=4) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3) | JSON,
+    },
+    optional={
+        "encoding_format": st.sampled_from(["float", "base64", "bytes"]) | JSON,
+        "dimensions": INTS,
+        "user": TEXT | JSON,
+        "use_activation": st.booleans() | JSON,
+        "cache_salt": TEXT | JSON,
+        "truncate_prompt_tokens": INTS,
+        "unknown_field": JSON,
+    },
+)
 CASES = [
     ("/v1/chat/completions", "ChatCompletionRequest", CHAT, 900),
     ("/v1/completions", "CompletionRequest", COMPLETION, 800),
@@ -131,6 +149,20 @@ CASES = [
 def test_generated_bodies(
     gateway_url: str, sim_url: str, path: str, schema_name: str, bodies: st.SearchStrategy[Any], examples: int
 ) -> None:
+    fuzz(gateway_url, sim_url, path, schema_name, bodies, examples)
+
+
+def test_generated_embedding_bodies(make_gateway: Any, make_sim: Any, tokenizer_dir: Path) -> None:
+    sim_url = make_sim(model=EMBED_MODEL)
+    alice = {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}
+    gateway_url = make_gateway({"sim": sim_url}, models=[embedding_model(tokenizer_dir, ["sim"])], tenants=[alice])
+    fuzz(gateway_url, sim_url, "/v1/embeddings", "EmbeddingRequest", EMBEDDING, 250)
+
+
+def fuzz(
+    gateway_url: str, sim_url: str, path: str, schema_name: str, bodies: st.SearchStrategy[Any], examples: int
+) -> None:
+    """`examples` bodies drawn from `bodies`: never a 5xx, and what the schema refuses is refused, never forwarded."""
     with httpx.Client(timeout=30) as client:
         document = client.get(f"{gateway_url}/openapi.json").json()
         validator = jsonschema.Draft202012Validator(

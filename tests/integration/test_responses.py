@@ -29,26 +29,26 @@ RESPONSES = "/v1/responses"
 
 
 @pytest.fixture
-def sdk(gateway_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key=ALICE_KEY, max_retries=0) as client:
+def sdk(module_gateway: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{module_gateway}/v1", api_key=ALICE_KEY, max_retries=0) as client:
         yield client
 
 
 def test_a_response_goes_through_every_defence_as_a_chat_completion(
-    sdk: openai.OpenAI, gateway_url: str, sim_url: str
+    sdk: openai.OpenAI, module_gateway: str, shared_sim: str
 ) -> None:
     answer = sdk.responses.create(model=MODEL, input="Name a colour.", instructions="Be terse.", max_output_tokens=4)
     assert answer.object == "response" and answer.model == MODEL and answer.store is True
     assert answer.status == "incomplete" and answer.incomplete_details is not None
     assert answer.output_text and answer.usage is not None and answer.usage.output_tokens == 4
-    [sent] = forwarded(sim_url)
+    [sent] = forwarded(shared_sim)
     assert sent["path"] == "/v1/chat/completions"
     body = sent["body"]
     assert "CNRY" in body["messages"][0]["content"] and "Be terse." in body["messages"][0]["content"]
     assert body["cache_salt"] and "previous_response_id" not in body and "store" not in body
     assert "CNRY" not in answer.model_dump_json()
     chat = httpx.post(
-        f"{gateway_url}/v1/chat/completions",
+        f"{module_gateway}/v1/chat/completions",
         json={
             **chat_body("Name a colour.", max_tokens=1),
             "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a colour."}],
@@ -83,7 +83,7 @@ def test_a_stream_comes_as_the_responses_events(sdk: openai.OpenAI) -> None:
     assert numbers == list(range(len(numbers)))
 
 
-def test_function_calls_and_their_outputs_go_as_chat_tools(sdk: openai.OpenAI, sim_url: str) -> None:
+def test_function_calls_and_their_outputs_go_as_chat_tools(sdk: openai.OpenAI, shared_sim: str) -> None:
     tools: Any = [{"type": "function", "name": "weather", "parameters": {"type": "object", "properties": {}}}]
     items: Any = [
         {"role": "user", "content": "Weather in Paris?"},
@@ -93,7 +93,7 @@ def test_function_calls_and_their_outputs_go_as_chat_tools(sdk: openai.OpenAI, s
         {"type": "function_call_output", "call_id": "c2", "output": "Rain"},
     ]
     sdk.responses.create(model=MODEL, input=items, tools=tools, tool_choice="auto", max_output_tokens=2)
-    body = forwarded(sim_url)[-1]["body"]
+    body = forwarded(shared_sim)[-1]["body"]
     assert body["tools"][0]["function"]["name"] == "weather" and body["tool_choice"] == "auto"
     assert [m["role"] for m in body["messages"]][-4:] == ["user", "assistant", "tool", "tool"]
     assert [c["id"] for c in body["messages"][-3]["tool_calls"]] == ["c1", "c2"]
@@ -103,6 +103,7 @@ def test_function_calls_and_their_outputs_go_as_chat_tools(sdk: openai.OpenAI, s
     ("body", "says"),
     [
         ({"model": MODEL, "input": "x", "previous_response_id": "resp_abc"}, "previous_response_id"),
+        ({"model": MODEL, "input": "x", "previous_response_id": "r" * 129}, "previous_response_id"),
         ({"model": MODEL, "input": "x", "bogus": 1}, "bogus"),
         ({"model": MODEL}, "input"),
         ({"model": MODEL, "input": []}, "input"),
@@ -115,17 +116,18 @@ def test_function_calls_and_their_outputs_go_as_chat_tools(sdk: openai.OpenAI, s
         ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, "tools"),
         ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
+        ({"model": MODEL, "input": "x", "context_management": [{"type": "compaction"}]}, "context_management"),
         ({"model": "nope", "input": "x"}, "nope"),
     ],
 )
 def test_bad_requests_are_refused_in_openais_shape_and_never_forwarded(
-    gateway_url: str, sim_url: str, body: dict[str, Any], says: str
+    module_gateway: str, shared_sim: str, body: dict[str, Any], says: str
 ) -> None:
-    response = httpx.post(f"{gateway_url}{RESPONSES}", json=body, headers=auth())
+    response = httpx.post(f"{module_gateway}{RESPONSES}", json=body, headers=auth())
     assert 400 <= response.status_code < 500, response.text
     error = response.json()["error"]
     assert says in error["message"] or says == error["param"], error
-    assert forwarded(sim_url) == []
+    assert forwarded(shared_sim) == []
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -153,7 +155,7 @@ def user_texts(body: dict[str, Any]) -> list[str]:
 
 
 def test_a_conversation_goes_on_from_a_stored_response_with_its_whole_history_sent(
-    sdk: openai.OpenAI, sim_url: str
+    sdk: openai.OpenAI, shared_sim: str
 ) -> None:
     first = sdk.responses.create(model=MODEL, input="My name is Ada.", instructions="Be terse.", max_output_tokens=3)
     assert first.store is True and first.previous_response_id is None
@@ -161,7 +163,7 @@ def test_a_conversation_goes_on_from_a_stored_response_with_its_whole_history_se
         model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=3
     )
     assert second.previous_response_id == first.id and second.id != first.id
-    sent = forwarded(sim_url)[-1]["body"]
+    sent = forwarded(shared_sim)[-1]["body"]
     # Stateless upstream: the whole conversation each time, the earlier turn's instructions not carried (OpenAI's
     # rule), and nothing of the stored state's ids.
     texts = user_texts(sent)
@@ -203,13 +205,15 @@ def error_of(response: httpx.Response, name: str) -> tuple[int, dict[str, Any]]:
 
 
 def test_a_response_is_its_tenants_alone_and_another_tenants_id_reads_as_unknown(
-    sdk: openai.OpenAI, gateway_url: str, sim_url: str
+    sdk: openai.OpenAI, module_gateway: str, shared_sim: str
 ) -> None:
     kept = sdk.responses.create(model=MODEL, input="My secret is 42.", max_output_tokens=2)
     unknown = "resp_" + "0" * 48
+    too_long = httpx.get(f"{module_gateway}{RESPONSES}/{'r' * 129}", headers=auth())
+    assert too_long.status_code == 404 and too_long.json()["error"]["code"] == "response_not_found"
 
     def every_route(key: str, name: str) -> list[tuple[int, dict[str, Any]]]:
-        base, headers = f"{gateway_url}{RESPONSES}", auth(key)
+        base, headers = f"{module_gateway}{RESPONSES}", auth(key)
         answers = [
             httpx.get(f"{base}/{name}", headers=headers),
             httpx.get(f"{base}/{name}/input_items", headers=headers),
@@ -219,27 +223,27 @@ def test_a_response_is_its_tenants_alone_and_another_tenants_id_reads_as_unknown
         ]
         return [error_of(answer, name) for answer in answers]
 
-    before = len(forwarded(sim_url))
+    before = len(forwarded(shared_sim))
     bobs = every_route(BOB_KEY, kept.id)
     assert [status for status, _ in bobs] == [404] * 5
     assert bobs == every_route(BOB_KEY, unknown) == every_route(ALICE_KEY, unknown)
-    assert "42" not in orjson.dumps(bobs).decode() and len(forwarded(sim_url)) == before
+    assert "42" not in orjson.dumps(bobs).decode() and len(forwarded(shared_sim)) == before
     assert sdk.responses.retrieve(kept.id).id == kept.id  # bob's delete deleted nothing
 
 
 def test_a_deleted_or_unstored_response_is_gone_and_so_is_the_conversation_after_it(
-    sdk: openai.OpenAI, gateway_url: str
+    sdk: openai.OpenAI, module_gateway: str
 ) -> None:
     first = sdk.responses.create(model=MODEL, input="One", max_output_tokens=1)
     second = sdk.responses.create(model=MODEL, input="Two", previous_response_id=first.id, max_output_tokens=1)
-    cancel = httpx.post(f"{gateway_url}{RESPONSES}/{second.id}/cancel", headers=auth())
+    cancel = httpx.post(f"{module_gateway}{RESPONSES}/{second.id}/cancel", headers=auth())
     assert cancel.status_code == 400 and cancel.json()["error"]["code"] == "not_cancellable"
-    deleted = httpx.delete(f"{gateway_url}{RESPONSES}/{first.id}", headers=auth())
+    deleted = httpx.delete(f"{module_gateway}{RESPONSES}/{first.id}", headers=auth())
     assert deleted.json() == {"id": first.id, "object": "response.deleted", "deleted": True}
     for gone in (
-        httpx.get(f"{gateway_url}{RESPONSES}/{first.id}", headers=auth()),
+        httpx.get(f"{module_gateway}{RESPONSES}/{first.id}", headers=auth()),
         httpx.post(
-            f"{gateway_url}{RESPONSES}",
+            f"{module_gateway}{RESPONSES}",
             json={"model": MODEL, "input": "Three", "previous_response_id": second.id},
             headers=auth(),
         ),
@@ -263,9 +267,11 @@ def test_a_deleted_or_unstored_response_is_gone_and_so_is_the_conversation_after
         ("/{id}/input_items?after=msg_nope", "after"),
     ],
 )
-def test_bad_reads_of_a_stored_response_are_refused(sdk: openai.OpenAI, gateway_url: str, path: str, says: str) -> None:
+def test_bad_reads_of_a_stored_response_are_refused(
+    sdk: openai.OpenAI, module_gateway: str, path: str, says: str
+) -> None:
     kept = sdk.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
-    answer = httpx.get(f"{gateway_url}{RESPONSES}{path.format(id=kept.id)}", headers=auth())
+    answer = httpx.get(f"{module_gateway}{RESPONSES}{path.format(id=kept.id)}", headers=auth())
     assert answer.status_code == 400 and answer.json()["error"]["param"] == says, answer.text
 
 
@@ -283,3 +289,22 @@ def test_instances_on_one_redis_share_conversations(make_gateway: Any, sim_url: 
             )
             assert first.output_text in user_texts(forwarded(sim_url)[-1]["body"])
             assert first_client.responses.retrieve(second.id).previous_response_id == first.id
+
+
+def test_an_error_about_the_translated_request_names_the_clients_own_fields(
+    module_gateway: str, shared_sim: str
+) -> None:
+    over_cap = httpx.post(
+        f"{module_gateway}{RESPONSES}",
+        json={"model": MODEL, "input": "Hi", "max_output_tokens": 65},  # bob may ask 64
+        headers=auth(BOB_KEY),
+    ).json()["error"]
+    assert over_cap["param"] == "max_output_tokens" and over_cap["message"].startswith("max_output_tokens is 65")
+    too_long = httpx.post(
+        f"{module_gateway}{RESPONSES}",
+        json={"model": MODEL, "input": [{"role": "user", "content": OVER_CAPACITY * 3}], "max_output_tokens": 8},
+        headers=auth(),
+    ).json()["error"]
+    assert too_long["code"] == "context_length_exceeded" and too_long["param"] == "input", too_long
+    assert "max_tokens" not in too_long["message"] and "max_output_tokens" in too_long["message"]
+    assert forwarded(shared_sim) == []

@@ -15,9 +15,11 @@ import httpx
 import orjson
 import redis
 
-from gateway.api.workers import workers_result
+from gateway.api.workers import workers_answer
+from gateway.api.workers_shapes import workers_result
+from gateway.pipeline.outcome import Answer
 from gateway.tenancy.tenants import hash_key
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, forwarded
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded
 from tests.integration.tenant_support import until
 from tests.redis_server import own_redis
 
@@ -56,6 +58,82 @@ async def test_workers_style_tools_go_upstream_as_openai_tools(
     answer = await client.post(f"{gateway_url}{RUN}", json=body, headers=auth())
     assert answer.status_code == 200, answer.text
     assert forwarded(sim_url)[0]["body"]["tools"] == [{"type": "function", "function": weather}]
+
+
+COUNTRY = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+async def test_json_mode_runs_as_the_engines_named_schema_and_an_answer_not_json_is_unmet(
+    client: httpx.AsyncClient, module_gateway: str, shared_sim: str
+) -> None:
+    """Workers AI's JSON mode gives the schema itself; the engine (vLLM) takes it named. The simulator answers
+    words, never JSON: the documented error, "JSON Mode couldn't be met"."""
+    asked = {"type": "json_schema", "json_schema": COUNTRY}
+    answer = await client.post(
+        f"{module_gateway}{RUN}", json={"prompt": "Tell me about India.", "response_format": asked}, headers=auth()
+    )
+    assert answer.status_code == 422, answer.text
+    body = answer.json()
+    assert body["success"] is False and body["result"] is None
+    [error] = body["errors"]
+    assert (error["code"], error["type"]) == (8007, "json_mode_unmet")
+    assert error["message"].startswith("JSON Mode couldn't be met") and "max_tokens" not in error["message"]
+    cut = await client.post(
+        f"{module_gateway}{RUN}",
+        json={"prompt": "x", "response_format": {"type": "json_object"}, "max_tokens": 2},
+        headers=auth(),
+    )
+    assert cut.status_code == 422 and "max_tokens" in cut.json()["errors"][0]["message"]
+    sent = [record["body"]["response_format"] for record in forwarded(shared_sim)]
+    assert sent == [
+        {"type": "json_schema", "json_schema": {"name": "json_mode", "schema": COUNTRY}},
+        {"type": "json_object"},
+    ]
+
+
+def _rendered(content: str, json_mode: bool = True) -> Any:
+    choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    response = workers_answer(Answer(200, {"choices": [choice], "usage": usage}), json_mode)
+    return orjson.loads(response.body)
+
+
+def test_json_modes_response_is_the_parsed_json_unless_decoding_could_reveal_what_the_scan_did_not_see() -> None:
+    assert _rendered('{"name": "India", "capital": "New Delhi"}')["result"]["response"] == {
+        "name": "India",
+        "capital": "New Delhi",
+    }
+    assert _rendered("[1, 2]")["result"]["response"] == [1, 2]
+    assert _rendered('{"name": "India"}', json_mode=False)["result"]["response"] == '{"name": "India"}'
+    # As a tool call's arguments: a \u escape, or JSON deeper than 64 levels, stays the text that was scanned.
+    escaped = '{"name": "\\u0043NRY"}'
+    assert _rendered(escaped)["result"]["response"] == escaped
+    deep = "[" * 70 + "]" * 70
+    assert _rendered(deep)["result"]["response"] == deep
+    unmet = _rendered('{"name": "Ind')
+    assert unmet["success"] is False and unmet["errors"][0]["code"] == 8007
+
+
+async def test_temperature_and_top_p_take_workers_ais_ranges_and_run_in_the_engines(
+    client: httpx.AsyncClient, module_gateway: str, shared_sim: str
+) -> None:
+    sent: list[tuple[Any, Any]] = []
+    for temperature, top_p in ((4.5, 1.7), (0, 0), (0.7, 0.9), (5, 2)):
+        body = {"prompt": "x", "max_tokens": 1, "temperature": temperature, "top_p": top_p}
+        answer = await client.post(f"{module_gateway}{RUN}", json=body, headers=auth())
+        assert answer.status_code == 200, answer.text
+        record = forwarded(shared_sim)[-1]["body"]
+        sent.append((record["temperature"], record["top_p"]))
+    assert sent == [(2, 1), (0, 0.001), (0.7, 0.9), (2, 1)]
+    for field, value in (("temperature", 5.5), ("top_p", 2.1), ("top_p", -1)):
+        refused = await client.post(f"{module_gateway}{RUN}", json={"prompt": "x", field: value}, headers=auth())
+        assert refused.status_code == 400 and refused.json()["errors"][0]["source"] == {"pointer": f"/{field}"}
+    assert len(forwarded(shared_sim)) == 4
+    # /v1 keeps OpenAI's ranges.
+    openai_side = await client.post(
+        f"{module_gateway}/v1/chat/completions", json={**chat_body(), "temperature": 4.5}, headers=auth()
+    )
+    assert openai_side.status_code == 400
 
 
 def test_a_tool_call_is_rendered_as_workers_ai_renders_it() -> None:

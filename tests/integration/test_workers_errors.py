@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 import gateway
-from gateway.api.workers import WORKERS_ERRORS
+from gateway.api.workers_shapes import WORKERS_ERRORS
 from gateway.errors import GatewayError
 from gateway.tenancy.tenants import hash_key
 from tests.integration.conftest import GatewayFactory
@@ -19,6 +19,9 @@ from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, aut
 from tests.integration.test_workers_api import RUN
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+JSON = {"type": "json_object"}
+JSON_SCHEMA_LIST = {"type": "json_schema", "json_schema": [{"type": "object"}]}
+NAMED = {"type": "json_schema", "json_schema": {"type": "object"}, "name": "answer"}  # nothing beside the schema
 
 
 def _subclasses(cls: type[GatewayError]) -> list[type[GatewayError]]:
@@ -55,12 +58,30 @@ def _envelope_error(answer: httpx.Response) -> dict[str, Any]:
         ("alice", ALICE_KEY, {**CHAT, "lora": "adapter"}, 405, 5005, "lora_unsupported"),
         ("alice", ALICE_KEY, {"prompt": "lorem ipsum " * 3000}, 413, 5021, "context_length_exceeded"),
         ("bob", BOB_KEY, {**CHAT, "max_tokens": 65}, 400, 5006, "invalid_request"),
+        ("alice", ALICE_KEY, {**CHAT, "options": {"rejectIfBusy": "yes"}}, 400, 5006, "invalid_request"),
+        ("alice", ALICE_KEY, {**CHAT, "temperature": 5.01}, 400, 5006, "invalid_request"),
+        ("alice", ALICE_KEY, {**CHAT, "temperature": "1"}, 400, 5006, "invalid_request"),
+        ("alice", ALICE_KEY, {**CHAT, "top_p": -0.1}, 400, 5006, "invalid_request"),
+        ("alice", ALICE_KEY, {**CHAT, "top_p": 2.5}, 400, 5006, "invalid_request"),
+        ("alice", ALICE_KEY, {**CHAT, "response_format": {"type": "json_schema"}}, 400, 5006, "invalid_request"),
+        ("alice", ALICE_KEY, {**CHAT, "response_format": JSON_SCHEMA_LIST}, 400, 5006, "invalid_request"),
+        ("alice", ALICE_KEY, {**CHAT, "response_format": NAMED}, 400, 5006, "invalid_request"),
+        ("alice", ALICE_KEY, {**CHAT, "response_format": {"type": "xml"}}, 400, 5006, "invalid_request"),
+        ("alice", ALICE_KEY, {**CHAT, "stream": True, "response_format": JSON}, 400, 5023, "json_mode_stream"),
+        (
+            "alice",
+            ALICE_KEY,
+            {"queueRequest": True, "requests": [{**CHAT, "response_format": JSON}]},
+            400,
+            5006,
+            "invalid_request",
+        ),
     ],
 )
 async def test_refusals_in_the_envelope_with_workers_ai_codes(
     client: httpx.AsyncClient,
-    gateway_url: str,
-    sim_url: str,
+    module_gateway: str,
+    shared_sim: str,
     account: str,
     key: str | None,
     body: dict[str, Any],
@@ -69,15 +90,15 @@ async def test_refusals_in_the_envelope_with_workers_ai_codes(
     kind: str,
 ) -> None:
     headers = auth(key) if key is not None else {}
-    answer = await client.post(f"{gateway_url}/accounts/{account}/ai/run/{MODEL}", json=body, headers=headers)
+    answer = await client.post(f"{module_gateway}/accounts/{account}/ai/run/{MODEL}", json=body, headers=headers)
     assert answer.status_code == status, answer.text
     error = _envelope_error(answer)
     assert (error["code"], error["type"]) == (code, kind) and error["message"]
-    assert forwarded(sim_url) == []
+    assert forwarded(shared_sim) == []
 
 
-async def test_no_such_model_is_5007_and_names_the_model_field(client: httpx.AsyncClient, gateway_url: str) -> None:
-    answer = await client.post(f"{gateway_url}/accounts/alice/ai/run/@cf/meta/nothing", json=CHAT, headers=auth())
+async def test_no_such_model_is_5007_and_names_the_model_field(client: httpx.AsyncClient, module_gateway: str) -> None:
+    answer = await client.post(f"{module_gateway}/accounts/alice/ai/run/@cf/meta/nothing", json=CHAT, headers=auth())
     assert answer.status_code == 400
     assert _envelope_error(answer) == {
         "code": 5007,
@@ -95,8 +116,8 @@ async def test_a_body_over_the_limit_is_3006(
     assert answer.status_code == 413 and _envelope_error(answer)["code"] == 3006
 
 
-async def test_bad_json_is_5006(client: httpx.AsyncClient, gateway_url: str) -> None:
-    answer = await client.post(f"{gateway_url}{RUN}", content=b"{not json", headers=auth())
+async def test_bad_json_is_5006(client: httpx.AsyncClient, module_gateway: str) -> None:
+    answer = await client.post(f"{module_gateway}{RUN}", content=b"{not json", headers=auth())
     assert answer.status_code == 400 and _envelope_error(answer)["code"] == 5006
 
 

@@ -1,5 +1,6 @@
 """Paths a Workers AI client uses: Cloudflare's `/client/v4` root, the account's OpenAI-compatible routes (the
-openai SDK with `/accounts/{id}/ai/v1` as its base URL), `GET /v1/models/{id}`, and x-request-id on every answer."""
+openai SDK with `/accounts/{id}/ai/v1` as its base URL: chat with Workers AI's `options`, Responses, OpenAI's errors
+on any other path), `GET /v1/models/{id}`, and x-request-id on every answer."""
 
 from __future__ import annotations
 
@@ -71,19 +72,106 @@ async def test_client_v4_is_an_alias_of_the_account_routes(client: httpx.AsyncCl
     ("method", "path", "status", "code"),
     [
         ("POST", "/accounts/alice/ai/nothing", 404, 7000),
-        ("GET", "/client/v4/accounts/alice/ai/models/search", 404, 7000),
+        ("GET", "/client/v4/accounts/alice/ai/models/other", 404, 7000),
+        ("GET", "/accounts/alice/ai/v1", 404, 7000),
         ("GET", f"{RUN}", 405, 7001),
         ("DELETE", f"/client/v4{RUN}", 405, 7001),
-        ("POST", "/accounts/alice/ai/v1/models", 405, 7001),
+        ("POST", "/accounts/alice/ai/models/search", 405, 7001),
     ],
 )
 async def test_unknown_routes_under_the_account_answer_in_the_envelope(
-    client: httpx.AsyncClient, gateway_url: str, method: str, path: str, status: int, code: int
+    client: httpx.AsyncClient, module_gateway: str, method: str, path: str, status: int, code: int
 ) -> None:
-    answer = await client.request(method, f"{gateway_url}{path}", headers=auth())
+    answer = await client.request(method, f"{module_gateway}{path}", headers=auth())
     assert answer.status_code == status, answer.text
     body = answer.json()
     assert body["success"] is False and body["result"] is None and body["errors"][0]["code"] == code
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code"),
+    [
+        ("POST", "/accounts/alice/ai/v1/nothing", 404, "not_found"),
+        ("POST", "/client/v4/accounts/alice/ai/v1/audio/speech", 404, "not_found"),
+        ("GET", "/accounts/alice/ai/v1/", 404, "not_found"),
+        ("GET", "/accounts/bob/ai/v1/images/generations/x", 404, "not_found"),
+        ("GET", "/accounts/alice/ai/v1/chat/completions", 405, "method_not_allowed"),
+        ("POST", "/client/v4/accounts/alice/ai/v1/models", 405, "method_not_allowed"),
+        ("PUT", "/accounts/alice/ai/v1/responses/resp_1", 405, "method_not_allowed"),
+    ],
+)
+async def test_unknown_paths_under_the_openai_base_url_answer_in_openais_error_shape(
+    client: httpx.AsyncClient, module_gateway: str, method: str, path: str, status: int, code: str
+) -> None:
+    answer = await client.request(method, f"{module_gateway}{path}", headers=auth())
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert set(answer.json()) == {"error"} and set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code and error["message"]
+
+
+def test_the_openai_sdk_sees_openais_404_on_a_path_not_served(module_gateway: str) -> None:
+    base = f"{module_gateway}/client/v4/accounts/alice/ai/v1"
+    with openai.OpenAI(base_url=base, api_key=ALICE_KEY, max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.audio.speech.create(model=MODEL, voice="alloy", input="hi")
+    assert missing.value.code == "not_found"
+
+
+def test_responses_on_the_accounts_base_url_through_the_openai_sdk(module_gateway: str, shared_sim: str) -> None:
+    base = f"{module_gateway}/client/v4/accounts/alice/ai/v1"
+    with openai.OpenAI(base_url=base, api_key=ALICE_KEY, max_retries=0) as client:
+        made = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=4)
+        assert made.output_text and made.usage is not None and made.usage.output_tokens == 4
+        assert client.responses.retrieve(made.id).output_text == made.output_text
+        [item] = client.responses.input_items.list(made.id).data
+        assert item.type == "message"
+        with pytest.raises(openai.BadRequestError):
+            client.responses.cancel(made.id)  # it has finished: nothing in the background to cancel
+        client.responses.delete(made.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(made.id)
+    assert [r["path"] for r in forwarded(shared_sim)] == ["/v1/chat/completions"]
+
+
+def test_another_accounts_responses_refuse_the_key(module_gateway: str, shared_sim: str) -> None:
+    with openai.OpenAI(base_url=f"{module_gateway}/v1", api_key=ALICE_KEY, max_retries=0) as own:
+        made = own.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=2)
+    with openai.OpenAI(base_url=f"{module_gateway}/accounts/bob/ai/v1", api_key=ALICE_KEY, max_retries=0) as client:
+        with pytest.raises(openai.PermissionDeniedError) as denied:
+            client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=2)
+        assert denied.value.code == "account_mismatch"
+        for call in (client.responses.retrieve, client.responses.delete, client.responses.cancel):
+            with pytest.raises(openai.PermissionDeniedError):
+                call(made.id)
+        with pytest.raises(openai.PermissionDeniedError):
+            client.responses.input_items.list(made.id)
+    assert len(forwarded(shared_sim)) == 1  # alice's own, on /v1
+    with openai.OpenAI(base_url=f"{module_gateway}/v1", api_key=ALICE_KEY, max_retries=0) as own:
+        assert own.responses.retrieve(made.id).id == made.id  # still there: bob's account deleted nothing
+
+
+def test_chat_takes_workers_ais_reject_if_busy_option_and_forwards_none_of_it(
+    module_gateway: str, shared_sim: str
+) -> None:
+    with openai.OpenAI(base_url=f"{module_gateway}/accounts/alice/ai/v1", api_key=ALICE_KEY, max_retries=0) as client:
+        chat = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"options": {"rejectIfBusy": True}}
+        )
+        assert chat.usage is not None and chat.usage.completion_tokens == 2
+        for options in ({"rejectIfBusy": "yes"}, {"rejectIfBusy": True, "other": 1}, ["rejectIfBusy"]):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(
+                    model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"options": options}
+                )
+            assert refused.value.param == "options", options
+    [sent] = forwarded(shared_sim)
+    assert "options" not in sent["body"]
+    # /v1 itself validates as OpenAI does: `options` is no field of its.
+    refused_on_v1 = httpx.post(
+        f"{module_gateway}/v1/chat/completions", json={**chat_body(), "options": {}}, headers=auth()
+    )
+    assert refused_on_v1.status_code == 400
 
 
 def _every_route(gateway: str) -> list[tuple[str, str, dict[str, Any] | None, str]]:
@@ -115,6 +203,11 @@ def _every_route(gateway: str) -> list[tuple[str, str, dict[str, Any] | None, st
         ("GET", "/client/v4/accounts/alice/ai/v1/models", None, ALICE_KEY),
         ("GET", f"/accounts/alice/ai/v1/models/{MODEL}", None, ALICE_KEY),
         ("GET", "/accounts/alice/ai/unknown", None, ALICE_KEY),
+        ("GET", "/accounts/alice/ai/v1/unknown", None, ALICE_KEY),
+        ("GET", "/accounts/alice/ai/models/search", None, ALICE_KEY),
+        ("GET", f"/accounts/alice/ai/models/schema?model={MODEL}", None, ALICE_KEY),
+        ("GET", "/accounts/alice/ai/v1/responses/nothing", None, ALICE_KEY),
+        ("GET", "/accounts/bob/ai/v1/responses/nothing", None, ALICE_KEY),
     ]
 
 

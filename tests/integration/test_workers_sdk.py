@@ -1,25 +1,32 @@
 """Cloudflare's official Python SDK (`cloudflare`) against the gateway, with only the host changed.
 
 `base_url` is the gateway's `/client/v4`, where Cloudflare's API root is `https://api.cloudflare.com/client/v4`; the
-SDK builds every path itself (`/accounts/{account_id}/ai/run/{model}`), parses the envelope, and raises its own
-exception classes from the HTTP status.
+SDK builds every path itself (`/accounts/{account_id}/ai/run/{model}`, `…/ai/models/search`), parses the envelope,
+and raises its own exception classes from the HTTP status.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import cloudflare
+import httpx
+import openai
 import orjson
 import pytest
 from cloudflare import AsyncCloudflare, Cloudflare
 
+from gateway.server.app import create_app
+from gateway.server.serving import run_server
 from gateway.tenancy.tenants import hash_key
+from isolation.sim import SimConfig, create_sim_app
 from tests.integration.conftest import GatewayFactory
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, forwarded
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, auth, forwarded, gateway_settings
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 
@@ -151,3 +158,152 @@ def test_a_backend_down_is_out_of_capacity(make_gateway: GatewayFactory) -> None
         busy = _raised(cloudflare.RateLimitError, lambda: run(client, account="bob", prompt="x", max_tokens=1))
     assert [e.code for e in busy.errors] == [3040]
     assert isinstance(busy.body, dict) and busy.body["errors"][0]["type"] == "backend_unavailable"
+
+
+OTHER = "other-model"
+
+
+@pytest.fixture(scope="module")
+def catalogue(module_sim: str, tokenizer_dir: Path) -> Iterator[str]:
+    """A gateway serving MODEL and OTHER: alice may use both, bob MODEL alone, nobody neither."""
+    model = {"backends": ["sim"], "tokenizer": str(tokenizer_dir), "context_window": 2048}
+    settings = gateway_settings(
+        {"sim": module_sim}, tokenizer_dir, models=[{**model, "name": MODEL}, {**model, "name": OTHER}]
+    )
+    with run_server(create_app(settings), settings.edge) as url:
+        yield url
+
+
+def _sdk(gateway: str, key: str) -> Cloudflare:
+    return Cloudflare(api_token=key, base_url=f"{gateway}/client/v4", max_retries=0)
+
+
+def _walked(page: Any) -> list[str]:
+    """The names on every page, as the SDK walks them (it asks for the next page until one is empty); at most 10."""
+    return [model["name"] for model in itertools.islice(page, 10)]
+
+
+def test_model_search_lists_the_keys_own_models_in_cloudflares_shape(catalogue: str) -> None:
+    with _sdk(catalogue, ALICE_KEY) as alice, _sdk(catalogue, BOB_KEY) as bob, _sdk(catalogue, NOBODY_KEY) as nobody:
+        assert _walked(alice.ai.models.list(account_id="alice")) == [MODEL, OTHER]
+        assert _walked(bob.ai.models.list(account_id="bob")) == [MODEL]
+        assert _walked(nobody.ai.models.list(account_id="nobody")) == []
+        first = alice.ai.models.list(account_id="alice", per_page=1)
+        assert len(first.result) == 1 and first.result_info is not None and first.result_info.per_page == 1
+        assert _walked(first) == [MODEL, OTHER]
+        assert _walked(alice.ai.models.list(account_id="alice", search="OTHER", task="text generation")) == [OTHER]
+        assert alice.ai.models.list(account_id="alice", task="Translation").result == []
+        denied = _raised(cloudflare.PermissionDeniedError, lambda: alice.ai.models.list(account_id="bob"))
+        assert [e.code for e in denied.errors] == [10000]
+    answer = httpx.get(f"{catalogue}/accounts/bob/ai/models/search", headers=auth(BOB_KEY)).json()
+    assert answer["result_info"] == {"page": 1, "per_page": 20, "count": 1, "total_count": 1}
+    [model] = answer["result"]
+    assert set(model) == {"id", "name", "description", "task", "tags", "properties"}
+    assert model["task"]["name"] == "Text Generation"
+    assert {"property_id": "context_window", "value": "2048"} in model["properties"]
+
+
+@pytest.mark.parametrize(
+    "query",
+    [{"page": "0"}, {"per_page": "101"}, {"page": "x"}, {"page": "9" * 5000}, {"author": "meta"}, {"sort": "name"}],
+)
+def test_a_bad_model_search_is_a_clear_400(catalogue: str, query: dict[str, str]) -> None:
+    answer = httpx.get(f"{catalogue}/accounts/alice/ai/models/search", params=query, headers=auth())
+    assert answer.status_code == 400, answer.text
+    [error] = answer.json()["errors"]
+    assert error["code"] == 5006 and error["source"]["pointer"] == f"/{next(iter(query))}"
+
+
+def test_model_schema_through_the_sdk_and_only_for_the_keys_models(catalogue: str) -> None:
+    with _sdk(catalogue, BOB_KEY) as bob:
+        schema = bob.ai.models.schema.get(account_id="bob", model=MODEL)
+        assert schema.input.type == "object" and schema.input.additional_properties is True
+        assert schema.output.type == "object" and schema.output.description
+        raw = schema.input.model_dump(by_alias=True)
+        [prompt, messages] = raw["oneOf"]
+        assert prompt["required"] == ["prompt"] and messages["required"] == ["messages"]
+        assert prompt["properties"]["max_tokens"]["maximum"] == 64  # bob's own output cap
+        assert prompt["properties"]["temperature"]["maximum"] == 5
+        hidden = _raised(cloudflare.BadRequestError, lambda: bob.ai.models.schema.get(account_id="bob", model=OTHER))
+        unknown = _raised(cloudflare.BadRequestError, lambda: bob.ai.models.schema.get(account_id="bob", model="x"))
+        assert hidden.body == unknown.body | {"errors": hidden.body["errors"]}  # type: ignore[operator,index]
+        assert [e.code for e in hidden.errors] == [e.code for e in unknown.errors] == [5007]
+    missing = httpx.get(f"{catalogue}/accounts/bob/ai/models/schema", headers=auth(BOB_KEY))
+    assert missing.status_code == 400 and missing.json()["errors"][0]["source"]["pointer"] == "/model"
+
+
+# --- rejectIfBusy: a replica of one running slot, held by a long stream -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_slot(tokenizer_dir: Path) -> Iterator[tuple[str, str]]:
+    """(gateway, simulator): one replica that runs one request at a time, 20 tokens a second (up to 200)."""
+    config = SimConfig(tokenizer_dir=tokenizer_dir, tokens_per_s=20, output_tokens=200)
+    with run_server(create_sim_app(config)) as sim:
+        settings = gateway_settings(
+            {"sim": sim},
+            tokenizer_dir,
+            backends=[{"name": "sim", "url": sim, "max_num_seqs": 1}],
+            upstream={"load_interval_s": 0.05},
+        )
+        with run_server(create_app(settings), settings.edge) as gateway:
+            yield gateway, sim
+
+
+async def _while_busy(one_slot: tuple[str, str], then: Callable[[], Any], hold_s: float = 5) -> tuple[Any, float]:
+    """`then()` (in a thread) while alice's stream of 200 tokens holds the replica's one slot, for at most `hold_s`
+    (then she hangs up, and the gateway gives the slot back); `then`'s result and how long it took."""
+    gateway, sim = one_slot
+    httpx.delete(f"{sim}/sim/requests")
+    body = {"prompt": "Hold the slot", "max_tokens": 200, "stream": True}
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", f"{gateway}/accounts/alice/ai/run/{MODEL}", json=body, headers=auth()):
+            assert len(forwarded(sim)) == 1  # the engine runs it: the slot is taken
+            started = time.monotonic()
+            after = asyncio.ensure_future(asyncio.to_thread(then))
+            await asyncio.wait({after}, timeout=hold_s)
+        result = await after
+    return result, time.monotonic() - started
+
+
+async def test_reject_if_busy_refuses_with_3040_at_once_when_the_slots_are_full(one_slot: tuple[str, str]) -> None:
+    gateway, sim = one_slot
+    # The SDK's run() has no `options`: the body's field goes as an extra.
+    body = {"options": {"rejectIfBusy": True}}
+    with _sdk(gateway, BOB_KEY) as bob:
+        refused, took = await _while_busy(
+            one_slot, lambda: _raised(cloudflare.RateLimitError, lambda: run(bob, "bob", prompt="x", extra_body=body))
+        )
+    assert took < 2, "refused at once, not once the slot was free"
+    assert [e.code for e in refused.errors] == [3040]
+    assert isinstance(refused.body, dict) and refused.body["errors"][0]["type"] == "capacity_exceeded"
+    assert int(refused.response.headers["retry-after"]) >= 1
+    assert len(forwarded(sim)) == 1, "the refused request never reached the engine"
+
+
+async def test_without_reject_if_busy_a_request_waits_for_the_slot(one_slot: tuple[str, str]) -> None:
+    gateway, sim = one_slot
+    body = {"options": {"rejectIfBusy": False}}
+    with _sdk(gateway, BOB_KEY) as bob:
+        answer, took = await _while_busy(
+            one_slot, lambda: run(bob, "bob", prompt="x", max_tokens=1, extra_body=body), hold_s=0.5
+        )
+    assert answer["usage"]["completion_tokens"] == 1 and took >= 0.5  # it waited for the slot
+    assert len(forwarded(sim)) == 2
+
+
+async def test_reject_if_busy_on_the_openai_compatible_chat(one_slot: tuple[str, str]) -> None:
+    gateway, sim = one_slot
+    with openai.OpenAI(base_url=f"{gateway}/accounts/bob/ai/v1", api_key=BOB_KEY, max_retries=0) as client:
+
+        def busy() -> openai.RateLimitError:
+            with pytest.raises(openai.RateLimitError) as refused:
+                messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "x"}]
+                client.chat.completions.create(
+                    model=MODEL, messages=messages, extra_body={"options": {"rejectIfBusy": True}}
+                )
+            return refused.value
+
+        refused, took = await _while_busy(one_slot, busy)
+    assert took < 2 and refused.code == "capacity_exceeded"
+    assert len(forwarded(sim)) == 1

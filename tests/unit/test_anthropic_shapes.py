@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.api.anthropic_shapes import EventWriter, MessagesRequest, chat_payload, message
+from gateway.api.anthropic_shapes import EventWriter, MessagesRequest, chat_error, chat_payload, message, request_path
 from gateway.errors import BackendBadResponse, InvalidRequest
 from gateway.schemas import validate
 
@@ -196,3 +196,127 @@ def test_a_prefill_is_refused_and_claude_codes_billing_line_is_not_sent() -> Non
     )
     assert chat["messages"][0] == {"role": "system", "content": "You are Claude Code."}
     assert chat["reasoning_effort"] == "high" and "thinking_token_budget" not in chat
+
+
+def blocks_of(said: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """A stream's content blocks as a client accumulates them: (type, text) by index."""
+    kinds = {e["index"]: e["content_block"]["type"] for e in said if e["type"] == "content_block_start"}
+    texts = dict.fromkeys(kinds, "")
+    for e in said:
+        if e["type"] == "content_block_delta":
+            delta = e["delta"]
+            texts[e["index"]] += delta.get("text") or delta.get("thinking") or delta.get("partial_json") or ""
+    return [(kinds[i], texts[i]) for i in sorted(kinds)]
+
+
+def test_reasoning_after_the_text_began_is_held_for_one_thinking_block_and_the_text_never_waits() -> None:
+    """Claude streams a thinking block, then the text. The guard releases a held end of the reasoning with the last
+    chunk, and an engine can interleave the two: neither may open a block for each change of kind."""
+    writer = EventWriter("m", "msg_1")
+    raw = writer.chunk({"choices": [{"delta": {"reasoning_content": "a"}}]})
+    for n in range(3):
+        out = writer.chunk({"choices": [{"delta": {"reasoning_content": f"r{n}", "content": f"t{n}"}}]})
+        assert orjson.dumps({"type": "text_delta", "text": f"t{n}"}) in out  # out with its own chunk
+        raw += out
+    raw += writer.chunk({"choices": [{"delta": {"reasoning": "z"}, "finish_reason": "stop"}]})
+    said = events(raw + writer.done())
+    assert blocks_of(said) == [("thinking", "ar0"), ("text", "t0t1t2"), ("thinking", "r1r2z")]
+    assert [e["type"] for e in said].count("content_block_stop") == 3 and said[-1]["type"] == "message_stop"
+
+
+def test_a_refusal_is_the_answers_text_with_stop_reason_refusal() -> None:
+    refused = {"choices": [{"finish_reason": "stop", "message": {"content": None, "refusal": "I can't help."}}]}
+    said = message(refused, "m", "i")
+    assert said["content"] == [{"type": "text", "text": "I can't help."}] and said["stop_reason"] == "refusal"
+    filtered = {"choices": [{"finish_reason": "content_filter", "message": {"content": "Sure, the"}}]}
+    assert message(filtered, "m", "i")["stop_reason"] == "refusal"
+    writer = EventWriter("m", "msg_1")
+    raw = writer.chunk({"choices": [{"delta": {"refusal": "I can't"}}]})
+    raw += writer.chunk({"choices": [{"delta": {"refusal": " help."}, "finish_reason": "stop"}]})
+    streamed = events(raw + writer.done())
+    assert blocks_of(streamed) == [("text", "I can't help.")]
+    assert streamed[-2]["delta"] == {"stop_reason": "refusal", "stop_sequence": None}
+
+
+@pytest.mark.parametrize("finish", ["abort", "error"])
+def test_an_answer_the_engine_did_not_finish_fails_and_never_reads_as_a_whole_one(finish: str) -> None:
+    with pytest.raises(BackendBadResponse, match=finish):
+        message({"choices": [{"finish_reason": finish, "message": {"content": "half an ans"}}]}, "m", "i")
+    writer = EventWriter("m", "msg_1")
+    writer.chunk({"choices": [{"delta": {"content": "half an ans"}}]})
+    assert writer.failure is None
+    writer.chunk({"choices": [{"delta": {}, "finish_reason": finish}]})
+    assert isinstance(writer.failure, BackendBadResponse)  # known before the stream ends: the log says so
+    said = events(writer.done())
+    assert [e["type"] for e in said] == ["content_block_stop", "error"]
+    assert said[-1]["error"]["type"] == "api_error" and finish in said[-1]["error"]["message"]
+
+
+def test_tool_arguments_that_are_not_an_object_are_a_failure_from_the_last_chunk_on() -> None:
+    writer = EventWriter("m", "msg_1")
+    call = {"index": 0, "id": "a", "function": {"name": "f", "arguments": "[1, 2]"}}
+    writer.chunk({"choices": [{"delta": {"tool_calls": [call]}}]})
+    assert writer.failure is None  # arguments can still grow
+    writer.chunk({"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
+    assert isinstance(writer.failure, BackendBadResponse)
+    assert events(writer.done())[-1]["type"] == "error"
+
+
+def translated(chat_path: str, **body: Any) -> str | None:
+    request = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **body}
+    return request_path(chat_path, validate(MessagesRequest, request))
+
+
+TURNS = [
+    {"role": "user", "content": "q"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]},
+    {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "a", "content": "1"},
+            {"type": "text", "text": "and?"},
+        ],
+    },
+]
+
+
+@pytest.mark.parametrize(
+    ("chat_path", "body", "path"),
+    [
+        ("messages[0].content", {"system": "be brief"}, "system"),
+        ("messages[1].content", {"system": "be brief"}, "messages[0]"),
+        ("messages[0]", {"system": [{"type": "text", "text": "x-anthropic-billing-header: a"}]}, "messages[0]"),
+        ("messages[3].content", {"messages": TURNS}, "messages[2]"),  # the turn's text, after its tool message
+        ("messages[2].tool_call_id", {"messages": TURNS}, "messages[2]"),
+        ("messages[4]", {"system": "s", "messages": TURNS}, "messages[2]"),
+        ("messages[9]", {}, None),
+        ("messages", {}, "messages"),
+        ("stop", {}, "stop_sequences"),
+        ("stop[1]", {}, "stop_sequences[1]"),
+        ("tools[0].function.parameters.properties", {}, "tools[0].input_schema.properties"),
+        ("tools[1].function.name", {}, "tools[1].name"),
+        ("tools[0].type", {}, "tools[0]"),
+        ("tool_choice.function.name", {}, "tool_choice"),
+        ("parallel_tool_calls", {}, "tool_choice.disable_parallel_tool_use"),
+        ("thinking_token_budget", {}, "thinking.budget_tokens"),
+        ("reasoning_effort", {}, "output_config.effort"),
+        ("max_tokens", {}, "max_tokens"),
+        ("stream_options.include_usage", {}, None),
+        ("cache_salt", {}, None),
+        ("Prompt rejected: CNRY", {}, None),
+    ],
+)
+def test_a_path_into_the_chat_request_names_the_messages_requests_own_field(
+    chat_path: str, body: dict[str, Any], path: str | None
+) -> None:
+    assert translated(chat_path, **body) == path
+
+
+def test_an_error_about_the_chat_request_names_the_clients_field_or_none() -> None:
+    request = validate(MessagesRequest, {"model": "m", "max_tokens": 8, "system": "s", "messages": TURNS})
+    assert chat_error("messages[4]: a 'user' message needs content", "messages[4]", request) == (
+        "messages[2]: a 'user' message needs content"
+    )
+    assert chat_error("stream_options: bad", "stream_options", request) == "bad"
+    assert chat_error("max_tokens is 9; at most 8", "max_tokens", request) == "max_tokens is 9; at most 8"
+    assert chat_error("the schemas are too large", None, request) == "the schemas are too large"

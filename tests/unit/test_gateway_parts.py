@@ -10,7 +10,7 @@ import pytest
 
 from gateway.accesslog import request_id
 from gateway.api.body import parse_json_object
-from gateway.api.workers import decoded_arguments
+from gateway.api.workers_shapes import decoded_arguments
 from gateway.errors import AuthenticationFailed, InvalidRequest
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import ChatCompletionRequest, request_path
@@ -81,6 +81,14 @@ def test_duplicate_key_hashes_are_refused() -> None:
     tenants = f'[{{"id": "a", "key_hashes": ["{same}"]}}, {{"id": "b", "key_hashes": ["{same}"]}}]'
     with pytest.raises(SettingsError, match="appears twice"):
         load_settings(None, {"BULKHEAD_TENANTS": tenants})
+
+
+def test_a_backend_serves_one_task() -> None:
+    # An embedding replica's inputs carry no marker: it must never also answer with text.
+    backends = '[{"name": "x", "url": "http://127.0.0.1:1"}]'
+    models = '[{"name": "chat", "backends": ["x"]}, {"name": "embed", "backends": ["x"], "task": "embed"}]'
+    with pytest.raises(SettingsError, match="backend 'x' serves 'chat' \\(generate\\) and 'embed' \\(embed\\)"):
+        load_settings(None, {"BULKHEAD_BACKENDS": backends, "BULKHEAD_MODELS": models})
 
 
 def test_kubernetes_service_links_are_not_settings() -> None:

@@ -7,7 +7,15 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.api.responses_shapes import EventWriter, ResponsesRequest, chat_payload, response, stored_input
+from gateway.api.responses_shapes import (
+    EventWriter,
+    ResponsesRequest,
+    chat_error,
+    chat_payload,
+    request_path,
+    response,
+    stored_input,
+)
 from gateway.errors import BackendBadResponse, InvalidRequest
 from gateway.schemas import validate
 
@@ -200,3 +208,37 @@ def test_a_function_calls_output_may_be_text_parts() -> None:
     parts = [{"type": "input_text", "text": "4"}, {"type": "input_text", "text": "2"}]
     chat = chat_payload(asked(input=[{"type": "function_call_output", "call_id": "c", "output": parts}]))
     assert chat["messages"] == [{"role": "tool", "tool_call_id": "c", "content": "4\n2"}]
+
+
+def test_an_error_about_the_chat_request_names_the_clients_own_field() -> None:
+    history = (
+        stored_input(asked(input="earlier"))
+        + response({"choices": [{"message": {"content": "said"}}]}, asked(), "r")["output"]
+    )
+    items = [
+        {"role": "user", "content": "a"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"role": "assistant", "content": "b"},
+        {"type": "function_call_output", "call_id": "c", "output": "1"},
+    ]
+    request = asked(instructions="rules", input=items)
+    paths = [request_path(f"messages[{i}].content", request, history) for i in range(7)]
+    assert paths == [
+        "instructions",
+        "previous_response_id",
+        "previous_response_id",
+        "input[0]",
+        "input",
+        "input[3]",
+        None,
+    ]
+    assert request_path("tools[1].function.parameters.type", request, history) == "tools[1].parameters.type"
+    assert request_path("response_format.json_schema.schema", request, history) == "text.format"
+    assert request_path("logprobs", request, history) is None
+    message, param = chat_error("max_tokens is 99; at most 64 may be asked.", "max_tokens", request, history)
+    assert (message, param) == ("max_output_tokens is 99; at most 64 may be asked.", "max_output_tokens")
+    said = "The prompt has 9 and 3, 12 in all; the limit is 10. Shorten the prompt or lower max_tokens."
+    assert chat_error(said, "messages", request, history) == (said.replace("max_tokens", "max_output_tokens"), "input")
+    assert chat_error("messages[3].content: long", "messages[3].content", request, []) == ("input[3]: long", "input[3]")
+    assert chat_error("messages[9].content: long", "messages[9].content", request, []) == ("long", None)
+    assert chat_error("bad header", "x-session-affinity", request, []) == ("bad header", "x-session-affinity")
