@@ -10,14 +10,13 @@ reason and its usage (without the markers), never a field of the engine's own.
 
 from __future__ import annotations
 
-import re
 import secrets
 from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.api.openai import hold_call, tokens
+from gateway.api.openai import client_path, hold_call, tokens, unfinished
 from gateway.errors import BackendBadResponse, GatewayError, InvalidRequest
 from gateway.schemas import ModelName, OutputTokens, ShortText
 
@@ -35,20 +34,16 @@ ERROR_TYPES = {
 }
 # A filter that stopped the answer (content_filter) is what Anthropic's "refusal" says of its own classifiers.
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
-# vLLM's finish reasons for an answer the engine did not finish: the request aborted in the engine, or its generation
-# failed. The chat route relays them as they come; Anthropic has no stop_reason for either, and end_turn would tell a
-# client that a cut answer is whole: the answer fails instead, as a backend's error in the middle of a stream does.
-FAILED = {"abort": "was aborted in the engine", "error": "failed in the engine"}
 BILLING_HEADER = "x-anthropic-billing-header:"
 # The Messages request's field each chat field it sets came from (chat_payload), for errors that name a chat field.
 CHAT_FIELDS = {
     "model": "model",
+    "messages": "messages",
     "max_tokens": "max_tokens",
     "stream": "stream",
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
-    "stop": "stop_sequences",
     "tools": "tools",
     "tool_choice": "tool_choice",
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
@@ -56,7 +51,6 @@ CHAT_FIELDS = {
     "reasoning_effort": "output_config.effort",
 }
 TOOL_FIELDS = {"name": "name", "description": "description", "parameters": "input_schema"}
-CHAT_PATH = re.compile(r"([a-z_]+)(?:\[(\d+)\])?((?:\.[a-z_]+|\[\d+\])*)")
 
 
 class _Strict(BaseModel):
@@ -239,27 +233,12 @@ def request_path(chat_path: str, request: MessagesRequest | CountTokensRequest) 
     """The field of the Messages request that a path into the chat request it became (`messages[3].content`) comes
     from, as precisely as the translation tells (`messages[2]`: a turn can become several chat messages); None for
     a chat field the client did not set."""
-    found = CHAT_PATH.fullmatch(chat_path)
-    if found is None:
-        return None
-    name, index, rest = found.group(1), found.group(2), found.group(3)
-    if name == "messages":
-        if index is None:
-            return "messages" if not rest else None
-        origins = (["system"] if _system(request) else []) + [
-            f"messages[{turn}]" for turn, said in enumerate(request.messages) for _ in _chat_messages(said)
-        ]
-        return origins[int(index)] if int(index) < len(origins) else None
-    if name == "tools" and index is not None:
-        field = re.fullmatch(r"\.function\.([a-z_]+)(.*)", rest)
-        if field is None or field.group(1) not in TOOL_FIELDS:
-            return f"tools[{index}]"
-        return f"tools[{index}].{TOOL_FIELDS[field.group(1)]}{field.group(2)}"
-    if name == "stop":
-        return "stop_sequences" + (f"[{index}]" if index is not None else "")
-    if name == "tool_choice":
-        return "tool_choice"  # its shape is the translation's: only the field is the client's
-    return CHAT_FIELDS.get(name) if index is None and not rest else None
+
+    def origins() -> list[str]:
+        turns = [f"messages[{turn}]" for turn, said in enumerate(request.messages) for _ in _chat_messages(said)]
+        return (["system"] if _system(request) else []) + turns
+
+    return client_path(chat_path, origins, CHAT_FIELDS, TOOL_FIELDS, listed={"stop": "stop_sequences"})
 
 
 def chat_error(message: str, param: str | None, request: MessagesRequest | CountTokensRequest) -> str:
@@ -325,7 +304,7 @@ def message(answer: dict[str, Any], model: str, request_id: str) -> dict[str, An
     choice = (answer.get("choices") or [{}])[0]
     said = choice.get("message") or {}
     finish = choice.get("finish_reason")
-    if (failed := failure(finish)) is not None:
+    if (failed := unfinished(finish)) is not None:
         raise failed
     content: list[dict[str, Any]] = []
     reasoning = said.get("reasoning_content") or said.get("reasoning")
@@ -377,12 +356,6 @@ def tool_input(arguments: str | None) -> dict[str, Any]:
 
 def _tool_id() -> str:
     return "toolu_" + secrets.token_hex(12)
-
-
-def failure(finish: str | None) -> BackendBadResponse | None:
-    """The error that an answer the engine did not finish (finish_reason "abort" or "error") is, else None."""
-    how = FAILED.get(finish or "")
-    return None if how is None else BackendBadResponse(f"The answer {how} (finish_reason '{finish}').")
 
 
 def _stop(finish: str | None, matched: Any, called: bool, refused: bool) -> tuple[str | None, str | None]:
@@ -460,7 +433,7 @@ class EventWriter:
             if choice.get("finish_reason") is not None:
                 self._finish, self._matched = choice["finish_reason"], choice.get("stop_reason")
                 # Nothing more comes for the choice: the guard released what it held with this chunk.
-                self.failure = failure(self._finish) or self._bad_call()
+                self.failure = unfinished(self._finish) or self._bad_call()
         return b"".join(out)
 
     def ending_failure(self) -> GatewayError | None:

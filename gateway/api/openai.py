@@ -4,9 +4,11 @@ pipeline, and the outcome rendered as OpenAI's JSON or server-sent events."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Collection, Mapping
 from contextlib import suppress
 from functools import partial
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import orjson
@@ -126,6 +128,54 @@ def hold_call(calls: dict[Any, dict[str, str]], call: dict[str, Any]) -> None:
     held["id"] = held["id"] or call.get("id") or ""
     held["name"] += function.get("name") or ""
     held["arguments"] += function.get("arguments") or ""
+
+
+# vLLM's finish reasons for an answer the engine did not finish: the request aborted in the engine, or its generation
+# failed. The chat route relays them as they come; the other APIs have no end for either, and a normal one would tell
+# a client that a cut answer is whole: the answer fails instead, as a backend's error in the middle of a stream does.
+UNFINISHED = {"abort": "was aborted in the engine", "error": "failed in the engine"}
+
+
+def unfinished(finish: str | None) -> BackendBadResponse | None:
+    """The error that an answer the engine did not finish (finish_reason "abort" or "error") is, else None."""
+    how = UNFINISHED.get(finish or "")
+    return None if how is None else BackendBadResponse(f"The answer {how} (finish_reason '{finish}').")
+
+
+# A path into a chat request, as errors name them: `messages[3].content`, `tools[0].function.parameters`.
+CHAT_PATH = re.compile(r"([a-z_]+)(?:\[(\d+)\])?((?:\.[a-z_]+|\[\d+\])*)")
+
+
+def client_path(
+    chat_path: str,
+    origins: Callable[[], list[str]],
+    fields: Mapping[str, str],
+    tool_fields: Mapping[str, str],
+    whole: Collection[str] = ("tool_choice",),
+    listed: Mapping[str, str] = MappingProxyType({}),
+) -> str | None:
+    """The field of another API's request that a path into the chat request it became comes from, as precisely as
+    its translation tells; None for a chat field the client did not set. `origins()`: where each chat message came
+    from; `fields`: each chat field's own name (`messages` alone: the field the messages came from); `tool_fields`:
+    a function tool's fields'; `whole`: fields whose shape is the translation's (only the field is the client's);
+    `listed`: list fields whose items keep their index."""
+    found = CHAT_PATH.fullmatch(chat_path)
+    if found is None:
+        return None
+    name, index, rest = found.group(1), found.group(2), found.group(3)
+    if name == "messages" and index is not None:
+        said = origins()
+        return said[int(index)] if int(index) < len(said) else None
+    if name == "tools" and index is not None:
+        field = re.fullmatch(r"\.function\.([a-z_]+)(.*)", rest)
+        if field is None or field.group(1) not in tool_fields:
+            return f"tools[{index}]"
+        return f"tools[{index}].{tool_fields[field.group(1)]}{field.group(2)}"
+    if name in whole:
+        return fields[name]
+    if name in listed:
+        return listed[name] + (f"[{index}]" if index is not None else "")
+    return fields.get(name) if index is None and not rest else None
 
 
 def relayed_as(stream: Stream, writer: Writer) -> RelayResponse:

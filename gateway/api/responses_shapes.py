@@ -18,9 +18,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from gateway.api.anthropic_shapes import CHAT_PATH
-from gateway.api.openai import hold_call, tokens
-from gateway.errors import BackendBadResponse, GatewayError, InvalidRequest
+from gateway.api.openai import CHAT_PATH, client_path, hold_call, tokens, unfinished
+from gateway.errors import GatewayError, InvalidRequest
 from gateway.schemas import ModelName, OutputTokens, ShortText
 
 
@@ -224,6 +223,7 @@ def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None
 # A chat field named in an error, as the Responses request's own (None: not one the client set).
 _FIELDS = {
     "model": "model",
+    "messages": "input",
     "max_tokens": "max_output_tokens",
     "stream": "stream",
     "temperature": "temperature",
@@ -234,30 +234,16 @@ _FIELDS = {
     "response_format": "text.format",
     "reasoning_effort": "reasoning.effort",
 }
-_TOOL_FIELDS = ("name", "description", "parameters", "strict")
+_TOOL_FIELDS = {name: name for name in ("name", "description", "parameters", "strict")}
 
 
 def request_path(chat_path: str, request: ResponsesRequest, history: list[dict[str, Any]]) -> str | None:
     """The field of the Responses request that a path into the chat request it became (`messages[3].content`)
     comes from, as precisely as the translation tells: `input[k]`, or `input` where items were made one turn, and
     `previous_response_id` for a stored turn's; None for a chat field the client did not set."""
-    found = CHAT_PATH.fullmatch(chat_path)
-    if found is None:
-        return None
-    name, index, rest = found.group(1), found.group(2), found.group(3)
-    if name == "messages":
-        if index is None:
-            return "input" if not rest else None
-        origins = _origins(request, history)
-        return origins[int(index)] if int(index) < len(origins) else None
-    if name == "tools" and index is not None:
-        field = re.fullmatch(r"\.function\.([a-z_]+)(.*)", rest)
-        if field is None or field.group(1) not in _TOOL_FIELDS:
-            return f"tools[{index}]"
-        return f"tools[{index}].{field.group(1)}{field.group(2)}"
-    if name in ("tool_choice", "response_format"):
-        return _FIELDS[name]  # their shapes are the translation's: only the field is the client's
-    return _FIELDS.get(name) if index is None and not rest else None
+    return client_path(
+        chat_path, lambda: _origins(request, history), _FIELDS, _TOOL_FIELDS, whole=("tool_choice", "response_format")
+    )
 
 
 def _origins(request: ResponsesRequest, history: list[dict[str, Any]]) -> list[str]:
@@ -431,14 +417,9 @@ def response(answer: dict[str, Any], request: ResponsesRequest, response_id: str
     return body
 
 
-# A chat answer's end that is no end: vLLM's for a request it aborted or failed. As a response it is a failure, not a
-# completed answer that happens to be short.
-FAILED_ENDS = ("abort", "error")
-
-
 def _status(finish: str | None) -> str:
-    if finish in FAILED_ENDS:
-        raise BackendBadResponse(f"The engine ended the answer without finishing it (finish_reason {finish!r}).")
+    if (failed := unfinished(finish)) is not None:
+        raise failed
     return "incomplete" if finish in ("length", "content_filter") else "completed"
 
 
