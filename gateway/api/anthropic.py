@@ -31,7 +31,7 @@ from gateway.api.openai import new_record, read_submission, relayed_as
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import GatewayError
 from gateway.pipeline.counting import Prompt
-from gateway.pipeline.inference import Route, Submission, refuse, resolve_model, run
+from gateway.pipeline.inference import Route, Submission, check_task, refuse, resolve_model, run
 from gateway.pipeline.outcome import Answer, Outcome, Stream
 from gateway.pipeline.slot import Slot
 from gateway.schemas import Body, ChatCompletionRequest, validate
@@ -102,9 +102,10 @@ async def count_tokens(request: Request) -> Response:
     try:
         # The same checks as the request itself would meet: the chat fields it becomes, the model the key may use, a
         # block on the tenant's use of the model.
-        validate(ChatCompletionRequest, {**payload, "max_tokens": 1})
+        chat = validate(ChatCompletionRequest, {**payload, "max_tokens": 1})
         tenant = submission.tenant
         model = resolve_model(state, tenant, asked.model)
+        check_task(model, chat)
         state.verdicts.check(tenant.id, model.name)
         record.model = model.name
         tokens = await _count(state, tenant, model, payload)

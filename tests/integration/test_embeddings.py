@@ -200,6 +200,10 @@ def test_only_the_tenants_models_and_each_route_its_kind(gateway: str, replicas:
     assert generates.status_code == 400 and generates.json()["error"]["param"] == "model"
     chat = httpx.post(f"{gateway}/v1/chat/completions", json={**chat_body(), "model": EMBED_MODEL}, headers=auth())
     assert chat.status_code == 400 and "/v1/embeddings" in chat.json()["error"]["message"]
+    # Counting a Messages prompt for it would count a chat template the model's engines never render.
+    hello = {"model": EMBED_MODEL, "messages": [{"role": "user", "content": "x"}]}
+    counted = httpx.post(f"{gateway}/v1/messages/count_tokens", json=hello, headers={"x-api-key": ALICE_KEY})
+    assert counted.status_code == 400 and "/v1/embeddings" in counted.json()["error"]["message"]
     assert sent(replicas) == []
 
 
