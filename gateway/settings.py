@@ -253,6 +253,9 @@ class ResponsesSettings(_Section):
         ge=1024,
         description="stored responses a tenant may hold, in bytes; storing past it drops the tenant's oldest",
     )
+    max_turns: int = Field(
+        default=1_000, ge=1, description="turns of one stored conversation; a request past it gets 400"
+    )
 
 
 class RoutingSettings(_Section):

@@ -5,15 +5,20 @@ memory, where any tenant who learns an id can name it and where a gateway could 
 cannot see. So the gateway keeps them, under the tenant's incarnation: another tenant's id, an expired one and one
 never made are the same miss.
 
-A stored turn holds the request's own input items, the response as it was answered (so its output as the checks
-let it out), and the ids of the turns before it in its conversation, oldest first. A conversation of n turns is read
-in two steps (the latest turn, then its earlier turns at once), and each turn is stored once, not again in every
-later one. Each tenant holds at most `responses.max_bytes_per_tenant`: storing past it drops the tenant's oldest
-turns, so a conversation that reached back to one of them is gone too (404), as it would be at its TTL.
+A stored turn is two records: the response as it was answered, less its output (what GET adds to the output: the
+request's settings, its instructions and tools, which an agent may send again every turn), and the turn's items
+(the request's own input items and the response's output) with the id of the turn before it. A conversation is
+read in one step, whatever its length: its turns' ids by their links, then their items, never their responses;
+each turn stores only itself and one link, so a conversation's storage grows with its length, not its square.
+Each tenant holds at most `responses.max_bytes_per_tenant`: storing past it drops the tenant's oldest turns, so a
+conversation that reached back to one of them is gone too (404), as it would be at its TTL.
 
-With Redis a turn is the string `{prefix}response:{owner}:{id}` (expiring at the TTL), and the owner's turns are the
-sorted set `{prefix}responses:{owner}` (by when stored) with their sizes in the hash `{prefix}response-sizes:{owner}`
-(`#total`: their sum); one script stores a turn and drops what is expired or over the bound, in one step.
+With Redis, under the owner (the tenant's incarnation): the response `{prefix}conversation:{owner}:response:{id}`
+and the items `{prefix}conversation:{owner}:turn:{id}` (both expiring at the TTL), the links
+`{prefix}response-links:{owner}` (a hash: id → the id before it, "" for a first turn), the turns by when they were
+stored `{prefix}responses:{owner}` (a sorted set) and their sizes `{prefix}response-sizes:{owner}` (`#total`: their
+sum). One script stores a turn and drops what expired or is over the bound; one walks a conversation's links and
+reads its items.
 """
 
 from __future__ import annotations
@@ -32,44 +37,76 @@ class Turn:
     """One stored response and what it was made from."""
 
     id: str
-    response: dict[str, Any]  # the response object as it was answered
+    response: dict[str, Any]  # the response object as it was answered (with its output)
     input: list[dict[str, Any]]  # this request's own input items, each with its id
-    chain: list[str]  # the earlier turns of its conversation, oldest first
-    size: int  # bytes of the conversation up to and including this turn: its history's, for a bound
-
-    @property
-    def root(self) -> str:
-        """The conversation's first turn: the same for every turn of it (its session, when the client names none)."""
-        return self.chain[0] if self.chain else self.id
+    parent: str  # the turn before it in its conversation; "" for a first turn
+    depth: int  # its place in its conversation: 1 for a first turn
+    size: int  # bytes of the conversation's items up to and including this turn's
+    root: str  # its conversation's first turn: the same for every turn of it (its session, when the client names none)
 
     def items(self) -> list[dict[str, Any]]:
         """What the turn adds to its conversation: its input, then its output."""
         output: list[dict[str, Any]] = self.response.get("output") or []
         return [*self.input, *output]
 
-    def encode(self) -> bytes:
-        return orjson.dumps(
-            {"id": self.id, "response": self.response, "input": self.input, "chain": self.chain, "size": self.size}
-        )
+    def encode(self) -> tuple[bytes, bytes]:
+        """The response less its output, and the items with what links them."""
+        envelope = {name: value for name, value in self.response.items() if name != "output"}
+        items = {"input": self.input, "output": self.response.get("output") or []}
+        return orjson.dumps(envelope), orjson.dumps(items | {"depth": self.depth, "size": self.size, "root": self.root})
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> Turn:
-        data = orjson.loads(raw)
-        return cls(data["id"], data["response"], data["input"], data["chain"], data["size"])
+    def decode(cls, turn_id: str, parent: str, envelope: bytes | str, items: bytes | str) -> Turn:
+        said, held = orjson.loads(envelope), orjson.loads(items)
+        response = {**said, "output": held["output"]}
+        return cls(turn_id, response, held["input"], parent, held["depth"], held["size"], held["root"])
+
+
+@dataclass(frozen=True)
+class Said:
+    """A stored turn's items, as a later turn reads them, and where the turn stands in its conversation."""
+
+    input: list[dict[str, Any]]
+    output: list[dict[str, Any]]
+    depth: int
+    size: int
+    root: str
+
+    @classmethod
+    def decode(cls, items: bytes | str) -> Said:
+        held = orjson.loads(items)
+        return cls(held["input"], held["output"], held["depth"], held["size"], held["root"])
 
 
 class ConversationStore(Protocol):
     async def save(self, owner: str, turn: Turn) -> None:
-        """Keep the turn for the TTL; past the owner's bound, its oldest turns are dropped."""
+        """Keep the turn for the TTL; past the owner's bound, its oldest turns are dropped (never this one)."""
         ...
 
-    async def load(self, owner: str, ids: list[str]) -> list[Turn | None]:
-        """The owner's turns by id, None for each it does not hold (expired, deleted, never made, another's)."""
+    async def load(self, owner: str, turn_id: str) -> Turn | None:
+        """The owner's turn, None when it holds none by that id (expired, deleted, never made, another's)."""
+        ...
+
+    async def conversation(self, owner: str, turn_id: str, most: int) -> list[Said] | None:
+        """The items of every turn of the conversation that ends at `turn_id`, oldest first; None when any of them
+        is gone; [] when there are more than `most`."""
         ...
 
     async def delete(self, owner: str, turn_id: str) -> bool:
         """False when the owner holds no such turn."""
         ...
+
+
+@dataclass
+class _Held:
+    until: float
+    parent: str
+    envelope: bytes
+    items: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.envelope) + len(self.items)
 
 
 class MemoryConversationStore:
@@ -78,79 +115,129 @@ class MemoryConversationStore:
     def __init__(self, ttl_s: float, max_bytes_per_owner: int) -> None:
         self._ttl_s = ttl_s
         self._cap = max_bytes_per_owner
-        # owner → its turns, oldest first: id → (expires at, the turn as stored)
-        self._owners: dict[str, OrderedDict[str, tuple[float, bytes]]] = {}
+        self._owners: dict[str, OrderedDict[str, _Held]] = {}  # owner → its turns, oldest first
         self._totals: dict[str, int] = {}
 
     async def save(self, owner: str, turn: Turn) -> None:
-        now, raw = time.time(), turn.encode()
+        now = time.time()
         if owner in self._owners:
-            self._drop(owner, [held for held, (until, _) in self._owners[owner].items() if until <= now])
+            self._drop(owner, [held for held, kept in self._owners[owner].items() if kept.until <= now])
         turns = self._owners.setdefault(owner, OrderedDict())
-        turns[turn.id] = (now + self._ttl_s, raw)
-        self._totals[owner] = self._totals.get(owner, 0) + len(raw)
+        turns[turn.id] = kept = _Held(now + self._ttl_s, turn.parent, *turn.encode())
+        self._totals[owner] = self._totals.get(owner, 0) + kept.size
         while self._totals[owner] > self._cap and len(turns) > 1:
             self._drop(owner, [next(iter(turns))])
 
-    async def load(self, owner: str, ids: list[str]) -> list[Turn | None]:
-        turns: dict[str, tuple[float, bytes]] = self._owners.get(owner, {})
-        now = time.time()
-        found: list[Turn | None] = []
-        for turn_id in ids:
-            held = turns.get(turn_id)
-            found.append(Turn.decode(held[1]) if held is not None and held[0] > now else None)
-        return found
+    async def load(self, owner: str, turn_id: str) -> Turn | None:
+        held = self._held(owner, turn_id)
+        return None if held is None else Turn.decode(turn_id, held.parent, held.envelope, held.items)
+
+    async def conversation(self, owner: str, turn_id: str, most: int) -> list[Said] | None:
+        said: list[Said] = []
+        while turn_id:
+            held = self._held(owner, turn_id)
+            if held is None:
+                return None
+            if len(said) == most:
+                return []
+            said.append(Said.decode(held.items))
+            turn_id = held.parent
+        return said[::-1]
 
     async def delete(self, owner: str, turn_id: str) -> bool:
-        turns: dict[str, tuple[float, bytes]] = self._owners.get(owner, {})
+        found = self._held(owner, turn_id) is not None
+        if turn_id in self._owners.get(owner, {}):
+            self._drop(owner, [turn_id])
+        return found
+
+    def _held(self, owner: str, turn_id: str) -> _Held | None:
+        turns: dict[str, _Held] = self._owners.get(owner, {})
         held = turns.get(turn_id)
-        if held is None:
-            return False
-        self._drop(owner, [turn_id])
-        return held[0] > time.time()
+        return held if held is not None and held.until > time.time() else None
 
     def _drop(self, owner: str, ids: list[str]) -> None:
         turns = self._owners[owner]
         for turn_id in ids:
-            self._totals[owner] -= len(turns.pop(turn_id)[1])
+            self._totals[owner] -= turns.pop(turn_id).size
         if not turns:
             del self._owners[owner]
             self._totals.pop(owner, None)
 
 
-# KEYS: the owner's turns (sorted set), their sizes (hash); ARGV: the turns' key prefix, id, turn, ttl, now, cap.
-_SAVE = """
-local turns, sizes, base = KEYS[1], KEYS[2], ARGV[1]
-local id, turn, ttl, now, cap = ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local function drop(member)
+# Shared by the scripts: drop a turn of the owner (its two records, its link, its size). `0 - size`, not `-size`:
+# Lua writes minus zero as "-0", which HINCRBY refuses.
+_DROP = """
+local function drop(turns, sizes, links, base, member)
   local size = tonumber(redis.call('HGET', sizes, member) or '0')
   redis.call('HDEL', sizes, member)
   redis.call('HINCRBY', sizes, '#total', 0 - size)
   redis.call('ZREM', turns, member)
-  redis.call('DEL', base .. member)
+  redis.call('HDEL', links, member)
+  redis.call('DEL', base .. 'response:' .. member, base .. 'turn:' .. member)
 end
-for _, member in ipairs(redis.call('ZRANGEBYSCORE', turns, '-inf', now - ttl)) do drop(member) end
-redis.call('SET', base .. id, turn, 'EX', ttl)
-redis.call('ZADD', turns, now, id)
-redis.call('HSET', sizes, id, #turn)
-local total = redis.call('HINCRBY', sizes, '#total', #turn)
-while total > cap and redis.call('ZCARD', turns) > 1 do
-  drop(redis.call('ZRANGE', turns, 0, 0)[1])
-  total = tonumber(redis.call('HGET', sizes, '#total'))
-end
-redis.call('EXPIRE', turns, ttl)
-redis.call('EXPIRE', sizes, ttl)
 """
 
-# KEYS: the owner's turns, their sizes, the turn; ARGV: id. 1 when the turn was there.
-_DELETE = """
-local found = redis.call('DEL', KEYS[3])
-local size = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
-redis.call('HDEL', KEYS[2], ARGV[1])
-redis.call('HINCRBY', KEYS[2], '#total', 0 - size)
-redis.call('ZREM', KEYS[1], ARGV[1])
+# KEYS: the owner's turns (sorted set), sizes, links; ARGV: the records' key prefix (up to "response:" / "turn:"),
+# the owner's part of their names, id, parent, envelope, items, ttl, now, cap. The oldest expired turns are swept a
+# bounded number at a time: one save never stalls Redis on a backlog.
+_SAVE = (
+    _DROP
+    + """
+local turns, sizes, links = KEYS[1], KEYS[2], KEYS[3]
+local base = ARGV[1]
+local id, parent, envelope, items = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local ttl, now, cap = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', turns, '-inf', now - ttl, 'LIMIT', 0, 64)) do
+  drop(turns, sizes, links, base, member)
+end
+redis.call('SET', base .. 'response:' .. id, envelope, 'EX', ttl)
+redis.call('SET', base .. 'turn:' .. id, items, 'EX', ttl)
+redis.call('HSET', links, id, parent)
+redis.call('ZADD', turns, now, id)
+local size = #envelope + #items
+redis.call('HSET', sizes, id, size)
+local total = redis.call('HINCRBY', sizes, '#total', size)
+while total > cap do
+  -- The oldest but this one (instances' clocks may differ: this one's score need not be the newest).
+  local victim = nil
+  for _, member in ipairs(redis.call('ZRANGE', turns, 0, 1)) do
+    if member ~= id and victim == nil then victim = member end
+  end
+  if victim == nil then break end
+  drop(turns, sizes, links, base, victim)
+  total = tonumber(redis.call('HGET', sizes, '#total'))
+end
+for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl) end
+"""
+)
+
+# KEYS: the links; ARGV: the records' key prefix, the last turn's id, the most turns. The items of each turn, oldest
+# first; false when a link or a turn is missing; an empty list when there are more turns than the most.
+_CONVERSATION = """
+local ids = {}
+local id = ARGV[2]
+while id ~= '' do
+  if #ids == tonumber(ARGV[3]) then return {} end
+  table.insert(ids, 1, ARGV[1] .. 'turn:' .. id)
+  id = redis.call('HGET', KEYS[1], id)
+  if not id then return false end
+end
+local said = redis.call('MGET', unpack(ids))
+for i = 1, #said do
+  if not said[i] then return false end
+end
+return said
+"""
+
+# KEYS: the owner's turns, sizes, links; ARGV: the records' key prefix, id. 1 when the turn was there.
+_DELETE = (
+    _DROP
+    + """
+local found = redis.call('EXISTS', ARGV[1] .. 'turn:' .. ARGV[2])
+drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2])
 return found
 """
+)
 
 
 class RedisConversationStore:
@@ -160,25 +247,38 @@ class RedisConversationStore:
         self._cap = max_bytes_per_owner
         self._prefix = prefix
         self._save = redis.register_script(_SAVE)
+        self._conversation = redis.register_script(_CONVERSATION)
         self._delete = redis.register_script(_DELETE)
 
-    def _keys(self, owner: str) -> tuple[str, str, str]:
-        """The owner's turns, their sizes, and the prefix of a turn's key."""
+    def _keys(self, owner: str) -> list[str]:
+        """The owner's turns, their sizes, their links."""
         p = self._prefix
-        return f"{p}responses:{owner}", f"{p}response-sizes:{owner}", f"{p}response:{owner}:"
+        return [f"{p}responses:{owner}", f"{p}response-sizes:{owner}", f"{p}response-links:{owner}"]
+
+    def _base(self, owner: str) -> str:
+        """What a record's name is made of, with "response:" or "turn:" between it and the id."""
+        return f"{self._prefix}conversation:{owner}:"
 
     async def save(self, owner: str, turn: Turn) -> None:
-        turns, sizes, base = self._keys(owner)
-        args: list[bytes | str | float] = [base, turn.id, turn.encode(), self._ttl_s, time.time(), self._cap]
-        await self._save(keys=[turns, sizes], args=args)
+        envelope, items = turn.encode()
+        args: list[bytes | str | float] = [self._base(owner), turn.id, turn.parent, envelope, items]
+        args += [self._ttl_s, time.time(), self._cap]
+        await self._save(keys=self._keys(owner), args=args)
 
-    async def load(self, owner: str, ids: list[str]) -> list[Turn | None]:
-        if not ids:
-            return []
-        base = self._keys(owner)[2]
-        found = await self._redis.mget([base + turn_id for turn_id in ids])
-        return [None if raw is None else Turn.decode(raw) for raw in found]
+    async def load(self, owner: str, turn_id: str) -> Turn | None:
+        base = self._base(owner)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.get(f"{base}response:{turn_id}")
+            pipe.get(f"{base}turn:{turn_id}")
+            pipe.hget(self._keys(owner)[2], turn_id)
+            envelope, items, parent = await pipe.execute()
+        if envelope is None or items is None or parent is None:
+            return None
+        return Turn.decode(turn_id, parent.decode() if isinstance(parent, bytes) else parent, envelope, items)
+
+    async def conversation(self, owner: str, turn_id: str, most: int) -> list[Said] | None:
+        said = await self._conversation(keys=self._keys(owner)[2:], args=[self._base(owner), turn_id, most])
+        return None if said is None else [Said.decode(items) for items in said]
 
     async def delete(self, owner: str, turn_id: str) -> bool:
-        turns, sizes, base = self._keys(owner)
-        return bool(await self._delete(keys=[turns, sizes, base + turn_id], args=[turn_id]))
+        return bool(await self._delete(keys=self._keys(owner), args=[self._base(owner), turn_id]))

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import accesslog
-from gateway.api.conversations import Turn
+from gateway.api.conversations import Said, Turn
 from gateway.api.openai import new_record, openai_response, read_submission, relayed_as
 from gateway.api.responses_shapes import (
     MAX_ID,
@@ -28,13 +28,21 @@ from gateway.api.responses_shapes import (
     ResponsesRequest,
     chat_error,
     chat_payload,
+    history_items,
     item_page,
     response,
     response_id,
     stored_input,
 )
 from gateway.api.state import GatewayState, state_of
-from gateway.errors import ConversationsUnavailable, GatewayError, InvalidRequest, NotFound
+from gateway.errors import (
+    BackendBadResponse,
+    BodyTooLarge,
+    ConversationsUnavailable,
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+)
 from gateway.pipeline.inference import Route, refuse, run
 from gateway.pipeline.outcome import Stream
 from gateway.schemas import ChatCompletionRequest, validate
@@ -72,8 +80,16 @@ async def create(request: Request, admit_tenant: Admit = None) -> Response:
             admit_tenant(submission.tenant)
         asked = validate(ResponsesRequest, submission.payload)
         owner, made = submission.tenant.incarnation(), response_id()
-        before, history = await _conversation(state, owner, asked.previous_response_id, "previous_response_id")
+        said = await _conversation(state, owner, asked.previous_response_id, "previous_response_id")
+        if said and said[-1].size + len(orjson.dumps(submission.payload)) > state.settings.limits.max_body_bytes:
+            # What the engine is sent is bounded as the same conversation sent whole would be.
+            raise BodyTooLarge(
+                f"This conversation and its new input hold more than {state.settings.limits.max_body_bytes} bytes, "
+                "more than a request may; start a new one."
+            )
+        before = said[-1] if said else None
         keep = asked.store is not False
+        history = [item for turn in said for item in (*turn.input, *turn.output)]
         # A kept conversation's turns go to one replica, where its prefix is cached, unless the client says where.
         session = submission.session or (before.root if before is not None else made if keep else None)
         submission = replace(submission, payload=chat_payload(asked, history), session=session)
@@ -81,13 +97,15 @@ async def create(request: Request, admit_tenant: Admit = None) -> Response:
         return openai_response(refuse(state, record, error))
     answered: dict[str, Any] = {}
 
-    async def save(said: dict[str, Any]) -> None:
+    async def save(response: dict[str, Any]) -> None:
         if not keep:
             return
+        _readable(response["output"])
         kept = stored_input(asked)
-        size = (before.size if before is not None else 0) + len(orjson.dumps([kept, said["output"]]))
-        chain = [*before.chain, before.id] if before is not None else []
-        await _stored(state.conversations.save(owner, Turn(made, said, kept, chain, size)))
+        size = (before.size if before is not None else 0) + len(orjson.dumps([kept, response["output"]]))
+        depth, root = (before.depth + 1, before.root) if before is not None else (1, made)
+        turn = Turn(made, response, kept, asked.previous_response_id or "", depth, size, root)
+        await _stored(state.conversations.save(owner, turn))
 
     async def accept(answer: dict[str, Any]) -> None:
         # Inside the pipeline, so that what the client gets instead (an answer the engine did not finish, a
@@ -106,38 +124,38 @@ async def create(request: Request, admit_tenant: Admit = None) -> Response:
     if isinstance(outcome, Stream):
         return relayed_as(outcome, writer)
     if outcome.status != 200:
-        said = outcome.body.get("error") or {}
-        message, param = chat_error(str(said.get("message")), said.get("param"), asked, history)
-        return openai_response(replace(outcome, body={"error": {**said, "message": message, "param": param}}))
+        refused = outcome.body.get("error") or {}
+        message, param = chat_error(str(refused.get("message")), refused.get("param"), asked, history)
+        return openai_response(replace(outcome, body={"error": {**refused, "message": message, "param": param}}))
     return Response(orjson.dumps(answered), media_type="application/json", headers=outcome.headers)
 
 
-async def _conversation(
-    state: GatewayState, owner: str, last: str | None, param: str
-) -> tuple[Turn | None, list[dict[str, Any]]]:
-    """The stored turn `last` and every item of its conversation up to it (its own input and output included)."""
+async def _conversation(state: GatewayState, owner: str, last: str | None, param: str) -> list[Said]:
+    """Every turn of the stored conversation that ends at `last`, oldest first (none without `last`), within what
+    one request may hold."""
     if last is None:
-        return None, []
-    [turn] = await _stored(state.conversations.load(owner, [last]))
-    if turn is None:
+        return []
+    kept = state.settings.responses
+    # One turn fewer than the most: this request's own is one more.
+    said = await _stored(state.conversations.conversation(owner, last, kept.max_turns - 1))
+    if said is None:
+        # Never made, another tenant's, expired, deleted, or an earlier turn of it is: the same miss.
         raise _missing(last, param)
-    if turn.size > state.settings.limits.max_body_bytes:
+    if not said:
         raise InvalidRequest(
-            f"{param}: this conversation holds over {state.settings.limits.max_body_bytes} bytes, more than one "
-            "request may; start a new one.",
+            f"{param}: this conversation has reached {kept.max_turns} turns (responses.max_turns); start a new one.",
             param=param,
         )
-    earlier = await _stored(state.conversations.load(owner, turn.chain))
-    items: list[dict[str, Any]] = []
-    for held in [*earlier, turn]:
-        if held is None:
-            raise NotFound(
-                f"{param}: an earlier response of this conversation has expired or was deleted.",
-                param=param,
-                code="response_not_found",
-            )
-        items += held.items()
-    return turn, items
+    return said
+
+
+def _readable(output: list[dict[str, Any]]) -> None:
+    """An answer stored only if a later turn can read it back as its history: an engine's tool call with no name
+    would make every later turn of the conversation fail."""
+    try:
+        history_items(output)
+    except GatewayError as error:
+        raise BackendBadResponse("The engine's answer cannot be kept as a turn of a conversation.") from error
 
 
 def _missing(name: str, param: str | None = None) -> NotFound:
@@ -168,7 +186,7 @@ async def _serve_stored(request: Request, allowed: set[str], answer: Answer, adm
             admit_tenant(tenant)
         _check_query(request, allowed)
         owner, name = tenant.incarnation(), request.path_params["response_id"]
-        [turn] = await _stored(state.conversations.load(owner, [name])) if len(name) <= MAX_ID else [None]
+        turn = await _stored(state.conversations.load(owner, name)) if len(name) <= MAX_ID else None
         if turn is None:
             raise _missing(name)
         body = await answer(state, owner, turn, request)
@@ -213,12 +231,11 @@ async def _input_items(state: GatewayState, owner: str, turn: Turn, request: Req
     if order not in ("asc", "desc"):
         raise InvalidRequest("order: 'asc' or 'desc'.", param="order")
     limit = query.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+    if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 100):
         raise InvalidRequest("limit: a whole number from 1 to 100.", param="limit")
-    earlier: list[dict[str, Any]] = []
-    if turn.chain:
-        _, earlier = await _conversation(state, owner, turn.chain[-1], "response_id")
-    return item_page([*earlier, *turn.input], order, query.get("after"), int(limit))
+    earlier = await _conversation(state, owner, turn.parent or None, "response_id")
+    items = [item for said in earlier for item in (*said.input, *said.output)]
+    return item_page([*items, *turn.input], order, query.get("after"), int(limit))
 
 
 async def retrieve(request: Request, admit_tenant: Admit = None) -> Response:

@@ -72,11 +72,16 @@ class FunctionCallOutputItem(_Strict):
     status: str | None = None
 
 
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
 class ReasoningItem(_Strict):
     type: Literal["reasoning"]
     id: ShortText | None = None
     summary: list[Any] = []
-    content: list[Any] | None = None
+    content: list[ReasoningText] | None = None
     encrypted_content: str | None = None
     status: str | None = None
 
@@ -171,7 +176,7 @@ def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
-    for item in _history(history or []):
+    for item in history_items(history or []):
         _append(messages, item)
     if isinstance(request.input, str):
         messages.append({"role": "user", "content": request.input})
@@ -253,7 +258,7 @@ def _origins(request: ResponsesRequest, history: list[dict[str, Any]]) -> list[s
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
         origins.append("instructions")
-    stored = [(item, "previous_response_id") for item in _history(history)]
+    stored = [(item, "previous_response_id") for item in history_items(history)]
     given = (
         [(MessageItem(role="user", content=request.input), "input")]
         if isinstance(request.input, str)
@@ -285,7 +290,8 @@ def chat_error(
     return re.sub(r"\bmax_tokens\b", "max_output_tokens", message), field
 
 
-def _history(items: list[dict[str, Any]]) -> list[Item]:
+def history_items(items: list[dict[str, Any]]) -> list[Item]:
+    """A stored conversation's items, read as the items a request may send."""
     try:
         return _ITEMS.validate_python(items)
     except ValidationError as exc:
@@ -340,7 +346,7 @@ def _append(messages: list[dict[str, Any]], item: Item) -> None:
         call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
         last.setdefault("tool_calls", []).append(call)
     else:
-        said = "".join(part.get("text", "") for part in item.content or () if isinstance(part, dict))
+        said = "".join(part.text for part in item.content or ())
         if said:
             last["reasoning_content"] = (last.get("reasoning_content") or "") + said
 

@@ -56,7 +56,7 @@ from gateway.pipeline import inference
 from gateway.pipeline.inference import CHAT, COMPLETIONS, EMBEDDINGS
 from gateway.pipeline.outcome import Answer, Stream
 from gateway.schemas import validate
-from gateway.settings import TenantSettings
+from gateway.settings import ModelSettings, TenantSettings
 
 log = logging.getLogger("bulkhead.queue")
 
@@ -140,7 +140,7 @@ def _batch_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _queued_item(
-    state: GatewayState, tenant: TenantSettings, model: str, body: dict[str, Any], where: str | None
+    state: GatewayState, tenant: TenantSettings, model: ModelSettings, body: dict[str, Any], where: str | None
 ) -> tuple[str, dict[str, Any], str | None]:
     """One item of a batch (`where` it is in the body), checked now: a bad one is refused at once, not in a worker."""
     item = dict(body)
@@ -148,7 +148,7 @@ def _queued_item(
     try:
         if reference is not None and not isinstance(reference, str):
             raise InvalidRequest("`external_reference` must be a string.", param="external_reference")
-        asked = to_openai(state, tenant, model, item)
+        asked = to_openai(state, tenant, model.name, item)
         if asked.json_mode:
             # A poll renders a stored answer without its request: it could not know to parse this one.
             raise InvalidRequest(
@@ -157,7 +157,7 @@ def _queued_item(
         route, payload = asked.route, asked.payload
         payload["stream"] = False  # a queued answer is stored whole
         payload.pop("stream_options", None)
-        validate(route.schema, payload)
+        inference.check_task(model, validate(route.schema, payload))
     except InvalidRequest as error:
         if where is not None:
             error.message = f"{where}: {error.message}"
@@ -170,10 +170,10 @@ async def enqueue(state: GatewayState, tenant: TenantSettings, model: str, body:
     bodies = _batch_bodies(body)
     if len(bodies) > state.settings.queue.max_batch:
         raise InvalidRequest(f"At most {state.settings.queue.max_batch} requests per batch.", param="requests")
-    inference.resolve_model(state, tenant, model)
+    resolved = inference.resolve_model(state, tenant, model)
     batch = "requests" in body
     checked = [
-        _queued_item(state, tenant, model, item, f"requests[{index}]" if batch else None)
+        _queued_item(state, tenant, resolved, item, f"requests[{index}]" if batch else None)
         for index, item in enumerate(bodies)
     ]
     routes = {route for route, _, _ in checked}
@@ -289,7 +289,12 @@ async def run_model(request: Request) -> Response:
         return failure(inference.refuse(state, record, error))
     record.route = asked.route.name
     submission = replace(submission, payload=asked.payload, reject_if_busy=asked.reject_if_busy)
-    outcome = await inference.run(state, asked.route, submission, record)
+
+    async def parsed(answer: dict[str, Any]) -> None:
+        workers_result(answer, json_mode=True)  # JSON mode's 422, raised inside the pipeline for the log to say it
+
+    accept = parsed if asked.json_mode else None
+    outcome = await inference.run(state, asked.route, submission, record, accept=accept)
     if isinstance(outcome, Stream):
         return RelayResponse(outcome, workers_event)
     return workers_answer(outcome, asked.json_mode)

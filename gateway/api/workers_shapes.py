@@ -259,6 +259,11 @@ def _kept_as_text(text: str, decoded: Any) -> bool:
     return ("\\u" in text and UNICODE_ESCAPE.search(text) is not None) or depth_exceeds(decoded, ARGUMENTS_DEPTH)
 
 
+class JsonModeUnmet(GatewayError):
+    status = 422  # the status Workers AI's table gives it, so that the access log and the metrics say it too
+    code = "json_mode_unmet"
+
+
 def json_response(text: str, finish_reason: Any) -> Any:
     """JSON mode's `response`: the model's JSON, parsed (kept as text where decoding is not safe: _kept_as_text); an
     answer that is not JSON is Workers AI's documented error, "JSON Mode couldn't be met"."""
@@ -266,9 +271,7 @@ def json_response(text: str, finish_reason: Any) -> Any:
         decoded = orjson.loads(text)
     except orjson.JSONDecodeError:
         cut = " (it stopped at max_tokens: allow more)" if finish_reason == "length" else ""
-        raise GatewayError(
-            f"JSON Mode couldn't be met: the model's answer is not valid JSON{cut}.", code="json_mode_unmet"
-        ) from None
+        raise JsonModeUnmet(f"JSON Mode couldn't be met: the model's answer is not valid JSON{cut}.") from None
     return text if _kept_as_text(text, decoded) else decoded
 
 

@@ -7,7 +7,8 @@ the whole history each turn (`store: false`), side by side in one run.
 A simulator (answering at once) behind one gateway with a Redis of the benchmark's own. Each round runs one
 conversation each way, turn by turn alternately (turn k stored, turn k whole, turn k+1 stored, ...), so both see
 the same machine at the same moment; the same user text each turn. The stored way's turns are then read back
-from Redis: the string each turn is kept as (its length), and what Redis says the turn's keys take in memory.
+from Redis: the strings each turn is kept as (its response and its items: their length), what Redis says they take
+in memory, and the tenant's links, index and sizes, per turn.
 """
 
 from __future__ import annotations
@@ -109,11 +110,16 @@ def main() -> None:
                     whole += w
                     ids += i
         keys = redis.Redis.from_url(own.url)
-        prefix = f"{REDIS_KEY_PREFIX}response:"
-        names = [name for name in keys.scan_iter(match=f"{prefix}*") if name.decode().rsplit(":", 1)[-1] in set(ids)]
-        lengths = [keys.strlen(name) for name in names]
-        memory = [keys.memory_usage(name) or 0 for name in names]
-        index = sum(keys.memory_usage(name) or 0 for name in keys.scan_iter(match=f"{REDIS_KEY_PREFIX}response*s:*"))
+        kept = set(ids)
+        records = [
+            name
+            for name in keys.scan_iter(match=f"{REDIS_KEY_PREFIX}conversation:*")
+            if name.decode().rsplit(":", 1)[-1] in kept
+        ]
+        lengths = [keys.strlen(name) for name in records]
+        memory = [keys.memory_usage(name) or 0 for name in records]
+        index = sum(keys.memory_usage(name) or 0 for name in keys.scan_iter(match=f"{REDIS_KEY_PREFIX}response*:*"))
+        turns = len(kept)
     print(f"\nResponses conversations: {args.rounds} × {args.turns} turns each way, {args.output_tokens} output tokens")
     print("| way | per turn p50 (ms) | mean (ms) | last 10 turns mean (ms) | a conversation (s) |")
     print("| --- | --- | --- | --- | --- |")
@@ -126,8 +132,8 @@ def main() -> None:
     added = (sum(stored) - sum(whole)) / args.rounds
     print(f"\nstored ÷ whole, per conversation: {sum(stored) / sum(whole):.3f} ({added * 1e3:+.1f} ms a conversation)")
     print(
-        f"bytes per stored turn: {statistics.mean(lengths):.0f} kept (min {min(lengths)}, max {max(lengths)}); "
-        f"{statistics.mean(memory):.0f} in Redis memory, plus {index / len(names):.0f} for the tenant's index"
+        f"bytes per stored turn: {sum(lengths) / turns:.0f} kept (its response and its items), "
+        f"{sum(memory) / turns:.0f} in Redis memory, plus {index / turns:.0f} for the tenant's links and index"
     )
 
 

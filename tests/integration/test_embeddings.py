@@ -204,6 +204,11 @@ def test_only_the_tenants_models_and_each_route_its_kind(gateway: str, replicas:
     hello = {"model": EMBED_MODEL, "messages": [{"role": "user", "content": "x"}]}
     counted = httpx.post(f"{gateway}/v1/messages/count_tokens", json=hello, headers={"x-api-key": ALICE_KEY})
     assert counted.status_code == 400 and "/v1/embeddings" in counted.json()["error"]["message"]
+    # Nor queued for a worker to fail later: a batch is checked whole when it comes.
+    queued = httpx.post(
+        f"{gateway}/accounts/alice/ai/run/{EMBED_MODEL}?queueRequest=true", json={"prompt": "x"}, headers=auth()
+    )
+    assert queued.status_code == 400 and "/v1/embeddings" in queued.json()["errors"][0]["message"], queued.text
     assert sent(replicas) == []
 
 

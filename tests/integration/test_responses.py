@@ -117,6 +117,10 @@ def test_function_calls_and_their_outputs_go_as_chat_tools(sdk: openai.OpenAI, s
         ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"model": MODEL, "input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
         ({"model": MODEL, "input": "x", "context_management": [{"type": "compaction"}]}, "context_management"),
+        (
+            {"model": MODEL, "input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]}]},
+            "input",
+        ),
         ({"model": "nope", "input": "x"}, "nope"),
     ],
 )
@@ -264,6 +268,8 @@ def test_a_deleted_or_unstored_response_is_gone_and_so_is_the_conversation_after
         ("/{id}/input_items?limit=0", "limit"),
         ("/{id}/input_items?limit=101", "limit"),
         ("/{id}/input_items?order=up", "order"),
+        ("/{id}/input_items?limit=²", "limit"),
+        ("/{id}/input_items?limit=" + "9" * 5000, "limit"),
         ("/{id}/input_items?after=msg_nope", "after"),
     ],
 )
@@ -308,3 +314,16 @@ def test_an_error_about_the_translated_request_names_the_clients_own_fields(
     assert too_long["code"] == "context_length_exceeded" and too_long["param"] == "input", too_long
     assert "max_tokens" not in too_long["message"] and "max_output_tokens" in too_long["message"]
     assert forwarded(shared_sim) == []
+
+
+def test_a_conversation_is_bounded_in_turns_and_in_bytes(make_gateway: Any, sim_url: str) -> None:
+    gateway = make_gateway({"sim": sim_url}, responses={"max_turns": 2}, limits={"max_body_bytes": 2048})
+    with openai.OpenAI(base_url=f"{gateway}/v1", api_key=ALICE_KEY, max_retries=0) as client:
+        first = client.responses.create(model=MODEL, input="One", max_output_tokens=1)
+        second = client.responses.create(model=MODEL, input="Two", previous_response_id=first.id, max_output_tokens=1)
+        with pytest.raises(openai.BadRequestError, match="responses.max_turns"):
+            client.responses.create(model=MODEL, input="Three", previous_response_id=second.id, max_output_tokens=1)
+        big = client.responses.create(model=MODEL, input="x " * 900, max_output_tokens=1)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.responses.create(model=MODEL, input="More", previous_response_id=big.id, max_output_tokens=1)
+    assert refused.value.status_code == 413 and refused.value.body["param"] is None  # type: ignore[index]

@@ -19,7 +19,7 @@ from gateway.api.workers import workers_answer
 from gateway.api.workers_shapes import workers_result
 from gateway.pipeline.outcome import Answer
 from gateway.tenancy.tenants import hash_key
-from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded
+from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.integration.tenant_support import until
 from tests.redis_server import own_redis
 
@@ -69,6 +69,12 @@ async def test_json_mode_runs_as_the_engines_named_schema_and_an_answer_not_json
     """Workers AI's JSON mode gives the schema itself; the engine (vLLM) takes it named. The simulator answers
     words, never JSON: the documented error, "JSON Mode couldn't be met"."""
     asked = {"type": "json_schema", "json_schema": COUNTRY}
+
+    async def unmet() -> float:
+        exposition = (await client.get(f"{module_gateway}/metrics")).text
+        return metric(exposition, "bulkhead_requests_total", route="chat", status="422")
+
+    before = await unmet()
     answer = await client.post(
         f"{module_gateway}{RUN}", json={"prompt": "Tell me about India.", "response_format": asked}, headers=auth()
     )
@@ -84,6 +90,7 @@ async def test_json_mode_runs_as_the_engines_named_schema_and_an_answer_not_json
         headers=auth(),
     )
     assert cut.status_code == 422 and "max_tokens" in cut.json()["errors"][0]["message"]
+    assert await unmet() == before + 2  # the metric (and the access log) say what the client got
     sent = [record["body"]["response_format"] for record in forwarded(shared_sim)]
     assert sent == [
         {"type": "json_schema", "json_schema": {"name": "json_mode", "schema": COUNTRY}},

@@ -733,56 +733,74 @@ async def make_conversations(request: pytest.FixtureRequest, prefix: str) -> Asy
         yield make
 
 
-def turn(name: str, chain: list[str] | None = None, text: str = "hi") -> Turn:
+def turn(name: str, parent: str = "", text: str = "hi", depth: int = 1) -> Turn:
     message = {
         "type": "message",
         "id": f"msg-{name}",
         "role": "user",
         "content": [{"type": "input_text", "text": text}],
     }
-    return Turn(name, {"id": name, "output": []}, [message], chain or [], len(text))
+    response = {"id": name, "instructions": "be brief", "output": [{"type": "message", "id": f"out-{name}"}]}
+    return Turn(name, response, [message], parent, depth, len(text) * depth, "r0")
 
 
 async def test_a_stored_turn_is_found_only_by_its_owner(make_conversations: ConversationsFactory) -> None:
     store = make_conversations()
     kept = turn("r1", text="secret")
     await store.save("alice-1", kept)
-    assert await store.load("alice-1", ["r1", "nope"]) == [kept, None]
-    assert await store.load("bob-1", ["r1"]) == [None]
+    assert await store.load("alice-1", "r1") == kept and await store.load("alice-1", "nope") is None
+    assert await store.load("bob-1", "r1") is None and await store.conversation("bob-1", "r1", 10) is None
     # A tenant made again under the same id is another incarnation: the old one's turns are not its own.
-    assert await store.load("alice-2", ["r1"]) == [None]
+    assert await store.load("alice-2", "r1") is None
     assert not await store.delete("bob-1", "r1")
-    assert await store.load("alice-1", ["r1"]) == [kept]
+    assert await store.load("alice-1", "r1") == kept
     assert await store.delete("alice-1", "r1")
-    assert await store.load("alice-1", ["r1"]) == [None] and not await store.delete("alice-1", "r1")
+    assert await store.load("alice-1", "r1") is None and not await store.delete("alice-1", "r1")
+
+
+async def test_a_conversation_is_read_by_its_links_oldest_first_and_within_its_bound(
+    make_conversations: ConversationsFactory,
+) -> None:
+    store = make_conversations()
+    for depth, (name, parent) in enumerate([("r0", ""), ("r1", "r0"), ("r2", "r1"), ("b2", "r1")], start=1):
+        await store.save("alice", turn(name, parent, text=name, depth=min(depth, 3)))
+    said = await store.conversation("alice", "r2", 10)
+    assert said is not None and [s.input[0]["content"][0]["text"] for s in said] == ["r0", "r1", "r2"]
+    assert [s.output[0]["id"] for s in said] == ["out-r0", "out-r1", "out-r2"] and said[-1].depth == 3
+    branch = await store.conversation("alice", "b2", 10)
+    assert branch is not None and [s.output[0]["id"] for s in branch] == ["out-r0", "out-r1", "out-b2"]
+    assert await store.conversation("alice", "r2", 3) is not None and await store.conversation("alice", "r2", 2) == []
+    # An earlier turn gone is the whole conversation gone; a branch that did not reach back to it is not.
+    assert await store.delete("alice", "r1")
+    assert await store.conversation("alice", "r2", 10) is None and await store.conversation("alice", "r0", 10)
 
 
 async def test_stored_turns_are_gone_after_the_ttl(make_conversations: ConversationsFactory) -> None:
     store = make_conversations(ttl_s=SHORTEST_TTL_S)
     await store.save("alice", turn("r1"))
     await outlive(SHORTEST_TTL_S)
-    assert await store.load("alice", ["r1"]) == [None]
+    assert await store.load("alice", "r1") is None and await store.conversation("alice", "r1", 10) is None
 
 
 async def test_past_its_bound_an_owner_loses_its_oldest_turns_and_no_one_elses(
     make_conversations: ConversationsFactory,
 ) -> None:
-    one = len(turn("r0", text="x" * 100).encode())
+    one = sum(len(part) for part in turn("r0", text="x" * 100).encode())
     store = make_conversations(max_bytes=3 * one + one // 2)
     await store.save("bob", turn("b0", text="x" * 100))
     for i in range(5):
         await store.save("alice", turn(f"r{i}", text="x" * 100))
-    found = await store.load("alice", [f"r{i}" for i in range(5)])
+    found = [await store.load("alice", f"r{i}") for i in range(5)]
     assert [held is not None for held in found] == [False, False, True, True, True]
-    assert (await store.load("bob", ["b0"]))[0] is not None
-    # Deleting gives its bytes back: two more fit before the oldest kept goes.
+    assert await store.load("bob", "b0") is not None
+    # Deleting gives its bytes back: one more fits before the oldest kept goes.
     assert await store.delete("alice", "r4")
     await store.save("alice", turn("r5", text="x" * 100))
-    assert [held is not None for held in await store.load("alice", ["r2", "r3", "r5"])] == [True, True, True]
+    assert [await store.load("alice", name) is not None for name in ("r2", "r3", "r5")] == [True, True, True]
 
 
 async def test_a_turn_larger_than_the_bound_is_still_kept_alone(make_conversations: ConversationsFactory) -> None:
     store = make_conversations(max_bytes=1024)
     await store.save("alice", turn("small"))
     await store.save("alice", turn("large", text="x" * 2000))
-    assert [held is not None for held in await store.load("alice", ["small", "large"])] == [False, True]
+    assert [await store.load("alice", name) is not None for name in ("small", "large")] == [False, True]
