@@ -44,11 +44,6 @@ class Turn:
     size: int  # bytes of the conversation's items up to and including this turn's
     root: str  # its conversation's first turn: the same for every turn of it (its session, when the client names none)
 
-    def items(self) -> list[dict[str, Any]]:
-        """What the turn adds to its conversation: its input, then its output."""
-        output: list[dict[str, Any]] = self.response.get("output") or []
-        return [*self.input, *output]
-
     def encode(self) -> tuple[bytes, bytes]:
         """The response less its output, and the items with what links them."""
         envelope = {name: value for name, value in self.response.items() if name != "output"}
@@ -71,6 +66,10 @@ class Said:
     depth: int
     size: int
     root: str
+
+    def items(self) -> list[dict[str, Any]]:
+        """What the turn adds to its conversation: its input, then its output."""
+        return [*self.input, *self.output]
 
     @classmethod
     def decode(cls, items: bytes | str) -> Said:

@@ -89,7 +89,7 @@ async def create(request: Request, admit_tenant: Admit = None) -> Response:
             )
         before = said[-1] if said else None
         keep = asked.store is not False
-        history = [item for turn in said for item in (*turn.input, *turn.output)]
+        history = [item for turn in said for item in turn.items()]
         # A kept conversation's turns go to one replica, where its prefix is cached, unless the client says where.
         session = submission.session or (before.root if before is not None else made if keep else None)
         submission = replace(submission, payload=chat_payload(asked, history), session=session)
@@ -171,10 +171,10 @@ async def _stored(work: Awaitable[T]) -> T:
         raise ConversationsUnavailable("Stored responses cannot be reached right now; retry shortly.") from exc
 
 
-Answer = Callable[[GatewayState, str, Turn, Request], Awaitable[dict[str, Any]]]
+StoredAnswer = Callable[[GatewayState, str, Turn, Request], Awaitable[dict[str, Any]]]
 
 
-async def _serve_stored(request: Request, allowed: set[str], answer: Answer, admit_tenant: Admit) -> Response:
+async def _serve_stored(request: Request, allowed: set[str], answer: StoredAnswer, admit_tenant: Admit) -> Response:
     """A stored response's route: the tenant's turn by its id (404 when the tenant has none by that id, whoever else
     may) and what `answer` makes of it, given the tenant's incarnation; `admit_tenant` as for create."""
     state = state_of(request)
@@ -234,7 +234,7 @@ async def _input_items(state: GatewayState, owner: str, turn: Turn, request: Req
     if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 100):
         raise InvalidRequest("limit: a whole number from 1 to 100.", param="limit")
     earlier = await _conversation(state, owner, turn.parent or None, "response_id")
-    items = [item for said in earlier for item in (*said.input, *said.output)]
+    items = [item for said in earlier for item in said.items()]
     return item_page([*items, *turn.input], order, query.get("after"), int(limit))
 
 
