@@ -154,6 +154,35 @@ class GatewayMetrics:
             registry=self.registry,
             multiprocess_mode="livemostrecent",
         )
+        self.stage_kv_capacity = Gauge(
+            "bulkhead_stage_kv_capacity_tokens",
+            "KV cache capacity a disaggregated backend's stage reports (the last it gave).",
+            ["backend", "stage", "role"],
+            registry=self.registry,
+            multiprocess_mode="livemostrecent",
+        )
+        self.stage_readable = Gauge(
+            "bulkhead_stage_readable",
+            "1 when a disaggregated backend's stage gave its KV capacity at the last read, else 0.",
+            ["backend", "stage", "role"],
+            registry=self.registry,
+            multiprocess_mode="livemin",
+        )
+        self.stage_sets_limit = Gauge(
+            "bulkhead_stage_sets_limit",
+            "1 when this stage's KV cache sets the prompt limit (prefill) or the prompt + output limit (decode) of a "
+            "model it serves, else 0.",
+            ["backend", "stage", "role"],
+            registry=self.registry,
+            multiprocess_mode="livemostrecent",
+        )
+        self.model_prompt_limit = Gauge(
+            "bulkhead_model_prompt_limit_tokens",
+            "The longest prompt a model admits now (with one token of output), before any tenant's own cap.",
+            ["model"],
+            registry=self.registry,
+            multiprocess_mode="livemostrecent",
+        )
         self.model_context_window = Gauge(
             "bulkhead_model_context_window_tokens",
             "The context window a model advertises.",

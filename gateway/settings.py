@@ -70,26 +70,77 @@ class UpstreamSettings(_Section):
         description="below the backend's idle timeout (uvicorn and vLLM: 5 s), or reuse races its close",
     )
     health_interval_s: float = Field(default=5.0, gt=0, description="how often each backend's /health is checked")
-    capacity_refresh_s: float = Field(default=60.0, gt=0, description="re-read /v1/models and /metrics")
+    capacity_refresh_s: float = Field(
+        default=60.0, gt=0, description="re-read what every backend and stage holds (window, KV cache)"
+    )
     load_interval_s: float = Field(
         default=1.0, gt=0, description="read every replica's load (running, waiting, KV usage) from its /metrics"
     )
+    on_stage_unread: Literal["last_known", "refuse"] = Field(
+        default="last_known",
+        description="a disaggregated backend's stage that cannot be read: last_known keeps the limit it last set "
+        "(and /readyz says so); refuse answers its models' requests 503 capacity_unknown until it is read again",
+    )
+
+
+EngineKind = Literal["vllm", "sglang"]
+URL_PATTERN = r"^https?://[^\s/]+(/[^\s]*)?$"
+
+
+class StageSettings(_Section):
+    """One engine of a disaggregated backend (a prefill or a decode instance behind its router): an endpoint the
+    gateway reads for what it holds, never one it sends requests to."""
+
+    role: Literal["prefill", "decode"] = Field(
+        description="prefill: its KV cache bounds a prompt; decode: its KV cache bounds prompt + output"
+    )
+    url: str = Field(pattern=URL_PATTERN, description="the engine's own server: its /metrics, /v1/models, ...")
+    name: str = Field(
+        default="", description="in events, metrics and /admin/capacity; unset = its role and its index (prefill-0)"
+    )
+    kind: EngineKind | None = Field(default=None, description="unset = the backend's kind")
+
+    @field_validator("url")
+    @classmethod
+    def _strip_slash(cls, value: str) -> str:
+        return value.rstrip("/")
 
 
 class BackendSettings(_Section):
-    """One engine replica: a vLLM (or SGLang) OpenAI-compatible server."""
+    """One engine replica: a vLLM or SGLang OpenAI-compatible server, or the router of a disaggregated one."""
 
     name: str = Field(min_length=1, description="the replica's name in models[].backends, events and metrics")
-    url: str = Field(pattern=r"^https?://[^\s/]+(/[^\s]*)?$", description="a vLLM (or SGLang) OpenAI server")
+    url: str = Field(pattern=URL_PATTERN, description="a vLLM or SGLang OpenAI server, or a P/D router")
+    kind: EngineKind = Field(
+        default="vllm", description="the engine's kind: how its capacity, load and token counts are read"
+    )
     api_key: str | None = Field(default=None, repr=False, description="sent upstream as a Bearer token")
     max_num_seqs: int | None = Field(
         default=None, ge=1, description="the engine's --max-num-seqs; unset = learned from /metrics when it queues"
+    )
+    stages: list[StageSettings] = Field(
+        default=[],
+        description="a disaggregated backend's prefill and decode engines: prompts are admitted against the "
+        "smallest prefill KV cache, prompt + output against the smallest decode KV cache",
     )
 
     @field_validator("url")
     @classmethod
     def _strip_slash(cls, value: str) -> str:
         return value.rstrip("/")
+
+    @field_validator("stages")
+    @classmethod
+    def _name_stages(cls, stages: list[StageSettings]) -> list[StageSettings]:
+        named: list[StageSettings] = []
+        for stage in stages:
+            index = sum(1 for other in named if other.role == stage.role)
+            named.append(stage if stage.name else stage.model_copy(update={"name": f"{stage.role}-{index}"}))
+        _unique("stages", [stage.name for stage in named])
+        return named
+
+    def stage_kind(self, stage: StageSettings) -> EngineKind:
+        return stage.kind or self.kind
 
 
 class FairnessSettings(_Section):

@@ -1,6 +1,6 @@
 """The operators' API under /admin: a separate admin token (never a tenant key), off unless one is configured.
 
-Replicas, isolation events and verdict blocks here; tenants and their keys in admin_tenants.py, under the same
+Replicas, capacity, isolation events and verdict blocks here; tenants and their keys in admin_tenants.py, under the same
 token.
 """
 
@@ -17,10 +17,19 @@ from starlette.routing import Route
 
 from gateway.api import admin_tenants
 from gateway.api.state import GatewayState, state_of
-from gateway.errors import AuthenticationFailed, GatewayError, InvalidRequest, NotFound, error_response
+from gateway.errors import (
+    AuthenticationFailed,
+    CapacityUnknown,
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+    error_response,
+)
+from gateway.settings import BackendSettings
 from gateway.store import AdminState
 from gateway.tenancy.tenants import reaching_store
 from gateway.upstream.backends import Replica
+from gateway.upstream.capacity import PromptLimit, StageView
 
 Handler = Callable[[Request, GatewayState], Awaitable[Response]]
 
@@ -53,17 +62,76 @@ def _json(value: object) -> Response:
 
 
 def _describe(replica: Replica, state: GatewayState) -> dict[str, object]:
-    capacity = state.capacity.by_backend.get(replica.name)
+    view = state.capacity.backends[replica.name]
     return {
         "name": replica.name,
         "url": replica.url,
+        "kind": view.settings.kind,
         "state": replica.state.value,
         "healthy": replica.healthy,
         "in_flight": replica.in_flight,
         "models": [m.name for m in state.settings.models if replica.name in m.backends],
-        "max_model_len": capacity.max_model_len if capacity else None,
-        "kv_capacity_tokens": capacity.kv_tokens if capacity else None,
+        "max_model_len": view.holds.max_model_len,
+        "kv_capacity_tokens": view.holds.kv_tokens,
+        "stages": [_stage(stage, view.settings, set()) for stage in view.stages],
     }
+
+
+def _stage(stage: StageView, backend: BackendSettings, setters: set[str]) -> dict[str, object]:
+    return {
+        "name": stage.settings.name,
+        "role": stage.settings.role,
+        "kind": backend.stage_kind(stage.settings),
+        "url": stage.settings.url,
+        "kv_capacity_tokens": stage.holds.kv_tokens,
+        "max_model_len": stage.holds.max_model_len,
+        "readable": stage.readable,
+        "problem": stage.problem or None,
+        "read_at": stage.read_at,
+        "sets_limit": stage.label in setters,
+    }
+
+
+def _bound(limit: PromptLimit | None) -> dict[str, object] | None:
+    if limit is None:
+        return None
+    return {"tokens": limit.tokens, "set_by": limit.source, "reason": limit.reason, "stage": limit.setter or None}
+
+
+async def capacity(request: Request, state: GatewayState) -> Response:
+    """What each model admits and what sets it; each backend's and each stage's last read."""
+    monitor = state.capacity
+    models = []
+    setters: set[str] = set()
+    for model in state.settings.models:
+        try:
+            limit: PromptLimit | None = monitor.require(model)
+            unknown = None
+        except CapacityUnknown as error:
+            limit, unknown = None, error.message
+        setters |= monitor.setters(model)
+        models.append(
+            {
+                "name": model.name,
+                "context_window": model.context_window,
+                "limit": _bound(limit),
+                "prompt_limit": _bound(limit.prompt) if limit is not None else None,
+                "longest_prompt": limit.prompt_tokens if limit is not None else None,
+                "unknown": unknown,
+            }
+        )
+    backends = [
+        {
+            "name": name,
+            "kind": view.settings.kind,
+            "url": view.settings.url,
+            "max_model_len": view.holds.max_model_len,
+            "kv_capacity_tokens": view.holds.kv_tokens,
+            "stages": [_stage(stage, view.settings, setters) for stage in view.stages],
+        }
+        for name, view in monitor.backends.items()
+    ]
+    return _json({"models": models, "backends": backends})
 
 
 def _limit(request: Request) -> int:
@@ -127,6 +195,7 @@ def routes() -> list[Route]:
         Route(f"{tenant}/keys/{{key_id}}", _authorized(admin_tenants.revoke_key), methods=["DELETE"]),
         Route(f"{tenant}/keys/{{key_id}}/rotate", _authorized(admin_tenants.rotate_key), methods=["POST"]),
         Route("/admin/replicas", _authorized(list_replicas), methods=["GET"]),
+        Route("/admin/capacity", _authorized(capacity), methods=["GET"]),
         Route("/admin/verdict-blocks", _authorized(verdict_blocks), methods=["GET"]),
         Route("/admin/verdict-blocks/{tenant}/{model:path}", _authorized(lift_verdict_block), methods=["DELETE"]),
         Route("/admin/replicas/{name}/quarantine", _authorized(_set_state("quarantined")), methods=["POST"]),

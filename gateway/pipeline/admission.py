@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from gateway.errors import CapacityUnknown, ContextLengthExceeded
+from gateway.errors import ContextLengthExceeded
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.counting import Prompt, PromptCounter
 from gateway.settings import ModelSettings, TenantSettings
@@ -75,14 +75,16 @@ def _refuse(
     )
 
 
-def known(model: ModelSettings, limit: PromptLimit | None) -> PromptLimit:
-    """The model's limit, or CapacityUnknown: nothing is forwarded blind."""
-    if limit is None:
-        raise CapacityUnknown(
-            f"The capacity of model '{model.name}' is not known yet (no context_window configured and no backend "
-            "has reported its max_model_len); the request was not forwarded."
-        )
-    return limit
+def _refuse_prompt(
+    metrics: GatewayMetrics, model: ModelSettings, bound: PromptLimit, has: str, param: str
+) -> ContextLengthExceeded:
+    """A prompt over a bound on the prompt alone (a prefill stage's KV cache), whatever its output."""
+    metrics.admission_rejections.labels(model.name, bound.reason).inc()
+    return ContextLengthExceeded(
+        f"This request's prompt has {has}; a prompt may have at most {bound.tokens} tokens, set by {bound.source}. "
+        "Shorten the prompt.",
+        param=param,
+    )
 
 
 async def admit(
@@ -92,7 +94,7 @@ async def admit(
     default_output: int,
     model: ModelSettings,
     tenant: TenantSettings,
-    limit: PromptLimit | None,
+    limit: PromptLimit,
     counter: PromptCounter,
     metrics: GatewayMetrics,
     replica: Replica | None = None,
@@ -100,7 +102,6 @@ async def admit(
     """Admit `sent` (the prompt with the gateway's markers; `own` is the tenant's, the same object when nothing was
     added) with `requested_output` tokens of output, or without one with up to `default_output`, cut to fit.
     A backend that counts prompts is asked at `replica` first, the one the request is routed to."""
-    limit = known(model, limit)
     explicit = requested_output is not None
     output = requested_output if requested_output is not None else default_output
     # An output size the tenant did not ask for is only a default: it is cut to the room the prompt leaves.
@@ -108,13 +109,17 @@ async def admit(
     least_output = 1 if clamp else output
 
     param = "messages" if sent.messages is not None else "prompt"
+    bound = limit.prompt
+    most = limit.prompt_tokens
     lower = counter.lower_bound(sent)
-    if lower + least_output > limit.tokens:
+    if lower + least_output > limit.tokens or lower > most:
         added = "" if own is sent else " (including what the gateway adds for isolation)"
+        if bound is not None and lower > bound.tokens:
+            raise _refuse_prompt(metrics, model, bound, f"at least {lower} tokens{added}", param)
         raise _refuse(metrics, model, limit, f"at least {lower} tokens{added}", lower, output, explicit, param)
     # A cheap prompt is counted exactly right away: its upper bound (a template render) would be work thrown away.
     upper = None if counter.is_cheap(sent) else counter.upper_bound(sent)
-    if upper is not None and upper + output <= limit.tokens:
+    if upper is not None and upper + output <= limit.tokens and upper <= most:
         counting = asyncio.ensure_future(counter.count(sent, replica))
         own_counting = counting if own is sent else asyncio.ensure_future(counter.count(own, replica))
         estimate = upper if own is sent else (counter.upper_bound(own) or upper)
@@ -128,11 +133,13 @@ async def admit(
     else:
         counted, own_count = await asyncio.gather(counter.count(sent, replica), counter.count(own, replica))
     metrics.prompt_tokens.labels(model.name).observe(counted)
+    added = f" ({counted - own_count} of them added by the gateway for isolation)" if counted > own_count else ""
+    if bound is not None and counted > bound.tokens:
+        raise _refuse_prompt(metrics, model, bound, f"{counted} tokens{added}", param)
     if counted + output <= limit.tokens:
         return Admission(estimate=own_count, max_tokens=output, sent=counted, own=own_count)
     if clamp and counted + 1 <= limit.tokens:
         return Admission(estimate=own_count, max_tokens=limit.tokens - counted, sent=counted, own=own_count)
-    added = f" ({counted - own_count} of them added by the gateway for isolation)" if counted > own_count else ""
     raise _refuse(metrics, model, limit, f"{counted} tokens{added}", counted, output, explicit, param)
 
 
@@ -140,7 +147,7 @@ async def admit_inputs(
     inputs: list[Prompt],
     max_total: int,
     model: ModelSettings,
-    limit: PromptLimit | None,
+    limit: PromptLimit,
     counter: PromptCounter,
     metrics: GatewayMetrics,
     replica: Replica | None = None,
@@ -148,7 +155,6 @@ async def admit_inputs(
     """Admit an embeddings request's inputs: each against the limit (the engine embeds each in a window of its own),
     all of them against `max_total`. Lower bounds refuse first; then every input is counted exactly before anything is
     forwarded, since the answer's usage is checked against their sum."""
-    limit = known(model, limit)
     lower = [counter.lower_bound(prompt) for prompt in inputs]
     _check_inputs(inputs, lower, "at least ", max_total, model, limit, metrics)
     counts: list[int] = []
@@ -175,12 +181,14 @@ def _check_inputs(
     limit: PromptLimit,
     metrics: GatewayMetrics,
 ) -> None:
+    # An input is all prompt: a bound on the prompt alone (a prefill stage's) applies whole.
+    tightest = limit.prompt if limit.prompt is not None and limit.prompt.tokens < limit.tokens else limit
     for prompt, count in zip(inputs, counts, strict=True):
-        if count > limit.tokens:
-            metrics.admission_rejections.labels(model.name, limit.reason).inc()
+        if count > tightest.tokens:
+            metrics.admission_rejections.labels(model.name, tightest.reason).inc()
             raise ContextLengthExceeded(
-                f"{prompt.param} has {at_least}{count} tokens; the limit is {limit.tokens} tokens an input, set by "
-                f"{limit.source}. Shorten it.",
+                f"{prompt.param} has {at_least}{count} tokens; the limit is {tightest.tokens} tokens an input, set "
+                f"by {tightest.source}. Shorten it.",
                 param=prompt.param,
             )
     total = sum(counts)

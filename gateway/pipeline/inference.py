@@ -26,7 +26,7 @@ from gateway.incidents.quarantine import ResponderParts, on_leak
 from gateway.incidents.reporting import report
 from gateway.incidents.verdicts import VerdictBound
 from gateway.pipeline import embeddings
-from gateway.pipeline.admission import Admission, admit, admit_inputs, known
+from gateway.pipeline.admission import Admission, admit, admit_inputs
 from gateway.pipeline.counting import LocalCounter, Prompt, PromptCounter
 from gateway.pipeline.outcome import DONE, Answer, Event, Outcome, Stream
 from gateway.pipeline.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, failing_closed, filtered
@@ -661,7 +661,7 @@ async def _admit(
         chat = isinstance(parsed, ChatCompletionRequest)
         of = Prompt.of_chat if chat else Prompt.of_completion
         own = of(payload, tenant.incarnation())
-        limit = known(model, state.capacity.limit(model, tenant))
+        limit = state.capacity.require(model, tenant)
         # Started now so that a large prompt is hashed while it is counted and its request routed and queued; not for
         # one its size alone refuses (admission says so at once), which would make hashing the cheapest refusal's cost.
         if state.counters[model.name].lower_bound(own) < limit.tokens:
@@ -725,7 +725,7 @@ async def _admit_inputs(
             inputs,
             state.settings.limits.max_embedding_tokens,
             model,
-            state.capacity.limit(model, tenant),
+            state.capacity.require(model, tenant),
             state.counters[model.name],
             state.metrics,
             placement.replica,

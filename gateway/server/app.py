@@ -371,7 +371,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
             raise
         verdicts = VerdictBound(stores.store, settings.isolation.fingerprints.max_verdicts_per_day)
         pool = ReplicaPool(settings.backends, metrics, stores.store)
-        capacity = CapacityMonitor(settings.models, pool, metrics)
+        capacity = CapacityMonitor(settings.models, settings.backends, pool, metrics, settings.upstream)
         timeout = settings.upstream.connect_timeout_s
         with ThreadPoolExecutor(settings.admission.tokenizer_threads, "bulkhead-tokens") as executor:
             async with make_client(settings.upstream) as client, make_session(settings.upstream) as session:

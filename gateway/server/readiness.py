@@ -3,6 +3,8 @@
 Not ready (503) only when sending this instance a request is pointless: no backend is routable, or Redis is
 unreachable while something configured cannot work without it. Everything else is served with Redis down, so the
 instance stays in rotation and says what is degraded; one Redis restart must not take every gateway out at once.
+A disaggregated backend's stage whose capacity cannot be read is degraded too, with what its limit does meanwhile
+(upstream.on_stage_unread).
 
 What needs Redis, and what happens without it:
 
@@ -75,6 +77,15 @@ def _backends(state: GatewayState, readiness: Readiness) -> None:
         if not state.pool.routable(model):
             readiness.degraded.append(f"model:{model.name}")
             readiness.problems.append(f"model {model.name} has no routable backend")
+    refusing = state.settings.upstream.on_stage_unread == "refuse"
+    for stage in state.capacity.unread_stages():
+        readiness.degraded.append(f"stage:{stage.label}")
+        kept = stage.holds.kv_tokens
+        if kept is None or refusing:
+            then = "its backend's models refuse requests (503 capacity_unknown) until it is read"
+        else:
+            then = f"its backend's limits keep its last known KV capacity ({kept} tokens)"
+        readiness.problems.append(f"stage {stage.label} is {stage.problem}: {then}")
 
 
 async def _redis(state: GatewayState, readiness: Readiness) -> None:

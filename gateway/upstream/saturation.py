@@ -1,8 +1,9 @@
 """How loaded each replica is, read from the engine itself, and how many more requests it can take now.
 
-Every `upstream.load_interval_s` each instance reads vLLM's `/metrics`: `vllm:num_requests_running`,
-`vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (summed, or for the KV the fullest, over engine
-cores). Between two reads, the instance's own requests are the only change it can see, so it adds them: the
+Every `upstream.load_interval_s` each instance reads the engine's `/metrics`: vLLM's `vllm:num_requests_running`,
+`vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc`, or SGLang's names for them (engines.py), summed, or for
+the KV the fullest, over engine cores (or data-parallel ranks).
+Between two reads, the instance's own requests are the only change it can see, so it adds them: the
 replica's requests now are running + waiting at the read, plus this instance's requests placed there since the
 read was sent, minus those finished since its answer came. The engine counted its numbers at some moment while
 the read was on the wire; counting that way never takes a request placed meanwhile for one the engine already
@@ -43,12 +44,10 @@ import httpx
 from gateway.metrics import GatewayMetrics
 from gateway.settings import BackendSettings, FairnessSettings
 from gateway.upstream.backends import Replica, ReplicaPool
+from gateway.upstream.engines import LOAD_NAMES, LoadNames
 
 log = logging.getLogger("bulkhead.saturation")
 
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second: vLLM before 0.10
 UNLIMITED = 1 << 30
 STALE_AFTER_FAILURES = 3
 
@@ -100,21 +99,22 @@ def _value(line: str, name: str) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def parse_load(text: str) -> EngineLoad | None:
-    """The engine's load from its Prometheus exposition; None when it exposes no running count (not vLLM)."""
+def parse_load(text: str, names: LoadNames = LOAD_NAMES["vllm"]) -> EngineLoad | None:
+    """The engine's load from its Prometheus exposition; None when it exposes no running count (not this kind)."""
     running: float | None = None
     waiting = 0.0
     kv = 0.0
-    # A scan of the three names: vLLM's exposition is large, and a full parse every second per replica is not free.
+    # A scan of the three names: an engine's exposition is large, and a full parse every second per replica is not
+    # free.
     for line in text.splitlines():
-        if not line.startswith("vllm:"):
+        if not line.startswith(names.prefix):
             continue
-        if line.startswith(RUNNING) and (value := _value(line, RUNNING)) is not None:
+        if line.startswith(names.running) and (value := _value(line, names.running)) is not None:
             running = (running or 0.0) + value
-        elif line.startswith(WAITING) and (value := _value(line, WAITING)) is not None:
+        elif line.startswith(names.waiting) and (value := _value(line, names.waiting)) is not None:
             waiting += value
         else:
-            for name in KV_USAGE:
+            for name in names.kv_usage:
                 if line.startswith(name) and (value := _value(line, name)) is not None:
                     kv = max(kv, value)
     if running is None:
@@ -127,6 +127,7 @@ class LoadMonitor:
         self._pool = pool
         self._metrics = metrics
         self.loads: dict[str, ReplicaLoad] = {}
+        self._names = {backend.name: LOAD_NAMES[backend.kind] for backend in backends}
         for backend in backends:
             configured = backend.max_num_seqs is not None
             self.loads[backend.name] = ReplicaLoad(slots=backend.max_num_seqs, configured=configured)
@@ -195,7 +196,8 @@ class LoadMonitor:
             log.debug("load of backend %s not read: %s", replica.name, type(exc).__name__)
             engine = None
         else:
-            engine = parse_load(response.text) if response.status_code == 200 else None
+            names = self._names.get(replica.name, LOAD_NAMES["vllm"])
+            engine = parse_load(response.text, names) if response.status_code == 200 else None
         if engine is None:
             self.loads.setdefault(replica.name, ReplicaLoad()).unread(replica)
         else:

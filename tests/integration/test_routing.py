@@ -174,12 +174,14 @@ async def test_admin_api_needs_its_own_token(client: httpx.AsyncClient, make_gat
         {
             "name": "sim",
             "url": sim_url,
+            "kind": "vllm",
             "state": "healthy",
             "healthy": True,
             "in_flight": 0,
             "models": [MODEL],
             "max_model_len": 2048,
             "kv_capacity_tokens": 16384,
+            "stages": [],
         }
     ]
     assert (await client.post(f"{on}/admin/replicas/nope/drain", headers=ADMIN_AUTH)).status_code == 404

@@ -62,7 +62,7 @@ def instance(store: MemoryStore, probe_time_s: float = 30.0) -> Instance:
     return Instance(
         settings,
         pool,
-        CapacityMonitor(settings.models, pool, METRICS),
+        CapacityMonitor(settings.models, settings.backends, pool, METRICS, settings.upstream),
         httpx.AsyncClient(),  # never used: the probe is replaced
         quarantine.QuarantineBudget(store, QuarantineSettings()),
     )
