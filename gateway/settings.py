@@ -457,6 +457,12 @@ class EdgeSettings(_Section):
         description="on SIGTERM/SIGINT, how long requests in flight (streams) may run on; keep it at least "
         "upstream.read_timeout_s. New connections are refused, a request not yet started gets 503",
     )
+    drain_linger_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="on SIGTERM/SIGINT, how long a connection idle between requests stays open: a request already "
+        "on the wire gets its 503 rather than a reset. Longer only delays the exit",
+    )
 
 
 class AdmissionSettings(_Section):
@@ -533,10 +539,17 @@ class Settings(_Section):
         _unique("tenants[].key_hashes", [h for t in self.tenants for h in t.key_hashes])
         backend_names = {b.name for b in self.backends}
         tasks: dict[str, ModelSettings] = {}
+        kinds = {b.name: b.kind for b in self.backends}
         for i, model in enumerate(self.models):
             for backend in model.backends:
                 if backend not in backend_names:
                     raise ValueError(f"models[{i}].backends: model '{model.name}' names unknown backend '{backend}'")
+                if kinds[backend] == "sglang" and model.tokenizer is None:
+                    # SGLang's /v1/tokenize takes text alone: a chat prompt could not be counted as it is rendered.
+                    raise ValueError(
+                        f"models[{i}].tokenizer: model '{model.name}' is served by SGLang backend '{backend}', which "
+                        "cannot count a chat prompt: give the model its tokenizer"
+                    )
                 # A vLLM server runs one task; and an embedding replica's inputs carry no marker, so it must never
                 # also answer with text.
                 other = tasks.setdefault(backend, model)

@@ -31,8 +31,9 @@ from gateway.server.serving import free_port
 from gateway.settings import ListenSettings, Settings, SettingsError, TenantSettings, load_settings
 from gateway.tenancy.tenants import hash_key, new_api_key
 from isolation.audit import command as audit_command
-from isolation.sim import FAULTS, SimConfig, create_sim_app
-from isolation.sim.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_GPU_BLOCKS, fault_blocks
+from isolation.sim import FAULTS, Fault, SimConfig, create_sim_app
+from isolation.sim.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_GPU_BLOCKS, FLAVORS, fault_blocks
+from isolation.sim.pools import incident_prefill_tokens
 from isolation.sim.tinymodel import cached_tokenizer
 
 EMBEDDED_MODEL = "tiny-llama"
@@ -276,17 +277,38 @@ def _tenants(args: argparse.Namespace) -> int:
     return tenant_commands.run(args, os.environ)
 
 
+def _disaggregated(args: argparse.Namespace) -> bool:
+    return bool(args.disaggregated) or args.prefill_kv_tokens is not None or args.decode_kv_tokens is not None
+
+
+def _fault(args: argparse.Namespace) -> Fault:
+    """The --fault given, else stale-kv for a disaggregated deployment (it is the incident's replay), else none."""
+    if args.fault is not None:
+        fault: Fault = args.fault
+        return fault
+    return "stale-kv" if _disaggregated(args) else "none"
+
+
 def _sized_for_fault(args: argparse.Namespace) -> bool:
     """A stale fault and no KV cache size given: the cache is made smaller than the window, or the fault never shows."""
-    return args.fault != "none" and args.block_size is None and args.num_gpu_blocks is None
+    return (
+        _fault(args) != "none" and not _disaggregated(args) and args.block_size is None and args.num_gpu_blocks is None
+    )
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
-    """`bulkhead sim`'s settings; with a stale fault and no KV cache size given, a cache of half the window."""
+    """`bulkhead sim`'s settings; with a stale fault and no KV cache size given, a cache of half the window.
+    Disaggregated, the prefill pool is --prefill-kv-tokens, else --num-gpu-blocks × --block-size, else the
+    incident's share of the window (681,280 of 1,048,576); the decode pool --decode-kv-tokens, else twice the
+    window (SimConfig's default)."""
     block_size = DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size
     blocks = args.num_gpu_blocks
     if blocks is None:
         blocks = fault_blocks(args.max_model_len, block_size) if _sized_for_fault(args) else DEFAULT_NUM_GPU_BLOCKS
+    prefill = args.prefill_kv_tokens
+    if _disaggregated(args) and prefill is None:
+        given = args.num_gpu_blocks is not None
+        prefill = blocks * block_size if given else incident_prefill_tokens(args.max_model_len, block_size)
     return SimConfig(
         tokenizer_dir=args.tokenizer or cached_tokenizer(_cache_root()),
         model=args.model,
@@ -297,20 +319,34 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         tokens_per_s=args.tokens_per_s,
         output_tokens=args.output_tokens,
         seed=args.seed,
-        fault=args.fault,
+        fault=_fault(args),
         max_num_seqs=args.max_num_seqs,
         batch_slowdown=args.batch_slowdown,
         api_key=args.api_key,
+        engine=args.engine,
+        prefill_kv_tokens=prefill,
+        decode_kv_tokens=args.decode_kv_tokens,
     )
 
 
 def _say_kv_cache(config: SimConfig, sized: bool) -> None:
     kv, window = config.kv_cache_size_tokens, config.max_model_len
-    if config.fault_unreachable:
+    if config.disaggregated:
+        prefill = config.prefill_blocks * config.block_size
+        reach = ""
+        if config.fault != "none" and prefill < window:
+            reach = f": prompts between the prefill pool's {prefill:,} tokens and the window reach it"
         print(
-            f"bulkhead sim: warning: --fault {config.fault} cannot trigger: the KV cache ({kv} tokens) is not smaller "
+            f"bulkhead sim: disaggregated: the router advertises the {window:,}-token window only (no KV cache); "
+            f"each pool's KV cache is read from its stage's URL; fault {config.fault}{reach}",
+            flush=True,
+        )
+    if config.fault_unreachable:
+        what = "every KV pool" if config.disaggregated else f"the KV cache ({kv} tokens)"
+        print(
+            f"bulkhead sim: warning: --fault {config.fault} cannot trigger: {what} is not smaller "
             f"than the window (--max-model-len {window}), so the window refuses every prompt the fault acts on; "
-            "give fewer --num-gpu-blocks",
+            + ("give smaller --prefill-kv-tokens" if config.disaggregated else "give fewer --num-gpu-blocks"),
             file=sys.stderr,
             flush=True,
         )
@@ -323,19 +359,63 @@ def _say_kv_cache(config: SimConfig, sized: bool) -> None:
         )
 
 
-def _sim(args: argparse.Namespace) -> int:
+class _Following(uvicorn.Server):
+    """A stage's server: it leaves the signals to the router's, which stops it when it stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _serve_together(
+    router: uvicorn.Server, sock: socket.socket, stages: list[tuple[uvicorn.Server, socket.socket]]
+) -> None:
+    """The router and its stages in one event loop, until a signal stops the router (then the stages)."""
+    running = [asyncio.ensure_future(server.serve(sockets=[stage_sock])) for server, stage_sock in stages]
     try:
-        sock = preflight.listening_socket(args.host, args.port, from_settings=False)
-    except preflight.ListenError as exc:
-        print(f"bulkhead sim: {exc}", file=sys.stderr)
-        return 2
-    with sock:
-        config = sim_config(args)
-        print(f"bulkhead sim: serving '{args.model}' on http://{args.host}:{sock.getsockname()[1]}", flush=True)
+        await router.serve(sockets=[sock])
+    finally:
+        for server, _ in stages:
+            server.should_exit = True
+        await asyncio.gather(*running, return_exceptions=True)
+
+
+def _sim(args: argparse.Namespace) -> int:
+    disaggregated = _disaggregated(args)
+    wanted = [(args.host, args.port)]
+    if disaggregated:
+        wanted += [(args.host, args.prefill_port or 0), (args.host, args.decode_port or 0)]
+    with contextlib.ExitStack() as stack:
+        try:
+            socks = [
+                stack.enter_context(preflight.listening_socket(host, port, from_settings=False))
+                for host, port in wanted
+            ]
+            config = sim_config(args)
+        except (preflight.ListenError, ValueError) as exc:
+            print(f"bulkhead sim: {exc}", file=sys.stderr)
+            return 2
+        flavor = " (SGLang)" if config.engine == "sglang" else ""
+        print(
+            f"bulkhead sim: serving '{args.model}'{flavor} on http://{args.host}:{socks[0].getsockname()[1]}",
+            flush=True,
+        )
         _say_kv_cache(config, _sized_for_fault(args))
-        served = uvicorn.Config(create_sim_app(config), access_log=False, log_level="warning")
+        app = create_sim_app(config)
+        router = uvicorn.Server(uvicorn.Config(app, access_log=False, log_level="warning"))
+        stages: list[tuple[uvicorn.Server, socket.socket]] = []
+        for (role, stage), stage_sock in zip(app.state.stages.items(), socks[1:], strict=True):
+            kv = app.state.engine.pools[role].capacity_tokens
+            print(
+                f"bulkhead sim: {role} stage ({kv:,}-token KV cache) on http://{args.host}:{stage_sock.getsockname()[1]}",
+                flush=True,
+            )
+            stages.append((_Following(uvicorn.Config(stage, access_log=False, log_level="warning")), stage_sock))
         with signals_absorbed():
-            uvicorn.Server(served).run(sockets=[sock])
+            if stages:
+                asyncio.run(_serve_together(router, socks[0], stages))
+            else:
+                router.run(sockets=[socks[0]])
     return 0
 
 
@@ -442,9 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--fault",
         choices=FAULTS,
-        default="none",
         help="stale-kv: answer over-capacity prompts from stale KV blocks of earlier requests (the incident); "
-        "stale-kv-logprobs / stale-kv-tool-names: the same, leaked through logprobs / a tool call's name",
+        "stale-kv-logprobs / stale-kv-tool-names: the same, leaked through logprobs / a tool call's name "
+        "(default: none; stale-kv with --disaggregated)",
     )
     sim.add_argument(
         "--max-num-seqs",
@@ -463,6 +543,26 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--api-key", help="as vLLM's --api-key: /v1/* answers 401 without `Authorization: Bearer KEY` (default: none)"
     )
+    sim.add_argument("--engine", choices=FLAVORS, default="vllm", help="whose server to play (default %(default)s)")
+    sim.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="a router (advertising the window only) in front of a prefill pool and a decode pool, each served on "
+        "a port of its own; the incident's replay: --fault defaults to stale-kv",
+    )
+    sim.add_argument(
+        "--prefill-kv-tokens",
+        type=int,
+        help="the prefill pool's KV cache, whole blocks (implies --disaggregated; default: the incident's 681,280 of "
+        "1,048,576 of the window)",
+    )
+    sim.add_argument(
+        "--decode-kv-tokens",
+        type=int,
+        help="the decode pool's KV cache, whole blocks (implies --disaggregated; default: twice the window)",
+    )
+    sim.add_argument("--prefill-port", type=_port, help="the prefill stage's port (default: a free one)")
+    sim.add_argument("--decode-port", type=_port, help="the decode stage's port (default: a free one)")
     sim.set_defaults(run=_sim)
 
     audit = commands.add_parser("audit", help="test an OpenAI-compatible endpoint for cross-request leaks")

@@ -44,9 +44,6 @@ from gateway.accesslog import RequestRecord
 from gateway.errors import EdgeUnavailable, ShuttingDown, TooManyConnections, error_response
 from gateway.settings import EdgeSettings
 
-# A connection idle when the drain starts stays open this long before it is closed: a request already on the wire
-# (sent, not yet read) gets its 503 rather than a reset. Longer only delays the exit.
-DRAIN_LINGER_S = 1.0
 EDGE_ROUTE = "edge"  # the access-log route of the edge's own answers
 RESPONSE_HEAD = b"HTTP/1.1 "  # how uvicorn's every status line starts; no chunk of a chunked body does
 INFORMATIONAL = b"HTTP/1.1 1"  # 100 Continue: not the answer
@@ -208,6 +205,7 @@ class EdgeProtocol(HttpToolsProtocol):
         assert isinstance(config, EdgeConfig), "EdgeProtocol reads its limits from an EdgeConfig"
         self.header_timeout_s = config.edge.header_timeout_s
         self.body_timeout_s = config.edge.body_timeout_s
+        self.drain_linger_s = config.edge.drain_linger_s
         self.header_deadline: asyncio.TimerHandle | None = None
         self.lingering: asyncio.TimerHandle | None = None
         self.draining = False
@@ -281,12 +279,12 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def shutdown(self) -> None:
         """The server drains: the answer in progress is the connection's last; a request that comes on an idle
-        connection within DRAIN_LINGER_S gets a 503, and then the connection is closed."""
+        connection within edge.drain_linger_s gets a 503, and then the connection is closed."""
         self.draining = True
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.keep_alive = False
         else:
-            self.loop.call_later(DRAIN_LINGER_S, self._close_unless_answering)
+            self.loop.call_later(self.drain_linger_s, self._close_unless_answering)
 
     def _close_unless_answering(self) -> None:
         if self.cycle is None or self.cycle.response_complete:

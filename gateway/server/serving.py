@@ -24,6 +24,9 @@ STARTUP_TIMEOUT_S = 10.0
 # Long enough for in-flight requests to end, short enough that a test holding a stream open cannot hang the
 # suite at teardown: uvicorn cancels what is still running when it expires.
 GRACEFUL_SHUTDOWN_S = 2
+# A test's client keeps its connection alive past the test: the production linger (a request on the wire gets its
+# 503) would add a second to every gateway's teardown.
+DRAIN_LINGER_S = 0.05
 
 
 def free_port() -> int:
@@ -37,13 +40,13 @@ def free_port() -> int:
 @contextmanager
 def run_server(app: ASGIApp, edge: EdgeSettings | None = None) -> Iterator[str]:
     """Run `app` until the block ends; yields its base URL (`http://127.0.0.1:PORT`). With `edge`, the gateway's
-    own HTTP edge serves it, as under `bulkhead serve` (edge.py), but for the shutdown's grace."""
+    own HTTP edge serves it, as under `bulkhead serve` (edge.py), but for the shutdown's grace and linger."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     if edge is not None:
-        edge = edge.model_copy(update={"shutdown_grace_s": GRACEFUL_SHUTDOWN_S})
+        edge = edge.model_copy(update={"shutdown_grace_s": GRACEFUL_SHUTDOWN_S, "drain_linger_s": DRAIN_LINGER_S})
         config: uvicorn.Config = EdgeConfig(app, edge, log_level="warning")
     else:
         config = uvicorn.Config(

@@ -245,13 +245,19 @@ class CapacityMonitor:
             for stage in view.stages:
                 if stage.holds.kv_tokens is None or (self._refuse_unread and not stage.readable):
                     return f"(stage '{stage.settings.name}' of backend '{name}' {stage.problem})"
-                found = _stage_limit(stage, stage.holds.kv_tokens)
-                (prompts if stage.settings.role == "prefill" else totals).append(found)
+                # A prefill engine holds the prompt and makes one token (the decode engine makes the rest), a
+                # decode engine holds the prompt and the output: each stage's window and KV cache bound its part.
+                prefill = stage.settings.role == "prefill"
+                bounds = prompts if prefill else totals
+                bounds.append(_stage_limit(stage, stage.holds.kv_tokens))
                 if stage.holds.max_model_len is not None:
-                    totals.append(
+                    where = f"{stage.settings.role} stage '{stage.settings.name}' of backend '{name}'"
+                    bounds.append(
                         PromptLimit(
-                            stage.holds.max_model_len,
-                            f"max_model_len of stage '{stage.settings.name}' of backend '{name}'",
+                            stage.holds.max_model_len - 1 if prefill else stage.holds.max_model_len,
+                            f"max_model_len of {where}, less the token it makes"
+                            if prefill
+                            else f"max_model_len of {where}",
                             "max_model_len",
                             setter=stage.label,
                         )

@@ -35,7 +35,7 @@ def _leaky_sizes(ctx: ProbeContext) -> list[tuple[str, int]]:
     facts = ctx.facts
     sizes = [("just over the effective limit", facts.effective_limit + 1)]
     near = facts.limit - ctx.answer_tokens - 2
-    if near > facts.effective_limit + 1 or (facts.kv_capacity is None and near > 0):
+    if near > facts.effective_limit + 1 or (facts.prompt_bound is None and near > 0):
         sizes.append(("near the window", near))
     return sizes
 

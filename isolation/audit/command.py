@@ -11,7 +11,7 @@ import httpx
 import orjson
 from rich.console import Console
 
-from isolation.audit.config import AuditConfig
+from isolation.audit.config import AuditConfig, parse_stages
 from isolation.audit.render import ProgressBars, print_report
 from isolation.audit.report import Report
 from isolation.audit.runner import run_audit
@@ -38,6 +38,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a file with the API key, or two keys on two lines (A, then B); instead of --key",
     )
     parser.add_argument("--limit", type=int, help="context window in tokens (default: the endpoint's max_model_len)")
+    parser.add_argument(
+        "--stage",
+        action="append",
+        default=[],
+        metavar="ROLE=URL",
+        help="an engine behind a disaggregated router, ROLE prefill or decode (repeatable): its KV cache is read "
+        "from vLLM's /metrics or SGLang's /get_server_info, and prompts the window admits but the smallest prefill "
+        "stage cannot hold are probed; a stage that does not say its capacity stops the audit",
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the full report here as JSON")
     parser.add_argument("--max-requests", type=int, default=300, help="most requests in all, every route (300)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole audit (600)")
@@ -73,6 +82,7 @@ def config_from(args: argparse.Namespace) -> AuditConfig:
         rate=args.rate,
         rounds=args.rounds,
         seed=args.seed,
+        stages=parse_stages(args.stage),
     )
 
 

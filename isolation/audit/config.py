@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import httpx
 
 from isolation.markers import CanaryKey, make_marker
 
 MARKERS_PER_IDENTITY = 8
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = get_args(Role)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,41 @@ def make_identities(keys: tuple[str, ...]) -> tuple[Identity, Identity]:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """One engine behind the router, as `--stage ROLE=URL` names it; `name` is ROLE-N, N counting from 0."""
+
+    role: Role
+    name: str
+    url: str  # the server root: /metrics and /get_server_info live there
+
+
+def _root(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def parse_stages(specs: tuple[str, ...] | list[str]) -> tuple[Stage, ...]:
+    """`ROLE=URL` for each --stage, checked; each role's stages are numbered in the order given."""
+    stages = []
+    counts = dict.fromkeys(ROLES, 0)
+    for spec in specs:
+        role, sep, url = spec.partition("=")
+        role = role.strip().lower()
+        if not sep or role not in ROLES:
+            raise ValueError(f"--stage takes ROLE=URL with ROLE prefill or decode, got {spec!r}")
+        try:
+            parsed = httpx.URL(url.strip())
+        except httpx.InvalidURL as exc:
+            raise ValueError(f"--stage {spec!r}: not a URL: {exc}") from exc
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError(f"--stage {spec!r}: the URL must be http:// or https://")
+        checked: Role = "prefill" if role == "prefill" else "decode"
+        stages.append(Stage(checked, f"{checked}-{counts[checked]}", _root(url.strip())))
+        counts[checked] += 1
+    return tuple(stages)
+
+
+@dataclass(frozen=True)
 class AuditConfig:
     """The command line, checked. Defaults are low enough to point at production."""
 
@@ -72,6 +110,7 @@ class AuditConfig:
     rounds: int = 3  # canary rounds; interleaving uses max(1, rounds - 1)
     answer_tokens: int = 64  # max_tokens of the canary and interleaving probes: room for a stale page to show
     seed: int | None = None
+    stages: tuple[Stage, ...] = ()  # the engines behind a router (--stage ROLE=URL): parse_stages
 
     def __post_init__(self) -> None:
         try:
@@ -96,5 +135,4 @@ class AuditConfig:
     @property
     def base_url(self) -> str:
         """The server root: /tokenize and /metrics live there, not under /v1, so a pasted `.../v1` is cut."""
-        url = self.endpoint.rstrip("/")
-        return url[: -len("/v1")] if url.endswith("/v1") else url
+        return _root(self.endpoint)

@@ -5,7 +5,8 @@
      │    ├── Unreachable   no connection, or no answer in time
      │    ├── AuthFailed    401/403 for a given key (or for no key)
      │    ├── ModelMissing  the endpoint does not serve the model
-     │    └── LimitUnknown  no --limit, and the endpoint does not say its context window
+     │    ├── LimitUnknown  no --limit, and the endpoint does not say its context window
+     │    └── StageUnreadable  a --stage that does not say how much KV cache it holds, or cannot be reached
      └── BudgetExhausted    the request or time budget ran out part-way; the probes so far still count
 
 Transport errors (httpx) are mapped to these where they enter the audit, in endpoint.py. A failure of one probe
@@ -37,6 +38,10 @@ class ModelMissing(CannotRun):
 
 
 class LimitUnknown(CannotRun):
+    pass
+
+
+class StageUnreadable(CannotRun):
     pass
 
 

@@ -70,11 +70,15 @@ def print_report(report: Report, console: Console) -> None:
     console.print(f"[bold]Bulkhead audit[/] of {escape(data['endpoint'])}, model {escape(repr(data['model']))}")
     facts = data["endpoint_facts"]
     if facts is not None:
-        capacity = "not exposed"
+        capacity = "not exposed by the endpoint" if facts["stages"] else "not exposed"
         if facts["kv_capacity"]:
             capacity = f"{facts['kv_capacity']} tokens ({facts['kv_capacity_source']})"
         console.print(f"  limit      : {facts['limit']} tokens ({facts['limit_source']})")
         console.print(f"  KV cache   : {capacity}")
+        for stage in facts["stages"]:
+            style = "yellow" if stage["kv_capacity"] < facts["limit"] else "green"
+            console.print(f"  stage      : [{style}]{escape(stage['statement'])}[/]")
+            console.print(f"               [dim]from {escape(stage['kv_capacity_source'])}[/]")
         console.print(f"  counts     : {facts['token_counts']}")
         for note in facts["notes"]:
             console.print(f"  note       : {escape(note)}")

@@ -72,6 +72,19 @@ class Report:
                 "kv_capacity": facts.kv_capacity,
                 "kv_capacity_source": facts.kv_capacity_source,
                 "effective_limit": facts.effective_limit,
+                "decode_limit": facts.decode_bound.kv_capacity if facts.decode_bound else None,
+                "stages": [
+                    {
+                        "name": held.stage.name,
+                        "role": held.stage.role,
+                        "url": held.stage.url,
+                        "kv_capacity": held.kv_capacity,
+                        "kv_capacity_source": held.source,
+                        "context_length": held.context_length,
+                        "statement": facts.stage_statement(held),
+                    }
+                    for held in facts.stages
+                ],
                 "token_counts": "exact (/tokenize)" if facts.exact_counts else "estimated (lower bounds)",
                 "notes": list(facts.notes),
             },

@@ -104,7 +104,7 @@ async def run_audit(config: AuditConfig, client: httpx.AsyncClient, observer: Ob
     identities = make_identities(config.keys)
     observer.phase("discovery", 1)
     try:
-        report.facts = await discover(endpoint, identities, config.limit)
+        report.facts = await discover(endpoint, identities, config.limit, config.stages)
         observer.step("discovery")
         rng = random.Random(seed)
         ctx = _context(endpoint, report.facts, identities, rng, config.rounds, config.answer_tokens, observer)

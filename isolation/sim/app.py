@@ -11,6 +11,12 @@ Behind them, a paged KV cache with prefix caching keyed by cache_salt (kvcache.p
 (SimConfig.max_num_seqs running at once, the rest queued; engine.py) and, when configured, the incident's
 fault: over-long prompts answered from stale KV blocks (engine.py, SimConfig.fault).
 
+With SimConfig.engine "sglang" it plays SGLang's server instead: the same generation routes with SGLang's
+refusals and cache_salt handling, and SGLang's descriptive routes (sglang.py). With a disaggregated SimConfig
+(prefill_kv_tokens or decode_kv_tokens) the app is a router in front of a prefill pool and a decode pool: it
+advertises the window only (no vllm:cache_config_info, no KV size), and app.state.stages holds each pool's own
+small app, to be served on a port of its own (stages.py).
+
 Simulator-only inspection, for tests that must prove what a gateway did or did not forward:
     GET    /sim/requests   the last 1000 inference requests received (POSTs to the completion, responses and
                            messages routes, refused ones included), oldest first, as JSON
@@ -25,12 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import time
-import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 
-import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -38,16 +42,17 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from isolation.sim import embeddings
+from isolation.sim import embeddings, sglang
 from isolation.sim.config import SimConfig
 from isolation.sim.detokenizer import Detokenizer
 from isolation.sim.engine import Abandoned, Engine, Run
 from isolation.sim.errors import SimError, bad_request, model_not_found, render_anthropic_error, render_sim_error
 from isolation.sim.generation import WordVocabulary
+from isolation.sim.info import json_response, vllm_models
 from isolation.sim.logprobs import Scorer
 from isolation.sim.message_replies import MessagesReply
 from isolation.sim.messages import counted, merges_inline_system, parse_count_tokens, parse_messages
-from isolation.sim.metrics import build_registry, render
+from isolation.sim.metrics import View, build_registry, render
 from isolation.sim.protocol import (
     ChatPrompt,
     CompletionRequest,
@@ -67,6 +72,7 @@ from isolation.sim.recorder import RequestLog
 from isolation.sim.replies import ChatReply, CompletionReply, Reply
 from isolation.sim.response_replies import ResponsesReply
 from isolation.sim.responses import parse_responses, response_not_found
+from isolation.sim.stages import build_stages
 from isolation.sim.streaming import EngineStream
 from isolation.tokens import ChatTemplateError, ModelTokenizer
 
@@ -75,57 +81,75 @@ REQUEST_LOG_LIMIT = 1000
 
 
 def create_sim_app(config: SimConfig) -> Starlette:
+    """The simulated server: an engine, or in a disaggregated deployment the router in front of its pools, whose
+    stage apps are in `app.state.stages` ({"prefill": app, "decode": app}, empty when not disaggregated) for the
+    caller to serve on ports of their own."""
     tokenizer = ModelTokenizer.from_dir(config.tokenizer_dir)
     vocabulary = WordVocabulary.from_tokenizer(tokenizer.tokenizer, config.seed)
     engine = Engine(config, vocabulary, Detokenizer(tokenizer.tokenizer))
-    endpoints = _Endpoints(config, tokenizer, engine, build_registry(engine), RequestLog(REQUEST_LOG_LIMIT))
-    app = Starlette(
-        routes=[
-            Route("/v1/models", endpoints.models, methods=["GET"]),
-            Route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"]),
-            Route("/v1/completions", endpoints.completions, methods=["POST"]),
-            Route("/v1/responses", endpoints.responses, methods=["POST"]),
-            Route("/v1/responses/{response_id}", endpoints.stored_response, methods=["GET"]),
-            Route("/v1/responses/{response_id}/cancel", endpoints.stored_response, methods=["POST"]),
-            Route("/v1/messages", endpoints.messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", endpoints.count_message_tokens, methods=["POST"]),
-            embeddings.route(config, tokenizer, engine, endpoints.request_log),
-            Route("/tokenize", endpoints.tokenize, methods=["POST"]),
-            Route("/detokenize", endpoints.detokenize, methods=["POST"]),
-            Route("/health", endpoints.health, methods=["GET"]),
-            Route("/version", endpoints.version, methods=["GET"]),
-            Route("/metrics", endpoints.metrics, methods=["GET"]),
-            Route("/sim/requests", endpoints.recorded_requests, methods=["GET"]),
-            Route("/sim/requests", endpoints.forget_requests, methods=["DELETE"]),
-        ],
-        exception_handlers={SimError: render_sim_error},
-    )
+    view: View = "router" if config.disaggregated else "engine"
+    endpoints = _Endpoints(config, tokenizer, engine, build_registry(engine, view), RequestLog(REQUEST_LOG_LIMIT))
+    generation = [
+        Route("/v1/chat/completions", endpoints.chat_completions, methods=["POST"]),
+        Route("/v1/completions", endpoints.completions, methods=["POST"]),
+    ]
+    inspection = [
+        Route("/sim/requests", endpoints.recorded_requests, methods=["GET"]),
+        Route("/sim/requests", endpoints.forget_requests, methods=["DELETE"]),
+    ]
+    if config.engine == "sglang":
+        described, handlers = sglang.routes(config, engine, tokenizer, view), sglang.EXCEPTION_HANDLERS
+    else:
+        described, handlers = _vllm_routes(config, tokenizer, engine, endpoints), {SimError: render_sim_error}
+    app = Starlette(routes=[*generation, *described, *inspection], exception_handlers=handlers)
     app.state.engine = engine
     app.state.request_log = endpoints.request_log
+    app.state.stages = build_stages(config, engine)
     if config.api_key is not None:
-        app.add_middleware(ApiKeyCheck, token=config.api_key)
+        guarded = sglang.guarded if config.engine == "sglang" else _vllm_guarded
+        for served in (app, *app.state.stages.values()):
+            served.add_middleware(ApiKeyCheck, token=config.api_key, guarded=guarded)
     return app
 
 
-class ApiKeyCheck:
-    """vLLM's --api-key: every /v1 path needs `Authorization: Bearer <key>`, else 401 {"error": "Unauthorized"};
-    /health, /metrics, /tokenize and the rest stay open, as in vLLM's AuthenticationMiddleware."""
+def _vllm_routes(config: SimConfig, tokenizer: ModelTokenizer, engine: Engine, endpoints: _Endpoints) -> list[Route]:
+    return [
+        Route("/v1/models", endpoints.models, methods=["GET"]),
+        Route("/v1/responses", endpoints.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", endpoints.stored_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", endpoints.stored_response, methods=["POST"]),
+        Route("/v1/messages", endpoints.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", endpoints.count_message_tokens, methods=["POST"]),
+        embeddings.route(config, tokenizer, engine, endpoints.request_log),
+        Route("/tokenize", endpoints.tokenize, methods=["POST"]),
+        Route("/detokenize", endpoints.detokenize, methods=["POST"]),
+        Route("/health", endpoints.health, methods=["GET"]),
+        Route("/version", endpoints.version, methods=["GET"]),
+        Route("/metrics", endpoints.metrics, methods=["GET"]),
+    ]
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+
+def _vllm_guarded(path: str) -> bool:
+    return path.startswith("/v1")
+
+
+class ApiKeyCheck:
+    """--api-key: every guarded path needs `Authorization: Bearer <key>`, else 401 {"error": "Unauthorized"}. vLLM
+    guards /v1 paths only (its AuthenticationMiddleware: /health, /metrics, /tokenize and the rest stay open);
+    SGLang every path but /health* and /metrics (sglang.guarded), with the same answer."""
+
+    def __init__(self, app: ASGIApp, token: str, guarded: Callable[[str], bool] = _vllm_guarded) -> None:
         self._app = app
         self._expected = f"Bearer {token}".encode()
+        self._guarded = guarded
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and self._guarded(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
-                await _json({"error": "Unauthorized"}, 401)(scope, receive, send)
+                await json_response({"error": "Unauthorized"}, 401)(scope, receive, send)
                 return
         await self._app(scope, receive, send)
-
-
-def _json(content: object, status_code: int = 200) -> Response:
-    return Response(orjson.dumps(content), status_code=status_code, media_type="application/json")
 
 
 class _Endpoints:
@@ -145,48 +169,35 @@ class _Endpoints:
         self.vocab_size = int(tokenizer.tokenizer.get_vocab_size(with_added_tokens=True))
         self.scorer = Scorer(engine.vocabulary, engine.detokenizer)
         self.merge_inline_system = merges_inline_system(tokenizer)
+        self.sglang = config.engine == "sglang"
 
     async def models(self, request: Request) -> Response:
-        now = int(time.time())
-        permission = {
-            "id": f"modelperm-{uuid.uuid4().hex}",
-            "object": "model_permission",
-            "created": now,
-            "allow_create_engine": False,
-            "allow_sampling": True,
-            "allow_logprobs": True,
-            "allow_search_indices": False,
-            "allow_view": True,
-            "allow_fine_tuning": False,
-            "organization": "*",
-            "group": None,
-            "is_blocking": False,
-        }
-        card = {
-            "id": self.config.model,
-            "object": "model",
-            "created": now,
-            "owned_by": "vllm",
-            "root": self.config.model,
-            "parent": None,
-            "max_model_len": self.config.max_model_len,
-            "permission": [permission],
-        }
-        return _json({"object": "list", "data": [card]})
+        return json_response(vllm_models(self.config))
 
     async def chat_completions(self, request: Request) -> Response:
-        chat = parse_chat(await self._read_body(request, record=True))
+        body, salt = self._salted(await self._read_body(request, record=True))
+        chat = parse_chat(body)
         self._check_model(chat.sampling.model)
         prompt = chat.prompt
         reply = partial(ChatReply, role=prompt.response_role, echo=prompt.echoed(), tools=bool(prompt.tools))
-        return await self._generate(request, self._encode_chat(prompt), chat.sampling, reply)
+        return await self._generate(request, self._encode_chat(prompt), self._with(chat.sampling, salt), reply)
 
     async def completions(self, request: Request) -> Response:
-        completion = parse_completion(await self._read_body(request, record=True))
+        body, salt = self._salted(await self._read_body(request, record=True))
+        completion = parse_completion(body)
         self._check_model(completion.sampling.model)
         prompt_ids = self._encode_text(completion.prompt)
         reply = partial(CompletionReply, echo=self._echoed(completion, prompt_ids))
-        return await self._generate(request, prompt_ids, completion.sampling, reply)
+        return await self._generate(request, prompt_ids, self._with(completion.sampling, salt), reply)
+
+    def _salted(self, body: JsonObject) -> tuple[JsonObject, str | None]:
+        """SGLang keys the prefix cache by cache_salt and extra_key together (sglang.py); vLLM's parser reads
+        cache_salt itself."""
+        return sglang.extra_key(body) if self.sglang else (body, None)
+
+    @staticmethod
+    def _with(sampling: Sampling, salt: str | None) -> Sampling:
+        return sampling if salt is None else replace(sampling, cache_salt=salt)
 
     async def responses(self, request: Request) -> Response:
         asked = parse_responses(await self._read_body(request, record=True))
@@ -216,7 +227,7 @@ class _Endpoints:
         asked = parse_count_tokens(await self._read_body(request, record=False), self.merge_inline_system)
         try:
             self._check_model(asked.model)
-            return _json(counted(self._encode_chat(asked.prompt), self.config.max_model_len))
+            return json_response(counted(self._encode_chat(asked.prompt), self.config.max_model_len))
         except SimError as exc:
             return render_anthropic_error(exc)
 
@@ -230,7 +241,7 @@ class _Endpoints:
         token_strs = None
         if flag(body, "return_token_strs", False):
             token_strs = [self.tokenizer.tokenizer.id_to_token(token_id) for token_id in ids]
-        return _json(
+        return json_response(
             {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": token_strs}
         )
 
@@ -238,19 +249,19 @@ class _Endpoints:
         body = await self._read_body(request, record=False)
         self._check_model(parse_model(body))
         ids = self._check_token_ids(parse_token_ids(body, "tokens"), "tokens")
-        return _json({"prompt": self.tokenizer.decode(ids)})
+        return json_response({"prompt": self.tokenizer.decode(ids)})
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
     async def version(self, request: Request) -> Response:
-        return _json({"version": VERSION})
+        return json_response({"version": VERSION})
 
     async def metrics(self, request: Request) -> Response:
         return Response(render(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def recorded_requests(self, request: Request) -> Response:
-        return _json(self.request_log.entries())
+        return json_response(self.request_log.entries())
 
     async def forget_requests(self, request: Request) -> Response:
         self.request_log.clear()
@@ -269,8 +280,8 @@ class _Endpoints:
         return body
 
     def _check_model(self, model: str | None) -> None:
-        # Like vLLM, an omitted model means the served one.
-        if model is not None and model != self.config.model:
+        # Like vLLM, an omitted model means the served one; SGLang checks no model name at all.
+        if model is not None and model != self.config.model and not self.sglang:
             raise model_not_found(model)
 
     def _encode_chat(self, prompt: ChatPrompt) -> list[int]:
@@ -319,6 +330,10 @@ class _Endpoints:
             )
         except Abandoned:
             return _client_disconnected()
+        except SimError as exc:
+            if self.sglang and sampling.stream and exc.aborted:
+                return sglang.streamed_refusal(exc)
+            raise
         reply = make_reply(
             run=run, sampling=sampling, model=self.config.model, vocabulary=self.engine.vocabulary, scorer=self.scorer
         )
@@ -330,7 +345,7 @@ class _Endpoints:
             self.engine.release(run)
         if not finished:
             return _client_disconnected()
-        return _json(reply.body())
+        return json_response(reply.body())
 
 
 def _client_disconnected() -> Response:

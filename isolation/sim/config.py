@@ -8,6 +8,8 @@ from typing import Literal, get_args
 
 Fault = Literal["none", "stale-kv", "stale-kv-logprobs", "stale-kv-tool-names"]
 FAULTS: tuple[str, ...] = get_args(Fault)
+Flavor = Literal["vllm", "sglang"]  # whose server the simulator plays
+FLAVORS: tuple[str, ...] = get_args(Flavor)
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_GPU_BLOCKS = 1024
 
@@ -41,6 +43,17 @@ class SimConfig:
     the token interval by 1 + batch_slowdown × (R − 1) / max_num_seqs. It acts on pacing only; with no
     ttft_ms and no tokens_per_s there is nothing to stretch, and 0 (the default) keeps every run at its
     configured speed.
+
+    Disaggregated (prefill_kv_tokens or decode_kv_tokens given): the app plays a router in front of a prefill
+    pool and a decode pool, each an engine endpoint of its own (stages.py), like the 2026 incident's deployment.
+    The router advertises the window only; the KV cache that prefix hits and stale pages come from is the
+    prefill pool's (prefill_kv_tokens, else num_gpu_blocks × block_size); the decode pool (decode_kv_tokens, else
+    twice the window) holds a prompt and its output budget together. A prompt the window admits but either pool
+    cannot hold is over capacity, refused or answered from stale pages as `fault` says. Both sizes are kept in
+    whole blocks, rounded down.
+
+    engine "sglang" plays SGLang's OpenAI-compatible server instead of vLLM's: its routes, metric names, error
+    bodies and texts (sglang.py).
     """
 
     tokenizer_dir: Path
@@ -56,6 +69,9 @@ class SimConfig:
     max_num_seqs: int = 256  # vLLM's --max-num-seqs; 256 is its default on most GPUs
     batch_slowdown: float = 0.0
     api_key: str | None = field(default=None, repr=False)  # vLLM's --api-key: /v1/* answers 401 without it
+    engine: Flavor = "vllm"
+    prefill_kv_tokens: int | None = None
+    decode_kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "num_gpu_blocks", "output_tokens", "max_num_seqs"):
@@ -68,15 +84,49 @@ class SimConfig:
             raise ValueError(f"SimConfig.fault must be one of {', '.join(FAULTS)}, got {self.fault!r}")
         if not self.model:
             raise ValueError("SimConfig.model must not be empty")
+        if self.engine not in FLAVORS:
+            raise ValueError(f"SimConfig.engine must be one of {', '.join(FLAVORS)}, got {self.engine!r}")
+        for name in ("prefill_kv_tokens", "decode_kv_tokens"):
+            tokens = getattr(self, name)
+            if tokens is None:
+                continue
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < self.block_size:
+                raise ValueError(f"SimConfig.{name} must be at least block_size ({self.block_size}), got {tokens!r}")
+            object.__setattr__(self, name, tokens // self.block_size * self.block_size)
 
     @property
     def kv_cache_size_tokens(self) -> int:
         return self.block_size * self.num_gpu_blocks
 
     @property
+    def disaggregated(self) -> bool:
+        return self.prefill_kv_tokens is not None or self.decode_kv_tokens is not None
+
+    @property
+    def prefill_blocks(self) -> int:
+        """The blocks of the KV cache prompts are written into: the prefill pool's, or the one engine's."""
+        if self.prefill_kv_tokens is None:
+            return self.num_gpu_blocks
+        return self.prefill_kv_tokens // self.block_size
+
+    @property
+    def decode_blocks(self) -> int | None:
+        """The decode pool's blocks (twice the window unless given); None when not disaggregated."""
+        if not self.disaggregated:
+            return None
+        if self.decode_kv_tokens is None:
+            return max(1, 2 * self.max_model_len // self.block_size)
+        return self.decode_kv_tokens // self.block_size
+
+    @property
     def fault_unreachable(self) -> bool:
-        """A stale fault with a cache at least as large as the window: every prompt it would act on is refused first."""
-        return self.fault != "none" and self.kv_cache_size_tokens >= self.max_model_len
+        """A stale fault with every pool at least as large as the window: every prompt it would act on is refused
+        first (a prompt and its output budget never exceed the window together)."""
+        decode = self.decode_blocks
+        roomy = self.prefill_blocks * self.block_size >= self.max_model_len and (
+            decode is None or decode * self.block_size >= self.max_model_len
+        )
+        return self.fault != "none" and roomy
 
     @property
     def paced(self) -> bool:

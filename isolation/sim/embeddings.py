@@ -144,7 +144,7 @@ class Embeddings:
         """vLLM's refusals before anything runs: past the window, or (with no fault to act) past the KV cache."""
         if count > self._config.max_model_len:
             raise context_length_exceeded(self._config.max_model_len, count)
-        capacity = self._engine.cache.capacity_tokens
+        capacity = self._engine.prefill_capacity_tokens()
         if count > capacity and self._config.fault == "none":
             raise context_length_exceeded(capacity, count)
 

@@ -42,6 +42,11 @@ that a chat reply to a request with tools becomes a tool call named by the stale
 
 Between the length checks and the cache, the engine refuses more logprobs than vLLM's --max-logprobs allows,
 where vLLM's engine verifies its sampling parameters.
+
+Disaggregated (pools.py), the KV cache is the prefill pool's, and a prompt is over capacity when it is longer
+than the prefill pool holds now, or when it and its output budget are more than the decode pool holds now; over
+capacity means the same as in one engine: the 400 naming that pool's size, or the stale-kv placeholder. Which
+lengths are refused, and with which texts, is vLLM's or SGLang's rule as SimConfig.engine says (admission.py).
 """
 
 from __future__ import annotations
@@ -55,11 +60,13 @@ from functools import partial
 from itertools import islice
 from typing import Literal
 
+from isolation.sim.admission import judge
 from isolation.sim.config import SimConfig
 from isolation.sim.detokenizer import Detokenizer
-from isolation.sim.errors import context_length_exceeded, max_tokens_too_small, too_many_logprobs
+from isolation.sim.errors import max_tokens_too_small, too_many_logprobs
 from isolation.sim.generation import WordVocabulary
 from isolation.sim.kvcache import BlockTable, KVCache
+from isolation.sim.pools import Pool, Role
 from isolation.sim.protocol import PLAIN, Extras
 
 FinishReason = Literal["stop", "length"]
@@ -122,7 +129,13 @@ class Engine:
         self.config = config
         self.vocabulary = vocabulary
         self.detokenizer = detokenizer
-        self.cache = KVCache(config.block_size, config.num_gpu_blocks)
+        self.cache = KVCache(config.block_size, config.prefill_blocks)
+        self.pools: dict[Role, Pool] = {}
+        if (decode_blocks := config.decode_blocks) is not None:
+            self.pools = {
+                "prefill": Pool("prefill", config.block_size, config.prefill_blocks),
+                "decode": Pool("decode", config.block_size, decode_blocks),
+            }
         self.counters = EngineCounters()
         self._running: set[Run] = set()
         self._waiting: deque[asyncio.Event] = deque()
@@ -144,9 +157,28 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks held by requests (freed blocks that still serve prefix hits count as free)."""
-        return self.cache.usage()
+    def kv_used_blocks(self, role: Role = "prefill") -> int:
+        """KV blocks held by requests (freed blocks that still serve prefix hits count as free). The decode pool
+        holds every running request's prompt and the tokens it has produced so far."""
+        if role == "prefill":
+            return self.cache.num_used_blocks
+        size = self.config.block_size
+        # A copy first: a stage's /metrics may read this from another thread while runs start and end.
+        return sum(-(-(run.prompt_tokens + run.produced) // size) for run in tuple(self._running))
+
+    def kv_cache_usage(self, role: Role = "prefill") -> float:
+        """Fraction of a pool's blocks held by requests: the one engine's cache, or a disaggregated pool's as of
+        its latest size."""
+        pool = self.pools.get(role)
+        return min(1.0, self.kv_used_blocks(role) / (self.cache.num_blocks if pool is None else pool.num_blocks))
+
+    def prefill_capacity_tokens(self) -> int:
+        """What the KV cache holds now, having taken on the prefill pool's latest size (pools.py)."""
+        pool = self.pools.get("prefill")
+        if pool is not None and pool.num_blocks != self.cache.num_blocks:
+            self.cache.resize(pool.num_blocks)
+            self._wake_next()  # a larger cache may let the head of the queue in
+        return self.cache.capacity_tokens
 
     async def admit(
         self,
@@ -165,12 +197,20 @@ class Engine:
         """
         count = len(prompt_ids)
         window = self.config.max_model_len
-        if count > window:
-            raise context_length_exceeded(window, count)
-        capacity = self.cache.capacity_tokens
-        over_capacity = count > capacity
-        if over_capacity and self.config.fault == "none":
-            raise context_length_exceeded(capacity, count)
+        decode = self.pools.get("decode")
+        verdict = judge(
+            self.config.engine,
+            count,
+            max_tokens,
+            window,
+            self.prefill_capacity_tokens(),
+            None if decode is None else decode.capacity_tokens,
+        )
+        if verdict.refusal is not None:
+            raise verdict.refusal
+        if verdict.over_capacity is not None and self.config.fault == "none":
+            raise verdict.over_capacity
+        over_capacity = verdict.over_capacity is not None
         engine_prompt = prompt_ids[:1] if over_capacity else prompt_ids
         budget = _output_budget(window, len(engine_prompt), max_tokens)
         if extras is not PLAIN:

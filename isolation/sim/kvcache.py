@@ -17,6 +17,12 @@ A new sequence reuses the blocks whose chain matches its leading full blocks, wh
 yet reused (taking a free one off the queue), and never its last partial block. As in vLLM, the last prompt
 token is always recomputed, so a block-aligned prompt can hit at most all its blocks but the last. A hit is
 checked against the block's stored parent hash and tokens, so a hash collision cannot leak a block.
+
+Resizing (a disaggregated pool's capacity changed at run time, `PUT /sim/capacity`): growing adds blank blocks at
+the front of the free queue; shrinking takes free blocks out of service from the front (those evicted next
+anyway), and when too few are free, retires held blocks as their sequences free them. A retired block keeps its
+id (block ids index the per-block lists) but is in no queue and names no prefix; growing again revives retired
+blocks before it adds new ones.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ class KVCache:
         )
         self._blocks.free.update(dict.fromkeys(range(num_blocks)))
         self._cached: dict[int, int] = {}  # chain hash -> the block holding those tokens
+        self._retired: list[int] = []  # blocks out of service after a shrink
+        self._retiring = 0  # held blocks a shrink still has to take out of service as they are freed
 
     @property
     def capacity_tokens(self) -> int:
@@ -71,11 +79,57 @@ class KVCache:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._blocks.free)
+        """Blocks held by sequences (after a shrink, for a while more than num_blocks)."""
+        return len(self._blocks.refs) - len(self._retired) - len(self._blocks.free)
 
     def usage(self) -> float:
         """Fraction of blocks held by sequences, vLLM's kv_cache_usage_perc (cached free blocks count as free)."""
-        return self.num_used_blocks / self.num_blocks
+        return min(1.0, self.num_used_blocks / self.num_blocks)
+
+    def resize(self, num_blocks: int) -> None:
+        """Make the cache num_blocks blocks: new or revived ones first in the free queue, or free ones (then held
+        ones, as they are freed) out of service."""
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be at least 1")
+        change = num_blocks - self.num_blocks
+        self.num_blocks = num_blocks
+        if change > 0:
+            self._grow(change)
+        elif change < 0:
+            self._shrink(-change)
+
+    def _grow(self, count: int) -> None:
+        kept = min(count, self._retiring)  # held blocks a shrink had not yet taken stay in service
+        self._retiring -= kept
+        count -= kept
+        state = self._blocks
+        for _ in range(count):
+            if self._retired:
+                block = self._retired.pop()
+            else:
+                block = len(state.refs)
+                state.contents.append(())
+                state.refs.append(0)
+                state.hashes.append(None)
+                state.parents.append(0)
+            state.contents[block] = ()
+            state.free[block] = None
+            state.free.move_to_end(block, last=False)
+
+    def _shrink(self, count: int) -> None:
+        free = self._blocks.free
+        while count and free:
+            block, _ = free.popitem(last=False)
+            self._retire(block)
+            count -= 1
+        self._retiring += count
+
+    def _retire(self, block: int) -> None:
+        old = self._blocks.hashes[block]
+        if old is not None and self._cached.get(old) == block:
+            del self._cached[old]
+        self._blocks.hashes[block] = None
+        self._retired.append(block)
 
     def contents(self, block: int) -> tuple[int, ...]:
         return self._blocks.contents[block]
@@ -168,7 +222,11 @@ class KVCache:
         for block in reversed(table.blocks):
             refs[block] -= 1
             if refs[block] == 0:
-                free[block] = None
+                if self._retiring:
+                    self._retiring -= 1
+                    self._retire(block)
+                else:
+                    free[block] = None
 
     def stale_tokens(self) -> Iterator[int]:
         """What freed blocks still hold, most recently freed block first, each block's tokens in order."""

@@ -13,6 +13,7 @@ Simulator-only series carry the `sim:` prefix, so nothing mistakes them for vLLM
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,46 +21,63 @@ from prometheus_client.registry import Collector
 
 from isolation.sim.engine import Engine
 
+View = Literal["engine", "router", "prefill", "decode"]
 _LABELS = ["model_name", "engine"]
 _ENGINE_INDEX = "0"  # vLLM labels every series with its engine core's index; the simulator is one engine
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: Engine) -> None:
+    """What one vLLM server exports. `view` is "engine" (the simulator as one engine); in a disaggregated
+    deployment "router" (it holds no KV cache: no cache_config_info and no KV usage, the rest as an engine), or
+    a pool's stage, "prefill" or "decode" (that pool's cache_config_info and KV usage, the queue's gauges)."""
+
+    def __init__(self, engine: Engine, view: View = "engine") -> None:
         self._engine = engine
-        config = engine.config
-        self._values = [config.model, _ENGINE_INDEX]
-        # vLLM exports its whole CacheConfig as the labels of a constant gauge; these are the fields a
-        # gateway reads (block size, capacity) plus the ones that describe prefix caching.
-        self._cache_info = {
-            "block_size": str(config.block_size),
-            "cache_dtype": "auto",
-            "enable_prefix_caching": "True",
-            "gpu_memory_utilization": "0.9",
-            "kv_cache_size_tokens": str(config.kv_cache_size_tokens),
-            "num_cpu_blocks": "None",
-            "num_gpu_blocks": str(config.num_gpu_blocks),
-            "prefix_caching_hash_algo": "sha256",
-            "engine": _ENGINE_INDEX,
-        }
+        self._view = view
+        self._values = [engine.config.model, _ENGINE_INDEX]
 
     def collect(self) -> Iterable[Metric]:
-        engine = self._engine
-        counters = engine.counters
-        info = GaugeMetricFamily(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(self._cache_info)
-        )
-        info.add_metric(list(self._cache_info.values()), 1.0)
-        yield info
+        engine, view = self._engine, self._view
+        if view != "router":
+            yield self._cache_config_info()
         yield self._gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches.", engine.num_running
         )
         yield self._gauge(
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine.num_waiting
         )
-        yield self._gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.kv_cache_usage()
+        if view != "router":
+            usage = engine.kv_cache_usage("decode" if view == "decode" else "prefill")
+            yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
+        if view in ("engine", "router"):
+            yield from self._counters()
+
+    def _cache_config_info(self) -> GaugeMetricFamily:
+        """vLLM exports its whole CacheConfig as the labels of a constant gauge; these are the fields a gateway
+        reads (block size, capacity) plus the ones that describe prefix caching. Read at each scrape: a pool's
+        size may change while it runs."""
+        config = self._engine.config
+        pool = self._engine.pools.get("decode" if self._view == "decode" else "prefill")
+        blocks = pool.num_blocks if pool is not None else self._engine.cache.num_blocks
+        labels = {
+            "block_size": str(config.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": "True",
+            "gpu_memory_utilization": "0.9",
+            "kv_cache_size_tokens": str(blocks * config.block_size),
+            "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(blocks),
+            "prefix_caching_hash_algo": "sha256",
+            "engine": _ENGINE_INDEX,
+        }
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(labels)
         )
+        info.add_metric(list(labels.values()), 1.0)
+        return info
+
+    def _counters(self) -> Iterable[Metric]:
+        counters = self._engine.counters
         yield self._counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
@@ -97,9 +115,9 @@ class EngineCollector(Collector):
         return family
 
 
-def build_registry(engine: Engine) -> CollectorRegistry:
+def build_registry(engine: Engine, view: View = "engine") -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(engine))
+    registry.register(EngineCollector(engine, view))
     return registry
 
 

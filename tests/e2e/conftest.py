@@ -41,7 +41,7 @@ class VllmServer:
     log: Path
 
 
-VllmFactory = Callable[[str], VllmServer]
+VllmFactory = Callable[..., VllmServer]
 GatewayFactory = Callable[..., str]
 
 
@@ -71,11 +71,14 @@ def _environment(workdir: Path) -> dict[str, str]:
 
 
 @contextmanager
-def vllm_server(python: Path, model_dir: Path, workdir: Path, cpus: set[int] | None = None) -> Iterator[VllmServer]:
+def vllm_server(
+    python: Path, model_dir: Path, workdir: Path, cpus: set[int] | None = None, extra: tuple[str, ...] = ()
+) -> Iterator[VllmServer]:
     """Start `python -m vllm.entrypoints.openai.api_server` on a free port; yields once /health answers 200.
 
     The server runs in its own process group, so its engine-core child goes down with it. `cpus`: the cores it
     and its children run on, its OpenMP threads bound to them (a benchmark keeps the engine off its clients' cores).
+    `extra`: more arguments, after (so over) the defaults.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -91,6 +94,7 @@ def vllm_server(python: Path, model_dir: Path, workdir: Path, cpus: set[int] | N
         # Without a tool parser vLLM refuses every request that carries `tools`; "pythonic" is one that needs no
         # special tokens in the vocabulary (llama3_json wants <|python_tag|>, which the tiny tokenizer lacks).
         *("--enable-auto-tool-choice", "--tool-call-parser", "pythonic"),
+        *extra,
     ]
     env = _environment(workdir)
     if cpus is not None:
@@ -164,14 +168,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # so an idle vLLM (its workers poll) does not take a share of these 2-core machines from the rest of the suite.
 @pytest.fixture(scope="package")
 def make_vllm(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFactory]:
-    """`make_vllm(name)` starts a vLLM server (the same name twice gives the same server); all stop after e2e."""
+    """`make_vllm(name, *args)` starts a vLLM server with those extra arguments (the same name twice gives the same
+    server); all stop after e2e."""
     servers: dict[str, VllmServer] = {}
     with ExitStack() as stack:
 
-        def start(name: str) -> VllmServer:
+        def start(name: str, *args: str) -> VllmServer:
             if name not in servers:
                 workdir = tmp_path_factory.mktemp(f"vllm-{name}")
-                servers[name] = stack.enter_context(vllm_server(vllm_python, model_dir, workdir))
+                servers[name] = stack.enter_context(vllm_server(vllm_python, model_dir, workdir, extra=args))
             return servers[name]
 
         yield start

@@ -36,6 +36,10 @@ TIMEOUT = httpx.Timeout(120.0)
 BLOCK = 128
 # A second server needs ~2 GB; leave the rest of the machine room to breathe.
 SECOND_SERVER_BYTES = 4 * 1024**3
+# The second server holds less than the first: 12 blocks of KV cache (1,536 tokens) behind a 1,024-token window
+# (vLLM 0.32 will not start with a window its cache cannot hold, one null block kept back). Two replicas of one
+# model may differ so; and as the prefill stage of a disaggregated backend it sets that backend's limit.
+SMALLER = ("--num-gpu-blocks-override", "12", "--max-model-len", "1024")
 
 
 @pytest.fixture(scope="module")
@@ -465,7 +469,7 @@ def test_session_affinity_over_two_vllm_replicas(
 ) -> None:
     if _available_memory() < SECOND_SERVER_BYTES:
         pytest.skip(f"a second vLLM needs ~2 GB; {_available_memory() / 1024**3:.1f} GiB available")
-    replicas = {"a": vllm, "b": make_vllm("b")}
+    replicas = {"a": vllm, "b": make_vllm("b", *SMALLER)}
     gateway = make_e2e_gateway({name: server.url for name, server in replicas.items()})
 
     def served() -> dict[str, float]:
@@ -493,6 +497,55 @@ def test_session_affinity_over_two_vllm_replicas(
         gained = {name: count - hits_start[name] for name, count in cache_hits().items()}
         assert gained[homes[session]] >= 2 * BLOCK and sum(gained.values()) == gained[homes[session]], gained
     assert set(homes.values()) == {"a", "b"}, f"every session landed on one replica: {homes}"
+
+
+def test_a_prefill_stage_sets_the_limit_of_a_disaggregated_backend(
+    http: httpx.Client, make_e2e_gateway: GatewayFactory, make_vllm: VllmFactory, vllm: VllmServer
+) -> None:
+    """The smaller engine declared as the prefill stage of a backend that sends to the larger one: the gateway holds
+    prompts to what the smaller one really holds, as read from it, and one token over reaches neither engine."""
+    if _available_memory() < SECOND_SERVER_BYTES:
+        pytest.skip(f"a second vLLM needs ~2 GB; {_available_memory() / 1024**3:.1f} GiB available")
+    small = make_vllm("b", *SMALLER)
+    [card] = http.get(f"{small.url}/v1/models").json()["data"]
+    info = re.search(r"vllm:cache_config_info\{([^}]*)\}", metrics_of(http, small.url))
+    assert info is not None
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info[1]))
+    kv = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    holds = min(kv, card["max_model_len"] - 1)  # a prefill engine makes one token
+    assert holds < MAX_MODEL_LEN - 1, "the stage must hold less than the backend's own window"
+    stages = [{"role": "prefill", "url": small.url}]
+    admin = "e2e-admin-token-0123456789"
+    backends = [{"name": "pd", "url": vllm.url, "stages": stages}]
+    gateway = make_e2e_gateway({"pd": vllm.url}, backends=backends, admin_token=admin)
+    view = http.get(f"{gateway}/admin/capacity", headers={"authorization": f"Bearer {admin}"}).json()
+    assert view["models"][0]["longest_prompt"] == holds, view
+    assert metric(metrics_of(http, gateway), "bulkhead_model_prompt_limit_tokens", model=MODEL) == holds
+
+    engines = {"pd": vllm, "stage": small}
+    before = {name: metrics_of(http, server.url) for name, server in engines.items()}
+    posts = {name: inference_posts(server) for name, server in engines.items()}
+    over = http.post(
+        f"{gateway}{COMPLETIONS}", json={"model": MODEL, "prompt": [5] * (holds + 1), "max_tokens": 1}, headers=auth()
+    )
+    assert over.status_code == 400, over.text
+    error = over.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "prefill stage 'prefill-0'" in error["message"]
+    fits = http.post(
+        f"{gateway}{COMPLETIONS}", json={"model": MODEL, "prompt": [5] * holds, "max_tokens": 1}, headers=auth()
+    )
+    assert fits.status_code == 200, fits.text
+    wait_for_metric(
+        http, vllm.url, "vllm:request_success_total", metric(before["pd"], "vllm:request_success_total") + 1
+    )
+    # Only the one that fits reached an engine, the backend's, and the stage saw nothing sent to it.
+    assert {name: inference_posts(server) - posts[name] for name, server in engines.items()} == {"pd": 1, "stage": 0}
+    after = {name: metrics_of(http, server.url) for name, server in engines.items()}
+    for name, count in (("pd", holds), ("stage", 0)):
+        prompt_tokens = metric(after[name], "vllm:prompt_tokens_total") - metric(
+            before[name], "vllm:prompt_tokens_total"
+        )
+        assert prompt_tokens == count, (name, prompt_tokens)
 
 
 # --- the audit --------------------------------------------------------------------------------------------------

@@ -143,6 +143,39 @@ def test_the_cache_needs_a_block_and_a_slot() -> None:
     assert KVCache(16, 1024).capacity_tokens == 16_384
 
 
+def test_growing_adds_blank_blocks_first_in_the_free_queue() -> None:
+    cache = KVCache(BLOCK, 2)
+    cache.free(allocated(cache, tokens(0, 8)))
+    cache.resize(4)
+    assert (cache.num_blocks, cache.capacity_tokens, cache.num_free_blocks) == (4, 16, 4)
+    assert cache.free_blocks()[2:] == [1, 0]  # the freed sequence stays where it was, last in line
+    assert list(cache.stale_tokens()) == tokens(0, 8)
+    assert allocated(cache, tokens(0, 8)).hit_tokens == 4  # and still serves its prefix
+
+
+def test_shrinking_takes_free_blocks_out_of_service_next_evicted_first() -> None:
+    cache = KVCache(BLOCK, 4)
+    cache.free(allocated(cache, tokens(0, 8)))  # blocks 0, 1; free queue [2, 3, 1, 0]
+    cache.resize(2)
+    assert cache.free_blocks() == [1, 0]
+    assert (cache.capacity_tokens, cache.usage()) == (8, 0)
+    assert cache.allocate(tokens(100, 9)) is None  # three blocks: more than the cache has now
+    with pytest.raises(ValueError):
+        cache.resize(0)
+
+
+def test_shrinking_below_the_held_blocks_retires_them_as_they_are_freed() -> None:
+    cache = KVCache(BLOCK, 3)
+    held = allocated(cache, tokens(0, 8))  # blocks 0, 1
+    cache.resize(1)  # block 2 at once, then one of the held blocks
+    assert (cache.num_free_blocks, cache.num_used_blocks, cache.usage()) == (0, 2, 1.0)
+    cache.free(held)  # its last block is retired, its first is free
+    assert (cache.free_blocks(), cache.num_used_blocks) == ([0], 0)
+    cache.resize(3)  # the retired blocks come back, blank, before any new one is made
+    assert sorted(cache.free_blocks()) == [0, 1, 2]
+    assert allocated(cache, tokens(0, 9)).hit_tokens == 4  # block 1, once retired, names no prefix any more
+
+
 @pytest.fixture(scope="module")
 def detokenizer(tokenizer_dir: Path) -> tuple[Detokenizer, ModelTokenizer]:
     model = ModelTokenizer.from_dir(tokenizer_dir)
