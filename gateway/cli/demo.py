@@ -1,7 +1,9 @@
 """`bulkhead demo`: the 2026 stale-KV incident replayed on loopback, and what each defence catches.
 
 One simulated engine in `stale-kv` mode (a 2,048-token window over a 256-token KV cache) stands behind five
-gateways that differ only in which defences are on. In each, tenant alice first sends a prompt with something
+gateways that differ only in which defences are on; a sixth stands in front of the same fault played as the
+incident's disaggregated deployment, a router over a prefill pool it does not report, told that pool as a stage.
+In each, tenant alice first sends a prompt with something
 confidential in it; then tenant bob sends a prompt over the KV capacity, which the engine answers — with HTTP
 200 — from the stale cache pages alice's request left behind.
 """
@@ -12,7 +14,7 @@ import logging
 import re
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +39,16 @@ class Layer:
     canary: bool
     caught: Callable[[httpx.Response, list[dict[str, str]]], str | None]
     fingerprints: bool = False
+    stages: bool = False  # the engine as a disaggregated deployment, its prefill and decode pools declared
 
 
-def _settings(engine: str, tokenizer: Path, layer: Layer) -> Settings:
+def _settings(engine: str, tokenizer: Path, layer: Layer, stages: dict[str, str]) -> Settings:
+    declared = [{"role": role, "url": url} for role, url in stages.items()]
     return Settings.model_validate(
         {
             "listen": {"port": 0},
             "admin_token": ADMIN,
-            "backends": [{"name": "engine", "url": engine}],
+            "backends": [{"name": "engine", "url": engine, "stages": declared}],
             "models": [{"name": MODEL, "backends": ["engine"], "tokenizer": str(tokenizer), **layer.model}],
             "tenants": [{"id": tenant, "key_hashes": [hash_key(key)]} for tenant, key in KEYS.items()],
             "isolation": {
@@ -103,6 +107,13 @@ LAYERS = [
         _event("fingerprint_leak"),
         fingerprints=True,
     ),
+    Layer(
+        "5. disaggregated prefill/decode (a router that shows only the window; its prefill pool declared as a stage)",
+        {},
+        True,
+        _admission,
+        stages=True,
+    ),
 ]
 UNGUARDED = Layer("no defences", {"limit_by_kv_capacity": False, "verify_usage": False}, False, _admission)
 
@@ -132,8 +143,15 @@ def run_demo(tokenizer: Path) -> int:
     with ExitStack() as stack, httpx.Client(timeout=30) as client:
         for layer in [UNGUARDED, *LAYERS]:
             # A fresh engine per layer, so each replay starts from the same cache.
-            engine = stack.enter_context(run_server(create_sim_app(engine_config)))
-            settings = _settings(engine, tokenizer, layer)
+            # Layer 5's engine is the incident's own deployment: a router over a 256-token prefill pool, which the
+            # router does not report (its /metrics has no KV cache), with a decode pool of its own.
+            config = (
+                replace(engine_config, prefill_kv_tokens=256, decode_kv_tokens=4096) if layer.stages else engine_config
+            )
+            app = create_sim_app(config)
+            engine = stack.enter_context(run_server(app))
+            stages = {role: stack.enter_context(run_server(stage)) for role, stage in app.state.stages.items()}
+            settings = _settings(engine, tokenizer, layer, stages)
             gateway = stack.enter_context(run_server(create_app(settings), settings.edge))
             response, events = _replay(client, gateway)
             if layer is UNGUARDED:

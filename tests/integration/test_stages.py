@@ -223,3 +223,43 @@ def test_a_stage_shrunk_at_runtime_lowers_the_limit_at_the_next_read(tokenizer_d
         assert shrunk.status_code == 200
         wait_for(lambda: capacity(gateway)["models"][0]["longest_prompt"] == PREFILL_KV, "the shrunk pool's read")
         assert httpx.post(f"{gateway}{CHAT}", json=over_prefill(), headers=auth()).status_code == 400
+
+
+def test_an_sglang_backend_is_read_salted_and_its_errors_relayed(tokenizer_dir: Path) -> None:
+    with ExitStack() as stack:
+        # 16 blocks: 256 tokens of KV under a 2048-token window, and the gateway told not to cap at the KV, so that
+        # SGLang's own refusal of an input over its pool is what the client hears.
+        app = create_sim_app(SimConfig(tokenizer_dir=tokenizer_dir, engine="sglang", num_gpu_blocks=16))
+        sim = stack.enter_context(run_server(app))
+        gateway = start_gateway(stack, tokenizer_dir, {"url": sim, "kind": "sglang"})
+        wait_for(lambda: capacity(gateway)["backends"][0]["kv_capacity_tokens"] == 256, "the /server_info read")
+        [backend] = capacity(gateway)["backends"]
+        assert backend["kind"] == "sglang" and backend["max_model_len"] == 2048
+        assert capacity(gateway)["models"][0]["limit"]["reason"] == "kv_capacity"
+        served = httpx.post(f"{gateway}{CHAT}", json=chat_body(max_tokens=8), headers=auth())
+        assert served.status_code == 200, served.text
+        [sent] = forwarded(sim)
+        assert isinstance(sent["body"]["cache_salt"], str) and sent["body"]["cache_salt"]
+        wait_for(lambda: "bulkhead_replica_requests_running{" in httpx.get(f"{gateway}/metrics").text, "a load read")
+
+    with ExitStack() as stack:
+        app = create_sim_app(SimConfig(tokenizer_dir=tokenizer_dir, engine="sglang", num_gpu_blocks=16))
+        sim = stack.enter_context(run_server(app))
+        model = {"name": MODEL, "backends": ["pd"], "tokenizer": str(tokenizer_dir), "limit_by_kv_capacity": False}
+        gateway = start_gateway(stack, tokenizer_dir, {"url": sim, "kind": "sglang"}, models=[model])
+        wait_for(lambda: capacity(gateway)["models"][0]["limit"] is not None, "the first read")
+        refused = httpx.post(f"{gateway}{CHAT}", json=over_prefill(), headers=auth())
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "backend_rejected"
+        assert "exceeds the maximum allowed length" in error["message"]
+
+
+def test_an_sglang_model_without_a_tokenizer_is_refused_at_start(tokenizer_dir: Path) -> None:
+    with pytest.raises(ValueError, match="cannot count a chat prompt: give the model its tokenizer"):
+        gateway_settings(
+            {"pd": "http://127.0.0.1:9"},
+            tokenizer_dir,
+            backends=[{"name": "pd", "url": "http://127.0.0.1:9", "kind": "sglang"}],
+            models=[{"name": MODEL, "backends": ["pd"]}],
+        )
