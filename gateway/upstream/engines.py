@@ -11,6 +11,7 @@ before it was renamed; a P/D router answers its first prefill server's), the loa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ import httpx
 
 from gateway.settings import EngineKind
 from isolation.engine_reports import count, parse_server_info, vllm_kv_cache
+
+log = logging.getLogger("bulkhead.capacity")
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,9 @@ async def read_holds(
         return Holds(window, holds.kv_tokens, holds.kv_detail)
     exposition = await client.get(f"{url}/metrics", timeout=timeout)
     cache = vllm_kv_cache(exposition.text) if exposition.status_code == 200 else None
+    if cache is None and "\nsglang:" in exposition.text:
+        # The kind is set, not guessed (a guess could pick the wrong window); a mistaken one is said every read.
+        log.warning("the engine at %s speaks SGLang's metrics: set its kind: sglang to read its capacity", url)
     return Holds(
         min(lengths) if lengths else None,
         cache[0] * cache[1] if cache else None,

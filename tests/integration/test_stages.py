@@ -263,3 +263,13 @@ def test_an_sglang_model_without_a_tokenizer_is_refused_at_start(tokenizer_dir: 
             backends=[{"name": "pd", "url": "http://127.0.0.1:9", "kind": "sglang"}],
             models=[{"name": MODEL, "backends": ["pd"]}],
         )
+
+
+def test_an_sglang_engine_declared_as_vllm_is_named_in_the_log(
+    tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with ExitStack() as stack:
+        sim = stack.enter_context(run_server(create_sim_app(SimConfig(tokenizer_dir=tokenizer_dir, engine="sglang"))))
+        gateway = start_gateway(stack, tokenizer_dir, {"url": sim})
+        wait_for(lambda: "set its kind: sglang" in caplog.text, "the warning")
+        assert capacity(gateway)["backends"][0]["kv_capacity_tokens"] is None, "no vLLM cache config to read"
