@@ -652,6 +652,9 @@ class OutputGuard:
             joined = await self._edits(scanner.after_out(out))
             if not joined:
                 break
+            # A marker stripped on a later pass may stand after an escape's start as well (`\` + marker + `ud835…`).
+            if any(cut == "" and scanner.opens_escape(out[: hit.start]) for hit, cut in joined):
+                raise StripWouldJoin("a stripped marker stands right after the start of a JSON escape")
             out = apply_edits(out, joined)
         else:
             raise StripWouldJoin("stripping markers kept joining text into new ones")

@@ -319,12 +319,14 @@ def _began(begins: list[int], at: int, base: int) -> int:
 
 TAIL = NORMAL_LENGTH - 1  # the longest end of a normal form that could still become a marker
 _SENT = 64
-_OPEN_UNICODE = re.compile(r"u[0-9a-fA-F]{0,3}\Z")
+# An escape not ended, or a high surrogate's, which the next escape (a low surrogate) joins into one letter.
+_OPEN_UNICODE = re.compile(r"u(?:[0-9a-fA-F]{0,3}|[dD][89abAB][0-9a-fA-F]{2})\Z")
 
 
 def _opens_escape(sent: str) -> bool:
     """Whether `sent` ends inside an escape begun and not ended: an odd run of backslashes, then nothing or `u` and at
-    most three hex digits. A run as long as what is known of the text is taken as open: its parity is not known."""
+    most three hex digits, or a whole high surrogate's escape (`\\ud835`), which a low one after it completes.
+    A run as long as what is known of the text is taken as open: its parity is not known."""
     unicode = _OPEN_UNICODE.search(sent)
     before = sent[: unicode.start()] if unicode else sent
     run = len(before) - len(before.rstrip("\\"))

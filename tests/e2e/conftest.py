@@ -193,10 +193,10 @@ def make_e2e_gateway(model_dir: Path) -> Iterator[GatewayFactory]:
     own tokenizer; returns its URL once it has discovered the backends' limits."""
     with ExitStack() as stack:
 
-        def start(backends: dict[str, str], **overrides: Any) -> str:
-            settings = gateway_settings(backends, model_dir, **overrides)
+        def start(urls: dict[str, str], **overrides: Any) -> str:
+            settings = gateway_settings(urls, model_dir, **overrides)
             url: str = stack.enter_context(run_server(create_app(settings)))
-            _wait_for_capacity(url, backends)
+            _wait_for_capacity(url, urls)
             return url
 
         yield start

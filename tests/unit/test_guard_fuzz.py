@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from isolation.guard import LeakBlocked, StripWouldJoin
@@ -120,8 +120,22 @@ async def relay(pieces: list[str], policy: LeakPolicy, tool: bool) -> tuple[str,
     return "".join(out), bool(leaks.found), None
 
 
+# Found by this test: a marker stripped on the rejoin pass, right after a lone backslash, made `\` + `ud835\udc00` an
+# escape whose decoded letter completed the tenant's own marker in the decoded reading.
+REJOIN_ESCAPE = (
+    "CNRYQTZ37LIVLHICFY6XX\\u0033\\ud835\\udc15-\\C CNRY-QTZ37LIVLHICFY6XX3VACNRY-QTZ37LIVLHICFY6XX3VA"
+    "CNRY-QTZ37LIVLHICFY6XX3VANRY-QTZ37LIVLHICFY6XX3VAud835\\udc00"
+)
+
+# And a marker stripped between the two halves of a surrogate pair's escapes joins them into one letter (`\ud835`
+# + marker + `\udc0d` reads 𝐍, the N of CNRY).
+SURROGATE_JOIN = "C-\\ud835CNRY-QTZ37LIVLHICFY6XX3VA\\udc0dRYQTZ37LIVLHICFY6XX3VA"
+
+
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(answers(), st.booleans(), st.sampled_from(list(LeakPolicy)))
+@example((REJOIN_ESCAPE, [REJOIN_ESCAPE[:-1], REJOIN_ESCAPE[-1]]), False, LeakPolicy.BLOCK)
+@example((SURROGATE_JOIN, list(SURROGATE_JOIN)), False, LeakPolicy.BLOCK)
 def test_no_whole_marker_goes_out(answer: tuple[str, list[str]], tool: bool, policy: LeakPolicy) -> None:
     text, pieces = answer
     out, reported, error = asyncio.run(relay(pieces, policy, tool))
