@@ -156,8 +156,9 @@ def test_demo_shows_every_layer_catching_the_incident(tokenizer_dir: Path) -> No
     out = result.stdout
     assert "without the defences: HTTP 200, prompt_tokens 1" in out
     assert "alice's text in bob's answer: YES" in out, "the engine must really leak for the demo to mean anything"
-    assert out.count("CAUGHT") == 4 and "MISSED" not in out
+    assert out.count("CAUGHT") == 5 and "MISSED" not in out
     assert "context_length_exceeded" in out and "'usage_mismatch'" in out and "'leak'" in out
+    assert "set by the KV cache of prefill stage 'prefill-0'" in out, "the disaggregated layer, caught at admission"
     assert "CNRY" not in out
 
 
