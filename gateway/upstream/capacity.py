@@ -280,7 +280,7 @@ class CapacityMonitor:
             limit = self._model_limit(model)
             if isinstance(limit, PromptLimit):
                 self._metrics.model_prompt_limit.labels(model.name).set(limit.prompt_tokens)
-                setters.update(x.setter for x in (limit, limit.prompt) if x is not None and x.setter)
+            setters |= self.setters(model)
             if window is None:
                 continue
             self._metrics.model_context_window.labels(model.name).set(window)

@@ -13,7 +13,7 @@ Simulator-only series carry the `sim:` prefix, so nothing mistakes them for vLLM
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -105,14 +105,22 @@ class EngineCollector(Collector):
         yield success
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(name, documentation, labels=_LABELS)
-        family.add_metric(self._values, value)
-        return family
+        return sample(GaugeMetricFamily, name, documentation, _LABELS, self._values, value)
 
     def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(name, documentation, labels=_LABELS)
-        family.add_metric(self._values, value)
-        return family
+        return sample(CounterMetricFamily, name, documentation, _LABELS, self._values, value)
+
+
+Family = TypeVar("Family", GaugeMetricFamily, CounterMetricFamily)
+
+
+def sample(
+    kind: type[Family], name: str, documentation: str, labels: list[str], values: list[str], value: float
+) -> Family:
+    """A metric family of one sample: the simulators' gauges and counters, vLLM's and SGLang's."""
+    family = kind(name, documentation, labels=labels)
+    family.add_metric(values, value)
+    return family
 
 
 def build_registry(engine: Engine, view: View = "engine") -> CollectorRegistry:

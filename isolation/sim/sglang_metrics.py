@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from isolation.sim.engine import Engine
-from isolation.sim.metrics import View
+from isolation.sim.metrics import View, sample
 from isolation.sim.pools import Role
 
 _SCHEDULER_LABELS = ["model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"]
@@ -90,14 +90,10 @@ class SGLangCollector(Collector):
         yield family
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(name, documentation, labels=_SCHEDULER_LABELS)
-        family.add_metric(self._scheduler, value)
-        return family
+        return sample(GaugeMetricFamily, name, documentation, _SCHEDULER_LABELS, self._scheduler, value)
 
     def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(name, documentation, labels=_TOKENIZER_LABELS)
-        family.add_metric(self._tokenizer, value)
-        return family
+        return sample(CounterMetricFamily, name, documentation, _TOKENIZER_LABELS, self._tokenizer, value)
 
 
 def build_sglang_registry(engine: Engine, view: View = "engine") -> CollectorRegistry:
