@@ -6,6 +6,7 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,10 @@ from gateway.metrics import GatewayMetrics
 log = logging.getLogger("bulkhead.access")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+# How a surface with statuses of its own (Workers AI's) sends an error: (the pipeline's status, the gateway's error
+# code) → the HTTP status its client gets.
+StatusRendering = Callable[[int, str], int]
 
 
 def request_id(header: str | None) -> str:
@@ -61,11 +66,21 @@ class RequestRecord:
     model: str | None = None
     backend: str | None = None
     stream: bool = False
-    status: int = 200
-    error_code: str | None = None
+    status: int = 200  # the pipeline's; the log and the metrics say `sent_status`
+    error_code: str | None = None  # the gateway's own code, whatever the surface calls it
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     first_byte: float | None = None
+    sent_as: StatusRendering | None = None  # None: the surface sends the pipeline's status
+
+    @property
+    def sent_status(self) -> int:
+        """The status the client got, so that operators see what clients saw. A stream's head goes out as 200 before
+        its answer is checked: its status is the one its end stands for, what the same end would have been sent as
+        before the head (200, the error its last event carries, 499 when the client left)."""
+        if self.sent_as is None or self.error_code is None:
+            return self.status
+        return self.sent_as(self.status, self.error_code)
 
     def mark_first_byte(self) -> None:
         if self.first_byte is None:
@@ -82,7 +97,7 @@ def finish(record: RequestRecord, metrics: GatewayMetrics) -> None:
     ended = time.perf_counter()
     # Only configured model names become label values: a caller must not be able to mint time series.
     model = record.model or "-"
-    metrics.requests.labels(model, record.route, str(record.status)).inc()
+    metrics.requests.labels(model, record.route, str(record.sent_status)).inc()
     metrics.latency.labels(model, record.route).observe(ended - record.started)
     if record.first_byte is not None:
         metrics.time_to_first_byte.labels(model, record.route).observe(record.first_byte - record.started)
@@ -105,7 +120,7 @@ def write(record: RequestRecord, ended: float) -> None:
         "route": record.route,
         "backend": record.backend,
         "stream": record.stream,
-        "status": record.status,
+        "status": record.sent_status,
         "error": record.error_code,
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,

@@ -26,6 +26,7 @@ GatewayError                       status, type, code, param, message
     ├── RateLimitUnavailable 503   the rate-limit store is down and the policy is fail_closed
     ├── QueueUnavailable    503    the async queue's store is down: nothing was accepted
     ├── DirectoryUnavailable 503   the tenant directory's store cannot answer (or too many unknown keys at once)
+    ├── StoreUnavailable    503    an operators' store cannot answer (incidents, the ledger, notices, webhooks)
     ├── BackendUnavailable  503    no healthy backend for the model
     │   └── CapacityUnknown 503    no limit known for the model: nothing is forwarded blind
     ├── BackendUnreachable  502    connect refused / reset / DNS
@@ -209,6 +210,15 @@ class ConversationsUnavailable(UpstreamError):
 class DirectoryUnavailable(UpstreamError):
     status = 503
     code = "directory_unavailable"
+
+
+class StoreUnavailable(UpstreamError):
+    status = 503
+    code = "store_unavailable"
+
+    @classmethod
+    def of(cls, exc: Exception) -> StoreUnavailable:
+        return cls(f"A store this request needs cannot be reached ({type(exc).__name__}); retry.")
 
 
 class BackendUnavailable(UpstreamError):

@@ -225,6 +225,46 @@ class GatewayMetrics:
             ["replica", "outcome"],
             registry=self.registry,
         )
+        self.incidents = Counter(
+            "bulkhead_incidents",
+            "Incidents (a replica's fault episode: docs/incidents.md) opened and closed, by model and replica; "
+            "open now = opened - closed.",
+            ["model", "replica", "change"],
+            registry=self.registry,
+        )
+        self.incidents_open = Gauge(
+            "bulkhead_incidents_open",
+            "1 for each replica with an open incident (read from the store: every instance sees every incident).",
+            ["model", "replica"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self.exposed_answers = Counter(
+            "bulkhead_exposed_answers",
+            "Answers found to carry another tenant's data (a leak event), by what became of them: withheld, delivered "
+            "(policy alert or redact), partial (a stream cut after a part went out).",
+            ["model", "replica", "verdict"],
+            registry=self.registry,
+        )
+        self.notices = Counter(
+            "bulkhead_notices",
+            "Notices made for tenants by confirmed incidents, by type (isolation.exposure to victims, "
+            "isolation.foreign_data to recipients).",
+            ["type"],
+            registry=self.registry,
+        )
+        self.probe_passes = Counter(
+            "bulkhead_probe_passes",
+            "The prober's passes over a replica, by outcome: clean (where the replica's next exposure window starts), "
+            "findings, or not_run.",
+            ["replica", "outcome"],
+            registry=self.registry,
+        )
+        self.ledger_dropped = Counter(
+            "bulkhead_ledger_dropped",
+            "Exposure ledger records lost: the store could not take them and the buffer was full.",
+            registry=self.registry,
+        )
         self.isolation_events = Counter(
             "bulkhead_isolation_events",
             "Answers withheld because they could not be shown safe, by kind (usage_mismatch, leak).",
@@ -350,6 +390,30 @@ class GatewayMetrics:
             ["backend"],
             registry=self.registry,
             multiprocess_mode="livemostrecent",
+        )
+        self.webhook_deliveries = Counter(
+            "bulkhead_webhook_deliveries",
+            "Webhook notices, by target kind (operator, tenant) and outcome: delivered; failed (an attempt that "
+            "failed, to be retried); dead (a message listed as a dead letter, after webhooks.dead_after failed "
+            "attempts); expired (past webhooks.max_age_s: no longer retried); dropped (its target is gone, or held "
+            "too many).",
+            ["target_kind", "outcome"],
+            registry=self.registry,
+        )
+        # With Redis every instance reads the one shared outbox (the most recent read is the count); without, each
+        # process holds its own (summed).
+        outbox_mode = "livemostrecent" if with_redis else "livesum"
+        self.webhook_pending = Gauge(
+            "bulkhead_webhook_pending_messages",
+            "Webhook notices still to be delivered (dead letters that are still retried among them).",
+            registry=self.registry,
+            multiprocess_mode=outbox_mode,
+        )
+        self.webhook_dead_letters = Gauge(
+            "bulkhead_webhook_dead_letters",
+            "Webhook notices listed as dead letters (GET /admin/webhooks/dead-letters), expired or still retried.",
+            registry=self.registry,
+            multiprocess_mode=outbox_mode,
         )
         self.keys_held = Gauge(
             "bulkhead_tenant_keys_held", "Runtime API keys held in this instance's memory.", registry=self.registry

@@ -341,9 +341,15 @@ class CanarySettings(_Section):
         "the marker with [redacted], or only record it",
     )
     quarantine_on_leak: bool = Field(default=True, description="a leak takes the replica out of rotation everywhere")
-    webhook_url: str | None = Field(default=None, pattern=r"^https?://", description="isolation events are POSTed here")
+    webhook_url: str | None = Field(
+        default=None, pattern=r"^https?://", description="isolation events are POSTed here (see `webhooks`)"
+    )
     webhook_secret: str | None = Field(
-        default=None, min_length=16, repr=False, description="signs each POST: x-bulkhead-signature: sha256=<HMAC>"
+        default=None,
+        min_length=16,
+        repr=False,
+        description="signs each POST by the Standard Webhooks spec: whsec_ + base64 of the key, or any text (its UTF-8 "
+        "bytes are the key); also as x-bulkhead-signature: sha256=<HMAC of the body> (deprecated)",
     )
 
     @model_validator(mode="after")
@@ -417,6 +423,49 @@ class FingerprintSettings(_Section):
     )
 
 
+class LedgerSettings(_Section):
+    """The exposure ledger: a record (no text) of every answer each replica served, for incidents' blast radius."""
+
+    retention_s: float = Field(
+        default=14 * 86_400.0, ge=60, description="how long answers and incidents are kept (the incident's 14 days)"
+    )
+    max_memory_records: int = Field(
+        default=250_000, ge=1000, description="records kept without Redis (~180 B each); the oldest go first"
+    )
+    max_buffered: int = Field(
+        default=100_000,
+        ge=100,
+        description="records waiting to be written; past it, while the store is down, the "
+        "oldest are dropped and counted (bulkhead_ledger_dropped_total)",
+    )
+    flush_interval_s: float = Field(default=0.1, gt=0, le=10, description="records are written in batches this often")
+
+
+class NoticeSettings(_Section):
+    """What tenants are told of an incident that touched them (docs/incidents.md): notices, and their webhooks."""
+
+    confirm: Literal["probe", "marker"] = Field(
+        default="probe",
+        description="what makes a leak a notice: the canary probe seeing the replica mix requests (probe), or also a "
+        "marker leak on its own (marker: another tenant's secret marker, which no tenant can make a model write "
+        "without having learned it)",
+    )
+    max_per_tenant: int = Field(default=1000, ge=10, description="notices kept per tenant (the oldest go first)")
+    signing_key: str | None = Field(
+        default=None,
+        min_length=16,
+        repr=False,
+        description="the secret tenants' webhook secrets are derived from, the same on every instance; unset: one "
+        "kept in Redis, or one per process without Redis",
+    )
+    allow_http: bool = Field(default=False, description="tenants' webhook URLs may be http (else https only)")
+    allow_private_urls: bool = Field(
+        default=False,
+        description="tenants' webhook URLs may resolve to loopback, private or link-local addresses (tests, one "
+        "private network); else refused, so that no tenant points the gateway at the network it runs in",
+    )
+
+
 class IsolationSettings(_Section):
     """Leak detection and the response to a leak."""
 
@@ -425,6 +474,8 @@ class IsolationSettings(_Section):
     fingerprints: FingerprintSettings = FingerprintSettings()
     prober: ProberSettings = ProberSettings()
     quarantine: QuarantineSettings = QuarantineSettings()
+    ledger: LedgerSettings = LedgerSettings()
+    notices: NoticeSettings = NoticeSettings()
 
 
 class EdgeSettings(_Section):
@@ -480,6 +531,29 @@ class AdmissionSettings(_Section):
     )
 
 
+class WebhookSettings(_Section):
+    """Notices POSTed to webhooks (the operators' isolation events, tenants' notices), signed by the Standard Webhooks
+    spec, from an outbox (in Redis with redis_url: shared by every instance) with retries and dead letters."""
+
+    retry_schedule_s: list[Annotated[float, Field(gt=0)]] = Field(
+        default=[5, 30, 120, 600, 1800, 3600, 7200],
+        min_length=1,
+        description="waits after the 1st, 2nd, ... failed attempt; the last repeats until max_age_s",
+    )
+    max_age_s: float = Field(
+        default=259_200, gt=0, description="a message not delivered this long after it was made is no longer retried"
+    )
+    dead_after: int = Field(
+        default=3, ge=1, description="failed attempts after which a message is listed as a dead letter (still retried)"
+    )
+    max_pending_per_target: int = Field(
+        default=10_000, ge=1, description="messages held for one target; past it its oldest are dropped"
+    )
+    timeout_s: float = Field(default=10.0, gt=0, description="longest wait for a receiver's answer to one POST")
+    concurrency: int = Field(default=16, ge=1, description="POSTs in flight at once, per gateway process")
+    poll_interval_s: float = Field(default=1.0, gt=0, description="how often the outbox is read for messages due")
+
+
 class Settings(_Section):
     """Every setting of the gateway; the top-level keys of the YAML file."""
 
@@ -510,6 +584,7 @@ class Settings(_Section):
     queue: QueueSettings = QueueSettings()
     responses: ResponsesSettings = ResponsesSettings()
     isolation: IsolationSettings = IsolationSettings()
+    webhooks: WebhookSettings = WebhookSettings()
     admission: AdmissionSettings = AdmissionSettings()
     log_level: str = Field(
         default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$", description="JSON log lines at this level and above"

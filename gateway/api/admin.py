@@ -11,11 +11,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 
 import orjson
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.api import admin_tenants
+from gateway.api import admin_incidents, admin_tenants, admin_webhooks, notices
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import (
     AuthenticationFailed,
@@ -23,8 +24,10 @@ from gateway.errors import (
     GatewayError,
     InvalidRequest,
     NotFound,
+    StoreUnavailable,
     error_response,
 )
+from gateway.incidents import tracking
 from gateway.settings import BackendSettings
 from gateway.store import AdminState
 from gateway.tenancy.tenants import reaching_store
@@ -53,6 +56,8 @@ def _authorized(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
             return await handler(request, state)
         except GatewayError as error:
             return error_response(error)
+        except (RedisError, OSError) as exc:
+            return error_response(StoreUnavailable.of(exc))
 
     return endpoint
 
@@ -163,6 +168,10 @@ def _set_state(target: AdminState | None) -> Handler:
         if replica is None:
             raise NotFound(f"No replica named '{name}'.")
         await state.pool.set_admin_state(replica, target, "by the admin API")
+        if target is None:
+            await tracking.closed(replica.name, "the replica was released by an operator", state)
+        else:
+            await tracking.contained(replica.name, state)
         return _json(_describe(replica, state))
 
     return handler
@@ -182,6 +191,7 @@ async def lift_verdict_block(request: Request, state: GatewayState) -> Response:
 
 def routes() -> list[Route]:
     tenants, tenant = "/admin/tenants", "/admin/tenants/{tenant}"
+    dead_letters = "/admin/webhooks/dead-letters"
     return [
         Route("/admin/isolation-events", _authorized(isolation_events), methods=["GET"]),
         Route("/admin/audit-events", _authorized(audit_events), methods=["GET"]),
@@ -194,6 +204,18 @@ def routes() -> list[Route]:
         Route(f"{tenant}/keys", _authorized(admin_tenants.create_key), methods=["POST"]),
         Route(f"{tenant}/keys/{{key_id}}", _authorized(admin_tenants.revoke_key), methods=["DELETE"]),
         Route(f"{tenant}/keys/{{key_id}}/rotate", _authorized(admin_tenants.rotate_key), methods=["POST"]),
+        Route(f"{tenant}/notices", _authorized(notices.by_admin(notices.notices)), methods=["GET"]),
+        Route(f"{tenant}/webhook", _authorized(notices.by_admin(notices.show_webhook)), methods=["GET"]),
+        Route(f"{tenant}/webhook", _authorized(notices.by_admin(notices.set_webhook)), methods=["PUT"]),
+        Route(f"{tenant}/webhook", _authorized(notices.by_admin(notices.delete_webhook)), methods=["DELETE"]),
+        Route("/admin/incidents", _authorized(admin_incidents.list_incidents), methods=["GET"]),
+        Route("/admin/incidents/{id}", _authorized(admin_incidents.show_incident), methods=["GET"]),
+        Route("/admin/incidents/{id}/exposure", _authorized(admin_incidents.incident_exposure), methods=["GET"]),
+        Route("/admin/incidents/{id}/close", _authorized(admin_incidents.close_incident), methods=["POST"]),
+        Route("/admin/exposure", _authorized(admin_incidents.replica_exposure), methods=["GET"]),
+        Route(dead_letters, _authorized(admin_webhooks.list_dead_letters), methods=["GET"]),
+        Route(f"{dead_letters}/{{id}}/replay", _authorized(admin_webhooks.replay_dead_letter), methods=["POST"]),
+        Route(f"{dead_letters}/{{id}}", _authorized(admin_webhooks.discard_dead_letter), methods=["DELETE"]),
         Route("/admin/replicas", _authorized(list_replicas), methods=["GET"]),
         Route("/admin/capacity", _authorized(capacity), methods=["GET"]),
         Route("/admin/verdict-blocks", _authorized(verdict_blocks), methods=["GET"]),

@@ -105,7 +105,7 @@ def _refusal(exc: ValidationError, prefix: str = "") -> InvalidRequest:
     return InvalidRequest(f"{path}: {reason}." if path else f"{reason}.", param=path or None)
 
 
-async def _body(request: Request, state: GatewayState, model: type[M]) -> M:
+async def validated_body(request: Request, state: GatewayState, model: type[M]) -> M:
     raw = await read_body(request, ADMIN_BODY_BYTES, state.settings.edge.body_timeout_s) or b"{}"
     parse_json_object(raw, MAX_BODY_DEPTH)  # the same checks and messages as everywhere: JSON, an object, nesting
     try:
@@ -203,7 +203,7 @@ async def _audit(
 
 
 async def create_tenant(request: Request, state: GatewayState) -> Response:
-    body = await _body(request, state, TenantCreate)
+    body = await validated_body(request, state, TenantCreate)
     _models_known(state, body.models)
     tenant = await state.tenants.create_tenant(body.id, body.models, body.limits, body.enabled)
     await _audit(state, "tenant.create", tenant.id, detail=body.model_dump(mode="json", exclude={"id"}))
@@ -225,7 +225,7 @@ async def show_tenant(request: Request, state: GatewayState) -> Response:
 
 async def update_tenant(request: Request, state: GatewayState) -> Response:
     tenant_id = request.path_params["tenant"]
-    body = await _body(request, state, TenantPatch)
+    body = await validated_body(request, state, TenantPatch)
     changes = body.model_dump(exclude_unset=True)
     if not changes:
         raise InvalidRequest("Nothing to change: give models, limits or enabled.")
@@ -259,7 +259,7 @@ async def list_keys(request: Request, state: GatewayState) -> Response:
 
 async def create_key(request: Request, state: GatewayState) -> Response:
     tenant_id = request.path_params["tenant"]
-    body = await _body(request, state, KeyCreate)
+    body = await validated_body(request, state, KeyCreate)
     key, secret = await state.tenants.create_key(tenant_id, body.label, _future(body.expires_at, "expires_at"))
     await _audit(state, "key.create", tenant_id, key.key_id, body.model_dump(mode="json", exclude_unset=True))
     return _json(NewKeyView(**key_view(key).model_dump(), key=secret), 201)
@@ -274,7 +274,7 @@ async def revoke_key(request: Request, state: GatewayState) -> Response:
 
 async def rotate_key(request: Request, state: GatewayState) -> Response:
     tenant_id, key_id = request.path_params["tenant"], request.path_params["key_id"]
-    body = await _body(request, state, KeyRotate)
+    body = await validated_body(request, state, KeyRotate)
     expires_at = _future(body.expires_at, "expires_at")
     old, new, secret = await state.tenants.rotate_key(tenant_id, key_id, body.overlap_s, body.label, expires_at)
     detail = {"new_key_id": new.key_id, **body.model_dump(mode="json", exclude_unset=True)}

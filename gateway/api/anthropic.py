@@ -27,7 +27,7 @@ from gateway.api.anthropic_shapes import (
     message,
     message_id,
 )
-from gateway.api.openai import new_record, read_submission, relayed_as
+from gateway.api.openai import cut_short, new_record, read_submission, relayed_as
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import GatewayError
 from gateway.pipeline.counting import Prompt
@@ -76,18 +76,20 @@ async def messages(request: Request) -> Response:
         return _refused(state, record, error)
     made = message_id()
     writer = EventWriter(asked.model, made)
+    answered: dict[str, Any] = {}
 
     # What the client gets instead of a message (an answer the engine did not finish, tool arguments that are not an
     # object), raised inside the pipeline so that the log and the metrics say it.
     async def readable(answer: dict[str, Any]) -> None:
-        message(answer, asked.model, made)
+        answered.update(message(answer, asked.model, made))
 
-    async def at_end() -> None:
+    async def at_end(done: bool) -> None:
+        cut_short(done)
         if (failed := writer.ending_failure()) is not None:
             raise failed
 
     outcome = await run(state, MESSAGES, submission, record, accept=readable, at_end=at_end)
-    return anthropic_response(outcome, asked, made, writer)
+    return anthropic_response(outcome, asked, answered, writer)
 
 
 async def count_tokens(request: Request) -> Response:
@@ -131,18 +133,16 @@ async def _count(state: GatewayState, tenant: TenantSettings, model: ModelSettin
         slot.release()
 
 
-def anthropic_response(outcome: Outcome, asked: MessagesRequest, response_id: str, writer: EventWriter) -> Response:
-    """The Anthropic routes' edge: a message as JSON, a stream as Anthropic's events (by `writer`), a refusal as its
-    error."""
+def anthropic_response(
+    outcome: Outcome, asked: MessagesRequest, answered: dict[str, Any], writer: EventWriter
+) -> Response:
+    """The Anthropic routes' edge: the message `answered` (made inside the pipeline) as JSON, a stream as Anthropic's
+    events (by `writer`), a refusal as its error."""
     if isinstance(outcome, Stream):
         return relayed_as(outcome, writer)
     if outcome.status != 200:
         return _json(error_body_of(outcome, asked), outcome)
-    try:
-        body = message(outcome.body, asked.model, response_id)
-    except GatewayError as error:
-        return _json(error_body(error.status, error.message), Answer(error.status, {}, outcome.headers))
-    return _json(body, outcome)
+    return _json(answered, outcome)
 
 
 def error_body_of(answer: Answer, asked: Asked | None = None) -> dict[str, Any]:

@@ -46,14 +46,11 @@ async def embeddings(request: Request) -> Response:
 class RelayResponse(StreamingResponse):
     """A stream that stops its upstream the moment the client goes away, not at the next chunk's send."""
 
-    def __init__(
-        self, stream: Stream, render: Callable[[Event], bytes], ending: Callable[[], bytes] | None = None
-    ) -> None:
+    def __init__(self, stream: Stream, render: Callable[[Event], bytes]) -> None:
         # Not StreamingResponse's __init__: its body is an iterator of bytes, and this one renders the stream's events
-        # itself (stream_response). `ending`: what goes out after the last event.
+        # itself (stream_response).
         self._stream = stream
         self._render = render
-        self._ending = ending
         self.status_code = 200
         self.media_type = SSE_MEDIA_TYPE
         self.background = None
@@ -95,7 +92,7 @@ class RelayResponse(StreamingResponse):
             out = render(event)
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-        await send({"type": "http.response.body", "body": self._ending() if self._ending else b"", "more_body": False})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _close(self) -> None:
         await self._stream.events.aclose()
@@ -178,26 +175,27 @@ def client_path(
     return fields.get(name) if index is None and not rest else None
 
 
+def cut_short(done: bool) -> None:
+    """The other APIs' first work at a stream's end (run's `at_end`): a backend's stream that ended without its
+    [DONE] was cut off, and their events have no way to say "ended, unfinished" but an error. Raised in the pipeline,
+    so that the log and the metrics say the 502 the stream ends in."""
+    if not done:
+        raise BackendBadResponse("The backend's stream ended before its end.")
+
+
 def relayed_as(stream: Stream, writer: Writer) -> RelayResponse:
-    """The stream, each event written by `writer`, relayed like the OpenAI routes' own. A backend's stream that ends
-    without its [DONE] (cut off) ends in the writer's error: these APIs have no way to say "ended, unfinished"."""
-    ended = False
+    """The stream, each event written by `writer`, relayed like the OpenAI routes' own (it ends in DONE or an error:
+    cut_short)."""
 
     def render(event: Event) -> bytes:
-        nonlocal ended
         if isinstance(event, GatewayError):
-            ended = True
             return writer.error(event)
         if event is DONE:
-            ended = True
             return writer.done()
         assert isinstance(event, dict)
         return writer.chunk(event)
 
-    def ending() -> bytes:
-        return b"" if ended else writer.error(BackendBadResponse("The backend's stream ended before its end."))
-
-    return RelayResponse(stream, render, ending)
+    return RelayResponse(stream, render)
 
 
 def openai_event(event: Event) -> bytes:

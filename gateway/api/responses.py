@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from gateway import accesslog
 from gateway.api.conversations import Said, Turn
-from gateway.api.openai import new_record, openai_response, read_submission, relayed_as
+from gateway.api.openai import cut_short, new_record, openai_response, read_submission, relayed_as
 from gateway.api.responses_shapes import (
     MAX_ID,
     EventWriter,
@@ -115,7 +115,8 @@ async def create(request: Request, admit_tenant: Admit = None) -> Response:
 
     writer = EventWriter(asked, made)
 
-    async def at_end() -> None:
+    async def at_end(done: bool) -> None:
+        cut_short(done)
         # A stream's response is made, and stored, before its end goes out: the client must not name a response it
         # was told is complete and find it missing.
         await save(writer.finish())

@@ -13,6 +13,9 @@ from redis.asyncio import Redis
 from starlette.requests import Request
 
 from gateway.api.conversations import ConversationStore
+from gateway.incidents.incident import IncidentStore
+from gateway.incidents.ledger import LedgerWriter
+from gateway.incidents.notices import NoticeStore
 from gateway.incidents.verdicts import VerdictBound
 from gateway.jobs.queue import JobQueue
 from gateway.metrics import GatewayMetrics
@@ -21,15 +24,16 @@ from gateway.settings import Settings
 from gateway.tenancy.auditlog import AuditLog
 from gateway.tenancy.ratelimit import RateLimiter
 from gateway.tenancy.tenants import TenantDirectory
+from gateway.tenancy.webhooks import TenantWebhooks
 from gateway.upstream.backends import ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
 from gateway.upstream.fairness import Gate
 from gateway.upstream.proxy import Upstream
 from gateway.upstream.routing import Router
 from gateway.upstream.saturation import LoadMonitor
+from gateway.webhooks import Deliveries
 from isolation.events import EventLog
 from isolation.fingerprints import Fingerprinter
-from isolation.leaks import Webhook
 from isolation.markers import MarkerRegistry
 from isolation.salts import CacheSalts
 
@@ -59,15 +63,19 @@ class GatewayState:
     verdicts: VerdictBound  # how many fragment verdicts each tenant may still draw
     audit: AuditLog  # admin changes (the tenant directory's), in Redis or in memory
     conversations: ConversationStore  # the Responses API's stored responses
+    ledger: LedgerWriter  # who each replica served (the exposure ledger), written in batches
+    incidents: IncidentStore  # replicas' fault episodes
+    notices: NoticeStore  # what incidents told each tenant
+    tenant_webhooks: TenantWebhooks  # where each tenant's notices go
+    deliveries: Deliveries  # webhook notices: the operators' and tenants'
     fingerprints: Fingerprinter | None = None
-    webhook: Webhook | None = None
     redis: Redis | None = None
     # Per-instance concurrency per tenant; a shared budget across instances is the rate limiter's job.
     tenant_in_flight: Counter[str] = field(default_factory=Counter)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def background(self, work: Coroutine[Any, Any, Any]) -> None:
-        """Run work that must not delay the answer (a webhook), keeping a reference until it ends."""
+        """Run work that must not delay the answer (a probe), keeping a reference until it ends."""
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

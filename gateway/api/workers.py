@@ -36,11 +36,18 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 
 from gateway import accesslog
-from gateway.accesslog import RequestRecord
+from gateway.accesslog import RequestRecord, StatusRendering
 from gateway.api import catalog, openai, responses, workers_models
 from gateway.api.openai import RelayResponse
 from gateway.api.state import GatewayState, state_of
-from gateway.api.workers_shapes import rejects_if_busy, to_openai, workers_error, workers_event, workers_result
+from gateway.api.workers_shapes import (
+    rejects_if_busy,
+    to_openai,
+    workers_error,
+    workers_event,
+    workers_result,
+    workers_status,
+)
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -258,8 +265,11 @@ def openai_poll(request_id: str, status: JobStatus) -> dict[str, Any]:
 # --- Routes ---------------------------------------------------------------------------------------------------------
 
 
-def _queue_record(request: Request) -> RequestRecord:
-    return RequestRecord(request_id=accesslog.request_id(request.headers.get("x-request-id")), route=QUEUE_ROUTE)
+def _record(request: Request, route: str, sent_as: StatusRendering | None) -> RequestRecord:
+    """`sent_as`: workers_status for an answer in the envelope, so that its log line and the metrics carry the status
+    its client gets (a 503 of the pipeline's is Workers AI's 429)."""
+    request_id = accesslog.request_id(request.headers.get("x-request-id"))
+    return RequestRecord(request_id=request_id, route=route, sent_as=sent_as)
 
 
 def _answered(state: GatewayState, record: RequestRecord, result: dict[str, Any]) -> Response:
@@ -271,7 +281,7 @@ async def run_model(request: Request) -> Response:
     """`POST …/ai/run/{model}`: run, queue, or poll."""
     state = state_of(request)
     model = request.path_params["model"]
-    record = openai.new_record(request, CHAT)
+    record = _record(request, CHAT.name, workers_status)
     try:
         submission = await openai.read_submission(request, state, record)
         tenant, body = submission.tenant, submission.payload
@@ -310,7 +320,7 @@ async def _polled(request: Request, state: GatewayState, record: RequestRecord, 
 
 async def poll_workers(request: Request) -> Response:
     """`GET …/ai/run/{model}/requests/{id}`: the same answer as polling by POST."""
-    state, record = state_of(request), _queue_record(request)
+    state, record = state_of(request), _record(request, QUEUE_ROUTE, workers_status)
     try:
         status = await _polled(request, state, record, request.path_params["account_id"])
     except GatewayError as error:
@@ -320,7 +330,7 @@ async def poll_workers(request: Request) -> Response:
 
 async def poll_openai(request: Request) -> Response:
     """`GET /v1/requests/{id}`: the poll for OpenAI clients, with each item's OpenAI answer."""
-    state, record = state_of(request), _queue_record(request)
+    state, record = state_of(request), _record(request, QUEUE_ROUTE, None)
     try:
         status = await _polled(request, state, record, None)
     except GatewayError as error:

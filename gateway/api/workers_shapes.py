@@ -65,6 +65,7 @@ WORKERS_ERRORS: dict[str, tuple[int, int]] = {
     "queue_unavailable": (3040, 429),
     "conversations_unavailable": (3040, 429),
     "directory_unavailable": (3040, 429),
+    "store_unavailable": (3040, 429),
     "unavailable": (3040, 429),
     "shutting_down": (3040, 429),
     "too_many_connections": (3040, 429),
@@ -89,6 +90,18 @@ UNMAPPED = 8000  # a code missing from the table (a test keeps the table complet
 # --- Errors ---------------------------------------------------------------------------------------------------------
 
 
+def _workers_code(code: Any, status: int) -> tuple[int, int]:
+    """A gateway error code's Workers AI number and the HTTP status Workers AI answers it with (for a code the table
+    lacks, UNMAPPED and the gateway's own `status`)."""
+    return WORKERS_ERRORS.get(code if isinstance(code, str) else "", (UNMAPPED, status))
+
+
+def workers_status(status: int, code: str) -> int:
+    """The HTTP status a Workers AI client gets for an error (accesslog.StatusRendering: its log line and the
+    metrics say this one, not the pipeline's)."""
+    return _workers_code(code, status)[1]
+
+
 def workers_error(error: dict[str, Any], status: int) -> tuple[dict[str, Any], int]:
     """An OpenAI error object as Workers AI reports it, and the HTTP status it goes with.
 
@@ -96,13 +109,13 @@ def workers_error(error: dict[str, Any], status: int) -> tuple[dict[str, Any], i
     `source.pointer` names the offending field, as Cloudflare's API does.
     """
     code = error.get("code")
-    number, workers_status = WORKERS_ERRORS.get(code if isinstance(code, str) else "", (UNMAPPED, status))
+    number, sent = _workers_code(code, status)
     reported: dict[str, Any] = {"code": number, "message": error.get("message"), "type": code}
     param = error.get("param")
     if isinstance(param, str) and param:
         # "messages[0].content" → "/messages/0/content"
         reported["source"] = {"pointer": "/" + re.sub(r"\[(\d+)\]", r".\1", param).replace(".", "/")}
-    return reported, workers_status
+    return reported, sent
 
 
 # --- A Workers AI body as an OpenAI request -------------------------------------------------------------------------
@@ -260,7 +273,7 @@ def _kept_as_text(text: str, decoded: Any) -> bool:
 
 
 class JsonModeUnmet(GatewayError):
-    status = 422  # the status Workers AI's table gives it, so that the access log and the metrics say it too
+    status = 422  # as Workers AI's table answers it
     code = "json_mode_unmet"
 
 

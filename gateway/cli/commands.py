@@ -1,4 +1,4 @@
-"""The `bulkhead` command: serve, demo, sim, keys, tenants, audit."""
+"""The `bulkhead` command: serve, demo, sim, keys, tenants, incidents, webhooks, audit."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
+from gateway.cli import incidents as incident_commands
 from gateway.cli import preflight
 from gateway.cli import tenants as tenant_commands
+from gateway.cli import webhooks as webhook_commands
 from gateway.server import multiprocess
 from gateway.server.app import check_files, create_app
 from gateway.server.edge import EdgeConfig
@@ -277,6 +279,10 @@ def _tenants(args: argparse.Namespace) -> int:
     return tenant_commands.run(args, os.environ)
 
 
+def _incidents(args: argparse.Namespace) -> int:
+    return incident_commands.run(args, os.environ)
+
+
 def _disaggregated(args: argparse.Namespace) -> bool:
     return bool(args.disaggregated) or args.prefill_kv_tokens is not None or args.decode_kv_tokens is not None
 
@@ -497,6 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.set_defaults(run=_keys_create)
 
     tenant_commands.add_parser(commands).set_defaults(run=_tenants)
+    incident_commands.add_parser(commands).set_defaults(run=_incidents)
+    webhook_commands.add_parser(commands)  # its subcommand sets what runs it
 
     demo = commands.add_parser("demo", help="replay the stale-KV incident and show what each defence catches")
     demo.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer directory (default: a built tiny one)")

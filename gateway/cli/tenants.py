@@ -81,11 +81,11 @@ def _limit(text: str) -> tuple[str, int | str]:
     return name, int(value) if value.isdigit() else value
 
 
-def _print_json(answer: object) -> None:
+def print_json(answer: object) -> None:
     print(orjson.dumps(answer, option=orjson.OPT_INDENT_2).decode())
 
 
-def _table(rows: list[list[str]], header: list[str]) -> None:
+def print_table(rows: list[list[str]], header: list[str]) -> None:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
@@ -108,19 +108,19 @@ def _tenants_list(admin: AdminClient, args: argparse.Namespace) -> None:
             break
         after = page["next"]
     if args.json:
-        _print_json(tenants)
+        print_json(tenants)
         return
     rows = [
         [t["id"], t["source"], "yes" if t["enabled"] else "no", ",".join(t["models"]) or "-", _limits_text(t["limits"])]
         for t in tenants
     ]
-    _table(rows, ["ID", "SOURCE", "ENABLED", "MODELS", "LIMITS"])
+    print_table(rows, ["ID", "SOURCE", "ENABLED", "MODELS", "LIMITS"])
 
 
 def _keys_list(admin: AdminClient, args: argparse.Namespace) -> None:
     keys = admin.call("GET", f"/tenants/{args.tenant}/keys")["keys"]
     if args.json:
-        _print_json(keys)
+        print_json(keys)
         return
     rows = [
         [
@@ -133,12 +133,12 @@ def _keys_list(admin: AdminClient, args: argparse.Namespace) -> None:
         ]
         for k in keys
     ]
-    _table(rows, ["KEY ID", "LABEL", "HASH", "CREATED", "EXPIRES", "LAST USED"])
+    print_table(rows, ["KEY ID", "LABEL", "HASH", "CREATED", "EXPIRES", "LAST USED"])
 
 
 def _new_key(answer: dict[str, Any], args: argparse.Namespace) -> None:
     if args.json:
-        _print_json(answer)
+        print_json(answer)
         return
     print(f"API key for tenant '{answer['tenant']}' (shown once; store it now): {answer['key']}")
     print(f"key id: {answer['key_id']}" + (f", expires {answer['expires_at']}" if answer["expires_at"] else ""))
@@ -156,13 +156,13 @@ def _run(args: argparse.Namespace, admin: AdminClient) -> None:
                 body["models"] = args.model
             if args.limit:
                 body["limits"] = dict(args.limit)
-            _print_json(admin.call("POST", "/tenants", body))
+            print_json(admin.call("POST", "/tenants", body))
         case "list", _:
             _tenants_list(admin, args)
         case "show", _:
-            _print_json(admin.call("GET", f"/tenants/{args.tenant}"))
+            print_json(admin.call("GET", f"/tenants/{args.tenant}"))
         case ("disable" | "enable") as verb, _:
-            _print_json(admin.call("PATCH", f"/tenants/{args.tenant}", {"enabled": verb == "enable"}))
+            print_json(admin.call("PATCH", f"/tenants/{args.tenant}", {"enabled": verb == "enable"}))
         case "delete", _:
             admin.call("DELETE", f"/tenants/{args.tenant}")
             print(f"tenant '{args.tenant}' and all its keys deleted")

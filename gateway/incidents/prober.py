@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Protocol
 
 import httpx
 
+from gateway.incidents import tracking
 from gateway.incidents.reporting import ReportingParts, report
+from gateway.incidents.tracking import PROBE_FINDING, TrackingParts
 from gateway.settings import ModelSettings, Settings
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
@@ -21,11 +24,10 @@ from isolation.events import IsolationEvent
 
 log = logging.getLogger("bulkhead.prober")
 
-KIND = "probe_finding"
 PROBER = "bulkhead-prober"
 
 
-class ProbingParts(ReportingParts, Protocol):
+class ProbingParts(ReportingParts, TrackingParts, Protocol):
     """What probing replicas uses."""
 
     @property
@@ -66,18 +68,28 @@ async def probe_once(state: ProbingParts) -> int:
         model = next((m for m in state.settings.models if replica.name in m.backends), None)
         if model is None or model.task != "generate":
             continue
+        started = time.time()
         try:
             critical = await probe(state, replica, model)
         except AuditError as exc:
             # The endpoint's own words can echo the key it was sent.
             why = str(exc).replace(replica.api_key, REDACTED) if replica.api_key else str(exc)
             log.warning("isolation probe of %s did not run: %s", replica.name, why)
+            state.metrics.probe_passes.labels(replica.name, "not_run").inc()
             continue
+        state.metrics.probe_passes.labels(replica.name, "findings" if critical else "clean").inc()
+        if not critical:
+            await tracking.probed_clean(replica.name, started, state)
         for finding in critical:
-            event = IsolationEvent(KIND, f"probe-{replica.name}", PROBER, model.name, replica.name, finding.title)
+            name = f"probe-{replica.name}"
+            event = IsolationEvent(PROBE_FINDING, name, PROBER, model.name, replica.name, finding.title)
             await report(event, state)
+            await tracking.sight(event, state)
+        if critical:
+            await tracking.confirmed(replica.name, "yes", started, state)
         if critical and state.settings.isolation.prober.quarantine:
             await state.pool.set_admin_state(replica, "quarantined", f"isolation probe: {critical[0].title}")
+            await tracking.contained(replica.name, state)
         found += len(critical)
     return found
 

@@ -31,6 +31,7 @@ from typing import Final, Protocol
 
 from redis.exceptions import RedisError
 
+from gateway.incidents import tracking
 from gateway.incidents.prober import ProbingParts, probe
 from gateway.incidents.reporting import report
 from gateway.settings import QuarantineSettings
@@ -154,6 +155,9 @@ async def on_leak(event: IsolationEvent, state: ResponderParts) -> None:
     action = await _decide(event, state, replica)
     state.metrics.quarantines.labels(event.replica, action).inc()
     await report(replace(event, action=action), state)
+    await tracking.sight(event, state)
+    if action == SUSPENDED:
+        await tracking.contained(event.replica, state)
     if replica is None or action not in (SUSPENDED, PROBING) or replica.name in state.quarantines.probing:
         return
     if not await state.quarantines.probe(replica.name, event.tenant):
@@ -166,6 +170,7 @@ async def on_leak(event: IsolationEvent, state: ResponderParts) -> None:
 
 async def _confirm(state: ResponderParts, replica: Replica, event: IsolationEvent) -> None:
     findings: list[Finding] | None = None  # None: the probe could not tell
+    started = time.time()
     try:
         model = state.settings.model(event.model)
         findings = await probe(state, replica, model) if model is not None else None
@@ -194,3 +199,5 @@ async def _confirm(state: ResponderParts, replica: Replica, event: IsolationEven
     await report(check, state)
     if action == QUARANTINED:
         await _set(state, replica, QUARANTINED, f"confirmed leak in request {event.request_id}")
+        await tracking.contained(replica.name, state)
+    await tracking.confirmed(replica.name, outcome, started, state)

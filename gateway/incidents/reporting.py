@@ -1,4 +1,5 @@
-"""What happens when an answer is withheld or leaks: metric, operators' alert line, stored event and webhook.
+"""What happens when an answer is withheld or leaks: metric, operators' alert line, stored event and the operators'
+webhook notice (`isolation.event`, queued in the webhook outbox: gateway/webhooks).
 
 What a leak does to its replica is decided in quarantine.py, before the event is reported here.
 """
@@ -13,9 +14,10 @@ import orjson
 from redis.exceptions import RedisError
 
 from gateway.metrics import GatewayMetrics
+from gateway.settings import Settings
+from gateway.webhooks import OPERATOR, Deliveries
 from isolation.events import EventLog, IsolationEvent
 from isolation.guard import FRAGMENT, MARKER
-from isolation.leaks import Webhook
 
 log = logging.getLogger("bulkhead.isolation")
 
@@ -30,7 +32,9 @@ class ReportingParts(Protocol):
     @property
     def events(self) -> EventLog: ...
     @property
-    def webhook(self) -> Webhook | None: ...
+    def settings(self) -> Settings: ...
+    @property
+    def deliveries(self) -> Deliveries: ...
     def background(self, work: Coroutine[Any, Any, Any]) -> None: ...
 
 
@@ -40,9 +44,13 @@ async def report(event: IsolationEvent, state: ReportingParts) -> None:
         state.metrics.leaks.labels(event.model, event.replica, event.kind).inc()
     # ERROR level on purpose: every isolation event is a page; the line carries no keys, markers or text.
     log.error(orjson.dumps({"event": "isolation", **event.fields()}).decode())
-    if state.webhook is not None:
-        state.background(state.webhook.send(event))
     try:
         await state.events.append(event)
     except (RedisError, OSError) as exc:
         log.error("isolation event %s not stored: %s", event.request_id, type(exc).__name__)
+    if state.settings.isolation.canary.webhook_url is None:
+        return
+    try:
+        await state.deliveries.send(OPERATOR, "isolation.event", event.fields())
+    except (RedisError, OSError) as exc:
+        log.error("isolation event %s: no webhook notice queued: %s", event.request_id, type(exc).__name__)

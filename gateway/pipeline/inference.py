@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -22,8 +23,9 @@ from gateway.errors import (
     ModelNotFound,
     UpstreamError,
 )
+from gateway.incidents.ledger import DELIVERED, FAILED, JUDGED, PARTIAL, WITHHELD, Served
 from gateway.incidents.quarantine import ResponderParts, on_leak
-from gateway.incidents.reporting import report
+from gateway.incidents.reporting import LEAKS, report
 from gateway.incidents.verdicts import VerdictBound
 from gateway.pipeline import embeddings
 from gateway.pipeline.admission import Admission, admit, admit_inputs
@@ -69,6 +71,8 @@ MAX_VERDICTS = 4  # judges one answer may ask for: one per victim, and an answer
 # What a judge's answer does without: it is read whole, once. Everything else stays as the tenant sent it (stop
 # strings, min_tokens, biases, tools, formats, logprobs), so the judge says what the same request says, greedily.
 JUDGE_DROPS = ("stream", "stream_options", "best_of", "prompt_logprobs", "echo")
+# A surface's work at a stream's end, told whether the backend ended it with its [DONE] (run's docstring).
+AtEnd = Callable[[bool], Awaitable[object]]
 LEAK_DETAILS = {
     MARKER: "another tenant's canary marker in the answer",
     FRAGMENT: "a fragment of another tenant's recent prompt to this replica in the answer",
@@ -268,6 +272,10 @@ class InferenceCall:
         self._mark: str | None = None  # the prompt's last entry in the fingerprint feed
         self._sent: tuple[str, bytes] | None = None  # the path and body forwarded
         self._verdicts = 0  # suspects judged in this answer
+        self._forwarded_at: float | None = None  # when it was sent (the ledger records only what was)
+        self._kinds: list[str] = []  # its isolation events' kinds
+        self._withheld = False
+        self._events_out = 0  # stream events handed to the client
 
     async def close(self) -> None:
         if self._closed:
@@ -280,6 +288,7 @@ class InferenceCall:
             self.record.status, self.record.error_code = 499, "client_disconnected"
         try:
             accesslog.finish(self.record, self.state.metrics)
+            self._write_down()
         finally:
             # Whatever the log made of it, the slots are given back: a lost one would cap the tenant for good.
             ran = self.response is not None
@@ -293,6 +302,26 @@ class InferenceCall:
                 used = 0  # refused, failed or withheld: nothing the tenant received is charged
             self.slot.release(used, ran=ran)
 
+    def _write_down(self) -> None:
+        """The exposure ledger's record of this request, once it reached a replica (no await: it is buffered)."""
+        if self._forwarded_at is None:
+            return
+        if self.record.status == 200 and self.finished:
+            verdict = DELIVERED
+        elif self._events_out:
+            verdict = PARTIAL
+        else:
+            verdict = WITHHELD if self._withheld else FAILED
+        self.state.ledger.record(self._served(self.replica, self._forwarded_at, verdict, ",".join(self._kinds)))
+        if not LEAKS.isdisjoint(self._kinds):
+            self.state.metrics.exposed_answers.labels(self.model.name, self.replica.name, verdict).inc()
+
+    def _served(self, replica: Replica, start: float, verdict: str, kinds: str = "") -> Served:
+        return Served(
+            self.record.request_id, self.tenant.incarnation(), self.model.name, replica.name, start, time.time(),
+            verdict, kinds,
+        )  # fmt: skip
+
     def fail(self, error: GatewayError) -> Answer:
         self.record.status, self.record.error_code = error.status, error.code
         return Answer.refusal(error, {"x-request-id": self.record.request_id, **self.limit_headers})
@@ -300,6 +329,7 @@ class InferenceCall:
     async def forward(self, path: str, body: bytes) -> None:
         self.sent_bytes = len(body)
         self._sent = (path, body)
+        self._forwarded_at = time.time()
         try:
             await self._fingerprint(self.replica)
             await self._open(path, body)
@@ -417,6 +447,7 @@ class InferenceCall:
         # least as far as the answer can have gone, in tokens whatever the characters.
         bound = answer_bound(self.request, self.admission.max_tokens, self.sent_bytes)
         await self._fingerprint(replica)  # the tenant's prompt goes there now too
+        start = time.time()
         try:
             response = await self.state.upstream.open(replica, path, orjson.dumps(payload), f"{self.upstream_id}.j")
             try:
@@ -426,6 +457,8 @@ class InferenceCall:
             answer = parse_json_body(replica, raw)
         except GatewayError:
             return None
+        finally:
+            self.state.ledger.record(self._served(replica, start, JUDGED))
         choices = answer.get("choices")
         if len(raw) > bound or not isinstance(choices, list):
             return None
@@ -458,6 +491,7 @@ class InferenceCall:
 
     async def withhold(self, exc: StreamWithheld) -> AnswerWithheld:
         """The error the tenant gets for an answer that cannot be shown safe, once its event is recorded."""
+        self._withheld = True
         if exc.kind is not None:
             await report(self.event(exc.kind, exc.reason), self.state)
         return withheld()
@@ -468,6 +502,7 @@ class InferenceCall:
 
     def event(self, kind: str, detail: str, victim_tenant: str = "", epoch: str = "") -> IsolationEvent:
         """An isolation event about this request."""
+        self._kinds.append(kind)
         return IsolationEvent(
             kind=kind,
             request_id=self.record.request_id,
@@ -571,8 +606,9 @@ class InferenceCall:
         self.record.take_usage(answer["usage"])
         return answer
 
-    async def relay(self, at_end: Callable[[], Awaitable[object]] | None = None) -> AsyncGenerator[Event, None]:
-        """The checked stream; `at_end`: run run's at a clean end, before the log is written and [DONE] goes out."""
+    async def relay(self, at_end: AtEnd | None = None) -> AsyncGenerator[Event, None]:
+        """The checked stream; `at_end`: run's, once the backend's stream has ended, before the log is written and
+        the stream's end goes out."""
         assert self.response is not None
         record, request = self.record, self.request
         assert not isinstance(request, EmbeddingRequest)  # never streamed
@@ -586,11 +622,12 @@ class InferenceCall:
         try:
             async for event in filtered(self.response.chunks(), stream_filter):
                 record.mark_first_byte()
+                self._events_out += 1
                 yield event
             self.finished = True
+            if at_end is not None:
+                await at_end(stream_filter.done)
             last = DONE if stream_filter.done else None
-            if last is DONE and at_end is not None:
-                await at_end()
         except StreamWithheld as exc:
             last = self._ended(await self.withhold(exc))
         except StreamFailed:
@@ -755,13 +792,14 @@ async def run(
     submission: Submission,
     record: RequestRecord,
     accept: Callable[[dict[str, Any]], Awaitable[object]] | None = None,
-    at_end: Callable[[], Awaitable[object]] | None = None,
+    at_end: AtEnd | None = None,
 ) -> Outcome:
     """The whole pipeline for one request, whatever surface it came in by; the surface renders the outcome.
     `accept` (a whole answer, with its checked body) and `at_end` (a stream, once every event but its end has gone to
-    the surface): the surface's own work on the answer (its reading of it, storing it), raising the GatewayError its
-    client gets instead (an Anthropic `input` that is not an object, a response that could not be stored), so that
-    the log, the metrics and the charge say what the client got."""
+    the surface; told whether the backend ended it with its [DONE]): the surface's own work on the answer (its
+    reading of it, storing it), raising the GatewayError its client gets instead (an Anthropic `input` that is not an
+    object, a response that could not be stored, a stream cut off where the surface cannot say so but in an error),
+    so that the log, the metrics and the charge say what the client got."""
     try:
         call, body = await _admit(state, route, submission, record)
     except GatewayError as error:

@@ -17,7 +17,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -34,7 +33,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.accesslog import RequestIdHeader
-from gateway.api import admin, anthropic, catalog, openai, responses
+from gateway.api import admin, anthropic, catalog, notices, openai, responses
 from gateway.api import workers as workers_api
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import (
@@ -44,6 +43,8 @@ from gateway.errors import (
     NotFound,
     error_response,
 )
+from gateway.incidents import tracking
+from gateway.incidents.ledger import LedgerWriter
 from gateway.incidents.prober import run_prober
 from gateway.incidents.quarantine import QuarantineBudget
 from gateway.incidents.verdicts import VerdictBound
@@ -57,14 +58,15 @@ from gateway.server.stores import build_stores
 from gateway.settings import Settings, SettingsError
 from gateway.tenancy.ratelimit import RateLimiter
 from gateway.tenancy.tenants import TenantDirectory
+from gateway.tenancy.webhooks import TenantWebhooks
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
 from gateway.upstream.fairness import Gate
 from gateway.upstream.proxy import Upstream, make_client, make_session
 from gateway.upstream.routing import Router
 from gateway.upstream.saturation import LoadMonitor
+from gateway.webhooks import TENANT_PREFIX, Deliveries, Resolver, Target, settings_resolver
 from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed, public_fingerprints
-from isolation.leaks import Webhook
 from isolation.markers import CanaryKey, MarkerRegistry, RedisMarkerStore
 from isolation.salts import CacheSalts
 from isolation.tokens import ModelTokenizer, TokenizerLoadError
@@ -73,6 +75,14 @@ from isolation.winnowing import Hasher, Shape
 log = logging.getLogger("bulkhead")
 
 SHUTDOWN_WAIT_S = 5.0
+
+
+async def write_last(writer: LedgerWriter) -> None:
+    """The ledger's last records, before the store closes: what was served is on record though this instance goes."""
+    try:
+        await asyncio.wait_for(writer.flush(), SHUTDOWN_WAIT_S)
+    except (RedisError, OSError, TimeoutError) as exc:
+        log.error("exposure ledger: the last records were not written: %s", type(exc).__name__)
 
 
 async def healthz(request: Request) -> Response:
@@ -269,22 +279,46 @@ async def fingerprint_key(settings: Settings, key: CanaryKey, redis: Redis | Non
     another's prompts."""
     secret = key.secret
     if redis is not None and not settings.isolation.canary.keys:
-        name = f"{settings.redis_key_prefix}fingerprint-key"
-        try:
-            await redis.set(name, secrets.token_bytes(32), nx=True)
-            stored = await redis.get(name)
-        except (RedisError, OSError) as exc:
+        stored = await kept_in_redis(redis, f"{settings.redis_key_prefix}fingerprint-key")
+        if stored is None:
             # Redis down is a bad day to serve through, not a reason to stay down: this instance hashes alone.
             log.error(
-                "the prompt fingerprint key could not be read from Redis (%s): until this instance restarts with Redis "
-                "up, it and the others do not recognise each other's prompts; set isolation.canary.keys (the same on "
-                "every instance) to need no key from Redis",
-                type(exc).__name__,
+                "the prompt fingerprint key could not be read from Redis: until this instance restarts with Redis up, "
+                "it and the others do not recognise each other's prompts; set isolation.canary.keys (the same on "
+                "every instance) to need no key from Redis"
             )
-            stored = None
-        if isinstance(stored, bytes):
+        else:
             secret = stored
     return fingerprint_secret(secret)
+
+
+async def kept_in_redis(redis: Redis, name: str) -> bytes | None:
+    """A random key that every instance on this Redis shares (the first to start makes it); None when Redis could not
+    be asked."""
+    try:
+        await redis.set(name, secrets.token_bytes(32), nx=True)
+        stored = await redis.get(name)
+    except (RedisError, OSError) as exc:
+        log.error("key %s not read from Redis: %s", name, type(exc).__name__)
+        return None
+    return stored if isinstance(stored, bytes) else None
+
+
+async def notice_signing_key(settings: Settings, redis: Redis | None) -> bytes:
+    """What tenants' webhook secrets are derived from (gateway/tenancy/webhooks.py): the configured key, else one kept
+    in Redis, else this process's own (whose secrets end with it, as its in-memory registrations do)."""
+    configured = settings.isolation.notices.signing_key
+    if configured is not None:
+        return configured.encode()
+    if redis is not None:
+        stored = await kept_in_redis(redis, f"{settings.redis_key_prefix}notice-signing-key")
+        if stored is not None:
+            return stored
+        log.error(
+            "tenants' webhook notices are signed with a key of this instance's own until it restarts with Redis up: "
+            "set isolation.notices.signing_key (the same on every instance) to need no key from Redis"
+        )
+    return secrets.token_bytes(32)
 
 
 def fingerprint_secret(secret: bytes) -> bytes:
@@ -322,11 +356,21 @@ async def sweep_fingerprints(fingerprinter: Fingerprinter, metrics: GatewayMetri
         await asyncio.sleep(30)
 
 
-def make_webhook(settings: Settings, client: httpx.AsyncClient) -> Webhook | None:
-    canary = settings.isolation.canary
-    if canary.webhook_url is None or canary.webhook_secret is None:
-        return None
-    return Webhook(client, canary.webhook_url, canary.webhook_secret.encode())
+def webhook_targets(settings: Settings) -> Resolver:
+    """The webhook targets the settings name; a secret that is not usable stops the start with one line."""
+    try:
+        return settings_resolver(settings.isolation.canary)
+    except ValueError as exc:
+        raise SettingsError(f"isolation.canary.webhook_secret: {exc}") from exc
+
+
+def either(operators: Resolver, tenants: Resolver) -> Resolver:
+    """Tenants' targets from their registrations, the operators' from the settings."""
+
+    async def resolve(target: str) -> Target | None:
+        return await (tenants if target.startswith(TENANT_PREFIX) else operators)(target)
+
+    return resolve
 
 
 def warn_unreachable(pool: ReplicaPool) -> None:
@@ -355,6 +399,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
     """The gateway; `workers` queue workers run inside it (default: settings.queue.workers). A file the settings
     name that is missing or bad raises SettingsError here, before anything is served."""
     tokenizers = check_files(settings)
+    targets = webhook_targets(settings)
     workers = settings.queue.workers if workers is None else workers
 
     @contextlib.asynccontextmanager
@@ -404,6 +449,13 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     load.restarted(replica)
 
                 pool.on_recovered = recovered
+                kept = settings.isolation.ledger
+                writer = LedgerWriter(stores.ledger, kept.max_buffered, kept.flush_interval_s, metrics.ledger_dropped)
+                signing_key = await notice_signing_key(settings, redis)
+                tenant_webhooks = TenantWebhooks(stores.registrations, signing_key, settings.isolation.notices)
+                deliveries = Deliveries(
+                    stores.outbox, either(targets, tenant_webhooks.resolve), client, settings.webhooks, metrics
+                )
                 in_flight: Counter[str] = Counter()  # what each tenant holds here: Slot counts it, the gate reads it
                 app.state.gateway = GatewayState(
                     settings=settings,
@@ -426,7 +478,6 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                         fail_open=settings.rate_limits.on_store_failure == "fail_open",
                         metrics=metrics,
                     ),
-                    webhook=make_webhook(settings, client),
                     redis=redis,
                     client=client,
                     fingerprints=fingerprinter,
@@ -434,6 +485,11 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     verdicts=verdicts,
                     audit=stores.audit,
                     conversations=stores.conversations,
+                    ledger=writer,
+                    incidents=stores.incidents,
+                    deliveries=deliveries,
+                    notices=stores.notices,
+                    tenant_webhooks=tenant_webhooks,
                 )
                 tasks = [
                     asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
@@ -443,6 +499,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     asyncio.create_task(tenants.follow()),
                     asyncio.create_task(tenants.keep_up()),
                     asyncio.create_task(verdicts.watch(settings.upstream.health_interval_s)),
+                    asyncio.create_task(writer.run()),
+                    asyncio.create_task(tracking.watch(app.state.gateway, settings.upstream.health_interval_s)),
+                    asyncio.create_task(deliveries.run()),
                 ]
                 if redis is not None and metrics.redis_up is not None:
                     interval = settings.upstream.health_interval_s
@@ -470,6 +529,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 finally:
                     gc.unfreeze()
                     await stop_tasks(tasks, SHUTDOWN_WAIT_S)
+                    await write_last(writer)
                     if redis is not None:
                         await redis.aclose()
                     metrics.close()
@@ -486,6 +546,10 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
             Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+            Route("/v1/isolation/notices", notices.by_key(notices.notices), methods=["GET"]),
+            Route("/v1/isolation/webhook", notices.by_key(notices.show_webhook), methods=["GET"]),
+            Route("/v1/isolation/webhook", notices.by_key(notices.set_webhook), methods=["PUT"]),
+            Route("/v1/isolation/webhook", notices.by_key(notices.delete_webhook), methods=["DELETE"]),
             Route("/v1/models", catalog.list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", catalog.retrieve_model, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),

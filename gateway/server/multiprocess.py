@@ -2,9 +2,9 @@
 
 The parent settles everything the processes must agree on before it starts them — the embedded backend, the demo
 tenant, and the secrets that would otherwise be random per process (the cache-salt secret, the canary keys) — and
-hands the finished settings over in a file only its user can read. Shared state lives in Redis, so N > 1 needs
-it. Prometheus metrics are kept in prometheus_client's multiprocess files, so any process answers /metrics for
-all of them.
+hands the finished settings over in a file only its user can read, in a private directory (private_dir.py). Shared
+state lives in Redis, so N > 1 needs it. Prometheus metrics are kept in prometheus_client's multiprocess files, so
+any process answers /metrics for all of them.
 
 `serve` runs uvicorn's own supervisor: one listening socket bound by the parent and shared by the workers, a worker
 that dies is replaced. `worker` (queue workers, no listener) gets the same from the small supervisor here.
@@ -20,7 +20,6 @@ import os
 import secrets
 import signal
 import socket
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from starlette.applications import Starlette
 from uvicorn.supervisors.multiprocess import Multiprocess
 
 from gateway.metrics import MULTIPROC_DIR_VARIABLE, clear_metric_files
+from gateway.server import private_dir
 from gateway.server.app import create_app
 from gateway.server.edge import EdgeConfig
 from gateway.server.process import configure_logging, run_lifespan
@@ -74,15 +74,16 @@ def with_shared_secrets(settings: Settings) -> Settings:
 
 @contextlib.contextmanager
 def handed_over(settings: Settings, queue_workers: int | None = None) -> Iterator[Path]:
-    """A private directory with the settings file the processes read and their metric files; gone afterwards."""
-    with tempfile.TemporaryDirectory(prefix="bulkhead-") as directory:  # mode 0700
-        path = Path(directory) / "settings.json"
+    """A private directory with the settings file the processes read and their metric files; gone afterwards (and
+    at a later start, if this gateway is killed first)."""
+    with private_dir.private_directory() as directory:
+        path = directory / "settings.json"
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "w", encoding="utf-8") as file:
             file.write(with_shared_secrets(settings).model_dump_json())
         metrics = os.environ.get(MULTIPROC_DIR_VARIABLE)
         if metrics is None:
-            metrics = str(Path(directory) / "metrics")
+            metrics = str(directory / "metrics")
             os.mkdir(metrics, 0o700)
         clear_metric_files(Path(metrics))  # the files of an earlier run would add to this one's counters
         saved = {name: os.environ.get(name) for name in (SETTINGS_FILE_VARIABLE, QUEUE_WORKERS_VARIABLE)}
@@ -101,7 +102,9 @@ def handed_over(settings: Settings, queue_workers: int | None = None) -> Iterato
 
 
 def _handed_settings() -> Settings:
-    settings = Settings.model_validate_json(Path(os.environ[SETTINGS_FILE_VARIABLE]).read_text(encoding="utf-8"))
+    path = Path(os.environ[SETTINGS_FILE_VARIABLE])
+    private_dir.join(path.parent)  # kept while this process runs, though its supervisor may be killed first
+    settings = Settings.model_validate_json(path.read_text(encoding="utf-8"))
     configure_logging(settings.log_level)
     return settings
 

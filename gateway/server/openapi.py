@@ -18,6 +18,7 @@ from gateway.api.admin_tenants import (
     TenantView,
 )
 from gateway.api.anthropic_shapes import CountTokensRequest, MessagesRequest
+from gateway.api.notices import WebhookSet
 from gateway.api.responses_shapes import ResponsesRequest
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
@@ -126,10 +127,12 @@ def _admin(
     return operation
 
 
-_QUERY = {
+_QUERY: dict[str, dict[str, Any]] = {
     "limit": {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1}},
     "after": {"name": "after", "in": "query", "schema": {"type": "string"}, "description": "the last id of a page"},
+    **{name: {"name": name, "in": "query", "schema": {"type": "string"}} for name in ("replica", "since", "until")},
 }
+_OBJECT = {"type": "object"}
 _EVENTS = {"type": "object", "properties": {"events": {"type": "array", "items": {"type": "object"}}}}
 
 
@@ -144,6 +147,16 @@ def _stored_response(summary: str, *query: str) -> dict[str, Any]:
         "summary": summary,
         "security": [{"bearer": []}],
         "parameters": parameters,
+        "responses": {"200": {"description": summary}, **_errors(400, 401, 404, 503)},
+    }
+
+
+def _tenant(summary: str, *query: str) -> dict[str, Any]:
+    """A route for the key's own tenant's: no other tenant's can be named."""
+    return {
+        "summary": summary,
+        "security": [{"bearer": []}],
+        "parameters": [_QUERY[name] for name in query],
         "responses": {"200": {"description": summary}, **_errors(400, 401, 404, 503)},
     }
 
@@ -207,6 +220,43 @@ def _admin_paths() -> dict[str, Any]:
             f"/admin/replicas/{{name}}/{action}": {"post": _admin(summary, {"type": "object"})}
             for action, summary in replica_actions.items()
         },
+        "/admin/incidents": {"get": _admin("The latest incidents", _OBJECT, errors=(400, 503), query=("limit",))},
+        "/admin/incidents/{id}": {"get": _admin("An incident", _OBJECT, errors=(503,))},
+        "/admin/incidents/{id}/exposure": {
+            "get": _admin(
+                "Every answer the replica served in the incident's window, by tenant",
+                _OBJECT,
+                errors=(400, 503),
+                query=("limit",),
+            )  # fmt: skip
+        },
+        "/admin/incidents/{id}/close": {"post": _admin("Close an incident", _OBJECT, errors=(503,))},
+        "/admin/exposure": {
+            "get": _admin(
+                "Every answer a replica served in a window named (since, until: epoch s or ISO 8601 with a zone)",
+                _OBJECT,
+                errors=(400, 503),
+                query=("replica", "since", "until", "limit"),
+            )
+        },
+        "/admin/webhooks/dead-letters": {
+            "get": _admin("Webhook notices that keep failing", _OBJECT, errors=(400, 503), query=("limit",))
+        },
+        "/admin/webhooks/dead-letters/{id}": {"delete": _admin("Discard a dead letter", _OBJECT, errors=(503,))},
+        "/admin/webhooks/dead-letters/{id}/replay": {
+            "post": _admin("Deliver a dead letter now", _OBJECT, errors=(503,))
+        },
+        f"{tenant}/notices": {"get": _admin("A tenant's notices", _OBJECT, errors=(400, 503), query=("limit",))},
+        f"{tenant}/webhook": {
+            "get": _admin("A tenant's webhook (never its secret)", _OBJECT, errors=(503,)),
+            "put": _admin(
+                "Set a tenant's webhook; the secret is shown when made or rotated",
+                _OBJECT,
+                errors=(400, 503),
+                body="WebhookSet",
+            ),  # fmt: skip
+            "delete": _admin("Delete a tenant's webhook", None, status=204, errors=(503,)),
+        },
     }
     for path, item in paths.items():
         names = re.findall(r"{(\w+)}", path)
@@ -226,7 +276,7 @@ def openapi_document() -> dict[str, Any]:
             (ResponsesRequest, "validation"),
             (MessagesRequest, "validation"),
             (CountTokensRequest, "validation"),
-            *((model, "validation") for model in (TenantCreate, TenantPatch, KeyCreate, KeyRotate)),
+            *((model, "validation") for model in (TenantCreate, TenantPatch, KeyCreate, KeyRotate, WebhookSet)),
             *((model, "serialization") for model in (TenantView, KeyView, NewKeyView, RotatedKeyView)),
         ],
         ref_template="#/components/schemas/{model}",
@@ -285,6 +335,15 @@ def openapi_document() -> dict[str, Any]:
                     "security": [{"bearer": []}],
                     "responses": {"200": {"description": "A list of models"}, **_errors(401)},
                 }
+            },
+            "/v1/isolation/notices": {"get": _tenant("This key's tenant's isolation notices, newest first", "limit")},
+            "/v1/isolation/webhook": {
+                "get": _tenant("The tenant's webhook for its notices (never its secret)"),
+                "put": {
+                    **_tenant("Set the tenant's webhook; the secret (whsec_) is shown when made or rotated"),
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("WebhookSet")}}},
+                },
+                "delete": _tenant("Delete the tenant's webhook"),
             },
             "/healthz": {"get": {"summary": "The process is up", "responses": {"200": {"description": "ok"}}}},
             "/readyz": {

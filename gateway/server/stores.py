@@ -8,12 +8,17 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from gateway.api.conversations import ConversationStore, MemoryConversationStore, RedisConversationStore
+from gateway.incidents.incident import IncidentStore, MemoryIncidentStore, RedisIncidentStore
+from gateway.incidents.ledger import Ledger, MemoryLedger, RedisLedger
+from gateway.incidents.notices import MemoryNoticeStore, NoticeStore, RedisNoticeStore
 from gateway.jobs.queue import JobQueue, MemoryJobQueue, RedisJobQueue
 from gateway.settings import Settings
 from gateway.store import MemoryStore, RedisStore, Store
 from gateway.tenancy.auditlog import AuditLog, MemoryAuditLog, RedisAuditLog
 from gateway.tenancy.directory import DirectoryStore, MemoryDirectoryStore, RedisDirectoryStore
 from gateway.tenancy.ratelimit import RedisBuckets
+from gateway.tenancy.webhooks import MemoryRegistrationStore, RedisRegistrationStore, RegistrationStore
+from gateway.webhooks import MemoryOutbox, Outbox, RedisOutbox
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
 from isolation.fingerprints import RedisFingerprintFeed
 from isolation.markers import RedisMarkerStore
@@ -28,6 +33,11 @@ class Stores:
     audit: AuditLog  # admin changes
     queue: JobQueue  # the async API's jobs
     conversations: ConversationStore  # the Responses API's stored responses
+    ledger: Ledger  # who each replica served, when (no text)
+    incidents: IncidentStore  # replicas' fault episodes
+    notices: NoticeStore  # what incidents told each tenant
+    registrations: RegistrationStore  # tenants' own webhooks
+    outbox: Outbox  # webhook notices not yet delivered, and dead letters
     buckets: RedisBuckets | None  # rate limits across instances; None: each instance counts its own
     markers: RedisMarkerStore | None  # canary markers, for other instances to recognise
     prefix: str  # every Redis name starts with it: deployments on one Redis share nothing
@@ -43,7 +53,7 @@ class Stores:
 def build_stores(settings: Settings, redis: Redis | None) -> Stores:
     events_max, audit_max = settings.isolation.events_max, settings.tenant_directory.audit_events_max
     queue, ttl, prefix = settings.queue, settings.isolation.fingerprints.ttl_s, settings.redis_key_prefix
-    kept = settings.responses
+    kept, ledger = settings.responses, settings.isolation.ledger
     if redis is None:
         return Stores(
             redis=None,
@@ -53,6 +63,11 @@ def build_stores(settings: Settings, redis: Redis | None) -> Stores:
             audit=MemoryAuditLog(audit_max),
             queue=MemoryJobQueue(queue.result_ttl_s),
             conversations=MemoryConversationStore(kept.ttl_s, kept.max_bytes_per_tenant),
+            ledger=MemoryLedger(ledger.retention_s, ledger.max_memory_records),
+            incidents=MemoryIncidentStore(ledger.retention_s),
+            notices=MemoryNoticeStore(),
+            registrations=MemoryRegistrationStore(),
+            outbox=MemoryOutbox(),
             buckets=None,
             markers=None,
             prefix=prefix,
@@ -66,6 +81,11 @@ def build_stores(settings: Settings, redis: Redis | None) -> Stores:
         audit=RedisAuditLog(redis, audit_max, prefix=prefix),
         queue=RedisJobQueue(redis, queue.result_ttl_s, queue.reclaim_after_s, prefix=prefix),
         conversations=RedisConversationStore(redis, kept.ttl_s, kept.max_bytes_per_tenant, prefix=prefix),
+        ledger=RedisLedger(redis, ledger.retention_s, prefix=prefix),
+        incidents=RedisIncidentStore(redis, ledger.retention_s, prefix=prefix),
+        notices=RedisNoticeStore(redis, ledger.retention_s, prefix=prefix),
+        registrations=RedisRegistrationStore(redis, prefix=prefix),
+        outbox=RedisOutbox(redis, prefix=prefix),
         buckets=RedisBuckets(redis, prefix=prefix),
         markers=RedisMarkerStore(redis, prefix=prefix),
         prefix=prefix,

@@ -22,6 +22,8 @@ Simulator-only inspection, for tests that must prove what a gateway did or did n
                            messages routes, refused ones included), oldest first, as JSON
                            `[{"path": ..., "headers": {lower-case name: value}, "body": parsed JSON or null}]`
     DELETE /sim/requests   forget them (204)
+    PUT    /sim/fault      `{"fault": "stale-kv"}` (or any SimConfig fault, "none" included): the engine goes bad,
+                           or well again, from its next request
 
 Everything an app needs (tokenizer, engine, metrics registry, request log) is built once in create_sim_app and
 held by that app's endpoints: several simulators can run in one process without sharing anything.
@@ -43,7 +45,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from isolation.sim import embeddings, sglang
-from isolation.sim.config import SimConfig
+from isolation.sim.config import FAULTS, SimConfig
 from isolation.sim.detokenizer import Detokenizer
 from isolation.sim.engine import Abandoned, Engine, Run
 from isolation.sim.errors import SimError, bad_request, model_not_found, render_anthropic_error, render_sim_error
@@ -96,6 +98,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
     inspection = [
         Route("/sim/requests", endpoints.recorded_requests, methods=["GET"]),
         Route("/sim/requests", endpoints.forget_requests, methods=["DELETE"]),
+        Route("/sim/fault", endpoints.set_fault, methods=["PUT"]),
     ]
     if config.engine == "sglang":
         described, handlers = sglang.routes(config, engine, tokenizer, view), sglang.EXCEPTION_HANDLERS
@@ -266,6 +269,15 @@ class _Endpoints:
     async def forget_requests(self, request: Request) -> Response:
         self.request_log.clear()
         return Response(status_code=204)
+
+    async def set_fault(self, request: Request) -> Response:
+        """`{"fault": "stale-kv"}`: the engine goes bad (or well again) from its next request, as a replica in
+        production starts mixing requests mid-life; its KV cache keeps its size and contents."""
+        fault = parse_json_object(await request.body()).get("fault")
+        if fault not in FAULTS:
+            raise bad_request(f"fault must be one of {', '.join(FAULTS)}", "fault")
+        self.engine.config = replace(self.engine.config, fault=fault)
+        return json_response({"fault": fault})
 
     async def _read_body(self, request: Request, *, record: bool) -> JsonObject:
         raw = await request.body()

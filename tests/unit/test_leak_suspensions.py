@@ -14,14 +14,18 @@ import httpx
 import pytest
 
 from gateway.incidents import quarantine
+from gateway.incidents.incident import IncidentStore, MemoryIncidentStore
+from gateway.incidents.ledger import LedgerWriter, MemoryLedger
+from gateway.incidents.notices import MemoryNoticeStore, NoticeStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import QuarantineSettings, Settings
 from gateway.store import MemoryStore
+from gateway.tenancy.webhooks import MemoryRegistrationStore, TenantWebhooks
 from gateway.upstream.backends import ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
+from gateway.webhooks import Deliveries, MemoryOutbox, settings_resolver
 from isolation.audit import AuditError
 from isolation.events import EventLog, IsolationEvent, MemoryEventLog
-from isolation.leaks import Webhook
 
 METRICS = GatewayMetrics()  # one registry for the module: prometheus names are global
 Probe = Callable[..., Awaitable[list[Any]]]
@@ -37,9 +41,13 @@ class Instance:
     capacity: CapacityMonitor
     client: httpx.AsyncClient
     quarantines: quarantine.QuarantineBudget
+    deliveries: Deliveries  # no webhook is configured: nothing is queued
+    tenant_webhooks: TenantWebhooks
+    ledger: LedgerWriter = field(default_factory=lambda: LedgerWriter(MemoryLedger(3600, 1000), 100, 0.1, Counted()))
+    incidents: IncidentStore = field(default_factory=lambda: MemoryIncidentStore(3600))
+    notices: NoticeStore = field(default_factory=MemoryNoticeStore)
     metrics: GatewayMetrics = METRICS
     events: EventLog = field(default_factory=lambda: MemoryEventLog(100))
-    webhook: Webhook | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def background(self, work: Coroutine[Any, Any, Any]) -> None:
@@ -59,13 +67,21 @@ def instance(store: MemoryStore, probe_time_s: float = 30.0) -> Instance:
     pool = ReplicaPool(settings.backends, METRICS, store)
     for replica in pool.replicas.values():
         replica.healthy = True
+    client = httpx.AsyncClient()  # never used: the probe is replaced
     return Instance(
         settings,
         pool,
         CapacityMonitor(settings.models, settings.backends, pool, METRICS, settings.upstream),
-        httpx.AsyncClient(),  # never used: the probe is replaced
+        client,
         quarantine.QuarantineBudget(store, QuarantineSettings()),
+        Deliveries(MemoryOutbox(), settings_resolver(settings.isolation.canary), client, settings.webhooks, METRICS),
+        TenantWebhooks(MemoryRegistrationStore(), b"k" * 32, settings.isolation.notices),
     )
+
+
+class Counted:
+    def inc(self, amount: float = 1) -> None:
+        raise AssertionError("no ledger record is dropped here")
 
 
 class NetworkLog(MemoryEventLog):

@@ -1,0 +1,106 @@
+"""The operators' view of incidents and their blast radius, under /admin (admin.py checks the token).
+
+GET /admin/incidents, GET /admin/incidents/{id}, GET /admin/incidents/{id}/exposure, POST
+/admin/incidents/{id}/close, and GET /admin/exposure?replica=&since=&until= for a window an operator names.
+Times are epoch seconds, or ISO 8601 with a zone in the query.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import datetime
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.state import GatewayState
+from gateway.errors import InvalidRequest, NotFound
+from gateway.incidents import tracking
+from gateway.incidents.exposure import Window, exposure
+from gateway.incidents.incident import Incident
+
+MAX_ANSWERS = 100_000  # per report: a larger window is cut (`truncated`) and can be read in parts by time
+
+
+def _json(value: object) -> Response:
+    return Response(orjson.dumps(value), media_type="application/json")
+
+
+def _int(request: Request, name: str, default: int, most: int) -> int:
+    value = request.query_params.get(name, str(default))
+    if not value.isdigit() or not 1 <= int(value) <= most:
+        raise InvalidRequest(f"{name} must be an integer from 1 to {most}.", param=name)
+    return int(value)
+
+
+def _time(request: Request, name: str, default: float | None = None) -> float:
+    value = request.query_params.get(name)
+    if value is None:
+        if default is None:
+            raise InvalidRequest(f"{name} is required (epoch seconds or ISO 8601 with a zone).", param=name)
+        return default
+    try:
+        when = float(value)
+    except ValueError:
+        try:
+            parsed = datetime.fromisoformat(value)
+        except ValueError:
+            parsed = None
+        if parsed is None or parsed.tzinfo is None:
+            raise InvalidRequest(f"{name} must be epoch seconds or ISO 8601 with a zone.", param=name) from None
+        when = parsed.timestamp()
+    if not math.isfinite(when) or when < 0:
+        raise InvalidRequest(f"{name} must be a time after 1970.", param=name)
+    return when
+
+
+async def _incident(request: Request, state: GatewayState) -> Incident:
+    incident_id = request.path_params["id"]
+    incident = await state.incidents.get(incident_id)
+    if incident is None:
+        raise NotFound(f"No incident '{incident_id}' (incidents expire with isolation.ledger.retention_s).")
+    return incident
+
+
+async def list_incidents(request: Request, state: GatewayState) -> Response:
+    recent = await state.incidents.recent(_int(request, "limit", 100, 10_000))
+    return _json({"incidents": [incident.view() for incident in recent]})
+
+
+async def show_incident(request: Request, state: GatewayState) -> Response:
+    return _json((await _incident(request, state)).view())
+
+
+async def _report(request: Request, state: GatewayState, window: Window, incident: Incident | None) -> Response:
+    limit = _int(request, "limit", 10_000, MAX_ANSWERS)
+    # This instance's last answers first; other instances' reach the store within a flush interval.
+    await state.ledger.flush()
+    return _json(await exposure(state.ledger.ledger, window, incident, limit))
+
+
+async def incident_exposure(request: Request, state: GatewayState) -> Response:
+    incident = await _incident(request, state)
+    return await _report(request, state, Window.of(incident, time.time()), incident)
+
+
+async def replica_exposure(request: Request, state: GatewayState) -> Response:
+    replica = request.query_params.get("replica", "")
+    if replica not in state.pool.replicas:
+        raise InvalidRequest(f"replica must name a configured replica, not '{replica[:64]}'.", param="replica")
+    now = time.time()
+    since = _time(request, "since")
+    until = _time(request, "until", now)
+    if until < since:
+        raise InvalidRequest("until must not be before since.", param="until")
+    window = Window(replica, since, until, "where the operator said", "where the operator said")
+    return await _report(request, state, window, None)
+
+
+async def close_incident(request: Request, state: GatewayState) -> Response:
+    incident = await _incident(request, state)
+    if incident.open:
+        await tracking.closed(incident.replica, "closed by an operator", state)
+        incident = await _incident(request, state)
+    return _json(incident.view())

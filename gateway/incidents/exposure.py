@@ -1,0 +1,72 @@
+"""An incident's blast radius: every answer the replica served in its exposure window, by the tenant it went to.
+
+Every tenant listed had its prompts on the faulty replica (a possible victim of a leak not detected) and received
+its answers (a possible recipient): the report says which answers went out whole, in part, or were withheld, and
+which carried isolation events. The victims named by events are listed apart. No text is kept, so none is shown.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from gateway.incidents.incident import PROBE, Incident
+from gateway.incidents.ledger import VERDICTS, Ledger, Served
+from gateway.incidents.reporting import LEAKS
+
+
+@dataclass(frozen=True)
+class Window:
+    """A replica and a time range: an incident's exposure window, or one an operator names."""
+
+    replica: str
+    since: float
+    until: float
+    starts: str  # at the last clean probe, the ledger's horizon, or where the operator said
+    ends: str  # when the replica left rotation, the incident closed, now, or where the operator said
+
+    @classmethod
+    def of(cls, incident: Incident, now: float) -> Window:
+        if incident.contained_at is not None:
+            ends = "left rotation"
+        elif incident.closed_at is not None:
+            ends = "incident closed"
+        else:
+            ends = "now (the replica is still in rotation)"
+        starts = "last clean probe" if incident.window_from == PROBE else "ledger retention horizon (no clean probe)"
+        return cls(incident.replica, incident.window_start, incident.window_end(now), starts, ends)
+
+
+def _leaked(served: Served) -> bool:
+    return any(kind in LEAKS for kind in served.kinds.split(",")) if served.kinds else False
+
+
+async def exposure(ledger: Ledger, window: Window, incident: Incident | None, limit: int) -> dict[str, object]:
+    """The report, as JSON; at most `limit` answers are read (`truncated` says when there were more)."""
+    served, truncated = await ledger.served(window.replica, window.since, window.until, limit)
+    by_tenant: dict[str, list[Served]] = {}
+    for s in served:
+        by_tenant.setdefault(s.tenant, []).append(s)
+    totals = Counter(s.verdict for s in served)
+    recipients = []
+    for tenant, answers in sorted(by_tenant.items(), key=lambda item: -len(item[1])):
+        verdicts = Counter(s.verdict for s in answers)
+        recipients.append(
+            {
+                "tenant": tenant,
+                "answers": len(answers),
+                **{verdict: verdicts[verdict] for verdict in VERDICTS},
+                "with_leaks": sum(map(_leaked, answers)),
+                "requests": [s.view() for s in answers],
+            }
+        )
+    return {
+        "incident": incident.view() if incident is not None else None,
+        "replica": window.replica,
+        "window": {"since": window.since, "until": window.until, "starts": window.starts, "ends": window.ends},
+        "answers": len(served),
+        "truncated": truncated,
+        **{verdict: totals[verdict] for verdict in VERDICTS},
+        "victims": sorted(incident.victims) if incident is not None else [],
+        "recipients": recipients,
+    }

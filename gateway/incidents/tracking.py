@@ -1,0 +1,138 @@
+"""What the leak responder, the prober and the operators' actions do to incidents (incident.py).
+
+A failure of the store here never stops the response to a leak: the replica is still suspended or quarantined, the
+event still recorded; the incident misses what could not be written, and the log says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+
+import orjson
+from redis.exceptions import RedisError
+
+from gateway.incidents.incident import PROBE, RETENTION, Incident, IncidentStore, Sighting
+from gateway.incidents.notices import NoticeParts, confirmed_for_notices, notify
+from gateway.incidents.reporting import LEAKS
+from gateway.metrics import GatewayMetrics
+from gateway.settings import Settings
+from isolation.events import IsolationEvent
+
+log = logging.getLogger("bulkhead.isolation")
+
+PROBE_FINDING = "probe_finding"
+WATCHED = 1000  # the latest incidents read for the gauge: an open one is among them unless 1,000 opened since
+OPENING = LEAKS | {PROBE_FINDING}
+UNCONFIRMED = "unconfirmed: the confirmation probe saw no requests mixed"
+
+
+class TrackingParts(NoticeParts, Protocol):
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+    @property
+    def incidents(self) -> IncidentStore: ...
+
+
+def _failed(what: str, replica: str, exc: Exception) -> None:
+    log.error("incident of %s: %s not recorded: %s", replica, what, type(exc).__name__)
+
+
+async def sight(event: IsolationEvent, state: TrackingParts) -> Incident | None:
+    """A leak event joins its replica's open incident, or opens one; other events are no incident's."""
+    if event.kind not in OPENING:
+        return None
+    try:
+        probed = await state.ledger.ledger.last_clean_probe(event.replica, event.time)
+        horizon = event.time - state.settings.isolation.ledger.retention_s
+        incident, opened = await state.incidents.sight(
+            Sighting(
+                replica=event.replica,
+                model=event.model,
+                request_id=event.request_id,
+                kind=event.kind,
+                at=event.time,
+                victim=event.victim_tenant,
+                recipient="" if event.kind == PROBE_FINDING else event.tenant,
+                window_start=horizon if probed is None else probed,
+                window_from=RETENTION if probed is None else PROBE,
+            )
+        )
+    except (RedisError, OSError) as exc:
+        _failed(event.kind, event.replica, exc)
+        return None
+    if opened:
+        state.metrics.incidents.labels(event.model, event.replica, "opened").inc()
+        line = {"event": "incident_opened", "incident": incident.id, "replica": event.replica}
+        log.error(orjson.dumps(line).decode())
+    if confirmed_for_notices(incident, event.kind, state):
+        await notify(incident, state)
+    return incident
+
+
+async def contained(replica: str, state: TrackingParts) -> None:
+    """The replica left rotation (suspended, quarantined, drained): its open incident's window ends now."""
+    try:
+        await state.incidents.contain(replica, time.time())
+    except (RedisError, OSError) as exc:
+        _failed("containment", replica, exc)
+
+
+async def confirmed(replica: str, outcome: str, started: float, state: TrackingParts) -> Incident | None:
+    """The canary probe's word on the replica's open incident: yes, no or unknown. A clean probe ("no") closes the
+    incident, and where it started is where the replica's next exposure window will (a fault that began while the
+    probe ran may have been missed by it)."""
+    try:
+        if outcome == "no":
+            await state.ledger.ledger.probed(replica, started)
+        incident = await state.incidents.confirm(replica, outcome)
+        if outcome == "no":
+            incident = await closed(replica, UNCONFIRMED, state)
+    except (RedisError, OSError) as exc:
+        _failed("confirmation", replica, exc)
+        return None
+    if incident is not None and outcome == "yes":
+        await notify(incident, state)
+    return incident
+
+
+async def closed(replica: str, reason: str, state: TrackingParts) -> Incident | None:
+    try:
+        incident = await state.incidents.close(replica, time.time(), reason)
+    except (RedisError, OSError) as exc:
+        _failed("closing", replica, exc)
+        return None
+    if incident is not None:
+        state.metrics.incidents.labels(incident.model, replica, "closed").inc()
+    return incident
+
+
+async def watch(state: TrackingParts, interval_s: float) -> None:
+    """Started by the lifespan: `bulkhead_incidents_open` from the store, whichever instance opened or closed them."""
+    shown: set[tuple[str, str]] = set()
+    while True:
+        try:
+            recent = await state.incidents.recent(WATCHED)
+        except (RedisError, OSError) as exc:
+            log.warning("incidents not read: %s", type(exc).__name__)
+        else:
+            now = {(i.model, i.replica) for i in recent if i.open}
+            for labels in shown - now:
+                state.metrics.incidents_open.labels(*labels).set(0)
+            for labels in now:
+                state.metrics.incidents_open.labels(*labels).set(1)
+            shown |= now
+        await asyncio.sleep(interval_s)
+
+
+async def probed_clean(replica: str, started: float, state: TrackingParts) -> None:
+    """The prober's routine probe, begun at `started`, saw no requests mixed: the start of the replica's next
+    exposure window."""
+    try:
+        await state.ledger.ledger.probed(replica, started)
+    except (RedisError, OSError) as exc:
+        _failed("clean probe", replica, exc)

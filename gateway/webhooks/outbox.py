@@ -1,0 +1,262 @@
+"""Where notices wait until their target takes them: stored before `send` returns, claimed with a lease, kept
+until delivered, dropped or discarded.
+
+A message is due at `next_at`. A claim takes the due ones, earliest first, and moves their `next_at` to the end of a
+lease: the claimer reports the outcome before then (delivered removes the message, failed stores the next try), and
+if it dies instead the message is simply due again when the lease ends, for any instance to claim. So a message is
+never lost, and is sent twice only when its claimer died (or stalled past the lease) mid-send: receivers
+deduplicate on its id. A message that has failed `dead_after` times is also listed as a dead letter, and stays
+listed until it is delivered or discarded; one past `max_age_s` is expired: listed, no longer due, until an operator
+replays it. delivery.py decides all of that; the outbox stores what it is told, each change in one step.
+
+With Redis (`redis_url`), every instance shares one outbox: the messages in the hash `{prefix}webhooks:messages`
+(id → JSON), the due ones in the sorted set `{prefix}webhooks:due` (by `next_at`), the dead letters in
+`{prefix}webhooks:dead` (by creation), and each target's messages in `{prefix}webhooks:target:{target}` (by
+creation, to drop its oldest past `max_pending_per_target`). Without, one process's memory holds them, and a
+restart loses them.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Protocol
+
+import orjson
+from redis.asyncio import Redis
+
+
+@dataclass(frozen=True)
+class Message:
+    id: str
+    target: str
+    type: str
+    body: bytes  # the notice as sent, the same at every attempt (signing.notice_body)
+    created: float  # epoch s
+    next_at: float  # when it is due (epoch s); meaningless once expired
+    attempts: int = 0
+    last_error: str | None = None
+    dead: bool = False  # listed as a dead letter
+    expired: bool = False  # past max_age_s: no more attempts unless replayed
+
+    @staticmethod
+    def new_id(now: float) -> str:
+        """Time first, so that ids sort as they were made (Redis breaks ties in a sorted set by the member)."""
+        return f"msg_{int(now * 1000):012x}{secrets.token_hex(8)}"
+
+    def encode(self) -> bytes:
+        return orjson.dumps({**asdict(self), "body": self.body.decode()})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Message:
+        fields: dict[str, Any] = orjson.loads(raw)
+        return cls(**{**fields, "body": fields["body"].encode()})
+
+
+class Outbox(Protocol):
+    async def add(self, message: Message, max_pending: int) -> list[Message]:
+        """Store a new message; returns what its target held beyond `max_pending`, oldest first, now dropped."""
+        ...
+
+    async def claim(self, now: float, lease_s: float, limit: int) -> list[Message]:
+        """Up to `limit` messages due at `now`, earliest first, not due again before `now + lease_s`."""
+        ...
+
+    async def update(self, message: Message) -> bool:
+        """Store a message's new state (its next try, or expired); False when it is gone (discarded meanwhile)."""
+        ...
+
+    async def remove(self, message: Message) -> bool:
+        """Forget a message (delivered, or its target gone); False when it was gone already."""
+        ...
+
+    async def get(self, message_id: str) -> Message | None: ...
+
+    async def dead_letters(self, limit: int) -> list[Message]:
+        """The dead letters, oldest first."""
+        ...
+
+    async def counts(self) -> tuple[int, int]:
+        """How many messages are still to be tried (dead letters that are retried among them), and how many are
+        dead letters."""
+        ...
+
+
+def _order(message: Message) -> tuple[float, str]:
+    return message.created, message.id
+
+
+class MemoryOutbox:
+    """This process's messages; claims need no lease from other instances, but keep the same rule."""
+
+    def __init__(self) -> None:
+        self._messages: dict[str, Message] = {}
+        self._targets: dict[str, set[str]] = {}
+
+    async def add(self, message: Message, max_pending: int) -> list[Message]:
+        self._messages[message.id] = message
+        held = self._targets.setdefault(message.target, set())
+        held.add(message.id)
+        over = len(held) - max_pending
+        if over <= 0:
+            return []
+        dropped = sorted((self._messages[i] for i in held), key=_order)[:over]
+        for old in dropped:
+            await self.remove(old)
+        return dropped
+
+    async def claim(self, now: float, lease_s: float, limit: int) -> list[Message]:
+        due = [m for m in self._messages.values() if not m.expired and m.next_at <= now]
+        claimed = sorted(due, key=lambda m: (m.next_at, m.id))[:limit]
+        for message in claimed:
+            self._messages[message.id] = replace(message, next_at=now + lease_s)
+        return claimed
+
+    async def update(self, message: Message) -> bool:
+        if message.id not in self._messages:
+            return False
+        self._messages[message.id] = message
+        return True
+
+    async def remove(self, message: Message) -> bool:
+        if self._messages.pop(message.id, None) is None:
+            return False
+        held = self._targets[message.target]
+        held.discard(message.id)
+        if not held:
+            del self._targets[message.target]
+        return True
+
+    async def get(self, message_id: str) -> Message | None:
+        return self._messages.get(message_id)
+
+    async def dead_letters(self, limit: int) -> list[Message]:
+        return sorted((m for m in self._messages.values() if m.dead), key=_order)[:limit]
+
+    async def counts(self) -> tuple[int, int]:
+        messages = self._messages.values()
+        return sum(not m.expired for m in messages), sum(m.dead for m in messages)
+
+
+# Store a new message and drop its target's oldest past the bound, in one step. KEYS: messages, due, dead, the
+# target's set. ARGV: id, message, next_at, created, bound. Returns the dropped messages, oldest first.
+_ADD = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
+local over = redis.call('ZCARD', KEYS[4]) - tonumber(ARGV[5])
+local dropped = {}
+if over <= 0 then return dropped end
+for _, id in ipairs(redis.call('ZRANGE', KEYS[4], 0, over - 1)) do
+  local raw = redis.call('HGET', KEYS[1], id)
+  if raw then table.insert(dropped, raw) end
+  redis.call('HDEL', KEYS[1], id)
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZREM', KEYS[3], id)
+end
+redis.call('ZREMRANGEBYRANK', KEYS[4], 0, over - 1)
+return dropped
+"""
+
+# Take the due messages and move them past the lease, in one step: no two instances claim one message. KEYS: due,
+# messages. ARGV: now, the lease's end, limit.
+_CLAIM = """
+local claimed = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))) do
+  local raw = redis.call('HGET', KEYS[2], id)
+  if raw then
+    redis.call('ZADD', KEYS[1], ARGV[2], id)
+    table.insert(claimed, raw)
+  else
+    redis.call('ZREM', KEYS[1], id)
+  end
+end
+return claimed
+"""
+
+# A message's new state, if it is still there (a discarded one is not brought back). KEYS: messages, due, dead.
+# ARGV: id, message, next_at ('' once expired), created, dead ('1' or '0').
+_UPDATE = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+if ARGV[3] == '' then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+else
+  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+end
+if ARGV[5] == '1' then redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1]) else redis.call('ZREM', KEYS[3], ARGV[1]) end
+return 1
+"""
+
+# KEYS: messages, due, dead, the target's set. ARGV: id.
+_REMOVE = """
+local removed = redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+return removed
+"""
+
+
+class RedisOutbox:
+    """Every instance's messages, in Redis under `prefix` (the module's docstring names the keys)."""
+
+    def __init__(self, redis: Redis, *, prefix: str) -> None:
+        self._redis = redis
+        self._messages = f"{prefix}webhooks:messages"
+        self._due = f"{prefix}webhooks:due"
+        self._dead = f"{prefix}webhooks:dead"
+        self._target = f"{prefix}webhooks:target:"
+        self._add = redis.register_script(_ADD)
+        self._claim = redis.register_script(_CLAIM)
+        self._update = redis.register_script(_UPDATE)
+        self._remove = redis.register_script(_REMOVE)
+
+    async def add(self, message: Message, max_pending: int) -> list[Message]:
+        keys = [self._messages, self._due, self._dead, self._target + message.target]
+        args: list[bytes | str | float] = [message.id, message.encode(), message.next_at, message.created, max_pending]
+        return [Message.decode(raw) for raw in await self._add(keys=keys, args=args)]
+
+    async def claim(self, now: float, lease_s: float, limit: int) -> list[Message]:
+        until = now + lease_s
+        raw = await self._claim(keys=[self._due, self._messages], args=[now, until, limit])
+        return [replace(Message.decode(m), next_at=until) for m in raw]
+
+    async def update(self, message: Message) -> bool:
+        keys = [self._messages, self._due, self._dead]
+        next_at = "" if message.expired else message.next_at
+        args: list[bytes | str | float] = [message.id, message.encode(), next_at, message.created, "01"[message.dead]]
+        return bool(await self._update(keys=keys, args=args))
+
+    async def remove(self, message: Message) -> bool:
+        keys = [self._messages, self._due, self._dead, self._target + message.target]
+        return bool(await self._remove(keys=keys, args=[message.id]))
+
+    async def get(self, message_id: str) -> Message | None:
+        found = await self._read([message_id])
+        return found[0] if found else None
+
+    async def dead_letters(self, limit: int) -> list[Message]:
+        return await self._read(await self._redis.zrange(self._dead, 0, limit - 1))
+
+    async def _read(self, ids: list[Any]) -> list[Message]:
+        """The messages stored under `ids` (those still there), each with its due time as the due set has it: a
+        claim moves that alone."""
+        if not ids:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hmget(self._messages, ids)
+            pipe.zmscore(self._due, ids)
+            found, due = await pipe.execute()
+        return [
+            Message.decode(raw) if at is None else replace(Message.decode(raw), next_at=float(at))
+            for raw, at in zip(found, due, strict=True)
+            if raw is not None
+        ]
+
+    async def counts(self) -> tuple[int, int]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(self._due)
+            pipe.zcard(self._dead)
+            pending, dead = await pipe.execute()
+        return int(pending), int(dead)

@@ -1,0 +1,223 @@
+"""The exposure ledger and the incident store: one suite for the memory and the Redis twin (as tests/unit/test_twins.py,
+whose fixtures these are)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from gateway.incidents.incident import (
+    PROBE,
+    RETENTION,
+    IncidentStore,
+    MemoryIncidentStore,
+    RedisIncidentStore,
+    Sighting,
+)
+from gateway.incidents.ledger import DELIVERED, WITHHELD, Ledger, LedgerWriter, MemoryLedger, RedisLedger, Served
+from tests.unit.test_twins import TWINS, prefix, redis_for, redis_url
+
+__all__ = ["prefix", "redis_url"]  # fixtures, used by name
+
+RETENTION_S = 3600.0
+
+
+@pytest.fixture(params=TWINS)
+async def ledger(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Ledger]:
+    async with redis_for(request, prefix) as redis:
+        yield MemoryLedger(RETENTION_S, 10_000) if redis is None else RedisLedger(redis, RETENTION_S, prefix=prefix)
+
+
+@pytest.fixture(params=TWINS)
+async def incidents(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[IncidentStore]:
+    async with redis_for(request, prefix) as redis:
+        yield (
+            MemoryIncidentStore(RETENTION_S) if redis is None else RedisIncidentStore(redis, RETENTION_S, prefix=prefix)
+        )
+
+
+def same(found: Served, expected: Served) -> bool:
+    """Equal, times to the millisecond (what the Redis twin keeps)."""
+    times = (found.start, found.end) == (pytest.approx(expected.start, abs=1e-3), pytest.approx(expected.end, abs=1e-3))
+    return times and found._replace(start=0, end=0) == expected._replace(start=0, end=0)
+
+
+def served(request_id: str, replica: str, start: float, end: float, tenant: str = "alice") -> Served:
+    return Served(request_id, tenant, "m", replica, start, end, DELIVERED, "")
+
+
+async def test_the_ledger_lists_what_a_replica_served_that_overlaps_the_window(ledger: Ledger) -> None:
+    now = time.time()
+    await ledger.write(
+        [
+            served("before", "a", now - 100, now - 90),
+            served("straddles-start", "a", now - 55, now - 45),
+            served("inside", "a", now - 40, now - 30),
+            served("other-replica", "b", now - 40, now - 30),
+            served("straddles-end", "a", now - 15, now - 5),
+        ]
+    )
+    found, truncated = await ledger.served("a", now - 50, now - 10, 100)
+    assert [s.request_id for s in found] == ["straddles-start", "inside", "straddles-end"]
+    assert not truncated
+    assert same(found[1], served("inside", "a", now - 40, now - 30))
+
+
+async def test_the_ledger_says_when_a_limit_cut_the_list(ledger: Ledger) -> None:
+    now = time.time()
+    await ledger.write([served(f"r{i}", "a", now - 10, now - 10 + i * 0.01) for i in range(5)])
+    found, truncated = await ledger.served("a", now - 20, now, 3)
+    assert [s.request_id for s in found] == ["r0", "r1", "r2"]
+    assert truncated
+
+
+async def test_verdicts_and_event_kinds_are_kept(ledger: Ledger) -> None:
+    now = time.time()
+    kept = Served("x", "bob@1.5", "m", "a", now - 2, now - 1, WITHHELD, "leak,leak_check")
+    await ledger.write([kept])
+    [found], _ = await ledger.served("a", now - 3, now, 10)
+    assert same(found, kept)
+    assert kept.view()["events"] == ["leak", "leak_check"]
+
+
+async def test_the_last_clean_probe_before_a_time(ledger: Ledger) -> None:
+    now = time.time()
+    assert await ledger.last_clean_probe("a", now) is None
+    for at in (now - 30, now - 20, now - 10):
+        await ledger.probed("a", at)
+    await ledger.probed("b", now - 5)
+    assert await ledger.last_clean_probe("a", now) == pytest.approx(now - 10)
+    assert await ledger.last_clean_probe("a", now - 15) == pytest.approx(now - 20)
+    assert await ledger.last_clean_probe("a", now - 30) is None  # strictly before
+    # Probes past the retention are forgotten.
+    assert await ledger.last_clean_probe("c", now) is None
+
+
+def sighting(replica: str = "a", at: float | None = None, **fields: str) -> Sighting:
+    at = time.time() if at is None else at
+    values = {"request_id": "r1", "kind": "leak", "victim": "alice", "recipient": "bob", **fields}
+    return Sighting(replica=replica, model="m", at=at, window_start=at - 60, window_from=PROBE, **values)
+
+
+async def test_an_incident_opens_then_later_leaks_on_the_replica_join_it(incidents: IncidentStore) -> None:
+    first, opened = await incidents.sight(sighting())
+    assert opened and first.open and first.events == 1
+    assert (first.victims, first.recipients, first.kinds) == ({"alice"}, {"bob"}, {"leak"})
+    second, opened = await incidents.sight(
+        sighting(request_id="r2", kind="fingerprint_leak", victim="carol", recipient="")
+    )
+    assert not opened and second.id == first.id and second.events == 2
+    assert second.victims == {"alice", "carol"} and second.recipients == {"bob"}
+    assert second.kinds == {"leak", "fingerprint_leak"}
+    assert second.first_request == "r1" and second.window_from == PROBE
+    other, opened = await incidents.sight(sighting("b"))
+    assert opened and other.id != first.id
+
+
+async def test_two_instances_sighting_at_once_join_one_incident(incidents: IncidentStore) -> None:
+    results = await asyncio.gather(*(incidents.sight(sighting(request_id=f"r{i}")) for i in range(8)))
+    assert len({incident.id for incident, _ in results}) == 1
+    assert sum(opened for _, opened in results) == 1
+    found = await incidents.get(results[0][0].id)
+    assert found is not None and found.events == 8
+
+
+async def test_containment_ends_the_window_once_and_closing_ends_the_incident(incidents: IncidentStore) -> None:
+    incident, _ = await incidents.sight(sighting())
+    now = time.time()
+    contained = await incidents.contain("a", now)
+    assert contained is not None and contained.contained_at == pytest.approx(now)
+    again = await incidents.contain("a", now + 5)
+    assert again is not None and again.contained_at == pytest.approx(now)  # the first time it left rotation
+    assert incident.window_end(now + 100) == now + 100  # the one read before containment: still open-ended
+    assert contained.window_end(now + 100) == pytest.approx(now)
+    confirmed = await incidents.confirm("a", "yes")
+    assert confirmed is not None and confirmed.confirmed == "yes"
+    closed = await incidents.close("a", now + 10, "released by an operator")
+    assert closed is not None and not closed.open
+    assert closed.close_reason == "released by an operator" and closed.closed_at == pytest.approx(now + 10)
+    assert await incidents.close("a", now + 11, "again") is None
+    after, opened = await incidents.sight(sighting())
+    assert opened and after.id != incident.id  # a new episode
+    assert [i.id for i in await incidents.recent(10)] == [after.id, incident.id]
+
+
+async def test_an_unknown_incident_or_replica_is_none(incidents: IncidentStore) -> None:
+    assert await incidents.get("inc_nothing") is None
+    assert await incidents.contain("nowhere", time.time()) is None
+    assert await incidents.confirm("nowhere", "yes") is None
+    assert await incidents.close("nowhere", time.time(), "x") is None
+    assert await incidents.recent(5) == []
+
+
+async def test_a_window_without_a_clean_probe_starts_at_the_retention_horizon(incidents: IncidentStore) -> None:
+    now = time.time()
+    incident, _ = await incidents.sight(
+        Sighting("a", "m", "r1", "probe_finding", now, window_start=now - RETENTION_S, window_from=RETENTION)
+    )
+    assert incident.window_from == RETENTION and incident.window_start == pytest.approx(now - RETENTION_S)
+    assert incident.recipients == frozenset() and incident.victims == frozenset()
+
+
+class Count:
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+
+class Refusing:
+    """A ledger whose store is down until it is told otherwise."""
+
+    def __init__(self) -> None:
+        self.down = True
+        self.written: list[Served] = []
+
+    async def write(self, batch: list[Served]) -> None:
+        if self.down:
+            raise ConnectionError("down")
+        self.written += batch
+
+    async def served(self, replica: str, since: float, until: float, limit: int) -> tuple[list[Served], bool]:
+        return [], False
+
+    async def probed(self, replica: str, at: float) -> None:
+        return None
+
+    async def last_clean_probe(self, replica: str, before: float) -> float | None:
+        return None
+
+
+async def test_the_writer_keeps_what_a_store_refused_within_its_bound_and_counts_the_rest() -> None:
+    store, dropped = Refusing(), Count()
+    writer = LedgerWriter(store, max_buffered=5, interval_s=0.01, dropped=dropped)
+    for i in range(4):
+        writer.record(served(f"r{i}", "a", 1, 2))
+    with pytest.raises(ConnectionError):
+        await writer.flush()
+    for i in range(4, 7):
+        writer.record(served(f"r{i}", "a", 1, 2))
+    assert dropped.value == 2  # the two oldest, to keep the newest five
+    store.down = False
+    await writer.flush()
+    assert [s.request_id for s in store.written] == ["r2", "r3", "r4", "r5", "r6"]
+    await writer.flush()  # nothing left
+    assert len(store.written) == 5
+
+
+async def test_redis_ledger_entries_are_small(redis_url: str, prefix: str) -> None:
+    """What 14 days at 100 req/s would cost is measured by tests/bench/bench_ledger.py; this keeps the encoding from
+    growing unnoticed: a record's share of its stream stays under 200 bytes."""
+    async with Redis.from_url(redis_url) as redis:
+        ledger = RedisLedger(redis, RETENTION_S, prefix=prefix)
+        now = time.time()
+        batch = [Served(f"{i:032x}", f"tenant-{i % 7}", "llama", "a", now - 1, now, DELIVERED, "") for i in range(2000)]
+        await ledger.write(batch)
+        used = await redis.memory_usage(f"{prefix}ledger:a")
+        await redis.delete(f"{prefix}ledger:a")
+    assert used is not None and used / len(batch) < 200
