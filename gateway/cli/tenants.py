@@ -147,6 +147,15 @@ def _new_key(answer: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"the previous key {previous['key_id']} stays valid until {previous['expires_at']}")
 
 
+def _webhook(answer: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.json:
+        print_json(answer)
+        return
+    print(f"notices of tenant '{args.tenant}' go to {answer['url']}")
+    if "secret" in answer:
+        print(f"signing secret (shown once; give it to the receiver): {answer['secret']}")
+
+
 def _run(args: argparse.Namespace, admin: AdminClient) -> None:
     """One tenant command: the API call, and what it prints."""
     match args.tenants_command, getattr(args, "keys_command", None):
@@ -177,6 +186,16 @@ def _run(args: argparse.Namespace, admin: AdminClient) -> None:
         case "keys", "rotate":
             body = {"overlap_s": args.overlap_s, **({"label": args.label} if args.label else {})}
             _new_key(admin.call("POST", f"/tenants/{args.tenant}/keys/{args.key_id}/rotate", body), args)
+        case "webhook", "set":
+            body = {"url": args.webhook_url, "rotate_secret": args.rotate_secret}
+            _webhook(admin.call("PUT", f"/tenants/{args.tenant}/webhook", body), args)
+        case "webhook", "show":
+            _webhook(admin.call("GET", f"/tenants/{args.tenant}/webhook"), args)
+        case "webhook", "delete":
+            admin.call("DELETE", f"/tenants/{args.tenant}/webhook")
+            print(f"the notices webhook of tenant '{args.tenant}' deleted")
+        case "notices", _:
+            print_json(admin.call("GET", f"/tenants/{args.tenant}/notices"))
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -235,4 +254,16 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     rotate.add_argument("key_id", metavar="KEY_ID")
     rotate.add_argument("--overlap-s", type=float, default=0.0, help="seconds the old key stays valid (0)")
     rotate.add_argument("--label", help='the new key\'s label (default: "rotated from KEY_ID")')
+
+    webhook = verbs.add_parser("webhook", help="where a tenant's isolation notices are POSTed").add_subparsers(
+        dest="keys_command", required=True
+    )
+    webhook_set = webhook.add_parser(
+        "set", parents=[tenant], allow_abbrev=False, help="register or move it; the secret is printed when made"
+    )
+    webhook_set.add_argument("webhook_url", metavar="URL", help="https, to a public address")
+    webhook_set.add_argument("--rotate-secret", action="store_true", help="a new secret (the old one ends now)")
+    webhook.add_parser("show", parents=[tenant], allow_abbrev=False, help="its URL (never its secret)")
+    webhook.add_parser("delete", parents=[tenant], allow_abbrev=False, help="no more webhook notices")
+    verbs.add_parser("notices", parents=[tenant], allow_abbrev=False, help="what incidents told the tenant")
     return tenants

@@ -137,3 +137,24 @@ def test_grafana_provisioning_loads_the_dashboard_from_prometheus() -> None:
     folder = providers["providers"][0]["options"]["path"]
     assert mounts[f"{folder}/bulkhead.json"] == "./grafana/bulkhead.json"
     assert mounts["/etc/grafana/provisioning"] == "./grafana/provisioning"
+
+
+def test_the_alertmanager_example_routes_every_severity_to_a_receiver(rules: list[dict[str, Any]]) -> None:
+    config = yaml.safe_load((PROMETHEUS / "alertmanager.example.yml").read_text(encoding="utf-8"))
+    receivers = {receiver["name"] for receiver in config["receivers"]}
+    route = config["route"]
+    assert route["receiver"] in receivers
+    routed = {}
+    for child in route["routes"]:
+        assert child["receiver"] in receivers
+        for matcher in child["matchers"]:
+            name, _, value = matcher.partition("=")
+            if name == "severity":
+                routed[value.strip('"')] = child["receiver"]
+    assert set(routed) == SEVERITIES and routed["page"] != routed["warning"]
+    alerts = {rule["alert"] for rule in rules}
+    for inhibit in config["inhibit_rules"]:
+        for side in ("source_matchers", "target_matchers"):
+            for matcher in inhibit[side]:
+                name, _, value = matcher.partition("=")
+                assert name == "alertname" and value.strip('"') in alerts, matcher

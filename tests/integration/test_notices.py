@@ -188,7 +188,7 @@ async def test_tenant_keys_read_and_set_only_their_own_and_bad_urls_are_refused(
 
 
 async def test_a_webhook_secret_is_shown_once_and_rotates(
-    client: httpx.AsyncClient, make_gateway: Any, sim_url: str
+    client: httpx.AsyncClient, make_gateway: Any, sim_url: str, tmp_path: Path
 ) -> None:
     gateway_url = make_gateway({"sim": sim_url}, tenants=TENANTS, admin_token=ADMIN, isolation={"notices": LOCAL_URLS})
     first = await register(client, gateway_url, ALICE_KEY, "http://127.0.0.1:9/a")
@@ -206,3 +206,17 @@ async def test_a_webhook_secret_is_shown_once_and_rotates(
     assert (await client.get(f"{gateway_url}{WEBHOOK}", headers=auth(BOB_KEY))).status_code == 404
     assert (await client.delete(f"{gateway_url}{WEBHOOK}", headers=auth())).status_code == 204
     assert (await client.get(f"{gateway_url}{WEBHOOK}", headers=auth())).status_code == 404
+
+    # An operator does the same from the command line.
+    token = tmp_path / "token"
+    token.write_text(ADMIN)
+    common = ["--url", gateway_url, "--admin-token-file", str(token)]
+    made = bulkhead("tenants", "webhook", "set", "bob", "http://127.0.0.1:9/bob", *common)
+    assert made.returncode == 0 and "whsec_" in made.stdout, made.stderr
+    shown = bulkhead("tenants", "webhook", "show", "bob", *common)
+    assert shown.returncode == 0 and "127.0.0.1:9/bob" in shown.stdout and "whsec_" not in shown.stdout
+    listed = bulkhead("tenants", "notices", "bob", *common)
+    assert listed.returncode == 0 and orjson.loads(listed.stdout)["data"] == []
+    refused = bulkhead("tenants", "webhook", "set", "bob", "ftp://x", *common)
+    assert refused.returncode == 1 and "400" in refused.stderr
+    assert bulkhead("tenants", "webhook", "delete", "bob", *common).returncode == 0
