@@ -9,6 +9,7 @@ Both implementations behave the same and are exercised by the same tests. What i
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Literal, Protocol, TypeGuard
 
@@ -228,6 +229,13 @@ class RedisStore:
 
     async def blocks(self) -> list[str]:
         return sorted(text_fields(await self._redis.hgetall(self._blocks)))
+
+
+async def shared_key(redis: Redis, name: str) -> bytes | None:
+    """A random key that every instance on this Redis shares: the first to ask makes it."""
+    await redis.set(name, secrets.token_bytes(32), nx=True)
+    stored = await redis.get(name)
+    return stored if isinstance(stored, bytes) else None
 
 
 def _is_admin_state(value: str) -> TypeGuard[AdminState]:

@@ -18,8 +18,9 @@ from starlette.responses import Response
 from gateway.api.state import GatewayState
 from gateway.errors import InvalidRequest, NotFound
 from gateway.incidents import tracking
-from gateway.incidents.exposure import Window, exposure
+from gateway.incidents.exposure import Window, exposure, slack_s
 from gateway.incidents.incident import Incident
+from gateway.incidents.ledger import MAX_TIME_S
 
 MAX_ANSWERS = 100_000  # per report: a larger window is cut (`truncated`) and can be read in parts by time
 
@@ -51,8 +52,8 @@ def _time(request: Request, name: str, default: float | None = None) -> float:
         if parsed is None or parsed.tzinfo is None:
             raise InvalidRequest(f"{name} must be epoch seconds or ISO 8601 with a zone.", param=name) from None
         when = parsed.timestamp()
-    if not math.isfinite(when) or when < 0:
-        raise InvalidRequest(f"{name} must be a time after 1970.", param=name)
+    if not math.isfinite(when) or not 0 <= when <= MAX_TIME_S:
+        raise InvalidRequest(f"{name} must be a time after 1970 and before {MAX_TIME_S:.0f}.", param=name)
     return when
 
 
@@ -82,7 +83,7 @@ async def _report(request: Request, state: GatewayState, window: Window, inciden
 
 async def incident_exposure(request: Request, state: GatewayState) -> Response:
     incident = await _incident(request, state)
-    return await _report(request, state, Window.of(incident, time.time()), incident)
+    return await _report(request, state, Window.of(incident, time.time(), slack_s(state.settings)), incident)
 
 
 async def replica_exposure(request: Request, state: GatewayState) -> Response:
@@ -101,6 +102,6 @@ async def replica_exposure(request: Request, state: GatewayState) -> Response:
 async def close_incident(request: Request, state: GatewayState) -> Response:
     incident = await _incident(request, state)
     if incident.open:
-        await tracking.closed(incident.replica, "closed by an operator", state)
+        await tracking.closed(incident.replica, "closed by an operator", state, incident.id)
         incident = await _incident(request, state)
     return _json(incident.view())

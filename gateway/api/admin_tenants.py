@@ -242,7 +242,10 @@ async def update_tenant(request: Request, state: GatewayState) -> Response:
 
 async def delete_tenant(request: Request, state: GatewayState) -> Response:
     tenant_id = request.path_params["tenant"]
+    incarnation = (await state.tenants.tenant(tenant_id)).incarnation()
     await state.tenants.delete_tenant(tenant_id)
+    # Its notices go nowhere now (a tenant made again under its id is another one, with no webhook).
+    await state.tenant_webhooks.delete(incarnation)
     await _audit(state, "tenant.delete", tenant_id)
     return Response(status_code=204)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from gateway.incidents.incident import PROBE, Incident
 from gateway.incidents.ledger import VERDICTS, Ledger, Served
 from gateway.incidents.reporting import LEAKS
+from gateway.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Window:
     ends: str  # when the replica left rotation, the incident closed, now, or where the operator said
 
     @classmethod
-    def of(cls, incident: Incident, now: float) -> Window:
+    def of(cls, incident: Incident, now: float, slack: float = 0.0) -> Window:
         if incident.contained_at is not None:
             ends = "left rotation"
         elif incident.closed_at is not None:
@@ -34,7 +35,13 @@ class Window:
         else:
             ends = "now (the replica is still in rotation)"
         starts = "last clean probe" if incident.window_from == PROBE else "ledger retention horizon (no clean probe)"
-        return cls(incident.replica, incident.window_start, incident.window_end(now), starts, ends)
+        return cls(incident.replica, incident.window_start, incident.window_end(now, slack), starts, ends)
+
+
+def slack_s(settings: Settings) -> float:
+    """How long after a replica left rotation it may still have been sent requests: until every instance synced (a
+    health interval), and the ledger's last records flushed."""
+    return settings.upstream.health_interval_s + settings.isolation.ledger.flush_interval_s
 
 
 def _leaked(served: Served) -> bool:

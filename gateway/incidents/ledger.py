@@ -40,8 +40,10 @@ WITHHELD = "withheld"  # an isolation check withheld it before any of it went ou
 FAILED = "failed"  # nothing went out, for another reason (the backend failed, the client left)
 JUDGED = "judged"  # a fragment verdict's regeneration: the tenant's prompt went there, nothing came back to it
 VERDICTS = (DELIVERED, PARTIAL, WITHHELD, FAILED, JUDGED)
-SCAN_PAGE = 10_000  # stream entries read per round trip when listing
+SCAN_PAGE = 1000  # stream entries read per round trip when listing: the loop serves others between two (~30 ms)
 SEP = "\x1f"
+LATE_S = 3600.0  # an answer that began in a window may end (and be written) this long after it and still be found
+MAX_TIME_S = 2.0**52 / 1000  # a time past this is no time (a stream id is milliseconds in 64 bits)
 
 
 class Served(NamedTuple):
@@ -73,7 +75,8 @@ class Ledger(Protocol):
     async def write(self, batch: list[Served]) -> None: ...
 
     async def served(self, replica: str, since: float, until: float, limit: int) -> tuple[list[Served], bool]:
-        """What `replica` served that overlaps [since, until], in order of end; and whether `limit` cut the list."""
+        """What `replica` served that overlaps [since, until], in order of end: the newest `limit` of it (the end of
+        a window is where a fault shows), and whether more were cut."""
         ...
 
     async def probed(self, replica: str, at: float) -> None:
@@ -85,6 +88,12 @@ class Ledger(Protocol):
 
 def _overlaps(served: Served, since: float, until: float) -> bool:
     return served.end >= since and served.start <= until
+
+
+def _newest(found: list[Served], limit: int) -> tuple[list[Served], bool]:
+    # A batch written again after a write that was cancelled once it had reached the store leaves doubles.
+    unique = sorted({(s.request_id, s.start, s.end): s for s in found}.values(), key=lambda s: s.end)
+    return unique[-limit:], len(unique) > limit
 
 
 class MemoryLedger:
@@ -101,8 +110,7 @@ class MemoryLedger:
 
     async def served(self, replica: str, since: float, until: float, limit: int) -> tuple[list[Served], bool]:
         found = [s for s in self._records if s.replica == replica and _overlaps(s, since, until)]
-        found.sort(key=lambda s: s.end)
-        return found[:limit], len(found) > limit
+        return _newest(found, limit)
 
     async def probed(self, replica: str, at: float) -> None:
         probes = self._probes.setdefault(replica, deque(maxlen=1024))
@@ -114,14 +122,11 @@ class MemoryLedger:
 
 
 class RedisLedger:
-    def __init__(self, redis: Redis, retention_s: float, *, prefix: str, slack_s: float = 60.0) -> None:
+    def __init__(self, redis: Redis, retention_s: float, *, prefix: str) -> None:
         self._redis = redis
         self._retention_s = retention_s
         self._stream = f"{prefix}ledger:"
         self._probes = f"{prefix}ledger-probes:"
-        # An entry's id is when Redis stored it: a batch waits up to a flush interval, and the answer may have begun
-        # long before it ended; a read looks this much earlier than its window and keeps what overlaps it.
-        self._slack_s = slack_s
 
     async def write(self, batch: list[Served]) -> None:
         horizon = int((time.time() - self._retention_s) * 1000)
@@ -133,15 +138,18 @@ class RedisLedger:
                 )
                 # MINID ~: trimmed whole nodes at a time, so a write costs O(1); the retention's edge is kept at least.
                 pipe.xadd(self._stream + s.replica, {"r": packed}, minid=horizon, approximate=True)
+            # A replica no longer written to (gone from the settings) is forgotten with the retention all the same.
+            for replica in {s.replica for s in batch}:
+                pipe.expire(self._stream + replica, int(self._retention_s) + 1)
             await pipe.execute()
 
     async def served(self, replica: str, since: float, until: float, limit: int) -> tuple[list[Served], bool]:
-        key = self._stream + replica
-        found: list[Served] = []
-        start = f"{max(0, int((since - self._slack_s) * 1000))}-0"
-        end = f"{int((until + self._slack_s) * 1000)}-99999999"
+        # An entry's id is when Redis stored it: after its answer ended (so never before `since` for an answer that
+        # overlaps), and at most LATE_S after the window for one that began in it (a long stream, a late write).
+        key, found = self._stream + replica, []
+        low, high = f"{max(0, int(since * 1000))}-0", f"{int(min(until + LATE_S, MAX_TIME_S) * 1000)}-99999999"
         while True:
-            entries = await self._redis.xrange(key, min=start, max=end, count=SCAN_PAGE) or []
+            entries = await self._redis.xrevrange(key, max=high, min=low, count=SCAN_PAGE) or []
             for _, raw in entries:
                 served = _parse(replica, text_fields(raw))
                 if served is not None and _overlaps(served, since, until):
@@ -150,9 +158,8 @@ class RedisLedger:
                 break
             last = entries[-1][0]
             assert last is not None
-            start = "(" + text(last)
-        found.sort(key=lambda s: s.end)
-        return found[:limit], len(found) > limit
+            high = "(" + text(last)
+        return _newest(found, limit)
 
     async def probed(self, replica: str, at: float) -> None:
         key = self._probes + replica
@@ -207,6 +214,9 @@ class LedgerWriter:
                 log.error("exposure ledger not written (%d records kept to retry): %s", len(batch), type(exc).__name__)
             self._failing = True
             self._keep(batch)
+            raise
+        except BaseException:
+            self._keep(batch)  # cancelled mid-write (a shutdown, a reader that left): written again by the next flush
             raise
         if self._failing:
             log.warning("exposure ledger written again")

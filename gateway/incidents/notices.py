@@ -29,23 +29,25 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from gateway.incidents.exposure import slack_s
 from gateway.incidents.incident import Incident
 from gateway.incidents.ledger import DELIVERED, PARTIAL, WITHHELD, LedgerWriter, Served
-from gateway.incidents.reporting import LEAKS
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
 from gateway.tenancy.webhooks import TenantWebhooks
 from gateway.webhooks import TENANT_PREFIX, Deliveries
-from isolation.events import EventLog
 from isolation.guard import MARKER
-from isolation.redis_text import text_fields
+from isolation.redis_text import text
 
 log = logging.getLogger("bulkhead.isolation")
 
 VICTIM = "isolation.exposure"
 RECIPIENT = "isolation.foreign_data"
-MAX_WINDOW_ANSWERS = 100_000
+MAX_READ = 100_000  # of the window's answers, the newest read for a victim's own requests
+MAX_LISTED = 100  # a victim's own requests listed in one notice, the newest (the total is given)
 REACHED = (DELIVERED, PARTIAL)
+WHOLE = "whole"
+NOT_ENDED = "not_ended"  # a leaking answer still on its way (a stream): its notice is made again when it ends
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,8 @@ class NoticeStore(Protocol):
 
 
 class MemoryNoticeStore:
-    def __init__(self) -> None:
+    def __init__(self, retention_s: float) -> None:
+        self._retention_s = retention_s
         self._notices: dict[str, dict[str, Notice]] = {}
 
     async def add(self, notice: Notice, keep: int) -> bool:
@@ -85,37 +88,67 @@ class MemoryNoticeStore:
         if notice.id in kept:
             return False
         kept[notice.id] = notice
-        for oldest in sorted(kept.values(), key=lambda n: n.created_at)[: max(0, len(kept) - keep)]:
-            del kept[oldest.id]
+        horizon = time.time() - self._retention_s
+        ordered = sorted(kept.values(), key=lambda n: n.created_at)
+        for gone in [n for n in ordered if n.created_at < horizon] + ordered[: max(0, len(kept) - keep)]:
+            kept.pop(gone.id, None)
         return True
 
     async def of(self, tenant: str, limit: int) -> list[Notice]:
-        return sorted(self._notices.get(tenant, {}).values(), key=lambda n: n.created_at, reverse=True)[:limit]
+        horizon = time.time() - self._retention_s
+        kept = [n for n in self._notices.get(tenant, {}).values() if n.created_at >= horizon]
+        return sorted(kept, key=lambda n: n.created_at, reverse=True)[:limit]
+
+
+# KEYS: the tenant's notices (id → JSON), its index (id by time); ARGV: id, JSON, time, keep, horizon, retention (s).
+# 1 when new. The oldest past `keep`, and those past the retention, go in the same step.
+_ADD = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[5])
+local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
+if over > 0 then
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, over - 1)) do table.insert(gone, id) end
+end
+for _, id in ipairs(gone) do
+  redis.call('HDEL', KEYS[1], id)
+  redis.call('ZREM', KEYS[2], id)
+end
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('EXPIRE', KEYS[2], ARGV[6])
+return 1
+"""
 
 
 class RedisNoticeStore:
     def __init__(self, redis: Redis, retention_s: float, *, prefix: str) -> None:
         self._redis = redis
-        self._retention = int(retention_s) + 1
+        self._retention_s = retention_s
         self._key = f"{prefix}notices:"
+        self._index = f"{prefix}notices-by-time:"
+        self._add = redis.register_script(_ADD)
 
     async def add(self, notice: Notice, keep: int) -> bool:
-        key = self._key + notice.tenant
         raw = orjson.dumps({"type": notice.type, "created_at": notice.created_at, "data": notice.data})
-        if not await self._redis.hsetnx(key, notice.id, raw):
-            return False
-        await self._redis.expire(key, self._retention)
-        if await self._redis.hlen(key) > keep:
-            kept = await self.of(notice.tenant, 10 * keep)
-            await self._redis.hdel(key, *[n.id for n in kept[keep:]])
-        return True
+        keys = [self._key + notice.tenant, self._index + notice.tenant]
+        horizon = time.time() - self._retention_s
+        args: list[str | bytes | int] = [
+            notice.id, raw, repr(notice.created_at), keep, repr(horizon), int(self._retention_s) + 1
+        ]  # fmt: skip
+        return bool(await self._add(keys=keys, args=args))
 
     async def of(self, tenant: str, limit: int) -> list[Notice]:
-        found = []
-        for notice_id, raw in text_fields(await self._redis.hgetall(self._key + tenant)).items():
-            fields = orjson.loads(raw)
-            found.append(Notice(notice_id, tenant, fields["type"], fields["created_at"], fields["data"]))
-        return sorted(found, key=lambda n: n.created_at, reverse=True)[:limit]
+        horizon = time.time() - self._retention_s
+        found = await self._redis.zrevrangebyscore(self._index + tenant, "+inf", horizon, start=0, num=limit)
+        ids = [text(i) for i in found]  # type: ignore[arg-type]  # members, no scores
+        if not ids:
+            return []
+        notices = []
+        for notice_id, raw in zip(ids, await self._redis.hmget(self._key + tenant, ids), strict=True):
+            if raw is not None:
+                fields = orjson.loads(raw)
+                notices.append(Notice(notice_id, tenant, fields["type"], fields["created_at"], fields["data"]))
+        return notices
 
 
 class NoticeParts(Protocol):
@@ -123,8 +156,6 @@ class NoticeParts(Protocol):
     def settings(self) -> Settings: ...
     @property
     def metrics(self) -> GatewayMetrics: ...
-    @property
-    def events(self) -> EventLog: ...
     @property
     def ledger(self) -> LedgerWriter: ...
     @property
@@ -139,54 +170,60 @@ def _request(served: Served) -> dict[str, Any]:
     return {"request_id": served.request_id, "start": served.start, "end": served.end}
 
 
-def _common(incident: Incident, detected_at: float) -> dict[str, Any]:
-    return {"incident": incident.id, "model": incident.model, "replica": incident.replica, "detected_at": detected_at}
+def _common(incident: Incident) -> dict[str, Any]:
+    return {
+        "incident": incident.id,
+        "model": incident.model,
+        "replica": incident.replica,
+        "detected_at": incident.opened_at,
+    }
 
 
 async def notices_of(incident: Incident, state: NoticeParts, now: float) -> list[Notice]:
     """The notices a confirmed incident makes now (module docstring)."""
-    until = incident.window_end(now)
-    leaks = [
-        e
-        for e in await state.events.recent(state.settings.isolation.events_max)
-        if e.replica == incident.replica and e.kind in LEAKS and e.time >= incident.window_start
-    ]
-    await state.ledger.flush()
-    served, _ = await state.ledger.ledger.served(incident.replica, incident.window_start, until, MAX_WINDOW_ANSWERS)
-    answer = {s.request_id: s for s in served}
+    until = incident.window_end(now, slack_s(state.settings))
     window = {"since": incident.window_start, "until": until}
+    ended = {request_id: (recipient, verdict) for request_id, recipient, verdict in incident.answers}
     made = []
-    for victim in sorted({e.victim_tenant for e in leaks if e.victim_tenant}):
-        carried = [answer[e.request_id] for e in leaks if e.victim_tenant == victim and e.request_id in answer]
+    victims = sorted({victim for _, victim in incident.leaks})
+    served: list[Served] = []
+    cut = False
+    if victims:
+        await state.ledger.flush()
+        served, cut = await state.ledger.ledger.served(incident.replica, incident.window_start, until, MAX_READ)
+    for victim in victims:
+        mine = [s for s in served if s.tenant == victim]
+        verdicts = [ended[r][1] if r in ended else NOT_ENDED for r, v in sorted(incident.leaks) if v == victim]
         data = {
-            **_common(incident, min(e.time for e in leaks if e.victim_tenant == victim)),
+            **_common(incident),
             "window": window,
-            "your_requests": [_request(s) for s in served if s.tenant == victim],
-            "answers_carrying_your_data": len(carried),
-            "all_withheld": all(s.verdict == WITHHELD for s in carried),
+            "your_requests": [_request(s) for s in mine[-MAX_LISTED:]],
+            "your_requests_total": len(mine),
+            "your_requests_complete": not cut,
+            "answers_carrying_your_data": len(verdicts),
+            "withheld": verdicts.count(WITHHELD),
+            "reached_another_tenant": sum(v in REACHED for v in verdicts),
+            "not_ended": verdicts.count(NOT_ENDED),
         }
-        what = [sorted(r["request_id"] for r in data["your_requests"]), sorted(s.request_id for s in carried)]
-        made.append(Notice.of(victim, VICTIM, data, now, what=[*what, data["all_withheld"]]))
-    received: dict[str, list[Served]] = {}
-    for e in leaks:
-        got = answer.get(e.request_id)
-        if got is not None and got.verdict in REACHED:
-            received.setdefault(got.tenant, []).append(got)
+        what = [[r["request_id"] for r in data["your_requests"]], len(mine), verdicts]
+        made.append(Notice.of(victim, VICTIM, data, now, what=what))
+    received: dict[str, list[tuple[str, str]]] = {}
+    for request_id, (recipient, verdict) in sorted(ended.items()):
+        if verdict in REACHED:
+            received.setdefault(recipient, []).append((request_id, verdict))
     for recipient, answers in sorted(received.items()):
-        unique = list({s.request_id: s for s in answers}.values())
-        data = {
-            **_common(incident, min(s.end for s in unique)),
-            "requests": [
-                {**_request(s), "delivered": "whole" if s.verdict == DELIVERED else "in part"} for s in unique
-            ],
-        }
-        made.append(Notice.of(recipient, RECIPIENT, data, now, what=sorted(s.request_id for s in unique)))
+        requests = [{"request_id": r, "delivered": WHOLE if v == DELIVERED else "in part"} for r, v in answers]
+        data = {**_common(incident), "requests": requests}
+        made.append(Notice.of(recipient, RECIPIENT, data, now, what=answers))
     return made
 
 
-def confirmed_for_notices(incident: Incident, kind: str, state: NoticeParts) -> bool:
-    """Whether the incident's leaks are notices now: confirmed by the canary probe, or (by setting) a marker leak."""
-    return incident.confirmed == "yes" or (state.settings.isolation.notices.confirm == "marker" and kind == MARKER)
+def confirmed_for_notices(incident: Incident, state: NoticeParts) -> bool:
+    """Whether the incident's leaks are notices now: confirmed by the canary probe, or (by setting) by a marker leak
+    (which no tenant makes a model write without having learned another's marker)."""
+    return incident.confirmed == "yes" or (
+        state.settings.isolation.notices.confirm == "marker" and MARKER in incident.kinds
+    )
 
 
 async def notify(incident: Incident, state: NoticeParts) -> int:

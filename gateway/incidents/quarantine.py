@@ -155,7 +155,7 @@ async def on_leak(event: IsolationEvent, state: ResponderParts) -> None:
     action = await _decide(event, state, replica)
     state.metrics.quarantines.labels(event.replica, action).inc()
     await report(replace(event, action=action), state)
-    await tracking.sight(event, state)
+    incident = await tracking.sight(event, state)
     if action == SUSPENDED:
         await tracking.contained(event.replica, state)
     if replica is None or action not in (SUSPENDED, PROBING) or replica.name in state.quarantines.probing:
@@ -165,10 +165,10 @@ async def on_leak(event: IsolationEvent, state: ResponderParts) -> None:
         state.metrics.quarantines.labels(replica.name, "probe_bounded").inc()
         return
     state.quarantines.probing.add(replica.name)
-    state.background(_confirm(state, replica, event))
+    state.background(_confirm(state, replica, event, incident.id if incident is not None else ""))
 
 
-async def _confirm(state: ResponderParts, replica: Replica, event: IsolationEvent) -> None:
+async def _confirm(state: ResponderParts, replica: Replica, event: IsolationEvent, incident_id: str) -> None:
     findings: list[Finding] | None = None  # None: the probe could not tell
     started = time.time()
     try:
@@ -200,4 +200,4 @@ async def _confirm(state: ResponderParts, replica: Replica, event: IsolationEven
     if action == QUARANTINED:
         await _set(state, replica, QUARANTINED, f"confirmed leak in request {event.request_id}")
         await tracking.contained(replica.name, state)
-    await tracking.confirmed(replica.name, outcome, started, state)
+    await tracking.confirmed(replica.name, outcome, started, state, incident_id)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 import orjson
 from redis.exceptions import RedisError
 
 from gateway.incidents.incident import PROBE, RETENTION, Incident, IncidentStore, Sighting
+from gateway.incidents.ledger import Served
 from gateway.incidents.notices import NoticeParts, confirmed_for_notices, notify
 from gateway.incidents.reporting import LEAKS
 from gateway.metrics import GatewayMetrics
@@ -36,6 +38,7 @@ class TrackingParts(NoticeParts, Protocol):
     def metrics(self) -> GatewayMetrics: ...
     @property
     def incidents(self) -> IncidentStore: ...
+    def background(self, work: Coroutine[Any, Any, Any]) -> None: ...
 
 
 def _failed(what: str, replica: str, exc: Exception) -> None:
@@ -69,8 +72,9 @@ async def sight(event: IsolationEvent, state: TrackingParts) -> Incident | None:
         state.metrics.incidents.labels(event.model, event.replica, "opened").inc()
         line = {"event": "incident_opened", "incident": incident.id, "replica": event.replica}
         log.error(orjson.dumps(line).decode())
-    if confirmed_for_notices(incident, event.kind, state):
-        await notify(incident, state)
+    if confirmed_for_notices(incident, state):
+        # Off the request path: notices read the ledger, and this is an answer's leak being handled.
+        state.background(notify(incident, state))
     return incident
 
 
@@ -82,27 +86,30 @@ async def contained(replica: str, state: TrackingParts) -> None:
         _failed("containment", replica, exc)
 
 
-async def confirmed(replica: str, outcome: str, started: float, state: TrackingParts) -> Incident | None:
+async def confirmed(
+    replica: str, outcome: str, started: float, state: TrackingParts, incident_id: str = ""
+) -> Incident | None:
     """The canary probe's word on the replica's open incident: yes, no or unknown. A clean probe ("no") closes the
     incident, and where it started is where the replica's next exposure window will (a fault that began while the
-    probe ran may have been missed by it)."""
+    probe ran may have been missed by it). `incident_id`: the incident the probe was for; another one opened since
+    is not its to decide."""
     try:
         if outcome == "no":
             await state.ledger.ledger.probed(replica, started)
-        incident = await state.incidents.confirm(replica, outcome)
+        incident = await state.incidents.confirm(replica, outcome, incident_id)
         if outcome == "no":
-            incident = await closed(replica, UNCONFIRMED, state)
+            incident = await closed(replica, UNCONFIRMED, state, incident_id)
     except (RedisError, OSError) as exc:
         _failed("confirmation", replica, exc)
         return None
     if incident is not None and outcome == "yes":
-        await notify(incident, state)
+        state.background(notify(incident, state))
     return incident
 
 
-async def closed(replica: str, reason: str, state: TrackingParts) -> Incident | None:
+async def closed(replica: str, reason: str, state: TrackingParts, incident_id: str = "") -> Incident | None:
     try:
-        incident = await state.incidents.close(replica, time.time(), reason)
+        incident = await state.incidents.close(replica, time.time(), reason, incident_id)
     except (RedisError, OSError) as exc:
         _failed("closing", replica, exc)
         return None
@@ -127,6 +134,18 @@ async def watch(state: TrackingParts, interval_s: float) -> None:
                 state.metrics.incidents_open.labels(*labels).set(1)
             shown |= now
         await asyncio.sleep(interval_s)
+
+
+async def answered(served: Served, state: TrackingParts) -> None:
+    """An answer that carried another tenant's data has ended: its incident learns to whom it went and what became
+    of it, and, confirmed, makes its notices again with it (one that changes nothing is none)."""
+    try:
+        incident = await state.incidents.answered(served.replica, served.request_id, served.tenant, served.verdict)
+    except (RedisError, OSError) as exc:
+        _failed("answer", served.replica, exc)
+        return
+    if incident is not None and confirmed_for_notices(incident, state):
+        await notify(incident, state)
 
 
 async def probed_clean(replica: str, started: float, state: TrackingParts) -> None:

@@ -23,6 +23,7 @@ from gateway.errors import (
     ModelNotFound,
     UpstreamError,
 )
+from gateway.incidents import tracking
 from gateway.incidents.ledger import DELIVERED, FAILED, JUDGED, PARTIAL, WITHHELD, Served
 from gateway.incidents.quarantine import ResponderParts, on_leak
 from gateway.incidents.reporting import LEAKS, report
@@ -276,6 +277,7 @@ class InferenceCall:
         self._kinds: list[str] = []  # its isolation events' kinds
         self._withheld = False
         self._events_out = 0  # stream events handed to the client
+        self._whole = True  # a stream that ended with its [DONE] (one cut short is relayed as it came, in part)
 
     async def close(self) -> None:
         if self._closed:
@@ -306,15 +308,17 @@ class InferenceCall:
         """The exposure ledger's record of this request, once it reached a replica (no await: it is buffered)."""
         if self._forwarded_at is None:
             return
-        if self.record.status == 200 and self.finished:
+        if self.record.status == 200 and self.finished and self._whole:
             verdict = DELIVERED
         elif self._events_out:
             verdict = PARTIAL
         else:
             verdict = WITHHELD if self._withheld else FAILED
-        self.state.ledger.record(self._served(self.replica, self._forwarded_at, verdict, ",".join(self._kinds)))
+        served = self._served(self.replica, self._forwarded_at, verdict, ",".join(self._kinds))
+        self.state.ledger.record(served)
         if not LEAKS.isdisjoint(self._kinds):
             self.state.metrics.exposed_answers.labels(self.model.name, self.replica.name, verdict).inc()
+            self.state.background(tracking.answered(served, self.state))
 
     def _served(self, replica: Replica, start: float, verdict: str, kinds: str = "") -> Served:
         return Served(
@@ -625,6 +629,7 @@ class InferenceCall:
                 self._events_out += 1
                 yield event
             self.finished = True
+            self._whole = stream_filter.done
             if at_end is not None:
                 await at_end(stream_filter.done)
             last = DONE if stream_filter.done else None

@@ -56,9 +56,10 @@ from gateway.server.openapi import openapi_document
 from gateway.server.shutdown import stop_tasks
 from gateway.server.stores import build_stores
 from gateway.settings import Settings, SettingsError
+from gateway.store import shared_key
 from gateway.tenancy.ratelimit import RateLimiter
 from gateway.tenancy.tenants import TenantDirectory
-from gateway.tenancy.webhooks import TenantWebhooks
+from gateway.tenancy.webhooks import SigningKey, TenantWebhooks
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
 from gateway.upstream.fairness import Gate
@@ -296,29 +297,22 @@ async def kept_in_redis(redis: Redis, name: str) -> bytes | None:
     """A random key that every instance on this Redis shares (the first to start makes it); None when Redis could not
     be asked."""
     try:
-        await redis.set(name, secrets.token_bytes(32), nx=True)
-        stored = await redis.get(name)
+        return await shared_key(redis, name)
     except (RedisError, OSError) as exc:
         log.error("key %s not read from Redis: %s", name, type(exc).__name__)
         return None
-    return stored if isinstance(stored, bytes) else None
 
 
-async def notice_signing_key(settings: Settings, redis: Redis | None) -> bytes:
-    """What tenants' webhook secrets are derived from (gateway/tenancy/webhooks.py): the configured key, else one kept
-    in Redis, else this process's own (whose secrets end with it, as its in-memory registrations do)."""
+def notice_signing_key(settings: Settings, redis: Redis | None) -> SigningKey:
+    """What tenants' webhook secrets are derived from (gateway/tenancy/webhooks.py): the configured key, else the one
+    kept in Redis (read when first needed, so an instance that started while Redis was down never signs with a key
+    of its own), else this process's own (whose secrets end with it, as its in-memory registrations do)."""
     configured = settings.isolation.notices.signing_key
     if configured is not None:
-        return configured.encode()
+        return SigningKey(configured.encode())
     if redis is not None:
-        stored = await kept_in_redis(redis, f"{settings.redis_key_prefix}notice-signing-key")
-        if stored is not None:
-            return stored
-        log.error(
-            "tenants' webhook notices are signed with a key of this instance's own until it restarts with Redis up: "
-            "set isolation.notices.signing_key (the same on every instance) to need no key from Redis"
-        )
-    return secrets.token_bytes(32)
+        return SigningKey(None, redis, f"{settings.redis_key_prefix}notice-signing-key")
+    return SigningKey(secrets.token_bytes(32))
 
 
 def fingerprint_secret(secret: bytes) -> bytes:
@@ -451,7 +445,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 pool.on_recovered = recovered
                 kept = settings.isolation.ledger
                 writer = LedgerWriter(stores.ledger, kept.max_buffered, kept.flush_interval_s, metrics.ledger_dropped)
-                signing_key = await notice_signing_key(settings, redis)
+                signing_key = notice_signing_key(settings, redis)
                 tenant_webhooks = TenantWebhooks(stores.registrations, signing_key, settings.isolation.notices)
                 deliveries = Deliveries(
                     stores.outbox, either(targets, tenant_webhooks.resolve), client, settings.webhooks, metrics

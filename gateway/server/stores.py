@@ -65,7 +65,7 @@ def build_stores(settings: Settings, redis: Redis | None) -> Stores:
             conversations=MemoryConversationStore(kept.ttl_s, kept.max_bytes_per_tenant),
             ledger=MemoryLedger(ledger.retention_s, ledger.max_memory_records),
             incidents=MemoryIncidentStore(ledger.retention_s),
-            notices=MemoryNoticeStore(),
+            notices=MemoryNoticeStore(ledger.retention_s),
             registrations=MemoryRegistrationStore(),
             outbox=MemoryOutbox(),
             buckets=None,

@@ -2,14 +2,17 @@
 
 A tenant registers a URL (itself, `PUT /v1/isolation/webhook`, or an operator for it); the answer that makes a
 registration, or rotates its secret, is the only one that shows the secret (`whsec_…`). The secret is never stored:
-it is an HMAC of the tenant's incarnation and the registration's version under the gateway's notice signing key
-(`isolation.notices.signing_key`, the same on every instance; else one kept in Redis, or one per process), so every
-instance signs alike and a rotation (a new version) ends the old secret at once.
+it is an HMAC of the tenant's incarnation and the registration's version and making under the gateway's notice
+signing key (`isolation.notices.signing_key`, the same on every instance; else one kept in Redis, or one per
+process), so every instance signs alike, a rotation (a new version) ends the old secret at once, and a webhook
+deleted and made again has a new one.
 
 A URL is a control a tenant hands the gateway: the gateway will POST to it. So it must be https (http only where
 `isolation.notices.allow_http`), and its host must resolve to public addresses only, checked when it is registered
-and again at each delivery (a name can be pointed elsewhere later): no tenant turns the gateway against the network
-it runs in (loopback, private, link-local such as cloud metadata) unless `isolation.notices.allow_private_urls`.
+and again at each delivery (a name can be pointed elsewhere later), and the delivery connects to the address so
+checked (its name as Host and TLS server name: no second lookup to rebind): no tenant turns the gateway against the
+network it runs in (loopback, private, link-local such as cloud metadata, IPv6 forms that translate to IPv4) unless
+`isolation.notices.allow_private_urls`. A host must be ASCII (an international name in its xn-- form).
 
 Kept in the store's hash `{prefix}tenant-webhooks` (incarnation → JSON), or in memory.
 """
@@ -28,8 +31,10 @@ from urllib.parse import urlsplit
 
 import orjson
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from gateway.settings import NoticeSettings
+from gateway.store import shared_key
 from gateway.webhooks import TENANT_PREFIX, Target, whsec
 from isolation.redis_text import text
 
@@ -89,24 +94,57 @@ class RedisRegistrationStore:
         return bool(await self._redis.hdel(self._key, tenant))
 
 
+# IPv6 forms that reach an IPv4 address through a translator: whatever they wrap, no webhook needs them.
+TRANSLATED = tuple(
+    ipaddress.ip_network(net) for net in ("64:ff9b::/96", "64:ff9b:1::/48", "2002::/16", "2001::/32", "::/96")
+)
+RESOLVE_TIMEOUT_S = 5.0
+NOT_PUBLIC = "url's host must resolve to public addresses only"
+
+
 def _public(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif any(ip in net for net in TRANSLATED):
+            return False
     return ip.is_global and not ip.is_multicast
 
 
+class SigningKey:
+    """The key tenants' webhook secrets are derived from: given, or the one kept in Redis, read when first needed
+    (never one of this instance's own while Redis cannot be read: its secrets would verify nowhere else)."""
+
+    def __init__(self, key: bytes | None, redis: Redis | None = None, name: str = "") -> None:
+        self._key = key
+        self._redis = redis
+        self._name = name
+
+    async def get(self) -> bytes:
+        """The key; RedisError (or OSError) while the one kept in Redis cannot be read."""
+        if self._key is None:
+            assert self._redis is not None
+            self._key = await shared_key(self._redis, self._name)
+            if self._key is None:
+                raise RedisError("the notice signing key was not kept in Redis")
+        return self._key
+
+
 class TenantWebhooks:
-    def __init__(self, store: RegistrationStore, key: bytes, settings: NoticeSettings) -> None:
+    def __init__(self, store: RegistrationStore, key: SigningKey, settings: NoticeSettings) -> None:
         self._store = store
         self._key = key
         self._settings = settings
+        self._resolving = asyncio.Semaphore(4)  # names resolved at once: a tenant's slow names hold no more threads
 
-    def secret(self, tenant: str, version: int) -> bytes:
-        return hmac.new(self._key, f"{tenant}\n{version}".encode(), hashlib.sha256).digest()
+    async def secret(self, tenant: str, registration: Registration) -> bytes:
+        # Its making too: a webhook deleted and registered again gets a secret of its own, not the first one back.
+        made = f"{tenant}\n{registration.version}\n{registration.created_at!r}".encode()
+        return hmac.new(await self._key.get(), made, hashlib.sha256).digest()
 
-    async def check_url(self, url: str) -> None:
-        """Raise UnsafeUrl unless the gateway may POST to `url` (module docstring)."""
+    async def check_url(self, url: str) -> list[str]:
+        """The addresses the gateway may POST `url` to (module docstring), or UnsafeUrl; empty: anything goes."""
         if len(url) > MAX_URL_CHARS:
             raise UnsafeUrl(f"url has more than {MAX_URL_CHARS} characters")
         parts = urlsplit(url)
@@ -115,18 +153,28 @@ class TenantWebhooks:
             raise UnsafeUrl(f"url must be {' or '.join(schemes)}")
         if not parts.hostname or parts.username or parts.password:
             raise UnsafeUrl("url must name a host, with no user or password in it")
+        if not parts.hostname.isascii():
+            # The name resolved here and the one httpx sends could differ (IDNA 2003 against 2008).
+            raise UnsafeUrl("url's host must be ASCII: write an international name in its xn-- form")
         try:
             port = parts.port
         except ValueError as exc:
             raise UnsafeUrl("url has a bad port") from exc
         if self._settings.allow_private_urls:
-            return
+            return []
         try:
-            found = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port or 443, type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError) as exc:
-            raise UnsafeUrl(f"url's host {parts.hostname!r} does not resolve") from exc
-        if not found or not all(_public(str(info[4][0])) for info in found):
-            raise UnsafeUrl(f"url's host {parts.hostname!r} is not a public address")
+            async with self._resolving:
+                found = await asyncio.wait_for(
+                    asyncio.get_running_loop().getaddrinfo(parts.hostname, port or 443, type=socket.SOCK_STREAM),
+                    RESOLVE_TIMEOUT_S,
+                )
+        except (OSError, UnicodeError, TimeoutError) as exc:
+            # The same words as a private address: the answer must not tell which internal names exist.
+            raise UnsafeUrl(NOT_PUBLIC) from exc
+        addresses = [str(info[4][0]) for info in found]
+        if not addresses or not all(map(_public, addresses)):
+            raise UnsafeUrl(NOT_PUBLIC)
+        return addresses
 
     async def register(self, tenant: str, url: str, rotate: bool) -> tuple[Registration, str | None]:
         """Register or move the tenant's webhook; the secret (whsec_) when one was made or rotated, else None."""
@@ -137,9 +185,9 @@ class TenantWebhooks:
             registration = Registration(url, 1, now, now)
         else:
             registration = Registration(url, current.version + int(rotate), current.created_at, now)
+        secret = await self.secret(tenant, registration)  # before it is stored: no key, no registration
         await self._store.put(tenant, registration)
-        made = current is None or rotate
-        return registration, whsec(self.secret(tenant, registration.version)) if made else None
+        return registration, whsec(secret) if current is None or rotate else None
 
     async def registration(self, tenant: str) -> Registration | None:
         return await self._store.get(tenant)
@@ -148,13 +196,21 @@ class TenantWebhooks:
         return await self._store.delete(tenant)
 
     async def resolve(self, target: str) -> Target | None:
-        """A `tenant:<incarnation>` target, as delivery asks for it at each attempt; None: none, or no longer safe."""
+        """A `tenant:<incarnation>` target at an attempt: its URL pinned to an address checked now; None: there is
+        none, or it no longer resolves to public addresses. RedisError while the signing key cannot be read."""
         tenant = target.removeprefix(TENANT_PREFIX)
         registration = await self._store.get(tenant)
         if registration is None:
             return None
         try:
-            await self.check_url(registration.url)
+            addresses = await self.check_url(registration.url)
         except UnsafeUrl:
             return None
-        return Target(registration.url, self.secret(tenant, registration.version))
+        secret = await self.secret(tenant, registration)
+        if not addresses:
+            return Target(registration.url, secret)
+        parts = urlsplit(registration.url)
+        address = addresses[0]
+        literal = f"[{address}]" if ":" in address else address
+        pinned = parts._replace(netloc=literal + (f":{parts.port}" if parts.port else ""))
+        return Target(pinned.geturl(), secret, host=parts.netloc, server_name=parts.hostname)

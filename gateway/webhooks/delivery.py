@@ -180,12 +180,22 @@ class Deliveries:
         """None when the receiver took it (2xx), else why not."""
         timestamp = int(self._clock())
         headers = signed_headers(target.secret, message.id, timestamp, message.body, legacy=target.legacy_signature)
+        extensions = {}
+        if target.host is not None:
+            headers["host"] = target.host
+        if target.server_name is not None:
+            extensions["sni_hostname"] = target.server_name
+        timeout = self._settings.timeout_s
         try:
-            # Streamed and never read: what a receiver answers with is not the gateway's to hold.
-            async with self._client.stream(
-                "POST", target.url, content=message.body, headers=headers, timeout=self._settings.timeout_s
-            ) as response:
-                status = response.status_code
+            # httpx's timeout is per phase: a receiver trickling bytes would hold the attempt (and a slot) for good.
+            async with asyncio.timeout(timeout):
+                # Streamed and never read: what a receiver answers with is not the gateway's to hold.
+                async with self._client.stream(
+                    "POST", target.url, content=message.body, headers=headers, timeout=timeout, extensions=extensions
+                ) as response:
+                    status = response.status_code
+        except TimeoutError:
+            return "Timeout"
         except httpx.HTTPError as exc:
             return type(exc).__name__
         return None if 200 <= status < 300 else f"HTTP {status}"

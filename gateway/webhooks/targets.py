@@ -23,6 +23,10 @@ class Target:
     url: str
     secret: bytes = field(repr=False)  # the HMAC key itself (signing.secret_key of a configured secret)
     legacy_signature: bool = False  # also send the deprecated x-bulkhead-signature header
+    # A URL pinned to the address its name resolved to when it was checked (no name resolved again between the check
+    # and the connection): the name it stands for, as the Host header and the TLS server name.
+    host: str | None = None
+    server_name: str | None = None
 
 
 Resolver = Callable[[str], Awaitable[Target | None]]

@@ -103,7 +103,8 @@ async def test_the_victim_and_the_recipient_are_told_only_what_is_theirs(
     data = payload["data"]
     alices_requests = [r["request_id"] for r in data["your_requests"]]
     assert len(alices_requests) == 1 and leaked.headers["x-request-id"] not in alices_requests
-    assert (data["replica"], data["answers_carrying_your_data"], data["all_withheld"]) == ("leaky", 1, False)
+    assert (data["replica"], data["answers_carrying_your_data"], data["your_requests_total"]) == ("leaky", 1, 1)
+    assert (data["withheld"], data["reached_another_tenant"], data["not_ended"]) == (0, 1, 0)
     assert b"bob" not in notice.body and leaked.headers["x-request-id"].encode() not in notice.body
     with pytest.raises(standardwebhooks.webhooks.WebhookVerificationError):
         standardwebhooks.Webhook(secrets["bob"]).verify(notice.body, notice.headers)

@@ -19,6 +19,7 @@ from gateway.incidents.incident import (
     Sighting,
 )
 from gateway.incidents.ledger import DELIVERED, WITHHELD, Ledger, LedgerWriter, MemoryLedger, RedisLedger, Served
+from gateway.incidents.notices import VICTIM, MemoryNoticeStore, Notice, NoticeStore, RedisNoticeStore
 from tests.unit.test_twins import TWINS, prefix, redis_for, redis_url
 
 __all__ = ["prefix", "redis_url"]  # fixtures, used by name
@@ -67,12 +68,28 @@ async def test_the_ledger_lists_what_a_replica_served_that_overlaps_the_window(l
     assert same(found[1], served("inside", "a", now - 40, now - 30))
 
 
-async def test_the_ledger_says_when_a_limit_cut_the_list(ledger: Ledger) -> None:
+async def test_the_ledger_keeps_the_newest_when_a_limit_cuts_the_list_and_says_so(ledger: Ledger) -> None:
     now = time.time()
     await ledger.write([served(f"r{i}", "a", now - 10, now - 10 + i * 0.01) for i in range(5)])
     found, truncated = await ledger.served("a", now - 20, now, 3)
-    assert [s.request_id for s in found] == ["r0", "r1", "r2"]
+    assert [s.request_id for s in found] == ["r2", "r3", "r4"]
     assert truncated
+
+
+async def test_an_answer_begun_in_a_window_and_ended_long_after_it_is_in_it(ledger: Ledger) -> None:
+    now = time.time()
+    await ledger.write([served("long-stream", "a", now - 130, now), served("after", "a", now - 100, now)])
+    found, _ = await ledger.served("a", now - 300, now - 120, 10)
+    assert [s.request_id for s in found] == ["long-stream"]
+
+
+async def test_a_batch_written_twice_is_listed_once(ledger: Ledger) -> None:
+    now = time.time()
+    batch = [served("r1", "a", now - 2, now - 1)]
+    await ledger.write(batch)
+    await ledger.write(batch)
+    found, _ = await ledger.served("a", now - 3, now, 10)
+    assert [s.request_id for s in found] == ["r1"]
 
 
 async def test_verdicts_and_event_kinds_are_kept(ledger: Ledger) -> None:
@@ -210,6 +227,27 @@ async def test_the_writer_keeps_what_a_store_refused_within_its_bound_and_counts
     assert len(store.written) == 5
 
 
+class Hanging(Refusing):
+    async def write(self, batch: list[Served]) -> None:
+        await asyncio.sleep(3600)
+
+
+async def test_a_write_cancelled_keeps_its_records_for_the_next() -> None:
+    hanging = Hanging()
+    writer = LedgerWriter(hanging, max_buffered=10, interval_s=0.01, dropped=Count())
+    writer.record(served("r1", "a", 1, 2))
+    task = asyncio.create_task(writer.flush())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    store = Refusing()
+    store.down = False
+    writer.ledger = store
+    await writer.flush()
+    assert [s.request_id for s in store.written] == ["r1"]
+
+
 async def test_redis_ledger_entries_are_small(redis_url: str, prefix: str) -> None:
     """What 14 days at 100 req/s would cost is measured by tests/bench/bench_ledger.py; this keeps the encoding from
     growing unnoticed: a record's share of its stream stays under 200 bytes."""
@@ -221,3 +259,60 @@ async def test_redis_ledger_entries_are_small(redis_url: str, prefix: str) -> No
         used = await redis.memory_usage(f"{prefix}ledger:a")
         await redis.delete(f"{prefix}ledger:a")
     assert used is not None and used / len(batch) < 200
+
+
+async def test_a_probe_for_an_incident_closed_since_decides_nothing_of_the_next(incidents: IncidentStore) -> None:
+    first, _ = await incidents.sight(sighting())
+    await incidents.close("a", time.time(), "released by an operator")
+    second, opened = await incidents.sight(sighting(request_id="r2"))
+    assert opened
+    assert await incidents.confirm("a", "no", first.id) is None
+    assert await incidents.close("a", time.time(), "unconfirmed", first.id) is None
+    still = await incidents.get(second.id)
+    assert still is not None and still.open and still.confirmed == ""
+    closed = await incidents.close("a", time.time(), "closed by an operator", second.id)
+    assert closed is not None and closed.close_reason == "closed by an operator"
+
+
+async def test_leaks_and_their_answers_are_kept_with_the_incident(incidents: IncidentStore) -> None:
+    await incidents.sight(sighting(request_id="r1", victim="alice"))
+    await incidents.sight(sighting(request_id="r1", victim="carol", kind="fingerprint_leak"))
+    incident = await incidents.answered("a", "r1", "bob@1.5", "delivered")
+    assert incident is not None
+    assert incident.leaks == {("r1", "alice"), ("r1", "carol")}
+    assert incident.answers == {("r1", "bob@1.5", "delivered")}
+    assert await incidents.answered("nowhere", "r9", "x", "withheld") is None
+    assert (await incidents.open_for("a")) == incident
+    assert await incidents.open_for("nowhere") is None
+
+
+async def test_a_window_reaches_the_latest_leak_when_the_replica_came_back(incidents: IncidentStore) -> None:
+    now = time.time()
+    await incidents.sight(sighting(at=now - 100))
+    await incidents.contain("a", now - 90)
+    # Its suspension ended by itself (the probe could not tell): it served again, and leaked again.
+    incident, _ = await incidents.sight(sighting(request_id="r2", at=now - 20))
+    assert incident.last_seen == pytest.approx(now - 20)
+    assert incident.window_end(now, slack_s=1.0) == pytest.approx(now - 19)
+    assert incident.window_end(now - 50) == pytest.approx(now - 50)  # never past now
+
+
+@pytest.fixture(params=TWINS)
+async def notices(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[NoticeStore]:
+    async with redis_for(request, prefix) as redis:
+        yield MemoryNoticeStore(RETENTION_S) if redis is None else RedisNoticeStore(redis, RETENTION_S, prefix=prefix)
+
+
+async def test_notices_are_kept_once_per_id_newest_first_within_their_bound(notices: NoticeStore) -> None:
+    now = time.time()
+    made = [Notice.of("alice", VICTIM, {"incident": "inc_1", "n": n}, now + n, what=n) for n in range(5)]
+    for notice in made:
+        assert await notices.add(notice, keep=3)
+    assert not await notices.add(made[-1], keep=3), "the same notice again is none"
+    assert [n.id for n in await notices.of("alice", 10)] == [n.id for n in made[:1:-1]]
+    assert [n.data["n"] for n in await notices.of("alice", 2)] == [4, 3]
+    assert await notices.of("bob", 10) == []
+    # Past the retention a notice is gone, whatever the bound.
+    old = Notice.of("carol", VICTIM, {"incident": "inc_2"}, now - 2 * RETENTION_S, what=0)
+    await notices.add(old, keep=3)
+    assert await notices.of("carol", 10) == []

@@ -20,7 +20,7 @@ from gateway.incidents.notices import MemoryNoticeStore, NoticeStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import QuarantineSettings, Settings
 from gateway.store import MemoryStore
-from gateway.tenancy.webhooks import MemoryRegistrationStore, TenantWebhooks
+from gateway.tenancy.webhooks import MemoryRegistrationStore, SigningKey, TenantWebhooks
 from gateway.upstream.backends import ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
 from gateway.webhooks import Deliveries, MemoryOutbox, settings_resolver
@@ -45,7 +45,7 @@ class Instance:
     tenant_webhooks: TenantWebhooks
     ledger: LedgerWriter = field(default_factory=lambda: LedgerWriter(MemoryLedger(3600, 1000), 100, 0.1, Counted()))
     incidents: IncidentStore = field(default_factory=lambda: MemoryIncidentStore(3600))
-    notices: NoticeStore = field(default_factory=MemoryNoticeStore)
+    notices: NoticeStore = field(default_factory=lambda: MemoryNoticeStore(3600))
     metrics: GatewayMetrics = METRICS
     events: EventLog = field(default_factory=lambda: MemoryEventLog(100))
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -75,7 +75,7 @@ def instance(store: MemoryStore, probe_time_s: float = 30.0) -> Instance:
         client,
         quarantine.QuarantineBudget(store, QuarantineSettings()),
         Deliveries(MemoryOutbox(), settings_resolver(settings.isolation.canary), client, settings.webhooks, METRICS),
-        TenantWebhooks(MemoryRegistrationStore(), b"k" * 32, settings.isolation.notices),
+        TenantWebhooks(MemoryRegistrationStore(), SigningKey(b"k" * 32), settings.isolation.notices),
     )
 
 

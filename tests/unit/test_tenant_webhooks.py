@@ -1,0 +1,131 @@
+"""Tenants' webhooks (gateway/tenancy/webhooks.py): the URLs the gateway refuses to POST to, the address a delivery
+is pinned to, the secrets (derived, never stored; new after a rotation or a delete), the signing key kept in Redis;
+and a pinned target delivered with its name as Host and TLS server name."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from gateway.metrics import GatewayMetrics
+from gateway.settings import NoticeSettings, WebhookSettings
+from gateway.tenancy.webhooks import MemoryRegistrationStore, SigningKey, TenantWebhooks, UnsafeUrl, _public
+from gateway.webhooks import Deliveries, MemoryOutbox, Target
+from tests.unit.test_twins import redis_url
+
+__all__ = ["redis_url"]  # a fixture, used by name
+
+KEY = SigningKey(b"the gateway's notice signing key")
+
+
+def webhooks(**settings: bool) -> TenantWebhooks:
+    return TenantWebhooks(MemoryRegistrationStore(), KEY, NoticeSettings(**settings))
+
+
+@pytest.mark.parametrize(
+    ("ip", "public"),
+    [
+        ("93.184.216.34", True),
+        ("2606:2800:220:1:248:1893:25c8:1946", True),
+        ("127.0.0.1", False),
+        ("10.1.2.3", False),
+        ("169.254.169.254", False),
+        ("::1", False),
+        ("::ffff:127.0.0.1", False),
+        ("::ffff:93.184.216.34", True),
+        ("64:ff9b::a9fe:a9fe", False),  # NAT64 of 169.254.169.254
+        ("2002:a9fe:a9fe::1", False),  # 6to4
+        ("::7f00:1", False),  # IPv4-compatible 127.0.0.1
+        ("fe80::1%eth0", False),
+        ("224.0.0.1", False),
+    ],
+)
+def test_only_public_unicast_addresses_are_public(ip: str, public: bool) -> None:
+    assert _public(ip) is public
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("http://93.184.216.34/hook", "https"),
+        ("https://127.0.0.1/hook", "public"),
+        ("https://[64:ff9b::a9fe:a9fe]/latest", "public"),
+        ("https://localhost/hook", "public"),
+        ("https://no-such-name.invalid/hook", "public"),  # the same words: no oracle for internal names
+        ("https://straße.example/hook", "ASCII"),
+        ("https://user@93.184.216.34/hook", "user"),
+        ("https://93.184.216.34:0x50/hook", "port"),
+    ],
+)
+async def test_urls_the_gateway_will_not_post_to(url: str, why: str) -> None:
+    with pytest.raises(UnsafeUrl, match=why):
+        await webhooks().check_url(url)
+
+
+async def test_a_public_address_is_pinned_with_its_name_as_host_and_server_name() -> None:
+    registry = webhooks()
+    await registry.register("acme", "https://93.184.216.34:8443/hook?x=1", rotate=False)
+    target = await registry.resolve("tenant:acme")
+    assert target is not None
+    assert (target.url, target.host, target.server_name) == (
+        "https://93.184.216.34:8443/hook?x=1",
+        "93.184.216.34:8443",
+        "93.184.216.34",
+    )
+    assert await registry.resolve("tenant:nobody") is None
+
+
+async def test_secrets_change_with_a_rotation_and_with_a_delete_and_never_show_again() -> None:
+    registry = webhooks(allow_http=True, allow_private_urls=True)
+    _, first = await registry.register("acme", "http://127.0.0.1:9/a", rotate=False)
+    _, moved = await registry.register("acme", "http://127.0.0.1:9/b", rotate=False)
+    _, rotated = await registry.register("acme", "http://127.0.0.1:9/b", rotate=True)
+    assert first is not None and moved is None and rotated is not None and rotated != first
+    assert await registry.delete("acme")
+    time.sleep(0.001)  # a new registration is a new making
+    _, again = await registry.register("acme", "http://127.0.0.1:9/b", rotate=False)
+    assert again is not None and again not in (first, rotated)
+    _, other = await registry.register("beta", "http://127.0.0.1:9/b", rotate=False)
+    assert other not in (first, rotated, again)
+
+
+async def test_the_signing_key_kept_in_redis_is_shared_and_never_invented_while_redis_is_down(redis_url: str) -> None:
+    async with Redis.from_url(redis_url) as redis:
+        name = f"test-notice-key-{time.time_ns()}"
+        one, two = SigningKey(None, redis, name), SigningKey(None, redis, name)
+        assert await one.get() == await two.get()
+        await redis.delete(name)
+    async with Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5) as down:
+        registry = TenantWebhooks(MemoryRegistrationStore(), SigningKey(None, down, "k"), NoticeSettings())
+        with pytest.raises((RedisError, OSError)):
+            await registry.register("acme", "https://93.184.216.34/hook", rotate=False)
+        assert await registry.registration("acme") is None, "no key, no registration"
+
+
+async def test_a_pinned_target_is_delivered_to_its_address_with_its_name() -> None:
+    seen: list[httpx.Request] = []
+
+    def receiver(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(204)
+
+    target = Target(
+        "https://93.184.216.34/hook", b"k" * 32, host="hooks.acme.example", server_name="hooks.acme.example"
+    )
+
+    async def resolve(name: str) -> Target | None:
+        return target
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(receiver)) as client:
+        deliveries = Deliveries(MemoryOutbox(), resolve, client, WebhookSettings(), GatewayMetrics())
+        await deliveries.send("tenant:acme", "test.pinned", {})
+        [message] = await deliveries.outbox.claim(time.time(), 60, 10)
+        await deliveries.attempt(message)
+    [request] = seen
+    assert request.url.host == "93.184.216.34"
+    assert request.headers["host"] == "hooks.acme.example"
+    assert request.extensions["sni_hostname"] == "hooks.acme.example"
