@@ -13,20 +13,17 @@ Exit codes: 0 done, 1 the gateway refused, 2 the command could not run.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from gateway.cli.tenants import (
-    DEFAULT_URL,
-    TOKEN_VARIABLE,
     AdminClient,
     CommandError,
-    admin_token,
+    admin_options,
     print_json,
     print_table,
+    run_admin,
 )
 from gateway.incidents.ledger import VERDICTS
 
@@ -110,22 +107,11 @@ def _run(args: argparse.Namespace, admin: AdminClient) -> None:
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    try:
-        with AdminClient(args.url, admin_token(args.admin_token_file, environ)) as admin:
-            _run(args, admin)
-    except CommandError as exc:
-        print(f"bulkhead incidents: {exc}", file=sys.stderr)
-        return exc.code
-    return 0
+    return run_admin("incidents", _run, args, environ)
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    common.add_argument("--url", default=DEFAULT_URL, help=f"the gateway's base URL ({DEFAULT_URL})")
-    common.add_argument(
-        "--admin-token-file", type=Path, metavar="FILE", help=f"a file holding the admin token (else ${TOKEN_VARIABLE})"
-    )
-    common.add_argument("--json", action="store_true", help="print the admin API's JSON answer")
+    common = admin_options()
     incidents = commands.add_parser("incidents", help="incidents and their exposure, through a gateway's admin API")
     verbs = incidents.add_subparsers(dest="incidents_command", required=True)
     listing = verbs.add_parser("list", parents=[common], allow_abbrev=False, help="the latest incidents")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -198,25 +198,39 @@ def _run(args: argparse.Namespace, admin: AdminClient) -> None:
             print_json(admin.call("GET", f"/tenants/{args.tenant}/notices"))
 
 
-def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+def run_admin(
+    command: str, act: Callable[[argparse.Namespace, AdminClient], None], args: argparse.Namespace,
+    environ: Mapping[str, str],
+) -> int:  # fmt: skip
+    """A command over the admin API, with its exit code."""
     try:
         with AdminClient(args.url, admin_token(args.admin_token_file, environ)) as admin:
-            _run(args, admin)
+            act(args, admin)
     except CommandError as exc:
-        print(f"bulkhead tenants: {exc}", file=sys.stderr)
+        print(f"bulkhead {command}: {exc}", file=sys.stderr)
         return exc.code
     return 0
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """`bulkhead tenants`; the caller sets what runs it. No abbreviated options: `--admin-token SECRET` would be
-    taken for `--admin-token-file` and the secret read as a file name."""
+def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    return run_admin("tenants", _run, args, environ)
+
+
+def admin_options() -> argparse.ArgumentParser:
+    """The options every admin command takes: the gateway, the token's file, --json."""
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument("--url", default=DEFAULT_URL, help=f"the gateway's base URL ({DEFAULT_URL})")
     common.add_argument(
         "--admin-token-file", type=Path, metavar="FILE", help=f"a file holding the admin token (else ${TOKEN_VARIABLE})"
     )
     common.add_argument("--json", action="store_true", help="print the admin API's JSON answer")
+    return common
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """`bulkhead tenants`; the caller sets what runs it. No abbreviated options: `--admin-token SECRET` would be
+    taken for `--admin-token-file` and the secret read as a file name."""
+    common = admin_options()
     tenant = argparse.ArgumentParser(add_help=False, allow_abbrev=False, parents=[common])
     tenant.add_argument("tenant", metavar="TENANT", help="the tenant's id")
 
