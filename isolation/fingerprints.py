@@ -322,6 +322,9 @@ class RedisFingerprintFeed:
 
 
 CACHED_TEXTS = 10_000  # texts whose fingerprints are kept: a conversation resends its history every turn
+# And their bytes: a text's arrays take ~1.9 bytes a character (120 KiB for 64k characters), so a count alone would
+# let 10,000 long agent contexts hold over a gigabyte (measured by tests/bench/bench_soak.py's trace).
+CACHED_BYTES = 64 << 20
 CACHE_FROM_CHARS = 256  # shorter texts are cheaper to fingerprint again than to look up
 
 
@@ -347,6 +350,7 @@ class Fingerprinter:
         executor: Executor,
         inline_chars: int,
         feed_wait_s: float = 2.0,
+        cache_bytes: int = CACHED_BYTES,
     ) -> None:
         self.hasher = hasher
         self.index = index
@@ -355,6 +359,8 @@ class Fingerprinter:
         self._executor = executor
         self._inline_chars = inline_chars
         self._cache: OrderedDict[bytes, tuple[Fingerprints, Fingerprints]] = OrderedDict()
+        self._cache_bytes = cache_bytes
+        self.cached_bytes = 0
         self._cache_lock = threading.Lock()  # the event loop and worker threads both read and reorder the cache
 
     def prepare(
@@ -413,10 +419,16 @@ class Fingerprinter:
                 self._cache.move_to_end(digest)
                 return found
         found = self._both(text)  # outside the lock: hashing a large text takes a while
+        size = found[0].nbytes + found[1].nbytes
+        if size > self._cache_bytes:
+            return found
         with self._cache_lock:
-            self._cache[digest] = found
-            if len(self._cache) > CACHED_TEXTS:
-                self._cache.popitem(last=False)
+            if digest not in self._cache:
+                self._cache[digest] = found
+                self.cached_bytes += size
+            while len(self._cache) > CACHED_TEXTS or self.cached_bytes > self._cache_bytes:
+                _, (kept, grams) = self._cache.popitem(last=False)
+                self.cached_bytes -= kept.nbytes + grams.nbytes
         return found
 
     def _both(self, text: str) -> tuple[Fingerprints, Fingerprints]:

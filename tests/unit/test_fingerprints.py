@@ -129,6 +129,18 @@ def test_text_two_tenants_send_in_different_surroundings_is_shared_whatever_winn
     assert check.feed(AnswerGrams(hasher), passage + " .") is None
 
 
+def test_the_cache_of_texts_fingerprinted_is_bounded_in_bytes(hasher: Hasher) -> None:
+    fingerprinter = Fingerprinter(
+        hasher, FingerprintIndex(1800, 100_000), None, ThreadPoolExecutor(1), 10**9, cache_bytes=200_000
+    )
+    for n in range(40):
+        asyncio.run(fingerprinter.add("alice", "r1", [document(100 + n, 2000)]))
+        assert 0 < fingerprinter.cached_bytes <= 200_000
+    # A text larger than the whole cache is fingerprinted, not cached.
+    asyncio.run(fingerprinter.add("alice", "r1", [document(999, 60_000)]))
+    assert fingerprinter.cached_bytes <= 200_000
+
+
 def test_public_texts_are_never_evidence_whoever_sent_them(hasher: Hasher, tmp_path: Any) -> None:
     licence, private = document(21, 200), document(22, 200)
     (tmp_path / "texts").mkdir()
