@@ -7,21 +7,18 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from isolation.tokens import ModelTokenizer
 from tests.integration.adversary import Adversary, Plan
 from tests.integration.conftest import GatewayFactory
-from tests.integration.scripted import gateway_over
 from tests.integration.support import MODEL, address, auth, chat_body, metric
 from tests.integration.tenant_support import until
+from tests.integration.test_anthropic import adversary, scripted
 
 WORKERS = f"/accounts/alice/ai/run/{MODEL}"
 CHAT = "/v1/chat/completions"
@@ -29,6 +26,8 @@ MESSAGES = "/v1/messages"
 RESPONSES = "/v1/responses"
 HELLO = [{"role": "user", "content": "Hello there"}]
 BAD = "backend_bad_response"
+
+__all__ = ["adversary", "scripted"]  # fixtures, used by name
 
 
 def line_of(caplog: pytest.LogCaptureFixture, answer: httpx.Response) -> dict[str, Any]:
@@ -107,18 +106,6 @@ async def test_the_edges_own_503_has_its_request_line_and_no_count(
 
     await until(scraped_once_room, every=0.05)
     assert metric(scraped[-1].text, "bulkhead_requests_total", route="edge") == 0
-
-
-@pytest.fixture(scope="module")
-def adversary(tokenizer_dir: Path) -> Adversary:
-    return Adversary(ModelTokenizer.from_dir(tokenizer_dir))
-
-
-@pytest.fixture(scope="module")
-def scripted(adversary: Adversary, tokenizer_dir: Path) -> Iterator[str]:
-    """A gateway over an engine whose next answer a test plans (`adversary.plan`), started once for the module."""
-    with gateway_over(adversary, tokenizer_dir) as url:
-        yield url
 
 
 # Each surface's stream: its body, its route in the log and the metrics, and what its stream ends with when it ends
