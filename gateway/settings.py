@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from isolation.inject import MarkerPlacement
+
 ENV_PREFIX = "BULKHEAD_"
 KEY_HASH_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
 TENANT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -185,6 +187,9 @@ class ModelSettings(_Section):
         "(/v1/embeddings; vLLM's --runner pooling); a request of the other kind gets 400, never forwarded",
     )
     tokenizer: Path | None = Field(default=None, description="HF tokenizer dir; unset = ask the backend's /tokenize")
+    marker_placement: MarkerPlacement | None = Field(
+        default=None, description="this model's canary placement; unset = isolation.canary.placement"
+    )
     context_window: int | None = Field(default=None, ge=1, description="the window advertised to clients")
     kv_capacity_tokens: int | None = Field(
         default=None, ge=1, description="a KV pool the gateway cannot see, e.g. a disaggregated prefill pool"
@@ -332,8 +337,11 @@ class CanarySettings(_Section):
         default=[], description="the first makes markers, all are recognised; none = a random key per process"
     )
     epoch_s: int = Field(default=86_400, ge=60, description="markers rotate this often; two epochs are live")
-    placement: Literal["both", "system", "user"] = Field(
-        default="both", description="markers in the system text, at the start of every user turn, or both"
+    placement: MarkerPlacement = Field(
+        default="start",
+        description="where markers go: once at the conversation's start (the system text, else the first user turn); "
+        "turns: there and at every later user turn; system: both ends of the system text; user: every user turn; "
+        "both: system and user (see docs/markers.md)",
     )
     policy: Literal["block", "redact", "alert"] = Field(
         default="block",

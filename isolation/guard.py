@@ -32,8 +32,9 @@ from isolation.fingerprints import AnswerCheck
 from isolation.joins import Joins
 from isolation.json_escapes import JsonStringReader, may_spell_a_marker
 from isolation.leaks import REDACTED, LeakPolicy
-from isolation.markers import PREFIX, MarkerRegistry, normal_form
+from isolation.markers import MarkerRegistry, normal_form
 from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
+from isolation.spelling import ANCHOR
 from isolation.winnowing import AnswerGrams, tail_start, words
 
 MARKER = "leak"
@@ -683,7 +684,10 @@ class OutputGuard:
         if not held:
             return held
         normal = normalize(held)
-        if len(normal) > len(PREFIX) and normal_form(self._registry.marker(self._tenant)).startswith(normal):
+        registry = self._registry
+        if len(normal) > len(ANCHOR) and any(
+            normal_form(registry.marker(self._tenant, spelling)).startswith(normal) for spelling in registry.spellings
+        ):
             return ""
         return held
 

@@ -1,15 +1,25 @@
 """Where a tenant's canary marker goes in a request.
 
-More than once by default: a leak returns fragments of cache blocks, and only a whole marker inside a fragment
-can be recognised, so the marker stands at both ends of the system text and at the start of every user turn.
-The marker is stable within an epoch, so the tenant's own prefix caching keeps working.
+A leak returns fragments of cache blocks, and only a whole marker inside a fragment can be recognised; prompt
+fingerprints recognise the rest of a prompt's text (fingerprints.py). Placements:
+- `start` (the default): once, at the start of the conversation: the system text's, or without one (or where the
+  model's chat template writes the system text later, in front of the last user turn, as Mistral's do) the first
+  user turn's. Where fingerprints see least: the first blocks are template and system text, which tenants share.
+- `turns`: there, and at the start of every later user turn.
+- `system`: at both ends of the system text (a system message of its own when there is none); `user`: at the start of
+  every user turn; `both`: the two (what the gateway did before markers were measured).
+Every placement depends only on a turn's role and place, never on which turn is last, and the marker is stable
+within an epoch: the prompt of a conversation's next request starts with this one's, so the tenant's own prefix
+caching keeps working.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-Placement = Literal["both", "system", "user"]
+from isolation.tokens import ChatTemplateError, ModelTokenizer
+
+MarkerPlacement = Literal["start", "turns", "system", "user", "both"]
 
 
 def _wrap(content: Any, before: str, after: str | None) -> Any:
@@ -21,18 +31,43 @@ def _wrap(content: Any, before: str, after: str | None) -> Any:
     return content
 
 
-def inject_chat(payload: dict[str, Any], marker: str, placement: Placement) -> None:
+def system_leads(tokenizer: ModelTokenizer) -> bool:
+    """Whether the model's chat template writes the system text before the first user turn (most do; Mistral's write
+    it in front of the last user turn, where a marker would move every turn). True when it cannot tell."""
+    probe = [
+        {"role": "system", "content": "probe0system"},
+        {"role": "user", "content": "probe1user"},
+        {"role": "assistant", "content": "probe2assistant"},
+        {"role": "user", "content": "probe3user"},
+    ]
+    try:
+        rendered = tokenizer.render_chat(probe)
+    except ChatTemplateError:
+        return True
+    system, user = rendered.find("probe0system"), rendered.find("probe1user")
+    return user < 0 or 0 <= system < user
+
+
+def inject_chat(payload: dict[str, Any], marker: str, placement: MarkerPlacement, system_first: bool = True) -> None:
+    """Plant the marker in a chat request, in place; `system_first` as system_leads says of the model's template."""
     messages: list[dict[str, Any]] = [dict(m) for m in payload["messages"]]
+    system = next((m for m in messages if m.get("role") in ("system", "developer")), None)
+    users = [m for m in messages if m.get("role") == "user"]
     if placement in ("both", "system"):
-        system = next((m for m in messages if m.get("role") in ("system", "developer")), None)
         if system is None:
             messages.insert(0, {"role": "system", "content": marker})
         else:
             system["content"] = _wrap(system.get("content"), marker, marker)
-    if placement in ("both", "user"):
-        for message in messages:
-            if message.get("role") == "user":
-                message["content"] = _wrap(message.get("content"), marker, None)
+    elif placement in ("start", "turns"):
+        if system is not None and (system_first or not users):
+            system["content"] = _wrap(system.get("content"), marker, None)
+        elif users:
+            users[0]["content"] = _wrap(users[0].get("content"), marker, None)
+        else:
+            messages.insert(0, {"role": "system", "content": marker})
+    marked = users if placement in ("both", "user") else users[1:] if placement == "turns" else []
+    for message in marked:
+        message["content"] = _wrap(message.get("content"), marker, None)
     payload["messages"] = messages
 
 

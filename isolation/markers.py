@@ -1,22 +1,25 @@
 """Per-tenant canary markers and the registry that knows whose a marker is.
 
-A marker is `CNRY-` and 20 base32 characters (100 bits) of HMAC-SHA256(secret, tenant ‖ epoch): secret, so no
-tenant can forge or predict another's; 100 bits, so markers of 100k tenants never collide (32 bits would).
+A marker's code is 100 bits of HMAC-SHA256(secret, tenant ‖ epoch): secret, so no tenant can forge or predict
+another's; 100 bits, so markers of 100k tenants never collide (32 bits would). It is written `cnry` and eleven
+words its model's tokenizer holds whole (spelling.py): 13–14 tokens where base32 took 19–24.
 Epochs rotate (daily by default) and the current and previous epochs are both live, so a marker planted just
 before a rotation is still recognised. Secrets carry a key id: the first is used to make markers, every listed
 one is still recognised, which is how a secret is rotated.
 
-Markers are recognised in a normal form — lower case, nothing but [a-z0-9] — so `**CNRY-…**`, spaced or
-hyphenated copies are the same marker. A registry entry is a dict insert: adding a tenant costs microseconds and
-rebuilds nothing. Every instance writes the markers it makes to the store, so a marker made by an instance
-with another random secret (or of a tenant only it knows) is still recognised everywhere.
+Markers are recognised in a normal form — lower case, nothing but [a-z0-9] — so `**Cnry …**`, spaced, hyphenated
+or run-together copies are the same marker; a candidate's letters are read back into codes with every spelling
+the registry knows. A registry entry is a dict insert keyed by code: adding a tenant costs microseconds and
+rebuilds nothing, whatever the number of spellings. Every instance writes the codes it makes to the store, so a
+marker made by an instance with another random secret (or of a tenant only it knows) is still recognised
+everywhere.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
+import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -25,10 +28,13 @@ from typing import Protocol
 from redis.asyncio import Redis
 
 from isolation.redis_text import text
+from isolation.spelling import ANCHOR, ANCHOR_SPELLINGS, CODE_BITS, CODE_LENGTH, DEFAULT, Spelling, codes_of
 
-PREFIX = "CNRY"
-CODE_LENGTH = 20  # base32 characters: 5 bits each, 100 bits in all
-NORMAL_LENGTH = len(PREFIX) + CODE_LENGTH
+NORMAL_LENGTH = len(ANCHOR) + CODE_LENGTH
+# A marker as the gateway writes it, for tools that look for one in a prompt they sent (audits, tests): the anchor
+# in any of its spellings, then its words.
+MARKER_PATTERN = re.compile("(?:" + "|".join(map(re.escape, ANCHOR_SPELLINGS)) + ")(?: [a-z]+)+")
+_NOT_ALNUM = bytes(b for b in range(256) if not (ord("a") <= b <= ord("z") or ord("0") <= b <= ord("9")))
 
 
 @dataclass(frozen=True)
@@ -52,19 +58,32 @@ class Owner:
         return cls(tenant, int(epoch), key_id)
 
 
+@dataclass(frozen=True)
+class ModelMarkers:
+    """What a model's tokenizer says about its markers: the words it holds whole, and whether its chat template
+    writes the system text first (inject.system_leads)."""
+
+    spelling: Spelling = DEFAULT
+    system_first: bool = True
+
+
 class MarkerStore(Protocol):
-    async def publish(self, epoch: int, markers: dict[bytes, Owner], ttl_s: int) -> None: ...
+    async def publish(self, epoch: int, markers: dict[int, Owner], ttl_s: int) -> None: ...
 
-    async def lookup(self, epochs: Sequence[int], normal: bytes) -> Owner | None: ...
+    async def lookup(self, epochs: Sequence[int], codes: Sequence[int]) -> Owner | None: ...
 
 
-def make_marker(key: CanaryKey, tenant: str, epoch: int) -> str:
+def make_code(key: CanaryKey, tenant: str, epoch: int) -> int:
     digest = hmac.new(key.secret, f"{tenant}\x00{epoch}".encode(), hashlib.sha256).digest()
-    return f"{PREFIX}-{base64.b32encode(digest[:13]).decode()[:CODE_LENGTH]}"
+    return int.from_bytes(digest[:13], "big") >> (13 * 8 - CODE_BITS)
+
+
+def make_marker(key: CanaryKey, tenant: str, epoch: int, spelling: Spelling = DEFAULT) -> str:
+    return spelling.spell(make_code(key, tenant, epoch))
 
 
 def normal_form(marker: str) -> bytes:
-    return marker.lower().replace("-", "").encode()
+    return marker.lower().encode("ascii", "ignore").translate(None, _NOT_ALNUM)
 
 
 class MarkerRegistry:
@@ -75,8 +94,11 @@ class MarkerRegistry:
         self._epoch_s = epoch_s
         self._store = store
         self._tenants: set[str] = set()
-        self._owners: dict[bytes, Owner] = {}
-        self._current: dict[str, str] = {}
+        self._owners: dict[int, Owner] = {}
+        self._codes: dict[str, int] = {}  # each tenant's current code, made with the active key
+        self._spelled: dict[tuple[str, Spelling], str] = {}
+        self.spellings: list[Spelling] = [DEFAULT]
+        self._models: dict[str, ModelMarkers] = {}
         self.epoch = self.epoch_at(time.time())
 
     def epoch_at(self, when: float) -> int:
@@ -89,22 +111,39 @@ class MarkerRegistry:
     def __len__(self) -> int:
         return len(self._owners)
 
-    def marker(self, tenant: str) -> str:
-        """The tenant's marker for the current epoch, made with the active key."""
-        marker = self._current.get(tenant)
+    def add_model(self, model: str, markers: ModelMarkers) -> None:
+        """How a model's markers are written (its tokenizer's spelling) and placed; they are read back in any answer."""
+        self._models[model] = markers
+        if markers.spelling not in self.spellings:
+            self.spellings.append(markers.spelling)
+
+    def of_model(self, model: str) -> ModelMarkers:
+        return self._models.get(model, ModelMarkers())
+
+    def marker(self, tenant: str, spelling: Spelling = DEFAULT) -> str:
+        """The tenant's marker for the current epoch, made with the active key, in a model's spelling."""
+        marker = self._spelled.get((tenant, spelling))
         if marker is None:
-            self._add(tenant)
-            marker = self._current[tenant]
+            code = self._codes.get(tenant)
+            if code is None:
+                self._add(tenant)
+                code = self._codes[tenant]
+            marker = self._spelled[tenant, spelling] = spelling.spell(code)
         return marker
 
+    def codes(self, normal: bytes) -> list[int]:
+        """The codes a candidate (normal form) reads as, in the spellings known here."""
+        return codes_of(self.spellings, normal)
+
     def owner(self, normal: bytes) -> Owner | None:
-        return self._owners.get(normal)
+        return next((owner for code in self.codes(normal) if (owner := self._owners.get(code))), None)
 
     async def resolve(self, normal: bytes) -> Owner | None:
         """Whose marker this is: known here, or made by another instance and published to the store."""
-        owner = self._owners.get(normal)
-        if owner is None and self._store is not None:
-            owner = await self._store.lookup(self.live_epochs, normal)
+        codes = self.codes(normal)
+        owner = next((owner for code in codes if (owner := self._owners.get(code))), None)
+        if owner is None and codes and self._store is not None:
+            owner = await self._store.lookup(self.live_epochs, codes)
         return owner
 
     def add_tenants(self, tenants: Iterable[str]) -> None:
@@ -115,10 +154,10 @@ class MarkerRegistry:
         self._tenants.add(tenant)
         for epoch in self.live_epochs:
             self._owners.update(self._made(tenant, epoch))
-        self._current[tenant] = make_marker(self._keys[0], tenant, self.epoch)
+        self._codes[tenant] = make_code(self._keys[0], tenant, self.epoch)
 
-    def _made(self, tenant: str, epoch: int) -> dict[bytes, Owner]:
-        return {normal_form(make_marker(key, tenant, epoch)): Owner(tenant, epoch, key.key_id) for key in self._keys}
+    def _made(self, tenant: str, epoch: int) -> dict[int, Owner]:
+        return {make_code(key, tenant, epoch): Owner(tenant, epoch, key.key_id) for key in self._keys}
 
     def rotate(self, now: float) -> bool:
         """Move to the epoch of `now`; markers older than the previous epoch stop being live."""
@@ -127,7 +166,8 @@ class MarkerRegistry:
             return False
         self.epoch = epoch
         self._owners.clear()
-        self._current.clear()
+        self._codes.clear()
+        self._spelled.clear()
         self.add_tenants(list(self._tenants))
         return True
 
@@ -135,7 +175,7 @@ class MarkerRegistry:
         if self._store is None:
             return
         for epoch in self.live_epochs:
-            mine = {normal: owner for normal, owner in self._owners.items() if owner.epoch == epoch}
+            mine = {code: owner for code, owner in self._owners.items() if owner.epoch == epoch}
             await self._store.publish(epoch, mine, ttl_s=3 * self._epoch_s)
 
     async def publish_tenants(self, tenants: Sequence[str]) -> None:
@@ -145,30 +185,32 @@ class MarkerRegistry:
         if self._store is None:
             return
         for epoch in self.live_epochs:
-            made = {normal: owner for tenant in tenants for normal, owner in self._made(tenant, epoch).items()}
+            made = {code: owner for tenant in tenants for code, owner in self._made(tenant, epoch).items()}
             await self._store.publish(epoch, made, ttl_s=3 * self._epoch_s)
 
 
 class RedisMarkerStore:
-    """One hash per epoch, `{prefix}canary-markers:{epoch}`, expiring after the epoch stops being live."""
+    """One hash per epoch, `{prefix}canary-codes:{epoch}` (a code in hex: its owner), expiring after the epoch stops
+    being live."""
 
     def __init__(self, redis: Redis, *, prefix: str, batch: int = 5000) -> None:
         self._redis = redis
-        self._names = f"{prefix}canary-markers:"
+        self._names = f"{prefix}canary-codes:"
         self._batch = batch
 
-    async def publish(self, epoch: int, markers: dict[bytes, Owner], ttl_s: int) -> None:
+    async def publish(self, epoch: int, markers: dict[int, Owner], ttl_s: int) -> None:
         key = f"{self._names}{epoch}"
-        items = [(normal, owner.encode()) for normal, owner in markers.items()]
+        items = [(f"{code:x}", owner.encode()) for code, owner in markers.items()]
         for start in range(0, len(items), self._batch):
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hset(key, mapping=dict(items[start : start + self._batch]))
                 pipe.expire(key, ttl_s)
                 await pipe.execute()
 
-    async def lookup(self, epochs: Sequence[int], normal: bytes) -> Owner | None:
+    async def lookup(self, epochs: Sequence[int], codes: Sequence[int]) -> Owner | None:
+        fields = [f"{code:x}" for code in codes]
         for epoch in epochs:
-            found = await self._redis.hget(f"{self._names}{epoch}", normal)
-            if found is not None:
-                return Owner.decode(text(found))
+            for found in await self._redis.hmget(f"{self._names}{epoch}", fields):
+                if found is not None:
+                    return Owner.decode(text(found))
         return None

@@ -10,7 +10,7 @@ adding a tenant is a dict insert instead of a rebuild, memory is a fraction, and
 instances are found without knowing them in advance.
 
 A stream is scanned piece by piece. Only a tail that could still grow into a marker (`c`, `cn`, `cnr`, or
-`cnry` and fewer than 20 code characters, in normal form) is held back; everything before it is released at
+`cnry` and fewer than CODE_LENGTH letters, in normal form) is held back; everything before it is released at
 once, so a marker split across any chunk boundaries is still seen whole, before any of it is released. (Where
 candidates overlap, as in `CNRY CNRY-…`, the part they share goes out with the first, and the second is still found.)
 """
@@ -23,16 +23,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from isolation.json_escapes import DEPTH, JsonStringLevels
-from isolation.markers import CODE_LENGTH, NORMAL_LENGTH
+from isolation.markers import NORMAL_LENGTH
+from isolation.spelling import CODE_LENGTH
 
-_CANDIDATE = re.compile(rb"(?=(cnry[a-z2-7]{%d}))" % CODE_LENGTH)
-_PARTIAL = re.compile(rb"c(?:n(?:r(?:y[a-z2-7]{0,%d})?)?)?" % (CODE_LENGTH - 1))
+_CANDIDATE = re.compile(rb"(?=(cnry[a-z]{%d}))" % CODE_LENGTH)
+_PARTIAL = re.compile(rb"c(?:n(?:r(?:y[a-z]{0,%d})?)?)?" % (CODE_LENGTH - 1))
 _NOT_ALNUM = bytes(b for b in range(256) if not (ord("a") <= b <= ord("z") or ord("0") <= b <= ord("9")))
 
 
 _NOT_ALNUM_NOR_NUL = bytes(b for b in _NOT_ALNUM if b != 0)
 # In normal forms joined by NUL: a candidate, or a text that ends in something that could still start one.
-_SUSPECT = re.compile(rb"cnry|c(?:n(?:r(?:y[a-z2-7]{0,%d})?)?)?(?:\x00|\Z)" % (CODE_LENGTH - 1))
+_SUSPECT = re.compile(rb"cnry|c(?:n(?:r(?:y[a-z]{0,%d})?)?)?(?:\x00|\Z)" % (CODE_LENGTH - 1))
 
 
 def normalize(text: str) -> bytes:

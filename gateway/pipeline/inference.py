@@ -193,14 +193,18 @@ def set_controls(payload: dict[str, Any], model: ModelSettings, salt: str, tenan
         payload["priority"] = tenant.limits.priority
 
 
-def plant_marker(state: PipelineParts, tenant: TenantSettings, payload: dict[str, Any], chat: bool) -> str | None:
-    """The tenant's marker, when one was put into the prompt."""
+def plant_marker(
+    state: PipelineParts, tenant: TenantSettings, model: ModelSettings, payload: dict[str, Any], chat: bool
+) -> str | None:
+    """The tenant's marker, in the model's spelling, when one was put into the prompt."""
     canary = state.settings.isolation.canary
     if not canary.enabled:
         return None
-    marker = state.markers.marker(tenant.incarnation())
+    markers = state.markers
+    style = markers.of_model(model.name)
+    marker = markers.marker(tenant.incarnation(), style.spelling)
     if chat:
-        inject_chat(payload, marker, canary.placement)
+        inject_chat(payload, marker, model.marker_placement or canary.placement, style.system_first)
         return marker
     return marker if inject_completion(payload, marker) else None
 
@@ -708,7 +712,7 @@ async def _admit(
         # one its size alone refuses (admission says so at once), which would make hashing the cheapest refusal's cost.
         if state.counters[model.name].lower_bound(own) < limit.tokens:
             prepared = prepare_fingerprints(state, model, own)
-        marker = plant_marker(state, tenant, payload, chat)
+        marker = plant_marker(state, tenant, model, payload, chat)
         sent = own if marker is None else of(payload, own.owner)
         # Routed before counting: a backend that counts the prompt should be the one that will serve it.
         placement = Placement(state.router, model, tenant.id, submission.session, slot)

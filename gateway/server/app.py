@@ -68,8 +68,10 @@ from gateway.upstream.routing import Router
 from gateway.upstream.saturation import LoadMonitor
 from gateway.webhooks import TENANT_PREFIX, Deliveries, Resolver, Target, settings_resolver
 from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed, public_fingerprints
-from isolation.markers import CanaryKey, MarkerRegistry, RedisMarkerStore
+from isolation.inject import system_leads
+from isolation.markers import CanaryKey, MarkerRegistry, ModelMarkers, RedisMarkerStore
 from isolation.salts import CacheSalts
+from isolation.spelling import of_tokenizer
 from isolation.tokens import ModelTokenizer, TokenizerLoadError
 from isolation.winnowing import Hasher, Shape
 
@@ -239,9 +241,15 @@ def canary_keys(settings: Settings) -> list[CanaryKey]:
 
 
 async def marker_registry(
-    settings: Settings, keys: list[CanaryKey], store: RedisMarkerStore | None, metrics: GatewayMetrics
+    settings: Settings,
+    keys: list[CanaryKey],
+    store: RedisMarkerStore | None,
+    metrics: GatewayMetrics,
+    tokenizers: dict[str, ModelTokenizer],
 ) -> MarkerRegistry:
     registry = MarkerRegistry(keys, settings.isolation.canary.epoch_s, store)
+    for name, tokenizer in tokenizers.items():
+        registry.add_model(name, ModelMarkers(of_tokenizer(tokenizer.tokenizer), system_leads(tokenizer)))
     registry.add_tenants(t.id for t in settings.tenants)
     metrics.canary_markers.set(len(registry))
     try:
@@ -419,7 +427,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 warn_unreachable(pool)
                 warn_short_grace(settings)
                 keys = canary_keys(settings)
-                markers = await marker_registry(settings, keys, stores.markers, metrics)
+                markers = await marker_registry(settings, keys, stores.markers, metrics, tokenizers)
                 tenants.joined = markers.publish_tenants
                 instance = f"{socket.gethostname()}-{os.getpid()}"
                 # Random too: several apps can run in one process (tests, the demo), and must not skip each other.

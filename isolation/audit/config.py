@@ -35,7 +35,7 @@ class Identity:
 
 
 def make_identities(keys: tuple[str, ...]) -> tuple[Identity, Identity]:
-    """Identities A and B with fresh random canary markers of the gateway's CNRY form.
+    """Identities A and B with fresh random canary markers of the gateway's form.
 
     The markers come from a secret made for this run only, so no earlier run, tenant or gateway can have
     planted them: seeing one in the wrong answer can only mean this run's requests were mixed up.
@@ -48,7 +48,11 @@ def make_identities(keys: tuple[str, ...]) -> tuple[Identity, Identity]:
     identities = []
     for index, name in enumerate(("A", "B")):
         key = keys[index] if index < len(keys) else (keys[0] if keys else None)
-        markers = tuple(make_marker(canary_key, f"{name}-{n}", epoch=0) for n in range(MARKERS_PER_IDENTITY))
+        # Hyphens, not spaces, between a marker's words: the probe text is whitespace-separated items (prompts.py),
+        # and the normal form is the same.
+        markers = tuple(
+            make_marker(canary_key, f"{name}-{n}", epoch=0).replace(" ", "-") for n in range(MARKERS_PER_IDENTITY)
+        )
         identities.append(
             Identity(
                 name=name,

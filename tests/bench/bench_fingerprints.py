@@ -18,7 +18,7 @@ engine saw it: from its first word (the marker's, where one was planted), from o
 start), from a random word in between (middle), or up to its last word (end); verbatim, reformatted (ASCII
 letters' case flipped at random, every run of white space replaced by a space, two, a tab or line breaks), or cut
 mid-word at both ends; between a few sentences of the recipient's own answer. Three guards:
-  canaries      the prompt sent with markers (inject_chat, placement both); the guard without fragments
+  canaries      the prompt sent with markers (inject_chat, the default placement); the guard without fragments
   fingerprints  the prompt sent without markers; the guard with AnswerCheck
   both          the prompt sent with markers; the guard with AnswerCheck
 A fragment counts as caught when the guard reports a leak of that victim; one reported after the chunk that ends

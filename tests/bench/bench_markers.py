@@ -1,10 +1,12 @@
 """What canary markers cost in prompt tokens, and what they catch of a stale-KV leak (issue 34).
 
-    python -m tests.bench.bench_markers [--quick] [--json out.json]
+    python -m tests.bench.bench_markers [--quick] [--placement P] [--json out.json] [--baseline OLD_CHECKOUT]
 
-In process, with the gateway's own code: markers planted by `inject_chat` (each placement: `both`, the default,
-`system` and `user`), prompts counted by the gateway's `LocalCounter` (the chat template rendered, then
-tokenized), injected tokens = the prompt as sent − the tenant's own, as `Admission.injected_tokens` has them.
+In process, with the gateway's own code: markers spelled for the tokenizer measured (spelling.py) and planted by
+`inject_chat` (the default placement, and each other placement's cost), prompts counted by the gateway's
+`LocalCounter` (the chat template rendered, then tokenized), injected tokens = the prompt as sent − the tenant's
+own, as `Admission.injected_tokens` has them. With --baseline, the same benchmark of an older checkout runs in the
+same run (a subprocess on its own code) and the two are reported side by side.
 
 Two tokenizers. `tiny`: the simulator's, which is also the end-to-end suite's model (tests/e2e builds its Llama
 from this tokenizer), with a Llama-3-style template. `tekken`: Mistral's real 131k Tekken tokenizer and its own
@@ -20,15 +22,16 @@ Part 1, cost, on three workloads, each in tokens of the tokenizer measured (pros
                 message (median 30 tokens), 1-3 tool calls each answered by a tool result (median 250 tokens),
                 then the assistant's answer (median 80); a request after each user message and each tool result
   documents     a system prompt and one user turn holding a document of 20k, 50k, 100k or 200k tokens
-The agent conversation and each document are sent by 3 tenants (1 with --quick): a marker is 15 to 25 tokens.
-Part 2, detection. Victims' prompts as the engine holds them (rendered and tokenized; the markers planted as today,
-or none), next to other tenants'. A leaked fragment is 1, 2, 4, 8, 16 or 64 KV blocks of 16 tokens, from the
-victim's first block (start), the block at a quarter, half or the end (its last blocks), or a random block; as the
-simulator's stale-kv fault answers with it: special tokens dropped, streamed one token's text per chunk
-(isolation/sim/detokenizer.py). Each answer goes through the gateway's relay path (`channels.prune`,
-`OutputGuard.check_chunk`, tests/bench/bench_fingerprints.py) with markers alone (the guard without the fragment
-check), fingerprints alone (prompts sent without markers; the guard with `AnswerCheck`) and both. Caught: the
-guard reports a leak naming the victim.
+The agent conversation and each document are sent by 3 tenants (1 with --quick): a marker's tokens vary a little
+with its words.
+Part 2, detection. Victims' prompts as the engine holds them (rendered and tokenized; the markers planted at the
+default placement or --placement, or none), next to other tenants'. A leaked fragment is 1, 2, 4, 8, 16 or 64 KV
+blocks of 16 tokens, from the victim's first block (start), the block at a quarter, half or the end (its last
+blocks), or a random block; as the simulator's stale-kv fault answers with it: special tokens dropped, streamed one
+token's text per chunk (isolation/sim/detokenizer.py). Each answer goes through the gateway's relay path
+(`channels.prune`, `OutputGuard.check_chunk`, tests/bench/bench_fingerprints.py) with markers alone (the guard
+without the fragment check), fingerprints alone (prompts sent without markers; the guard with `AnswerCheck`) and
+both. Caught: the guard reports a leak naming the victim.
 """
 
 from __future__ import annotations
@@ -38,9 +41,12 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,10 +56,11 @@ from typing import Any
 
 from gateway.pipeline.counting import LocalCounter, Prompt
 from isolation.guard import FRAGMENT, MARKER
-from isolation.inject import Placement, inject_chat
-from isolation.markers import MarkerRegistry
+from isolation.inject import MarkerPlacement, inject_chat, system_leads
+from isolation.markers import MarkerRegistry, ModelMarkers
 from isolation.sim.detokenizer import Detokenizer
 from isolation.sim.tinymodel import cached_tokenizer
+from isolation.spelling import of_tokenizer
 from isolation.tokens import ModelTokenizer
 from tests.bench.bench_fingerprints import REPLICA, Gateway, relay
 from tests.bench.bench_scanner import revision, table
@@ -62,7 +69,8 @@ from tests.bench.tekken import tekken_tokenizer
 
 CACHE_ROOT = Path.home() / ".cache" / "bulkhead"
 CACHE_BYTES = 64 * 2**20  # the gateway's default admission.count_cache_mib
-PLACEMENTS: tuple[Placement, ...] = ("both", "system", "user")
+PLACEMENTS: tuple[MarkerPlacement, ...] = ("start", "turns", "system", "user", "both")
+DEFAULT_PLACEMENT: MarkerPlacement = "start"
 
 SHAREGPT_MEAN = 161.31  # tokens of a ShareGPT prompt, on average (Kwon et al., SOSP 2023)
 SHAREGPT_SIGMA = 1.0
@@ -164,16 +172,24 @@ def document(texts: Texts, tokens: int) -> dict[str, Any]:
 # --- Part 1: cost -------------------------------------------------------------------------------------------------
 
 
-def planted(payload: dict[str, Any], marker: str, placement: Placement) -> dict[str, Any]:
+def planted(payload: dict[str, Any], marker: str, placement: MarkerPlacement, style: ModelMarkers) -> dict[str, Any]:
     sent = dict(payload)
-    inject_chat(sent, marker, placement)
+    inject_chat(sent, marker, placement, style.system_first)
     return sent
+
+
+def style_of(tokenizer: ModelTokenizer) -> ModelMarkers:
+    """As the gateway reads a model's tokenizer at start (server/app.py)."""
+    return ModelMarkers(of_tokenizer(tokenizer.tokenizer), system_leads(tokenizer))
 
 
 @dataclass
 class Cost:
-    """Per request: the tenant's own prompt tokens, and the tokens each placement adds."""
+    """Per request: the tenant's own prompt tokens, and the tokens each placement adds; `placement` is the one
+    measured (the default, or --placement)."""
 
+    placement: MarkerPlacement
+    style: ModelMarkers
     own: list[int] = field(default_factory=list)
     added: dict[str, list[int]] = field(default_factory=lambda: {p: [] for p in PLACEMENTS})
 
@@ -181,14 +197,14 @@ class Cost:
         own = counter.count_now(Prompt.of_chat(payload, owner))
         self.own.append(own)
         for placement in PLACEMENTS:
-            sent = counter.count_now(Prompt.of_chat(planted(payload, marker, placement), owner))
+            sent = counter.count_now(Prompt.of_chat(planted(payload, marker, placement, self.style), owner))
             self.added[placement].append(sent - own)
 
     def row(self, name: str, at: Sequence[int] | None = None) -> dict[str, Any]:
         def pick(values: list[int]) -> list[int]:
             return values if at is None else [values[i] for i in at]
 
-        own, added = pick(self.own), pick(self.added["both"])
+        own, added = pick(self.own), pick(self.added[self.placement])
         row: dict[str, Any] = {
             "workload": name,
             "requests": len(own),
@@ -197,47 +213,57 @@ class Cost:
             "max": max(added),
             "share": f"{sum(added) / (sum(own) + sum(added)):.2%}",
         }
-        for placement in ("system", "user"):
+        for placement in PLACEMENTS:
             row[placement] = round(statistics.mean(pick(self.added[placement])), 1)
         return row
 
 
 def measure_cost(
-    tokenizer: ModelTokenizer, registry: MarkerRegistry, chats: int, tenants: int, seed: int
+    tokenizer: ModelTokenizer,
+    registry: MarkerRegistry,
+    style: ModelMarkers,
+    placement: MarkerPlacement,
+    chats: int,
+    tenants: int,
+    seed: int,
 ) -> dict[str, Any]:
     """Short chats each of a tenant of its own; the agent conversation and each document sent by `tenants` tenants
-    (a marker's tokens depend on its code: 15 to 25 of them)."""
-    markers = registry
+    (a marker's tokens vary a little with its words)."""
     texts = Texts(characters_per_token(tokenizer), seed)
     rng = random.Random(seed)
     rows = []
-    marker_tokens = [tokenizer.count_text(markers.marker(f"tenant-{n}"), False) for n in range(chats)]
+
+    def marker(tenant: str) -> str:
+        return registry.marker(tenant, style.spelling)
+
+    marker_tokens = [tokenizer.count_text(marker(f"tenant-{n}"), False) for n in range(chats)]
     with ThreadPoolExecutor(1) as executor:
         counter = LocalCounter(tokenizer, executor, inline_chars=10**9, cache_bytes=CACHE_BYTES)
         for system in (False, True):
-            cost = Cost()
+            cost = Cost(placement, style)
             for number in range(chats):
                 tenant = f"tenant-{number}"
-                cost.count(counter, short_chat(texts, rng, system), markers.marker(tenant), tenant)
+                cost.count(counter, short_chat(texts, rng, system), marker(tenant), tenant)
             rows.append(cost.row("short chat, " + ("a system prompt" if system else "no system prompt")))
         conversation = list(agent(texts, rng))
         turns = [turn for turn, _ in conversation]
-        cost = Cost()
+        cost = Cost(placement, style)
         for number in range(tenants):
             for _, payload in conversation:
-                cost.count(counter, payload, markers.marker(f"agent-{number}"), "agent")
+                cost.count(counter, payload, marker(f"agent-{number}"), "agent")
         for turn in (1, 10, 25, 50):
             last = len(turns) - 1 - turns[::-1].index(turn)
             at = [last + number * len(turns) for number in range(tenants)]
             rows.append(cost.row(f"agent, turn {turn}'s last request", at))
         rows.append(cost.row(f"agent, all {len(turns)} requests"))
         for tokens in DOCUMENTS:
-            cost, payload = Cost(), document(texts, tokens)
+            cost, payload = Cost(placement, style), document(texts, tokens)
             for number in range(tenants):
-                cost.count(counter, payload, markers.marker(f"reader-{number}"), "reader")
+                cost.count(counter, payload, marker(f"reader-{number}"), "reader")
             rows.append(cost.row(f"document, {tokens // 1000}k tokens"))
     return {
         "marker_tokens": {"mean": statistics.mean(marker_tokens), "min": min(marker_tokens), "max": max(marker_tokens)},
+        "placement": placement,
         "rows": rows,
     }
 
@@ -305,7 +331,9 @@ class Detection:
         ]
 
 
-async def measure_detection(tokenizer: ModelTokenizer, seed: int, quick: bool, randoms: int) -> dict[str, Any]:
+async def measure_detection(
+    tokenizer: ModelTokenizer, placement: MarkerPlacement, seed: int, quick: bool, randoms: int
+) -> dict[str, Any]:
     texts = Texts(characters_per_token(tokenizer), seed + 500)
     hurt = victims(texts, random.Random(seed), quick)
     others = [f"other-{n}" for n in range(OTHER_TENANTS)] + ["recipient"]
@@ -314,12 +342,13 @@ async def measure_detection(tokenizer: ModelTokenizer, seed: int, quick: bool, r
     started = time.perf_counter()
     with ThreadPoolExecutor(2, "bench-markers") as executor:
         gateway = Gateway.start([v.tenant for v in hurt] + others, executor)
+        style = style_of(tokenizer)
+        gateway.registry.add_model("bench", style)
         for tenant in others:
             await register(gateway, tenant, document(texts, 2_000))
-        placement = gateway.settings.isolation.canary.placement
         for victim in hurt:
             await register(gateway, victim.tenant, victim.own)
-            sent = planted(victim.own, gateway.registry.marker(victim.tenant), placement)
+            sent = planted(victim.own, gateway.registry.marker(victim.tenant, style.spelling), placement, style)
             held = {marked: encode(tokenizer, sent if marked else victim.own) for marked in (False, True)}
             for config, size in itertools.product(CONFIGS, FRAGMENT_BLOCKS):
                 ids = held[config != "fingerprints"]
@@ -358,8 +387,7 @@ COST_COLUMNS = [
     ("injected (mean)", "injected"),
     ("injected (max)", "max"),
     ("share of prompt", "share"),
-    ("system only", "system"),
-    ("user only", "user"),
+    *((f"{placement} (mean)", placement) for placement in PLACEMENTS),
 ]
 
 
@@ -430,7 +458,7 @@ def print_report(report: dict[str, Any]) -> None:
         marker = result["cost"]["marker_tokens"]
         print(
             f"\n### {name}: {result['description']}\n\none marker alone: {marker['mean']:.1f} tokens "
-            f"(min {marker['min']}, max {marker['max']})\n"
+            f"(min {marker['min']}, max {marker['max']}); placement measured: {result['cost'].get('placement')}\n"
         )
         print(table(result["cost"]["rows"], COST_COLUMNS))
         detection = result["detection"]
@@ -443,12 +471,64 @@ def print_report(report: dict[str, Any]) -> None:
             print(f"\ncaught, {config}, by victim:\n\n" + victim_table(detection, config))
 
 
+def start_baseline(checkout: Path, args: argparse.Namespace, out: Path) -> subprocess.Popen[bytes]:
+    """The same benchmark on an older checkout's code, in a process of its own (its modules are not ours)."""
+    command = [sys.executable, "-m", "tests.bench.bench_markers", "--seed", str(args.seed), "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(checkout.resolve())}
+    return subprocess.Popen(
+        command + (["--quick"] if args.quick else []), cwd=checkout, env=env, stdout=subprocess.DEVNULL
+    )
+
+
+def print_comparison(old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Injected tokens per workload, and fragments caught with markers and fingerprints together, before and after."""
+    print(f"\n## before ({old['revision']}) and after ({new['revision']}), side by side")
+    for name, result in new["tokenizers"].items():
+        before = old["tokenizers"].get(name)
+        if before is None:
+            continue
+        marker, marker_before = result["cost"]["marker_tokens"]["mean"], before["cost"]["marker_tokens"]["mean"]
+        print(f"\n### {name}: one marker {marker_before:.1f} → {marker:.1f} tokens\n")
+        rows = []
+        earlier = {row["workload"]: row for row in before["cost"]["rows"]}
+        for row in result["cost"]["rows"]:
+            was = earlier.get(row["workload"])
+            if was is not None:
+                rows.append(
+                    {
+                        "workload": row["workload"],
+                        "before": f"{was['injected']} ({was['share']})",
+                        "after": f"{row['injected']} ({row['share']})",
+                        "ratio": f"{row['injected'] / was['injected']:.2f}" if was["injected"] else "—",
+                    }
+                )
+        columns = [("workload", "workload"), ("injected before (share)", "before"), ("after (share)", "after")]
+        print(table(rows, [*columns, ("after / before", "ratio")]))
+        rows, worse = [], []
+        for size in FRAGMENT_BLOCKS:
+            cells: dict[str, Any] = {"blocks": blocks_label(size)}
+            for position in (*POSITIONS, "random"):
+                hit, of, _ = caught(result["detection"], "both", size, position)
+                was_hit, was_of, _ = caught(before["detection"], "both", size, position)
+                cells[position] = f"{was_hit}/{was_of} → {hit}/{of}"
+                if of and was_of and hit / of < was_hit / was_of:
+                    worse.append(f"{size} blocks at {position}")
+            rows.append(cells)
+        print("\nfragments caught, markers and fingerprints together, before → after:\n")
+        print(table(rows, [("fragment blocks", "blocks"), *((p, p) for p in (*POSITIONS, "random"))]))
+        print(f"\nworse than before: {', '.join(worse) or 'nowhere'}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.bench.bench_markers", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer chats, victims and random positions")
     parser.add_argument("--seed", type=int, default=34)
+    parser.add_argument("--placement", choices=PLACEMENTS, default=DEFAULT_PLACEMENT, help="the placement measured")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")
+    parser.add_argument("--baseline", type=Path, help="an older checkout, measured in the same run, side by side")
     args = parser.parse_args(argv)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-markers-"))
+    baseline = None if args.baseline is None else start_baseline(args.baseline, args, scratch / "baseline.json")
     found = {"tiny": cached_tokenizer(CACHE_ROOT), "tekken": tekken_tokenizer(CACHE_ROOT)}
     descriptions = {
         "tiny": "the simulator's and the e2e model's tokenizer (4,096 tokens, Llama-3-style template)",
@@ -463,14 +543,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer = ModelTokenizer.from_dir(path)
         with ThreadPoolExecutor(1) as executor:
             registry = Gateway.start([], executor).registry  # the markers the gateway makes, with a fixed key
-        cost = measure_cost(tokenizer, registry, 100 if args.quick else 1000, 1 if args.quick else 3, args.seed)
+        chats, tenants = (100, 1) if args.quick else (1000, 3)
+        cost = measure_cost(tokenizer, registry, style_of(tokenizer), args.placement, chats, tenants, args.seed)
         randoms = RANDOM_POSITIONS if args.quick else 2 * RANDOM_POSITIONS
-        detection = asyncio.run(measure_detection(tokenizer, args.seed, args.quick, randoms))
+        detection = asyncio.run(measure_detection(tokenizer, args.placement, args.seed, args.quick, randoms))
         report["tokenizers"][name] = {"description": descriptions[name], "cost": cost, "detection": detection}
         report["seconds"][name] = round(time.perf_counter() - started, 1)
     print_report(report)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if baseline is not None:
+        if baseline.wait() != 0:
+            print(f"the baseline's benchmark failed (exit {baseline.returncode})", file=sys.stderr)
+            return 1
+        print_comparison(json.loads((scratch / "baseline.json").read_text(encoding="utf-8")), report)
     return 0
 
 

@@ -15,6 +15,9 @@ from gateway.settings import Settings
 from gateway.tenancy.tenants import hash_key
 from gateway.upstream.backends import Replica
 from gateway.upstream.routing import affinity_key, rank
+from isolation.markers import MARKER_PATTERN, normal_form
+from isolation.scanner import normalize
+from isolation.spelling import ANCHOR
 
 MODEL = "tiny-llama"
 EMBED_MODEL = "tiny-embed"  # an embedding model: its simulators are started with SimConfig(model=EMBED_MODEL)
@@ -76,6 +79,21 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def shows_marker(text: str, marker: str | None = None) -> bool:
+    """Whether a text shows a canary marker however it is written (cased, spaced, run together, decorated: in normal
+    form): the anchor of any marker, or this marker's code without its anchor."""
+    normal = normalize(text)
+    return ANCHOR.encode() in normal or (marker is not None and normal_form(marker)[len(ANCHOR) :] in normal)
+
+
+def sent_marker(record: dict[str, Any]) -> str:
+    """The canary marker the gateway put in a request a backend received (in its messages, or its prompt)."""
+    body = record["body"]
+    found = MARKER_PATTERN.search(str(body.get("messages", body.get("prompt"))))
+    assert found is not None, f"no marker in what the backend received: {body!r}"
+    return found.group()
 
 
 def stop(process: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout: float = 15) -> None:

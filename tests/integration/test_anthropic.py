@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from gateway.tenancy.tenants import hash_key
+from isolation.markers import MARKER_PATTERN
 from isolation.tokens import ModelTokenizer
 from tests.integration.adversary import BENIGN, WORDS, Adversary, Plan
 from tests.integration.scripted import gateway_over
@@ -32,6 +33,8 @@ from tests.integration.support import (
     forwarded,
     metric,
     sent_as,
+    sent_marker,
+    shows_marker,
 )
 from tests.redis_server import redis_server
 
@@ -56,9 +59,11 @@ def test_a_message_goes_through_every_defence_as_a_chat_completion(
     # Asked of the engine on its chat route, with the tenant's marker planted and salt set, and its usage checked.
     assert sent["path"] == "/v1/chat/completions"
     body = sent["body"]
-    assert body["messages"][0]["role"] == "system" and "CNRY" in body["messages"][0]["content"]
-    assert "You are terse." in body["messages"][0]["content"] and body["cache_salt"]
-    assert "CNRY" not in answer.model_dump_json()
+    system = body["messages"][0]
+    marker = MARKER_PATTERN.match(system["content"])
+    assert system["role"] == "system" and marker is not None, "the marker starts the system text"
+    assert "You are terse." in system["content"] and body["cache_salt"]
+    assert not shows_marker(answer.model_dump_json(), marker.group())
     # The tenant's usage is its own prompt's, without the markers: what count_tokens says, and what chat says.
     counted = sdk.messages.count_tokens(model=MODEL, system="You are terse.", messages=HELLO)
     chat = httpx.post(
@@ -185,7 +190,7 @@ def test_tool_results_and_tools_go_as_chat_tools(sdk: anthropic.Anthropic, sim_u
             "tools",
         ),
         (
-            {"model": MODEL, "max_tokens": 4, "messages": HELLO, "stop_sequences": ["CNRY-"]},
+            {"model": MODEL, "max_tokens": 4, "messages": HELLO, "stop_sequences": ["cnry "]},
             400,
             "invalid_request_error",
             "stop",
@@ -246,7 +251,8 @@ def test_another_tenants_marker_in_a_messages_answer_is_withheld(
     }
     with httpx.stream("POST", f"{gateway_url}{MESSAGES}", json=over, headers={"x-api-key": BOB_KEY}) as response:
         text = response.read().decode()
-    assert "CNRY" not in text and "merger" not in text and "alice" not in text
+    assert not shows_marker(text, sent_marker(forwarded(sim)[0]))
+    assert "merger" not in text and "alice" not in text
     if stream:
         assert "event: error" in text and '"type":"api_error"' in text and "message_stop" not in text
     else:
@@ -367,7 +373,7 @@ def test_an_error_about_the_chat_request_names_the_clients_own_field(gateway_url
     assert refused.status_code == 400, refused.text
     # The chat request's messages[2] (after the system message) is the client's messages[1].
     assert refused.json()["error"]["message"].startswith("messages[1]: "), refused.text
-    stop = {"model": MODEL, "max_tokens": 4, "messages": HELLO, "stop_sequences": ["ok", "CNRY-"]}
+    stop = {"model": MODEL, "max_tokens": 4, "messages": HELLO, "stop_sequences": ["ok", "Cn ry"]}
     said = httpx.post(f"{gateway_url}{MESSAGES}", json=stop, headers={"x-api-key": ALICE_KEY}).json()
     assert said["error"]["message"].startswith("stop_sequences: may not contain 'CNRY'"), said
 

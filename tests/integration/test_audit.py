@@ -6,6 +6,7 @@ blamed for what it stops.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ import httpx
 import pytest
 
 from isolation.audit import AuditConfig, Report, run_audit
+from isolation.scanner import normalize
+from isolation.spelling import CODE_LENGTH
 from tests.conftest import SimFactory
 from tests.integration.conftest import GatewayFactory
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, metric
@@ -74,7 +77,8 @@ def test_the_stale_kv_simulator_is_caught_by_each_probe_within_60_s(make_sim: Si
     leak = by_probe["canary"]
     assert leak["title"] == "identity A's canary marker in identity B's answer"
     assert (leak["sent"]["identity"], leak["received"]["status"]) == ("B", 200)
-    assert "CNRY-" in leak["received"]["answer_excerpt"]
+    # The marker in place, whole: the anchor and a code's letters, however the answer spaced them.
+    assert re.search(rb"cnry[a-z]{%d}" % CODE_LENGTH, normalize(leak["received"]["answer_excerpt"])), leak
     for name in ("over-length", "accounting", "canary"):
         assert name in done.stdout  # the table names every probe that found something
     assert "FINDINGS" in done.stdout

@@ -27,6 +27,7 @@ import pytest
 
 from gateway.server.app import create_app
 from gateway.server.serving import run_server
+from isolation.markers import MARKER_PATTERN
 from isolation.tokens import ModelTokenizer
 from tests.integration.adversary import EXTRA, Adversary, Plan, Source
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, gateway_settings
@@ -42,7 +43,6 @@ ALICE_WORDS = ("zanzibar", "orchid", "quokka")
 BOB_SAYS = "Please survey the telescope near the periwinkle lighthouse"
 BOB_WORDS = ("telescope", "periwinkle", "lighthouse")
 BENIGN_WORDS = ("harbour", "tuesday")  # from adversary.BENIGN
-MARKER = re.compile(r"CNRY-[A-Z2-7]{20}")
 NOT_NORMAL = re.compile(r"[^a-z0-9]")
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 RANK = 1  # the alternative the top-logprob channels fill
@@ -199,7 +199,7 @@ def ask(endpoint: str, says: str, channel: str, stream: bool = False) -> JsonObj
 
 
 def marker_in(prompt: str) -> str:
-    found = MARKER.search(prompt)
+    found = MARKER_PATTERN.search(prompt)
     assert found is not None, f"no marker in what the backend received: {prompt!r}"
     return found.group()
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import re
 import struct
 import uuid
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import pytest
 from gateway.server.app import create_app
 from gateway.server.serving import run_server
 from gateway.tenancy.tenants import hash_key
+from isolation.markers import MARKER_PATTERN
 from isolation.sim import SimConfig, create_sim_app
 from isolation.sim.embeddings import DIMENSIONS, embedding
 from isolation.tokens import ModelTokenizer
@@ -41,6 +41,7 @@ from tests.integration.support import (
     gateway_settings,
     metric,
     session_on,
+    shows_marker,
 )
 from tests.redis_server import redis_server
 
@@ -49,7 +50,6 @@ HOSTILE = "hostile-embed"  # an embedding model served by the adversary
 CAROL_KEY = "bk-test-carol-0123456789"
 ADMIN = "admin-token-0123456789"
 MAX_TOTAL = 3000  # limits.max_embedding_tokens of the gateway under test
-MARKER = re.compile(r"CNRY-[A-Z2-7]{20}")
 
 
 def tenants(**carol: Any) -> list[dict[str, Any]]:
@@ -349,12 +349,12 @@ def test_another_tenants_marker_in_what_is_dropped_is_still_a_leak(
 ) -> None:
     chat = httpx.post(f"{gateway}/v1/chat/completions", json=chat_body(max_tokens=1), headers=auth())
     assert chat.status_code == 200
-    marker = MARKER.search(orjson.dumps(forwarded(servers["chat"])[-1]["body"]).decode())
+    marker = MARKER_PATTERN.search(orjson.dumps(forwarded(servers["chat"])[-1]["body"]).decode())
     assert marker is not None
     hostile.prompts.append(f"earlier text {marker.group()} of alice's")
     hostile.plan = Plan("extra_item", source="previous")
     response = post(gateway, {"model": HOSTILE, "input": "x"}, CAROL_KEY)
-    assert response.status_code == 502 and "CNRY" not in response.text
+    assert response.status_code == 502 and not shows_marker(response.text, marker.group())
     [event] = isolation_events(gateway, response.headers["x-request-id"])
     assert event["kind"] == "leak" and event["victim_tenant"] == "alice"
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Any
 
 import httpx
 import orjson
 
 from gateway.tenancy.tenants import hash_key
+from isolation.markers import MARKER_PATTERN, NORMAL_LENGTH, normal_form
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, auth, chat_body, forwarded, sent_as
 from tests.integration.test_fairness import until_running
 
@@ -44,10 +44,11 @@ async def test_chat_completion_is_relayed_with_usage(client: httpx.AsyncClient, 
     assert sent.pop("max_tokens") == 2048 - with_markers
     salt = sent.pop("cache_salt")
     assert len(salt) == 32 and int(salt, 16) >= 0
-    system, user = sent.pop("messages")
-    marker = system["content"]
-    assert system == {"role": "system", "content": marker} and re.fullmatch(r"CNRY-[A-Z2-7]{20}", marker)
-    assert user == {"role": "user", "content": f"{marker}\nHi 世界"}
+    # No system message of the tenant's: the marker starts the first user turn, and none is added.
+    [user] = sent.pop("messages")
+    marker, own_text = user["content"].split("\n", 1)
+    assert MARKER_PATTERN.fullmatch(marker) and len(normal_form(marker)) == NORMAL_LENGTH
+    assert user == {"role": "user", "content": f"{marker}\nHi 世界"} and own_text == "Hi 世界"
     assert sent == {k: v for k, v in chat_body("Hi 世界").items() if k != "messages"}
 
 

@@ -16,10 +16,11 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, Huma
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
+from isolation.markers import MARKER_PATTERN
 from isolation.tokens import ModelTokenizer
 from tests.integration.adversary import BENIGN, DecodingModel
 from tests.integration.scripted import gateway_over
-from tests.integration.support import ALICE_KEY, MODEL
+from tests.integration.support import ALICE_KEY, MODEL, shows_marker
 
 # The engine answers this turn with a call of `lookup` whose arguments are the encoded text (DecodingModel).
 CALL = "ARGS BASE64: " + base64.b64encode(b'{"city": "Paris"}').decode()
@@ -58,7 +59,8 @@ def test_invoke_answers_through_every_defence(client: Client, engine: DecodingMo
     answer = client().invoke("Name a colour.")
     assert isinstance(answer, AIMessage) and answer.text == BENIGN
     assert answer.usage_metadata is not None and answer.usage_metadata["input_tokens"] > 0
-    assert "CNRY" in engine.prompts[-1] and "CNRY" not in answer.model_dump_json()
+    marker = MARKER_PATTERN.search(engine.prompts[-1])
+    assert marker is not None and not shows_marker(answer.model_dump_json(), marker.group())
 
 
 def test_a_stream_comes_in_chunks_that_add_up_to_the_answer(client: Client) -> None:

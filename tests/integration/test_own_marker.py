@@ -11,7 +11,8 @@ import orjson
 import pytest
 
 from gateway.tenancy.tenants import hash_key
-from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body, forwarded, metric
+from isolation.markers import MARKER_PATTERN
+from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body, forwarded, metric, shows_marker
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -80,7 +81,7 @@ async def test_the_tokens_per_minute_charge_leaves_the_markers_out(
     second = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth())
     # What is left after the first was settled: the limit, less what alice used by her own usage, less the second's
     # reservation (its prompt and one output token) — plus what refilled meanwhile (167 tokens a second), far less
-    # than the ~50 tokens the markers would have cost.
+    # than the ~30 tokens the markers (one a request, ~15 tokens each) would have cost.
     second_reserved = second.json()["usage"]["prompt_tokens"] + 1
     expected = 10_000 - used - second_reserved
     assert expected <= int(second.headers["x-ratelimit-remaining-tokens"]) <= expected + 20
@@ -97,8 +98,9 @@ async def test_a_completion_echo_shows_the_prompt_as_the_tenant_wrote_it(
     chunks = events_of(response.text) if stream else [response.json()]
     text = "".join(choice["text"] for chunk in chunks for choice in chunk["choices"])
     sent = forwarded(sim_url)[-1]["body"]["prompt"]
-    assert sent.startswith("CNRY-") and sent.endswith(f"\n{prompt}")
-    assert text.startswith(prompt) and len(text) > len(prompt) and "CNRY" not in text.upper()
+    marker = MARKER_PATTERN.match(sent)
+    assert marker is not None and sent == f"{marker.group()}\n{prompt}"
+    assert text.startswith(prompt) and len(text) > len(prompt) and not shows_marker(text, marker.group())
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -20,6 +19,7 @@ import pytest
 
 from gateway.server.serving import run_server
 from gateway.tenancy.tenants import hash_key
+from isolation.markers import MARKER_PATTERN
 from isolation.tokens import ModelTokenizer
 from tests.integration.adversary import DecodingModel
 from tests.integration.support import (
@@ -32,6 +32,7 @@ from tests.integration.support import (
     forwarded,
     metric,
     session_on,
+    shows_marker,
 )
 from tests.integration.test_canaries import alice_fills_the_cache, over_capacity
 
@@ -40,7 +41,6 @@ COMPLETIONS = "/v1/completions"
 ADMIN = "admin-token-0123456789"
 ADMIN_AUTH = {"authorization": f"Bearer {ADMIN}"}
 FAST_PROBE = {"rate": 50, "max_requests": 60, "time_limit_s": 30}
-MARKER = re.compile(r"CNRY-[A-Z2-7]{20}")
 
 
 Engines = dict[str, tuple[str, DecodingModel]]
@@ -68,7 +68,7 @@ async def alices_marker(client: httpx.AsyncClient, gateway_url: str, engines: En
     """What an attacker is assumed to have learned somehow: alice's marker (read here from the engine's log)."""
     response = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth(ALICE_KEY))
     assert response.status_code == 200
-    found = [m.group() for _, engine in engines.values() for p in engine.prompts if (m := MARKER.search(p))]
+    found = [m.group() for _, engine in engines.values() for p in engine.prompts if (m := MARKER_PATTERN.search(p))]
     assert found
     return found[-1]
 
@@ -108,7 +108,7 @@ async def test_a_marker_the_model_writes_does_not_take_the_last_replica_away(
     gateway_url = gateway_over(make_gateway, engines, tokenizer_dir, isolation={"prober": FAST_PROBE})
     marker = await alices_marker(client, gateway_url, engines)
     attack = await decoded(client, gateway_url, marker)
-    assert attack.status_code == 502 and marker.lower() not in attack.text.lower()
+    assert attack.status_code == 502 and not shows_marker(attack.text, marker)
     [leak] = [e for e in await events(client, gateway_url) if e["kind"] == "leak"]
     assert (leak["tenant"], leak["victim_tenant"], leak["action"]) == ("bob", "alice", "probing")
     # The probe, with identities no tenant knows, sees a sound engine: the replica stays in rotation.
@@ -219,12 +219,15 @@ async def test_a_marker_the_recipient_sent_itself_is_still_a_leak(
     gateway_url = make_gateway({"sim": sim_url}, admin_token=ADMIN)
     ask = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=1), headers=auth(ALICE_KEY))
     assert ask.status_code == 200
-    alices = forwarded(sim_url)[-1]["body"]["messages"][0]["content"]
-    assert MARKER.fullmatch(alices)
+    # Without a system message of hers, her marker starts her first turn.
+    first = forwarded(sim_url)[-1]["body"]["messages"][0]["content"]
+    found = MARKER_PATTERN.match(first)
+    assert found is not None and first == f"{found.group()}\nHello there"
+    alices = found.group()
     for prompt in (f"Reference id {alices}, then: ", "Reference id \\u0043" + alices[1:]):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "echo": True}
         answer = await client.post(f"{gateway_url}{COMPLETIONS}", json=body, headers=auth(BOB_KEY))
-        assert answer.status_code == 502 and alices.lower() not in answer.text.lower()
+        assert answer.status_code == 502 and not shows_marker(answer.text, alices)
     leaks = [e for e in await events(client, gateway_url) if e["kind"] == "leak"]
     assert [(e["tenant"], e["victim_tenant"]) for e in leaks] == [("bob", "alice")] * 2
 

@@ -81,7 +81,7 @@ PROMPT_ECHOES = [
     ("a 1 MB stop string", CHAT, chat_body(stop="x" * 1_000_000), "stop"),
     ("a long stop list entry", CHAT, chat_body(stop=["x" * 300]), "stop[0]"),
     # Where the answer stops would tell a tenant whether its hidden marker goes on with the guess.
-    ("a stop string probing the marker", CHAT, chat_body(stop=["CNRY-AB"]), "stop"),
+    ("a stop string probing the marker", CHAT, chat_body(stop=["cnry ab"]), "stop"),
     ("a spaced stop string probing the marker", COMPLETIONS, completion(stop="c n r y a"), "stop"),
     ("a banned word probing the marker", CHAT, chat_body(bad_words=["ok", "Cnry-Q"]), "bad_words"),
     ("best_of over max_n", COMPLETIONS, completion(best_of=64), "best_of"),

@@ -13,6 +13,7 @@ import openai
 import orjson
 import pytest
 
+from isolation.markers import MARKER_PATTERN
 from tests.integration.support import (
     ALICE_KEY,
     BOB_KEY,
@@ -22,6 +23,8 @@ from tests.integration.support import (
     auth,
     chat_body,
     forwarded,
+    sent_marker,
+    shows_marker,
 )
 from tests.redis_server import redis_server
 
@@ -44,9 +47,10 @@ def test_a_response_goes_through_every_defence_as_a_chat_completion(
     [sent] = forwarded(shared_sim)
     assert sent["path"] == "/v1/chat/completions"
     body = sent["body"]
-    assert "CNRY" in body["messages"][0]["content"] and "Be terse." in body["messages"][0]["content"]
+    marker = MARKER_PATTERN.match(body["messages"][0]["content"])
+    assert marker is not None and "Be terse." in body["messages"][0]["content"], "the marker starts the system text"
     assert body["cache_salt"] and "previous_response_id" not in body and "store" not in body
-    assert "CNRY" not in answer.model_dump_json()
+    assert not shows_marker(answer.model_dump_json(), marker.group())
     chat = httpx.post(
         f"{module_gateway}/v1/chat/completions",
         json={
@@ -147,7 +151,8 @@ def test_another_tenants_marker_in_a_response_is_withheld(
     }
     with httpx.stream("POST", f"{gateway_url}{RESPONSES}", json=over, headers=auth(BOB_KEY)) as response:
         text = response.read().decode()
-    assert "CNRY" not in text and "merger" not in text and "alice" not in text
+    assert not shows_marker(text, sent_marker(forwarded(sim)[0]))
+    assert "merger" not in text and "alice" not in text
     if stream:
         assert "event: error" in text and "response.failed" in text and "response.completed" not in text
     else:

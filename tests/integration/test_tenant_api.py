@@ -5,7 +5,6 @@ the answer that makes it and nowhere else — not in listings, not in the audit 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -24,12 +23,11 @@ from gateway.server.app import create_app
 from gateway.server.serving import run_server
 from gateway.tenancy.auditlog import token_id
 from gateway.tenancy.tenants import hash_key
+from isolation.markers import MARKER_PATTERN
 from tests.integration.conftest import GatewayFactory
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, gateway_settings
 from tests.integration.tenant_support import ADMIN_TOKEN, Admin, chat, new_id, redis_database, until
 from tests.redis_server import redis_server
-
-MARKER = re.compile(r"CNRY-[A-Z2-7]{20}")
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -444,7 +442,7 @@ async def test_a_tenant_made_again_under_a_deleted_ones_id_shares_no_cache_salt_
     async def sent(key: str) -> tuple[str, str]:
         assert (await chat(client, admin.url, key)).status_code == 200
         body = forwarded(sim_url)[-1]["body"]
-        found = MARKER.search(str(body["messages"]))
+        found = MARKER_PATTERN.search(str(body["messages"]))
         assert found is not None
         return body["cache_salt"], found.group()
 

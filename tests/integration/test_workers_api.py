@@ -19,6 +19,7 @@ from gateway.api.workers import workers_answer
 from gateway.api.workers_shapes import workers_result
 from gateway.pipeline.outcome import Answer
 from gateway.tenancy.tenants import hash_key
+from isolation.markers import MARKER_PATTERN
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
 from tests.integration.tenant_support import until
 from tests.redis_server import own_redis
@@ -44,7 +45,9 @@ async def test_run_chat_and_prompt_in_the_workers_envelope(
     assert raw.status_code == 200, raw.text
     sent = forwarded(sim_url)
     # The same pipeline: the tenant's marker and salt went upstream exactly as on /v1.
-    assert "cache_salt" in sent[0]["body"] and sent[0]["body"]["messages"][0]["content"].startswith("CNRY-")
+    first = sent[0]["body"]["messages"][0]["content"]
+    marker = MARKER_PATTERN.match(first)
+    assert "cache_salt" in sent[0]["body"] and marker is not None and first == f"{marker.group()}\nhi"
     # As on Workers AI: a prompt is templated as a user turn, unless `raw`; without max_tokens, 256 tokens.
     assert sent[1]["path"] == "/v1/chat/completions" and sent[1]["body"]["messages"][-1]["content"].endswith("Once")
     assert sent[2]["path"] == "/v1/completions" and sent[2]["body"]["max_tokens"] == 256

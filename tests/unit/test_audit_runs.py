@@ -59,7 +59,8 @@ async def test_a_run_is_found_anywhere_in_a_text_and_anywhere_in_an_answer(
     a_text: tuple[CanaryBook, tuple[Identity, Identity], list[str]], where: str
 ) -> None:
     book, _, sent = a_text
-    at = {"start": 0, "middle": len(sent) // 2, "end": len(sent) - RUN_WORDS}[where]
+    middle = len(sent) // 2 // (SEGMENT + 1) * (SEGMENT + 1)  # a segment's first word: the run holds no marker
+    at = {"start": 0, "middle": middle, "end": len(sent) - RUN_WORDS}[where]
     run = " ".join(sent[at : at + RUN_WORDS])
     answer = f"Sure! Here it is: {run} (anything else?)"
 

@@ -369,7 +369,7 @@ async def test_look_alike_letters_are_folded(registry: MarkerRegistry, form: str
     if form == "NFKC-fullwidth":
         text = "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in marker)
     elif form == "mathematical":
-        text = "".join(chr(0x1D400 + ord(c) - ord("A")) if c.isupper() else c for c in marker)
+        text = "".join(chr(0x1D41A + ord(c) - ord("a")) if c.islower() else c for c in marker)
     else:
         text = "".join(unicodedata.normalize("NFC", c + "\u0301") if c.isalpha() else c for c in marker)
     assert text != marker and normalize(text) == normalize(marker)

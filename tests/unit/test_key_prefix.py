@@ -44,7 +44,7 @@ DEFAULT_NAMES = {
     "bulkhead:replica-failures",
     "bulkhead:isolation-events",
     "bulkhead:audit-events",
-    "bulkhead:canary-markers:7",
+    "bulkhead:canary-codes:7",
     "bulkhead:fingerprints",
     "bulkhead:tenants",
     "bulkhead:tenant-ids",
@@ -103,7 +103,7 @@ async def write_through_every_store(redis: Redis, prefix: str) -> tuple[RedisJob
     await store.report_failure("r1")
     await RedisEventLog(redis, 100, prefix=prefix).append(IsolationEvent("leak", "req-1", "acme", "m", "r1", "x"))
     await RedisAuditLog(redis, 100, prefix=prefix).append(AuditEvent("admin-1", "tenant.create", "acme"))
-    await RedisMarkerStore(redis, prefix=prefix).publish(7, {b"cnry-marker": Owner("acme", 7, "k1")}, ttl_s=60)
+    await RedisMarkerStore(redis, prefix=prefix).publish(7, {0xC0DE: Owner("acme", 7, "k1")}, ttl_s=60)
     feed = RedisFingerprintFeed(redis, "instance-1", 60, prefix=prefix)
     await feed.publish(Prompt("acme", "r1", time.time(), np.array([1, 2], dtype=np.uint64)))
     directory = RedisDirectoryStore(redis, prefix=prefix)

@@ -21,17 +21,21 @@ from redis.asyncio import Redis
 
 from isolation.guard import Leak, LeakBlocked, OutputGuard, SplitMarker
 from isolation.leaks import REDACTED, LeakPolicy
+from isolation.marker_words import WORDS
 from isolation.markers import (
-    CODE_LENGTH,
+    MARKER_PATTERN,
     NORMAL_LENGTH,
     CanaryKey,
     MarkerRegistry,
+    ModelMarkers,
     Owner,
     RedisMarkerStore,
+    make_code,
     make_marker,
     normal_form,
 )
 from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
+from isolation.spelling import CODE_BITS, CODE_LENGTH, DEFAULT, Spelling, codes_of
 from tests.redis_server import redis_server
 
 KEY = CanaryKey("k1", b"canary-test-secret-0123456789abcdef")
@@ -41,7 +45,7 @@ EPOCH = 1_000_000
 BASE32 = string.ascii_uppercase + "234567"
 # Characters that vanish in the normal form: what models and markdown put between or around a marker's characters.
 DECORATION = " -\n\t*_`.:\u200b\u200c\u200d\ufeff"
-PARTIAL = re.compile(rb"c(?:n(?:r(?:y[a-z2-7]{0,%d})?)?)?" % (CODE_LENGTH - 1))
+PARTIAL = re.compile(rb"c(?:n(?:r(?:y[a-z]{0,%d})?)?)?" % (CODE_LENGTH - 1))
 
 
 def registry_at(now: float = NOW, keys: list[CanaryKey] | None = None, tenants: tuple[str, ...] = ()) -> MarkerRegistry:
@@ -180,12 +184,12 @@ def test_the_hold_is_exactly_the_tail_that_could_still_become_a_marker(pieces: l
         ("hello world", ""),
         ("I like the abc", "c"),
         ("cnrz", ""),
-        ("cnry1", ""),  # 1 is not base32
+        ("cnry1", ""),  # a digit is no code letter
         ("see **C", "C"),
         ("C-N", "C-N"),
         ("x CNRY-ABC", "CNRY-ABC"),
-        ("CNRY-" + "A" * 19, "CNRY-" + "A" * 19),
-        ("CNRY-" + "A" * 20 + " after", ""),
+        ("CNRY-" + "A" * (CODE_LENGTH - 1), "CNRY-" + "A" * (CODE_LENGTH - 1)),
+        ("CNRY-" + "A" * CODE_LENGTH + " after", ""),
         ("c\u200b", "c\u200b"),
     ],
 )
@@ -207,7 +211,7 @@ def test_a_held_tail_that_cannot_grow_is_released_with_the_next_piece() -> None:
 def test_a_marker_overlapping_an_earlier_candidate_is_still_found_in_a_stream() -> None:
     victim = make_marker(KEY, "victim", EPOCH)
     text = f"Sure: CNRY {victim} done"
-    assert [hit.normal for hit in scan_all(text)] == [b"cnry" + normal_form(victim)[:20], normal_form(victim)]
+    assert [hit.normal for hit in scan_all(text)] == [b"cnry" + normal_form(victim)[:CODE_LENGTH], normal_form(victim)]
     for size in range(1, len(text) + 1):
         found = [hit.normal for _, hit in stream(split(text, list(range(size, len(text), size)))).found]
         assert normal_form(victim) in found, size
@@ -254,11 +258,12 @@ def prose(rng: random.Random, size: int) -> str:
 
 
 def base32_tokens(rng: random.Random, size: int) -> str:
-    """Random [A-Z2-7]{20..40} tokens, a third of them dressed as markers (`CNRY-…`) that nobody registered."""
+    """Random [A-Z2-7]{20..40} tokens, and a third as many markers' shapes (`cnry` and a code's words) that nobody
+    registered."""
     tokens, total = [], 0
     while total < size:
         token = "".join(rng.choices(BASE32, k=rng.randint(20, 40)))
-        token = f"CNRY-{token}" if rng.random() < 1 / 3 else token
+        token = DEFAULT.spell(rng.getrandbits(CODE_BITS)) if rng.random() < 1 / 3 else token
         tokens.append(token)
         total += len(token) + 1
     return " ".join(tokens)
@@ -309,21 +314,52 @@ def test_no_registered_marker_is_found_in_ten_megabytes_of_benign_text() -> None
         assert all(registry.owner(hit.normal) is None for hit in scan_all(text)), name
         scanned += len(text)
     assert scanned >= BENIGN_BYTES - 500_000
-    assert candidates > 10_000  # the fake `CNRY-` tokens were seen as candidates, and resolved to nobody
+    assert candidates > 10_000  # the unregistered markers were seen as candidates, and resolved to nobody
 
 
 # --- The registry -------------------------------------------------------------------------------------------------
 
 
-def test_markers_are_cnry_and_100_bits_of_base32() -> None:
-    codes = [make_marker(KEY, f"t{n}", EPOCH) for n in range(3000)]
-    assert all(re.fullmatch(r"CNRY-[A-Z2-7]{20}", code) for code in codes)
-    # Every one of the 20 code characters carries its full 5 bits: each takes all 32 values across tenants.
-    for position in range(5, 5 + CODE_LENGTH):
-        assert {code[position] for code in codes} == set(BASE32), position
-    assert len(set(codes)) == len(codes)
-    assert normal_form(codes[0]) == b"cnry" + codes[0][5:].lower().encode()
-    assert len(normal_form(codes[0])) == NORMAL_LENGTH
+def test_markers_are_cnry_and_100_bits_in_words() -> None:
+    tenants = [f"t{n}" for n in range(3000)]
+    markers = [make_marker(KEY, tenant, EPOCH) for tenant in tenants]
+    assert all(MARKER_PATTERN.fullmatch(marker) for marker in markers)
+    assert all(len(normal_form(marker)) == NORMAL_LENGTH for marker in markers)
+    assert all(marker.split()[1:] and set(marker.split()[1:]) <= set(WORDS) for marker in markers)
+    assert len(set(markers)) == len(markers)
+    codes = [make_code(KEY, tenant, EPOCH) for tenant in tenants]
+    # Every one of the 100 bits carries its value: each is 0 for some tenants and 1 for others.
+    assert all(0 < sum(code >> bit & 1 for code in codes) < len(codes) for bit in range(CODE_BITS))
+    assert max(codes) < 2**CODE_BITS
+    assert all(code in DEFAULT.codes(normal_form(marker)[4:]) for code, marker in zip(codes, markers, strict=True))
+
+
+@pytest.mark.parametrize("code", [0, 1, 2**CODE_BITS - 1, 2**99, 123456789 * 10**20])
+def test_every_code_is_spelled_and_read_back(code: int) -> None:
+    marker = DEFAULT.spell(code)
+    assert len(marker.split()) == DEFAULT.count + 1 and len(normal_form(marker)) == NORMAL_LENGTH
+    assert code in DEFAULT.codes(normal_form(marker)[4:])
+    # However it is written: run together, hyphenated, upper case.
+    for written in (marker.replace(" ", ""), marker.replace(" ", "-"), marker.upper()):
+        assert code in codes_of([DEFAULT], normal_form(written))
+    with pytest.raises(ValueError):
+        DEFAULT.spell(2**CODE_BITS)
+
+
+def test_a_spelling_of_fewer_words_reads_only_its_own_markers() -> None:
+    mine = Spelling(WORDS[::2], anchor="Cnry")
+    assert mine.count >= DEFAULT.count
+    code = make_code(KEY, "acme", EPOCH)
+    marker = mine.spell(code)
+    assert marker.startswith("Cnry ") and code in mine.codes(normal_form(marker)[4:])
+    registry = registry_at(tenants=("acme",))
+    assert registry.owner(normal_form(marker)) is None  # a spelling it was never told of
+    registry.add_model("small-model", ModelMarkers(mine, system_first=False))
+    assert registry.of_model("small-model").spelling is mine and registry.of_model("other") == ModelMarkers()
+    assert registry.marker("acme", mine) == marker and registry.owner(normal_form(marker)) == Owner("acme", EPOCH, "k1")
+    assert registry.codes(b"cnry" + b"q" * CODE_LENGTH) == []  # letters no words make
+    with pytest.raises(ValueError):
+        Spelling(WORDS[:40])
 
 
 def test_a_marker_is_stable_within_an_epoch_and_secret() -> None:
@@ -365,7 +401,7 @@ async def test_instances_with_different_secrets_recognise_each_others_markers_th
     # An epoch of its own (far from the real clock's), so the hashes this test writes are no other test's.
     now = (10**9 + secrets.randbelow(10**6)) * EPOCH_S + 1.0
     epoch = int(now // EPOCH_S)
-    names = [f"bulkhead:canary-markers:{epoch}", f"bulkhead:canary-markers:{epoch - 1}"]
+    names = [f"bulkhead:canary-codes:{epoch}", f"bulkhead:canary-codes:{epoch - 1}"]
     with redis_server() as url:
         async with Redis.from_url(url) as redis:
             try:
