@@ -48,11 +48,7 @@ def make_identities(keys: tuple[str, ...]) -> tuple[Identity, Identity]:
     identities = []
     for index, name in enumerate(("A", "B")):
         key = keys[index] if index < len(keys) else (keys[0] if keys else None)
-        # Hyphens, not spaces, between a marker's words: the probe text is whitespace-separated items (prompts.py),
-        # and the normal form is the same.
-        markers = tuple(
-            make_marker(canary_key, f"{name}-{n}", epoch=0).replace(" ", "-") for n in range(MARKERS_PER_IDENTITY)
-        )
+        markers = tuple(make_marker(canary_key, f"{name}-{n}", epoch=0) for n in range(MARKERS_PER_IDENTITY))
         identities.append(
             Identity(
                 name=name,

@@ -85,6 +85,9 @@ FRAGMENT_BLOCKS = (1, 2, 4, 8, 16, 64)
 POSITIONS = ("start", "quarter", "middle", "end")
 CONFIGS = ("markers", "fingerprints", "both")
 RANDOM_POSITIONS = 4
+# Fragment sizes also leaked from every block of every victim (not with --quick): where markers and fingerprints
+# differ, a handful of sampled positions is noise (one marker moves the text under a fixed position by a block).
+EVERY_SIZES = (2, 4)
 VICTIMS_PER_KIND = 3
 OTHER_TENANTS = 8
 
@@ -294,11 +297,12 @@ def victims(texts: Texts, rng: random.Random, quick: bool) -> list[Victim]:
     return found
 
 
-def starts(blocks: int, size: int, rng: random.Random, randoms: int) -> list[tuple[str, int]]:
+def starts(blocks: int, size: int, rng: random.Random, randoms: int, every: bool) -> list[tuple[str, int]]:
     """(position, first block) of a fragment of `size` blocks in a prompt of `blocks` blocks (the last partial)."""
     room = max(0, blocks - size)
     fixed = [("start", 0), ("quarter", min(room, blocks // 4)), ("middle", min(room, blocks // 2)), ("end", room)]
-    return fixed + [("random", rng.randint(0, room)) for _ in range(randoms)]
+    sampled = [("random", rng.randint(0, room)) for _ in range(randoms)]
+    return fixed + sampled + ([("every", block) for block in range(room + 1)] if every else [])
 
 
 @dataclass
@@ -354,7 +358,8 @@ async def measure_detection(
                 ids = held[config != "fingerprints"]
                 # The same random blocks in every configuration, so they compare side by side.
                 paired = random.Random(f"{seed}-{victim.tenant}-{size}")
-                for position, block in starts(-(-len(ids) // BLOCK), size, paired, randoms):
+                every = not quick and size in EVERY_SIZES
+                for position, block in starts(-(-len(ids) // BLOCK), size, paired, randoms, every):
                     # As the stale-kv fault answers: the blocks' tokens but special ones, one token's text a chunk.
                     stale = [t for t in ids[block * BLOCK : (block + size) * BLOCK] if t not in detokenizer.special_ids]
                     await detection.leak(gateway, config, victim, size, position, list(detokenizer.pieces(stale)))
@@ -394,12 +399,12 @@ COST_COLUMNS = [
 def caught(
     detection: dict[str, Any], config: str, size: int, position: str | None = None, victim: str | None = None
 ) -> tuple[int, int, int]:
-    """(caught, answers, caught by a marker alone) over the cells that match."""
+    """(caught, answers, caught by a marker alone) over the cells that match; position None: the sampled ones."""
     cells = [
         c
         for c in detection["cells"]
         if (c["config"], c["blocks"]) == (config, size)
-        and position in (None, c["position"])
+        and (c["position"] == position if position else c["position"] != "every")
         and victim in (None, c["victim"])
     ]
     return sum(c["caught"] for c in cells), sum(c["of"] for c in cells), sum(c["marker_only"] for c in cells)
@@ -452,6 +457,22 @@ def detection_table(detection: dict[str, Any], config: str) -> str:
     return table(rows, [("fragment blocks", "blocks"), *((p, p) for p in columns)])
 
 
+def every_table(detection: dict[str, Any]) -> str:
+    """Fragments from every block: per victim kind and size, each configuration."""
+    kinds = list(dict.fromkeys(v["kind"] for v in detection["victims"]))
+    rows = []
+    for kind, size in itertools.product(kinds, EVERY_SIZES):
+        row: dict[str, Any] = {"victim": kind, "blocks": blocks_label(size)}
+        for config in CONFIGS:
+            hit, of, only = caught(detection, config, size, "every", kind)
+            row[config] = f"{hit}/{of} ({hit / of:.1%})" if of else "—"
+            if config == "both":
+                row["marker_only"] = only
+        rows.append(row)
+    columns = [("victim", "victim"), ("fragment blocks", "blocks"), *((c, c) for c in CONFIGS)]
+    return table(rows, [*columns, ("both: by a marker only", "marker_only")])
+
+
 def print_report(report: dict[str, Any]) -> None:
     print(f"revision {report['revision']}; seconds {report['seconds']}")
     for name, result in report["tokenizers"].items():
@@ -466,6 +487,8 @@ def print_report(report: dict[str, Any]) -> None:
         named, per_chunk = detection["wrong_victim"], detection["us_per_chunk"]
         print(f"\nvictims: {kinds}; another victim named: {named}; {per_chunk} µs a chunk")
         print("\ncaught, every position:\n\n" + summary_table(detection))
+        if any(c["position"] == "every" for c in detection["cells"]):
+            print("\ncaught, a fragment from every block:\n\n" + every_table(detection))
         for config in CONFIGS:
             print(f"\ncaught, {config}, by position:\n\n" + detection_table(detection, config))
             print(f"\ncaught, {config}, by victim:\n\n" + victim_table(detection, config))

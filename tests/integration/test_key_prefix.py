@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from gateway.server.app import create_app
 from gateway.server.serving import run_server
 from gateway.tenancy.tenants import hash_key
+from isolation.markers import Owner
 from isolation.redis_text import text
 from tests.conftest import SimFactory
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, gateway_settings
@@ -62,9 +63,10 @@ async def rate_budgets_are_apart(client: httpx.AsyncClient, a: str, b: str) -> N
 
 
 async def markers_naming(redis: Redis, prefix: str, tenant_id: str) -> bool:
-    for name in [text(k) async for k in redis.scan_iter(match=f"{prefix}canary-markers:*")]:
+    for name in [text(k) async for k in redis.scan_iter(match=f"{prefix}canary-codes:*")]:
         # A runtime tenant's markers are its incarnation's: `<id>@<created_at>`.
-        if any(text(owner).startswith(f"{tenant_id}@") for owner in await redis.hvals(name)):  # type: ignore[misc]
+        owners = [Owner.decode(text(owner)).tenant for owner in await redis.hvals(name)]
+        if any(owner.startswith(f"{tenant_id}@") for owner in owners):
             return True
     return False
 
@@ -170,6 +172,6 @@ async def test_two_deployments_with_different_prefixes_on_one_redis_share_nothin
             assert names and all(name.startswith((A, B)) for name in names), sorted(names)
             for prefix in (A, B):
                 assert {f"{prefix}rate:carol:requests", f"{prefix}jobs", f"{prefix}tenants"} <= names
-                assert any(name.startswith(f"{prefix}canary-markers:") for name in names)
+                assert any(name.startswith(f"{prefix}canary-codes:") for name in names)
             assert {f"{A}replica-admin", f"{A}isolation-events"} <= names
             assert not {f"{B}replica-admin", f"{B}isolation-events"} & names

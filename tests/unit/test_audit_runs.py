@@ -21,6 +21,7 @@ from isolation.audit.prompts import FILLER_WORDS, PROBE_WORDS, SEGMENT, PromptBu
 from isolation.audit.runs import RUN_WORDS, words
 
 MODEL = "tiny-llama"
+Book = tuple[CanaryBook, tuple[Identity, Identity], list[list[str]]]
 
 
 def endpoint(handler: httpx.MockTransport | None = None) -> Endpoint:
@@ -35,32 +36,46 @@ async def probe_text(identity: Identity, budget: int = 1024, seed: int = 1) -> s
 
 
 @pytest.fixture
-async def a_text() -> tuple[CanaryBook, tuple[Identity, Identity], list[str]]:
-    """Identity A's probe text remembered by a book; and that text's words, as sent."""
+async def a_text() -> Book:
+    """Identity A's probe text remembered by a book; and that text's words as sent, segment by segment (the
+    probe words between two markers)."""
     identities = make_identities(())
     book = CanaryBook(identities)
     text = await probe_text(identities[0])
     book.remember("A", text)
-    return book, identities, text.split()
+    return book, identities, segments(identities[0], text)
+
+
+def segments(identity: Identity, text: str) -> list[list[str]]:
+    """The probe words between the identity's markers (a marker is several words: `cnry` and its code's)."""
+    found: list[list[str]] = [[]]
+    rest = text
+    while rest:
+        marker = next((m for m in identity.markers if rest.startswith(m)), None)
+        if marker is not None:
+            found.append([])
+            rest = rest[len(marker) :].lstrip(" ")
+            continue
+        word, _, rest = rest.partition(" ")
+        found[-1].append(word)
+    return found
 
 
 async def test_probe_text_is_words_with_a_marker_after_each_segment() -> None:
     a, _ = make_identities(())
-    items = (await probe_text(a)).split()
+    found = segments(a, await probe_text(a))
 
-    assert len(items) > 2 * (SEGMENT + 1)
-    for index, item in enumerate(items):
-        assert (item in a.markers) == (index % (SEGMENT + 1) == SEGMENT), index
-        assert item in a.markers or item in PROBE_WORDS
+    assert len(found) > 2
+    assert all(len(segment) == SEGMENT for segment in found[:-1])
+    assert all(word in PROBE_WORDS for segment in found for word in segment)
 
 
 @pytest.mark.parametrize("where", ["start", "middle", "end"])
-async def test_a_run_is_found_anywhere_in_a_text_and_anywhere_in_an_answer(
-    a_text: tuple[CanaryBook, tuple[Identity, Identity], list[str]], where: str
-) -> None:
-    book, _, sent = a_text
-    middle = len(sent) // 2 // (SEGMENT + 1) * (SEGMENT + 1)  # a segment's first word: the run holds no marker
-    at = {"start": 0, "middle": middle, "end": len(sent) - RUN_WORDS}[where]
+async def test_a_run_is_found_anywhere_in_a_text_and_anywhere_in_an_answer(a_text: Book, where: str) -> None:
+    book, _, found = a_text
+    # The text's first words, a middle segment's, and the last words before the text's last marker.
+    sent = {"start": found[0], "middle": found[len(found) // 2], "end": found[-2]}[where]
+    at = {"start": 0, "middle": len(sent) // 2 - RUN_WORDS // 2, "end": len(sent) - RUN_WORDS}[where]
     run = " ".join(sent[at : at + RUN_WORDS])
     answer = f"Sure! Here it is: {run} (anything else?)"
 
@@ -72,9 +87,9 @@ async def test_a_run_is_found_anywhere_in_a_text_and_anywhere_in_an_answer(
 
 
 async def test_case_whitespace_and_markdown_do_not_matter(
-    a_text: tuple[CanaryBook, tuple[Identity, Identity], list[str]],
+    a_text: Book,
 ) -> None:
-    book, _, sent = a_text
+    book, _, (_, sent, *_) = a_text
     run = sent[3 : 3 + RUN_WORDS]
     answer = "\n\n  ".join(f"**{word.upper()}**," for word in run)
 
@@ -82,9 +97,9 @@ async def test_case_whitespace_and_markdown_do_not_matter(
 
 
 async def test_a_run_split_over_stream_chunks_is_found_whole(
-    a_text: tuple[CanaryBook, tuple[Identity, Identity], list[str]],
+    a_text: Book,
 ) -> None:
-    book, identities, sent = a_text
+    book, identities, (_, sent, *_) = a_text
     content = " ".join(sent[5:17])  # 12 words, cut every 3 characters, mid-word
     chunks = [content[at : at + 3] for at in range(0, len(content), 3)]
     events = [{"id": "c1", "choices": [{"index": 0, "delta": {"content": chunk}}]} for chunk in chunks]
@@ -98,15 +113,15 @@ async def test_a_run_split_over_stream_chunks_is_found_whole(
 
 
 async def test_a_long_run_is_one_sighting_with_its_length(
-    a_text: tuple[CanaryBook, tuple[Identity, Identity], list[str]],
+    a_text: Book,
 ) -> None:
-    book, _, sent = a_text
+    book, _, (_, sent, *_) = a_text
 
     assert [leak.run for leak in book.foreign(" ".join(sent[:20]), "B")] == [20]
 
 
-async def test_seven_words_are_not_a_run(a_text: tuple[CanaryBook, tuple[Identity, Identity], list[str]]) -> None:
-    book, _, sent = a_text
+async def test_seven_words_are_not_a_run(a_text: Book) -> None:
+    book, _, (_, sent, *_) = a_text
     seven = " ".join(sent[10 : 10 + RUN_WORDS - 1])
 
     assert book.foreign(f"one two three {seven} four five six", "B") == []
@@ -115,9 +130,9 @@ async def test_seven_words_are_not_a_run(a_text: tuple[CanaryBook, tuple[Identit
 
 
 async def test_text_not_from_a_is_no_leak(
-    a_text: tuple[CanaryBook, tuple[Identity, Identity], list[str]],
+    a_text: Book,
 ) -> None:
-    book, identities, sent = a_text
+    book, identities, (_, sent, *_) = a_text
     b_text = await probe_text(identities[1], seed=2)
     book.remember("B", b_text)
     other = random.Random(3)
@@ -129,8 +144,10 @@ async def test_text_not_from_a_is_no_leak(
     assert {leak.owner for leak in book.foreign(b_text, "A")} == {"B"}  # and B's text is B's: both ways
 
 
-async def test_a_marker_comes_before_a_run(a_text: tuple[CanaryBook, tuple[Identity, Identity], list[str]]) -> None:
-    book, identities, sent = a_text
+async def test_a_marker_comes_before_a_run(
+    a_text: Book,
+) -> None:
+    book, identities, (_, sent, *_) = a_text
     answer = f"{' '.join(sent[:RUN_WORDS])} and {identities[0].markers[3]}"
 
     leaks = book.foreign(answer, "B")
