@@ -338,10 +338,10 @@ class CanarySettings(_Section):
     )
     epoch_s: int = Field(default=86_400, ge=60, description="markers rotate this often; two epochs are live")
     placement: MarkerPlacement = Field(
-        default="start",
-        description="where markers go: once at the conversation's start (the system text, else the first user turn); "
-        "turns: there and at every later user turn; system: both ends of the system text; user: every user turn; "
-        "both: system and user (see docs/markers.md)",
+        default="turns",
+        description="where markers go: turns: at the prompt's start (the system text, or the first user turn) and at "
+        "every later user turn; start: there only; system: both ends of the system text; user: every user turn; "
+        "both: system and user (docs/canaries.md)",
     )
     policy: Literal["block", "redact", "alert"] = Field(
         default="block",

@@ -2,10 +2,11 @@
 
 A leak returns fragments of cache blocks, and only a whole marker inside a fragment can be recognised; prompt
 fingerprints recognise the rest of a prompt's text (fingerprints.py). Placements:
-- `start` (the default): once, at the start of the conversation: the system text's, or without one (or where the
-  model's chat template writes the system text later, in front of the last user turn, as Mistral's do) the first
-  user turn's. Where fingerprints see least: the first blocks are template and system text, which tenants share.
-- `turns`: there, and at the start of every later user turn.
+- `start`: once, at the start of the conversation: the system text's, or without one (or where the model's chat
+  template writes the system text later, in front of the last user turn, as Mistral's do) the first user turn's.
+  Where fingerprints see least: the first blocks are template and system text, which tenants share.
+- `turns` (the default): there, and at the start of every later user turn, where a conversation's short turns
+  stand between template and tool-call JSON that fingerprints see little of.
 - `system`: at both ends of the system text (a system message of its own when there is none); `user`: at the start of
   every user turn; `both`: the two (what the gateway did before markers were measured).
 Every placement depends only on a turn's role and place, never on which turn is last, and the marker is stable

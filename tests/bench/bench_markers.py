@@ -70,7 +70,7 @@ from tests.bench.tekken import tekken_tokenizer
 CACHE_ROOT = Path.home() / ".cache" / "bulkhead"
 CACHE_BYTES = 64 * 2**20  # the gateway's default admission.count_cache_mib
 PLACEMENTS: tuple[MarkerPlacement, ...] = ("start", "turns", "system", "user", "both")
-DEFAULT_PLACEMENT: MarkerPlacement = "start"
+DEFAULT_PLACEMENT: MarkerPlacement = "turns"
 
 SHAREGPT_MEAN = 161.31  # tokens of a ShareGPT prompt, on average (Kwon et al., SOSP 2023)
 SHAREGPT_SIGMA = 1.0

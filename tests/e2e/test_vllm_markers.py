@@ -1,9 +1,9 @@
 """What canary markers cost a real vLLM (issue 34): the prompt tokens its engine counts with markers on and off,
 and the prefix-cache hits of a tenant's multi-turn conversation.
 
-The default placement puts one marker at the start of a conversation, so a request costs the engine one marker
-(≤ 16 tokens) however many turns it holds, and since the marker sits in the cached prefix, a tenant's next turn
-hits every block it hit without markers. Each number is vLLM's own, read from its /metrics for one request at a
+The default placement puts a marker at the start of a conversation and at each later user turn (`start`: the first
+only), so a one-turn chat costs the engine one marker (≤ 16 tokens), and since every marker sits in the prefix the
+next turn repeats, a tenant's next turn hits every block it hit without markers. Each number is vLLM's own, read from its /metrics for one request at a
 time; the tenant's usage is the gateway's, net of the marker.
 """
 
@@ -126,7 +126,7 @@ def test_a_short_chat_costs_the_engine_one_marker(
 
 
 @pytest.mark.parametrize("placement", ["start", "turns"])
-def test_a_conversation_costs_one_marker_and_keeps_its_prefix_cache(
+def test_a_conversation_costs_a_marker_a_turn_at_most_and_keeps_its_prefix_cache(
     http: httpx.Client,
     vllm: VllmServer,
     gateway: str,
@@ -134,10 +134,11 @@ def test_a_conversation_costs_one_marker_and_keeps_its_prefix_cache(
     conversation_off: list[Served],
     placement: str,
 ) -> None:
-    # `start` is the default placement, as the plain gateway has it; `turns` adds a marker at each later user turn.
+    # `turns` is the default placement, as the plain gateway has it: a marker at the start and at each later user
+    # turn; `start` only the first.
     on_gateway = (
         gateway
-        if placement == "start"
+        if placement == "turns"
         else make_e2e_gateway({"vllm": vllm.url}, isolation={"canary": {"placement": placement}})
     )
     conversation_on = converse(http, vllm, on_gateway)
