@@ -3,8 +3,8 @@ and the prefix-cache hits of a tenant's multi-turn conversation.
 
 The default placement puts a marker at the start of a conversation and at each later user turn (`start`: the first
 only), so a one-turn chat costs the engine one marker (≤ 16 tokens), and since every marker sits in the prefix the
-next turn repeats, a tenant's next turn hits every block it hit without markers. Each number is vLLM's own, read from its /metrics for one request at a
-time; the tenant's usage is the gateway's, net of the marker.
+next turn repeats, a tenant's next turn hits every block it hit without markers. Each number is vLLM's own, read
+from its /metrics for one request at a time; the tenant's usage is the gateway's, net of the marker.
 """
 
 from __future__ import annotations
