@@ -52,12 +52,13 @@ class Spelling:
         if count is None:
             raise ValueError(f"{len(self.words)} words cannot spell {CODE_BITS} bits in {MAX_WORDS} words")
         self.count = count
+        self._hash = hash((self.words, anchor))  # once: a spelling keys the registry's marker cache per request
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Spelling) and (self.words, self.anchor) == (other.words, other.anchor)
 
     def __hash__(self) -> int:
-        return hash((self.words, self.anchor))
+        return self._hash
 
     def spell(self, code: int) -> str:
         """The marker for a code: the anchor, then its words, space-separated."""
