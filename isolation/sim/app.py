@@ -22,6 +22,9 @@ Simulator-only inspection, for tests that must prove what a gateway did or did n
                            messages routes, refused ones included), oldest first, as JSON
                            `[{"path": ..., "headers": {lower-case name: value}, "body": parsed JSON or null}]`
     DELETE /sim/requests   forget them (204)
+    GET    /sim/timings    per generation request, by x-request-id: when it reached the engine, took a slot and
+                           produced its first token, its cached share and TTFT (timings.py), oldest first, as JSON
+    DELETE /sim/timings    forget them (204)
     PUT    /sim/fault      `{"fault": "stale-kv"}` (or any SimConfig fault, "none" included): the engine goes bad,
                            or well again, from its next request
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
@@ -76,6 +80,7 @@ from isolation.sim.response_replies import ResponsesReply
 from isolation.sim.responses import parse_responses, response_not_found
 from isolation.sim.stages import build_stages
 from isolation.sim.streaming import EngineStream
+from isolation.sim.timings import Timings
 from isolation.tokens import ChatTemplateError, ModelTokenizer
 
 VERSION = "0.32.0-sim"
@@ -99,6 +104,8 @@ def create_sim_app(config: SimConfig) -> Starlette:
         Route("/sim/requests", endpoints.recorded_requests, methods=["GET"]),
         Route("/sim/requests", endpoints.forget_requests, methods=["DELETE"]),
         Route("/sim/fault", endpoints.set_fault, methods=["PUT"]),
+        Route("/sim/timings", endpoints.recorded_timings, methods=["GET"]),
+        Route("/sim/timings", endpoints.forget_timings, methods=["DELETE"]),
     ]
     if config.engine == "sglang":
         described, handlers = sglang.routes(config, engine, tokenizer, view), sglang.EXCEPTION_HANDLERS
@@ -173,6 +180,7 @@ class _Endpoints:
         self.scorer = Scorer(engine.vocabulary, engine.detokenizer)
         self.merge_inline_system = merges_inline_system(tokenizer)
         self.sglang = config.engine == "sglang"
+        self.timings = Timings()
 
     async def models(self, request: Request) -> Response:
         return json_response(vllm_models(self.config))
@@ -270,6 +278,13 @@ class _Endpoints:
         self.request_log.clear()
         return Response(status_code=204)
 
+    async def recorded_timings(self, request: Request) -> Response:
+        return json_response(self.timings.entries())
+
+    async def forget_timings(self, request: Request) -> Response:
+        self.timings.clear()
+        return Response(status_code=204)
+
     async def set_fault(self, request: Request) -> Response:
         """`{"fault": "stale-kv"}`: the engine goes bad (or well again) from its next request, as a replica in
         production starts mixing requests mid-life; its KV cache keeps its size and contents."""
@@ -280,6 +295,8 @@ class _Endpoints:
         return json_response({"fault": fault})
 
     async def _read_body(self, request: Request, *, record: bool) -> JsonObject:
+        if record:
+            request.state.sim_received = time.monotonic()
         raw = await request.body()
         try:
             body = parse_json_object(raw)
@@ -331,6 +348,12 @@ class _Endpoints:
     async def _generate(
         self, request: Request, prompt_ids: Sequence[int], sampling: Sampling, make_reply: Callable[..., Reply]
     ) -> Response:
+        timing = self.timings.start(
+            request.headers.get("x-request-id", ""),
+            getattr(request.state, "sim_received", time.monotonic()),
+            self.engine.num_running,
+            self.engine.num_waiting,
+        )
         try:
             run = await self.engine.admit(
                 prompt_ids,
@@ -346,11 +369,12 @@ class _Endpoints:
             if self.sglang and sampling.stream and exc.aborted:
                 return sglang.streamed_refusal(exc)
             raise
+        timing.took_slot(run, run.next_due if self.engine.paced else None)
         reply = make_reply(
             run=run, sampling=sampling, model=self.config.model, vocabulary=self.engine.vocabulary, scorer=self.scorer
         )
         if sampling.stream:
-            return EngineStream(self.engine, reply)
+            return EngineStream(self.engine, reply, timing.produced_first)
         try:
             finished = await _finish_unless_disconnected(self.engine, run, request.receive)
         finally:

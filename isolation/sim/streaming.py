@@ -9,7 +9,7 @@ exchange ends.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -18,14 +18,19 @@ from isolation.sim.engine import Engine, Run
 from isolation.sim.replies import Reply
 
 
-async def stream_events(engine: Engine, reply: Reply) -> AsyncGenerator[bytes, None]:
+async def stream_events(
+    engine: Engine, reply: Reply, first_token: Callable[[], None] | None = None
+) -> AsyncGenerator[bytes, None]:
     """The reply's head events at once, then its events for each token as the engine produces it, then its
-    closing events; each API's reply decides what those are (replies.py, responses.py, messages.py)."""
+    closing events; each API's reply decides what those are (replies.py, responses.py, messages.py).
+    `first_token` is called when the first token is produced (the simulator's timings, timings.py)."""
     run = reply.run
     for event in reply.head_events():
         yield event
     for step in range(run.length):
         await engine.step(run)
+        if step == 0 and first_token is not None:
+            first_token()
         if step == run.length - 1:
             engine.finish(run)
         for event in reply.token_events(step):
@@ -37,8 +42,8 @@ async def stream_events(engine: Engine, reply: Reply) -> AsyncGenerator[bytes, N
 class EngineStream(StreamingResponse):
     """An SSE response that gives its run back to the engine however the exchange ends."""
 
-    def __init__(self, engine: Engine, reply: Reply) -> None:
-        self._events = stream_events(engine, reply)
+    def __init__(self, engine: Engine, reply: Reply, first_token: Callable[[], None] | None = None) -> None:
+        self._events = stream_events(engine, reply, first_token)
         self._engine = engine
         self._run: Run = reply.run
         super().__init__(self._events, media_type="text/event-stream")

@@ -23,13 +23,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
+import math
+import os
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+import urllib.parse
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -38,16 +44,20 @@ import yaml
 from gateway.server.serving import free_port
 from gateway.tenancy.tenants import hash_key
 from tests.bench.load import percentile
-from tests.bench.processes import MODEL, Server, Workspace, child
+from tests.bench.processes import MODEL, Server, Workspace, child, cpu_seconds
 from tests.redis_server import own_redis
 
 SLOTS = 8
+MAX_TOKENS = 16  # every request's; the simulator's --output-tokens is its answers' length before this cut
 MAX_QUEUE_WAIT_S = 5.0
 HEADER = (
     "| phase | tenant | sent | served | shed | served/s | TTFT p50 ms | TTFT p99 ms | p99 / solo "
     "| queued at the gateway, ms per request |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
-PARTS = ("one-replica", "batch", "two-instances")
+PARTS = ("one-replica", "batch", "two-instances", "flood")
+SECONDS = 20.0  # each phase's, unless --seconds says otherwise (the flood's: FLOOD_SECONDS)
+FLOOD_SECONDS = 22.5  # about 90 of B's requests at 4/s
+T = TypeVar("T")
 TENANTS = {"a": 1.0, "b": 1.0, "w1": 1.0, "w2": 2.0, "w4": 4.0}
 
 
@@ -62,6 +72,10 @@ class Sample:
     status: int = 0
     ttft_s: float | None = None
     done_s: float | None = None  # the whole answer, or the refusal
+    request_id: str | None = None  # sent as x-request-id: the simulator's timings are keyed by it (flood)
+    route: str = "chat"  # or "workers": Workers AI's `…/ai/run/{model}`
+    retry_after: bool = False  # a refusal that said when to come back
+    code: int | None = None  # a Workers AI refusal's errors[0].code
 
 
 @dataclass
@@ -96,21 +110,25 @@ class Phase:
         )
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, tenant: str, phase: Phase) -> None:
-    sample = Sample(tenant, time.monotonic())
+async def stream_one(
+    session: aiohttp.ClientSession, url: str, tenant: str, phase: Phase, request_id: str | None = None
+) -> None:
+    sample = Sample(tenant, time.monotonic(), request_id=request_id)
     phase.samples.append(sample)
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"{tenant} asks something {time.monotonic()}"}],
-        "max_tokens": 16,
+        "max_tokens": MAX_TOKENS,
         "stream": True,
     }
+    headers = {"authorization": f"Bearer {key(tenant)}"}
+    if request_id is not None:
+        headers["x-request-id"] = request_id
     started = sample.sent_at
     try:
-        async with session.post(
-            f"{url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key(tenant)}"}
-        ) as response:
+        async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as response:
             sample.status = response.status
+            sample.retry_after = "retry-after" in response.headers
             async for line in response.content:
                 if sample.ttft_s is None and line.startswith(b"data: {") and b'"content"' in line:
                     sample.ttft_s = time.monotonic() - started
@@ -217,25 +235,62 @@ def settings(port: int, sim: str, tokenizer: Path, fair: bool, redis_url: str | 
     }
 
 
+def pinned(cpus: str | None) -> list[str]:
+    """A command's prefix that keeps it (and its threads and children) on `cpus`, e.g. "0"; none for None."""
+    return [] if cpus is None else ["taskset", "-c", cpus]
+
+
 @contextlib.contextmanager
 def gateway(
-    workspace: Workspace, sim: str, fair: bool, redis_url: str | None = None, workers: int = 0
+    workspace: Workspace,
+    sim: str,
+    fair: bool,
+    redis_url: str | None = None,
+    workers: int = 0,
+    cpus: str | None = None,
 ) -> Iterator[Server]:
     port = free_port()
     config = workspace.root / f"gateway-{port}.yaml"
     config.write_text(yaml.safe_dump(settings(port, sim, workspace.tokenizer_dir, fair, redis_url, workers)))
-    command = [sys.executable, "-m", "gateway", "serve", "--config", str(config)]
+    command = [*pinned(cpus), sys.executable, "-m", "gateway", "serve", "--config", str(config)]
     with child(command, port, workspace.root / f"gateway-{port}.log", "/readyz") as server:
         yield server
 
 
+@dataclass(frozen=True)
+class SimSpec:
+    """The simulated replica: `bulkhead sim`'s capacity and pace."""
+
+    slots: int = SLOTS
+    ttft_ms: float = 100.0
+    tokens_per_s: float = 100.0
+    output_tokens: int = 16
+    batch_slowdown: float = 0.5
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> SimSpec:
+        """The one the parts before the flood share, from the command line."""
+        return cls(SLOTS, args.ttft_ms, args.tokens_per_s, 16, args.batch_slowdown)
+
+    def describe(self) -> str:
+        return (
+            f"bulkhead sim --max-num-seqs {self.slots} --ttft-ms {self.ttft_ms:g} --tokens-per-s "
+            f"{self.tokens_per_s:g} --output-tokens {self.output_tokens} --batch-slowdown {self.batch_slowdown:g}"
+        )
+
+
 @contextlib.contextmanager
-def simulator(workspace: Workspace, args: argparse.Namespace) -> Iterator[Server]:
+def simulator(
+    workspace: Workspace, args: argparse.Namespace, spec: SimSpec | None = None, cpus: str | None = None
+) -> Iterator[Server]:
+    spec = spec or SimSpec.of(args)
     port = free_port()
     command = [
+        *pinned(cpus),
         *(sys.executable, "-m", "gateway", "sim", "--port", str(port), "--tokenizer", str(workspace.tokenizer_dir)),
-        *("--max-num-seqs", str(SLOTS), "--batch-slowdown", str(args.batch_slowdown)),
-        *("--ttft-ms", str(args.ttft_ms), "--tokens-per-s", str(args.tokens_per_s), "--output-tokens", "16"),
+        *("--max-num-seqs", str(spec.slots), "--batch-slowdown", str(spec.batch_slowdown)),
+        *("--ttft-ms", str(spec.ttft_ms), "--tokens-per-s", str(spec.tokens_per_s)),
+        *("--output-tokens", str(spec.output_tokens)),
     ]
     with child(command, port, workspace.root / f"sim-{port}.log", "/health") as server:
         yield server
@@ -284,7 +339,7 @@ TIMEOUT = aiohttp.ClientTimeout(total=120)
 
 async def one_replica(workspace: Workspace, args: argparse.Namespace) -> None:
     """Solo, the burst with fairness off and on, and the weights: one replica, two gateways."""
-    seconds, rate_b = args.seconds, args.rate_b
+    seconds, rate_b = args.seconds or SECONDS, args.rate_b
     rate_a = 10 * rate_b
     with (
         simulator(workspace, args) as sim,
@@ -362,7 +417,7 @@ async def one_replica(workspace: Workspace, args: argparse.Namespace) -> None:
 
 async def batch_backlog(workspace: Workspace, args: argparse.Namespace, redis_url: str) -> None:
     """B alone, then B while queue workers run a backlog of jobs: one fair gateway with Redis."""
-    seconds, rate_b = args.seconds, args.rate_b
+    seconds, rate_b = args.seconds or SECONDS, args.rate_b
     with simulator(workspace, args) as sim:
         with gateway(workspace, sim.url, fair=True, redis_url=redis_url, workers=args.queue_workers) as fair:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=TIMEOUT) as session:
@@ -386,7 +441,7 @@ async def batch_backlog(workspace: Workspace, args: argparse.Namespace, redis_ur
 
 async def two_instances(workspace: Workspace, args: argparse.Namespace, redis_url: str) -> None:
     """B alone, then A's burst and B, each alternating between two fair gateways on one Redis."""
-    seconds, rate_b = args.seconds, args.rate_b
+    seconds, rate_b = args.seconds or SECONDS, args.rate_b
     rate_a = 10 * rate_b
     with simulator(workspace, args) as sim, gateway(workspace, sim.url, fair=True, redis_url=redis_url) as one:
         with gateway(workspace, sim.url, fair=True, redis_url=redis_url) as two:
@@ -408,15 +463,420 @@ async def two_instances(workspace: Workspace, args: argparse.Namespace, redis_ur
         print(row(both, "a", None))
 
 
+# Flood past capacity (issue 35): one replica of 16 slots, one fair gateway, A far beyond what the replica serves.
+
+FLOOD_WARMUP_S = 3.0  # A floods this long before B starts: the gateway's completion rate and its shedding settle
+WORKERS_EVERY = 4  # every fourth of A's requests goes to the Workers route
+ENGINE_EVERY_S = 0.5
+PROBE_EVERY_S = 0.02
+CLIENT_LAG_EVERY_S = 0.01
+SLOWEST = 5  # B's slowest flood requests, shown one by one
+# Per B request, where its time to first token went: each part's (name, what it is). They add up to the TTFT.
+PARTS_OF_TTFT = (
+    ("gateway in", "sent by the client → the simulator starts reading it: the gateway's work and queue, both hops"),
+    ("sim parse", "the simulator reads, parses and tokenizes it"),
+    ("slot wait", "the engine's queue: asked for a slot → admitted"),
+    ("engine TTFT", "admitted → first token produced (the TTFT as configured, cut by the prefix cache, + lag)"),
+    ("relay", "first token produced → first content at the client: the gateway's relay and the client's loop"),
+)
+
+
+TTFT_ROW = ("TTFT", "the client's: sent → first content", 1)
+# What the simulator says of each B request beside its times: (name, what it is, digits shown).
+ENGINE_VIEW = (
+    ("configured TTFT", "ttft_ms × the prompt's uncached share, before the batch stretches it", 1),
+    ("late in the simulator", "first token produced − when it was due: the simulator's own loop lag", 1),
+    ("cached share", "of the prompt, found in the prefix cache", 2),
+    ("prompt tokens", "as the engine got it", 0),
+    ("running at arrival", "the engine's runs when it arrived", 0),
+)
+
+
+def probe_main() -> None:
+    """`python -c 'from tests.bench.bench_fairness import probe_main; probe_main()' SECONDS URL...`: GET each URL in
+    turn every PROBE_EVERY_S for SECONDS, on kept connections, and print each one's latencies (s) as JSON.
+
+    A process of its own: in the load generator's event loop the probe would time that loop's own lag (it runs
+    hundreds of streams), and a thread there would wait for the GIL instead."""
+    seconds, urls = float(sys.argv[1]), sys.argv[2:]
+    targets = [urllib.parse.urlsplit(url) for url in urls]
+    connections = [
+        http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=10) for target in targets
+    ]
+    latencies: dict[str, list[float]] = {url: [] for url in urls}
+    deadline = time.monotonic() + seconds
+    while (tick := time.monotonic()) < deadline:
+        for url, target, connection in zip(urls, targets, connections, strict=True):
+            began = time.perf_counter()
+            try:
+                connection.request("GET", target.path)
+                connection.getresponse().read()
+            except (OSError, http.client.HTTPException):
+                connection.close()  # it reconnects on the next request
+                continue
+            latencies[url].append(time.perf_counter() - began)
+        time.sleep(max(0.0, tick + PROBE_EVERY_S - time.monotonic()))
+    print(orjson.dumps(latencies).decode())
+
+
+async def probe(seconds: float, urls: list[str]) -> dict[str, list[float]]:
+    code = "from tests.bench.bench_fairness import probe_main; probe_main()"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, str(seconds), *urls, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await process.communicate()
+    answer: dict[str, list[float]] = orjson.loads(out)
+    return answer
+
+
+async def workers_one(
+    session: aiohttp.ClientSession, url: str, tenant: str, phase: Phase, request_id: str | None = None
+) -> None:
+    """Workers AI's run route, answered whole (no `queueRequest`: it runs now or is refused)."""
+    sample = Sample(tenant, time.monotonic(), request_id=request_id, route="workers")
+    phase.samples.append(sample)
+    body = {
+        "messages": [{"role": "user", "content": f"{tenant} asks the Workers route {time.monotonic()}"}],
+        "max_tokens": MAX_TOKENS,
+    }
+    headers = {"authorization": f"Bearer {key(tenant)}"}
+    if request_id is not None:
+        headers["x-request-id"] = request_id
+    try:
+        async with session.post(f"{url}/accounts/{tenant}/ai/run/{MODEL}", json=body, headers=headers) as response:
+            sample.status = response.status
+            sample.retry_after = "retry-after" in response.headers
+            raw = await response.read()
+        sample.done_s = time.monotonic() - sample.sent_at
+    except aiohttp.ClientError:
+        sample.status = -1
+        return
+    if sample.status != 200:
+        with contextlib.suppress(orjson.JSONDecodeError, LookupError, TypeError):
+            sample.code = int(orjson.loads(raw)["errors"][0]["code"])
+
+
+async def paced(rate: float, seconds: float, send: Callable[[int], Coroutine[Any, Any, None]]) -> None:
+    """send(n) for n = 0, 1, … every 1/rate s for `seconds`, open loop; returns once every one has ended."""
+    tasks: list[asyncio.Task[None]] = []
+    started = time.monotonic()
+    n = 0
+    while (due := started + n / rate) < started + seconds:
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        tasks.append(asyncio.create_task(send(n)))
+        n += 1
+    await asyncio.gather(*tasks)
+
+
+async def every(period: float, stop: asyncio.Event, read: Callable[[], Awaitable[T]]) -> list[T]:
+    """read() every `period` s until `stop` is set."""
+    values = []
+    while not stop.is_set():
+        values.append(await read())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), period)
+    return values
+
+
+async def client_lag(stop: asyncio.Event) -> list[float]:
+    """How late the load generator's own loop wakes from a sleep: a late client reads every first token late."""
+    lags = []
+    while not stop.is_set():
+        began = time.monotonic()
+        await asyncio.sleep(CLIENT_LAG_EVERY_S)
+        lags.append(time.monotonic() - began - CLIENT_LAG_EVERY_S)
+    return lags
+
+
+async def series(session: aiohttp.ClientSession, url: str, prefixes: tuple[str, ...]) -> dict[str, float]:
+    """The /metrics samples whose names start with one of `prefixes`, by their whole name with labels."""
+    async with session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefixes):
+            name, value = line.rsplit(" ", 1)
+            found[name] = float(value)
+    return found
+
+
+GATEWAY_SERIES = ("bulkhead_queue_wait_seconds_bucket", "bulkhead_queue_wait_seconds_count", "bulkhead_shed_requests")
+
+
+@dataclass
+class Window:
+    """What one phase of the flood part saw beside its requests' own answers."""
+
+    phase: Phase
+    timings: dict[str, dict[str, Any]] = field(default_factory=dict)  # the simulator's, by the client's request id
+    gateway: dict[str, float] = field(default_factory=dict)  # GATEWAY_SERIES, the change over the phase
+    engine: list[tuple[float, float]] = field(default_factory=list)  # (running, waiting) every ENGINE_EVERY_S
+    probes: dict[str, list[float]] = field(default_factory=dict)  # "gateway", "simulator": latencies (s)
+    client_lag: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)  # share of one core each process used over the phase
+
+    def parts(self, sample: Sample) -> dict[str, float] | None:
+        """The B request's TTFT in PARTS_OF_TTFT's parts (ms), and the engine's view of it; None if not all known."""
+        timing = self.timings.get(sample.request_id or "")
+        if timing is None or sample.ttft_s is None or timing["first_token"] is None or timing["admitted"] is None:
+            return None
+        seen = sample.sent_at + sample.ttft_s
+        marks = (sample.sent_at, timing["received"], timing["arrived"], timing["admitted"], timing["first_token"], seen)
+        parts = {
+            name: (end - start) * 1000 for (name, _), start, end in zip(PARTS_OF_TTFT, marks, marks[1:], strict=False)
+        }
+        parts["configured TTFT"] = timing["ttft_s"] * 1000
+        parts["cached share"] = timing["cached_tokens"] / timing["prompt_tokens"] if timing["prompt_tokens"] else 0.0
+        parts["prompt tokens"] = timing["prompt_tokens"]
+        due = timing["first_token_due"]
+        parts["late in the simulator"] = (timing["first_token"] - due) * 1000 if due is not None else math.nan
+        parts["running at arrival"] = timing["running"]
+        return parts
+
+    def b_parts(self) -> list[dict[str, float]]:
+        return [p for s in self.phase.of("b") if s.status == 200 and (p := self.parts(s)) is not None]
+
+    def queued(self, tenant: str) -> tuple[float, dict[str, float]]:
+        """How many of the tenant's requests waited in the gateway's queue, and how many of them by bound (le)."""
+        label = f'tenant="{tenant}"'
+        count = sum(v for k, v in self.gateway.items() if k.startswith(GATEWAY_SERIES[1]) and label in k)
+        buckets = {
+            k.split('le="', 1)[1].split('"', 1)[0]: v
+            for k, v in self.gateway.items()
+            if k.startswith(GATEWAY_SERIES[0]) and label in k
+        }
+        return count, buckets
+
+
+async def measured(
+    session: aiohttp.ClientSession,
+    servers: dict[str, Server],
+    window: Window,
+    seconds: float,
+    load: Awaitable[None],
+) -> None:
+    """Run `load` while sampling the engine, probing both servers, timing the client's loop and every CPU."""
+    sim, gate = servers["simulator"], servers["gateway"]
+    async with session.delete(f"{sim.url}/sim/timings"):
+        pass
+    before = await series(session, gate.url, GATEWAY_SERIES)
+    cpu = {name: cpu_seconds(server.process.pid) or 0.0 for name, server in servers.items()}
+    own, began = time.process_time(), time.monotonic()
+    stop = asyncio.Event()
+    engine = asyncio.create_task(every(ENGINE_EVERY_S, stop, lambda: engine_load(session, sim.url)))
+    lag = asyncio.create_task(client_lag(stop))
+    probes = asyncio.create_task(probe(seconds, [f"{gate.url}/healthz", f"{sim.url}/health"]))
+    async with waits_of(session, [gate.url], window.phase):
+        await load
+    stop.set()
+    elapsed = time.monotonic() - began
+    window.cpu = {name: ((cpu_seconds(s.process.pid) or 0.0) - cpu[name]) / elapsed for name, s in servers.items()}
+    window.cpu["load generator"] = (time.process_time() - own) / elapsed
+    window.engine, window.client_lag = await engine, await lag
+    found = await probes
+    window.probes = {"gateway": found[f"{gate.url}/healthz"], "simulator": found[f"{sim.url}/health"]}
+    after = await series(session, gate.url, GATEWAY_SERIES)
+    window.gateway = {name: value - before.get(name, 0.0) for name, value in after.items()}
+    async with session.get(f"{sim.url}/sim/timings") as response:
+        entries = orjson.loads(await response.read())
+    # The gateway forwards its own id there: the client's, a dot, and a suffix of its own.
+    window.timings = {entry["request_id"].split(".", 1)[0]: entry for entry in entries}
+
+
+def flood_spec(args: argparse.Namespace) -> SimSpec:
+    return SimSpec(
+        args.flood_slots, args.flood_ttft_ms, args.tokens_per_s, args.flood_output_tokens, args.flood_batch_slowdown
+    )
+
+
+async def flood(workspace: Workspace, args: argparse.Namespace) -> None:
+    """A alone (the replica's capacity), B alone, then A flooding at `--rate-a` (2.5 × that capacity) with B."""
+    seconds = args.seconds or FLOOD_SECONDS
+    spec = flood_spec(args)
+    gateway_cpus, other_cpus = ("0", "1") if args.pin else (None, None)
+    affinity = os.sched_getaffinity(0)
+    loadavg = os.getloadavg()
+    if args.pin:
+        os.sched_setaffinity(0, {1})  # the load generator, and the probes it starts
+    try:
+        with (
+            simulator(workspace, args, spec, other_cpus) as sim,
+            gateway(workspace, sim.url, fair=True, cpus=gateway_cpus) as fair,
+        ):
+            servers = {"gateway": fair, "simulator": sim}
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=TIMEOUT) as session:
+                capacity = await capacity_of(session, fair.url, sim.url, spec, args.capacity_seconds)
+                rate_a = args.rate_a or 2.5 * capacity
+                await drained(session, sim.url)
+                solo = Window(Phase("solo", seconds=seconds))
+
+                async def b(window: Window, tag: str) -> None:
+                    send = partial(stream_one, session, fair.url, "b", window.phase)
+                    await paced(args.rate_b, seconds, lambda n: send(f"b-{tag}-{n}"))
+
+                await measured(session, servers, solo, seconds, b(solo, "solo"))
+                await drained(session, sim.url)
+                flooded = Window(Phase("flood", seconds=seconds + FLOOD_WARMUP_S))
+
+                def a(n: int) -> Coroutine[Any, Any, None]:
+                    one = workers_one if n % WORKERS_EVERY == WORKERS_EVERY - 1 else stream_one
+                    return one(session, fair.url, "a", flooded.phase, f"a-{n}")
+
+                async def both() -> None:
+                    flooding = asyncio.create_task(paced(rate_a, seconds + FLOOD_WARMUP_S, a))
+                    await asyncio.sleep(FLOOD_WARMUP_S)
+                    await asyncio.gather(flooding, b(flooded, "flood"))
+
+                await measured(session, servers, flooded, seconds + FLOOD_WARMUP_S, both())
+                await drained(session, sim.url)
+    finally:
+        os.sched_setaffinity(0, affinity)
+    report_flood(args, spec, capacity, rate_a, seconds, solo, flooded, loadavg)
+
+
+async def capacity_of(session: aiohttp.ClientSession, url: str, sim: str, spec: SimSpec, seconds: float) -> float:
+    """Requests/s the replica finishes with A alone and backlogged (three times its slots in flight), through the
+    gateway, counted by the engine after the first quarter of the run (when the batch has filled)."""
+    phase = Phase("capacity", seconds=seconds)
+    loop = asyncio.create_task(closed_loop(session, url, "a", 3 * spec.slots, seconds, phase))
+    await asyncio.sleep(seconds / 4)
+    before, began = await completed(session, sim), time.monotonic()
+    await asyncio.sleep(seconds * 3 / 4)
+    served = await completed(session, sim) - before
+    elapsed = time.monotonic() - began
+    await loop
+    return served / elapsed
+
+
+def ms(values: list[float], q: float) -> str:
+    return f"{percentile(values, q):.0f}" if values else "—"
+
+
+def spread(values: list[float], scale: float = 1000) -> str:
+    """p50 / p99 / max of `values`, scaled (s to ms by default)."""
+    if not values:
+        return "—"
+    scaled = [v * scale for v in values]
+    return f"{percentile(scaled, 50):.1f} / {percentile(scaled, 99):.1f} / {max(scaled):.1f}"
+
+
+def report_flood(
+    args: argparse.Namespace,
+    spec: SimSpec,
+    capacity: float,
+    rate_a: float,
+    seconds: float,
+    solo: Window,
+    flooded: Window,
+    loadavg: tuple[float, float, float],
+) -> None:
+    pin = "gateway on CPU 0, simulator, client and probes on CPU 1" if args.pin else "not pinned (all share the cores)"
+    print(f"\nflood past capacity: {spec.describe()}; {pin}; load average at the start {loadavg[0]:.2f}")
+    print(
+        f"capacity (A alone, {3 * spec.slots} in flight): {capacity:.1f} requests/s; A at {rate_a:.1f}/s "
+        f"({rate_a / capacity:.2f} ×, one in {WORKERS_EVERY} on the Workers route, answered whole), from "
+        f"{FLOOD_WARMUP_S:g} s before B; B at {args.rate_b:g}/s streamed for {seconds:g} s; max_queue_wait_s "
+        f"{MAX_QUEUE_WAIT_S:g}; max_tokens {MAX_TOKENS}"
+    )
+    solo_b, flood_b = solo.phase.ttfts_ms("b"), flooded.phase.ttfts_ms("b")
+    solo_p99 = percentile(solo_b, 99)
+    print(HEADER)
+    b_phase = Phase("flood", flooded.phase.of("b"), seconds, flooded.phase.waited_s)
+    for phase, tenant in ((solo.phase, "b"), (b_phase, "b"), (flooded.phase, "a")):
+        print(row(phase, tenant, solo_p99 if tenant == "b" else None))
+    p50_ratio = percentile(flood_b, 50) / percentile(solo_b, 50)
+    print(f"B's TTFT under the flood / solo: p50 {p50_ratio:.2f}, p99 {percentile(flood_b, 99) / solo_p99:.2f}")
+
+    a = flooded.phase.of("a")
+    for route in ("chat", "workers"):
+        sent = [s for s in a if s.route == route]
+        refused = [s for s in sent if s.status == 429]
+        statuses = Counter(s.status for s in sent)
+        shape = f", code 3040: {sum(s.code == 3040 for s in refused)}" if route == "workers" else ""
+        print(
+            f"A on {route}: sent {len(sent)}, by status {dict(sorted(statuses.items()))}; 429 with Retry-After: "
+            f"{sum(s.retry_after for s in refused)} of {len(refused)}{shape}"
+        )
+    shed = {k.split('reason="', 1)[1].split('"', 1)[0]: v for k, v in flooded.gateway.items() if "shed" in k}
+    print(f"the gateway's shed counts by reason: { {k: int(v) for k, v in shed.items() if v} }")
+    refusals = [s.done_s for s in a if s.status == 429 and s.done_s is not None]
+    firsts = [s.ttft_s for s in a if s.status == 200 and s.ttft_s is not None]
+    whole = [s.done_s for s in a if s.route == "workers" and s.status == 200 and s.done_s is not None]
+    print(
+        f"longest wait: for a refusal {max(refusals, default=0):.2f} s, for a first token (A's streams) "
+        f"{max(firsts, default=0):.2f} s, for a whole Workers answer {max(whole, default=0):.2f} s, for B's first "
+        f"token {max(flood_b, default=0) / 1000:.2f} s"
+    )
+    print("weights: not rerun here (`--parts one-replica` measures them)")
+
+    solo_parts, flood_parts = solo.b_parts(), flooded.b_parts()
+    print(
+        f"\nB's time to first token, part by part ({len(solo_parts)} solo and {len(flood_parts)} flood requests "
+        "matched to the simulator's timings; the parts' percentiles do not add up, their values per request do):"
+    )
+    print("| part | solo p50 | solo p99 | flood p50 | flood p99 | Δ p50 | what |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    names = [name for name, _ in PARTS_OF_TTFT]
+    for name, what, digits in (*((n, w, 1) for n, w in PARTS_OF_TTFT), TTFT_ROW, *ENGINE_VIEW):
+        if name == TTFT_ROW[0]:
+            one, two = solo_b, flood_b
+        else:
+            one = [p[name] for p in solo_parts if not math.isnan(p[name])]
+            two = [p[name] for p in flood_parts if not math.isnan(p[name])]
+        cells = [f"{percentile(v, q):.{digits}f}" if v else "—" for v in (one, two) for q in (50, 99)]
+        delta = f"{percentile(two, 50) - percentile(one, 50):+.{digits}f}" if one and two else "—"
+        print(f"| {name} | {' | '.join(cells)} | {delta} | {what} |")
+    slowest = sorted(flooded.b_parts(), key=lambda p: sum(p[n] for n in names), reverse=True)[:SLOWEST]
+    print(f"\nB's {len(slowest)} slowest first tokens under the flood (ms):")
+    print(f"| TTFT | {' | '.join(names)} | cached share | running at arrival |")
+    print(f"| --- | {' | '.join('---' for _ in names)} | --- | --- |")
+    for p in slowest:
+        shown = " | ".join(f"{p[n]:.1f}" for n in names)
+        print(f"| {sum(p[n] for n in names):.1f} | {shown} | {p['cached share']:.2f} | {p['running at arrival']:.0f} |")
+
+    print("\nbeside the requests (p50 / p99 / max, ms):")
+    print("| | solo | flood |")
+    print("| --- | --- | --- |")
+    for name in ("gateway", "simulator"):
+        print(f"| GET probe of the {name} | {spread(solo.probes[name])} | {spread(flooded.probes[name])} |")
+    print(f"| the load generator's loop, late | {spread(solo.client_lag)} | {spread(flooded.client_lag)} |")
+    for name, window in (("solo", solo), ("flood", flooded)):
+        count, buckets = window.queued("b")
+        shown = ", ".join(f"≤{le} s: {int(v)}" for le, v in buckets.items() if v)
+        print(
+            f"B's requests queued at the gateway, {name}: {int(count)} of {len(window.phase.of('b'))} ({shown or '—'})"
+        )
+    running = [r for r, _ in flooded.engine]
+    waiting = [w for _, w in flooded.engine]
+    print(
+        f"engine mid-flood ({len(running)} reads): running min {min(running, default=0):.0f}, median "
+        f"{percentile(running, 50):.0f}, max {max(running, default=0):.0f} of {spec.slots}; waiting median "
+        f"{percentile(waiting, 50):.0f}, max {max(waiting, default=0):.0f}"
+    )
+    for name, window in (("solo", solo), ("flood", flooded)):
+        used = ", ".join(f"{k} {v:.2f}" for k, v in window.cpu.items())
+        print(f"CPU used, cores, {name}: {used}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=20.0, help="length of each phase")
+    parser.add_argument(
+        "--seconds", type=float, help=f"length of each phase (default {SECONDS:g}; the flood's B: {FLOOD_SECONDS:g})"
+    )
     parser.add_argument("--rate-b", type=float, default=4.0, help="the quiet tenant's requests per second")
     parser.add_argument("--ttft-ms", type=float, default=100.0)
     parser.add_argument("--tokens-per-s", type=float, default=100.0)
     parser.add_argument("--batch-slowdown", type=float, default=0.5)
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--queue-workers", type=int, default=8)
+    flood_options = parser.add_argument_group("flood", "the flood part's replica and load (--tokens-per-s is shared)")
+    flood_options.add_argument("--rate-a", type=float, help="A's requests/s (default: 2.5 × the measured capacity)")
+    flood_options.add_argument("--pin", action="store_true", help="gateway on CPU 0; simulator and client on CPU 1")
+    flood_options.add_argument("--flood-slots", type=int, default=16, help="the replica's --max-num-seqs")
+    flood_options.add_argument("--flood-ttft-ms", type=float, default=1000.0)
+    flood_options.add_argument("--flood-output-tokens", type=int, default=32)
+    flood_options.add_argument("--flood-batch-slowdown", type=float, default=0.0)
+    flood_options.add_argument("--capacity-seconds", type=float, default=10.0, help="A alone, to measure capacity")
     parser.add_argument(
         "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which parts to run (default: all)"
     )
@@ -429,6 +889,8 @@ def main() -> None:
             asyncio.run(batch_backlog(workspace, args, redis.url))
         if "two-instances" in args.parts:
             asyncio.run(two_instances(workspace, args, redis.url))
+        if "flood" in args.parts:
+            asyncio.run(flood(workspace, args))
 
 
 if __name__ == "__main__":
