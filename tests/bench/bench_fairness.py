@@ -14,8 +14,15 @@ first content chunk (TTFT) at the client. Phases, one after another in one run, 
    run them), then B at its rate: B's TTFT next to solo, and jobs done meanwhile.
 6. two instances: two fair gateways on one Redis, A and B each split their traffic over both.
 
-`--parts one-replica batch two-instances` runs some of them (1–4, 5, 6). The replica's slots are learned from its
-/metrics (`max_num_seqs` is not configured), as with a vLLM whose settings the gateway does not know.
+7. flood (issue 35), on a replica of its own (`--flood-*`: 16 slots, 1 s TTFT, 32 tokens): A alone and backlogged
+   (the replica's capacity), B alone, then A at `--rate-a` (2.5 × that capacity; one request in four on the
+   Workers route) with B. Each of B's times to first token is split into its parts by the simulator's
+   /sim/timings (gateway, engine queue, engine TTFT and its prefix-cache share, relay), beside probes of both
+   servers' event loops, the engine's load and each process's CPU; `--pin` puts the gateway on CPU 0 and the rest
+   on CPU 1.
+
+`--parts one-replica batch two-instances flood` runs some of them (1–4, 5, 6, 7). The replica's slots are learned
+from its /metrics (`max_num_seqs` is not configured), as with a vLLM whose settings the gateway does not know.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import contextlib
 import http.client
 import math
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -111,13 +119,19 @@ class Phase:
 
 
 async def stream_one(
-    session: aiohttp.ClientSession, url: str, tenant: str, phase: Phase, request_id: str | None = None
+    session: aiohttp.ClientSession,
+    url: str,
+    tenant: str,
+    phase: Phase,
+    request_id: str | None = None,
+    content: str | None = None,
 ) -> None:
+    """One streamed chat request; its prompt is `content`, else one made unique by the clock."""
     sample = Sample(tenant, time.monotonic(), request_id=request_id)
     phase.samples.append(sample)
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": f"{tenant} asks something {time.monotonic()}"}],
+        "messages": [{"role": "user", "content": content or f"{tenant} asks something {time.monotonic()}"}],
         "max_tokens": MAX_TOKENS,
         "stream": True,
     }
@@ -481,6 +495,11 @@ PARTS_OF_TTFT = (
 )
 
 
+PROMPTS = (
+    "how prompts differ: clock (the default, as in the other parts: by the time at their end, whose leading digits "
+    "later prompts share for a while, so how much of a prompt the prefix cache holds varies, and its TTFT with it) "
+    "or distinct (from their first word: each finds the same share cached, what the gateway puts before it)"
+)
 TTFT_ROW = ("TTFT", "the client's: sent → first content", 1)
 # What the simulator says of each B request beside its times: (name, what it is, digits shown).
 ENGINE_VIEW = (
@@ -530,13 +549,18 @@ async def probe(seconds: float, urls: list[str]) -> dict[str, list[float]]:
 
 
 async def workers_one(
-    session: aiohttp.ClientSession, url: str, tenant: str, phase: Phase, request_id: str | None = None
+    session: aiohttp.ClientSession,
+    url: str,
+    tenant: str,
+    phase: Phase,
+    request_id: str | None = None,
+    content: str | None = None,
 ) -> None:
     """Workers AI's run route, answered whole (no `queueRequest`: it runs now or is refused)."""
     sample = Sample(tenant, time.monotonic(), request_id=request_id, route="workers")
     phase.samples.append(sample)
     body = {
-        "messages": [{"role": "user", "content": f"{tenant} asks the Workers route {time.monotonic()}"}],
+        "messages": [{"role": "user", "content": content or f"{tenant} asks the Workers route {time.monotonic()}"}],
         "max_tokens": MAX_TOKENS,
     }
     headers = {"authorization": f"Bearer {key(tenant)}"}
@@ -636,16 +660,44 @@ class Window:
     def b_parts(self) -> list[dict[str, float]]:
         return [p for s in self.phase.of("b") if s.status == 200 and (p := self.parts(s)) is not None]
 
+    def b_requests(self) -> list[dict[str, Any]]:
+        """B's requests as sent (s after the first), answered (status, TTFT ms) and, where known, in parts."""
+        mine = self.phase.of("b")
+        start = min((s.sent_at for s in mine), default=0.0)
+        return [
+            {
+                "request_id": s.request_id,
+                "sent_s": round(s.sent_at - start, 4),
+                "status": s.status,
+                "ttft_ms": None if s.ttft_s is None else s.ttft_s * 1000,
+                **(self.parts(s) or {}),
+            }
+            for s in mine
+        ]
+
     def queued(self, tenant: str) -> tuple[float, dict[str, float]]:
-        """How many of the tenant's requests waited in the gateway's queue, and how many of them by bound (le)."""
+        """How many of the tenant's requests waited in the gateway's queue, and how many of them waited up to each
+        bucket's bound (s) and more than the one before (the histogram's buckets count every wait up to theirs)."""
         label = f'tenant="{tenant}"'
         count = sum(v for k, v in self.gateway.items() if k.startswith(GATEWAY_SERIES[1]) and label in k)
-        buckets = {
-            k.split('le="', 1)[1].split('"', 1)[0]: v
-            for k, v in self.gateway.items()
-            if k.startswith(GATEWAY_SERIES[0]) and label in k
-        }
-        return count, buckets
+        below: dict[str, float] = {}
+        for name, value in self.gateway.items():
+            if name.startswith(GATEWAY_SERIES[0]) and label in name:
+                below[name.split('le="', 1)[1].split('"', 1)[0]] = value
+        bounds = sorted(below, key=float)
+        return count, {le: below[le] - (below[bounds[i - 1]] if i else 0.0) for i, le in enumerate(bounds)}
+
+    def company(self, tenant: str) -> list[int]:
+        """For each of the tenant's requests, how many of its others were in flight (sent, not ended) when it was
+        sent: the gateway's fair queue takes a tenant with more than none for one that is not light."""
+        mine = [s for s in self.phase.of(tenant) if s.done_s is not None]
+        return [sum(o.sent_at < s.sent_at < o.sent_at + (o.done_s or 0.0) for o in mine) for s in mine]
+
+    def cached(self, tenant: str) -> dict[int, int]:
+        """How many of the tenant's requests found each number of prompt tokens in the prefix cache."""
+        ids = {s.request_id for s in self.phase.of(tenant)}
+        found = Counter(t["cached_tokens"] for i, t in self.timings.items() if i in ids and t["admitted"])
+        return dict(sorted(found.items()))
 
 
 async def measured(
@@ -693,6 +745,12 @@ async def flood(workspace: Workspace, args: argparse.Namespace) -> None:
     """A alone (the replica's capacity), B alone, then A flooding at `--rate-a` (2.5 × that capacity) with B."""
     seconds = args.seconds or FLOOD_SECONDS
     spec = flood_spec(args)
+
+    def content(tenant: str) -> str | None:
+        """--prompts distinct: a prompt differs from the others from its first word, so every one finds just what
+        the gateway put before it in the prefix cache (the clock's digits do not: see PROMPTS)."""
+        return f"{secrets.token_hex(4)} {tenant} asks something" if args.prompts == "distinct" else None
+
     gateway_cpus, other_cpus = ("0", "1") if args.pin else (None, None)
     affinity = os.sched_getaffinity(0)
     loadavg = os.getloadavg()
@@ -705,14 +763,17 @@ async def flood(workspace: Workspace, args: argparse.Namespace) -> None:
         ):
             servers = {"gateway": fair, "simulator": sim}
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=TIMEOUT) as session:
-                capacity = await capacity_of(session, fair.url, sim.url, spec, args.capacity_seconds)
+                capacity = await capacity_of(session, fair.url, sim.url, spec, args.capacity_seconds, content)
                 rate_a = args.rate_a or 2.5 * capacity
+                # B's first request would find nothing of what the gateway puts before its prompts cached: one
+                # more slow request in the solo phase alone, a p99 made of the cold cache.
+                await stream_one(session, fair.url, "b", Phase("unmeasured"), content=content("b"))
                 await drained(session, sim.url)
                 solo = Window(Phase("solo", seconds=seconds))
 
                 async def b(window: Window, tag: str) -> None:
                     send = partial(stream_one, session, fair.url, "b", window.phase)
-                    await paced(args.rate_b, seconds, lambda n: send(f"b-{tag}-{n}"))
+                    await paced(args.rate_b, seconds, lambda n: send(f"b-{tag}-{n}", content("b")))
 
                 await measured(session, servers, solo, seconds, b(solo, "solo"))
                 await drained(session, sim.url)
@@ -720,7 +781,7 @@ async def flood(workspace: Workspace, args: argparse.Namespace) -> None:
 
                 def a(n: int) -> Coroutine[Any, Any, None]:
                     one = workers_one if n % WORKERS_EVERY == WORKERS_EVERY - 1 else stream_one
-                    return one(session, fair.url, "a", flooded.phase, f"a-{n}")
+                    return one(session, fair.url, "a", flooded.phase, f"a-{n}", content("a"))
 
                 async def both() -> None:
                     flooding = asyncio.create_task(paced(rate_a, seconds + FLOOD_WARMUP_S, a))
@@ -734,11 +795,24 @@ async def flood(workspace: Workspace, args: argparse.Namespace) -> None:
     report_flood(args, spec, capacity, rate_a, seconds, solo, flooded, loadavg)
 
 
-async def capacity_of(session: aiohttp.ClientSession, url: str, sim: str, spec: SimSpec, seconds: float) -> float:
+async def capacity_of(
+    session: aiohttp.ClientSession,
+    url: str,
+    sim: str,
+    spec: SimSpec,
+    seconds: float,
+    content: Callable[[str], str | None],
+) -> float:
     """Requests/s the replica finishes with A alone and backlogged (three times its slots in flight), through the
     gateway, counted by the engine after the first quarter of the run (when the batch has filled)."""
     phase = Phase("capacity", seconds=seconds)
-    loop = asyncio.create_task(closed_loop(session, url, "a", 3 * spec.slots, seconds, phase))
+    deadline = time.monotonic() + seconds
+
+    async def one_after_another() -> None:
+        while time.monotonic() < deadline:
+            await stream_one(session, url, "a", phase, content=content("a"))
+
+    loop = asyncio.gather(*(one_after_another() for _ in range(3 * spec.slots)))
     await asyncio.sleep(seconds / 4)
     before, began = await completed(session, sim), time.monotonic()
     await asyncio.sleep(seconds * 3 / 4)
@@ -746,10 +820,6 @@ async def capacity_of(session: aiohttp.ClientSession, url: str, sim: str, spec: 
     elapsed = time.monotonic() - began
     await loop
     return served / elapsed
-
-
-def ms(values: list[float], q: float) -> str:
-    return f"{percentile(values, q):.0f}" if values else "—"
 
 
 def spread(values: list[float], scale: float = 1000) -> str:
@@ -846,6 +916,22 @@ def report_flood(
         print(
             f"B's requests queued at the gateway, {name}: {int(count)} of {len(window.phase.of('b'))} ({shown or '—'})"
         )
+        company = window.company("b")
+        middle = percentile([float(c) for c in company], 50)
+        print(
+            f"B's other requests in flight when one was sent, {name}: median {middle:.0f}, max "
+            f"{max(company, default=0)}; sent with none: {sum(c == 0 for c in company)} of {len(company)}"
+        )
+        print(f"B's requests by prompt tokens found in the prefix cache, {name}: {window.cached('b')}")
+    # The gateway reports its queue's waits as a sum per tenant: set against the mean of "gateway in", they say how
+    # much of that part was the queue and how much the gateway's work (and the hops) took.
+    means = [sum(p["gateway in"] for p in w.b_parts()) / max(1, len(w.b_parts())) for w in (solo, flooded)]
+    queued = [w.phase.waited_s.get("b", 0.0) * 1000 / max(1, len(w.phase.of("b"))) for w in (solo, flooded)]
+    print(
+        f"B's mean \"gateway in\", solo {means[0]:.1f} ms, flood {means[1]:.1f} ms; of it, the gateway's queue by its "
+        f"own sum: solo {queued[0]:.1f} ms, flood {queued[1]:.1f} ms; the rest: solo {means[0] - queued[0]:.1f} ms, "
+        f"flood {means[1] - queued[1]:.1f} ms"
+    )
     running = [r for r, _ in flooded.engine]
     waiting = [w for _, w in flooded.engine]
     print(
@@ -856,6 +942,13 @@ def report_flood(
     for name, window in (("solo", solo), ("flood", flooded)):
         used = ", ".join(f"{k} {v:.2f}" for k, v in window.cpu.items())
         print(f"CPU used, cores, {name}: {used}")
+    if args.dump is not None:
+        dump = {
+            "setup": {"engine": spec.describe(), "pin": args.pin, "prompts": args.prompts, "capacity": capacity},
+            "rate_a": rate_a,
+            **{name: window.b_requests() for name, window in (("solo", solo), ("flood", flooded))},
+        }
+        args.dump.write_bytes(orjson.dumps(dump, option=orjson.OPT_INDENT_2))
 
 
 def main() -> None:
@@ -877,6 +970,8 @@ def main() -> None:
     flood_options.add_argument("--flood-output-tokens", type=int, default=32)
     flood_options.add_argument("--flood-batch-slowdown", type=float, default=0.0)
     flood_options.add_argument("--capacity-seconds", type=float, default=10.0, help="A alone, to measure capacity")
+    flood_options.add_argument("--prompts", choices=("clock", "distinct"), default="clock", help=PROMPTS)
+    flood_options.add_argument("--dump", type=Path, help="write B's requests, part by part, to this JSON file")
     parser.add_argument(
         "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which parts to run (default: all)"
     )
