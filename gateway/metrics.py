@@ -22,7 +22,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 PROMPT_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 # Gateway latency is dominated by the engine; buckets reach from sub-millisecond overhead to long generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)  # per tenant: few buckets
+QUEUE_WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)  # per tenant: few; 5 ms = did not wait
 MULTIPROC_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 _LIVE_FILE = re.compile(r"^gauge_live\w+_(\d+)\.db$")
 

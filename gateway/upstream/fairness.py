@@ -6,10 +6,11 @@ read of the engines' load shows room) the next request in fair order takes it, o
 order: interactive requests before queued (batch) jobs; within those, lower `limits.priority` first; within a
 priority, tenants by deficit round robin weighted by `limits.weight` (a tenant with nothing queued goes first),
 and a tenant's own requests first come first served. Work-conserving: a tenant alone in the queue gets every
-slot that frees. While a tenant is backlogged and another was served lately with nothing queued now (a light
-tenant: one that sends less than its share), `fairness.light_reserve` slots per replica stay free for the light
-tenant's next request, which then starts at once instead of waiting for the next slot to free; when every
-recent tenant is backlogged, or one is alone, nothing is held back.
+slot that frees. While a tenant is backlogged and another was served lately with nothing queued now and no more
+requests in flight than its weighted share of the model's slots (a light tenant: one that sends less than its
+share; a tenant streaming at a steady rate keeps several in flight), `fairness.light_reserve` slots per replica
+stay free for the light tenant's next request, which goes to the head of the queue and takes one at once instead
+of waiting for the next slot to free; when every recent tenant is backlogged, or one is alone, nothing is held back.
 
 Bounded: a model's interactive queue holds at most `fairness.max_queue_depth` requests, and a request that
 would wait longer than `fairness.max_queue_wait_s` (its place in fair order over the model's recent completion
@@ -63,9 +64,9 @@ class RoundRobin:
     A tenant with nothing queued and nothing running that sends a request goes to the head of the ring, as FQ-CoDel
     serves new flows first: a light tenant waits for the next free slot, not for a turn of every backlogged tenant.
     It cannot take more than its share this way: a tenant whose requests keep it queued is in the ring and takes
-    turns, and one with requests running is no new flow (it joins at the tail), or a tenant that keeps exactly one
-    request waiting, sending the next the moment the last is placed, would be new every time and take nearly every
-    slot.
+    turns, and one with its weighted share of the slots in flight is no new flow (it joins at the tail), or a tenant
+    that keeps exactly one request waiting, sending the next the moment the last is placed, would be new every time
+    and take nearly every slot.
     """
 
     def __init__(self) -> None:
@@ -146,6 +147,8 @@ class ModelQueue:
         self.interactive = 0
         self.completions: deque[float] = deque(maxlen=64)
         self.recent: OrderedDict[str, float] = OrderedDict()  # tenant → when it was last placed, oldest first
+        self._weights: dict[str, float] = {}  # of the recent tenants, and their sum
+        self._weight_sum = 0.0
 
     def push(self, waiter: Waiter, priority: int, new: bool) -> None:
         key = (waiter.batch, priority)
@@ -167,17 +170,36 @@ class ModelQueue:
         (batch, _), rr = next((key, rr) for key, rr in self._classes.items() if rr.size)
         return batch, rr.depth(rr.head()) > 1
 
-    def served(self, tenant: str, now: float) -> None:
+    def served(self, tenant: str, weight: float, now: float) -> None:
+        self._weight_sum += weight - self._weights.get(tenant, 0.0)
+        self._weights[tenant] = weight
         self.recent[tenant] = now
         self.recent.move_to_end(tenant)
 
-    def light_tenants(self, now: float, in_flight: Mapping[str, int]) -> bool:
-        """Whether a tenant served lately has nothing queued, and no request in flight beyond one (running, or the
-        one arriving now): its next request should find a slot free."""
+    def light_tenants(self, now: float, in_flight: Mapping[str, int], slots: int) -> bool:
+        """Whether a tenant served lately has nothing queued and is within its share (within_share): its next request
+        should find a slot free."""
+        self._expire(now)
+        return any(
+            not self.depth(tenant) and self.within_share(tenant, in_flight.get(tenant, 0), slots)
+            for tenant in reversed(self.recent)
+        )
+
+    def within_share(self, tenant: str, running: int, slots: int) -> bool:
+        """Whether `running` requests in flight (an arriving one included) are within the tenant's weighted share of
+        the model's `slots` among the tenants served lately. One always is: with slots unknown, that is the rule."""
+        if running <= 1:
+            return True
+        weight = self._weights.get(tenant)
+        if weight is None or self._weight_sum <= 0:
+            return False
+        return running <= slots * weight / self._weight_sum
+
+    def _expire(self, now: float) -> None:
         recent = self.recent
         while recent and now - next(iter(recent.values())) > LIGHT_WINDOW_S:
-            recent.popitem(last=False)
-        return any(not self.depth(tenant) and in_flight.get(tenant, 0) <= 1 for tenant in reversed(recent))
+            tenant, _ = recent.popitem(last=False)
+            self._weight_sum -= self._weights.pop(tenant, 0.0)
 
     def pop(self) -> Waiter:
         waiter = next(rr for rr in self._classes.values() if rr.size).pop()
@@ -270,11 +292,11 @@ class Gate:
             # Nobody it must let go first. Counted on its replica already: room for itself is room >= 0.
             here = monitor.batch_room if batch else monitor.room
             if here(placement.replica, fairness) >= 0:
-                queue.served(tenant.id, time.monotonic())
+                queue.served(tenant.id, tenant.limits.weight, time.monotonic())
                 return
             placement.leave()
             if placement.place(self._room(model, batch)):
-                queue.served(tenant.id, time.monotonic())
+                queue.served(tenant.id, tenant.limits.weight, time.monotonic())
                 return
         else:
             placement.leave()
@@ -283,8 +305,11 @@ class Gate:
             rate = queue.rate(now)
             raise self._shed(model, "reject_if_busy", (queue.interactive + 1) / rate if rate else 1)
         priority = tenant.limits.priority
-        # A new flow: nothing else of the tenant queued or running (its one slot held is this request's own).
-        new = self._in_flight.get(tenant.id, 0) <= 1
+        # A new flow: nothing of the tenant queued, and within its share in flight (its one slot held is this request's
+        # own): it goes to the head of the ring, and takes a slot kept free for it.
+        new = not queue.depth(tenant.id) and queue.within_share(
+            tenant.id, self._in_flight.get(tenant.id, 0), self._slots(model)
+        )
         if not batch:
             self._refuse_early(queue, tenant, priority, now, new)
         waiter = Waiter(tenant.id, tenant.limits.weight, batch, placement, asyncio.get_running_loop().create_future())
@@ -322,7 +347,8 @@ class Gate:
                 spare = 0
                 if backlogged and not batch and model.fairness.light_reserve:
                     # A tenant with more queued leaves slots free while a light tenant may come back.
-                    light = queue.light_tenants(now, self._in_flight) if light is None else light
+                    if light is None:
+                        light = queue.light_tenants(now, self._in_flight, self._slots(model))
                     spare = model.fairness.light_reserve if light else 0
                 room = self._room(model, batch, spare)
                 if not any(room(r) for r in self._pool.routable(model)):
@@ -331,13 +357,17 @@ class Gate:
                 self._changed(queue, waiter.tenant)
                 if waiter.future.done():
                     continue  # gone or timed out: it is leaving on its own
-                queue.served(waiter.tenant, now)
+                queue.served(waiter.tenant, waiter.weight, now)
                 # Counted on the replica at once, by the waiter's own slot: whatever becomes of the waiter, its slot
                 # gives the count back.
                 placed = waiter.placement.place(room)
                 assert placed, "a replica with room was there a moment ago, with no await in between"
                 waiter.future.set_result(None)
             self._metrics.model_saturated.labels(model.name).set(0 if self.has_room(model, False) else 1)
+
+    def _slots(self, model: ModelSettings) -> int:
+        """The running slots of the model's routable replicas, as their engines report them (0 when none does)."""
+        return sum(self._monitor.slots(replica) or 0 for replica in self._pool.routable(model))
 
     def _room(self, model: ModelSettings, batch: bool, spare: int = 0) -> Callable[[Replica], bool]:
         """Whether a replica has room for one more request, and `spare` slots beyond it where it has enough."""

@@ -273,3 +273,51 @@ async def test_a_flood_is_bounded_by_the_queue_depth(
     assert refused >= 179
     assert statuses.count(200) == 200 - refused
     assert len(chats(sim)) == 200 - refused
+
+
+@pytest.mark.parametrize("reserve", [1, 0], ids=["reserve", "reserve-broken"])
+async def test_a_light_tenant_never_waits_behind_a_flood_while_slots_exist(
+    client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any, reserve: int
+) -> None:
+    """Alice floods an 8-slot replica (more requests than it runs, kept queued); Bob streams at a steady pace,
+    three requests in flight, under his half of the slots. With `light_reserve` a slot is kept free for him, and
+    each of his requests is forwarded at once; with the reserve broken (0) his requests wait for Alice's to end."""
+    sim = make_sim(ttft_ms=300, tokens_per_s=50, output_tokens=10, max_num_seqs=8)
+    gateway = one_slot(sim, slots=8, light_reserve=reserve, max_queue_wait_s=30)
+    stop = asyncio.Event()
+
+    async def alice() -> None:
+        while not stop.is_set():
+            await client.post(f"{gateway}{CHAT}", json=chat_body("flood", max_tokens=10), headers=auth())
+
+    async def bob(sends: int, after_s: float = 0.0) -> None:
+        await asyncio.sleep(after_s)
+        for _ in range(sends):
+            body = chat_body("steady", max_tokens=10, stream=True)
+            async with client.stream("POST", f"{gateway}{CHAT}", json=body, headers=auth(BOB_KEY)) as response:
+                assert response.status_code == 200
+                await response.aread()
+
+    flood = [asyncio.create_task(alice()) for _ in range(24)]
+    try:
+        await until_queued(client, gateway, 16)
+        await bob(1)  # his first: he is not a tenant served lately yet
+        before = await metrics_of(client, gateway)
+        # A steady pace: his three streams a third of a request's time apart (each takes ~0.5 s), as requests sent at
+        # a fixed rate arrive; the slot kept free is taken by one and kept again when the next of Alice's ends.
+        await asyncio.gather(*(bob(4, after_s=n * 0.17) for n in range(3)))
+        after = await metrics_of(client, gateway)
+    finally:
+        stop.set()
+        await asyncio.gather(*flood)
+
+    def waits(text: str, **le: str) -> float:
+        return metric(text, "bulkhead_queue_wait_seconds_bucket", model=MODEL, tenant="bob", **le)
+
+    queued = waits(after, le="+Inf") - waits(before, le="+Inf")
+    at_once = waits(after, le="0.005") - waits(before, le="0.005")
+    assert metric(after, "bulkhead_queue_depth", model=MODEL, tenant="alice") > 0, "the flood was not backlogged"
+    if reserve:
+        assert at_once == queued, f"{queued - at_once:.0f} of Bob's 12 requests waited behind the flood"
+    else:
+        assert at_once < queued, "with no slot kept free, Bob's requests must wait for Alice's to end"
