@@ -166,7 +166,7 @@ class FairnessSettings(_Section):
         default=1,
         ge=0,
         description="slots per replica (of 4x as many or more) kept free, while others are backlogged, for tenants "
-        "lately served with nothing queued",
+        "lately served with nothing queued and their weighted share of the slots or less in flight",
     )
     batch_reserve: float = Field(
         default=0.25, ge=0, lt=1, description="share of a replica's running slots queued (batch) jobs leave free"
