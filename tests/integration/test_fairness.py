@@ -315,7 +315,9 @@ async def test_a_light_tenant_never_waits_behind_a_flood_while_slots_exist(
         return metric(text, "bulkhead_queue_wait_seconds_bucket", model=MODEL, tenant="bob", **le)
 
     queued = waits(after, le="+Inf") - waits(before, le="+Inf")
-    at_once = waits(after, le="0.005") - waits(before, le="0.005")
+    # At once: within 25 ms, on a machine running other suites too; behind the flood is the wait for one of Alice's
+    # eight half-second requests to end.
+    at_once = waits(after, le="0.025") - waits(before, le="0.025")
     assert metric(after, "bulkhead_queue_depth", model=MODEL, tenant="alice") > 0, "the flood was not backlogged"
     if reserve:
         assert at_once == queued, f"{queued - at_once:.0f} of Bob's 12 requests waited behind the flood"
