@@ -28,13 +28,12 @@ from typing import Protocol
 from redis.asyncio import Redis
 
 from isolation.redis_text import text
-from isolation.spelling import ANCHOR, ANCHOR_SPELLINGS, CODE_BITS, CODE_LENGTH, DEFAULT, Spelling, codes_of
+from isolation.scanner import normalize
+from isolation.spelling import ANCHOR_SPELLINGS, CODE_BITS, DEFAULT, Spelling, codes_of
 
-NORMAL_LENGTH = len(ANCHOR) + CODE_LENGTH
 # A marker as the gateway writes it, for tools that look for one in a prompt they sent (audits, tests): the anchor
 # in any of its spellings, then its words.
 MARKER_PATTERN = re.compile("(?:" + "|".join(map(re.escape, ANCHOR_SPELLINGS)) + ")(?: [a-z]+)+")
-_NOT_ALNUM = bytes(b for b in range(256) if not (ord("a") <= b <= ord("z") or ord("0") <= b <= ord("9")))
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ def make_marker(key: CanaryKey, tenant: str, epoch: int, spelling: Spelling = DE
 
 
 def normal_form(marker: str) -> bytes:
-    return marker.lower().encode("ascii", "ignore").translate(None, _NOT_ALNUM)
+    return normalize(marker)
 
 
 class MarkerRegistry:
@@ -136,15 +135,18 @@ class MarkerRegistry:
         return codes_of(self.spellings, normal)
 
     def owner(self, normal: bytes) -> Owner | None:
-        return next((owner for code in self.codes(normal) if (owner := self._owners.get(code))), None)
+        return self._owner_of(self.codes(normal))
 
     async def resolve(self, normal: bytes) -> Owner | None:
         """Whose marker this is: known here, or made by another instance and published to the store."""
         codes = self.codes(normal)
-        owner = next((owner for code in codes if (owner := self._owners.get(code))), None)
+        owner = self._owner_of(codes)
         if owner is None and codes and self._store is not None:
             owner = await self._store.lookup(self.live_epochs, codes)
         return owner
+
+    def _owner_of(self, codes: Sequence[int]) -> Owner | None:
+        return next((owner for code in codes if (owner := self._owners.get(code))), None)
 
     def add_tenants(self, tenants: Iterable[str]) -> None:
         for tenant in tenants:

@@ -23,8 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from isolation.json_escapes import DEPTH, JsonStringLevels
-from isolation.markers import NORMAL_LENGTH
-from isolation.spelling import CODE_LENGTH
+from isolation.spelling import CODE_LENGTH, NORMAL_LENGTH
 
 _CANDIDATE = re.compile(rb"(?=(cnry[a-z]{%d}))" % CODE_LENGTH)
 _PARTIAL = re.compile(rb"c(?:n(?:r(?:y[a-z]{0,%d})?)?)?" % (CODE_LENGTH - 1))

@@ -23,6 +23,7 @@ from isolation.marker_words import WORDS
 CODE_BITS = 100
 CODE_LENGTH = 56  # letters of a code in normal form: 11 words of the default list, 5.1 letters each
 ANCHOR = "cnry"  # a marker's start in normal form: rare in text, so candidates are rare
+NORMAL_LENGTH = len(ANCHOR) + CODE_LENGTH
 ANCHOR_SPELLINGS = ("cnry", "Cnry", "CNRY", "cn ry")  # the same in normal form; the cheapest for a tokenizer is used
 MAX_WORDS = 16
 MIN_WORDS = 256  # a tokenizer holding fewer of the list whole has no spelling of its own: the default one is used

@@ -118,6 +118,16 @@ class Phase:
         )
 
 
+def begin(phase: Phase, tenant: str, request_id: str | None, route: str = "chat") -> tuple[Sample, dict[str, str]]:
+    """A request's sample, recorded in its phase, and its headers (its id, when the simulator's timings need it)."""
+    sample = Sample(tenant, time.monotonic(), request_id=request_id, route=route)
+    phase.samples.append(sample)
+    headers = {"authorization": f"Bearer {key(tenant)}"}
+    if request_id is not None:
+        headers["x-request-id"] = request_id
+    return sample, headers
+
+
 async def stream_one(
     session: aiohttp.ClientSession,
     url: str,
@@ -127,17 +137,13 @@ async def stream_one(
     content: str | None = None,
 ) -> None:
     """One streamed chat request; its prompt is `content`, else one made unique by the clock."""
-    sample = Sample(tenant, time.monotonic(), request_id=request_id)
-    phase.samples.append(sample)
+    sample, headers = begin(phase, tenant, request_id)
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": content or f"{tenant} asks something {time.monotonic()}"}],
         "max_tokens": MAX_TOKENS,
         "stream": True,
     }
-    headers = {"authorization": f"Bearer {key(tenant)}"}
-    if request_id is not None:
-        headers["x-request-id"] = request_id
     started = sample.sent_at
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as response:
@@ -557,15 +563,11 @@ async def workers_one(
     content: str | None = None,
 ) -> None:
     """Workers AI's run route, answered whole (no `queueRequest`: it runs now or is refused)."""
-    sample = Sample(tenant, time.monotonic(), request_id=request_id, route="workers")
-    phase.samples.append(sample)
+    sample, headers = begin(phase, tenant, request_id, route="workers")
     body = {
         "messages": [{"role": "user", "content": content or f"{tenant} asks the Workers route {time.monotonic()}"}],
         "max_tokens": MAX_TOKENS,
     }
-    headers = {"authorization": f"Bearer {key(tenant)}"}
-    if request_id is not None:
-        headers["x-request-id"] = request_id
     try:
         async with session.post(f"{url}/accounts/{tenant}/ai/run/{MODEL}", json=body, headers=headers) as response:
             sample.status = response.status

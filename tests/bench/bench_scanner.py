@@ -47,8 +47,9 @@ import orjson
 import yaml
 
 from gateway.server.serving import free_port
-from isolation.markers import NORMAL_LENGTH, CanaryKey, MarkerRegistry, make_marker, normal_form
+from isolation.markers import CanaryKey, MarkerRegistry, make_marker, normal_form
 from isolation.scanner import StreamScanner, normalize
+from isolation.spelling import NORMAL_LENGTH
 from tests.bench import processes
 from tests.bench.load import Batch, LoadError, Request, Target, new_session, percentile, run_batch
 from tests.bench.processes import BENCH_KEY, MODEL, Server, Workspace

@@ -9,7 +9,8 @@ import httpx
 import orjson
 
 from gateway.tenancy.tenants import hash_key
-from isolation.markers import MARKER_PATTERN, NORMAL_LENGTH, normal_form
+from isolation.markers import MARKER_PATTERN, normal_form
+from isolation.spelling import NORMAL_LENGTH
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, NOBODY_KEY, auth, chat_body, forwarded, sent_as
 from tests.integration.test_fairness import until_running
 

@@ -418,3 +418,24 @@ def test_pacing_delays_the_first_token_and_spaces_the_rest(make_sim: SimFactory)
         assert len(arrivals) == 1 + length
         assert arrivals[0] >= ttft_s  # the role chunk comes with the first token, as in vLLM
         assert arrivals[-1] >= minimum
+
+
+def test_timings_say_when_each_request_took_a_slot_and_produced_its_first_token(make_sim: SimFactory) -> None:
+    with httpx.Client(base_url=make_sim(ttft_ms=50, tokens_per_s=200), timeout=10) as client:
+        before = time.monotonic()
+        with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": HELLO, "stream": True, "max_tokens": 4},
+            headers={"x-request-id": "req-1"},
+        ) as response:
+            assert response.status_code == 200
+            response.read()
+        assert chat(client, max_tokens=2).status_code == 200
+        first, second = client.get("/sim/timings").json()
+        assert first["request_id"] == "req-1" and second["request_id"] == ""
+        assert before <= first["received"] <= first["arrived"] <= first["admitted"] <= first["first_token"]
+        assert first["first_token"] - first["admitted"] >= 0.04  # the configured TTFT, nothing cached yet
+        assert first["prompt_tokens"] == token_count(client, messages=HELLO) and first["cached_tokens"] == 0
+        assert second["first_token"] is None and second["cached_tokens"] > 0  # not streamed; its prefix cached
+        assert client.delete("/sim/timings").status_code == 204 and client.get("/sim/timings").json() == []

@@ -24,7 +24,6 @@ from isolation.leaks import REDACTED, LeakPolicy
 from isolation.marker_words import WORDS
 from isolation.markers import (
     MARKER_PATTERN,
-    NORMAL_LENGTH,
     CanaryKey,
     MarkerRegistry,
     ModelMarkers,
@@ -35,7 +34,7 @@ from isolation.markers import (
     normal_form,
 )
 from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
-from isolation.spelling import CODE_BITS, CODE_LENGTH, DEFAULT, Spelling, codes_of
+from isolation.spelling import CODE_BITS, CODE_LENGTH, DEFAULT, NORMAL_LENGTH, Spelling, codes_of
 from tests.redis_server import redis_server
 
 KEY = CanaryKey("k1", b"canary-test-secret-0123456789abcdef")
