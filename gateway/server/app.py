@@ -116,7 +116,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
         return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}."))
-    return error_response(NotFound(f"No route {request.method} {request.url.path}."))
+    path = request.url.path
+    hint = "; routes take no trailing slash" if path.endswith("/") and path != "/" else ""
+    return error_response(NotFound(f"No route {request.method} {path}{hint}."))
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -565,6 +567,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
         middleware=[Middleware(BadSettingsAtStart), Middleware(RequestIdHeader)],
         lifespan=lifespan,
     )
+    # Starlette would answer a path with a trailing slash by a redirect to the path without it, built from the Host
+    # header: any client's Host made it an open redirect. OpenAI answers such a path 404, and the SDK never sends one.
+    app.router.redirect_slashes = False
     app.state.openapi = orjson.dumps(openapi_document())
     app.state.bad_settings = None
     return app
