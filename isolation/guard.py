@@ -28,14 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isolation.channels import ENVELOPE, Removed, drop, join, positions, texts, token_streams
+from isolation.escapes import END, has_escape
 from isolation.fingerprints import AnswerCheck
 from isolation.joins import Joins
-from isolation.json_escapes import JsonStringReader, may_spell_a_marker
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import MarkerRegistry, normal_form
+from isolation.readings import Joined, Reading
 from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
 from isolation.spelling import ANCHOR
-from isolation.winnowing import AnswerGrams, tail_start, words
+from isolation.winnowing import tail_start, words
 
 MARKER = "leak"
 FRAGMENT = "fingerprint_leak"
@@ -114,34 +115,20 @@ class _Choice:
     held_logprobs: dict[str, Any] | None = None  # logprobs of earlier events, waiting for a hold to clear
     dropped: set[int] = field(default_factory=set)  # held positions that overlap a stripped marker
     tool_ids: dict[int, str] = field(default_factory=dict)  # the id each tool call was first given
-    grams: dict[str, AnswerGrams] = field(default_factory=dict)  # per stream: its k-grams, for fingerprints
+    grams: dict[str, Reading] = field(default_factory=dict)  # per stream: its k-grams, as sent and decoded
     tainted: set[str] = field(default_factory=set)  # streams redacted for a fragment: the rest of them is too
     # Per stream, its text since a first hit of another tenant's prompt, held until the hit is paired (a leak) or
     # can no longer be.
     suspended: dict[str, str] = field(default_factory=dict)
     held_tokens: bool = False  # a token-level stream's first hit is undecided: the logprobs wait
     hits: bool = False  # some text of this choice has had a hit: from then on, whether one is undecided is asked
-    paired: AnswerGrams | None = None  # the grams that found the last fragment (their pair goes to a judge)
     mirror: str | None = None  # the text whose grams the chosen logprob tokens share so far
-    readers: dict[str, JsonStringReader] = field(default_factory=dict)  # per stream: its JSON escapes, for its grams
 
     def scanner(self, key: str) -> StreamScanner:
         scanner = self.scanners.get(key)
         if scanner is None:
-            scanner = self.scanners[key] = StreamScanner(json_strings=decodable(key))
+            scanner = self.scanners[key] = StreamScanner()
         return scanner
-
-    def reader(self, key: str) -> JsonStringReader:
-        reader = self.readers.get(key)
-        if reader is None:
-            reader = self.readers[key] = JsonStringReader()
-        return reader
-
-
-def decodable(key: str) -> bool:
-    """A stream a client may decode as the inside of JSON strings: tool-call arguments, and the texts of an answer
-    under a JSON response format (which the guard does not know, so every text). Not names, not tokens."""
-    return not key.startswith("lp") and not key.endswith(":name")
 
 
 @dataclass
@@ -190,6 +177,7 @@ class OutputGuard:
         self._reported: set[tuple[str, str]] = set()
         self._unknown: set[bytes] = set()
         self._joins = Joins()
+        self._joined = Joined()  # every text in the order it went out, for fragments spread over several
 
     async def check_chunk(self, chunk: dict[str, Any]) -> None:
         """Scan and edit one streamed chunk (pruned: channels.prune) in place."""
@@ -262,7 +250,7 @@ class OutputGuard:
         for index, state in self._choices.items():
             choice: dict[str, Any] = {"index": index, "finish_reason": None}
             for key, scanner in state.scanners.items():
-                rest = self._rest(scanner)
+                rest = await self._rest(scanner)
                 if rest and not key.startswith("lp"):
                     holder, name = place(choice, key, rest)
                     if found := self._joins.went_out(index, key, rest, False):
@@ -281,13 +269,13 @@ class OutputGuard:
         another's handled by policy; a fragment of another tenant's prompt too (under redact, the whole text)."""
         if self._fragments is not None and len(words(text)) > self._fragments.hasher.shape.k:
             # With fewer words it holds not one gram (an id, a model name: most of these). The space ends its last.
-            victim = self._fragments.feed(self._new_grams(), text + " ")
+            victim = Reading(self._fragments.hasher).feed(self._fragments, text + " ")
             if victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None:
                 return REDACTED
         if not suspects([text]):  # no candidate in it, and no end that could start one: it passes unchanged
             return text
         scanner = StreamScanner()
-        return await self._release(scanner, text) + self._rest(scanner)
+        return await self._release(scanner, text) + await self._rest(scanner)
 
     async def check_removed(self, removed: Removed) -> None:
         """Scan what never goes out (pruned fields, stray SSE lines, a backend's error event): another tenant's
@@ -363,7 +351,7 @@ class OutputGuard:
         logprobs = choice.get("logprobs")
         streams = token_streams(logprobs) if logprobs is not None else {}
         if self._fragments is not None:
-            await self._find_fragments(state, slots, streams, choice, final)
+            await self._find_fragments(index, state, slots, streams, choice, final)
         # One pass over every text of this event finds the few that a scanner must look at; most events have none.
         flagged = suspects([holder[name] for _, holder, name in slots] + ["".join(p) for p in streams.values()])
         if _quiet(state, slots, flagged):
@@ -411,7 +399,7 @@ class OutputGuard:
                 flagged is not None
                 and position not in flagged
                 and (scanner is None or scanner.idle)
-                and not may_spell_a_marker(holder[name])
+                and not has_escape(holder[name])
             ):
                 if found := self._plain(index, state, key, holder[name]):
                     await self._split(found, holder, name)
@@ -420,7 +408,7 @@ class OutputGuard:
             original = holder[name]
             released = await self._release(scanner, original)
             if final:
-                released += self._rest(scanner)
+                released += await self._rest(scanner)
             holding |= scanner.holding
             if released != original:
                 holder[name] = released
@@ -431,7 +419,7 @@ class OutputGuard:
     async def _flush(self, index: int, state: _Choice, choice: dict[str, Any], seen: set[str]) -> None:
         """The choice's last event: what a scanner of a text this event did not write still holds goes out in it."""
         for key, scanner in state.scanners.items():
-            rest = self._rest(scanner)
+            rest = await self._rest(scanner)
             if rest and key not in seen and not key.startswith("lp"):
                 holder, name = place(choice, key, rest)
                 if found := self._joins.went_out(index, key, rest, False):
@@ -439,6 +427,7 @@ class OutputGuard:
 
     async def _find_fragments(
         self,
+        index: int,
         state: _Choice,
         slots: list[tuple[str, dict[str, Any], str]],
         streams: dict[str, list[str]],
@@ -449,12 +438,13 @@ class OutputGuard:
         From a text's first hit on, its text is held (suspended) until the hit is paired or no longer can be, so at
         most the words before that first hit go out. Under redact, a text where one is found is redacted from there
         on, and the event's logprob positions are dropped. The chosen tokens and the alternatives of every rank are
-        token-level streams of their own, checked the same way."""
+        token-level streams of their own, checked the same way. The texts are also read joined, in the order they went
+        out (readings.py): a first hit there holds every text until it is decided."""
         chosen = "".join(streams["lp"]) if "lp" in streams else None
         mirrored = self._mirror(state, slots, chosen)
-        found = await self._text_fragments(state, slots, mirrored, final)
+        found = await self._text_fragments(index, state, slots, mirrored, final)
         if streams:
-            found |= await self._token_fragments(state, streams, chosen, mirrored, final)
+            found |= await self._token_fragments(index, state, streams, chosen, mirrored, final)
         # Every token stream read so far, not only this event's: an event without logprobs decides nothing.
         state.held_tokens = (
             not final and state.hits and any(self._pending(state, key) for key in state.grams if key[:2] == "lp")
@@ -477,30 +467,36 @@ class OutputGuard:
         mirrored = state.mirror
         if mirrored is not None and not (mirrors and slots[0][0] == mirrored):
             # They part: the tokens go on from where the text's grams are now, before this event.
-            state.grams["lp"] = state.grams[mirrored].copy() if mirrored in state.grams else self._new_grams()
+            assert self._fragments is not None
+            own = state.grams.get(mirrored)
+            state.grams["lp"] = own.copy() if own is not None else Reading(self._fragments.hasher)
             state.mirror = mirrored = None
         elif mirrored is None and mirrors and "lp" not in state.grams:
             state.mirror = mirrored = slots[0][0]
         return mirrored
 
     async def _text_fragments(
-        self, state: _Choice, slots: list[tuple[str, dict[str, Any], str]], mirrored: str | None, final: bool
+        self,
+        index: int,
+        state: _Choice,
+        slots: list[tuple[str, dict[str, Any], str]],
+        mirrored: str | None,
+        final: bool,
     ) -> bool:
         """Each text of the event: a fragment found redacts it (under redact) from there on; an undecided first hit
         holds it; a decided one releases what was held. Whether a fragment was found in the text the tokens mirror."""
         found = False
         suspended = state.suspended
         for key, holder, name in slots:
-            victim = self._fragment(state, key, holder[name], final)
-            if victim is not None:  # (a coroutine only then: this runs for every text of every event)
-                victim = await self._unless_induced(state, key, victim)
+            find = self._fragment(index, state, key, holder[name], final, joins=True)
+            victim = None if find is None else await self._unless_induced(*find)  # (a coroutine only on a find)
             hit = victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None
             found |= hit and key == mirrored
             if hit or key in state.tainted:
                 state.tainted.add(key)
                 suspect = suspended.pop(key, "")  # the held text goes with the rest
                 holder[name] = REDACTED if holder[name] or suspect else ""
-            elif victim is None and not final and state.hits and self._pending(state, key):
+            elif victim is None and not final and (state.hits or self._joined.hit) and self._pending(state, key):
                 suspended[key] = suspended.get(key, "") + holder[name]
                 holder[name] = ""
             elif self._hold_tail and victim is None and not final:
@@ -514,7 +510,13 @@ class OutputGuard:
         return found
 
     async def _token_fragments(
-        self, state: _Choice, streams: dict[str, list[str]], chosen: str | None, mirrored: str | None, final: bool
+        self,
+        index: int,
+        state: _Choice,
+        streams: dict[str, list[str]],
+        chosen: str | None,
+        mirrored: str | None,
+        final: bool,
     ) -> bool:
         """Every token-level stream, the alternatives of each rank as much as the chosen tokens: an engine can spell a
         fragment in either. Their positions wait with the text while one of them is undecided."""
@@ -524,65 +526,60 @@ class OutputGuard:
                 continue
             text = chosen if key == "lp" and chosen is not None else "".join(pieces)
             # A judge asks for the same logprobs: what a request makes the model write, chosen or ranked, it says too.
-            victim = self._fragment(state, key, text, final)
-            if victim is not None:
-                victim = await self._unless_induced(state, key, victim)
+            find = self._fragment(index, state, key, text, final, joins=False)
+            victim = None if find is None else await self._unless_induced(*find)
             if victim is not None:
                 found |= await self._leak(Leak(victim, FRAGMENT)) is not None
         return found
 
-    async def _unless_induced(self, state: _Choice, key: str, victim: str | None) -> str | None:
-        """The victim of a fragment this stream's last piece ended, unless a judge finds each one it ends induced (the
-        answer said it where her prompt never went: a public text, a text the recipient had the model write)."""
+    async def _unless_induced(self, found: str, reading: Reading, read: list[Reading]) -> str | None:
+        """The victim of a fragment a piece ended (found by `reading`), unless a judge finds each one the piece ends
+        induced (the answer said it where her prompt never went: a public text, a text the recipient had the model
+        write). `read`: every reading of the piece, each read on past what the judge cleared."""
+        victim: str | None = found
         while victim is not None and self._judge is not None:
-            assert self._fragments is not None and state.paired is not None and state.paired.pair is not None
-            cleared = await self._judge(Suspect(victim, state.paired.pair))
+            assert self._fragments is not None and reading.paired is not None and reading.paired.pair is not None
+            cleared = await self._judge(Suspect(victim, reading.paired.pair))
             if cleared is None:
                 return victim
             self._fragments.clear(cleared)
-            found = None
-            for grams in _both(state, key):
-                grams.hits.pop(victim, None)
-                # Read on past it: the next fragment in the rest of the piece (as sent, then as decoded).
-                if (after := self._fragments.resume(grams)) is not None:
-                    found, state.paired = after, grams
-            victim = found
+            judged, victim = victim, None
+            for each in read:
+                after = each.resume(self._fragments, judged)
+                if after is not None and victim is None:
+                    victim, reading = after, each
         return victim
 
     def _pending(self, state: _Choice, key: str) -> bool:
-        assert self._fragments is not None
-        return any(self._fragments.pending(grams) for grams in _both(state, key))
+        """Whether what this stream says next could still complete a fragment with a hit already read: on its own,
+        or joined to the texts before it."""
+        check = self._fragments
+        assert check is not None
+        reading = state.grams.get(key)
+        return (reading is not None and reading.pending(check)) or self._joined.pending(check)
 
-    def _new_grams(self) -> AnswerGrams:
-        assert self._fragments is not None
-        return AnswerGrams(self._fragments.hasher)
-
-    def _fragment(self, state: _Choice, key: str, piece: str, final: bool) -> str | None:
-        """Feed one piece of one stream to its k-grams; the victim when it ends a fragment of another tenant's prompt
-        (to report: _leak; its grams: state.paired). Not a coroutine: it runs for every text of every event, and only
-        a find needs to wait. A stream's last piece ends its last word."""
-        assert self._fragments is not None
+    def _fragment(
+        self, index: int, state: _Choice, key: str, piece: str, final: bool, joins: bool
+    ) -> tuple[str, Reading, list[Reading]] | None:
+        """Feed one piece of one stream to its readings, and (`joins`: a text) to the answer's joined ones; when it
+        ends a fragment of another tenant's prompt, the victim, the reading that found it, and every reading of the
+        piece (to judge: _unless_induced; to report: _leak). Not a coroutine: it runs for every text of every event,
+        and only a find needs to wait. A stream's last piece ends its last word."""
+        check = self._fragments
+        assert check is not None
         if final:
             piece += " "
-        grams = state.grams.get(key)
-        if grams is None:
-            grams = state.grams[key] = self._new_grams()
-        decoded_key = key + "\\"
-        decoded = state.grams.get(decoded_key)
-        if decoded is None and "\\" in piece and decodable(key):
-            # From the first backslash on, the words a client reads after decoding JSON escapes are read too: `\n`
-            # joins its "n" to the next word as sent, which broke every gram across a line of JSON-escaped code.
-            decoded = state.grams[decoded_key] = grams.copy()
-        victim = self._fragments.feed(grams, piece)
-        state.paired = grams
-        if grams.hits or grams.suspect:
-            state.hits = True
-        if decoded is not None:
-            found = self._fragments.feed(decoded, state.reader(key).decoded(piece))
-            if found is not None:
-                victim, state.paired = found, decoded
-            state.hits = state.hits or bool(decoded.hits) or decoded.suspect
-        return victim
+        reading = state.grams.get(key)
+        if reading is None:
+            reading = state.grams[key] = Reading(check.hasher)
+        victim = reading.feed(check, piece)
+        state.hits = state.hits or reading.hit
+        find = None if victim is None else (victim, reading)
+        if not joins:
+            return None if find is None else (*find, [reading])
+        joined = self._joined.feed(check, f"{index}:{key}", piece, reading)
+        find = find or joined
+        return None if find is None else (*find, [reading, *self._joined.readings])
 
     def _strip_echo(self, state: _Choice, choice: dict[str, Any]) -> None:
         text: str = choice["text"]
@@ -677,19 +674,26 @@ class OutputGuard:
             elif await self._leak(Leak(owner.tenant, MARKER, str(owner.epoch))) is not None:
                 holder[name] = REDACTED
 
-    def _rest(self, scanner: StreamScanner) -> str:
+    async def _rest(self, scanner: StreamScanner) -> str:
         """What a stream's scanner still held at its end: a tail that can no longer become a marker goes out, except
-        the start of the tenant's own (a stream cut by max_tokens inside it would show her most of her marker)."""
+        the start of the tenant's own (a stream cut by max_tokens inside it would show her most of her marker). An
+        escape still open there is read as a lenient decoder reads one at a text's end (`&#107` is "k"): what it
+        completes is found before it goes out."""
+        released = await self._release(scanner, END) if scanner.escaping else ""
         held = scanner.flush()
+        if held.endswith(END):
+            held = held[:-1]
+        elif released.endswith(END):
+            released = released[:-1]
         if not held:
-            return held
+            return released
         normal = normalize(held)
         registry = self._registry
         if len(normal) > len(ANCHOR) and any(
             normal_form(registry.marker(self._tenant, spelling)).startswith(normal) for spelling in registry.spellings
         ):
-            return ""
-        return held
+            return released
+        return released + held
 
     async def _edits(self, hits: list[Hit]) -> list[tuple[Hit, str]]:
         edits = []
@@ -736,18 +740,13 @@ def _quiet(state: _Choice, slots: list[tuple[str, dict[str, Any], str]], flagged
         and _idle(state.scanners)
         and not state.suspended
         and not state.held_tokens
-        and not any(may_spell_a_marker(holder[name]) for _, holder, name in slots)
+        and not any(has_escape(holder[name]) for _, holder, name in slots)
     )
 
 
 def _calls(choice: dict[str, Any]) -> bool:
     message = choice.get("delta") or choice.get("message")
     return message is not None and bool(message.get("tool_calls"))
-
-
-def _both(state: _Choice, key: str) -> list[AnswerGrams]:
-    """A stream's k-grams, as sent and (from its first backslash on) as JSON-decoded."""
-    return [grams for grams in (state.grams.get(key), state.grams.get(key + "\\")) if grams is not None]
 
 
 def _idle(scanners: dict[str, StreamScanner]) -> bool:

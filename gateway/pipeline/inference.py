@@ -50,11 +50,11 @@ from gateway.upstream.placement import Placement
 from gateway.upstream.proxy import Upstream, UpstreamResponse, parse_json_body
 from gateway.upstream.routing import Router
 from isolation.channels import prune, texts, token_streams
+from isolation.escapes import readings
 from isolation.events import IsolationEvent
 from isolation.fingerprints import AnswerCheck, Fingerprinter, Prepared
 from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard, Suspect
 from isolation.inject import completion_prefix, hide_injected, inject_chat, inject_completion
-from isolation.json_escapes import JsonStringReader
 from isolation.leaks import LeakPolicy
 from isolation.markers import MarkerRegistry
 from isolation.salts import CacheSalts
@@ -477,7 +477,7 @@ class InferenceCall:
                 found += [holder[name] for _, holder, name in texts(choice)]
                 logprobs = choice.get("logprobs")
                 found += ["".join(pieces) for pieces in token_streams(logprobs).values()] if logprobs else []
-        return found + [JsonStringReader().decoded(text) for text in found if "\\" in text]
+        return [reading for text in found for reading in readings(text)]
 
     def _came_back(self, replica: Replica, suspect: Suspect, said: list[str]) -> frozenset[int] | None:
         """The victim's grams in a judge's texts, when they hold the two that made the suspect (else None)."""

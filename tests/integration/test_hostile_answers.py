@@ -22,7 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.server.serving import run_server
-from isolation.json_escapes import JsonStringReader
+from isolation.escapes import decode
 from isolation.markers import MARKER_PATTERN
 from isolation.tokens import ModelTokenizer
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, shows_marker
@@ -270,7 +270,7 @@ async def test_a_marker_json_escaped_more_than_once_in_tool_arguments_is_withhel
         arguments = orjson.dumps({"doc": arguments}).decode()
     readings = [arguments]
     for _ in range(times):
-        readings.append(JsonStringReader().decoded(readings[-1]))
+        readings.append(decode(readings[-1]))
     assert all(normal(marker) not in normal(text) for text in readings[:-1]) and normal(marker) in normal(readings[-1])
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
     engine.script = lambda prompt: answer(prompt, None, tool_calls=[call])
@@ -294,7 +294,7 @@ async def test_a_marker_json_escaped_more_than_once_in_tool_arguments_is_withhel
     text = response.text
     for _ in range(times + 1):  # as sent, and decoded as often as the client may
         assert normal(marker) not in normal(text), text
-        text = JsonStringReader().decoded(text)
+        text = decode(text)
     assert await events_since(client, gateway, since) == [("leak", "alice")]
 
 
