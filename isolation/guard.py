@@ -27,10 +27,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from isolation.channels import ENVELOPE, Removed, drop, join, positions, texts, token_streams
+from isolation.channels import ENVELOPE, Removed, drop, in_order, join, positions, texts, token_streams
 from isolation.escapes import END, has_escape
 from isolation.fingerprints import AnswerCheck
-from isolation.joins import Joins
+from isolation.joins import STANDALONE, Joins
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import MarkerRegistry, normal_form
 from isolation.readings import Joined, Reading
@@ -317,6 +317,9 @@ class OutputGuard:
             first = self._envelope.get(name)
             if first is None:
                 self._envelope[name] = first = await self.check_text(value)
+                if found := self._joins.went_out(STANDALONE, name, first, False):
+                    await self._split(found, self._envelope, name)
+                    first = self._envelope[name]
             elif value != first:
                 where = f"envelope.{name}"
                 if where not in self._sinks:  # the value it changes from starts the stream a marker could span
@@ -334,7 +337,10 @@ class OutputGuard:
                 index = call.get("index", position)
                 first = state.tool_ids.get(index)
                 if first is None:
-                    state.tool_ids[index] = first = await self.check_text(value)
+                    call["id"] = first = await self.check_text(value)
+                    if found := self._joins.went_out(choice.get("index") or 0, f"tool:{index}:id", first, False):
+                        await self._split(found, call, "id")
+                    state.tool_ids[index] = value = first = call["id"]
                 elif value != first:
                     if "tool.id" not in self._sinks:
                         await self.check_removed([("tool.id", first)])
@@ -348,6 +354,10 @@ class OutputGuard:
         if state.echo or state.tool_ids or choice.get("stop_reason") is not None or _calls(choice):
             await self._choice_fields(state, choice)
         slots = texts(choice)
+        if len(slots) > 1:
+            for holder in (choice.get("delta"), choice.get("message")):
+                if holder is not None:
+                    in_order(holder)
         logprobs = choice.get("logprobs")
         streams = token_streams(logprobs) if logprobs is not None else {}
         if self._fragments is not None:
@@ -412,7 +422,7 @@ class OutputGuard:
             holding |= scanner.holding
             if released != original:
                 holder[name] = released
-            if found := self._joins.went_out(index, key, released, False):
+            if found := self._joins.went_out(index, key, released, False, scanner.held):
                 await self._split(found, holder, name)
         return holding
 

@@ -143,6 +143,11 @@ class StreamScanner:
         return bool(self._held)
 
     @property
+    def held(self) -> str:
+        """The text held back, as sent."""
+        return self._held
+
+    @property
     def idle(self) -> bool:
         """Nothing held or carried: a piece that `suspects` clears passes through unchanged."""
         return not self._held and not self._carry and not self._apart and not self.escaping
