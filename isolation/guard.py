@@ -32,7 +32,7 @@ from isolation.escapes import END, has_escape
 from isolation.fingerprints import AnswerCheck
 from isolation.joins import STANDALONE, Joins
 from isolation.leaks import REDACTED, LeakPolicy
-from isolation.markers import MarkerRegistry, normal_form
+from isolation.markers import MarkerRegistry, Owner, normal_form
 from isolation.readings import Joined, Reading
 from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
 from isolation.spelling import ANCHOR
@@ -67,6 +67,10 @@ class Leak:
 LeakHandler = Callable[[Leak], Awaitable[None]]
 Decode = Callable[[list[int]], str]  # the model's tokenizer: token ids to text
 MAX_REJOINS = 8  # scans of one release after a strip: each strip shortens it, honest text needs one
+# Distinct marker-shaped strings one answer may hold: each is read back into codes (~0.1 ms) and, when no marker of
+# this instance's, asked of the store. An honest answer holds none but the tenant's own, a few times; a model made to
+# write thousands held the event loop and Redis for seconds.
+MAX_CANDIDATES = 64
 IDS_KEPT = 64  # token ids of a dropped field decoded together: far more than one marker's tokens
 
 
@@ -78,6 +82,10 @@ class StripWouldJoin(Exception):
 class SplitMarker(Exception):
     """The tenant's own marker, split across texts of one answer: what went out of it cannot be taken back, and the
     rest cannot be shown safe (the gateway withholds the answer as a failed check)."""
+
+
+class CandidateFlood(Exception):
+    """More marker-shaped strings than any honest answer holds (MAX_CANDIDATES): the answer is withheld unread."""
 
 
 class LeakBlocked(Exception):
@@ -175,7 +183,7 @@ class OutputGuard:
         self._envelope: dict[str, str] = {}
         self._sinks: dict[str, _Sink] = {}
         self._reported: set[tuple[str, str]] = set()
-        self._unknown: set[bytes] = set()
+        self._owners: dict[bytes, Owner | None] = {}  # the candidates of this answer looked up: whose they are
         self._joins = Joins()
         self._joined = Joined()  # every text in the order it went out, for fragments spread over several
 
@@ -305,6 +313,7 @@ class OutputGuard:
                     await self._detect(scan_all(decoded))
 
     async def _detect(self, hits: list[Hit]) -> None:
+        await self._resolve([hit.normal for hit in hits])
         for hit in hits:
             await self._verdict(hit)
 
@@ -673,13 +682,12 @@ class OutputGuard:
         """Candidates that a text about to go out completes with texts that went out before (joins.py): the tenant's
         own marker cannot be stripped from texts already gone (the answer is withheld as a failed check); another
         tenant's is a leak (under redact, this text is redacted)."""
+        await self._resolve(found)
         for candidate in found:
-            if candidate in self._unknown:
-                continue
-            owner = await self._registry.resolve(candidate)
+            owner = self._owners[candidate]
             if owner is None:
-                self._unknown.add(candidate)
-            elif owner.tenant == self._tenant:
+                continue
+            if owner.tenant == self._tenant:
                 raise SplitMarker("the tenant's own marker, split across texts of the answer")
             elif await self._leak(Leak(owner.tenant, MARKER, str(owner.epoch))) is not None:
                 holder[name] = REDACTED
@@ -705,7 +713,18 @@ class OutputGuard:
             return released
         return released + held
 
+    async def _resolve(self, candidates: list[bytes]) -> None:
+        """Whose these candidates are, asked together (one round trip to the store for all the new ones) and kept for
+        the rest of the answer: a model can be made to write marker-shaped strings over and over."""
+        new = [candidate for candidate in dict.fromkeys(candidates) if candidate not in self._owners]
+        if not new:
+            return
+        if len(self._owners) + len(new) > MAX_CANDIDATES:
+            raise CandidateFlood(f"more than {MAX_CANDIDATES} marker-shaped strings in one answer")
+        self._owners.update(await self._registry.resolve(new))
+
     async def _edits(self, hits: list[Hit]) -> list[tuple[Hit, str]]:
+        await self._resolve([hit.normal for hit in hits])
         edits = []
         for hit in hits:
             replacement = await self._verdict(hit)
@@ -716,12 +735,9 @@ class OutputGuard:
     async def _verdict(self, hit: Hit) -> str | None:
         """What replaces a candidate marker: "" for the tenant's own, REDACTED for another's under redact, None to
         leave it (not a live marker, or the alert policy); raises LeakBlocked under block."""
-        if hit.normal in self._unknown:
-            return None
-        owner = await self._registry.resolve(hit.normal)
+        await self._resolve([hit.normal])
+        owner = self._owners[hit.normal]
         if owner is None:
-            # A model can be made to write marker-shaped strings over and over: ask the store once per answer.
-            self._unknown.add(hit.normal)
             return None
         if owner.tenant == self._tenant:
             return ""

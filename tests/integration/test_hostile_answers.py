@@ -23,7 +23,8 @@ from starlette.routing import Route
 
 from gateway.server.serving import run_server
 from isolation.escapes import decode
-from isolation.markers import MARKER_PATTERN
+from isolation.markers import MARKER_PATTERN, CanaryKey, make_marker
+from isolation.scanner import normalize
 from isolation.tokens import ModelTokenizer
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, shows_marker
 
@@ -503,3 +504,29 @@ async def test_a_fragment_of_a_prompt_text_outside_its_messages_is_a_leak(
     response = await client.post(gateway + CHAT, json=chat_body("q"), headers=auth(BOB_KEY))
     assert private[-30:] not in response.text and response.status_code == 502, response.text
     assert await events_since(client, gateway, since) == [("fingerprint_leak", "alice")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_of_thousands_of_marker_shaped_strings_is_withheld_unread(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, stream: bool
+) -> None:
+    # Each was read back into codes and asked of the store in turn: 5,000 of them took 6 to 7 s of checking.
+    keys = [CanaryKey("x", secrets.token_bytes(32)) for _ in range(5000)]  # markers of no one's
+    shapes = " ".join(normalize(make_marker(key, "z", 1)).decode() for key in keys)
+    if stream:
+        pieces = [shapes[at : at + 3000] for at in range(0, len(shapes), 3000)]
+        engine.script = lambda prompt: [
+            *(chunk({"index": 0, "delta": {"content": piece}, "finish_reason": None}) for piece in pieces),
+            chunk({"index": 0, "delta": {}, "finish_reason": "stop"}),
+            chunk(usage_=usage(prompt, len(pieces))),
+            b"data: [DONE]\n\n",
+        ]
+    else:
+        engine.script = lambda prompt: answer(prompt, shapes)
+    since = time.time()
+    response = await client.post(gateway + CHAT, json=chat_body("q", stream=stream), headers=auth(BOB_KEY))
+    if stream:
+        assert response.status_code == 200 and '"answer_withheld"' in response.text, response.text[-300:]
+    else:
+        assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld", response.text
+    assert await events_since(client, gateway, since) == [("marker_flood", "")]

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
-from isolation.guard import Leak, LeakBlocked, OutputGuard, SplitMarker
+from isolation.guard import MAX_CANDIDATES, CandidateFlood, Leak, LeakBlocked, OutputGuard, SplitMarker
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.marker_words import WORDS
 from isolation.markers import (
@@ -412,18 +412,58 @@ async def test_instances_with_different_secrets_recognise_each_others_markers_th
                 b.rotate(now)
                 a.add_tenants(["alice", "carol", "dave"])
                 alice = normal_form(a.marker("alice"))
-                assert b.owner(alice) is None and await b.resolve(alice) is None  # not published yet
+                assert b.owner(alice) is None and await b.resolve([alice]) == {alice: None}  # not published yet
                 await a.publish()
-                assert await b.resolve(alice) == Owner("alice", epoch, "a")
+                assert await b.resolve([alice]) == {alice: Owner("alice", epoch, "a")}
                 previous = normal_form(make_marker(a_key, "dave", epoch - 1))
-                assert await b.resolve(previous) == Owner("dave", epoch - 1, "a")
-                assert await b.resolve(normal_form(make_marker(a_key, "dave", epoch - 2))) is None
-                assert await b.resolve(b"cnry" + b"a" * CODE_LENGTH) is None
+                stale = normal_form(make_marker(a_key, "dave", epoch - 2))
+                nobodys = b"cnry" + b"a" * CODE_LENGTH
+                before = await hmgets(redis)
+                found = await b.resolve([alice, previous, stale, nobodys])
+                # Asked together: one HMGET per live epoch, whatever the number of candidates.
+                assert await hmgets(redis) - before == 2
+                assert found == {alice: Owner("alice", epoch, "a"), previous: Owner("dave", epoch - 1, "a"),
+                                 stale: None, nobodys: None}  # fmt: skip
                 assert b.owner(alice) is None  # looked up, not copied into b's own table
                 assert await redis.hlen(names[0]) == 3
                 assert 0 < await redis.ttl(names[0]) <= 3 * EPOCH_S
             finally:
                 await redis.delete(*names)
+
+
+async def hmgets(redis: Redis) -> int:
+    """The HMGETs the server has run so far."""
+    stats = await redis.info("commandstats")
+    return int(stats.get("cmdstat_hmget", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize("stream_it", [False, True])
+async def test_an_answer_of_marker_shaped_strings_is_withheld_after_a_bounded_look(stream_it: bool) -> None:
+    # 5,000 strings shaped like markers and no one's cost 10,000 round trips to Redis and 6 to 7 s of checking.
+    with redis_server() as url:
+        async with Redis.from_url(url) as redis:
+            registry = MarkerRegistry([KEY], EPOCH_S, RedisMarkerStore(redis, prefix="flood:"))
+            registry.rotate(NOW)
+            registry.add_tenants(["alice"])
+            shapes = [normal_form(make_marker(CanaryKey("x", secrets.token_bytes(32)), "z", 1)) for _ in range(5000)]
+            text = " ".join(shape.decode() for shape in shapes)
+            guard, leaks = guard_for(registry)
+            before = await hmgets(redis)
+            with pytest.raises(CandidateFlood):
+                if stream_it:
+                    for piece in pieces_of(text, 4000):
+                        await guard.check_chunk(delta_chunk(content=piece))
+                else:
+                    await guard.check_body({"choices": [{"index": 0, "message": {"content": text}}]})
+            # At most MAX_CANDIDATES candidates are ever asked about, a batch per piece (two HMGETs each).
+            assert await hmgets(redis) - before <= 2 * MAX_CANDIDATES
+            assert leaks.found == []
+            # A few such strings, fewer than the bound, are asked about together and go out as written.
+            guard, leaks = guard_for(registry)
+            body = {"choices": [{"index": 0, "message": {"content": " ".join(s.decode() for s in shapes[:40])}}]}
+            before = await hmgets(redis)
+            await guard.check_body(body)
+            assert await hmgets(redis) - before == 2 and leaks.found == []
 
 
 # --- The output guard ---------------------------------------------------------------------------------------------
