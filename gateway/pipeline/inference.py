@@ -471,12 +471,15 @@ class InferenceCall:
         if len(raw) > bound or not isinstance(choices, list):
             return None
         found: list[str] = []
+        said: list[str] = []
         for choice in choices:
             if isinstance(choice, dict):
                 prune({"choices": [choice]})
-                found += [holder[name] for _, holder, name in texts(choice)]
+                said += [holder[name] for _, holder, name in texts(choice)]
                 logprobs = choice.get("logprobs")
                 found += ["".join(pieces) for pieces in token_streams(logprobs).values()] if logprobs else []
+        # Its texts one by one, and joined as the guard read the answer's (a fragment it found may span two of them).
+        found += [*said, "".join(said), " ".join(said)] if len(said) > 1 else said
         return [reading for text in found for reading in readings(text)]
 
     def _came_back(self, replica: Replica, suspect: Suspect, said: list[str]) -> frozenset[int] | None:
