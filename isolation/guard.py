@@ -275,9 +275,10 @@ class OutputGuard:
     async def check_text(self, text: str) -> str:
         """A text that stands on its own (an id, a backend's error message): the tenant's own marker stripped,
         another's handled by policy; a fragment of another tenant's prompt too (under redact, the whole text)."""
-        if self._fragments is not None and len(words(text)) > self._fragments.hasher.shape.k:
+        check = self._fragments
+        if check is not None and check.hasher.may_hold_gram(text) and len(words(text)) > check.hasher.shape.k:
             # With fewer words it holds not one gram (an id, a model name: most of these). The space ends its last.
-            victim = Reading(self._fragments.hasher).feed(self._fragments, text + " ")
+            victim = Reading(check.hasher).feed(check, text + " ")
             if victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None:
                 return REDACTED
         if not suspects([text]):  # no candidate in it, and no end that could start one: it passes unchanged
@@ -326,7 +327,7 @@ class OutputGuard:
             first = self._envelope.get(name)
             if first is None:
                 self._envelope[name] = first = await self.check_text(value)
-                if found := self._joins.went_out(STANDALONE, name, first, False):
+                if found := self._joins.standalone(STANDALONE, name, first):
                     await self._split(found, self._envelope, name)
                     first = self._envelope[name]
             elif value != first:
@@ -347,7 +348,7 @@ class OutputGuard:
                 first = state.tool_ids.get(index)
                 if first is None:
                     call["id"] = first = await self.check_text(value)
-                    if found := self._joins.went_out(choice.get("index") or 0, f"tool:{index}:id", first, False):
+                    if found := self._joins.standalone(choice.get("index") or 0, f"tool:{index}:id", first):
                         await self._split(found, call, "id")
                     state.tool_ids[index] = value = first = call["id"]
                 elif value != first:
@@ -592,13 +593,16 @@ class OutputGuard:
         if reading is None:
             reading = state.grams[key] = Reading(check.hasher)
         victim = reading.feed(check, piece)
-        state.hits = state.hits or reading.hit
+        if reading.hit:
+            state.hits = True
         find = None if victim is None else (victim, reading)
-        if not joins:
+        joined = self._joined
+        if not joins or (joined.glued is None and key == joined.key and index == joined.choice):
+            # (While one text alone has gone out, its own reading is the joined one.)
             return None if find is None else (*find, [reading])
-        joined = self._joined.feed(check, f"{index}:{key}", piece, reading)
-        find = find or joined
-        return None if find is None else (*find, [reading, *self._joined.readings])
+        found = joined.feed(check, index, key, piece, reading)
+        find = find or found
+        return None if find is None else (*find, [reading, *joined.readings])
 
     def _strip_echo(self, state: _Choice, choice: dict[str, Any]) -> None:
         text: str = choice["text"]

@@ -39,7 +39,8 @@ class Joins:
     def __init__(self) -> None:
         self._order: StreamScanner | None = None  # every text that went out, in the order it went (made when needed)
         self.order_idle = True  # it holds nothing: a plain piece changes nothing in that reading
-        self._ends: dict[tuple[int, str], _Ends] = {}  # per text: (its choice, its stream key)
+        self._ends: dict[int, dict[str, _Ends]] = {}  # per choice, per text (STANDALONE: the envelope's strings)
+        self._texts = 0
         self._settled: dict[int, set[str]] = {}  # per choice: Joins.settled
         self._open_ends = 0  # texts whose end could start a marker
 
@@ -56,8 +57,8 @@ class Joins:
         a text's end: nothing, whether what it held went out or not); the candidate markers that this completes in
         either reading. `plain`: `text` holds no candidate and ends in nothing that could start one
         (scanner.suspects), and nothing is held."""
-        ends = self._ends
-        mine = ends.get((choice, key))
+        ends = self._ends.get(choice)
+        mine = ends.get(key) if ends is not None else None
         if not text and not held and (mine is None or mine.tail == mine.out):
             return _NONE
         found = []
@@ -67,10 +68,13 @@ class Joins:
                 order = self._order = StreamScanner()
             found = [hit.normal for hit in order.scan(text).hits]
             self.order_idle = order.idle
+        if ends is None:
+            ends = self._ends[choice] = {}
         if mine is None:
-            if len(ends) >= MAX_TEXTS:
+            if self._texts >= MAX_TEXTS:
                 return found
-            mine = ends[choice, key] = _Ends()
+            mine = ends[key] = _Ends()
+            self._texts += 1
         grown = mine.head is None and bool(text)
         if grown:
             # Each piece is normalized once at most: the first ones together, once they could make a head.
@@ -94,20 +98,44 @@ class Joins:
             self.settled(choice).discard(key)
         # Its end before the start of every other text; every other text's end before its start.
         if moved and tail:
-            found += [
-                candidate
-                for theirs in ends.values()
-                if theirs is not mine
-                for candidate in candidates(tail + theirs.begins())
-            ]
+            found += [candidate for theirs in self._others(mine) for candidate in candidates(tail + theirs.begins())]
         if grown and self._open_ends:
             found += [
                 candidate
-                for theirs in ends.values()
-                if theirs is not mine and theirs.tail
+                for theirs in self._others(mine)
+                if theirs.tail
                 for candidate in candidates(theirs.tail + mine.begins())
             ]
         return found
+
+    def standalone(self, choice: int, key: str, text: str) -> list[bytes]:
+        """A string that goes out whole, once (the envelope's id, model and system_fingerprint: STANDALONE; a tool
+        call's id); the candidates it completes with the other texts' ends and starts. (Pairs, not the order they
+        went out: a pair is read both ways round.)"""
+        ends = self._ends.get(choice)
+        if ends is None:
+            ends = self._ends[choice] = {}
+        if key in ends or self._texts >= MAX_TEXTS:
+            return _NONE
+        normal = normalize(text)
+        tail = open_end(normal[-TAIL:])
+        mine = ends[key] = _Ends(head=normal[:TAIL], out=tail, tail=tail)
+        self._texts += 1
+        found = []
+        if tail:
+            self._open_ends += 1
+            found += [candidate for theirs in self._others(mine) for candidate in candidates(tail + theirs.begins())]
+        if self._open_ends > bool(tail):
+            found += [
+                candidate
+                for theirs in self._others(mine)
+                if theirs.tail
+                for candidate in candidates(theirs.tail + mine.begins())
+            ]
+        return found
+
+    def _others(self, mine: _Ends) -> list[_Ends]:
+        return [theirs for ends in self._ends.values() for theirs in ends.values() if theirs is not mine]
 
 
 _NONE: list[bytes] = []  # shared: never added to

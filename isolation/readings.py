@@ -12,7 +12,7 @@ and choices as one sequence, so a fragment spread over several of them is one (`
 
 from __future__ import annotations
 
-from isolation.escapes import DEPTH, EscapeReader, has_escape
+from isolation.escapes import DEPTH, EscapeReader
 from isolation.fingerprints import AnswerCheck
 from isolation.winnowing import AnswerGrams, Hasher
 
@@ -23,24 +23,33 @@ class Reading:
     def __init__(self, hasher: Hasher, grams: dict[int, AnswerGrams] | None = None) -> None:
         self._hasher = hasher
         self.grams = grams if grams is not None else {0: AnswerGrams(hasher)}  # by depth: 0 is the text as sent
+        self.sent = self.grams[0]
         self._readers: list[EscapeReader] | None = None  # from the first piece with an escape: one per depth
         self.paired: AnswerGrams | None = None  # the grams that found the last fragment (their pair goes to a judge)
+        # Some reading has had a hit, or ended in a word that could complete one: from then on, whether one is
+        # undecided is asked (an attribute, and it stays: this is asked of every piece of every text).
+        self.hit = False
 
     def copy(self) -> Reading:
         """A reading that goes on from here on its own (its decodings start afresh at its next escape)."""
-        return Reading(self._hasher, {depth: grams.copy() for depth, grams in self.grams.items()})
-
-    @property
-    def hit(self) -> bool:
-        """Some reading has had a hit, or ends in a word that could complete one."""
-        return any(grams.hits or grams.suspect for grams in self.grams.values())
+        twin = Reading(self._hasher, {depth: grams.copy() for depth, grams in self.grams.items()})
+        twin.hit = self.hit
+        return twin
 
     def feed(self, check: AnswerCheck, piece: str) -> str | None:
         """Read one more piece; the victim, once a reading carries a fragment of another tenant's prompt."""
-        if self._readers is None and has_escape(piece):
+        if self._readers is None:
+            if "\\" not in piece and "%" not in piece and "&" not in piece:  # has_escape, on every piece: inlined
+                sent = self.sent
+                victim = check.feed(sent, piece)
+                if victim is not None:
+                    self.paired = sent
+                if sent.hits or sent.suspect:
+                    self.hit = True
+                return victim
             self._readers = [EscapeReader() for _ in range(DEPTH)]
         texts = [piece]
-        for reader in self._readers or ():
+        for reader in self._readers:
             texts.append(reader.decoded(texts[-1]))
         grams = self.grams
         for depth in range(1, len(texts)):
@@ -53,6 +62,8 @@ class Reading:
             found = check.feed(reading, texts[depth])
             if found is not None and victim is None:
                 victim, self.paired = found, reading
+            if reading.hits or reading.suspect:
+                self.hit = True
         return victim
 
     def resume(self, check: AnswerCheck, victim: str) -> str | None:
@@ -81,39 +92,40 @@ class Joined:
     def __init__(self) -> None:
         self.glued: Reading | None = None
         self.apart: Reading | None = None
+        # The text the last piece was in (its choice, and its key in the choice): while no other text has gone out, a
+        # piece of it needs nothing here (the guard asks `alone` of every piece).
+        self.choice = -1
+        self.key: str | None = None
         self._first: Reading | None = None  # the first text's own reading, while it is the only text
-        self._key: str | None = None  # the text the last piece was in
-        self._open = False  # the last piece ended in a word character
+        self.hit = False  # as Reading.hit, for either reading
 
     @property
     def readings(self) -> list[Reading]:
         return [reading for reading in (self.glued, self.apart) if reading is not None]
 
-    @property
-    def hit(self) -> bool:
-        return any(reading.hit for reading in self.readings)
-
     def pending(self, check: AnswerCheck) -> bool:
         """Whether what any text says next could still complete a fragment these readings have a hit of."""
         return any(reading.pending(check) for reading in self.readings)
 
-    def feed(self, check: AnswerCheck, key: str, piece: str, own: Reading) -> tuple[str, Reading] | None:
-        """One more piece of the text `key` (of an answer: its choice too), whose own reading `own` has read it; the
+    def feed(self, check: AnswerCheck, choice: int, key: str, piece: str, own: Reading) -> tuple[str, Reading] | None:
+        """One more piece of a text (its choice, and its key in the choice), whose own reading `own` has read it; the
         victim and the reading that found it, once the joined texts carry a fragment."""
         if not piece:
             return None
-        switched = self._key is not None and key != self._key
+        switched = self.key is not None and (key != self.key or choice != self.choice)
         if self.glued is None:
             if not switched:
-                self._key, self._first, self._open = key, own, piece[-1].isalnum()
+                self.choice, self.key, self._first = choice, key, own
                 return None
             assert self._first is not None
             self.glued, self._first = self._first.copy(), None
-        if switched and self._open and piece[0].isalnum() and self.apart is None:
-            self.apart = self.glued.copy()
+        glued = self.glued
+        if switched and self.apart is None and glued.sent.in_word and piece[0].isalnum():
+            self.apart = glued.copy()
         found = None
-        for reading, text in ((self.glued, piece), (self.apart, " " + piece if switched else piece)):
+        for reading, text in ((glued, piece), (self.apart, " " + piece if switched else piece)):
             if reading is not None and (victim := reading.feed(check, text)) is not None and found is None:
                 found = (victim, reading)
-        self._key, self._open = key, piece[-1].isalnum()
+        self.hit = self.hit or glued.hit or (self.apart is not None and self.apart.hit)
+        self.choice, self.key = choice, key
         return found

@@ -234,7 +234,7 @@ class StreamScanner:
             (level.shadow + shadow, level.carry, level.begins + begins)
             for level, (shadow, begins) in zip(self._levels, read, strict=True)
         ]
-        hits: dict[tuple[int, int, bytes], Hit] = {}
+        hits: dict[tuple[int, bytes], Hit] = {}
         release = cut
         holds = []
         for view, carry, begins in views:
@@ -250,8 +250,12 @@ class StreamScanner:
                     if end > cut:
                         hold = at if hold is None else min(hold, at)
                         continue
-                    hit = Hit(normal[at : at + NORMAL_LENGTH], start, end)
-                    hits.setdefault((start, end, hit.normal), hit)
+                    found = normal[at : at + NORMAL_LENGTH]
+                    known = hits.get((end, found))
+                    # One marker read in several readings is one hit: from where the earliest reading says it begins
+                    # (an escape that turned out not to be one, `&cnry…`, begins at its `&`), so an edit takes it all.
+                    if known is None or start < known.start:
+                        hits[end, found] = Hit(found, start, end)
                 if hold is not None:
                     at = positions[hold]
                     release = min(release, _began(begins, at, base) if begins is not None else at)
