@@ -19,7 +19,6 @@ from gateway.metrics import GatewayMetrics
 from gateway.settings import LimitSettings
 
 log = logging.getLogger("bulkhead.bodies")
-CAPS = ("max_messages", "max_content_parts", "max_tools")  # the limits an API's Shape may name
 UNBOUNDED = 1 << 62
 WORKER_STOP_S = 1.0
 # A surface's own validation and translation of a body holding more values than this run in a thread. On the loop
@@ -90,7 +89,12 @@ class BodyReader:
         self._max_bytes = limits.max_body_bytes
         self._timeout_s = timeout_s
         self._inline = limits.inline_json_values
-        caps = {name: getattr(limits, name) for name in CAPS}
+        # The limits an API's Shape may name.
+        caps = {
+            "max_messages": limits.max_messages,
+            "max_content_parts": limits.max_content_parts,
+            "max_tools": limits.max_tools,
+        }
         self._bounds = Bounds(limits.max_json_values, limits.max_json_depth, caps)
         self._metrics = metrics
         self._turns = asyncio.Semaphore(limits.body_check_processes)
@@ -120,13 +124,17 @@ class BodyReader:
     async def _in_worker(self, raw: bytes, shape: Shape) -> Refusal | None:
         async with self._turns:
             for _ in range(2):
-                worker = self._idle.pop() if self._idle else await _Worker.start()
+                try:
+                    worker = self._idle.pop() if self._idle else await _Worker.start()
+                except OSError as exc:
+                    log.error("bodies: no worker process could be started: %s", exc)
+                    continue
                 try:
                     found = await worker.examine(raw, self._bounds, shape)
-                except (OSError, EOFError):
-                    # It died (killed from outside, out of memory). Once more on a new one: a body that kills a
-                    # second is too large for the gateway to check.
-                    log.error("bodies: a worker process checking a %d-byte body died; starting another", len(raw))
+                except (OSError, EOFError, ValueError):
+                    # It died (killed from outside, out of memory) or answered garbage. Once more on a new one: a
+                    # body that kills a second is too large for the gateway to check.
+                    log.error("bodies: a worker process checking a %d-byte body failed; starting another", len(raw))
                     self._end(worker)
                     continue
                 except BaseException:
@@ -134,7 +142,8 @@ class BodyReader:
                     raise
                 self._idle.append(worker)
                 return found
-        raise BodyTooLarge(f"Request body ({len(raw)} bytes) is too large for the gateway to check; send less.")
+        # A body of fewer commas and brackets is checked here, on the loop, without a worker.
+        raise BodyTooLarge(f"Request body ({len(raw)} bytes) could not be checked; send a smaller one.")
 
     def _end(self, worker: _Worker) -> None:
         task = asyncio.get_running_loop().create_task(worker.stop())

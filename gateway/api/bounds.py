@@ -7,7 +7,7 @@ bounded in values (`limits.max_json_values`: every object, array, string, number
 and each API's own lists (messages, input items, content parts, tools) by caps that name them (`Cap`).
 
 Counting needs the parse, and orjson holds the GIL for all of it: a thread would block the loop as long. So
-`quick_count` first bounds the values from the bytes alone (at C speed, ~1 ms for 8 MB): a body it shows small is
+`quick_count` first bounds the values from the bytes alone (at C speed, ~1 ms a megabyte): a body it shows small is
 parsed and checked on the loop (`refusal`), any other is checked by `examine` in a worker process (body.py), and
 parsed in the gateway only once it is known to be within the bounds. The worker process is this module
 (`python -m gateway.api.bounds`, `serve`), which imports nothing else of the gateway: it starts in ~50 ms and holds
@@ -17,6 +17,7 @@ parsed in the gateway only once it is known to be within the bounds. The worker 
 from __future__ import annotations
 
 import gc
+import signal
 import sys
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -200,4 +201,7 @@ def _where(value: Any, path: tuple[str, ...], found: list[Any]) -> str:
 
 
 if __name__ == "__main__":
+    # Ctrl-C reaches every process of a terminal's group: the gateway ends its workers itself, by closing their input
+    # (and a gateway that dies closes it too).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(sys.stdin.buffer, sys.stdout.buffer)
