@@ -59,7 +59,7 @@ async def _read(
     request: Request, state: GatewayState, record: RequestRecord, schema: type[Body]
 ) -> tuple[Submission, Body]:
     """The tenant, its session and its body, read as `schema` (Anthropic's shape)."""
-    submission = await read_submission(request, state, record, TURNS, authorization(request))
+    submission = await read_submission(request, state, record, TURNS, authorization=authorization(request))
     return submission, await off_loop(partial(validate, schema, submission.payload), submission.payload)
 
 

@@ -225,7 +225,7 @@ def openai_response(outcome: Outcome) -> Response:
 
 
 async def read_submission(
-    request: Request, state: GatewayState, record: RequestRecord, shape: Shape, authorization: str | None = None
+    request: Request, state: GatewayState, record: RequestRecord, shape: Shape, *, authorization: str | None = None
 ) -> Submission:
     """The tenant (by `authorization`, else the request's Authorization header), its session and its body, read as a
     body of `shape` (its API's lists, each capped)."""
@@ -251,6 +251,7 @@ async def serve(
     state: GatewayState,
     route: Route,
     admit_tenant: Callable[[TenantSettings], None] | None = None,
+    *,
     shape: Shape = (),
 ) -> Response:
     """The OpenAI routes; `admit_tenant` refuses a key the route does not serve (another account's, on its routes),
