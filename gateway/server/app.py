@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.accesslog import RequestIdHeader
 from gateway.api import admin, anthropic, catalog, notices, openai, responses
 from gateway.api import workers as workers_api
+from gateway.api.body import BodyReader
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import (
     AuthenticationFailed,
@@ -461,6 +462,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     stores.outbox, either(targets, tenant_webhooks.resolve), client, settings.webhooks, metrics
                 )
                 in_flight: Counter[str] = Counter()  # what each tenant holds here: Slot counts it, the gate reads it
+                bodies = BodyReader(settings.limits, settings.edge.body_timeout_s, metrics)
                 app.state.gateway = GatewayState(
                     settings=settings,
                     tenants=tenants,
@@ -494,6 +496,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     deliveries=deliveries,
                     notices=stores.notices,
                     tenant_webhooks=tenant_webhooks,
+                    bodies=bodies,
                 )
                 tasks = [
                     asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
@@ -533,6 +536,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 finally:
                     gc.unfreeze()
                     await stop_tasks(tasks, SHUTDOWN_WAIT_S)
+                    await bodies.close()
                     await write_last(writer)
                     if redis is not None:
                         await redis.aclose()
