@@ -22,12 +22,12 @@ from tests.integration.test_hostile_answers import (  # noqa: F401 (the module's
     alice_marker,
     answer,
     chunk,
+    continuous,
     engine,
     events_since,
     gateway,
     memo,
     normal,
-    usage,
 )
 
 
@@ -59,12 +59,9 @@ def _decoded(text: str) -> str:
 async def _bob_gets(client: httpx.AsyncClient, url: str, scripted: Engine, text: str, stream: bool) -> str:
     pieces = [text[at : at + 9] for at in range(0, len(text), 9)]
     if stream:
-        scripted.script = lambda prompt: [
-            *(chunk({"index": 0, "delta": {"content": piece}, "finish_reason": None}) for piece in pieces),
-            chunk({"index": 0, "delta": {}, "finish_reason": "stop"}),
-            chunk(usage_=usage(prompt, len(pieces))),
-            b"data: [DONE]\n\n",
-        ]
+        events = [chunk({"index": 0, "delta": {"content": piece}, "finish_reason": None}) for piece in pieces]
+        events.append(chunk({"index": 0, "delta": {}, "finish_reason": "stop"}))
+        scripted.script = lambda prompt: [*continuous(events, prompt), b"data: [DONE]\n\n"]
     else:
         scripted.script = lambda prompt: answer(prompt, text)
     response = await client.post(url + CHAT, json=chat_body("q", stream=stream), headers=auth(BOB_KEY))

@@ -36,7 +36,28 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 
 JsonObject = dict[str, Any]
 # (prompt tokens as counted) → a whole answer, a list of stream events (objects or raw bytes), or a Response.
-Script = Callable[[int], JsonObject | list[JsonObject | bytes] | Response]
+# A float in a stream's events is a pause, in seconds: what comes after it reaches the gateway in a read of its own.
+Script = Callable[[int], JsonObject | list[JsonObject | bytes | float] | Response]
+
+
+PAUSE = 0.02  # seconds between two events of a stream: each reaches the gateway, and leaves it, on its own
+
+
+def continuous(events: list[JsonObject], prompt: int) -> list[JsonObject | float]:
+    """A stream's events as vLLM sends them with continuous usage, each on a read of its own: each is released as soon
+    as it is checked (a stream that holds everything until its usage is verified would hide what went out too early)."""
+    paced: list[JsonObject | float] = []
+    for produced, event in enumerate(events, start=1):
+        paced += [{**event, "usage": usage(prompt, produced)}, PAUSE]
+    return paced
+
+
+def _frames(events: list[JsonObject | bytes | float]) -> Iterator[bytes]:
+    for event in events:
+        if isinstance(event, float):
+            time.sleep(event)  # (Starlette iterates a plain iterator on a worker thread)
+        else:
+            yield event if isinstance(event, bytes) else b"data: " + orjson.dumps(event) + b"\n\n"
 
 
 def usage(prompt: int, completion: int = 1) -> JsonObject:
@@ -79,8 +100,7 @@ class Engine:
                 return out
             if isinstance(out, dict):
                 return Response(orjson.dumps(out), media_type="application/json")
-            frames = [e if isinstance(e, bytes) else b"data: " + orjson.dumps(e) + b"\n\n" for e in out]
-            return StreamingResponse(iter(frames), media_type="text/event-stream")
+            return StreamingResponse(_frames(out), media_type="text/event-stream")
 
         return Starlette(
             routes=[

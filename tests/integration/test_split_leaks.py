@@ -21,6 +21,7 @@ from tests.integration.test_hostile_answers import (  # noqa: F401 (the module's
     alice_marker,
     answer,
     chunk,
+    continuous,
     engine,
     events_since,
     gateway,
@@ -78,7 +79,7 @@ def _streamed(layout: tuple[str, ...], pieces: list[str]) -> Any:
             called = called or field.startswith("tool")
             events.append(chunk({"index": index, "delta": delta, "finish_reason": None}))
         events += [chunk({"index": i, "delta": {}, "finish_reason": "stop"}) for i in range(choices)]
-        return [*events, chunk(usage_=usage(prompt, len(pieces))), b"data: [DONE]\n\n"]
+        return [*continuous(events, prompt), b"data: [DONE]\n\n"]
 
     return script, choices
 
@@ -207,7 +208,7 @@ async def test_no_text_after_a_marker_split_between_two_choices_goes_out(
         events = [one, closing[0], *others]
         closing = closing[1:]
 
-    engine.script = lambda prompt: [*events, *closing, chunk(usage_=usage(prompt, 3)), b"data: [DONE]\n\n"]
+    engine.script = lambda prompt: [*continuous([*events, *closing], prompt), b"data: [DONE]\n\n"]
     since = time.time()
     response = await client.post(gateway + CHAT, json=chat_body("q", stream=True, n=2), headers=auth(BOB_KEY))
     assert response.status_code == 200 and '"answer_withheld"' in response.text, response.text
