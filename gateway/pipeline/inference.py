@@ -59,6 +59,7 @@ from isolation.leaks import LeakPolicy
 from isolation.markers import MarkerRegistry
 from isolation.salts import CacheSalts
 from isolation.verify import usage_problem
+from isolation.winnowing import NO_GRAMS, Fingerprints
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 # What one token of one choice can take in an honest answer, per alternative: a chat logprob entry with its bytes
@@ -248,14 +249,12 @@ class InferenceCall:
         admission: Admission,
         placement: Placement,
         slot: Slot,
-        prompt: Prompt,
         echo_prefix: str = "",
         prepared: Prepared | asyncio.Future[Prepared] | None = None,
     ) -> None:
         self.state = state
         self.prepared = prepared  # the prompt's fingerprints, registered for each replica before it is sent there
         self.slot = slot
-        self.prompt = prompt  # the tenant's own, without what the gateway injects
         self.echo_prefix = echo_prefix
         self.limit_headers = slot.limit_headers
         self.record = record
@@ -484,10 +483,10 @@ class InferenceCall:
         fingerprints = self.state.fingerprints
         assert fingerprints is not None
         check = AnswerCheck(
-            fingerprints.index, fingerprints.hasher, replica.name, self.tenant.incarnation(), self.prompt.texts,
+            fingerprints.index, fingerprints.hasher, replica.name, self.tenant.incarnation(), self._own_grams(),
             only=suspect.victim,
         )  # fmt: skip
-        found = frozenset().union(*(check.found(text) for text in said))
+        found = frozenset().union(*(check.found(fingerprints.hasher.grams(text).tolist()) for text in said))
         return found if found.issuperset(suspect.pair) else None
 
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
@@ -531,6 +530,10 @@ class InferenceCall:
             self.state.metrics.injected_tokens.labels(self.model.name).observe(injected)
         hide_injected(usage, injected)
 
+    def _own_grams(self) -> Fingerprints:
+        """Every gram of the tenant's own prompt (none counts in its answer), as its admission made them."""
+        return self.prepared.grams if isinstance(self.prepared, Prepared) else NO_GRAMS
+
     def output_guard(self) -> OutputGuard | None:
         canary, fingerprints = self.state.settings.isolation.canary, self.state.fingerprints
         if not canary.enabled and fingerprints is None:
@@ -545,7 +548,7 @@ class InferenceCall:
             if self.state.settings.isolation.fingerprints.stream_hold == "tail":
                 hold_tail = fingerprints.hasher.shape.min_fragment - 1
             fragments = AnswerCheck(
-                fingerprints.index, fingerprints.hasher, self.replica.name, owner, self.prompt.texts
+                fingerprints.index, fingerprints.hasher, self.replica.name, owner, self._own_grams()
             )
         return OutputGuard(
             self.state.markers,
@@ -748,7 +751,6 @@ async def _admit(
         admission,
         placement,
         slot,
-        own,
         completion_prefix(marker) if echo and marker is not None else "",
         prepared,
     )
@@ -783,9 +785,7 @@ async def _admit_inputs(
     except BaseException:
         slot.release()
         raise
-    # The tenant's own texts, for the checks that tell its own words from another's (there are none to check here).
-    own = Prompt(owner=owner)
-    return InferenceCall(state, record, tenant, model, parsed, admission, placement, slot, own), orjson.dumps(payload)
+    return InferenceCall(state, record, tenant, model, parsed, admission, placement, slot), orjson.dumps(payload)
 
 
 def refuse(state: PipelineParts, record: RequestRecord, error: GatewayError) -> Answer:
