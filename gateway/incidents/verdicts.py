@@ -8,8 +8,8 @@ its requests to that model are refused (403 `verdicts_exceeded`) until an operat
 reads them on the health interval and refuses at admission without a round trip.
 
 A judge asked on a suspect shows too, in the answer's time: past `max_judges_per_day` of them, the tenant's answers
-on the model are judged from their start until the day ends (pipeline/judging.py), which no one sees but in cost.
-Each instance learns it from its own count in the store, at its next judge on a suspect.
+on the model are judged from their start until the day ends (pipeline/judging.py): each costs a judge, and none shows.
+Each instance learns it from the count in the store, at its own next judge on a suspect of that tenant's.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class VerdictBound:
         self._per_day = per_day
         self._judges_per_day = judges_per_day
         self.blocked: set[str] = set()  # as last read from the store, plus what this instance blocked since
-        self._from_start: dict[str, int] = {}  # who drew its judges on a suspect, and on which day (DAY_S since 1970)
+        self._from_start: dict[str, int] = {}  # who drew all its judges on a suspect, and the day (UTC, since 1970)
 
     def judged_from_start(self, tenant: str, model: str) -> bool:
         """Whether this tenant's answers on the model are judged from their start today (no await: every forward)."""
