@@ -1,8 +1,10 @@
-"""A fragment of another tenant's prompt in an answer is judged before it is called a leak: the answer's text before
-it is continued on another replica, one the victim's prompt never went to. A text the recipient had the model write
+"""A fragment of another tenant's prompt in an answer is judged before it is called a leak: the same request is
+answered again on another replica, one the victim's prompt never went to. A text the recipient had the model write
 (a public text another tenant primed, an oracle's candidate) comes back there and the answer goes out as written; a
 stale page does not, and the answer is withheld. So priming public text blocks no one, and an oracle on other
-tenants' prompts reads the same status, error and finish_reason for a true candidate as for a false one."""
+tenants' prompts reads the same status, error and finish_reason for a true candidate as for a false one; past its
+judges of the day on a suspect, every answer is judged from its start, and a true candidate takes a false one's
+time."""
 
 from __future__ import annotations
 
