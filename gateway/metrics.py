@@ -203,6 +203,21 @@ class GatewayMetrics:
             ["model", "reason"],
             registry=self.registry,
         )
+        self.body_refusals = Counter(
+            "bulkhead_body_refusals",
+            "Request bodies refused for their shape before anything read them, by route and the limit they passed "
+            "(max_json_values, max_json_depth, max_messages, max_content_parts, max_tools).",
+            ["route", "limit"],
+            registry=self.registry,
+        )
+        self.body_checks = Histogram(
+            "bulkhead_body_check_seconds",
+            "Time a large request body waited for and took in a worker process's check (limits.inline_json_values), "
+            "by route.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.prompt_tokens = Histogram(
             "bulkhead_prompt_tokens",
             "Prompt tokens counted at admission.",

@@ -50,6 +50,32 @@ class LimitSettings(_Section):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, description="request bodies above this get 413")
     # At most 250: what is accepted must also serialize upstream (orjson writes 254 levels at most).
     max_json_depth: int = Field(default=32, ge=4, le=250, description="deeper JSON gets 400")
+    # The numbers and why each is what it is: docs/api.md#limits-on-a-request-body.
+    max_json_values: int = Field(
+        default=131_072,
+        ge=1024,
+        description="values in one request body (objects, arrays, strings, numbers, booleans, nulls): more gets 413",
+    )
+    max_messages: int = Field(
+        default=10_000,
+        ge=1,
+        description="messages of one request (chat, Messages), or its input items (Responses): more gets 400",
+    )
+    max_content_parts: int = Field(
+        default=1_000,
+        ge=1,
+        description="content parts (Messages: blocks) of one message, system prompt or tool result: more gets 400",
+    )
+    max_tools: int = Field(default=512, ge=1, description="tools one request defines: more gets 400")
+    inline_json_values: int = Field(
+        default=16_384,
+        ge=0,
+        description="a body with at most this many commas and brackets is parsed and checked on the event loop; a "
+        "larger one is checked in a worker process first",
+    )
+    body_check_processes: int = Field(
+        default=1, ge=1, le=64, description="worker processes checking large bodies, per gateway process"
+    )
     max_output_tokens: int = Field(default=1_048_576, ge=1, description="max_tokens above this is absurd: 400")
     max_n: int = Field(default=16, ge=1, le=128, description="choices per request")
     max_embedding_tokens: int = Field(

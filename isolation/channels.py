@@ -81,8 +81,11 @@ CHOICE_NULLS = frozenset({"token_ids", "routed_experts", "prompt_token_ids", "pr
 MESSAGE_NULLS = frozenset({"annotations", "audio", "function_call"})
 USAGE_NULLS = frozenset({"completion_tokens_details"})
 
-# Texts that grow over a stream, by where they sit: a choice's message or delta, or the choice itself.
-MESSAGE_TEXTS = ("content", "reasoning", "reasoning_content", "refusal")
+# Texts that grow over a stream, by where they sit: a choice's message or delta, or the choice itself. In the order
+# clients show them (reasoning, then the text, as Messages and Responses put their blocks and items), which is the
+# order the guard reads them and the order they go out in (`in_order`).
+MESSAGE_TEXTS = ("reasoning", "reasoning_content", "content", "refusal")
+_SHOWN = {name: rank for rank, name in enumerate(("role", *MESSAGE_TEXTS, "tool_calls"))}
 # Strings that stand alone: the same value on every chunk of a stream (the guard holds them to it).
 ENVELOPE = ("id", "model", "system_fingerprint")
 
@@ -277,6 +280,17 @@ def texts(choice: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
                     if type(function.get(name)) is str:
                         found.append((f"{slot}:{name}", function, name))
     return found
+
+
+def in_order(holder: dict[str, Any]) -> None:
+    """A message's (or delta's) fields put, in place, in the order its texts are read and shown: what is joined across
+    them is joined in the order it goes out."""
+    keys = list(holder)
+    ranked = sorted(keys, key=lambda name: _SHOWN.get(name, len(_SHOWN)))
+    if ranked != keys:
+        items = [(name, holder[name]) for name in ranked]
+        holder.clear()
+        holder.update(items)
 
 
 # Token-level fields: per position, the chosen token and its alternatives (chat: logprobs.content[]; completions:

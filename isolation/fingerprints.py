@@ -400,6 +400,7 @@ class Fingerprinter:
         return await self.register(prepared, replica)
 
     def _prepare(self, tenant: str, texts: Sequence[str]) -> Prepared:
+        texts = [text for text in texts if self.hasher.may_hold_gram(text)]
         kept, every = zip(*map(self._fingerprints, texts), strict=True) if texts else ((), ())
         if not any(len(grams) for grams in every):
             # No text holds a gram (a chat turn of a few words): nothing to index, and numpy's calls on the empty

@@ -27,15 +27,16 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from isolation.channels import ENVELOPE, Removed, drop, join, positions, texts, token_streams
+from isolation.channels import ENVELOPE, Removed, drop, in_order, join, positions, texts, token_streams
+from isolation.escapes import END, has_escape
 from isolation.fingerprints import AnswerCheck
-from isolation.joins import Joins
-from isolation.json_escapes import JsonStringReader, may_spell_a_marker
+from isolation.joins import STANDALONE, Joins
 from isolation.leaks import REDACTED, LeakPolicy
-from isolation.markers import MarkerRegistry, normal_form
+from isolation.markers import MarkerRegistry, Owner, normal_form
+from isolation.readings import Joined, Reading
 from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
 from isolation.spelling import ANCHOR
-from isolation.winnowing import AnswerGrams, tail_start, words
+from isolation.winnowing import tail_start, words
 
 MARKER = "leak"
 FRAGMENT = "fingerprint_leak"
@@ -66,6 +67,10 @@ class Leak:
 LeakHandler = Callable[[Leak], Awaitable[None]]
 Decode = Callable[[list[int]], str]  # the model's tokenizer: token ids to text
 MAX_REJOINS = 8  # scans of one release after a strip: each strip shortens it, honest text needs one
+# Distinct marker-shaped strings one answer may hold: each is read back into codes (~0.1 ms) and, when no marker of
+# this instance's, asked of the store. An honest answer holds none but the tenant's own, a few times; a model made to
+# write thousands held the event loop and Redis for seconds.
+MAX_CANDIDATES = 64
 IDS_KEPT = 64  # token ids of a dropped field decoded together: far more than one marker's tokens
 
 
@@ -77,6 +82,10 @@ class StripWouldJoin(Exception):
 class SplitMarker(Exception):
     """The tenant's own marker, split across texts of one answer: what went out of it cannot be taken back, and the
     rest cannot be shown safe (the gateway withholds the answer as a failed check)."""
+
+
+class CandidateFlood(Exception):
+    """More marker-shaped strings than any honest answer holds (MAX_CANDIDATES): the answer is withheld unread."""
 
 
 class LeakBlocked(Exception):
@@ -114,34 +123,20 @@ class _Choice:
     held_logprobs: dict[str, Any] | None = None  # logprobs of earlier events, waiting for a hold to clear
     dropped: set[int] = field(default_factory=set)  # held positions that overlap a stripped marker
     tool_ids: dict[int, str] = field(default_factory=dict)  # the id each tool call was first given
-    grams: dict[str, AnswerGrams] = field(default_factory=dict)  # per stream: its k-grams, for fingerprints
+    grams: dict[str, Reading] = field(default_factory=dict)  # per stream: its k-grams, as sent and decoded
     tainted: set[str] = field(default_factory=set)  # streams redacted for a fragment: the rest of them is too
     # Per stream, its text since a first hit of another tenant's prompt, held until the hit is paired (a leak) or
     # can no longer be.
     suspended: dict[str, str] = field(default_factory=dict)
     held_tokens: bool = False  # a token-level stream's first hit is undecided: the logprobs wait
     hits: bool = False  # some text of this choice has had a hit: from then on, whether one is undecided is asked
-    paired: AnswerGrams | None = None  # the grams that found the last fragment (their pair goes to a judge)
     mirror: str | None = None  # the text whose grams the chosen logprob tokens share so far
-    readers: dict[str, JsonStringReader] = field(default_factory=dict)  # per stream: its JSON escapes, for its grams
 
     def scanner(self, key: str) -> StreamScanner:
         scanner = self.scanners.get(key)
         if scanner is None:
-            scanner = self.scanners[key] = StreamScanner(json_strings=decodable(key))
+            scanner = self.scanners[key] = StreamScanner()
         return scanner
-
-    def reader(self, key: str) -> JsonStringReader:
-        reader = self.readers.get(key)
-        if reader is None:
-            reader = self.readers[key] = JsonStringReader()
-        return reader
-
-
-def decodable(key: str) -> bool:
-    """A stream a client may decode as the inside of JSON strings: tool-call arguments, and the texts of an answer
-    under a JSON response format (which the guard does not know, so every text). Not names, not tokens."""
-    return not key.startswith("lp") and not key.endswith(":name")
 
 
 @dataclass
@@ -188,8 +183,9 @@ class OutputGuard:
         self._envelope: dict[str, str] = {}
         self._sinks: dict[str, _Sink] = {}
         self._reported: set[tuple[str, str]] = set()
-        self._unknown: set[bytes] = set()
+        self._owners: dict[bytes, Owner | None] = {}  # the candidates of this answer looked up: whose they are
         self._joins = Joins()
+        self._joined = Joined()  # every text in the order it went out, for fragments spread over several
 
     async def check_chunk(self, chunk: dict[str, Any]) -> None:
         """Scan and edit one streamed chunk (pruned: channels.prune) in place."""
@@ -262,7 +258,7 @@ class OutputGuard:
         for index, state in self._choices.items():
             choice: dict[str, Any] = {"index": index, "finish_reason": None}
             for key, scanner in state.scanners.items():
-                rest = self._rest(scanner)
+                rest = await self._rest(scanner)
                 if rest and not key.startswith("lp"):
                     holder, name = place(choice, key, rest)
                     if found := self._joins.went_out(index, key, rest, False):
@@ -279,15 +275,16 @@ class OutputGuard:
     async def check_text(self, text: str) -> str:
         """A text that stands on its own (an id, a backend's error message): the tenant's own marker stripped,
         another's handled by policy; a fragment of another tenant's prompt too (under redact, the whole text)."""
-        if self._fragments is not None and len(words(text)) > self._fragments.hasher.shape.k:
+        check = self._fragments
+        if check is not None and check.hasher.may_hold_gram(text) and len(words(text)) > check.hasher.shape.k:
             # With fewer words it holds not one gram (an id, a model name: most of these). The space ends its last.
-            victim = self._fragments.feed(self._new_grams(), text + " ")
+            victim = Reading(check.hasher).feed(check, text + " ")
             if victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None:
                 return REDACTED
         if not suspects([text]):  # no candidate in it, and no end that could start one: it passes unchanged
             return text
         scanner = StreamScanner()
-        return await self._release(scanner, text) + self._rest(scanner)
+        return await self._release(scanner, text) + await self._rest(scanner)
 
     async def check_removed(self, removed: Removed) -> None:
         """Scan what never goes out (pruned fields, stray SSE lines, a backend's error event): another tenant's
@@ -317,6 +314,7 @@ class OutputGuard:
                     await self._detect(scan_all(decoded))
 
     async def _detect(self, hits: list[Hit]) -> None:
+        await self._resolve([hit.normal for hit in hits])
         for hit in hits:
             await self._verdict(hit)
 
@@ -329,6 +327,9 @@ class OutputGuard:
             first = self._envelope.get(name)
             if first is None:
                 self._envelope[name] = first = await self.check_text(value)
+                if found := self._joins.standalone(STANDALONE, name, first):
+                    await self._split(found, self._envelope, name)
+                    first = self._envelope[name]
             elif value != first:
                 where = f"envelope.{name}"
                 if where not in self._sinks:  # the value it changes from starts the stream a marker could span
@@ -346,7 +347,10 @@ class OutputGuard:
                 index = call.get("index", position)
                 first = state.tool_ids.get(index)
                 if first is None:
-                    state.tool_ids[index] = first = await self.check_text(value)
+                    call["id"] = first = await self.check_text(value)
+                    if found := self._joins.standalone(choice.get("index") or 0, f"tool:{index}:id", first):
+                        await self._split(found, call, "id")
+                    state.tool_ids[index] = value = first = call["id"]
                 elif value != first:
                     if "tool.id" not in self._sinks:
                         await self.check_removed([("tool.id", first)])
@@ -360,10 +364,14 @@ class OutputGuard:
         if state.echo or state.tool_ids or choice.get("stop_reason") is not None or _calls(choice):
             await self._choice_fields(state, choice)
         slots = texts(choice)
+        if len(slots) > 1:
+            for holder in (choice.get("delta"), choice.get("message")):
+                if holder is not None:
+                    in_order(holder)
         logprobs = choice.get("logprobs")
         streams = token_streams(logprobs) if logprobs is not None else {}
         if self._fragments is not None:
-            await self._find_fragments(state, slots, streams, choice, final)
+            await self._find_fragments(index, state, slots, streams, choice, final)
         # One pass over every text of this event finds the few that a scanner must look at; most events have none.
         flagged = suspects([holder[name] for _, holder, name in slots] + ["".join(p) for p in streams.values()])
         if _quiet(state, slots, flagged):
@@ -411,7 +419,7 @@ class OutputGuard:
                 flagged is not None
                 and position not in flagged
                 and (scanner is None or scanner.idle)
-                and not may_spell_a_marker(holder[name])
+                and not has_escape(holder[name])
             ):
                 if found := self._plain(index, state, key, holder[name]):
                     await self._split(found, holder, name)
@@ -420,18 +428,18 @@ class OutputGuard:
             original = holder[name]
             released = await self._release(scanner, original)
             if final:
-                released += self._rest(scanner)
+                released += await self._rest(scanner)
             holding |= scanner.holding
             if released != original:
                 holder[name] = released
-            if found := self._joins.went_out(index, key, released, False):
+            if found := self._joins.went_out(index, key, released, False, scanner.held):
                 await self._split(found, holder, name)
         return holding
 
     async def _flush(self, index: int, state: _Choice, choice: dict[str, Any], seen: set[str]) -> None:
         """The choice's last event: what a scanner of a text this event did not write still holds goes out in it."""
         for key, scanner in state.scanners.items():
-            rest = self._rest(scanner)
+            rest = await self._rest(scanner)
             if rest and key not in seen and not key.startswith("lp"):
                 holder, name = place(choice, key, rest)
                 if found := self._joins.went_out(index, key, rest, False):
@@ -439,6 +447,7 @@ class OutputGuard:
 
     async def _find_fragments(
         self,
+        index: int,
         state: _Choice,
         slots: list[tuple[str, dict[str, Any], str]],
         streams: dict[str, list[str]],
@@ -449,12 +458,13 @@ class OutputGuard:
         From a text's first hit on, its text is held (suspended) until the hit is paired or no longer can be, so at
         most the words before that first hit go out. Under redact, a text where one is found is redacted from there
         on, and the event's logprob positions are dropped. The chosen tokens and the alternatives of every rank are
-        token-level streams of their own, checked the same way."""
+        token-level streams of their own, checked the same way. The texts are also read joined, in the order they went
+        out (readings.py): a first hit there holds every text until it is decided."""
         chosen = "".join(streams["lp"]) if "lp" in streams else None
         mirrored = self._mirror(state, slots, chosen)
-        found = await self._text_fragments(state, slots, mirrored, final)
+        found = await self._text_fragments(index, state, slots, mirrored, final)
         if streams:
-            found |= await self._token_fragments(state, streams, chosen, mirrored, final)
+            found |= await self._token_fragments(index, state, streams, chosen, mirrored, final)
         # Every token stream read so far, not only this event's: an event without logprobs decides nothing.
         state.held_tokens = (
             not final and state.hits and any(self._pending(state, key) for key in state.grams if key[:2] == "lp")
@@ -477,30 +487,36 @@ class OutputGuard:
         mirrored = state.mirror
         if mirrored is not None and not (mirrors and slots[0][0] == mirrored):
             # They part: the tokens go on from where the text's grams are now, before this event.
-            state.grams["lp"] = state.grams[mirrored].copy() if mirrored in state.grams else self._new_grams()
+            assert self._fragments is not None
+            own = state.grams.get(mirrored)
+            state.grams["lp"] = own.copy() if own is not None else Reading(self._fragments.hasher)
             state.mirror = mirrored = None
         elif mirrored is None and mirrors and "lp" not in state.grams:
             state.mirror = mirrored = slots[0][0]
         return mirrored
 
     async def _text_fragments(
-        self, state: _Choice, slots: list[tuple[str, dict[str, Any], str]], mirrored: str | None, final: bool
+        self,
+        index: int,
+        state: _Choice,
+        slots: list[tuple[str, dict[str, Any], str]],
+        mirrored: str | None,
+        final: bool,
     ) -> bool:
         """Each text of the event: a fragment found redacts it (under redact) from there on; an undecided first hit
         holds it; a decided one releases what was held. Whether a fragment was found in the text the tokens mirror."""
         found = False
         suspended = state.suspended
         for key, holder, name in slots:
-            victim = self._fragment(state, key, holder[name], final)
-            if victim is not None:  # (a coroutine only then: this runs for every text of every event)
-                victim = await self._unless_induced(state, key, victim)
+            find = self._fragment(index, state, key, holder[name], final, joins=True)
+            victim = None if find is None else await self._unless_induced(*find)  # (a coroutine only on a find)
             hit = victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None
             found |= hit and key == mirrored
             if hit or key in state.tainted:
                 state.tainted.add(key)
                 suspect = suspended.pop(key, "")  # the held text goes with the rest
                 holder[name] = REDACTED if holder[name] or suspect else ""
-            elif victim is None and not final and state.hits and self._pending(state, key):
+            elif victim is None and not final and (state.hits or self._joined.hit) and self._pending(state, key):
                 suspended[key] = suspended.get(key, "") + holder[name]
                 holder[name] = ""
             elif self._hold_tail and victim is None and not final:
@@ -514,7 +530,13 @@ class OutputGuard:
         return found
 
     async def _token_fragments(
-        self, state: _Choice, streams: dict[str, list[str]], chosen: str | None, mirrored: str | None, final: bool
+        self,
+        index: int,
+        state: _Choice,
+        streams: dict[str, list[str]],
+        chosen: str | None,
+        mirrored: str | None,
+        final: bool,
     ) -> bool:
         """Every token-level stream, the alternatives of each rank as much as the chosen tokens: an engine can spell a
         fragment in either. Their positions wait with the text while one of them is undecided."""
@@ -524,65 +546,63 @@ class OutputGuard:
                 continue
             text = chosen if key == "lp" and chosen is not None else "".join(pieces)
             # A judge asks for the same logprobs: what a request makes the model write, chosen or ranked, it says too.
-            victim = self._fragment(state, key, text, final)
-            if victim is not None:
-                victim = await self._unless_induced(state, key, victim)
+            find = self._fragment(index, state, key, text, final, joins=False)
+            victim = None if find is None else await self._unless_induced(*find)
             if victim is not None:
                 found |= await self._leak(Leak(victim, FRAGMENT)) is not None
         return found
 
-    async def _unless_induced(self, state: _Choice, key: str, victim: str | None) -> str | None:
-        """The victim of a fragment this stream's last piece ended, unless a judge finds each one it ends induced (the
-        answer said it where her prompt never went: a public text, a text the recipient had the model write)."""
+    async def _unless_induced(self, found: str, reading: Reading, read: list[Reading]) -> str | None:
+        """The victim of a fragment a piece ended (found by `reading`), unless a judge finds each one the piece ends
+        induced (the answer said it where her prompt never went: a public text, a text the recipient had the model
+        write). `read`: every reading of the piece, each read on past what the judge cleared."""
+        victim: str | None = found
         while victim is not None and self._judge is not None:
-            assert self._fragments is not None and state.paired is not None and state.paired.pair is not None
-            cleared = await self._judge(Suspect(victim, state.paired.pair))
+            assert self._fragments is not None and reading.paired is not None and reading.paired.pair is not None
+            cleared = await self._judge(Suspect(victim, reading.paired.pair))
             if cleared is None:
                 return victim
             self._fragments.clear(cleared)
-            found = None
-            for grams in _both(state, key):
-                grams.hits.pop(victim, None)
-                # Read on past it: the next fragment in the rest of the piece (as sent, then as decoded).
-                if (after := self._fragments.resume(grams)) is not None:
-                    found, state.paired = after, grams
-            victim = found
+            judged, victim = victim, None
+            for each in read:
+                after = each.resume(self._fragments, judged)
+                if after is not None and victim is None:
+                    victim, reading = after, each
         return victim
 
     def _pending(self, state: _Choice, key: str) -> bool:
-        assert self._fragments is not None
-        return any(self._fragments.pending(grams) for grams in _both(state, key))
+        """Whether what this stream says next could still complete a fragment with a hit already read: on its own,
+        or joined to the texts before it."""
+        check = self._fragments
+        assert check is not None
+        reading = state.grams.get(key)
+        return (reading is not None and reading.pending(check)) or self._joined.pending(check)
 
-    def _new_grams(self) -> AnswerGrams:
-        assert self._fragments is not None
-        return AnswerGrams(self._fragments.hasher)
-
-    def _fragment(self, state: _Choice, key: str, piece: str, final: bool) -> str | None:
-        """Feed one piece of one stream to its k-grams; the victim when it ends a fragment of another tenant's prompt
-        (to report: _leak; its grams: state.paired). Not a coroutine: it runs for every text of every event, and only
-        a find needs to wait. A stream's last piece ends its last word."""
-        assert self._fragments is not None
+    def _fragment(
+        self, index: int, state: _Choice, key: str, piece: str, final: bool, joins: bool
+    ) -> tuple[str, Reading, list[Reading]] | None:
+        """Feed one piece of one stream to its readings, and (`joins`: a text) to the answer's joined ones; when it
+        ends a fragment of another tenant's prompt, the victim, the reading that found it, and every reading of the
+        piece (to judge: _unless_induced; to report: _leak). Not a coroutine: it runs for every text of every event,
+        and only a find needs to wait. A stream's last piece ends its last word."""
+        check = self._fragments
+        assert check is not None
         if final:
             piece += " "
-        grams = state.grams.get(key)
-        if grams is None:
-            grams = state.grams[key] = self._new_grams()
-        decoded_key = key + "\\"
-        decoded = state.grams.get(decoded_key)
-        if decoded is None and "\\" in piece and decodable(key):
-            # From the first backslash on, the words a client reads after decoding JSON escapes are read too: `\n`
-            # joins its "n" to the next word as sent, which broke every gram across a line of JSON-escaped code.
-            decoded = state.grams[decoded_key] = grams.copy()
-        victim = self._fragments.feed(grams, piece)
-        state.paired = grams
-        if grams.hits or grams.suspect:
+        reading = state.grams.get(key)
+        if reading is None:
+            reading = state.grams[key] = Reading(check.hasher)
+        victim = reading.feed(check, piece)
+        if reading.hit:
             state.hits = True
-        if decoded is not None:
-            found = self._fragments.feed(decoded, state.reader(key).decoded(piece))
-            if found is not None:
-                victim, state.paired = found, decoded
-            state.hits = state.hits or bool(decoded.hits) or decoded.suspect
-        return victim
+        find = None if victim is None else (victim, reading)
+        joined = self._joined
+        if not joins or (joined.glued is None and key == joined.key and index == joined.choice):
+            # (While one text alone has gone out, its own reading is the joined one.)
+            return None if find is None else (*find, [reading])
+        found = joined.feed(check, index, key, piece, reading)
+        find = find or found
+        return None if find is None else (*find, [reading, *joined.readings])
 
     def _strip_echo(self, state: _Choice, choice: dict[str, Any]) -> None:
         text: str = choice["text"]
@@ -666,32 +686,49 @@ class OutputGuard:
         """Candidates that a text about to go out completes with texts that went out before (joins.py): the tenant's
         own marker cannot be stripped from texts already gone (the answer is withheld as a failed check); another
         tenant's is a leak (under redact, this text is redacted)."""
+        await self._resolve(found)
         for candidate in found:
-            if candidate in self._unknown:
-                continue
-            owner = await self._registry.resolve(candidate)
+            owner = self._owners[candidate]
             if owner is None:
-                self._unknown.add(candidate)
-            elif owner.tenant == self._tenant:
+                continue
+            if owner.tenant == self._tenant:
                 raise SplitMarker("the tenant's own marker, split across texts of the answer")
             elif await self._leak(Leak(owner.tenant, MARKER, str(owner.epoch))) is not None:
                 holder[name] = REDACTED
 
-    def _rest(self, scanner: StreamScanner) -> str:
+    async def _rest(self, scanner: StreamScanner) -> str:
         """What a stream's scanner still held at its end: a tail that can no longer become a marker goes out, except
-        the start of the tenant's own (a stream cut by max_tokens inside it would show her most of her marker)."""
+        the start of the tenant's own (a stream cut by max_tokens inside it would show her most of her marker). An
+        escape still open there is read as a lenient decoder reads one at a text's end (`&#107` is "k"): what it
+        completes is found before it goes out."""
+        released = await self._release(scanner, END) if scanner.escaping else ""
         held = scanner.flush()
+        if held.endswith(END):
+            held = held[:-1]
+        elif released.endswith(END):
+            released = released[:-1]
         if not held:
-            return held
+            return released
         normal = normalize(held)
         registry = self._registry
         if len(normal) > len(ANCHOR) and any(
             normal_form(registry.marker(self._tenant, spelling)).startswith(normal) for spelling in registry.spellings
         ):
-            return ""
-        return held
+            return released
+        return released + held
+
+    async def _resolve(self, candidates: list[bytes]) -> None:
+        """Whose these candidates are, asked together (one round trip to the store for all the new ones) and kept for
+        the rest of the answer: a model can be made to write marker-shaped strings over and over."""
+        new = [candidate for candidate in dict.fromkeys(candidates) if candidate not in self._owners]
+        if not new:
+            return
+        if len(self._owners) + len(new) > MAX_CANDIDATES:
+            raise CandidateFlood(f"more than {MAX_CANDIDATES} marker-shaped strings in one answer")
+        self._owners.update(await self._registry.resolve(new))
 
     async def _edits(self, hits: list[Hit]) -> list[tuple[Hit, str]]:
+        await self._resolve([hit.normal for hit in hits])
         edits = []
         for hit in hits:
             replacement = await self._verdict(hit)
@@ -702,12 +739,9 @@ class OutputGuard:
     async def _verdict(self, hit: Hit) -> str | None:
         """What replaces a candidate marker: "" for the tenant's own, REDACTED for another's under redact, None to
         leave it (not a live marker, or the alert policy); raises LeakBlocked under block."""
-        if hit.normal in self._unknown:
-            return None
-        owner = await self._registry.resolve(hit.normal)
+        await self._resolve([hit.normal])
+        owner = self._owners[hit.normal]
         if owner is None:
-            # A model can be made to write marker-shaped strings over and over: ask the store once per answer.
-            self._unknown.add(hit.normal)
             return None
         if owner.tenant == self._tenant:
             return ""
@@ -736,18 +770,13 @@ def _quiet(state: _Choice, slots: list[tuple[str, dict[str, Any], str]], flagged
         and _idle(state.scanners)
         and not state.suspended
         and not state.held_tokens
-        and not any(may_spell_a_marker(holder[name]) for _, holder, name in slots)
+        and not any(has_escape(holder[name]) for _, holder, name in slots)
     )
 
 
 def _calls(choice: dict[str, Any]) -> bool:
     message = choice.get("delta") or choice.get("message")
     return message is not None and bool(message.get("tool_calls"))
-
-
-def _both(state: _Choice, key: str) -> list[AnswerGrams]:
-    """A stream's k-grams, as sent and (from its first backslash on) as JSON-decoded."""
-    return [grams for grams in (state.grams.get(key), state.grams.get(key + "\\")) if grams is not None]
 
 
 def _idle(scanners: dict[str, StreamScanner]) -> bool:

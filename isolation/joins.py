@@ -3,9 +3,14 @@
 Each text of an answer (a choice's content, reasoning, refusal, each tool call's name and arguments) is scanned on
 its own, with hold-back and edits (guard.py); fields never run into each other there. A client can join them all the
 same: one that prints every delta as it comes reads them in the order they went out, and one that shows reasoning
-and then content, or a choice after the one before, reads one text's end followed by another's start. Both
-readings are scanned here, to find, not to edit: a marker is found when the part that completes it is about to go
-out, so that part is withheld with the answer (or redacted), while what went out before it has gone.
+and then content, one choice after another, or an id beside the text, reads one text's end followed by another's
+start. Both readings are scanned here, across every text of the answer (the envelope's id, model and
+system_fingerprint and the tool calls' ids among them), to find, not to edit: a marker is found when the part that
+completes it is about to go out, so that part is withheld with the answer (or redacted), while what went out before
+it has gone.
+
+A text's end is what went out of it and what its scanner still holds (it goes out later, or never): a text that
+follows a held start of a marker is read after it at once, before it goes out, not once the held start is released.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from dataclasses import dataclass
 
 from isolation.scanner import TAIL, StreamScanner, candidates, normalize, open_end
 
-MAX_TEXTS = 32  # texts of one choice whose ends are joined to other texts' starts (a bound on the pairs tried)
+MAX_TEXTS = 64  # texts of one answer whose ends are joined to other texts' starts (a bound on the pairs tried)
+STANDALONE = -1  # the "choice" of the strings that stand alone: the envelope's
 
 
 @dataclass(slots=True)
@@ -22,7 +28,8 @@ class _Ends:
     start: str = ""  # the text's start as sent, while shorter than a head (normalized once, when it is not)
     normal: bytes = b""  # then the normal form of its start, until it is as long as a head
     head: bytes | None = None  # the normal form of its start: as much of a marker as another text's end can need
-    tail: bytes = b""  # the normal form of its end, where it could still start a marker (mostly nothing)
+    out: bytes = b""  # the normal form of the end of what went out of it, where it could still start a marker
+    tail: bytes = b""  # that, then what its scanner holds: where its end could still start a marker (mostly nothing)
 
     def begins(self) -> bytes:
         return self.head if self.head is not None else self.normal + normalize(self.start)
@@ -32,7 +39,8 @@ class Joins:
     def __init__(self) -> None:
         self._order: StreamScanner | None = None  # every text that went out, in the order it went (made when needed)
         self.order_idle = True  # it holds nothing: a plain piece changes nothing in that reading
-        self._ends: dict[int, dict[str, _Ends]] = {}  # per choice, per text
+        self._ends: dict[int, dict[str, _Ends]] = {}  # per choice, per text (STANDALONE: the envelope's strings)
+        self._texts = 0
         self._settled: dict[int, set[str]] = {}  # per choice: Joins.settled
         self._open_ends = 0  # texts whose end could start a marker
 
@@ -44,15 +52,17 @@ class Joins:
             settled = self._settled[choice] = set()
         return settled
 
-    def went_out(self, choice: int, key: str, text: str, plain: bool) -> list[bytes]:
-        """`text` is about to go out (as edited) in one text of a choice; the candidate markers that it completes in
-        either reading. `plain`: it holds no candidate and ends in nothing that could start one (scanner.suspects)."""
-        if not text:
-            return _NONE
+    def went_out(self, choice: int, key: str, text: str, plain: bool, held: str = "") -> list[bytes]:
+        """`text` is about to go out (as edited) in one text of the answer, and its scanner holds `held` after it (at
+        a text's end: nothing, whether what it held went out or not); the candidate markers that this completes in
+        either reading. `plain`: `text` holds no candidate and ends in nothing that could start one
+        (scanner.suspects), and nothing is held."""
         ends = self._ends.get(choice)
         mine = ends.get(key) if ends is not None else None
+        if not text and not held and (mine is None or mine.tail == mine.out):
+            return _NONE
         found = []
-        if not (plain and self.order_idle):
+        if text and not (plain and self.order_idle):
             order = self._order
             if order is None:
                 order = self._order = StreamScanner()
@@ -61,10 +71,11 @@ class Joins:
         if ends is None:
             ends = self._ends[choice] = {}
         if mine is None:
-            if len(ends) >= MAX_TEXTS:
+            if self._texts >= MAX_TEXTS:
                 return found
             mine = ends[key] = _Ends()
-        grown = mine.head is None
+            self._texts += 1
+        grown = mine.head is None and bool(text)
         if grown:
             # Each piece is normalized once at most: the first ones together, once they could make a head.
             if mine.normal or len(mine.start) + len(text) >= TAIL:
@@ -74,7 +85,9 @@ class Joins:
                     mine.head, mine.normal = mine.normal[:TAIL], b""
             else:
                 mine.start += text
-        tail = b"" if plain and not mine.tail else open_end((mine.tail + normalize(text))[-TAIL:])
+        if not (plain and not mine.out):
+            mine.out = open_end((mine.out + normalize(text))[-TAIL:])
+        tail = open_end((mine.out + normalize(held))[-TAIL:]) if held else mine.out
         moved, was = tail != mine.tail, mine.tail
         if moved:
             mine.tail = tail
@@ -83,24 +96,46 @@ class Joins:
             self.settled(choice).add(key)
         else:
             self.settled(choice).discard(key)
-        # Its end before the start of another text of its choice or the next; another's end before its start.
+        # Its end before the start of every other text; every other text's end before its start.
         if moved and tail:
-            for other in (ends, self._ends.get(choice + 1, {})):
-                found += [
-                    candidate
-                    for theirs in other.values()
-                    if theirs is not mine
-                    for candidate in candidates(tail + theirs.begins())
-                ]
+            found += [candidate for theirs in self._others(mine) for candidate in candidates(tail + theirs.begins())]
         if grown and self._open_ends:
-            for other in (ends, self._ends.get(choice - 1, {})):
-                found += [
-                    candidate
-                    for theirs in other.values()
-                    if theirs is not mine and theirs.tail
-                    for candidate in candidates(theirs.tail + mine.begins())
-                ]
+            found += [
+                candidate
+                for theirs in self._others(mine)
+                if theirs.tail
+                for candidate in candidates(theirs.tail + mine.begins())
+            ]
         return found
+
+    def standalone(self, choice: int, key: str, text: str) -> list[bytes]:
+        """A string that goes out whole, once (the envelope's id, model and system_fingerprint: STANDALONE; a tool
+        call's id); the candidates it completes with the other texts' ends and starts. (Pairs, not the order they
+        went out: a pair is read both ways round.)"""
+        ends = self._ends.get(choice)
+        if ends is None:
+            ends = self._ends[choice] = {}
+        if key in ends or self._texts >= MAX_TEXTS:
+            return _NONE
+        normal = normalize(text)
+        tail = open_end(normal[-TAIL:])
+        mine = ends[key] = _Ends(head=normal[:TAIL], out=tail, tail=tail)
+        self._texts += 1
+        found = []
+        if tail:
+            self._open_ends += 1
+            found += [candidate for theirs in self._others(mine) for candidate in candidates(tail + theirs.begins())]
+        if self._open_ends > bool(tail):
+            found += [
+                candidate
+                for theirs in self._others(mine)
+                if theirs.tail
+                for candidate in candidates(theirs.tail + mine.begins())
+            ]
+        return found
+
+    def _others(self, mine: _Ends) -> list[_Ends]:
+        return [theirs for ends in self._ends.values() for theirs in ends.values() if theirs is not mine]
 
 
 _NONE: list[bytes] = []  # shared: never added to

@@ -22,7 +22,7 @@ import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from isolation.json_escapes import DEPTH, JsonStringLevels
+from isolation.escapes import DEPTH, EscapeLevels, has_escape, opens_escape
 from isolation.spelling import CODE_LENGTH, NORMAL_LENGTH
 
 _CANDIDATE = re.compile(rb"(?=(cnry[a-z]{%d}))" % CODE_LENGTH)
@@ -85,8 +85,8 @@ class Scan:
     release: int  # text[:release] may go out (after edits); text[release:] is held for the next piece
 
 
-def _positions(text: str) -> list[int]:
-    """For each byte of the normal form, the index of the character of `text` it came from."""
+def _positions(text: Sequence[str]) -> list[int]:
+    """For each byte of the normal form, the index of the character (or a reading's output) it came from."""
     return [index for index, char in enumerate(text) for _ in range(len(normalize(char)))]
 
 
@@ -103,10 +103,12 @@ def _hold_from(normal: bytes) -> int | None:
 
 @dataclass(slots=True)
 class _Level:
-    """A scanner's reading of its text decoded so many times: the held text's shadow and where each of its characters
-    began as sent, the carry, and the normal form of the end of what went out (now, and before the last scan)."""
+    """A scanner's reading of its text decoded so many times: the held text's shadow (its outputs, one per character
+    as sent: escapes.py) and where each began as sent, the carry, and the normal form of the end of what went out (now,
+    and before the last scan)."""
 
-    shadow: str = ""  # these three are kept only while the scanner is apart: else they are the text as sent's own
+    shadow: list[str] = field(default_factory=list)  # these three are kept only while the scanner is apart: else
+    # they are the text as sent's own
     begins: list[int] = field(default_factory=list)
     carry: bytes = b""
     out: bytes = b""
@@ -114,18 +116,19 @@ class _Level:
 
 
 class StreamScanner:
-    """One stream of text: a choice's content, its tool-call arguments, or its reasoning. With `json_strings`, text a
-    client may decode as the inside of a JSON string (json_escapes.py) is read as sent and as decoded once, twice,
-    up to DEPTH times: a marker in any reading is found, and text is held back while any could still become one."""
+    """One stream of text: a choice's content, its tool-call arguments, or its reasoning. It is read as sent and, from
+    the first character that begins an escape on, as a client decodes it (escapes.py: JSON, C and JavaScript escapes,
+    percent-encoding, HTML references) once, twice, up to DEPTH times: a marker in any reading is found, and text is
+    held back while any could still become one."""
 
-    def __init__(self, json_strings: bool = False) -> None:
+    def __init__(self) -> None:
         self._held = ""
         # The normal form of the end of a reported hit that could also be the start of another candidate: that text
         # went out with the hit (edited, if the hit was a marker), and a marker overlapping it must still be found.
         self._carry = b""
-        self._json = json_strings
-        # The decoded readings, made at the first backslash (before it, each one is the text as sent).
-        self._escapes: JsonStringLevels | None = None
+        # The decoded readings, made at the first character that begins an escape (before it, each one is the text as
+        # sent).
+        self._escapes: EscapeLevels | None = None
         self._levels: list[_Level] = []
         self._apart = False  # some decoded reading of the held text (or its carry) differs from the text as sent
         self._at = 0  # where the held text begins, as the escape reader counts what it read
@@ -140,13 +143,18 @@ class StreamScanner:
         return bool(self._held)
 
     @property
+    def held(self) -> str:
+        """The text held back, as sent."""
+        return self._held
+
+    @property
     def idle(self) -> bool:
         """Nothing held or carried: a piece that `suspects` clears passes through unchanged."""
         return not self._held and not self._carry and not self._apart and not self.escaping
 
     @property
     def escaping(self) -> bool:
-        """A JSON escape was cut at the end of the last piece: the next one must be scanned, whatever it holds."""
+        """An escape was cut at the end of the last piece: the next one must be scanned, whatever it holds."""
         return self._escapes is not None and self._escapes.pending
 
     def scan(self, piece: str) -> Scan:
@@ -156,12 +164,12 @@ class StreamScanner:
         if escapes is not None:
             for level in self._levels:
                 level.out_before = level.out
-            if "\\" in piece or escapes.pending:
+            if escapes.pending or has_escape(piece):
                 return self._scan_levels(text, escapes.read(piece))
             escapes.skip(len(piece))
             if self._apart:
                 return self._scan_levels(text, None)
-        elif self._json and "\\" in piece:
+        elif has_escape(piece):
             return self._scan_levels(text, self._open().read(piece))
         carry = self._carry
         normal = carry + normalize(text) if carry else normalize(text)
@@ -191,16 +199,15 @@ class StreamScanner:
     def _went(self, normal: bytes, text: str) -> None:
         """`text` went out as it came, and (while no escape is near) read alike every way; `normal` its normal form."""
         self._out = (self._out + normal)[-TAIL:]
-        if self._json:
-            self._at += len(text)
-            for level in self._levels:
-                level.out = (level.out + normal)[-TAIL:]
-            self._sent = (self._sent + text)[-_SENT:]
+        self._at += len(text)
+        for level in self._levels:
+            level.out = (level.out + normal)[-TAIL:]
+        self._sent = (self._sent + text)[-_SENT:]
 
     def after_out(self, text: str) -> list[Hit]:
         """The candidates in `text` (about to go out, edited) read after what went out before this scan: a stripped
         marker joins what stood before it, in earlier chunks too. A hit begun before `text` starts at its start."""
-        scanner = StreamScanner(self._json)
+        scanner = StreamScanner()
         scanner._carry = open_end(self._out_before)
         if self._levels:
             scanner._open()
@@ -210,7 +217,7 @@ class StreamScanner:
         scanner._sent = self._sent_before
         return scanner.scan(text).hits
 
-    def _scan_levels(self, text: str, read: list[tuple[str, list[int]]] | None) -> Scan:
+    def _scan_levels(self, text: str, read: list[tuple[list[str], list[int]]] | None) -> Scan:
         """`scan` over the text as sent and its decoded readings (`read`: this piece's; None when it reads as sent),
         each as long as it, so positions are shared."""
         assert self._escapes is not None
@@ -218,20 +225,20 @@ class StreamScanner:
         self._part()
         if read is None:
             start = base + kept
-            read = [(text[kept:], list(range(start, start + len(text) - kept)))] * len(self._levels)
+            read = [(list(text[kept:]), list(range(start, start + len(text) - kept)))] * len(self._levels)
         # An escape not yet complete stays back whole (what it decodes to is not known yet), and so does a hit that
         # reaches into one: it is found again, whole, once the escape is.
         cut = min(len(text), self._escapes.began - base)
-        views: list[tuple[str, bytes, list[int] | None]] = [(text, self._carry, None)]
+        views: list[tuple[Sequence[str], bytes, list[int] | None]] = [(text, self._carry, None)]
         views += [
             (level.shadow + shadow, level.carry, level.begins + begins)
             for level, (shadow, begins) in zip(self._levels, read, strict=True)
         ]
-        hits: dict[tuple[int, int, bytes], Hit] = {}
+        hits: dict[tuple[int, bytes], Hit] = {}
         release = cut
         holds = []
         for view, carry, begins in views:
-            normal = carry + normalize(view)
+            normal = carry + normalize(_joined(view))
             hold = _hold_from(normal)
             matches = [m.start() for m in _CANDIDATE.finditer(normal)] if b"cnry" in normal else _NO_MATCHES
             if matches or hold is not None:
@@ -243,8 +250,12 @@ class StreamScanner:
                     if end > cut:
                         hold = at if hold is None else min(hold, at)
                         continue
-                    hit = Hit(normal[at : at + NORMAL_LENGTH], start, end)
-                    hits.setdefault((start, end, hit.normal), hit)
+                    found = normal[at : at + NORMAL_LENGTH]
+                    known = hits.get((end, found))
+                    # One marker read in several readings is one hit: from where the earliest reading says it begins
+                    # (an escape that turned out not to be one, `&cnry…`, begins at its `&`), so an edit takes it all.
+                    if known is None or start < known.start:
+                        hits[end, found] = Hit(found, start, end)
                 if hold is not None:
                     at = positions[hold]
                     release = min(release, _began(begins, at, base) if begins is not None else at)
@@ -252,7 +263,7 @@ class StreamScanner:
         release = max([release, *(hit.end for hit in hits.values())])
         apart = self._escapes.pending
         for index, ((view, carry, begins), (normal, hold)) in enumerate(zip(views, holds, strict=True)):
-            released = normalize(view[:release])
+            released = normalize(_joined(view[:release]))
             carried = _carried(normal, hold, len(carry) + len(released))
             if begins is None:
                 self._carry = carried
@@ -260,8 +271,9 @@ class StreamScanner:
                 continue
             level = self._levels[index - 1]
             level.carry, level.out = carried, (level.out + released)[-TAIL:]
-            level.shadow, level.begins = view[release:], begins[release:]
-            apart = apart or level.shadow != text[release:] or level.carry != self._carry
+            shadow = level.shadow = list(view[release:])
+            level.begins = begins[release:]
+            apart = apart or "".join(shadow) != text[release:] or level.carry != self._carry
         self._sent = (self._sent + text[:release])[-_SENT:]
         self._held = text[release:]
         self._at = base + release
@@ -270,8 +282,8 @@ class StreamScanner:
 
     def opens_escape(self, before: str) -> bool:
         """Whether what went out before this scan, then `before` (the start of this scan's text), ends in the start of
-        a JSON escape: text removed after it would join it to what follows (`\\u00` + a stripped marker + `43`)."""
-        return self._json and _opens_escape((self._sent_before + before)[-_SENT:])
+        an escape: text removed after it would join it to what follows (`\\u00` + a stripped marker + `43`)."""
+        return opens_escape((self._sent_before + before)[-_SENT:])
 
     def went_out(self, released: str) -> None:
         """What went out ended in `released`, edited: stripping a marker joins what stood around it, so the next
@@ -280,17 +292,17 @@ class StreamScanner:
         out = (self._out_before + normalize(released))[-TAIL:]
         self._carry, self._out = open_end(out), out
         self._sent = (self._sent_before + released)[-_SENT:]
-        if self._escapes is not None or (self._json and "\\" in released):
+        if self._escapes is not None or has_escape(released):
             self._open()
             self._part()
-            for level, (shadow, _) in zip(self._levels, JsonStringLevels().read(released), strict=True):
-                level.out = (level.out_before + normalize(shadow))[-TAIL:]
+            for level, (shadow, _) in zip(self._levels, EscapeLevels().read(released), strict=True):
+                level.out = (level.out_before + normalize("".join(shadow)))[-TAIL:]
                 level.carry = open_end(level.out)
 
-    def _open(self) -> JsonStringLevels:
+    def _open(self) -> EscapeLevels:
         escapes = self._escapes
         if escapes is None:
-            escapes = self._escapes = JsonStringLevels(start=self._at + len(self._held))
+            escapes = self._escapes = EscapeLevels(start=self._at + len(self._held))
             self._levels = [_Level(out=self._out, out_before=self._out_before) for _ in range(DEPTH)]
         return escapes
 
@@ -299,7 +311,7 @@ class StreamScanner:
         if not self._apart:
             held, at = self._held, self._at
             for level in self._levels:
-                level.shadow, level.begins, level.carry = held, list(range(at, at + len(held))), self._carry
+                level.shadow, level.begins, level.carry = list(held), list(range(at, at + len(held))), self._carry
             self._apart = True
 
     def flush(self) -> str:
@@ -319,18 +331,11 @@ def _began(begins: list[int], at: int, base: int) -> int:
 
 TAIL = NORMAL_LENGTH - 1  # the longest end of a normal form that could still become a marker
 _SENT = 64
-# An escape not ended, or a high surrogate's, which the next escape (a low surrogate) joins into one letter.
-_OPEN_UNICODE = re.compile(r"u(?:[0-9a-fA-F]{0,3}|[dD][89abAB][0-9a-fA-F]{2})\Z")
 
 
-def _opens_escape(sent: str) -> bool:
-    """Whether `sent` ends inside an escape begun and not ended: an odd run of backslashes, then nothing or `u` and at
-    most three hex digits, or a whole high surrogate's escape (`\\ud835`), which a low one after it completes.
-    A run as long as what is known of the text is taken as open: its parity is not known."""
-    unicode = _OPEN_UNICODE.search(sent)
-    before = sent[: unicode.start()] if unicode else sent
-    run = len(before) - len(before.rstrip("\\"))
-    return run % 2 == 1 or (run > 0 and run == len(before))
+def _joined(view: Sequence[str]) -> str:
+    """A reading as text: the text as sent is one already, a decoded reading is its outputs."""
+    return view if isinstance(view, str) else "".join(view)
 
 
 def open_end(normal: bytes) -> bytes:

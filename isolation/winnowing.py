@@ -75,6 +75,12 @@ class Hasher:
         self.oldest = pow(BASE, shape.k - 2, 1 << 64)  # the weight of the oldest of the k - 1 words before a gram
         self._powers = np.array([pow(BASE, shape.k - 1 - j, 1 << 64) for j in range(shape.k)], dtype=np.uint64)
 
+    def may_hold_gram(self, text: str) -> bool:
+        """False when the text surely holds not one gram: k words of ASCII text take at least 2k - 1 characters (a
+        non-ASCII one may hold a word a character, and NFKD may grow it). Most chat turns' other strings (a role, a
+        name, an id) are told so without reading their words."""
+        return len(text) >= 2 * self.shape.k - 1 or not text.isascii()
+
     def word(self, word: str) -> int:
         found = self._cache.get(word)
         if found is None:
@@ -182,6 +188,11 @@ class AnswerGrams:
     def read(self) -> int:
         """Complete words read so far (the position the next one will have)."""
         return self._words
+
+    @property
+    def in_word(self) -> bool:
+        """The text read so far ends in a word the next piece may continue."""
+        return bool(self._open)
 
     def feed(self, piece: str) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
         """(the (position, gram) pairs this piece completes, that of its unfinished last word or None); a gram's

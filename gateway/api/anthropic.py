@@ -9,6 +9,7 @@ A key is read from `x-api-key` (Anthropic's header) or `Authorization: Bearer`; 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import orjson
@@ -18,6 +19,7 @@ from starlette.responses import Response
 from gateway import accesslog
 from gateway.accesslog import RequestRecord
 from gateway.api.anthropic_shapes import (
+    TURNS,
     CountTokensRequest,
     EventWriter,
     MessagesRequest,
@@ -27,6 +29,7 @@ from gateway.api.anthropic_shapes import (
     message,
     message_id,
 )
+from gateway.api.body import off_loop
 from gateway.api.openai import cut_short, new_record, read_submission, relayed_as
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import GatewayError
@@ -56,8 +59,8 @@ async def _read(
     request: Request, state: GatewayState, record: RequestRecord, schema: type[Body]
 ) -> tuple[Submission, Body]:
     """The tenant, its session and its body, read as `schema` (Anthropic's shape)."""
-    submission = await read_submission(request, state, record, authorization(request))
-    return submission, validate(schema, submission.payload)
+    submission = await read_submission(request, state, record, TURNS, authorization=authorization(request))
+    return submission, await off_loop(partial(validate, schema, submission.payload), submission.payload)
 
 
 def _refused(state: GatewayState, record: RequestRecord, error: GatewayError, asked: Asked | None = None) -> Response:
@@ -71,7 +74,7 @@ async def messages(request: Request) -> Response:
     record = new_record(request, MESSAGES)
     try:
         submission, asked = await _read(request, state, record, MessagesRequest)
-        submission = replace(submission, payload=chat_payload(asked))
+        submission = replace(submission, payload=await off_loop(partial(chat_payload, asked), submission.payload))
     except GatewayError as error:
         return _refused(state, record, error)
     made = message_id()
@@ -98,13 +101,13 @@ async def count_tokens(request: Request) -> Response:
     record = new_record(request, COUNT_TOKENS)
     try:
         submission, asked = await _read(request, state, record, CountTokensRequest)
-        payload = chat_payload(asked)
+        payload = await off_loop(partial(chat_payload, asked), submission.payload)
     except GatewayError as error:
         return _refused(state, record, error)
     try:
         # The same checks as the request itself would meet: the chat fields it becomes, the model the key may use, a
         # block on the tenant's use of the model.
-        chat = validate(ChatCompletionRequest, {**payload, "max_tokens": 1})
+        chat = await off_loop(partial(validate, ChatCompletionRequest, {**payload, "max_tokens": 1}), payload)
         tenant = submission.tenant
         model = resolve_model(state, tenant, asked.model)
         check_task(model, chat)

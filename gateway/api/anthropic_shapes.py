@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.api.bounds import Cap, Shape
 from gateway.api.openai import client_path, hold_call, tokens, unfinished
 from gateway.errors import BackendBadResponse, GatewayError, InvalidRequest
 from gateway.schemas import ModelName, OutputTokens, ShortText
@@ -130,6 +131,17 @@ class OutputConfig(_Strict):
 
 class Metadata(_Strict):
     user_id: ShortText | None = None
+
+
+# A request's lists that grow with its conversation, capped before anything reads them (bounds.py). Anthropic allows
+# 100,000 messages; limits.max_messages is lower (docs/api.md says why).
+TURNS: Shape = (
+    Cap(("messages",), "messages", "max_messages"),
+    Cap(("messages", "*", "content"), "content blocks", "max_content_parts"),
+    Cap(("messages", "*", "content", "*", "content"), "content blocks", "max_content_parts"),  # a tool result's
+    Cap(("system",), "system blocks", "max_content_parts"),
+    Cap(("tools",), "tools", "max_tools"),
+)
 
 
 class MessagesRequest(_Strict):

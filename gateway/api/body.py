@@ -1,14 +1,31 @@
-"""Reading a request body safely: a byte cap enforced while reading, strict UTF-8 JSON, a nesting limit."""
+"""Reading a request body safely: a byte cap enforced while reading, strict UTF-8 JSON, and its shape bounded
+(bounds.py) before anything reads it, off the event loop when it is large."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import logging
+import sys
+import time
+from asyncio.subprocess import PIPE
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-import orjson
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.errors import BodyTooLarge, ClientGone, InvalidRequest, RequestTimeout
+from gateway.api.bounds import Bounds, JsonObject, Refusal, Shape, answer, ask, checked, measure, parsed, quick_count
+from gateway.errors import BodyTooLarge, ClientGone, GatewayError, InvalidRequest, RequestTimeout
+from gateway.metrics import GatewayMetrics
+from gateway.settings import LimitSettings
+
+log = logging.getLogger("bulkhead.bodies")
+UNBOUNDED = 1 << 62
+WORKER_STOP_S = 1.0
+# A surface's own validation and translation of a body holding more values than this run in a thread. On the loop
+# they hold it to the end (pydantic: ~1 µs a value, ~2 µs for a Responses request's items; 2,048 values, 2-4 ms);
+# in a thread pydantic-core lets the loop run every few milliseconds (measured: docs/benchmarks.md).
+THREAD_VALUES = 2048
+T = TypeVar("T")
 
 
 async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
@@ -41,31 +58,138 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
 
 
 def depth_exceeds(value: Any, limit: int) -> bool:
-    # Iterative on purpose: a recursive walk of hostile input is how a parser-depth attack becomes a crash.
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children: Any = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return False
+    return measure(value, UNBOUNDED, limit)[1] > limit
 
 
-def parse_json_object(raw: bytes, max_depth: int) -> dict[str, Any]:
-    if not raw:
-        raise InvalidRequest("Request body is empty; expected a JSON object.")
-    try:
-        value = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"Request body is not valid JSON (or not valid UTF-8): {exc}") from exc
-    if not isinstance(value, dict):
-        raise InvalidRequest("Request body must be a JSON object.")
-    if depth_exceeds(value, max_depth):
-        raise InvalidRequest(f"Request body nests deeper than {max_depth} levels.")
+def parse_json_object(raw: bytes, max_depth: int) -> JsonObject:
+    """A small body (the admin API's) as a JSON object no deeper than `max_depth`."""
+    value = checked(raw, Bounds(UNBOUNDED, max_depth), ())
+    if isinstance(value, Refusal):
+        raise _error(value)
     return value
+
+
+async def off_loop(work: Callable[[], T], weight: Any) -> T:
+    """`work` (validating or translating a body; pure, so a thread may run it), here when `weight` (the JSON it reads)
+    is small, else in a thread. Telling which costs at most THREAD_VALUES steps."""
+    if measure(weight, THREAD_VALUES, UNBOUNDED)[0] <= THREAD_VALUES:
+        return work()
+    return await asyncio.to_thread(work)
+
+
+class BodyReader:
+    """Request bodies, as JSON objects within the bounds (bounds.py) of the API they came to.
+
+    A body `quick_count` shows small is parsed and checked on the event loop; any other is checked by a worker
+    process first, and parsed here only once it is known to be within the bounds: whatever a body holds, the loop
+    parses at most what the bounds allow. Worker processes start with the first large body (a gateway that never
+    gets one runs none), at most `limits.body_check_processes` of them, and one that dies is replaced."""
+
+    def __init__(self, limits: LimitSettings, timeout_s: float, metrics: GatewayMetrics) -> None:
+        self._max_bytes = limits.max_body_bytes
+        self._timeout_s = timeout_s
+        self._inline = limits.inline_json_values
+        # The limits an API's Shape may name.
+        caps = {
+            "max_messages": limits.max_messages,
+            "max_content_parts": limits.max_content_parts,
+            "max_tools": limits.max_tools,
+        }
+        self._bounds = Bounds(limits.max_json_values, limits.max_json_depth, caps)
+        self._metrics = metrics
+        self._turns = asyncio.Semaphore(limits.body_check_processes)
+        self._idle: list[_Worker] = []
+        self._ending: set[asyncio.Task[None]] = set()
+
+    async def read(self, request: Request, shape: Shape, route: str) -> JsonObject:
+        """The body of `request` (an API's, with its `shape`; `route`: the access log's name, for the metrics)."""
+        raw = await read_body(request, self._max_bytes, self._timeout_s)
+        if quick_count(raw) > self._inline:
+            value = await self._examined(raw, shape, route)
+        else:
+            value = checked(raw, self._bounds, shape)
+        if isinstance(value, Refusal):
+            if value.limit is not None:
+                self._metrics.body_refusals.labels(route, value.limit).inc()
+            raise _error(value)
+        return value
+
+    async def _examined(self, raw: bytes, shape: Shape, route: str) -> JsonObject | Refusal:
+        started = time.perf_counter()
+        found = await self._in_worker(raw, shape)
+        self._metrics.body_checks.labels(route).observe(time.perf_counter() - started)
+        # Within the bounds, so its parse here costs the loop no more than the bounds allow.
+        return found if found is not None else parsed(raw)
+
+    async def _in_worker(self, raw: bytes, shape: Shape) -> Refusal | None:
+        async with self._turns:
+            for _ in range(2):
+                try:
+                    worker = self._idle.pop() if self._idle else await _Worker.start()
+                except OSError as exc:
+                    log.error("bodies: no worker process could be started: %s", exc)
+                    continue
+                try:
+                    found = await worker.examine(raw, self._bounds, shape)
+                except (OSError, EOFError, ValueError):
+                    # It died (killed from outside, out of memory) or answered garbage. Once more on a new one: a
+                    # body that kills a second is too large for the gateway to check.
+                    log.error("bodies: a worker process checking a %d-byte body failed; starting another", len(raw))
+                    self._end(worker)
+                    continue
+                except BaseException:
+                    self._end(worker)  # cancelled halfway: its pipes are out of step with its loop
+                    raise
+                self._idle.append(worker)
+                return found
+        # A body of fewer commas and brackets is checked here, on the loop, without a worker.
+        raise BodyTooLarge(f"Request body ({len(raw)} bytes) could not be checked; send a smaller one.")
+
+    def _end(self, worker: _Worker) -> None:
+        task = asyncio.get_running_loop().create_task(worker.stop())
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
+    async def close(self) -> None:
+        """Stop the worker processes (none is busy once the server has stopped serving)."""
+        await asyncio.gather(*(worker.stop() for worker in self._idle), *self._ending)
+        self._idle.clear()
+
+
+class _Worker:
+    """One worker process (`python -m gateway.api.bounds`) and its pipes: a body at a time."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        assert process.stdin is not None and process.stdout is not None
+        self._process = process
+        self._to, self._from = process.stdin, process.stdout
+
+    @classmethod
+    async def start(cls) -> _Worker:
+        # Its own interpreter: orjson holds the GIL for a whole parse, so a thread of this process would stop the
+        # loop for as long.
+        command = (sys.executable, "-m", "gateway.api.bounds")
+        return cls(await asyncio.create_subprocess_exec(*command, stdin=PIPE, stdout=PIPE))
+
+    async def examine(self, raw: bytes, bounds: Bounds, shape: Shape) -> Refusal | None:
+        self._to.write(ask(raw, bounds, shape))
+        await self._to.drain()
+        line = await self._from.readline()
+        if not line:
+            raise EOFError("the worker process ended")
+        return answer(line)
+
+    async def stop(self) -> None:
+        """Its input closed, it ends its loop; one that does not within a second is killed."""
+        self._to.close()
+        try:
+            await asyncio.wait_for(self._process.wait(), WORKER_STOP_S)
+        except TimeoutError:
+            self._process.kill()
+            await self._process.wait()
+
+
+def _error(refused: Refusal) -> GatewayError:
+    if refused.whole:
+        return BodyTooLarge(refused.message)
+    return InvalidRequest(refused.message, param=refused.param)

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import accesslog
 from gateway.accesslog import RequestRecord
-from gateway.api.body import parse_json_object, read_body
+from gateway.api.bounds import Cap, Shape
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import BackendBadResponse, GatewayError
 from gateway.pipeline.inference import CHAT, COMPLETIONS, EMBEDDINGS, Route, Submission, refuse, run
@@ -29,10 +29,17 @@ from gateway.upstream.sse import DONE as SSE_DONE
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 DATA = b"data: "
+# The lists of a chat request that grow with its conversation, each capped before the body is validated (bounds.py);
+# a completion's token ids and an embeddings request's inputs are bounded by the body's values alone.
+CONVERSATION: Shape = (
+    Cap(("messages",), "messages", "max_messages"),
+    Cap(("messages", "*", "content"), "content parts", "max_content_parts"),
+    Cap(("tools",), "tools", "max_tools"),
+)
 
 
 async def chat_completions(request: Request) -> Response:
-    return await serve(request, state_of(request), CHAT)
+    return await serve(request, state_of(request), CHAT, shape=CONVERSATION)
 
 
 async def completions(request: Request) -> Response:
@@ -218,17 +225,15 @@ def openai_response(outcome: Outcome) -> Response:
 
 
 async def read_submission(
-    request: Request, state: GatewayState, record: RequestRecord, authorization: str | None = None
+    request: Request, state: GatewayState, record: RequestRecord, shape: Shape, *, authorization: str | None = None
 ) -> Submission:
-    """The tenant (by `authorization`, else the request's Authorization header), its session and its body."""
+    """The tenant (by `authorization`, else the request's Authorization header), its session and its body, read as a
+    body of `shape` (its API's lists, each capped)."""
     tenant = await state.tenants.authenticate(authorization or request.headers.get("authorization"))
     record.tenant = tenant.id
     session = session_id(request.headers.get(SESSION_HEADER))
-    limits = state.settings.limits
-    raw = await read_body(request, limits.max_body_bytes, state.settings.edge.body_timeout_s)
-    return Submission(
-        tenant, parse_json_object(raw, limits.max_json_depth), session, gone=partial(disconnected, request)
-    )
+    payload = await state.bodies.read(request, shape, record.route)
+    return Submission(tenant, payload, session, gone=partial(disconnected, request))
 
 
 async def disconnected(request: Request) -> None:
@@ -242,12 +247,18 @@ def new_record(request: Request, route: Route) -> RequestRecord:
 
 
 async def serve(
-    request: Request, state: GatewayState, route: Route, admit_tenant: Callable[[TenantSettings], None] | None = None
+    request: Request,
+    state: GatewayState,
+    route: Route,
+    admit_tenant: Callable[[TenantSettings], None] | None = None,
+    *,
+    shape: Shape = (),
 ) -> Response:
-    """The OpenAI routes; `admit_tenant` refuses a key the route does not serve (another account's, on its routes)."""
+    """The OpenAI routes; `admit_tenant` refuses a key the route does not serve (another account's, on its routes),
+    `shape` is the route's body's (bounds.py)."""
     record = new_record(request, route)
     try:
-        submission = await read_submission(request, state, record)
+        submission = await read_submission(request, state, record, shape)
         if admit_tenant is not None:
             admit_tenant(submission.tenant)
     except GatewayError as error:

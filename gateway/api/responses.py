@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, TypeVar
 
 import orjson
@@ -20,9 +21,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import accesslog
+from gateway.api.body import off_loop
 from gateway.api.conversations import Said, Turn
 from gateway.api.openai import cut_short, new_record, openai_response, read_submission, relayed_as
 from gateway.api.responses_shapes import (
+    INPUT,
     MAX_ID,
     EventWriter,
     ResponsesRequest,
@@ -75,10 +78,10 @@ async def create(request: Request, admit_tenant: Admit = None) -> Response:
     state = state_of(request)
     record = new_record(request, RESPONSES)
     try:
-        submission = await read_submission(request, state, record)
+        submission = await read_submission(request, state, record, INPUT)
         if admit_tenant is not None:
             admit_tenant(submission.tenant)
-        asked = validate(ResponsesRequest, submission.payload)
+        asked = await off_loop(partial(validate, ResponsesRequest, submission.payload), submission.payload)
         owner, made = submission.tenant.incarnation(), response_id()
         said = await _conversation(state, owner, asked.previous_response_id, "previous_response_id")
         if said and said[-1].size + len(orjson.dumps(submission.payload)) > state.settings.limits.max_body_bytes:
@@ -92,7 +95,8 @@ async def create(request: Request, admit_tenant: Admit = None) -> Response:
         history = [item for turn in said for item in turn.items()]
         # A kept conversation's turns go to one replica, where its prefix is cached, unless the client says where.
         session = submission.session or (before.root if before is not None else made if keep else None)
-        submission = replace(submission, payload=chat_payload(asked, history), session=session)
+        payload = await off_loop(partial(chat_payload, asked, history), [submission.payload, history])
+        submission = replace(submission, payload=payload, session=session)
     except GatewayError as error:
         return openai_response(refuse(state, record, error))
     answered: dict[str, Any] = {}

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from gateway.api.bounds import Cap, Shape
 from gateway.api.openai import CHAT_PATH, client_path, hold_call, tokens, unfinished
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.schemas import ModelName, OutputTokens, ShortText
@@ -162,6 +163,15 @@ class ResponsesRequest(_Strict):
     # Read only to be refused with its reason (LangChain sends it when asked to compact): server-side compaction
     # would summarise a conversation behind the client's back, and nothing here runs it.
     context_management: list[dict[str, Any]] | None = None
+
+
+# A request's lists that grow with its conversation, capped before anything reads them (bounds.py): its input items
+# are a conversation's messages.
+INPUT: Shape = (
+    Cap(("input",), "input items", "max_messages"),
+    *(Cap(("input", "*", part), "content parts", "max_content_parts") for part in ("content", "output", "summary")),
+    Cap(("tools",), "tools", "max_tools"),
+)
 
 
 def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> dict[str, Any]:

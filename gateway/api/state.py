@@ -12,6 +12,7 @@ import httpx
 from redis.asyncio import Redis
 from starlette.requests import Request
 
+from gateway.api.body import BodyReader
 from gateway.api.conversations import ConversationStore
 from gateway.incidents.incident import IncidentStore
 from gateway.incidents.ledger import LedgerWriter
@@ -68,6 +69,7 @@ class GatewayState:
     notices: NoticeStore  # what incidents told each tenant
     tenant_webhooks: TenantWebhooks  # where each tenant's notices go
     deliveries: Deliveries  # webhook notices: the operators' and tenants'
+    bodies: BodyReader  # request bodies, read and bounded (worker processes check the large ones)
     fingerprints: Fingerprinter | None = None
     redis: Redis | None = None
     # Per-instance concurrency per tenant; a shared budget across instances is the rate limiter's job.

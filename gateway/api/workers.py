@@ -38,9 +38,11 @@ from starlette.routing import Match, Route
 from gateway import accesslog
 from gateway.accesslog import RequestRecord, StatusRendering
 from gateway.api import catalog, openai, responses, workers_models
+from gateway.api.body import off_loop
 from gateway.api.openai import RelayResponse
 from gateway.api.state import GatewayState, state_of
 from gateway.api.workers_shapes import (
+    RUN,
     rejects_if_busy,
     to_openai,
     workers_error,
@@ -179,10 +181,14 @@ async def enqueue(state: GatewayState, tenant: TenantSettings, model: str, body:
         raise InvalidRequest(f"At most {state.settings.queue.max_batch} requests per batch.", param="requests")
     resolved = inference.resolve_model(state, tenant, model)
     batch = "requests" in body
-    checked = [
-        _queued_item(state, tenant, resolved, item, f"requests[{index}]" if batch else None)
-        for index, item in enumerate(bodies)
-    ]
+
+    def check() -> list[tuple[str, dict[str, Any], str | None]]:
+        return [
+            _queued_item(state, tenant, resolved, item, f"requests[{index}]" if batch else None)
+            for index, item in enumerate(bodies)
+        ]
+
+    checked = await off_loop(check, bodies)
     routes = {route for route, _, _ in checked}
     if len(routes) > 1:
         raise InvalidRequest("A batch is all chat or all raw completion (`raw: true`) requests.", param="requests")
@@ -283,7 +289,7 @@ async def run_model(request: Request) -> Response:
     model = request.path_params["model"]
     record = _record(request, CHAT.name, workers_status)
     try:
-        submission = await openai.read_submission(request, state, record)
+        submission = await openai.read_submission(request, state, record, RUN)
         tenant, body = submission.tenant, submission.payload
         check_account(request.path_params["account_id"], tenant)
         if "request_id" in body:
@@ -356,7 +362,7 @@ async def account_chat(request: Request) -> Response:
     state = state_of(request)
     record = openai.new_record(request, CHAT)
     try:
-        submission = await openai.read_submission(request, state, record)
+        submission = await openai.read_submission(request, state, record, openai.CONVERSATION)
         check_account(request.path_params["account_id"], submission.tenant)
         if "options" in submission.payload:
             submission = replace(submission, reject_if_busy=rejects_if_busy(submission.payload.pop("options")))

@@ -16,6 +16,8 @@ from typing import Any
 import orjson
 
 from gateway.api.body import depth_exceeds
+from gateway.api.bounds import Cap, Shape
+from gateway.api.openai import CONVERSATION
 from gateway.api.state import GatewayState
 from gateway.api.workers_models import SAMPLING, WORKERS_MAX_TOKENS
 from gateway.errors import GatewayError, InvalidRequest
@@ -119,6 +121,10 @@ def workers_error(error: dict[str, Any], status: int) -> tuple[dict[str, Any], i
 
 
 # --- A Workers AI body as an OpenAI request -------------------------------------------------------------------------
+
+# A run's lists, capped before anything reads them (bounds.py): a chat's, and each of a batch's requests' (the batch
+# itself is held to queue.max_batch).
+RUN: Shape = (*CONVERSATION, *(Cap(("requests", "*", *cap.path), cap.items, cap.limit) for cap in CONVERSATION))
 
 
 @dataclass(frozen=True)

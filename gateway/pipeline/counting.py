@@ -22,7 +22,7 @@ from gateway.pipeline.piece_counts import PieceCounts
 from gateway.settings import ModelSettings
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.proxy import Upstream
-from isolation.json_escapes import JsonStringReader
+from isolation.escapes import readings
 from isolation.tokens import ChatTemplateError, ModelTokenizer, vocab_size
 
 
@@ -76,18 +76,24 @@ class Prompt:
                 yield from (part["text"] for part in content if isinstance(part.get("text"), str))
 
     def texts(self) -> Iterator[str]:
-        """Every text of the prompt the engine reads, for prompt fingerprints: a leak of any of them is one. The
-        contents, earlier tool calls' arguments (as sent, and as JSON-decoded where they hold escapes: an engine may
-        write them either way), the strings of the tools' definitions (descriptions, schemas) and the template's
-        string variables."""
-        yield from self.contents()
+        """Every text of the prompt the engine may read, for prompt fingerprints: a leak of any of them is one.
+
+        Not a list of the fields a template is known to print: every string of every message (contents, reasoning,
+        names, tool-call ids, names and arguments, and whatever field the schema lets through next), since templates
+        differ in what they render and a field left out is a channel no check reads. Earlier tool calls' arguments
+        also as decoded where they hold escapes (JSON in JSON: an engine may write them either way); each tool also as
+        the JSON a template prints with `tojson` (its names and values in order: a fragment may run across both); and
+        the template's string variables."""
+        if self.text is not None:
+            yield self.text
+        yield from _strings(self.messages)
         for message in self.messages or ():
             for call in message.get("tool_calls") or ():
                 arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
                 if isinstance(arguments, str):
-                    yield arguments
-                    if "\\" in arguments:
-                        yield JsonStringReader().decoded(arguments)
+                    yield from readings(arguments)[1:]
+        for tool in self.tools or ():
+            yield orjson.dumps(tool).decode()
         yield from _strings(self.tools)
         yield from _strings(self.template_kwargs)
 

@@ -17,7 +17,7 @@ import orjson
 
 from gateway.upstream.backends import Replica
 from isolation.channels import prune, texts, token_streams
-from isolation.json_escapes import JsonStringReader
+from isolation.escapes import readings
 from isolation.winnowing import Hasher
 
 # What a judge's answer does without: it is read whole, once. Everything else stays as the tenant sent it (stop
@@ -50,16 +50,19 @@ def judge_body(body: bytes) -> bytes:
 
 def grams_said(answer: dict[str, Any], hasher: Hasher) -> Said:
     """Every gram of every text of every choice of a judge's answer (content, reasoning, refusal, tool-call names and
-    arguments, as sent and JSON-decoded) and of its logprob tokens, chosen and ranked; None without choices."""
+    arguments) and of its logprob tokens, chosen and ranked, in each of their readings (escapes.readings); None
+    without choices."""
     choices = answer.get("choices")
     if not isinstance(choices, list):
         return None
     found: list[str] = []
+    said: list[str] = []
     for choice in choices:
         if isinstance(choice, dict):
             prune({"choices": [choice]})
-            found += [holder[name] for _, holder, name in texts(choice)]
+            said += [holder[name] for _, holder, name in texts(choice)]
             logprobs = choice.get("logprobs")
             found += ["".join(pieces) for pieces in token_streams(logprobs).values()] if logprobs else []
-    found += [JsonStringReader().decoded(text) for text in found if "\\" in text]
-    return frozenset(gram for text in found for gram in hasher.grams(text).tolist())
+    # Its texts one by one, and joined as the guard read the answer's (a fragment it found may span two of them).
+    found += [*said, "".join(said), " ".join(said)] if len(said) > 1 else said
+    return frozenset(gram for text in found for reading in readings(text) for gram in hasher.grams(reading).tolist())

@@ -22,7 +22,7 @@ import orjson
 from gateway.errors import GatewayError
 from gateway.upstream.sse import DONE, EventSplitter
 from isolation.channels import prune
-from isolation.guard import LeakBlocked, OutputGuard
+from isolation.guard import CandidateFlood, LeakBlocked, OutputGuard
 
 DATA = b"data: "
 ENVELOPE = ("id", "object", "created", "model")
@@ -183,6 +183,9 @@ def closed(exc: Exception) -> Exception:
     """What an exception out of the checks becomes: the gateway's own verdicts and errors stay what they are."""
     if isinstance(exc, LeakBlocked):
         return StreamWithheld("another tenant's data in the answer")
+    if isinstance(exc, CandidateFlood):
+        # A tenant can have a model write marker-shaped strings at will: withheld and recorded, paging no one.
+        return StreamWithheld(str(exc), "marker_flood")
     if isinstance(exc, StreamWithheld | StreamFailed | GatewayError):
         return exc
     return StreamWithheld(_failure(exc), "check_failed")

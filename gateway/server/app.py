@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.accesslog import RequestIdHeader
 from gateway.api import admin, anthropic, catalog, notices, openai, responses
 from gateway.api import workers as workers_api
+from gateway.api.body import BodyReader
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import (
     AuthenticationFailed,
@@ -116,7 +117,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 405:
         return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}."))
-    return error_response(NotFound(f"No route {request.method} {request.url.path}."))
+    path = request.url.path
+    hint = "; routes take no trailing slash" if path.endswith("/") and path != "/" else ""
+    return error_response(NotFound(f"No route {request.method} {path}{hint}."))
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -460,6 +463,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     stores.outbox, either(targets, tenant_webhooks.resolve), client, settings.webhooks, metrics
                 )
                 in_flight: Counter[str] = Counter()  # what each tenant holds here: Slot counts it, the gate reads it
+                bodies = BodyReader(settings.limits, settings.edge.body_timeout_s, metrics)
                 app.state.gateway = GatewayState(
                     settings=settings,
                     tenants=tenants,
@@ -493,6 +497,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     deliveries=deliveries,
                     notices=stores.notices,
                     tenant_webhooks=tenant_webhooks,
+                    bodies=bodies,
                 )
                 tasks = [
                     asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
@@ -532,6 +537,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 finally:
                     gc.unfreeze()
                     await stop_tasks(tasks, SHUTDOWN_WAIT_S)
+                    await bodies.close()
                     await write_last(writer)
                     if redis is not None:
                         await redis.aclose()
@@ -566,6 +572,9 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
         middleware=[Middleware(BadSettingsAtStart), Middleware(RequestIdHeader)],
         lifespan=lifespan,
     )
+    # Starlette would answer a path with a trailing slash by a redirect to the path without it, built from the Host
+    # header: any client's Host made it an open redirect. OpenAI answers such a path 404, and the SDK never sends one.
+    app.router.redirect_slashes = False
     app.state.openapi = orjson.dumps(openapi_document())
     app.state.bad_settings = None
     return app

@@ -11,8 +11,10 @@ A URL is a control a tenant hands the gateway: the gateway will POST to it. So i
 `isolation.notices.allow_http`), and its host must resolve to public addresses only, checked when it is registered
 and again at each delivery (a name can be pointed elsewhere later), and the delivery connects to the address so
 checked (its name as Host and TLS server name: no second lookup to rebind): no tenant turns the gateway against the
-network it runs in (loopback, private, link-local such as cloud metadata, IPv6 forms that translate to IPv4) unless
-`isolation.notices.allow_private_urls`. A host must be ASCII (an international name in its xn-- form).
+network it runs in (loopback, private, link-local such as cloud metadata, IPv6 forms of such IPv4 addresses: the rule
+is addresses.not_public) unless `isolation.notices.allow_private_urls`. A host must be ASCII (an international name
+in its xn-- form). A host written as an address is refused with what that address is; a name, with the same words
+whatever it resolves to, or if it does not: the answer must not tell which internal names exist.
 
 Kept in the store's hash `{prefix}tenant-webhooks` (incarnation → JSON), or in memory.
 """
@@ -35,6 +37,7 @@ from redis.exceptions import RedisError
 
 from gateway.settings import NoticeSettings
 from gateway.store import shared_key
+from gateway.tenancy.addresses import not_public
 from gateway.webhooks import TENANT_PREFIX, Target, whsec
 from isolation.redis_text import text
 
@@ -94,22 +97,15 @@ class RedisRegistrationStore:
         return bool(await self._redis.hdel(self._key, tenant))
 
 
-# IPv6 forms that reach an IPv4 address through a translator: whatever they wrap, no webhook needs them.
-TRANSLATED = tuple(
-    ipaddress.ip_network(net) for net in ("64:ff9b::/96", "64:ff9b:1::/48", "2002::/16", "2001::/32", "::/96")
-)
 RESOLVE_TIMEOUT_S = 5.0
 NOT_PUBLIC = "url's host must resolve to public addresses only"
 
 
-def _public(address: str) -> bool:
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        elif any(ip in net for net in TRANSLATED):
-            return False
-    return ip.is_global and not ip.is_multicast
+def _literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
 
 
 class SigningKey:
@@ -147,7 +143,10 @@ class TenantWebhooks:
         """The addresses the gateway may POST `url` to (module docstring), or UnsafeUrl; empty: anything goes."""
         if len(url) > MAX_URL_CHARS:
             raise UnsafeUrl(f"url has more than {MAX_URL_CHARS} characters")
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+        except ValueError as exc:  # a bracketed host that is no IPv6 address, or a bracket left open
+            raise UnsafeUrl(f"url does not parse: {exc}") from exc
         schemes = ("https", "http") if self._settings.allow_http else ("https",)
         if parts.scheme not in schemes:
             raise UnsafeUrl(f"url must be {' or '.join(schemes)}")
@@ -162,6 +161,10 @@ class TenantWebhooks:
             raise UnsafeUrl("url has a bad port") from exc
         if self._settings.allow_private_urls:
             return []
+        literal = _literal(parts.hostname)
+        if literal is not None and (why := not_public(literal)):
+            # The tenant wrote the address: saying what it is reveals nothing of the network the gateway is in.
+            raise UnsafeUrl(f"url's host must be a public address: {literal} is {why}")
         try:
             async with self._resolving:
                 found = await asyncio.wait_for(
@@ -172,7 +175,7 @@ class TenantWebhooks:
             # The same words as a private address: the answer must not tell which internal names exist.
             raise UnsafeUrl(NOT_PUBLIC) from exc
         addresses = [str(info[4][0]) for info in found]
-        if not addresses or not all(map(_public, addresses)):
+        if not addresses or any(not_public(ipaddress.ip_address(address)) for address in addresses):
             raise UnsafeUrl(NOT_PUBLIC)
         return addresses
 

@@ -170,6 +170,30 @@ async def test_method_and_route_errors_are_openai_shaped(client: httpx.AsyncClie
     assert_openai_error(wrong_method, 405, None)
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", f"{CHAT}/"),
+        ("POST", "/v1/responses/"),
+        ("GET", "/v1/isolation/webhook/"),
+        ("GET", "/healthz/"),
+        ("GET", "/admin/tenants/"),
+        ("GET", "/v1/requests/x/"),
+        ("GET", "//evil.example/v1/models"),
+    ],
+)
+async def test_a_trailing_slash_is_a_plain_404_never_a_redirect_to_the_host_header(
+    client: httpx.AsyncClient, gateway_url: str, method: str, path: str
+) -> None:
+    # Starlette's redirect_slashes answered 307 with a Location built from the Host header: an open redirect.
+    response = await client.request(method, f"{gateway_url}{path}", headers={"host": "evil.example"})
+    assert "location" not in response.headers, response.headers
+    assert_openai_error(response, 404, None)
+    assert "evil.example" not in response.text.replace(path, "")
+    if path.endswith("/"):
+        assert "no trailing slash" in response.json()["error"]["message"]
+
+
 async def test_good_request_after_bad_ones_still_works(client: httpx.AsyncClient, gateway_url: str) -> None:
     for raw in (b"", b"{", b"[]"):
         await client.post(f"{gateway_url}{CHAT}", content=raw, headers=auth())

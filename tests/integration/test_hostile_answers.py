@@ -22,8 +22,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.server.serving import run_server
-from isolation.json_escapes import JsonStringReader
-from isolation.markers import MARKER_PATTERN
+from isolation.escapes import decode
+from isolation.markers import MARKER_PATTERN, CanaryKey, make_marker
+from isolation.scanner import normalize
 from isolation.tokens import ModelTokenizer
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, shows_marker
 
@@ -270,7 +271,7 @@ async def test_a_marker_json_escaped_more_than_once_in_tool_arguments_is_withhel
         arguments = orjson.dumps({"doc": arguments}).decode()
     readings = [arguments]
     for _ in range(times):
-        readings.append(JsonStringReader().decoded(readings[-1]))
+        readings.append(decode(readings[-1]))
     assert all(normal(marker) not in normal(text) for text in readings[:-1]) and normal(marker) in normal(readings[-1])
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
     engine.script = lambda prompt: answer(prompt, None, tool_calls=[call])
@@ -294,7 +295,7 @@ async def test_a_marker_json_escaped_more_than_once_in_tool_arguments_is_withhel
     text = response.text
     for _ in range(times + 1):  # as sent, and decoded as often as the client may
         assert normal(marker) not in normal(text), text
-        text = JsonStringReader().decoded(text)
+        text = decode(text)
     assert await events_since(client, gateway, since) == [("leak", "alice")]
 
 
@@ -503,3 +504,29 @@ async def test_a_fragment_of_a_prompt_text_outside_its_messages_is_a_leak(
     response = await client.post(gateway + CHAT, json=chat_body("q"), headers=auth(BOB_KEY))
     assert private[-30:] not in response.text and response.status_code == 502, response.text
     assert await events_since(client, gateway, since) == [("fingerprint_leak", "alice")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_of_thousands_of_marker_shaped_strings_is_withheld_unread(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, stream: bool
+) -> None:
+    # Each was read back into codes and asked of the store in turn: 5,000 of them took 6 to 7 s of checking.
+    keys = [CanaryKey("x", secrets.token_bytes(32)) for _ in range(5000)]  # markers of no one's
+    shapes = " ".join(normalize(make_marker(key, "z", 1)).decode() for key in keys)
+    if stream:
+        pieces = [shapes[at : at + 3000] for at in range(0, len(shapes), 3000)]
+        engine.script = lambda prompt: [
+            *(chunk({"index": 0, "delta": {"content": piece}, "finish_reason": None}) for piece in pieces),
+            chunk({"index": 0, "delta": {}, "finish_reason": "stop"}),
+            chunk(usage_=usage(prompt, len(pieces))),
+            b"data: [DONE]\n\n",
+        ]
+    else:
+        engine.script = lambda prompt: answer(prompt, shapes)
+    since = time.time()
+    response = await client.post(gateway + CHAT, json=chat_body("q", stream=stream), headers=auth(BOB_KEY))
+    if stream:
+        assert response.status_code == 200 and '"answer_withheld"' in response.text, response.text[-300:]
+    else:
+        assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld", response.text
+    assert await events_since(client, gateway, since) == [("marker_flood", "")]

@@ -188,6 +188,46 @@ async def test_tenant_keys_read_and_set_only_their_own_and_bad_urls_are_refused(
     assert (await client.delete(f"{gateway_url}{WEBHOOK}", headers=auth(BOB_KEY))).status_code == 404
 
 
+# The forms a security review offered, by kind: the words the 400 must say.
+PRIVATE_FORMS = {
+    "https://[::ffff:0:7f00:1]/hook": "::ffff:0:7f00:1 is IPv4-translated (SIIT)",
+    "https://[fec0::1]/hook": "fec0::1 is site-local (deprecated)",
+    "https://[::ffff:127.0.0.1]/hook": "IPv4-mapped 127.0.0.1, which is loopback",
+    "https://[::ffff:a9fe:a9fe]/latest": "IPv4-mapped 169.254.169.254, which is link-local",
+    "https://[::7f00:1]/hook": "IPv4-compatible (deprecated)",
+    "https://[64:ff9b::a9fe:a9fe]/latest": "NAT64 169.254.169.254, which is link-local",
+    "https://[64:ff9b:1::a00:1]/hook": "NAT64 local-use",
+    "https://[2002:a9fe:a9fe::1]/latest": "6to4 (deprecated)",
+    "https://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/hook": "Teredo",
+    "https://[fd00::1]/hook": "unique-local",
+    "https://[fe80::1%25eth0]/hook": "zone id",
+    "https://[2001:db8::1]/hook": "documentation",
+    "https://[ff0e::1]/hook": "multicast",
+    "https://100.64.0.1/hook": "carrier-grade NAT",
+    "https://192.0.0.170/hook": "IETF protocol assignments",
+    "https://2130706433/hook": "must resolve to public addresses only",  # 127.0.0.1 as getaddrinfo reads it
+    "https://0xa9.0xfe.0xa9.0xfe/latest": "must resolve to public addresses only",
+    "https://[zz::1]/hook": "does not parse",
+}
+
+
+async def test_private_address_forms_are_refused_with_a_400_that_names_them(
+    client: httpx.AsyncClient, make_gateway: Any, sim_url: str
+) -> None:
+    gateway_url = make_gateway({"sim": sim_url}, tenants=TENANTS, admin_token=ADMIN)
+    for url, why in PRIVATE_FORMS.items():
+        for path, headers in ((WEBHOOK, auth(ALICE_KEY)), ("/admin/tenants/bob/webhook", ADMIN_AUTH)):
+            response = await client.put(f"{gateway_url}{path}", json={"url": url}, headers=headers)
+            assert response.status_code == 400, (url, path, response.text)
+            error = response.json()["error"]
+            assert error["param"] == "url" and why in error["message"], (url, error)
+    assert (await client.get(f"{gateway_url}{WEBHOOK}", headers=auth(ALICE_KEY))).status_code == 404
+    # A public address stays accepted, in its NAT64 form (a DNS64 network's answer) too.
+    for url in ("https://93.184.216.34/hook", "https://[64:ff9b::5db8:d822]/hook"):
+        response = await client.put(f"{gateway_url}{WEBHOOK}", json={"url": url}, headers=auth(ALICE_KEY))
+        assert response.status_code == 200, (url, response.text)
+
+
 async def test_a_webhook_secret_is_shown_once_and_rotates(
     client: httpx.AsyncClient, make_gateway: Any, sim_url: str, tmp_path: Path
 ) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from isolation.escapes import decode
 from isolation.guard import LeakBlocked, StripWouldJoin
-from isolation.json_escapes import JsonStringReader
 from isolation.leaks import LeakPolicy
 from isolation.scanner import normalize
 from tests.unit.test_scanner import delta_chunk, guard_for, registry_at
@@ -96,7 +96,7 @@ def answers(draw: st.DrawFn) -> tuple[str, list[str]]:
 
 
 def readings(text: str) -> tuple[bytes, bytes]:
-    return normalize(text), normalize(JsonStringReader().decoded(text))
+    return normalize(text), normalize(decode(text))
 
 
 async def relay(pieces: list[str], policy: LeakPolicy, tool: bool) -> tuple[str, bool, Exception | None]:

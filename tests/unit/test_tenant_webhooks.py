@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 
 from gateway.metrics import GatewayMetrics
 from gateway.settings import NoticeSettings, WebhookSettings
-from gateway.tenancy.webhooks import MemoryRegistrationStore, SigningKey, TenantWebhooks, UnsafeUrl, _public
+from gateway.tenancy.webhooks import MemoryRegistrationStore, Registration, SigningKey, TenantWebhooks, UnsafeUrl
 from gateway.webhooks import Deliveries, MemoryOutbox, Target
 from tests.unit.test_twins import redis_url
 
@@ -27,28 +27,6 @@ def webhooks(**settings: bool) -> TenantWebhooks:
 
 
 @pytest.mark.parametrize(
-    ("ip", "public"),
-    [
-        ("93.184.216.34", True),
-        ("2606:2800:220:1:248:1893:25c8:1946", True),
-        ("127.0.0.1", False),
-        ("10.1.2.3", False),
-        ("169.254.169.254", False),
-        ("::1", False),
-        ("::ffff:127.0.0.1", False),
-        ("::ffff:93.184.216.34", True),
-        ("64:ff9b::a9fe:a9fe", False),  # NAT64 of 169.254.169.254
-        ("2002:a9fe:a9fe::1", False),  # 6to4
-        ("::7f00:1", False),  # IPv4-compatible 127.0.0.1
-        ("fe80::1%eth0", False),
-        ("224.0.0.1", False),
-    ],
-)
-def test_only_public_unicast_addresses_are_public(ip: str, public: bool) -> None:
-    assert _public(ip) is public
-
-
-@pytest.mark.parametrize(
     ("url", "why"),
     [
         ("http://93.184.216.34/hook", "https"),
@@ -59,11 +37,55 @@ def test_only_public_unicast_addresses_are_public(ip: str, public: bool) -> None
         ("https://straße.example/hook", "ASCII"),
         ("https://user@93.184.216.34/hook", "user"),
         ("https://93.184.216.34:0x50/hook", "port"),
+        ("https://[zz::1]/hook", "does not parse"),
+        ("https://[::1/hook", "does not parse"),
+        # Written as an address: refused with what it is.
+        ("https://[::ffff:0:7f00:1]/hook", r"::ffff:0:7f00:1 is IPv4-translated \(SIIT\)"),
+        ("https://[::ffff:0:127.0.0.1]/hook", "SIIT"),
+        ("https://[fec0::1]/hook", "site-local"),
+        ("https://[::FFFF:7F00:1]/hook", "IPv4-mapped 127.0.0.1, which is loopback"),
+        ("https://[0:0:0:0:0:ffff:a9fe:a9fe]/latest", "IPv4-mapped 169.254.169.254, which is link-local"),
+        ("https://[::127.0.0.1]/hook", "IPv4-compatible"),
+        ("https://[64:ff9b::10.0.0.1]/hook", "NAT64 10.0.0.1, which is private-use"),
+        ("https://[2002:c0a8:101::1]/hook", "6to4"),
+        ("https://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/hook", "Teredo"),
+        ("https://[fd00::1]/hook", "unique-local"),
+        ("https://[fe80::1%25eth0]/hook", "zone id"),
+        ("https://[fe80::1%eth0]/hook", "zone id"),
+        ("https://[ff02::1]/hook", "multicast"),
+        ("https://100.64.0.1/hook", "carrier-grade NAT"),
+        ("https://192.0.0.9/hook", "IETF protocol assignments"),
+        # The forms getaddrinfo reads as IPv4 (inet_aton's): judged by the address they resolve to.
+        ("https://2130706433/hook", "public"),
+        ("https://0x7f000001/hook", "public"),
+        ("https://017700000001/hook", "public"),
+        ("https://0177.0.0.1/hook", "public"),
+        ("https://0x7f.0.0.1/hook", "public"),
+        ("https://127.000.000.001/hook", "public"),
+        ("https://127.1/hook", "public"),
+        ("https://0x7f.1/hook", "public"),
+        ("https://0/hook", "public"),
+        ("https://2852039166/latest", "public"),  # 169.254.169.254
+        ("https://0xa9.0xfe.0xa9.0xfe/latest", "public"),
+        ("https://3232235777/hook", "public"),  # 192.168.1.1
     ],
 )
 async def test_urls_the_gateway_will_not_post_to(url: str, why: str) -> None:
     with pytest.raises(UnsafeUrl, match=why):
         await webhooks().check_url(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "addresses"),
+    [
+        ("https://[64:ff9b::5db8:d822]/hook", ["64:ff9b::5db8:d822"]),  # NAT64 of a public address: DNS64's answer
+        ("https://[::ffff:93.184.216.34]/hook", ["::ffff:93.184.216.34"]),
+        ("https://1572395042/hook", ["93.184.216.34"]),
+        ("https://[2606:4700:4700::1111]/hook", ["2606:4700:4700::1111"]),
+    ],
+)
+async def test_public_addresses_in_any_form_are_accepted(url: str, addresses: list[str]) -> None:
+    assert await webhooks().check_url(url) == addresses
 
 
 async def test_a_public_address_is_pinned_with_its_name_as_host_and_server_name() -> None:
@@ -77,6 +99,17 @@ async def test_a_public_address_is_pinned_with_its_name_as_host_and_server_name(
         "93.184.216.34",
     )
     assert await registry.resolve("tenant:nobody") is None
+
+
+async def test_a_delivery_checks_its_url_again_by_the_same_rule() -> None:
+    store = MemoryRegistrationStore()
+    registry = TenantWebhooks(store, KEY, NoticeSettings())
+    now = time.time()
+    # As if registered while allowed, or under an older rule: the address is judged again at each attempt.
+    await store.put("acme", Registration("https://[::ffff:0:7f00:1]/hook", 1, now, now))
+    await store.put("beta", Registration("https://[fec0::1]/hook", 1, now, now))
+    assert await registry.resolve("tenant:acme") is None
+    assert await registry.resolve("tenant:beta") is None
 
 
 async def test_secrets_change_with_a_rotation_and_with_a_delete_and_never_show_again() -> None:

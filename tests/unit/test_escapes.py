@@ -1,16 +1,19 @@
-"""Text written as the inside of JSON strings (tool-call arguments), read as a client's JSON parser reads it, once
-or (a JSON string holding JSON) up to DEPTH times: the readings, and markers that only decoding spells out."""
+"""Text a client decodes (escapes.py), read as the client reads it: JSON strings as a JSON parser does (once, or, a JSON
+string holding JSON, up to DEPTH times), percent-encoding as `unquote`, character references as `html.unescape`, C
+escapes as Python; the readings, and markers that only decoding spells out."""
 
 from __future__ import annotations
 
+import html
 import json
+import urllib.parse
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from isolation.escapes import DEPTH, END, EscapeLevels, EscapeReader, decode, opens_escape
 from isolation.guard import Leak, LeakBlocked, StripWouldJoin
-from isolation.json_escapes import DEPTH, JsonStringLevels, JsonStringReader
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.markers import MarkerRegistry, normal_form
 from isolation.scanner import StreamScanner, normalize
@@ -23,55 +26,128 @@ def inside(text: str, ascii_only: bool) -> str:
     return json.dumps(text, ensure_ascii=ascii_only)[1:-1]
 
 
+def read_in(pieces: list[str]) -> str:
+    reader = EscapeReader()
+    return "".join(reader.decoded(piece) for piece in pieces) + reader.end()
+
+
+# Text with no `%` or `&`: JSON leaves those as they are, and a reading that decodes them too would differ.
+PLAIN = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="%&"))
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.text(), st.booleans(), st.lists(st.integers(0, 400), max_size=20))
-def test_the_decoded_view_is_what_a_json_parser_reads_and_the_shadow_is_as_long_as_the_text(
+@given(PLAIN, st.booleans(), st.lists(st.integers(0, 400), max_size=20))
+def test_a_json_string_reads_as_a_json_parser_reads_it_and_gives_an_output_per_character(
     text: str, ascii_only: bool, cuts: list[int]
 ) -> None:
     raw = inside(text, ascii_only)
     pieces = split(raw, [cut for cut in cuts if cut <= len(raw)])
-    decoded, shadows = JsonStringReader(), JsonStringReader()
-    assert "".join(decoded.decoded(piece) for piece in pieces) == text
+    assert read_in(pieces) == text
+    reader = EscapeReader()
     for piece in pieces:
-        assert len(shadows.shadow(piece)) == len(piece)
-    assert not decoded.pending and not shadows.pending
+        assert len(reader.read(piece)) == len(piece)
+    assert not reader.pending
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(), st.lists(st.integers(0, 400), max_size=20), st.sampled_from(["", "/?=&:"]))
+def test_percent_encoding_reads_as_unquote_reads_it(text: str, cuts: list[int], safe: str) -> None:
+    raw = urllib.parse.quote(text, safe=safe)
+    assert read_in(split(raw, [cut for cut in cuts if cut <= len(raw)])) == urllib.parse.unquote(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.characters(blacklist_characters="\\%")), st.lists(st.integers(0, 400), max_size=20))
+def test_character_references_read_as_html_unescape_reads_them(text: str, cuts: list[int]) -> None:
+    # Every character as a reference (named where HTML has a name, else numeric), and as html.escape writes text.
+    for raw in ("".join(f"&#{ord(char)};" if i % 2 else f"&#x{ord(char):X}" for i, char in enumerate(text)),
+                html.escape(text)):  # fmt: skip
+        assert read_in(split(raw, [cut for cut in cuts if cut <= len(raw)])) == html.unescape(raw)
+
+
+@pytest.mark.parametrize(
+    ("raw", "read"),
+    [
+        ("a%20b a%2520b a&#32;b a&#x20;b a&nbsp;b a\\x20b a\\040b", "a b a%20b a b a b a\xa0b a b a b"),
+        ("caf%C3%A9 caf\\xc3\\xa9 caf%E9 caf&eacute; caf&#233", "café café café café café"),
+        ("&amp;lt; &ampx &notit; &lt", "&lt; &x ¬it; <"),
+        ("50% off, R&D, %zz, &nope; &#; &#xZ %4g", "50% off, R&D, %zz, &nope; &#; &#xZ %4g"),
+        ("a\\qb \\u00zz c \\12x", "aqb u00zz c \nx"),
+        ("%63%6E%72%79 \\x63\\x6e \\143\\156 &#99;&#110;", "cnry cn cn cn"),
+    ],
+)
+def test_each_kind_of_escape_and_what_is_no_escape(raw: str, read: str) -> None:
+    assert decode(raw) == read
+    # However the text is cut, and character by character.
+    assert read_in(list(raw)) == read
+    assert read_in([raw[:7], raw[7:19], raw[19:]]) == read
+
+
+def test_a_surrogate_pair_is_one_character_at_its_end() -> None:
+    reader = EscapeReader()
+    assert reader.decoded("\\ud835") == "" and reader.pending  # half of a pair: nothing yet
+    assert reader.decoded("\\udc02!") == "\U0001d402!"  # MATHEMATICAL BOLD CAPITAL C
 
 
 def decoded(text: str, times: int) -> str:
     for _ in range(times):
-        text = JsonStringReader().decoded(text)
+        text = decode(text)
+    return text
+
+
+def streamed(text: str, times: int) -> str:
+    for _ in range(times):
+        text = EscapeReader().decoded(text)
     return text
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(st.characters(codec="ascii")), st.integers(1, DEPTH), st.lists(st.integers(0, 400), max_size=20))
+@given(
+    st.text(st.characters(codec="ascii")),
+    st.lists(st.sampled_from(["json", "percent", "html"]), min_size=1, max_size=DEPTH),
+    st.lists(st.integers(0, 400), max_size=20),
+)
 def test_each_level_reads_the_text_decoded_so_many_times_and_knows_where_each_character_began(
-    text: str, depth: int, cuts: list[int]
+    text: str, encodings: list[str], cuts: list[int]
 ) -> None:
     raw = text
-    for _ in range(depth):
-        raw = inside(raw, True)
-    levels, shadows, begins = JsonStringLevels(), [""] * DEPTH, [list[int]() for _ in range(DEPTH)]
+    for encoding in encodings:
+        if encoding == "json":
+            raw = inside(raw, True)
+        elif encoding == "percent":
+            raw = urllib.parse.quote(raw, safe="")
+        else:
+            raw = html.escape(raw)
+    levels, shadows, begins = EscapeLevels(), [list[str]() for _ in range(DEPTH)], [list[int]() for _ in range(DEPTH)]
+    raw += END  # it ends what an escape left open at the text's end, as `decode` does
     for piece in split(raw, [cut for cut in cuts if cut <= len(raw)]):
         for level, (shadow, began) in enumerate(levels.read(piece)):
             assert len(shadow) == len(piece) == len(began)
             shadows[level] += shadow
             begins[level] += began
-    for level in range(DEPTH):  # (a level past `depth` may end inside an escape: `\\` decoded once is one backslash)
+    for level in range(DEPTH):  # (a level past the encodings may end inside an escape: `\\` decoded once is `\`)
         shadow = shadows[level]
-        # Spaces pad each reading: in normal form (letters and digits) it is the text decoded level + 1 times.
-        assert normalize(shadow) == normalize(decoded(raw, level + 1))
-        for at, char in enumerate(shadow):
-            # What the characters from where it began to where it stands decode to, decoded as often, is it.
-            if char != " " and begins[level][at] < at:
-                assert decoded(raw[begins[level][at] : at + 1], level + 1) == char
+        # In normal form (letters and digits), each reading is the text decoded level + 1 times.
+        if level + 1 <= len(encodings):
+            assert normalize("".join(shadow)) == normalize(decoded(raw, level + 1))
+        for at, output in enumerate(shadow):
+            # What the characters from where it began to where it stands decode to, decoded as often, is it (read as a
+            # stream that goes on: an escape the last of them begins is not ended).
+            if output and begins[level][at] < at:
+                assert streamed(raw[begins[level][at] : at + 1], level + 1) == output
 
 
-def test_a_broken_escape_is_dropped_up_to_the_character_that_broke_it() -> None:
-    reader = JsonStringReader()
-    assert reader.decoded("a\\qb \\u00zz c") == "ab z c"
-    assert reader.decoded("\\ud835") == "" and reader.pending  # half of a pair: nothing yet
-    assert reader.decoded("\\udc02!") == "\U0001d402!"  # MATHEMATICAL BOLD CAPITAL C
+@pytest.mark.parametrize(
+    ("text", "open_"),
+    [
+        ("ab\\u00", True), ("ab\\x4", True), ("ab\\1", True), ("ab%6", True), ("ab%", True),
+        ("ab&am", True), ("ab&#", True), ("ab&#x4", True), ("x%C3", True), ("x%256", True), ("x\\\\u00", True),
+        ("abc", False), ("50% ", False), ("a%20", False), ("R&D ", False), ("&lt;", False),
+    ],
+)  # fmt: skip
+def test_what_ends_inside_an_escape_in_some_reading(text: str, open_: bool) -> None:
+    # (`\\\\u00` is a backslash and `u00` as sent, and an open escape once decoded.)
+    assert opens_escape(text) is open_
 
 
 def escaped(marker: str, draw: st.DrawFn) -> str:
@@ -107,7 +183,7 @@ def escaped_streams(draw: st.DrawFn) -> tuple[str, bytes, list[str]]:
 @given(escaped_streams())
 def test_a_marker_only_decoding_spells_is_found_whatever_the_chunking(case: tuple[str, bytes, list[str]]) -> None:
     text, normal, pieces = case
-    scanner, before, found = StreamScanner(json_strings=True), "", False
+    scanner, before, found = StreamScanner(), "", False
     for piece in pieces:
         scan = scanner.scan(piece)
         if normal in [hit.normal for hit in scan.hits]:
@@ -177,10 +253,17 @@ async def test_what_stripping_the_tenants_own_marker_joins_is_scanned_too(size: 
     else:  # `\u00` + her marker + `43`: stripped, `\u0043` (C) and the rest spell bob's
         text = '{"note": "\\u00' + mine + "43NRY-" + bobs[5:] + '"}'
     if spelled == "escaped":
-        # What follows the strip completes an escape begun before it: no edit can make that safe, so none is tried.
+        # What follows the strip would complete an escape begun before it. Either no edit is tried (the answer is
+        # withheld), or the strip takes the escape's start with her marker (a reading where `\u00c` + `n…` is no
+        # escape reads it as its characters, from the backslash): what goes out spells neither marker, however read.
         for policy in (LeakPolicy.BLOCK, LeakPolicy.REDACT):
-            with pytest.raises(StripWouldJoin):
-                await relay_content(registry, text, size, policy)
+            try:
+                out, _ = await relay_content(registry, text, size, policy)
+            except StripWouldJoin:
+                continue
+            for times in range(DEPTH + 1):
+                assert normal_form(mine) not in normalize(decoded(out, times)), out
+                assert normal_form(bobs) not in normalize(decoded(out, times)), out
         return
     with pytest.raises(LeakBlocked):
         await relay_content(registry, text, size, LeakPolicy.BLOCK)
@@ -196,16 +279,25 @@ async def test_an_escape_is_never_cut_by_a_hit_as_sent_that_ends_in_it() -> None
     mine = registry.marker("alice")
     pieces = ['{"note": "' + mine[:-1] + "\\u00", "41", '0041"}']
     released, leaks = await relay_arguments(registry, "".join(pieces), LeakPolicy.BLOCK, pieces)
-    assert normal_form(mine) not in normalize(JsonStringReader().decoded(released)), released
+    assert normal_form(mine) not in normalize(decode(released)), released
     assert leaks == []
 
 
 @pytest.mark.parametrize("after", ["Y", "u0043NRY-{bob}"])
-async def test_an_escaped_backslash_before_u_is_no_escape_to_cut(after: str) -> None:
-    # `\\u004` is a backslash and the text `u004`: a strip that took it for an escape left `X\` + the rest.
+async def test_an_escaped_backslash_before_u_is_an_escape_once_decoded(after: str) -> None:
+    # `\\u004` is a backslash and the text `u004` as sent, and `\u004` decoded once: an escape the next character
+    # completes decoded twice (`\u004` + her marker + `3NRY…` would spell `CNRY…` there once she is stripped). A strip
+    # there cannot be shown safe (what came before it may have gone out), whatever follows it.
     registry = registry_at(tenants=("alice", "bob"))
     mine, bobs = registry.marker("alice"), registry.marker("bob")
     arguments = '{"note": "X\\\\u004' + mine + after.format(bob=bobs[5:]) + '"}'
+    with pytest.raises(StripWouldJoin):
+        await relay_arguments(registry, arguments, LeakPolicy.BLOCK)
+    with pytest.raises(StripWouldJoin):
+        await relay_content(registry, arguments, 1000, LeakPolicy.BLOCK)
+    # A backslash escaped more often than the scanner decodes (8 backslashes as sent for 16 in the JSON text) is a
+    # backslash in every reading: the strip goes ahead.
+    arguments = '{"note": "X' + "\\" * 16 + "u004" + mine + after.format(bob=bobs[5:]) + '"}'
     for released, leaks in (
         await relay_arguments(registry, arguments, LeakPolicy.BLOCK),
         await relay_content(registry, arguments, 1000, LeakPolicy.BLOCK),
