@@ -326,6 +326,13 @@ class GatewayMetrics:
             ["tenant", "model", "replica", "verdict"],
             registry=self.registry,
         )
+        self.judges = Counter(
+            "bulkhead_judges",
+            "Judges asked of another replica (each one more answer of the request), by recipient tenant and when: on "
+            "a suspect (suspect), or with the request, for a tenant past max_judges_per_day (start).",
+            ["tenant", "model", "when"],
+            registry=self.registry,
+        )
         self.fingerprints = Gauge(
             "bulkhead_prompt_fingerprints",
             "Fingerprints of recent prompts this instance checks answers against (its own and other instances').",

@@ -445,6 +445,13 @@ class FingerprintSettings(_Section):
         description="fragment verdicts one tenant may draw per model per day (all instances); past it its requests to "
         "the model are refused until an operator lifts the block",
     )
+    max_judges_per_day: int = Field(
+        default=20,
+        ge=0,
+        description="judges one tenant's answers may draw on a suspect, per model per day (all instances), each "
+        "showing in an answer's time; past it, every answer of the tenant on the model is judged beside its "
+        "generation and released once its judge answered (0: every answer of every tenant)",
+    )
     feed_wait_s: float = Field(
         default=2.0,
         gt=0,

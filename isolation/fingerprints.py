@@ -336,6 +336,7 @@ class Prepared:
     tenant: str
     fingerprints: Fingerprints
     shared: Fingerprints  # other tenants' fingerprints it holds too (among all its grams): text they share
+    grams: Fingerprints  # every gram of it, sorted: none counts in its own answer (AnswerCheck.own)
 
 
 class Fingerprinter:
@@ -404,10 +405,9 @@ class Fingerprinter:
         if not any(len(grams) for grams in every):
             # No text holds a gram (a chat turn of a few words): nothing to index, and numpy's calls on the empty
             # arrays cost ~15 µs a request.
-            return Prepared(tenant, NO_GRAMS, NO_GRAMS)
-        fingerprints = np.unique(np.concatenate(kept))
-        shared = self.index.others(np.unique(np.concatenate(every)), tenant)
-        return Prepared(tenant, fingerprints, shared)
+            return Prepared(tenant, NO_GRAMS, NO_GRAMS, NO_GRAMS)
+        grams = np.unique(np.concatenate(every))
+        return Prepared(tenant, np.unique(np.concatenate(kept)), self.index.others(grams, tenant), grams)
 
     def _fingerprints(self, text: str) -> tuple[Fingerprints, Fingerprints]:
         """(the kept fingerprints, every gram) of one text."""
@@ -451,12 +451,14 @@ class AnswerCheck:
     hasher: Hasher
     replica: str
     recipient: str
-    own_texts: Callable[[], Iterable[str]] = tuple  # the recipient's prompt, read only if a gram matches
+    # Every gram of the recipient's prompt, sorted (Prepared.grams, made during admission): hashing the prompt only
+    # once an answer's gram matched another tenant's would make that answer the slower, by as much as the recipient
+    # chooses to send (a single 12-word hit, timed).
+    own: Fingerprints = field(default_factory=lambda: NO_GRAMS)
     clock: Callable[[], float] = time.time
     only: str | None = None  # a judge's check: this victim's prompts alone, whichever replica they went to
     _bit: int = field(init=False)
     _span: int = field(init=False)  # the most words between a fragment's two grams
-    _own: set[int] | None = field(init=False, default=None)
     _cleared: set[int] = field(init=False, default_factory=set)  # grams this answer was judged induced to say
 
     def __post_init__(self) -> None:
@@ -469,10 +471,10 @@ class AnswerCheck:
         text still is."""
         self._cleared.update(grams)
 
-    def found(self, text: str) -> set[int]:
-        """The grams of a whole text that count (for a judge's check: those of the `only` victim)."""
+    def found(self, grams: Iterable[int]) -> set[int]:
+        """Those of a whole text's grams (`hasher.grams`) that count (for a judge's check: the `only` victim's)."""
         now = self.clock()
-        return {gram for gram in self.hasher.grams(text).tolist() if self._victim(gram, now) is not None}
+        return {gram for gram in grams if self._victim(gram, now) is not None}
 
     def feed(self, grams: AnswerGrams, piece: str) -> str | None:
         """Read one more piece of a text; the victim, once it carries a fragment of another tenant's prompt (its two
@@ -519,9 +521,11 @@ class AnswerCheck:
         victim = self.index.victim(gram, self._bit, self.recipient, now)
         if victim is None or gram in self._cleared or (self.only is not None and victim != self.only):
             return None
-        return None if gram in self._own_grams() else victim
+        at = int(self.own.searchsorted(np.uint64(gram)))
+        return None if at < len(self.own) and int(self.own[at]) == gram else victim
 
-    def _own_grams(self) -> set[int]:
-        if self._own is None:
-            self._own = {int(g) for text in self.own_texts() for g in self.hasher.grams(text).tolist()}
-        return self._own
+
+def every_gram(hasher: Hasher, texts: Iterable[str]) -> Fingerprints:
+    """Every gram of these texts, sorted, without repeats: a prompt's as AnswerCheck takes it (Prepared.grams)."""
+    found = [hasher.grams(text) for text in texts]
+    return np.unique(np.concatenate(found)) if found else NO_GRAMS

@@ -31,6 +31,7 @@ from gateway.incidents.verdicts import VerdictBound
 from gateway.pipeline import embeddings
 from gateway.pipeline.admission import Admission, admit, admit_inputs
 from gateway.pipeline.counting import LocalCounter, Prompt, PromptCounter
+from gateway.pipeline.judging import Judgement, Said, grams_said, judge_body
 from gateway.pipeline.outcome import DONE, Answer, Event, Outcome, Stream
 from gateway.pipeline.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, failing_closed, filtered
 from gateway.pipeline.slot import Slot, SlotParts
@@ -49,8 +50,7 @@ from gateway.upstream.backends import Replica
 from gateway.upstream.placement import Placement
 from gateway.upstream.proxy import Upstream, UpstreamResponse, parse_json_body
 from gateway.upstream.routing import Router
-from isolation.channels import prune, texts, token_streams
-from isolation.escapes import readings
+from isolation.channels import prune
 from isolation.events import IsolationEvent
 from isolation.fingerprints import AnswerCheck, Fingerprinter, Prepared
 from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard, Suspect
@@ -59,6 +59,7 @@ from isolation.leaks import LeakPolicy
 from isolation.markers import MarkerRegistry
 from isolation.salts import CacheSalts
 from isolation.verify import usage_problem
+from isolation.winnowing import NO_GRAMS, Fingerprints
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 # What one token of one choice can take in an honest answer, per alternative: a chat logprob entry with its bytes
@@ -69,9 +70,6 @@ ANSWER_BASE_BYTES = 1 << 20
 DATA = b"data: "
 INDUCED = "fingerprint_induced"  # the isolation event of a judged fragment that was no leak
 MAX_VERDICTS = 4  # judges one answer may ask for: one per victim, and an answer names few
-# What a judge's answer does without: it is read whole, once. Everything else stays as the tenant sent it (stop
-# strings, min_tokens, biases, tools, formats, logprobs), so the judge says what the same request says, greedily.
-JUDGE_DROPS = ("stream", "stream_options", "best_of", "prompt_logprobs", "echo")
 # A surface's work at a stream's end, told whether the backend ended it with its [DONE] (run's docstring).
 AtEnd = Callable[[bool], Awaitable[object]]
 LEAK_DETAILS = {
@@ -248,14 +246,12 @@ class InferenceCall:
         admission: Admission,
         placement: Placement,
         slot: Slot,
-        prompt: Prompt,
         echo_prefix: str = "",
         prepared: Prepared | asyncio.Future[Prepared] | None = None,
     ) -> None:
         self.state = state
         self.prepared = prepared  # the prompt's fingerprints, registered for each replica before it is sent there
         self.slot = slot
-        self.prompt = prompt  # the tenant's own, without what the gateway injects
         self.echo_prefix = echo_prefix
         self.limit_headers = slot.limit_headers
         self.record = record
@@ -277,6 +273,7 @@ class InferenceCall:
         self._mark: str | None = None  # the prompt's last entry in the fingerprint feed
         self._sent: tuple[str, bytes] | None = None  # the path and body forwarded
         self._verdicts = 0  # suspects judged in this answer
+        self._judgement: Judgement | None = None  # its judge, when asked with the request (judged from the start)
         self._forwarded_at: float | None = None  # when it was sent (the ledger records only what was)
         self._kinds: list[str] = []  # its isolation events' kinds
         self._withheld = False
@@ -287,6 +284,8 @@ class InferenceCall:
         if self._closed:
             return
         self._closed = True
+        if self._judgement is not None:
+            self._judgement.said.cancel()
         if self.response is not None:
             await self.response.aclose()
         self.admission.cancel()
@@ -340,6 +339,7 @@ class InferenceCall:
         self._forwarded_at = time.time()
         try:
             await self._fingerprint(self.replica)
+            self._judge_from_start()  # before it is sent: the engine may answer only once it has written it all
             await self._open(path, body)
         except InvalidRequest as refusal:
             # The backend's own words about the request: they can quote the prompt, markers included.
@@ -400,7 +400,32 @@ class InferenceCall:
                 raise
             self.replica, self.record.backend = fallback, fallback.name
             await self._fingerprint(fallback)
+            self._judge_from_start()
             self.response = await upstream.open(fallback, path, body, self.upstream_id)
+
+    def _judge_from_start(self) -> None:
+        """Ask the judge now, beside the engine, when this tenant's answers on the model are judged from their start
+        (past its judges of the day on a suspect): the answer then waits for it, whether a suspect needs it or not."""
+        if (judgement := self._judgement) is not None:
+            if judgement.replica is not self.replica:
+                return
+            judgement.said.cancel()  # the request moved to the judge's replica (its first one refused to connect)
+            self._judgement = None
+        if self.state.fingerprints is None or isinstance(self.request, EmbeddingRequest):
+            return
+        if not self.state.verdicts.judged_from_start(self.tenant.id, self.model.name):
+            return
+        replica = self._judging_replica()
+        if replica is not None:
+            self.state.metrics.judges.labels(self.tenant.id, self.model.name, "start").inc()
+            self._judgement = Judgement(replica, asyncio.create_task(self._regenerate(replica)))
+
+    async def _until_judged(self) -> None:
+        """The release rule of an answer judged from its start: none of it is read, nor goes out, before its judge
+        answered; a suspect found in it is then decided at once, so a judged answer takes a clean one's time."""
+        if self._judgement is not None:
+            # Not `await`: a judge that failed is for a suspect to find (unjudged), not for a clean answer.
+            await asyncio.wait([self._judgement.said])
 
     async def judge(self, suspect: Suspect) -> frozenset[int] | None:
         """Whether a fragment of another tenant's prompt in this answer was induced: the same request, greedy, on
@@ -408,14 +433,13 @@ class InferenceCall:
         a request to another replica; a text the recipient had the model write (a public text, a candidate of an
         oracle) does. Returns the victim's grams that the judge's answer holds (no evidence in this answer from now
         on) when it was induced, else None (a leak). Every verdict is counted and recorded for operators."""
-        fingerprints = self.state.fingerprints
-        assert fingerprints is not None
-        replica = self._judging_replica(suspect.victim)
+        judgement = self._judgement
+        replica = judgement.replica if judgement is not None else self._judging_replica(suspect.victim)
         verdict, cleared = "unjudged", None
         try:
             if replica is not None and self._verdicts < MAX_VERDICTS:
                 self._verdicts += 1
-                said = await self._regenerate(replica)
+                said = await (judgement.said if judgement is not None else self._judge_on_suspect(replica))
                 if said is not None:
                     cleared = self._came_back(replica, suspect, said)
                     verdict = "leak" if cleared is None else "induced"
@@ -428,36 +452,39 @@ class InferenceCall:
         if cleared is None or replica is None:
             return None
         detail = f"a fragment of another tenant's prompt that the answer was induced to say (judged on {replica.name})"
-        await report(self.event(INDUCED, detail, victim_tenant=suspect.victim), self.state)
+        # Not awaited: a store's round trip would make the answer that a judge cleared the slower one.
+        self.state.background(report(self.event(INDUCED, detail, victim_tenant=suspect.victim), self.state))
         return cleared
 
-    def _judging_replica(self, victim: str) -> Replica | None:
-        """Another routable replica of the model, one the victim's recent prompts never went to if there is one."""
+    async def _judge_on_suspect(self, replica: Replica) -> Said:
+        """A judge asked once a suspect is found: the answer waits for it, which its client sees, so each counts
+        against the tenant's judges of the day on the model (past them, its answers are judged from their start)."""
+        self.state.metrics.judges.labels(self.tenant.id, self.model.name, "suspect").inc()
+        await self.state.verdicts.judge(self.tenant.id, self.model.name)
+        return await self._regenerate(replica)
+
+    def _judging_replica(self, victim: str | None = None) -> Replica | None:
+        """Another routable replica of the model, one the victim's recent prompts never went to if there is one (the
+        least busy; before a suspect no victim is known)."""
         fingerprints = self.state.fingerprints
         assert fingerprints is not None
         others = [r for r in self.state.pool.routable(self.model) if r.name != self.replica.name]
-        clean = [r for r in others if not fingerprints.index.sent(victim, r.name)]
+        clean = [r for r in others if victim is not None and not fingerprints.index.sent(victim, r.name)]
         return min(clean or others, key=lambda r: r.in_flight, default=None)
 
-    async def _regenerate(self, replica: Replica) -> list[str] | None:
-        """Every text (and logprob token stream) of every choice `replica` answers this request with, greedily and
-        whole; None when it could not be asked or did not answer."""
+    async def _regenerate(self, replica: Replica) -> Said:
+        """Every gram `replica` says answering this request, greedily and whole (judging.grams_said); None when it
+        could not be asked or did not answer."""
+        fingerprints = self.state.fingerprints
+        assert fingerprints is not None
         if self._sent is None:
             return None
         path, body = self._sent
-        payload = orjson.loads(body)
-        for name in JUDGE_DROPS:
-            payload.pop(name, None)
-        payload["temperature"] = 0.0
-        if not payload.get("use_beam_search"):
-            payload["n"] = 1  # greedy choices are all alike (beam search keeps its width: its best beams differ)
-        # The output admission reserved (sent as it was): a judge fits the window as the request did, and writes at
-        # least as far as the answer can have gone, in tokens whatever the characters.
         bound = answer_bound(self.request, self.admission.max_tokens, self.sent_bytes)
         await self._fingerprint(replica)  # the tenant's prompt goes there now too
         start = time.time()
         try:
-            response = await self.state.upstream.open(replica, path, orjson.dumps(payload), f"{self.upstream_id}.j")
+            response = await self.state.upstream.open(replica, path, judge_body(body), f"{self.upstream_id}.j")
             try:
                 raw = await response.read(bound + 1)
             finally:
@@ -467,30 +494,17 @@ class InferenceCall:
             return None
         finally:
             self.state.ledger.record(self._served(replica, start, JUDGED))
-        choices = answer.get("choices")
-        if len(raw) > bound or not isinstance(choices, list):
-            return None
-        found: list[str] = []
-        said: list[str] = []
-        for choice in choices:
-            if isinstance(choice, dict):
-                prune({"choices": [choice]})
-                said += [holder[name] for _, holder, name in texts(choice)]
-                logprobs = choice.get("logprobs")
-                found += ["".join(pieces) for pieces in token_streams(logprobs).values()] if logprobs else []
-        # Its texts one by one, and joined as the guard read the answer's (a fragment it found may span two of them).
-        found += [*said, "".join(said), " ".join(said)] if len(said) > 1 else said
-        return [reading for text in found for reading in readings(text)]
+        return None if len(raw) > bound else grams_said(answer, fingerprints.hasher)
 
-    def _came_back(self, replica: Replica, suspect: Suspect, said: list[str]) -> frozenset[int] | None:
-        """The victim's grams in a judge's texts, when they hold the two that made the suspect (else None)."""
+    def _came_back(self, replica: Replica, suspect: Suspect, said: frozenset[int]) -> frozenset[int] | None:
+        """The victim's grams a judge said, when they hold the two that made the suspect (else None)."""
         fingerprints = self.state.fingerprints
         assert fingerprints is not None
         check = AnswerCheck(
-            fingerprints.index, fingerprints.hasher, replica.name, self.tenant.incarnation(), self.prompt.texts,
+            fingerprints.index, fingerprints.hasher, replica.name, self.tenant.incarnation(), self._own_grams(),
             only=suspect.victim,
         )  # fmt: skip
-        found = frozenset().union(*(check.found(text) for text in said))
+        found = frozenset(check.found(said))
         return found if found.issuperset(suspect.pair) else None
 
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
@@ -534,6 +548,10 @@ class InferenceCall:
             self.state.metrics.injected_tokens.labels(self.model.name).observe(injected)
         hide_injected(usage, injected)
 
+    def _own_grams(self) -> Fingerprints:
+        """Every gram of the tenant's own prompt (none counts in its answer), as its admission made them."""
+        return self.prepared.grams if isinstance(self.prepared, Prepared) else NO_GRAMS
+
     def output_guard(self) -> OutputGuard | None:
         canary, fingerprints = self.state.settings.isolation.canary, self.state.fingerprints
         if not canary.enabled and fingerprints is None:
@@ -548,7 +566,7 @@ class InferenceCall:
             if self.state.settings.isolation.fingerprints.stream_hold == "tail":
                 hold_tail = fingerprints.hasher.shape.min_fragment - 1
             fragments = AnswerCheck(
-                fingerprints.index, fingerprints.hasher, self.replica.name, owner, self.prompt.texts
+                fingerprints.index, fingerprints.hasher, self.replica.name, owner, self._own_grams()
             )
         return OutputGuard(
             self.state.markers,
@@ -573,6 +591,7 @@ class InferenceCall:
             raise BackendBadResponse(f"Backend '{self.replica.name}' answered more than {bound} bytes.")
         try:
             with failing_closed():
+                await self._until_judged()
                 body = await self._checked(raw)
         except StreamWithheld as exc:
             raise await self.withhold(exc) from exc
@@ -631,6 +650,7 @@ class InferenceCall:
         )
         last: Event | None = None
         try:
+            await self._until_judged()
             async for event in filtered(self.response.chunks(), stream_filter):
                 record.mark_first_byte()
                 self._events_out += 1
@@ -751,7 +771,6 @@ async def _admit(
         admission,
         placement,
         slot,
-        own,
         completion_prefix(marker) if echo and marker is not None else "",
         prepared,
     )
@@ -786,9 +805,7 @@ async def _admit_inputs(
     except BaseException:
         slot.release()
         raise
-    # The tenant's own texts, for the checks that tell its own words from another's (there are none to check here).
-    own = Prompt(owner=owner)
-    return InferenceCall(state, record, tenant, model, parsed, admission, placement, slot, own), orjson.dumps(payload)
+    return InferenceCall(state, record, tenant, model, parsed, admission, placement, slot), orjson.dumps(payload)
 
 
 def refuse(state: PipelineParts, record: RequestRecord, error: GatewayError) -> Answer:

@@ -419,7 +419,8 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
             if redis is not None:
                 await redis.aclose()
             raise
-        verdicts = VerdictBound(stores.store, settings.isolation.fingerprints.max_verdicts_per_day)
+        fingerprinting = settings.isolation.fingerprints
+        verdicts = VerdictBound(stores.store, fingerprinting.max_verdicts_per_day, fingerprinting.max_judges_per_day)
         pool = ReplicaPool(settings.backends, metrics, stores.store)
         capacity = CapacityMonitor(settings.models, settings.backends, pool, metrics, settings.upstream)
         timeout = settings.upstream.connect_timeout_s

@@ -75,7 +75,14 @@ from gateway.server.app import canary_keys, fingerprint_secret, make_fingerprint
 from gateway.server.stores import build_stores
 from gateway.settings import Settings
 from isolation.channels import prune
-from isolation.fingerprints import AnswerCheck, Fingerprinter, FingerprintIndex, Prompt, RedisFingerprintFeed
+from isolation.fingerprints import (
+    AnswerCheck,
+    Fingerprinter,
+    FingerprintIndex,
+    Prompt,
+    RedisFingerprintFeed,
+    every_gram,
+)
 from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard
 from isolation.inject import inject_chat
 from isolation.leaks import LeakPolicy
@@ -221,7 +228,7 @@ class Gateway:
                 self.fingerprinter.hasher,
                 REPLICA,
                 recipient,
-                lambda: self.prompts.get(recipient, ()),  # as the gateway passes the request's own prompt
+                every_gram(self.fingerprinter.hasher, self.prompts.get(recipient, ())),  # as admission makes them
             )
         return OutputGuard(self.registry, recipient, policy, leaks, fragments=check), leaks
 

@@ -21,7 +21,7 @@ import base64
 import codecs
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -509,11 +509,22 @@ class DecodingModel(Adversary):
     """A chat model that follows one instruction: 'ROT13: <text>' (or 'BASE64: <text>') in the last user turn is
     answered with the text decoded, greedily, whatever the sampling settings ('ARGS BASE64: <text>': as a tool call's
     arguments). Anything else is answered as the Adversary answers it. Honest usage; `stale`, when set, is written
-    after every decoded text (pages of other requests this replica holds: a stale-KV fault of its own)."""
+    after every decoded text (pages of other requests this replica holds: a stale-KV fault of its own).
+
+    A decoded answer takes `latency_s` to write (a whole one all of it before it is sent, a stream's events spread
+    over it). `arrivals` holds when each chat request arrived, `written` when each decoded answer's last byte was
+    written (time.monotonic: the tests serve replicas on threads of their own process)."""
 
     stale = ""
+    latency_s = 0.0
+
+    def __init__(self, tokenizer: ModelTokenizer, model: str = MODEL) -> None:
+        super().__init__(tokenizer, model)
+        self.arrivals: list[float] = []
+        self.written: list[float] = []
 
     async def _chat(self, request: Request) -> Response:
+        self.arrivals.append(time.monotonic())
         body = orjson.loads(await request.body())
         messages = body["messages"]
         users = [m for m in messages if m.get("role") == "user"]
@@ -524,7 +535,19 @@ class DecodingModel(Adversary):
             return self._answer(True, body, "\n".join(_contents(messages)))
         # 7 characters a chunk in a stream: words cut between chunks, as an engine's tokens cut them.
         self.plan = Plan("tool_arguments" if "ARGS " in last[0] else "content", piece=7, source="own")
-        return self._answer(True, body, f"{decoded} {self.stale}" if self.stale else decoded)
+        response = self._answer(True, body, f"{decoded} {self.stale}" if self.stale else decoded)
+        if not isinstance(response, StreamingResponse):
+            await asyncio.sleep(self.latency_s)
+            self.written.append(time.monotonic())
+            return response
+        events = [event async for event in response.body_iterator]
+        return StreamingResponse(self._paced(events), media_type="text/event-stream")
+
+    async def _paced(self, events: list[str | bytes | memoryview[int]]) -> AsyncIterator[str | bytes | memoryview[int]]:
+        for event in events:
+            await asyncio.sleep(self.latency_s / len(events))
+            yield event
+        self.written.append(time.monotonic())
 
 
 def _decoded(turn: str) -> str | None:

@@ -1,12 +1,15 @@
-"""A fragment of another tenant's prompt in an answer is judged before it is called a leak: the answer's text before
-it is continued on another replica, one the victim's prompt never went to. A text the recipient had the model write
+"""A fragment of another tenant's prompt in an answer is judged before it is called a leak: the same request is
+answered again on another replica, one the victim's prompt never went to. A text the recipient had the model write
 (a public text another tenant primed, an oracle's candidate) comes back there and the answer goes out as written; a
 stale page does not, and the answer is withheld. So priming public text blocks no one, and an oracle on other
-tenants' prompts reads the same status, error and finish_reason for a true candidate as for a false one."""
+tenants' prompts reads the same status, error and finish_reason for a true candidate as for a false one; past its
+judges of the day on a suspect, every answer is judged from its start, and a true candidate takes a false one's
+time."""
 
 from __future__ import annotations
 
 import base64
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -320,3 +323,70 @@ async def test_an_induced_text_clears_only_itself_and_a_stale_page_after_it_is_s
     assert len([w for w in words(said) if w in set(words(private)) - set(words(known))]) <= 20
     kinds = [kind for kind, _, _ in await verdicts(client, gateway_url)]
     assert sorted(kinds) == ["fingerprint_induced", "fingerprint_leak"], kinds  # newest first
+
+
+async def released(
+    client: httpx.AsyncClient, gateway_url: str, content: str, stream: bool
+) -> tuple[tuple[int, bool, str | None, str], float]:
+    """What came of the asker's request on r1 (what_came), and when its first byte did (time.monotonic)."""
+    headers = auth(key("asker")) | {"x-session-affinity": session_on("asker", "r1", ["r1", "r2"])}
+    body = chat_body(content, max_tokens=200, stream=stream)
+    async with client.stream("POST", f"{gateway_url}{CHAT}", json=body, headers=headers) as response:
+        chunks = response.aiter_bytes()
+        first = await anext(chunks)
+        at = time.monotonic()
+        whole = first + b"".join([chunk async for chunk in chunks])
+    return what_came(httpx.Response(response.status_code, content=whole), stream), at
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_judged_from_the_start_a_clean_answer_and_a_judged_one_are_released_by_one_rule(
+    client: httpx.AsyncClient, deployment: Any, stream: bool
+) -> None:
+    """Each answer's judge is asked with its request, beside the engine, and nothing of the answer goes out before
+    that judge answered, whether the answer holds another tenant's text (and needs the judge) or not: a judged
+    answer takes a clean one's time."""
+    gateway_url, engines = deployment(["r1", "r2"], {"fingerprints": {"max_judges_per_day": 0}})
+    r1, r2 = engines["r1"][1], engines["r2"][1]
+    r1.latency_s = 0.3  # long enough that a judge asked only once r1's answer is read could not arrive before
+    sent, clean = PUBLIC["Genesis 1"], PUBLIC["the Zen of Python"]
+    assert (await send(client, gateway_url, "victim", sent)).status_code == 200
+    for text in (clean, sent):
+        judges = len(r2.arrivals)
+        came, at = await released(client, gateway_url, encoded(text), stream)
+        assert came == (200, False, "stop", text)
+        assert len(r2.arrivals) == judges + 1, "one judge an answer, whatever it holds"
+        assert r2.arrivals[-1] < r1.written[-1], "asked while the engine wrote the answer"
+        assert at > r2.written[-1], "nothing of the answer went out before its judge answered"
+    assert await verdicts(client, gateway_url) == [("fingerprint_induced", "asker", "victim")]
+
+
+async def test_past_its_judges_of_the_day_a_tenants_answers_are_judged_from_their_start_on_every_instance(
+    client: httpx.AsyncClient, deployment: Any
+) -> None:
+    """A judge asked on a suspect shows in the answer's time, so a tenant has few of them a day; past them every
+    answer of its on the model is judged from its start. The count is shared: an instance learns of it at its own
+    next judge on a suspect."""
+    (first, second), engines = deployment(["r1", "r2"], {"fingerprints": {"max_judges_per_day": 1}}, instances=2)
+    r2 = engines["r2"][1]
+    sent, clean = PUBLIC["Genesis 1"], PUBLIC["the Zen of Python"]
+    assert (await send(client, first, "victim", sent)).status_code == 200
+    steps = [
+        (first, "asker", clean, 0),  # no suspect, no judge
+        (first, "asker", sent, 1),  # a judge on a suspect: the day's one
+        (first, "asker", sent, 1),  # and one past it: from now on judged from the start, here
+        (first, "asker", clean, 1),
+        (first, "primer", clean, 0),  # no one else
+        (second, "asker", clean, 0),  # the other instance has not counted yet...
+        (second, "asker", sent, 1),  # ...until its own judge on a suspect
+        (second, "asker", clean, 1),
+    ]
+    for gateway_url, tenant, text, judges in steps:
+        asked = len(r2.arrivals)
+        response = await send(client, gateway_url, tenant, encoded(text))
+        assert what_came(response, False) == (200, False, "stop", text)
+        assert len(r2.arrivals) == asked + judges, (gateway_url, tenant, text[:20])
+    for gateway_url, on_suspect in ((first, 2), (second, 1)):
+        exposition = (await client.get(f"{gateway_url}/metrics")).text
+        assert metric(exposition, "bulkhead_judges_total", tenant="asker", when="suspect") == on_suspect
+        assert metric(exposition, "bulkhead_judges_total", tenant="asker", when="start") == 1

@@ -23,6 +23,7 @@ from isolation.fingerprints import (
     FingerprintIndex,
     Prompt,
     RedisFingerprintFeed,
+    every_gram,
     public_fingerprints,
 )
 from isolation.guard import FRAGMENT, Leak, LeakBlocked, OutputGuard
@@ -175,7 +176,7 @@ def test_the_recipients_own_prompt_never_counts_even_when_only_another_tenant_ke
     index, text = bobs_document
     quoted = " ".join(text.split()[100:160])
     # alice sent the same passage in this request, though winnowing kept its grams on bob's side only.
-    check = AnswerCheck(index, hasher, "r1", "alice", lambda: [f"Explain: {quoted}"])
+    check = AnswerCheck(index, hasher, "r1", "alice", every_gram(hasher, [f"Explain: {quoted}"]))
     assert check.feed(AnswerGrams(hasher), quoted + " .") is None
 
 
