@@ -81,7 +81,7 @@ async def _run(name: str, chunks: int) -> None:
     async def leak(_: Any) -> None:
         raise AssertionError("the workload leaks nothing")
 
-    check = AnswerCheck(index, hasher, "r1", "tenant-0", tuple, clock=lambda: 1_700_000_000.0)
+    check = AnswerCheck(index, hasher, "r1", "tenant-0", clock=lambda: 1_700_000_000.0)
     guard = OutputGuard(registry, "tenant-0", LeakPolicy.BLOCK, leak, fragments=check)
     for field, piece in pieces[:chunks]:
         choice = {"index": 0, "delta": {field: piece}, "logprobs": None, "finish_reason": None}
