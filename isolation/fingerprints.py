@@ -282,7 +282,12 @@ class RedisFingerprintFeed:
 
     async def follow(self, index: FingerprintIndex, last: str) -> None:
         """Add every other instance's prompts to the index as they come, from `last` on, until cancelled."""
+        task = asyncio.current_task()
         while True:
+            # redis-py can swallow the cancellation of a blocked read (answering nothing, or a connection error): the
+            # cancel was this task's all the same, and a loop that went on past it kept the event loop from closing.
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             try:
                 answer: Any = await self._redis.xread({self._key: last}, count=500, block=1000)
             except (RedisError, OSError) as exc:

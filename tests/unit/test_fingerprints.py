@@ -5,6 +5,7 @@ expiry, a memory bound), the Redis feed between instances, and the guard's use o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
@@ -256,6 +257,13 @@ def test_no_two_replicas_share_an_identity_however_many() -> None:
         assert found == [name]
 
 
+async def stopped(follower: asyncio.Task[None]) -> None:
+    """Cancel a feed's follower and wait until it has ended (one that swallowed the cancel hung the suite's close)."""
+    follower.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(follower, 5.0)
+
+
 async def test_an_answer_waits_until_its_instance_has_read_the_feed_to_its_mark() -> None:
     with redis_server() as url:
         redis = Redis.from_url(url)
@@ -273,7 +281,7 @@ async def test_an_answer_waits_until_its_instance_has_read_the_feed_to_its_mark(
         follower = asyncio.create_task(feed_two.follow(two, start))
         assert await feed_two.reached(mark, 5.0) and await waiting.caught_up(mark)
         assert len(two) == 2, "alice's prompt, published before the mark, is known by then"
-        follower.cancel()
+        await stopped(follower)
         await redis.delete(f"{prefix}fingerprints")
         await redis.aclose()
 
@@ -295,7 +303,7 @@ async def test_instances_share_fingerprints_through_redis() -> None:
             if len(two) == 3:
                 break
             await asyncio.sleep(0.05)
-        follower.cancel()
+        await stopped(follower)
         assert len(two) == 3
         await feed_two.publish(prompt("carol", "r1", [10], at=time.time()))
         await feed_two.catch_up(two)
