@@ -508,7 +508,9 @@ class OutputGuard:
         found = False
         suspended = state.suspended
         for key, holder, name in slots:
-            find = self._fragment(index, state, key, holder[name], final, joins=True)
+            # A tool call's name is no part of the joined texts: it stands between a text and the call's arguments,
+            # where a word of its own would break the grams of a passage running on from one into the other.
+            find = self._fragment(index, state, key, holder[name], final, joins=not key.endswith(":name"))
             victim = None if find is None else await self._unless_induced(*find)  # (a coroutine only on a find)
             hit = victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None
             found |= hit and key == mirrored
