@@ -85,20 +85,27 @@ class Joins:
                     mine.head, mine.normal = mine.normal[:TAIL], b""
             else:
                 mine.start += text
-        if not (plain and not mine.out):
-            mine.out = open_end((mine.out + normalize(text))[-TAIL:])
+        out = mine.out
+        if not (plain and not out):
+            mine.out = open_end((out + normalize(text))[-TAIL:])
         tail = open_end((mine.out + normalize(held))[-TAIL:]) if held else mine.out
-        moved, was = tail != mine.tail, mine.tail
-        if moved:
+        was = mine.tail
+        if tail != was:
             mine.tail = tail
             self._open_ends += bool(tail) - bool(was)
         if mine.head is not None and not tail:
             self.settled(choice).add(key)
         else:
             self.settled(choice).discard(key)
-        # Its end before the start of every other text; every other text's end before its start.
-        if moved and tail:
-            found += [candidate for theirs in self._others(mine) for candidate in candidates(tail + theirs.begins())]
+        # What went out of its end before the start of every other text. (Not what it holds: that end is still
+        # growing, and each step of it joined to another text's start would be another candidate, all but the last
+        # no marker; it is read once it goes out, and a text that starts after it meanwhile is read after it below.)
+        if mine.out != out and mine.out:
+            found += [
+                candidate for theirs in self._others(mine) for candidate in candidates(mine.out + theirs.begins())
+            ]
+        # Every other text's end, held or gone out, before its start: nothing after a held first half of a marker
+        # leaves before the join is decided.
         if grown and self._open_ends:
             found += [
                 candidate
