@@ -286,6 +286,13 @@ class GatewayMetrics:
             ["kind", "model", "replica"],
             registry=self.registry,
         )
+        self.count_drift = Counter(
+            "bulkhead_prompt_count_drift",
+            "Answers whose engine counted the prompt it was sent otherwise than the gateway did (its own /tokenize "
+            "agreeing with its usage): the gateway's bug, by the request's shape; never an isolation event.",
+            ["model", "route", "shape"],
+            registry=self.registry,
+        )
         self.replica_state = Gauge(
             "bulkhead_replica_state",
             "1 for the state a replica is in (healthy, unhealthy, quarantined, draining, suspended).",

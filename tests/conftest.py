@@ -28,7 +28,7 @@ def make_sim(tokenizer_dir: Path) -> Iterator[SimFactory]:
     with ExitStack() as stack:
 
         def start(**overrides: Any) -> str:
-            config = SimConfig(tokenizer_dir=tokenizer_dir, **overrides)
+            config = SimConfig(**{"tokenizer_dir": tokenizer_dir, **overrides})
             return stack.enter_context(run_server(create_sim_app(config)))
 
         yield start

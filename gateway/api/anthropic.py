@@ -29,10 +29,10 @@ from gateway.api.anthropic_shapes import (
     message,
     message_id,
 )
-from gateway.api.body import off_loop
 from gateway.api.openai import cut_short, new_record, read_submission, relayed_as
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import GatewayError
+from gateway.offload import off_loop
 from gateway.pipeline.counting import Prompt
 from gateway.pipeline.inference import Route, Submission, check_task, refuse, resolve_model, run
 from gateway.pipeline.outcome import Answer, Outcome, Stream

@@ -8,24 +8,18 @@ import logging
 import sys
 import time
 from asyncio.subprocess import PIPE
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.api.bounds import Bounds, JsonObject, Refusal, Shape, answer, ask, checked, measure, parsed, quick_count
+from gateway.api.bounds import Bounds, JsonObject, Refusal, Shape, answer, ask, checked, parsed, quick_count
 from gateway.errors import BodyTooLarge, ClientGone, GatewayError, InvalidRequest, RequestTimeout
 from gateway.metrics import GatewayMetrics
+from gateway.offload import UNBOUNDED, measure
 from gateway.settings import LimitSettings
 
 log = logging.getLogger("bulkhead.bodies")
-UNBOUNDED = 1 << 62
 WORKER_STOP_S = 1.0
-# A surface's own validation and translation of a body holding more values than this run in a thread. On the loop
-# they hold it to the end (pydantic: ~1 µs a value, ~2 µs for a Responses request's items; 2,048 values, 2-4 ms);
-# in a thread pydantic-core lets the loop run every few milliseconds (measured: docs/benchmarks.md).
-THREAD_VALUES = 2048
-T = TypeVar("T")
 
 
 async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
@@ -67,14 +61,6 @@ def parse_json_object(raw: bytes, max_depth: int) -> JsonObject:
     if isinstance(value, Refusal):
         raise _error(value)
     return value
-
-
-async def off_loop(work: Callable[[], T], weight: Any) -> T:
-    """`work` (validating or translating a body; pure, so a thread may run it), here when `weight` (the JSON it reads)
-    is small, else in a thread. Telling which costs at most THREAD_VALUES steps."""
-    if measure(weight, THREAD_VALUES, UNBOUNDED)[0] <= THREAD_VALUES:
-        return work()
-    return await asyncio.to_thread(work)
 
 
 class BodyReader:

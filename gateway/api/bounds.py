@@ -24,6 +24,8 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from gateway.offload import measure
+
 JsonObject = dict[str, Any]
 
 
@@ -38,7 +40,6 @@ class Cap:
 
 
 Shape = tuple[Cap, ...]  # an API's caps, a list's own before those under its items
-CONTAINERS = (dict, list)
 
 
 @dataclass(frozen=True)
@@ -78,32 +79,6 @@ def parsed(raw: bytes) -> JsonObject | Refusal:
     if not isinstance(value, dict):
         return Refusal("Request body must be a JSON object.")
     return value
-
-
-def measure(value: Any, most_values: int, most_depth: int) -> tuple[int, int]:
-    """The values `value` holds (itself included) and its depth, level by level; the walk stops once either is past
-    its most, so it costs at most `most_values` steps whatever the body. Iterative on purpose: a recursive walk of
-    hostile input is how a parser-depth attack becomes a crash."""
-    values, depth = 1, 0
-    level = [value] if type(value) in CONTAINERS else []
-    while level:
-        depth += 1
-        below: list[Any] = []
-        keep = below.append
-        for node in level:
-            children = node.values() if type(node) is dict else node
-            values += len(children)
-            if values > most_values:
-                return values, depth
-            # A plain loop, and type() rather than isinstance(): orjson makes exact dicts and lists, and this is the
-            # walk's inner loop (a comprehension per node made the walk twice as slow).
-            for child in children:
-                if type(child) in CONTAINERS:
-                    keep(child)
-        if below and depth == most_depth:
-            return values, depth + 1
-        level = below
-    return values, depth
 
 
 def refusal(value: JsonObject, bounds: Bounds, shape: Shape) -> Refusal | None:

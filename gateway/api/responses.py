@@ -21,7 +21,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import accesslog
-from gateway.api.body import off_loop
 from gateway.api.conversations import Said, Turn
 from gateway.api.openai import cut_short, new_record, openai_response, read_submission, relayed_as
 from gateway.api.responses_shapes import (
@@ -46,6 +45,7 @@ from gateway.errors import (
     InvalidRequest,
     NotFound,
 )
+from gateway.offload import off_loop
 from gateway.pipeline.inference import Route, refuse, run
 from gateway.pipeline.outcome import Stream
 from gateway.schemas import ChatCompletionRequest, validate

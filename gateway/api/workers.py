@@ -38,7 +38,6 @@ from starlette.routing import Match, Route
 from gateway import accesslog
 from gateway.accesslog import RequestRecord, StatusRendering
 from gateway.api import catalog, openai, responses, workers_models
-from gateway.api.body import off_loop
 from gateway.api.openai import RelayResponse
 from gateway.api.state import GatewayState, state_of
 from gateway.api.workers_shapes import (
@@ -61,6 +60,7 @@ from gateway.errors import (
     error_response,
 )
 from gateway.jobs.queue import Job, JobQueue, JobStatus, QueueFull
+from gateway.offload import off_loop
 from gateway.pipeline import inference
 from gateway.pipeline.inference import CHAT, COMPLETIONS, EMBEDDINGS
 from gateway.pipeline.outcome import Answer, Stream

@@ -19,6 +19,7 @@ import orjson
 
 from gateway.errors import BackendTimeout, BackendUnavailable, BackendUnreachable, InvalidRequest, UpstreamError
 from gateway.pipeline.piece_counts import PieceCounts
+from gateway.pipeline.recount import ask_count
 from gateway.settings import ModelSettings
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.proxy import Upstream
@@ -273,29 +274,9 @@ class BackendCounter:
         failure: UpstreamError | None = None
         for candidate in replicas:
             try:
-                return await self._ask(candidate, body)
+                return await ask_count(self._upstream, candidate, body)
             except (BackendUnreachable, BackendTimeout) as exc:
                 failure = exc  # /tokenize changes nothing: asking another replica is safe
         if failure is not None:
             raise failure
         raise BackendUnavailable(f"No healthy backend for model '{self._model.name}' can count this prompt.")
-
-    async def _ask(self, replica: Replica, body: bytes) -> int:
-        try:
-            response = await self._upstream.open(replica, "/tokenize", body, "tokenize")
-        except InvalidRequest as refusal:
-            # Not the backend's words: they can quote the prompt as sent, the tenant's own secret marker included.
-            status = refusal.status
-            generic = InvalidRequest(f"The backend refused to count this prompt (HTTP {status}).", code=refusal.code)
-            generic.status = refusal.status
-            raise generic from refusal
-        try:
-            answer = orjson.loads(await response.read())
-        except orjson.JSONDecodeError as exc:
-            raise UpstreamError(f"Backend '{replica.name}' answered /tokenize with something not JSON.") from exc
-        finally:
-            await response.aclose()
-        count = answer.get("count") if isinstance(answer, dict) else None
-        if not isinstance(count, int):
-            raise UpstreamError(f"Backend '{replica.name}' answered /tokenize without a count.")
-        return count

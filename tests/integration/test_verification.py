@@ -3,6 +3,7 @@ it did not really process, withhold the answer, and record the event."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,71 @@ async def test_usage_check_withholds_the_stale_reply(
     assert CANARY not in str(event)
     gateway_metrics = (await client.get(f"{gateway_url}/metrics")).text
     assert metric(gateway_metrics, "bulkhead_isolation_events_total", kind="usage_mismatch", replica="sim") == 1
+
+
+def drifting_tokenizer(tokenizer_dir: Path, dest: Path) -> Path:
+    """The model's tokenizer with a chat template that ends every prompt one space later: an engine that renders the
+    gateway's requests a token longer than the gateway counts them, as a template difference does."""
+    shutil.copytree(tokenizer_dir, dest)
+    config = orjson.loads((dest / "tokenizer_config.json").read_bytes())
+    config["chat_template"] += " "
+    (dest / "tokenizer_config.json").write_bytes(orjson.dumps(config))
+    return dest
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_template_difference_is_a_count_drift_not_an_isolation_event(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path, tmp_path: Path, stream: bool
+) -> None:
+    """The engine's usage differs from the gateway's count, and its own /tokenize of the request it was forwarded says
+    the same as its usage: it read the prompt it was sent. The answer goes out; operators see a count drift named by
+    the request's shape, not a leak against a sound replica."""
+    sim_url = make_sim(tokenizer_dir=drifting_tokenizer(tokenizer_dir, tmp_path / "drift"), output_tokens=4)
+    gateway_url = make_gateway({"sim": sim_url}, models=leaky_model(tokenizer_dir), admin_token=ADMIN)
+    ours = ModelTokenizer.from_dir(tokenizer_dir)
+    body = chat_body(
+        "Hello there", max_tokens=4, stream=stream, stream_options={"include_usage": True} if stream else None
+    )
+    body = {k: v for k, v in body.items() if v is not None}
+    response = await client.post(f"{gateway_url}{CHAT}", json=body, headers=auth(BOB_KEY))
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [
+            orjson.loads(e.removeprefix("data: ")) for e in response.text.split("\n\n") if e and "[DONE]" not in e
+        ]
+        assert not any("error" in event for event in events), events
+        usage = events[-1]["usage"]
+    else:
+        usage = response.json()["usage"]
+    own = ours.count_chat([{"role": "user", "content": "Hello there"}])
+    assert usage["prompt_tokens"] == own + 1, "the tenant is charged what the engine counted, its marker hidden"
+    events = await isolation_events(client, gateway_url)
+    assert events == []
+    shown = (await client.get(f"{gateway_url}/metrics")).text
+    assert metric(shown, "bulkhead_prompt_count_drift_total", model=MODEL, route="chat") == 1
+    assert metric(shown, "bulkhead_isolation_events_total") == 0
+
+
+async def test_a_stale_answer_from_a_drifting_engine_is_still_an_isolation_event(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """Its /tokenize counts the prompt it was sent, its usage the placeholder it answered from: no drift explains it."""
+    tokenizer = drifting_tokenizer(tokenizer_dir, tmp_path / "drift")
+    sim_url = make_sim(tokenizer_dir=tokenizer, num_gpu_blocks=16, output_tokens=64, fault="stale-kv")
+    gateway_url = make_gateway({"sim": sim_url}, models=leaky_model(tokenizer_dir), admin_token=ADMIN)
+    await fill_cache_with_alices_secret(client, gateway_url)
+    response = await client.post(f"{gateway_url}{CHAT}", json=over_capacity(), headers=auth(BOB_KEY))
+    assert response.status_code == 502 and CANARY not in response.text
+    [event] = await isolation_events(client, gateway_url)
+    assert event["kind"] == "usage_mismatch" and "reports 1 prompt tokens" in event["detail"]
+    shown = (await client.get(f"{gateway_url}/metrics")).text
+    assert metric(shown, "bulkhead_prompt_count_drift_total", model=MODEL, route="chat") == 1, "alice's, not bob's"
+
+
+async def isolation_events(client: httpx.AsyncClient, gateway_url: str) -> list[dict[str, Any]]:
+    answer = await client.get(f"{gateway_url}/admin/isolation-events", headers={"authorization": f"Bearer {ADMIN}"})
+    events: list[dict[str, Any]] = answer.json()["events"]
+    return events
 
 
 async def test_stream_is_withheld_before_any_content(

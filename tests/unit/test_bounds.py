@@ -18,10 +18,11 @@ from starlette.types import Message
 
 from gateway.api.anthropic_shapes import TURNS
 from gateway.api.body import BodyReader
-from gateway.api.bounds import Bounds, Refusal, answer, ask, checked, measure, quick_count, refusal, serve
+from gateway.api.bounds import Bounds, Refusal, answer, ask, checked, quick_count, refusal, serve
 from gateway.api.openai import CONVERSATION
 from gateway.errors import BodyTooLarge, InvalidRequest
 from gateway.metrics import GatewayMetrics
+from gateway.offload import measure
 from gateway.settings import LimitSettings
 
 BOUNDS = Bounds(values=1000, depth=8, caps={"max_messages": 3, "max_content_parts": 2, "max_tools": 2})

@@ -1,0 +1,54 @@
+"""Work on a request body (validating, translating) in a thread once the body is large enough to hold the event loop
+every tenant shares; and the walk that tells, bounded whatever the body holds.
+
+Kept apart from the API surfaces so that the pipeline, which validates every body again as a chat request, offloads
+the same way; and free of the rest of the gateway so that the body-check worker (api/bounds.py) imports it cheaply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+UNBOUNDED = 1 << 62
+# A body holding more values than this is validated and translated in a thread. On the loop that work holds it to the
+# end (pydantic: ~1 µs a value, ~2 µs for a Responses request's items; 2,048 values, 2-4 ms); in a thread
+# pydantic-core lets the loop run every few milliseconds (measured: docs/benchmarks.md, bench_bodies).
+THREAD_VALUES = 2048
+CONTAINERS = (dict, list)
+
+
+def measure(value: Any, most_values: int, most_depth: int) -> tuple[int, int]:
+    """The values `value` holds (itself included) and its depth, level by level; the walk stops once either is past
+    its most, so it costs at most `most_values` steps whatever the body. Iterative on purpose: a recursive walk of
+    hostile input is how a parser-depth attack becomes a crash."""
+    values, depth = 1, 0
+    level = [value] if type(value) in CONTAINERS else []
+    while level:
+        depth += 1
+        below: list[Any] = []
+        keep = below.append
+        for node in level:
+            children = node.values() if type(node) is dict else node
+            values += len(children)
+            if values > most_values:
+                return values, depth
+            # A plain loop, and type() rather than isinstance(): orjson makes exact dicts and lists, and this is the
+            # walk's inner loop (a comprehension per node made the walk twice as slow).
+            for child in children:
+                if type(child) in CONTAINERS:
+                    keep(child)
+        if below and depth == most_depth:
+            return values, depth + 1
+        level = below
+    return values, depth
+
+
+async def off_loop(work: Callable[[], T], weight: Any) -> T:
+    """`work` (validating or translating a body; pure, so a thread may run it), here when `weight` (the JSON it reads)
+    is small, else in a thread. Telling which costs at most THREAD_VALUES steps."""
+    if measure(weight, THREAD_VALUES, UNBOUNDED)[0] <= THREAD_VALUES:
+        return work()
+    return await asyncio.to_thread(work)
