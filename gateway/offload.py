@@ -46,9 +46,16 @@ def measure(value: Any, most_values: int, most_depth: int) -> tuple[int, int]:
     return values, depth
 
 
+def heavy(weight: Any) -> bool:
+    """Whether work that reads `weight` (JSON) belongs in a thread. Telling costs at most THREAD_VALUES steps."""
+    return measure(weight, THREAD_VALUES, UNBOUNDED)[0] > THREAD_VALUES
+
+
+async def in_turn(work: Callable[[], T], threaded: bool) -> T:
+    """`work` (pure, or touching nothing the loop's tasks touch meanwhile): in a thread when `threaded`, else here."""
+    return await asyncio.to_thread(work) if threaded else work()
+
+
 async def off_loop(work: Callable[[], T], weight: Any) -> T:
-    """`work` (validating or translating a body; pure, so a thread may run it), here when `weight` (the JSON it reads)
-    is small, else in a thread. Telling which costs at most THREAD_VALUES steps."""
-    if measure(weight, THREAD_VALUES, UNBOUNDED)[0] <= THREAD_VALUES:
-        return work()
-    return await asyncio.to_thread(work)
+    """`work` (validating or translating a body), here when `weight` (the JSON it reads) is small, else in a thread."""
+    return await in_turn(work, heavy(weight))

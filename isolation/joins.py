@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from isolation.scanner import TAIL, StreamScanner, candidates, normalize, open_end
+from isolation.scanner import TAIL, StreamScanner, candidates_across, normalize, open_end
 
 MAX_TEXTS = 64  # texts of one answer whose ends are joined to other texts' starts (a bound on the pairs tried)
 STANDALONE = -1  # the "choice" of the strings that stand alone: the envelope's
@@ -102,7 +102,7 @@ class Joins:
         # no marker; it is read once it goes out, and a text that starts after it meanwhile is read after it below.)
         if mine.out != out and mine.out:
             found += [
-                candidate for theirs in self._others(mine) for candidate in candidates(mine.out + theirs.begins())
+                candidate for theirs in self._others(mine) for candidate in candidates_across(mine.out, theirs.begins())
             ]
         # Every other text's end, held or gone out, before its start: nothing after a held first half of a marker
         # leaves before the join is decided.
@@ -111,7 +111,7 @@ class Joins:
                 candidate
                 for theirs in self._others(mine)
                 if theirs.tail
-                for candidate in candidates(theirs.tail + mine.begins())
+                for candidate in candidates_across(theirs.tail, mine.begins())
             ]
         return found
 
@@ -131,13 +131,15 @@ class Joins:
         found = []
         if tail:
             self._open_ends += 1
-            found += [candidate for theirs in self._others(mine) for candidate in candidates(tail + theirs.begins())]
+            found += [
+                candidate for theirs in self._others(mine) for candidate in candidates_across(tail, theirs.begins())
+            ]
         if self._open_ends > bool(tail):
             found += [
                 candidate
                 for theirs in self._others(mine)
                 if theirs.tail
-                for candidate in candidates(theirs.tail + mine.begins())
+                for candidate in candidates_across(theirs.tail, mine.begins())
             ]
         return found
 

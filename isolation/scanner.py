@@ -354,6 +354,16 @@ def candidates(normal: bytes) -> list[bytes]:
     return [match.group(1) for match in _CANDIDATE.finditer(normal)] if b"cnry" in normal else []
 
 
+def candidates_across(left: bytes, right: bytes) -> list[bytes]:
+    """The candidate markers of `left` + `right` (normal forms) that neither holds alone: a marker that one of them
+    holds whole is its own scanner's to find, and once found there it is no join."""
+    joined = left + right
+    if b"cnry" not in joined:
+        return []
+    cut = len(left)
+    return [match.group(1) for match in _CANDIDATE.finditer(joined) if match.start() < cut < match.end(1)]
+
+
 def scan_all(text: str) -> list[Hit]:
     """A whole text at once (a non-streamed answer)."""
     scanner = StreamScanner()

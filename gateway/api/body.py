@@ -90,10 +90,11 @@ class BodyReader:
     async def read(self, request: Request, shape: Shape, route: str) -> JsonObject:
         """The body of `request` (an API's, with its `shape`; `route`: the access log's name, for the metrics)."""
         raw = await read_body(request, self._max_bytes, self._timeout_s)
-        if quick_count(raw) > self._inline:
+        values = quick_count(raw)
+        if values > self._inline:
             value = await self._examined(raw, shape, route)
         else:
-            value = checked(raw, self._bounds, shape)
+            value = checked(raw, self._bounds, shape, values)
         if isinstance(value, Refusal):
             if value.limit is not None:
                 self._metrics.body_refusals.labels(route, value.limit).inc()

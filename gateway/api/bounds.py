@@ -81,10 +81,11 @@ def parsed(raw: bytes) -> JsonObject | Refusal:
     return value
 
 
-def refusal(value: JsonObject, bounds: Bounds, shape: Shape) -> Refusal | None:
+def refusal(value: JsonObject, bounds: Bounds, shape: Shape, most: int | None = None) -> Refusal | None:
     """Why a parsed body is refused, or None: its API's caps first (their errors name the field), then its values and
-    depth."""
-    for cap in shape:
+    depth. `most`: at least the values it holds (`quick_count`'s), when known: no list holds more items than the body
+    holds values, so a small body, the usual one, is not searched for the lists the caps name."""
+    for cap in shape if most is None or most > min(bounds.caps.values(), default=0) else ():
         most = bounds.caps[cap.limit]
         for items in _lists(value, cap.path):
             if len(items) > most:
@@ -105,12 +106,12 @@ def refusal(value: JsonObject, bounds: Bounds, shape: Shape) -> Refusal | None:
     return None
 
 
-def checked(raw: bytes, bounds: Bounds, shape: Shape) -> JsonObject | Refusal:
-    """The body as a JSON object within the bounds, or why it is refused."""
+def checked(raw: bytes, bounds: Bounds, shape: Shape, most: int | None = None) -> JsonObject | Refusal:
+    """The body as a JSON object within the bounds, or why it is refused (`most`: as `refusal` takes it)."""
     value = parsed(raw)
     if isinstance(value, Refusal):
         return value
-    return refusal(value, bounds, shape) or value
+    return refusal(value, bounds, shape, most) or value
 
 
 def examine(raw: bytes, bounds: Bounds, shape: Shape) -> Refusal | None:

@@ -29,7 +29,7 @@ from gateway.incidents.ledger import DELIVERED, FAILED, JUDGED, PARTIAL, WITHHEL
 from gateway.incidents.quarantine import ResponderParts, on_leak
 from gateway.incidents.reporting import LEAKS, report
 from gateway.incidents.verdicts import VerdictBound
-from gateway.offload import off_loop
+from gateway.offload import heavy, in_turn
 from gateway.pipeline import embeddings
 from gateway.pipeline.admission import Admission, admit, admit_inputs
 from gateway.pipeline.counting import LocalCounter, Prompt, PromptCounter
@@ -212,15 +212,35 @@ def plant_marker(
     return marker if inject_completion(payload, marker) else None
 
 
+@dataclass(frozen=True)
+class _Read:
+    own: Prompt  # the tenant's
+    texts: list[str] | None  # its texts to fingerprint: None with fingerprints off, or when its size alone refuses it
+    marker: str | None  # planted in the payload
+    sent: Prompt  # with the marker
+
+
+def _read_prompt(
+    state: PipelineParts, tenant: TenantSettings, model: ModelSettings, payload: dict[str, Any], limit: int, chat: bool
+) -> _Read:
+    """A request's prompt read, and its marker planted. Touches the payload alone: a thread may run it."""
+    of = Prompt.of_chat if chat else Prompt.of_completion
+    own = of(payload, tenant.incarnation())
+    wanted = state.fingerprints is not None and state.counters[model.name].lower_bound(own) < limit
+    texts = list(own.texts()) if wanted else None
+    marker = plant_marker(state, tenant, model, payload, chat)
+    return _Read(own, texts, marker, own if marker is None else of(payload, own.owner))
+
+
 def prepare_fingerprints(
-    state: PipelineParts, model: ModelSettings, prompt: Prompt
+    state: PipelineParts, model: ModelSettings, prompt: Prompt, own: list[str]
 ) -> Prepared | asyncio.Future[Prepared] | None:
-    """The tenant's own prompt's fingerprints (none of the gateway's markers), made or being made."""
+    """The tenant's own prompt's fingerprints (none of the gateway's markers), made or being made from its `own`
+    texts."""
     fingerprints = state.fingerprints
     if fingerprints is None:
         return None
     assert prompt.owner is not None
-    own = list(prompt.texts())
     if prompt.token_ids is None:
         return fingerprints.prepare(prompt.owner, own)
     counter = state.counters[model.name]
@@ -749,9 +769,11 @@ async def _admit(
 ) -> tuple[InferenceCall, bytes]:
     tenant, payload = submission.tenant, submission.payload
     record.tenant = tenant.id
-    # Every surface's body is validated again here, as the engine's request: for a large one that is the largest
-    # cost left on the loop (~60 ms for 10,000 messages), so it goes to a thread like the surfaces' own.
-    parsed = await off_loop(partial(validate, route.schema, payload), payload)
+    # Every surface's body is validated again here, as the engine's request, then walked for its texts and planted
+    # with a marker: ~1.5 µs a value in all, so a large body's (~170 ms for 100,000) goes to a thread, as the
+    # surfaces' own validation does, while the loop serves other tenants (docs/benchmarks.md, bench_bodies).
+    threaded = heavy(payload)
+    parsed = await in_turn(partial(validate, route.schema, payload), threaded)
     model = resolve_model(state, tenant, parsed.model)
     check_task(model, parsed)
     state.verdicts.check(tenant.id, model.name)
@@ -763,15 +785,13 @@ async def _admit(
     prepared = None
     try:
         chat = isinstance(parsed, ChatCompletionRequest)
-        of = Prompt.of_chat if chat else Prompt.of_completion
-        own = of(payload, tenant.incarnation())
         limit = state.capacity.require(model, tenant)
+        read = await in_turn(partial(_read_prompt, state, tenant, model, payload, limit.tokens, chat), threaded)
+        own, sent, marker = read.own, read.sent, read.marker
         # Started now so that a large prompt is hashed while it is counted and its request routed and queued; not for
         # one its size alone refuses (admission says so at once), which would make hashing the cheapest refusal's cost.
-        if state.counters[model.name].lower_bound(own) < limit.tokens:
-            prepared = prepare_fingerprints(state, model, own)
-        marker = plant_marker(state, tenant, model, payload, chat)
-        sent = own if marker is None else of(payload, own.owner)
+        if read.texts is not None:
+            prepared = prepare_fingerprints(state, model, own, read.texts)
         # Routed before counting: a backend that counts the prompt should be the one that will serve it.
         placement = Placement(state.router, model, tenant.id, submission.session, slot)
         admission = await admit(
