@@ -149,7 +149,9 @@ class ModelTokenizer:
         template_file = path / "chat_template.jinja"
         if template_file.is_file():
             template_source = _read(template_file)
-        template, form, developer = None, "string", True
+        template: jinja2.Template | None = None
+        form: ContentFormat = "string"
+        developer = True
         try:
             if isinstance(template_source, str):
                 template, form, developer = _compile_template(template_source)
