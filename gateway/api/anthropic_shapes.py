@@ -20,6 +20,7 @@ from gateway.api.bounds import Cap, Shape
 from gateway.api.openai import client_path, hold_call, tokens, unfinished
 from gateway.errors import BackendBadResponse, GatewayError, InvalidRequest
 from gateway.schemas import ModelName, OutputTokens, ShortText
+from isolation.conversation import BILLING_HEADER
 
 # Anthropic's error types by status; a status it has no type of its own for is an api_error.
 ERROR_TYPES = {
@@ -35,7 +36,6 @@ ERROR_TYPES = {
 }
 # A filter that stopped the answer (content_filter) is what Anthropic's "refusal" says of its own classifiers.
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
-BILLING_HEADER = "x-anthropic-billing-header:"
 # The Messages request's field each chat field it sets came from (chat_payload), for errors that name a chat field.
 CHAT_FIELDS = {
     "model": "model",

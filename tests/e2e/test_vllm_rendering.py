@@ -228,7 +228,7 @@ def responses_tool(d: Draw) -> dict[str, Any]:
 
 
 def messages_request(d: Draw) -> Body:
-    body: Body = {"model": MODEL, "max_tokens": 16}
+    body: Body = {"model": MODEL, "max_tokens": 1500}  # above the thinking budget, within the window
     if d.chance(0.3):
         body["system"] = d.system_text()
     elif d.chance(0.4):
@@ -263,7 +263,7 @@ def messages_request(d: Draw) -> Body:
     if d.chance(0.3):
         body["output_config"] = {"effort": d.rng.choice(("low", "medium", "high"))}
     if d.chance(0.2):
-        body["thinking"] = d.rng.choice(({"type": "enabled", "budget_tokens": 2048}, {"type": "adaptive"}))
+        body["thinking"] = d.rng.choice(({"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"}))
     return body
 
 
