@@ -51,7 +51,8 @@ WORDS = (
     "x-anthropic-billing-header", "tool", "\\n", "ünïcödé", "a,b", "null", "[1]", "<|eot_id|>",
 )  # fmt: skip
 NAMES = ("get_weather", "search", "lookup_user", "f")
-BILLING = "x-anthropic-billing-header: cc_version=2.1; cch=9f3a;"
+BILLING_WORD = "x-anthropic-billing-header"
+BILLING = f"{BILLING_WORD}: cc_version=2.1; cch=9f3a;"
 Body = dict[str, Any]
 Outcome = int | str  # a count, or why a side refused
 
@@ -174,7 +175,9 @@ def responses_request(d: Draw) -> Body:
         turns = d.rng.randint(1, 3)
         for turn in range(turns):
             if d.chance(0.15):
-                items.append({"role": d.rng.choice(("system", "developer")), "content": d.content(kind="input_text")})
+                items.append(
+                    {"role": d.rng.choice(("system", "developer")), "content": unbilled(d.content(kind="input_text"))}
+                )
             user: dict[str, Any] = {"role": "user", "content": d.content(kind="input_text")}
             if d.chance(0.5):
                 user["type"] = "message"
@@ -187,6 +190,19 @@ def responses_request(d: Draw) -> Body:
     if d.chance(0.3):
         body["reasoning"] = {"effort": d.effort()}
     return body
+
+
+def unbilled(content: str | list[dict[str, str]]) -> str | list[dict[str, str]]:
+    """A system text that does not start with Claude Code's billing line. vLLM's Responses route keeps such a line
+    in an input_text part (its chat route cuts it from text parts, its Messages route drops the block); the gateway
+    asks the chat route, which cuts it, so the two prompts differ by the line: a known difference (docs/api.md)."""
+    if isinstance(content, str):
+        return _unbilled(content)
+    return [{**part, "text": _unbilled(part["text"])} for part in content]
+
+
+def _unbilled(text: str) -> str:
+    return " " + text if text.startswith(BILLING_WORD) else text
 
 
 def answer_items(d: Draw) -> list[dict[str, Any]]:
