@@ -475,7 +475,13 @@ def test_a_sample_is_answered_through_the_gateway_with_the_usage_it_counted(
 def _answer_sample(gateway: str, counter: LocalCounter, http: httpx.Client) -> None:
     sample: dict[str, list[Body]] = {kind: [] for kind in GENERATORS}
     for kind, body in corpus(SEED + 1, 60):
-        if len(sample[kind]) < ANSWERED_PER_API and isinstance(gateway_count(counter, kind, body), int):
+        # A thinking budget needs a reasoning parser, which the suite's vLLM is started without (a 400 of its own).
+        budgeted = body.get("thinking", {}).get("type") == "enabled"
+        if (
+            len(sample[kind]) < ANSWERED_PER_API
+            and not budgeted
+            and isinstance(gateway_count(counter, kind, body), int)
+        ):
             sample[kind].append(body)
     for kind, bodies in sample.items():
         for body in bodies:
