@@ -106,7 +106,9 @@ class ChatMessage(_Strict):
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        # An assistant turn may be reasoning alone, or nothing (vLLM renders its content as ""): Anthropic's and
+        # OpenAI's Responses history hold such turns.
+        if self.content is None and self.role != "assistant":
             raise ValueError(f"a '{self.role}' message needs content")
         return self
 
@@ -282,6 +284,9 @@ class ChatCompletionRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: OutputTokens | None = None
     add_generation_prompt: bool = True
+    # The tokenizer's special tokens on top of the template's (BOS again): counted on chat as the tokenizer adds them
+    # (refused elsewhere, REFUSED). The gateway's Responses route sets it, as vLLM's own Responses route renders so.
+    add_special_tokens: bool = False
     # Template variables, as strings, numbers, booleans or null; vLLM lays them over its own arguments, so none may
     # name one of those (TEMPLATE_ARGUMENTS) or a refused field.
     chat_template_kwargs: dict[str, str | int | float | bool | None] | None = None
@@ -306,6 +311,13 @@ class ChatCompletionRequest(_Generation):
             schemas = [t.function.parameters for t in self.tools if named is None or t.function.name == named]
             _bounded(schemas, "the schemas of the tools a tool_choice requires")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "add_special_tokens" in data:
+            return _refuse_known({name: value for name, value in data.items() if name != "add_special_tokens"})
+        return _refuse_known(data)
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -1,10 +1,11 @@
 """Prompt tokens counted exactly as vLLM counts them.
 
 vLLM renders a chat request with the model's Hugging Face chat template (the way transformers does:
-a sandboxed Jinja environment with trim_blocks/lstrip_blocks and a few helper globals), then encodes the
-text *without* adding special tokens, because the template writes them itself. A completion prompt is
-encoded *with* special tokens (the tokenizer's post-processor adds BOS). Matching both rules is what
-makes our count equal the engine's.
+a sandboxed Jinja environment with trim_blocks/lstrip_blocks and a few helper globals) over the messages, tools and
+variables its preprocessing makes of the request (isolation/conversation.py), then encodes the text *without*
+adding special tokens, because the template writes them itself, unless the request asks for them (its Responses
+route does, so its prompts start with two BOS). A completion prompt is encoded *with* special tokens (the
+tokenizer's post-processor adds BOS). Matching these rules is what makes our count equal the engine's.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+from jinja2 import nodes
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from isolation.conversation import ContentFormat, content_format, conversation, knows_developer, template_variables
+from isolation.conversation import tool_dicts as template_tools
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -51,17 +57,36 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+class _Generation(jinja2.ext.Extension):
+    """transformers' `{% generation %}` tag (it marks the assistant's tokens for training masks): its body renders
+    as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return list(parser.parse_statements(("name:endgeneration",), drop_needle=True))
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _compile_template(source: str) -> tuple[jinja2.Template, ContentFormat, bool]:
+    """The template, the content format vLLM detects in it and whether it knows the developer role."""
+    env = _environment()
     template = env.from_string(source)
     # Jinja keeps a template's globals as a ChainMap over its environment's and copies them key by key, in Python,
     # into every render's context, a third of a render's cost; a plain dict is copied at C speed. Nothing changes
     # them after this.
     template.globals = dict(template.globals)
-    return template
+    return template, content_format(env.parse(source)), knows_developer(source)
 
 
 def _read(file: Path) -> str:
@@ -79,48 +104,6 @@ def _token_text(value: object) -> str | None:
     return None
 
 
-def _flatten_content(content: object) -> object:
-    # vLLM hands "string"-format templates non-empty text parts joined by newlines (its content-format detection picks
-    # "string" for templates that never iterate over content parts, which covers the common templates).
-    if isinstance(content, list):
-        texts = [part.get("text", "") for part in content if isinstance(part, Mapping) and part.get("type") == "text"]
-        # vLLM drops empty parts before joining (templates trim, which hides this only at either end).
-        return "\n".join(str(t) for t in texts if t)
-    return content
-
-
-def _decode_tool_arguments(tool_calls: object) -> object:
-    # vLLM parses each tool call's JSON-string arguments into an object before rendering, as templates expect.
-    if not isinstance(tool_calls, list):
-        return tool_calls
-    decoded = []
-    for call in tool_calls:
-        if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping):
-            function = dict(call["function"])
-            arguments = function.get("arguments")
-            if isinstance(arguments, str):
-                try:
-                    function["arguments"] = json.loads(arguments)
-                except ValueError:
-                    pass
-            call = {**call, "function": function}
-        decoded.append(call)
-    return decoded
-
-
-def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The messages as the chat template sees them after vLLM's preprocessing."""
-    prepared = []
-    for message in messages:
-        item = dict(message)
-        if "content" in item:
-            item["content"] = _flatten_content(item["content"])
-        if "tool_calls" in item:
-            item["tool_calls"] = _decode_tool_arguments(item["tool_calls"])
-        prepared.append(item)
-    return prepared
-
-
 @dataclass(frozen=True)
 class ModelTokenizer:
     """A model's tokenizer and chat template, loaded from a Hugging Face tokenizer directory."""
@@ -130,6 +113,10 @@ class ModelTokenizer:
     special_tokens: Mapping[str, str]
     # The most bytes one token can stand for (special tokens included): prompt bytes / this ≤ prompt tokens.
     longest_token_bytes: int
+    # What vLLM reads in the template: content as one string or a list of parts; whether it names the developer role
+    # (if not, developer messages become system ones).
+    content_format: ContentFormat = "string"
+    knows_developer: bool = True
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelTokenizer:
@@ -162,15 +149,26 @@ class ModelTokenizer:
         template_file = path / "chat_template.jinja"
         if template_file.is_file():
             template_source = _read(template_file)
+        template: jinja2.Template | None = None
+        form: ContentFormat = "string"
+        developer = True
         try:
-            template = _compile_template(template_source) if isinstance(template_source, str) else None
+            if isinstance(template_source, str):
+                template, form, developer = _compile_template(template_source)
         except jinja2.TemplateError as exc:
             raise TokenizerLoadError(f"{template_file if template_file.is_file() else config_file}: {exc}") from exc
         special = {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key))) is not None}
         longest = max(
             len(tokenizer.decode([i], skip_special_tokens=False).encode()) for i in range(vocab_size(tokenizer))
         )
-        return cls(tokenizer=tokenizer, template=template, special_tokens=special, longest_token_bytes=max(longest, 1))
+        return cls(
+            tokenizer=tokenizer,
+            template=template,
+            special_tokens=special,
+            longest_token_bytes=max(longest, 1),
+            content_format=form,
+            knows_developer=developer,
+        )
 
     def render_chat(
         self,
@@ -178,17 +176,22 @@ class ModelTokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_effort: str | None = None,
     ) -> str:
+        """The prompt text vLLM's chat route renders for these request fields (`template_kwargs`: the request's
+        chat_template_kwargs)."""
         if self.template is None:
             raise ChatTemplateError("this model's tokenizer has no chat template")
+        variables = template_variables(
+            template_kwargs, add_generation_prompt=add_generation_prompt, reasoning_effort=reasoning_effort
+        )
         try:
             return self.template.render(
                 {
                     **self.special_tokens,
-                    **(template_kwargs or {}),
-                    "messages": template_messages(messages),
-                    "tools": list(tools) if tools else None,
-                    "add_generation_prompt": add_generation_prompt,
+                    **variables,
+                    "messages": conversation(messages, self.content_format, self.knows_developer),
+                    "tools": template_tools(tools),
                 }
             )
         except jinja2.TemplateError as exc:

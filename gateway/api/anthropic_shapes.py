@@ -20,6 +20,7 @@ from gateway.api.bounds import Cap, Shape
 from gateway.api.openai import client_path, hold_call, tokens, unfinished
 from gateway.errors import BackendBadResponse, GatewayError, InvalidRequest
 from gateway.schemas import ModelName, OutputTokens, ShortText
+from isolation.conversation import BILLING_HEADER
 
 # Anthropic's error types by status; a status it has no type of its own for is an api_error.
 ERROR_TYPES = {
@@ -35,7 +36,6 @@ ERROR_TYPES = {
 }
 # A filter that stopped the answer (content_filter) is what Anthropic's "refusal" says of its own classifiers.
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
-BILLING_HEADER = "x-anthropic-billing-header:"
 # The Messages request's field each chat field it sets came from (chat_payload), for errors that name a chat field.
 CHAT_FIELDS = {
     "model": "model",
@@ -233,12 +233,12 @@ def chat_payload(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
 
 
 def _system(request: MessagesRequest | CountTokensRequest) -> str | None:
-    if request.system is None:
-        return None
-    blocks = [request.system] if isinstance(request.system, str) else [b.text for b in request.system]
-    # Claude Code's first system block is a per-request billing line that would make every prompt's prefix differ
-    # (vLLM drops it too): it is for Anthropic's billing, not for the model.
-    return "\n".join(b for b in blocks if not b.startswith(BILLING_HEADER))
+    """The system text as vLLM's own Messages route makes it (serving.py `_convert_system_message`): the blocks that
+    hold text joined with nothing between them. Claude Code's first block is a per-request billing line that would
+    make every prompt's prefix differ: vLLM drops it, as it is for Anthropic's billing, not for the model."""
+    if request.system is None or isinstance(request.system, str):
+        return request.system
+    return "".join(b.text for b in request.system if b.text and not b.text.startswith(BILLING_HEADER))
 
 
 def request_path(chat_path: str, request: MessagesRequest | CountTokensRequest) -> str | None:
@@ -264,22 +264,19 @@ def chat_error(message: str, param: str | None, request: MessagesRequest | Count
 
 
 def _chat_messages(message: Message) -> list[dict[str, Any]]:
-    """One Anthropic turn as chat messages: a user turn's tool results are tool messages of their own, in order."""
+    """One Anthropic turn as chat messages, as vLLM's own Messages route makes them (serving.py `_convert_messages`):
+    a user turn's tool results are tool messages of their own, ahead of the turn's text; the texts of a turn are one
+    string when there is one, else its parts; empty texts are dropped, and a user turn left with no text is too."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     out: list[dict[str, Any]] = []
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
-
-    def flush_user() -> None:
-        if texts:
-            out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
-            texts.clear()
-
     for block in message.content:
         if isinstance(block, TextBlock):
-            texts.append(block.text)
+            if block.text:
+                texts.append(block.text)
         elif isinstance(block, ToolUseBlock):
             if message.role != "assistant":
                 raise InvalidRequest("a tool_use block belongs to an assistant turn", param="messages")
@@ -288,22 +285,22 @@ def _chat_messages(message: Message) -> list[dict[str, Any]]:
         elif isinstance(block, ToolResultBlock):
             if message.role != "user":
                 raise InvalidRequest("a tool_result block belongs to a user turn", param="messages")
-            flush_user()
             content = block.content or ""
             text = content if isinstance(content, str) else "\n".join(part.text for part in content)
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": text})
         elif isinstance(block, ThinkingBlock):
             reasoning.append(block.thinking)
         # A redacted_thinking block is the provider's encrypted reasoning: nothing an open-weight engine can read.
-    if message.role == "user":
-        flush_user()
-        return out
-    assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
-    if calls:
-        assistant["tool_calls"] = calls
+    said: dict[str, Any] = {"role": message.role}
     if reasoning:
-        assistant["reasoning_content"] = "".join(reasoning)
-    return [assistant]
+        said["reasoning"] = "".join(reasoning)
+    if calls:
+        said["tool_calls"] = calls
+    if texts:
+        said["content"] = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
+    if message.role == "assistant" or "content" in said:
+        out.append(said)
+    return out
 
 
 def message_id() -> str:

@@ -193,7 +193,15 @@ def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None
     else:
         for item in request.input:
             _append(messages, item)
-    payload: dict[str, Any] = {"model": request.model, "messages": messages}
+    if isinstance(request.input, list) and _partial(request.input[-1]):
+        raise InvalidRequest(
+            "input: a last assistant message or reasoning item that is in_progress or incomplete (a turn to continue) "
+            "is not supported; end with a complete item",
+            param="input",
+        )
+    # vLLM's Responses route encodes the rendered prompt with the tokenizer's special tokens on top of the template's
+    # own (a second BOS for Llama): asked of its chat route, the same prompt.
+    payload: dict[str, Any] = {"model": request.model, "messages": messages, "add_special_tokens": True}
     if request.max_output_tokens is not None:
         payload["max_tokens"] = request.max_output_tokens
     if request.stream:
@@ -210,7 +218,7 @@ def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None
                 "function": {
                     "name": tool.name,
                     **({"description": tool.description} if tool.description is not None else {}),
-                    "parameters": tool.parameters or {"type": "object", "properties": {}},
+                    "parameters": tool.parameters,
                     **({"strict": tool.strict} if tool.strict is not None else {}),
                 },
             }
@@ -233,6 +241,11 @@ def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None
     if request.reasoning is not None and request.reasoning.effort is not None:
         payload["reasoning_effort"] = request.reasoning.effort
     return payload
+
+
+def _partial(item: Item) -> bool:
+    # responses/utils.py should_continue_final_message: vLLM continues such a turn instead of starting the answer.
+    return isinstance(item, MessageItem | ReasoningItem) and item.status in ("in_progress", "incomplete")
 
 
 # A chat field named in an error, as the Responses request's own (None: not one the client set).
@@ -333,36 +346,51 @@ def _strict(strict: bool | None) -> dict[str, Any]:
 
 
 def _append(messages: list[dict[str, Any]], item: Item) -> None:
-    """One input item onto the chat messages. An assistant's text, reasoning and calls that follow one another are
-    one assistant turn, as the model made them (and as vLLM's own Responses route renders them)."""
+    """One input item onto the chat messages, as vLLM's own Responses route makes them (responses/utils.py
+    `_construct_message_from_response_item`): a function call, reasoning or assistant text joins the assistant
+    message before it while that message has none of its kind yet, else starts one; an assistant message and a
+    reasoning item give their first part's text only."""
     if isinstance(item, FunctionCallOutputItem):
-        output = item.output if isinstance(item.output, str) else _joined(item.output)
-        messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        output = item.output if isinstance(item.output, str) else _parts(item.output)
+        messages.append({"role": "tool", "content": output, "tool_call_id": item.call_id})
         return
     if isinstance(item, MessageItem) and item.role != "assistant":
         content = item.content
-        messages.append({"role": item.role, "content": content if isinstance(content, str) else _joined(content)})
+        messages.append({"role": item.role, "content": content if isinstance(content, str) else _parts(content)})
         return
-    last = messages[-1] if messages else None
-    calls_first = last is not None and bool(last.get("tool_calls")) and not isinstance(item, FunctionCallItem)
-    if last is None or last["role"] != "assistant" or calls_first:
-        # Text or reasoning after a turn's calls (their outputs not given back) starts a turn of its own.
-        last = {"role": "assistant", "content": None}
-        messages.append(last)
-    if isinstance(item, MessageItem):
-        text = item.content if isinstance(item.content, str) else _joined(item.content)
-        last["content"] = (last["content"] or "") + text
-    elif isinstance(item, FunctionCallItem):
-        call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-        last.setdefault("tool_calls", []).append(call)
+    last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
+    if isinstance(item, FunctionCallItem):
+        call = {"id": item.call_id, "function": {"name": item.name, "arguments": item.arguments}, "type": "function"}
+        if last is not None:
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "tool_calls": [call]})
+        return
+    key, text = ("content", _first_text(item)) if isinstance(item, MessageItem) else ("reasoning", _reasoning(item))
+    if last is not None and last.get(key) is None:
+        last[key] = text
     else:
-        said = "".join(part.text for part in item.content or ())
-        if said:
-            last["reasoning_content"] = (last.get("reasoning_content") or "") + said
+        messages.append({"role": "assistant", key: text})
 
 
-def _joined(parts: Sequence[Part]) -> str:
-    return "\n".join(part.refusal if isinstance(part, Refusal) else part.text for part in parts)
+def _first_text(item: MessageItem) -> str:
+    if isinstance(item.content, str):
+        return item.content
+    part = item.content[0]
+    return part.refusal if isinstance(part, Refusal) else part.text
+
+
+def _reasoning(item: ReasoningItem) -> str:
+    if item.content:
+        return item.content[0].text
+    if item.summary and isinstance(item.summary[0], dict) and isinstance(item.summary[0].get("text"), str):
+        return str(item.summary[0]["text"])
+    return ""
+
+
+def _parts(parts: Sequence[Part]) -> list[dict[str, str]]:
+    # Kept as parts: whether they reach the template joined or as a list is the template's (isolation/conversation.py).
+    return [{"type": "text", "text": part.refusal if isinstance(part, Refusal) else part.text} for part in parts]
 
 
 def response_id() -> str:

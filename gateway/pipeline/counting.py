@@ -23,6 +23,7 @@ from gateway.pipeline.recount import ask_count
 from gateway.settings import ModelSettings
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.proxy import Upstream
+from isolation.conversation import strip_billing_header
 from isolation.escapes import readings
 from isolation.tokens import ChatTemplateError, ModelTokenizer, vocab_size
 
@@ -35,6 +36,10 @@ class Prompt:
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # a chat template variable too (vLLM passes it, and enable_thinking)
+    # Special tokens the tokenizer adds to the rendered chat (BOS), as vLLM's Responses route asks on top of the
+    # template's own; never for a completion prompt, whose text always gets them.
+    add_special_tokens: bool = False
     text: str | None = None
     token_ids: list[int] | None = None
     # Whose prompt it is (TenantSettings.incarnation): its pieces' counts are kept for this owner only
@@ -49,6 +54,8 @@ class Prompt:
             tools=payload.get("tools"),
             add_generation_prompt=payload.get("add_generation_prompt", True),
             template_kwargs=payload.get("chat_template_kwargs"),
+            reasoning_effort=payload.get("reasoning_effort"),
+            add_special_tokens=payload.get("add_special_tokens", False),
             owner=owner,
         )
 
@@ -71,10 +78,12 @@ class Prompt:
             if roles is not None and message.get("role") not in roles:
                 continue
             content = message.get("content")
-            if isinstance(content, str):
-                yield content
-            elif isinstance(content, list):
-                yield from (part["text"] for part in content if isinstance(part.get("text"), str))
+            texts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+            for part in texts:
+                text = part if isinstance(part, str) else part.get("text")
+                if isinstance(text, str):
+                    # vLLM cuts a billing line off a system text: what it renders is no longer than what is left.
+                    yield strip_billing_header(text) if message.get("role") == "system" else text
 
     def texts(self) -> Iterator[str]:
         """Every text of the prompt the engine may read, for prompt fingerprints: a leak of any of them is one.
@@ -104,16 +113,35 @@ class Prompt:
     def tokenize_body(self, model: str) -> dict[str, Any]:
         if self.messages is None:
             return {"model": model, "prompt": self.text if self.text is not None else self.token_ids}
+        # vLLM's /tokenize renders as its chat route does, but for two steps of the chat request's own: a
+        # `reasoning_content` is read only as `reasoning`, and reasoning_effort reaches the template only through
+        # chat_template_kwargs.
         body: dict[str, Any] = {
             "model": model,
-            "messages": self.messages,
+            "messages": [_reasoning_renamed(message) for message in self.messages],
             "add_generation_prompt": self.add_generation_prompt,
         }
+        if self.add_special_tokens:
+            body["add_special_tokens"] = True
         if self.tools:
             body["tools"] = self.tools
-        if self.template_kwargs:
-            body["chat_template_kwargs"] = self.template_kwargs
+        variables = dict(self.template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables.setdefault("enable_thinking", self.reasoning_effort != "none")
+            variables["reasoning_effort"] = self.reasoning_effort
+        if variables:
+            body["chat_template_kwargs"] = variables
         return body
+
+
+def _reasoning_renamed(message: dict[str, Any]) -> dict[str, Any]:
+    # ChatCompletionRequest._normalize_messages_before
+    if "reasoning_content" not in message:
+        return message
+    renamed = {key: value for key, value in message.items() if key != "reasoning_content"}
+    if renamed.get("reasoning") is None and message["reasoning_content"] is not None:
+        renamed["reasoning"] = message["reasoning_content"]
+    return renamed
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -203,12 +231,15 @@ class LocalCounter:
             return None  # its skeleton alone is no quick render: counted exactly, off the event loop
         skeleton = [self._without_content(m) for m in prompt.messages]
         try:
-            rendered = self.tokenizer.render_chat(
-                skeleton, prompt.tools, prompt.add_generation_prompt, prompt.template_kwargs
-            )
+            rendered = self._render(prompt, skeleton)
         except ChatTemplateError:
             return None
-        return _utf8_length(rendered) + self._copies * sum(_utf8_length(c) for c in prompt.contents())
+        added = self._added if prompt.add_special_tokens else 0
+        # What joins the texts is not in the skeleton: "\n" between a message's parts, "\n\n" between the system
+        # messages vLLM merges when the template does not know the developer role.
+        joints = 2 * sum(1 for _ in prompt.contents())
+        contents = sum(_utf8_length(c) for c in prompt.contents())
+        return _utf8_length(rendered) + added + joints + self._copies * contents
 
     def is_cheap(self, prompt: Prompt) -> bool:
         # A message costs the template's render as much as text does: 200,000 empty ones held the loop for seconds.
@@ -230,12 +261,15 @@ class LocalCounter:
             return self.pieces.count(prompt.text, prompt.owner) + self._added
         assert prompt.messages is not None
         try:
-            text = self.tokenizer.render_chat(
-                prompt.messages, prompt.tools, prompt.add_generation_prompt, prompt.template_kwargs
-            )
+            text = self._render(prompt, prompt.messages)
         except ChatTemplateError as exc:
             raise InvalidRequest(f"The model's chat template refused these messages: {exc}", param="messages") from exc
-        return self.pieces.count(text, prompt.owner)
+        return self.pieces.count(text, prompt.owner) + (self._added if prompt.add_special_tokens else 0)
+
+    def _render(self, prompt: Prompt, messages: list[dict[str, Any]]) -> str:
+        return self.tokenizer.render_chat(
+            messages, prompt.tools, prompt.add_generation_prompt, prompt.template_kwargs, prompt.reasoning_effort
+        )
 
     @staticmethod
     def _without_content(message: dict[str, Any]) -> dict[str, Any]:

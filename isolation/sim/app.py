@@ -316,7 +316,11 @@ class _Endpoints:
     def _encode_chat(self, prompt: ChatPrompt) -> list[int]:
         try:
             text = self.tokenizer.render_chat(
-                prompt.messages, prompt.tools, prompt.add_generation_prompt, prompt.template_kwargs
+                prompt.messages,
+                prompt.tools,
+                prompt.add_generation_prompt,
+                prompt.template_kwargs,
+                prompt.reasoning_effort,
             )
         except ChatTemplateError as exc:
             raise bad_request(str(exc)) from exc

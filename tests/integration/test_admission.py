@@ -211,7 +211,7 @@ async def test_unknown_capacity_fails_closed(client: httpx.AsyncClient, make_gat
     assert response.json()["error"]["code"] == "capacity_unknown"
 
 
-@pytest.mark.parametrize("field", ["truncate_prompt_tokens", "chat_template", "add_special_tokens"])
+@pytest.mark.parametrize("field", ["truncate_prompt_tokens", "chat_template", "continue_final_message"])
 async def test_fields_that_change_what_the_engine_counts_are_refused(
     client: httpx.AsyncClient, gateway_url: str, sim_url: str, field: str
 ) -> None:

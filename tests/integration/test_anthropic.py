@@ -369,10 +369,9 @@ def test_an_error_about_the_chat_request_names_the_clients_own_field(gateway_url
     body: dict[str, Any] = {"model": MODEL, "system": "Be terse.", "messages": thought_only}
     if route == MESSAGES:
         body["max_tokens"] = 4
-    refused = httpx.post(f"{gateway_url}{route}", json=body, headers={"x-api-key": ALICE_KEY})
-    assert refused.status_code == 400, refused.text
-    # The chat request's messages[2] (after the system message) is the client's messages[1].
-    assert refused.json()["error"]["message"].startswith("messages[1]: "), refused.text
+    # A turn of thinking alone is an assistant message without content, as vLLM's own route makes it: answered.
+    thought = httpx.post(f"{gateway_url}{route}", json=body, headers={"x-api-key": ALICE_KEY})
+    assert thought.status_code == 200, thought.text
     stop = {"model": MODEL, "max_tokens": 4, "messages": HELLO, "stop_sequences": ["ok", "Cn ry"]}
     said = httpx.post(f"{gateway_url}{MESSAGES}", json=stop, headers={"x-api-key": ALICE_KEY}).json()
     assert said["error"]["message"].startswith("stop_sequences: may not contain 'CNRY'"), said

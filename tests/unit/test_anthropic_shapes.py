@@ -28,7 +28,7 @@ def test_system_blocks_tools_choices_and_thinking_become_chat_fields() -> None:
         top_k=5,
         metadata={"user_id": "u"},
     )
-    assert chat["messages"][0] == {"role": "system", "content": "a\nb"}
+    assert chat["messages"][0] == {"role": "system", "content": "ab"}  # as vLLM's own Messages route joins them
     assert chat["tools"] == [{"type": "function", "function": {"name": "t", "parameters": {"type": "object"}}}]
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "t"}}
     assert chat["parallel_tool_calls"] is False and chat["thinking_token_budget"] == 100
@@ -63,10 +63,10 @@ def test_an_assistant_turn_and_the_tool_results_after_it_keep_their_order() -> N
     messages = chat["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool", "user"]
     assistant = messages[1]
-    assert assistant["content"] == "calling" and assistant["reasoning_content"] == "hmm"
+    assert assistant["content"] == "calling" and assistant["reasoning"] == "hmm"
     assert [c["function"]["arguments"] for c in assistant["tool_calls"]] == ['{"x":1}', "{}"]
     assert messages[2] == {"role": "tool", "tool_call_id": "a", "content": "1"}
-    assert messages[4]["content"] == [{"type": "text", "text": "and?"}]
+    assert messages[4]["content"] == "and?"
 
 
 @pytest.mark.parametrize(

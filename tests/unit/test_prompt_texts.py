@@ -28,7 +28,8 @@ NOT_RENDERED = frozenset(
         "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids", "include_stop_str_in_output",
         "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids",
         "bad_words", "logprob_token_ids", "structured_outputs", "thinking_token_budget", "repetition_detection",
-        "stream_interval", "max_completion_tokens", "add_generation_prompt", "tool_choice", "parallel_tool_calls",
+        "stream_interval", "max_completion_tokens", "add_generation_prompt", "add_special_tokens", "tool_choice",
+        "parallel_tool_calls",
         "logprobs", "top_logprobs", "include_reasoning", "reasoning_effort", "echo",
     }
 )  # fmt: skip
