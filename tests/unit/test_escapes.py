@@ -35,7 +35,7 @@ def read_in(pieces: list[str]) -> str:
 PLAIN = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="%&"))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(PLAIN, st.booleans(), st.lists(st.integers(0, 400), max_size=20))
 def test_a_json_string_reads_as_a_json_parser_reads_it_and_gives_an_output_per_character(
     text: str, ascii_only: bool, cuts: list[int]
@@ -49,14 +49,14 @@ def test_a_json_string_reads_as_a_json_parser_reads_it_and_gives_an_output_per_c
     assert not reader.pending
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.text(), st.lists(st.integers(0, 400), max_size=20), st.sampled_from(["", "/?=&:"]))
 def test_percent_encoding_reads_as_unquote_reads_it(text: str, cuts: list[int], safe: str) -> None:
     raw = urllib.parse.quote(text, safe=safe)
     assert read_in(split(raw, [cut for cut in cuts if cut <= len(raw)])) == urllib.parse.unquote(raw)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.text(st.characters(blacklist_characters="\\%")), st.lists(st.integers(0, 400), max_size=20))
 def test_character_references_read_as_html_unescape_reads_them(text: str, cuts: list[int]) -> None:
     # Every character as a reference (named where HTML has a name, else numeric), and as html.escape writes text.
@@ -101,7 +101,7 @@ def streamed(text: str, times: int) -> str:
     return text
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.text(st.characters(codec="ascii")),
     st.lists(st.sampled_from(["json", "percent", "html"]), min_size=1, max_size=DEPTH),
@@ -179,7 +179,7 @@ def escaped_streams(draw: st.DrawFn) -> tuple[str, bytes, list[str]]:
     return text, normal_form(marker), pieces
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(escaped_streams())
 def test_a_marker_only_decoding_spells_is_found_whatever_the_chunking(case: tuple[str, bytes, list[str]]) -> None:
     text, normal, pieces = case

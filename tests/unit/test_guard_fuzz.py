@@ -132,7 +132,7 @@ REJOIN_ESCAPE = (
 SURROGATE_JOIN = "C-\\ud835CNRY-QTZ37LIVLHICFY6XX3VA\\udc0dRYQTZ37LIVLHICFY6XX3VA"
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(answers(), st.booleans(), st.sampled_from(list(LeakPolicy)))
 @example((REJOIN_ESCAPE, [REJOIN_ESCAPE[:-1], REJOIN_ESCAPE[-1]]), False, LeakPolicy.BLOCK)
 @example((SURROGATE_JOIN, list(SURROGATE_JOIN)), False, LeakPolicy.BLOCK)
