@@ -92,7 +92,9 @@ class Engine:
 
         async def infer(request: Request) -> Response:
             body = orjson.loads(await request.body())
-            ids = self.tokenizer.encode_chat(body["messages"], body.get("tools"))
+            # As vLLM counts: the rendered chat, and the tokenizer's own special tokens when asked (a Responses turn).
+            text = self.tokenizer.render_chat(body["messages"], body.get("tools"))
+            ids = self.tokenizer.tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens"))).ids
             self.prompts.append(("\n".join(str(m.get("content")) for m in body["messages"]), list(ids)))
             script, self.script = self.script, None
             out = answer(len(ids)) if script is None else script(len(ids))
