@@ -22,6 +22,7 @@ from isolation.guard import FRAGMENT, MARKER
 log = logging.getLogger("bulkhead.isolation")
 
 LEAKS = frozenset({MARKER, FRAGMENT})
+USAGE_MISMATCH = "usage_mismatch"  # the engine's prompt count is not the prompt it was sent
 
 
 class ReportingParts(Protocol):

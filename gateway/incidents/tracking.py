@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from gateway.incidents.incident import PROBE, RETENTION, Incident, IncidentStore, Sighting
 from gateway.incidents.ledger import Served
 from gateway.incidents.notices import NoticeParts, confirmed_for_notices, notify
-from gateway.incidents.reporting import LEAKS
+from gateway.incidents.reporting import LEAKS, USAGE_MISMATCH
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
 from isolation.events import IsolationEvent
@@ -27,7 +27,7 @@ log = logging.getLogger("bulkhead.isolation")
 
 PROBE_FINDING = "probe_finding"
 WATCHED = 1000  # the latest incidents read for the gauge: an open one is among them unless 1,000 opened since
-OPENING = LEAKS | {PROBE_FINDING}
+OPENING = LEAKS | {PROBE_FINDING, USAGE_MISMATCH}
 UNCONFIRMED = "unconfirmed: the confirmation probe saw no requests mixed"
 
 

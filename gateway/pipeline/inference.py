@@ -27,7 +27,7 @@ from gateway.errors import (
 from gateway.incidents import tracking
 from gateway.incidents.ledger import DELIVERED, FAILED, JUDGED, PARTIAL, WITHHELD, Served
 from gateway.incidents.quarantine import ResponderParts, on_leak
-from gateway.incidents.reporting import LEAKS, report
+from gateway.incidents.reporting import LEAKS, USAGE_MISMATCH, report
 from gateway.incidents.verdicts import VerdictBound
 from gateway.offload import heavy, in_turn
 from gateway.pipeline import embeddings
@@ -546,7 +546,7 @@ class InferenceCall:
             )  # fmt: skip
             self.state.metrics.count_drift.labels(self.model.name, self.record.route, self._shape()).inc()
             return
-        raise StreamWithheld(problem.reason, "usage_mismatch")
+        raise StreamWithheld(problem.reason, USAGE_MISMATCH)
 
     async def _counts_so(self, reported: int) -> bool:
         """Whether the replica that answered, asked to count the request it was forwarded (recount.py), says what its
@@ -568,9 +568,14 @@ class InferenceCall:
         return shape(*self._sent)
 
     async def withhold(self, exc: StreamWithheld) -> AnswerWithheld:
-        """The error the tenant gets for an answer that cannot be shown safe, once its event is recorded."""
+        """The error the tenant gets for an answer that cannot be shown safe, once its event is recorded. A usage
+        mismatch is the incident's own signature (an engine that answered from a prompt it did not read, its count
+        drift ruled out: recount.py), so it is answered as a leak is: its replica suspended and probed, an incident
+        opened or joined."""
         self._withheld = True
-        if exc.kind is not None:
+        if exc.kind == USAGE_MISMATCH:
+            await on_leak(self.event(exc.kind, exc.reason), self.state)
+        elif exc.kind is not None:
             await report(self.event(exc.kind, exc.reason), self.state)
         return withheld()
 
@@ -667,13 +672,15 @@ class InferenceCall:
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
         if guard is not None and removed:
             await guard.check_removed(removed)
+        if guard is not None:
+            # Scanned before its usage is checked: an answer from a prompt the engine did not read is withheld
+            # either way, and whose data it carries names the victims of the incident it opens.
+            await guard.check_body(body)
         if self.model.verify_usage:
             await self.check_usage(usage)
         if usage is not None:
             await self.view_usage(usage)
             self.record.take_usage(usage)
-        if guard is not None:
-            await guard.check_body(body)
         return body
 
     async def _embeddings(

@@ -17,7 +17,9 @@ from gateway.server.serving import run_server
 from gateway.tenancy.tenants import hash_key
 from isolation.tokens import ModelTokenizer
 from tests.integration.adversary import Adversary, Plan, Usage
-from tests.integration.support import BOB_KEY, MODEL, auth, chat_body, forwarded, metric
+from tests.integration.support import BOB_KEY, MODEL, auth, chat_body, forwarded, metric, session_on
+from tests.integration.test_canaries import alice_fills_the_cache
+from tests.integration.test_quarantine import ADMIN_AUTH, FAST_PROBE, wait_for_event
 from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"
@@ -29,6 +31,11 @@ def stale_sim(make_sim: Any) -> str:
     # 16 blocks × 16 tokens = 256 tokens of KV cache behind a 2048-token window.
     url: str = make_sim(num_gpu_blocks=16, output_tokens=64, fault="stale-kv")
     return url
+
+
+# The usage check alone: without the canaries and fingerprints, which read a stale answer first and would find the
+# data it carries (then the event is a leak, not a usage mismatch).
+USAGE_ONLY = {"canary": {"enabled": False}, "fingerprints": {"enabled": False}}
 
 
 def leaky_model(tokenizer_dir: Path, **switches: Any) -> list[dict[str, Any]]:
@@ -58,7 +65,9 @@ async def test_usage_check_withholds_the_stale_reply(
     client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path
 ) -> None:
     sim_url = stale_sim(make_sim)
-    gateway_url = make_gateway({"sim": sim_url}, models=leaky_model(tokenizer_dir), admin_token=ADMIN)
+    gateway_url = make_gateway(
+        {"sim": sim_url}, models=leaky_model(tokenizer_dir), admin_token=ADMIN, isolation=USAGE_ONLY
+    )
     await fill_cache_with_alices_secret(client, gateway_url)
     response = await client.post(f"{gateway_url}{CHAT}", json=over_capacity(), headers=auth(BOB_KEY))
     assert response.status_code == 502
@@ -66,9 +75,8 @@ async def test_usage_check_withholds_the_stale_reply(
     assert CANARY not in response.text and "alice" not in response.text
     sim_metrics = (await client.get(f"{sim_url}/metrics")).text
     assert metric(sim_metrics, "sim:stale_kv_replies_total") == 1, "the engine did serve stale pages"
-    events = (
-        await client.get(f"{gateway_url}/admin/isolation-events", headers={"authorization": f"Bearer {ADMIN}"})
-    ).json()["events"]
+    # (Its confirmation probe's leak_check follows: the usage check's own event is the one.)
+    events = [e for e in await isolation_events(client, gateway_url) if e["kind"] != "leak_check"]
     assert len(events) == 1
     event = events[0]
     assert event["kind"] == "usage_mismatch" and event["tenant"] == "bob" and event["replica"] == "sim"
@@ -128,11 +136,13 @@ async def test_a_stale_answer_from_a_drifting_engine_is_still_an_isolation_event
     """Its /tokenize counts the prompt it was sent, its usage the placeholder it answered from: no drift explains it."""
     tokenizer = drifting_tokenizer(tokenizer_dir, tmp_path / "drift")
     sim_url = make_sim(tokenizer_dir=tokenizer, num_gpu_blocks=16, output_tokens=64, fault="stale-kv")
-    gateway_url = make_gateway({"sim": sim_url}, models=leaky_model(tokenizer_dir), admin_token=ADMIN)
+    gateway_url = make_gateway(
+        {"sim": sim_url}, models=leaky_model(tokenizer_dir), admin_token=ADMIN, isolation=USAGE_ONLY
+    )
     await fill_cache_with_alices_secret(client, gateway_url)
     response = await client.post(f"{gateway_url}{CHAT}", json=over_capacity(), headers=auth(BOB_KEY))
     assert response.status_code == 502 and CANARY not in response.text
-    [event] = await isolation_events(client, gateway_url)
+    [event] = [e for e in await isolation_events(client, gateway_url) if e["kind"] != "leak_check"]
     assert event["kind"] == "usage_mismatch" and "reports 1 prompt tokens" in event["detail"]
     shown = (await client.get(f"{gateway_url}/metrics")).text
     assert metric(shown, "bulkhead_prompt_count_drift_total", model=MODEL, route="chat") == 1, "alice's, not bob's"
@@ -168,13 +178,16 @@ async def test_events_go_to_redis_when_configured(
     with redis_server() as redis_url:
         store = redis.Redis.from_url(redis_url)
         before = store.xlen("bulkhead:isolation-events")
-        gateway_url = make_gateway({"sim": sim_url}, models=leaky_model(tokenizer_dir), redis_url=redis_url)
+        gateway_url = make_gateway(
+            {"sim": sim_url}, models=leaky_model(tokenizer_dir), redis_url=redis_url, isolation=USAGE_ONLY
+        )
         await fill_cache_with_alices_secret(client, gateway_url)
         response = await client.post(f"{gateway_url}{CHAT}", json=over_capacity(), headers=auth(BOB_KEY))
         assert response.status_code == 502
-        [(_, fields)] = store.xrevrange("bulkhead:isolation-events", count=1)
-        assert store.xlen("bulkhead:isolation-events") == before + 1
+        # The usage check's event, then (later, from its confirmation probe) a leak_check.
+        stored = [fields for _, fields in store.xrange("bulkhead:isolation-events")][before:]
         store.close()
+    [fields] = [f for f in stored if f[b"kind"] != b"leak_check"]
     assert fields[b"request_id"].decode() == response.headers["x-request-id"]
     assert fields[b"kind"] == b"usage_mismatch"
 
@@ -279,3 +292,31 @@ async def test_negative_usage_unverified_neither_breaks_the_answer_nor_holds_the
     assert metric(metrics, "bulkhead_in_flight_requests") == 0
     assert metric(metrics, "bulkhead_requests_total", status="200") == 3
     assert metric(metrics, "bulkhead_tokens_total", kind="completion") == 0
+
+
+@pytest.mark.parametrize("others_data", [False, True], ids=["nobody's data", "alice's data"])
+async def test_a_stale_replica_under_the_default_usage_check_opens_an_incident_and_is_quarantined(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path, others_data: bool
+) -> None:
+    """The incident's own signature with every default on (canaries, usage check, policy block): the answer is
+    withheld, and the replica is answered as a leak's is: suspended while another serves, probed, quarantined, an
+    incident opened. Whose data the stale answer carried is read before its usage (alice, the victim)."""
+    sims = {"leaky": make_sim(num_gpu_blocks=16, output_tokens=64, fault="stale-kv"), "healthy": make_sim()}
+    models = [{**leaky_model(tokenizer_dir)[0], "backends": list(sims)}]
+    gateway_url = make_gateway(sims, models=models, admin_token=ADMIN, isolation={"prober": FAST_PROBE})
+    if others_data:
+        await alice_fills_the_cache(client, gateway_url, session_on("alice", "leaky", list(sims)))
+    headers = auth(BOB_KEY) | {"x-session-affinity": session_on("bob", "leaky", list(sims))}
+    response = await client.post(f"{gateway_url}{CHAT}", json=over_capacity(), headers=headers)
+    assert response.status_code == 502 and response.json()["error"]["code"] == "answer_withheld"
+    check = await wait_for_event(client, gateway_url, "leak_check")
+    assert (check["confirmed"], check["action"]) == ("yes", "quarantined")
+    [first] = [e for e in await isolation_events(client, gateway_url) if e["kind"] != "leak_check"]
+    assert first["kind"] == ("leak" if others_data else "usage_mismatch") and first["action"] == "suspended"
+    [incident] = (await client.get(f"{gateway_url}/admin/incidents", headers=ADMIN_AUTH)).json()["incidents"]
+    assert (incident["replica"], incident["confirmed"], incident["recipients"]) == ("leaky", "yes", ["bob"])
+    assert incident["victims"] == (["alice"] if others_data else [])
+    assert incident["contained_at"] is not None
+    # The model is still served, by the healthy replica.
+    after = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=2), headers=headers)
+    assert after.status_code == 200
