@@ -254,6 +254,14 @@ class GatewayMetrics:
             registry=self.registry,
             multiprocess_mode="livemax",
         )
+        self.incident_exposed = Gauge(
+            "bulkhead_incident_exposed_answers",
+            "For each replica with an open incident, its answers that reached their clients, whole or in part, "
+            "carrying another tenant's data (read from the store, like bulkhead_incidents_open).",
+            ["model", "replica"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
         self.exposed_answers = Counter(
             "bulkhead_exposed_answers",
             "Answers found to carry another tenant's data (a leak event), by what became of them: withheld, delivered "

@@ -16,7 +16,7 @@ import orjson
 from redis.exceptions import RedisError
 
 from gateway.incidents.incident import PROBE, RETENTION, Incident, IncidentStore, Sighting
-from gateway.incidents.ledger import Served
+from gateway.incidents.ledger import DELIVERED, PARTIAL, Served
 from gateway.incidents.notices import NoticeParts, confirmed_for_notices, notify
 from gateway.incidents.reporting import LEAKS, USAGE_MISMATCH
 from gateway.metrics import GatewayMetrics
@@ -29,6 +29,7 @@ PROBE_FINDING = "probe_finding"
 WATCHED = 1000  # the latest incidents read for the gauge: an open one is among them unless 1,000 opened since
 OPENING = LEAKS | {PROBE_FINDING, USAGE_MISMATCH}
 UNCONFIRMED = "unconfirmed: the confirmation probe saw no requests mixed"
+REACHED = (DELIVERED, PARTIAL)  # the verdicts of answers that reached their clients, whole or in part
 
 
 class TrackingParts(NoticeParts, Protocol):
@@ -119,7 +120,9 @@ async def closed(replica: str, reason: str, state: TrackingParts, incident_id: s
 
 
 async def watch(state: TrackingParts, interval_s: float) -> None:
-    """Started by the lifespan: `bulkhead_incidents_open` from the store, whichever instance opened or closed them."""
+    """Started by the lifespan: `bulkhead_incidents_open` and `bulkhead_incident_exposed_answers` from the store,
+    whichever instance opened, joined or closed the incidents: the page (deploy/prometheus) is read from every
+    instance's export, so none's death resolves it."""
     shown: set[tuple[str, str]] = set()
     while True:
         try:
@@ -127,12 +130,15 @@ async def watch(state: TrackingParts, interval_s: float) -> None:
         except (RedisError, OSError) as exc:
             log.warning("incidents not read: %s", type(exc).__name__)
         else:
-            now = {(i.model, i.replica) for i in recent if i.open}
-            for labels in shown - now:
+            now = {(i.model, i.replica): i for i in recent if i.open}
+            for labels in shown - now.keys():
                 state.metrics.incidents_open.labels(*labels).set(0)
-            for labels in now:
+                state.metrics.incident_exposed.labels(*labels).set(0)
+            for labels, incident in now.items():
                 state.metrics.incidents_open.labels(*labels).set(1)
-            shown |= now
+                reached = sum(1 for _, _, verdict in incident.answers if verdict in REACHED)
+                state.metrics.incident_exposed.labels(*labels).set(reached)
+            shown |= now.keys()
         await asyncio.sleep(interval_s)
 
 

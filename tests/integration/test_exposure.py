@@ -134,6 +134,8 @@ async def test_the_exposure_of_an_incident_is_what_the_replica_served_while_faul
         verdict = "withheld" if policy == "block" else "delivered"
         assert metric(metrics, "bulkhead_exposed_answers_total", replica="leaky", verdict=verdict) == 1
         await open_gauge(client, gateway_url, 1)
+        # What the page says reached clients: bob's answer under alert, nothing under block.
+        await open_gauge(client, gateway_url, 0 if policy == "block" else 1, "bulkhead_incident_exposed_answers")
 
         # The operator releases the replica: the incident closes.
         await client.post(f"{gateway_url}/admin/replicas/leaky/release", headers=ADMIN_AUTH)
@@ -145,15 +147,18 @@ async def test_the_exposure_of_an_incident_is_what_the_replica_served_while_faul
         await open_gauge(client, gateway_url, 0)
 
 
-async def open_gauge(client: httpx.AsyncClient, gateway_url: str, expected: float) -> None:
-    """`bulkhead_incidents_open` for leaky, once the watcher (every health interval) has read the store."""
+async def open_gauge(
+    client: httpx.AsyncClient, gateway_url: str, expected: float, name: str = "bulkhead_incidents_open"
+) -> None:
+    """A gauge of leaky's incident (the page reads them: deploy/prometheus), once the watcher (every health interval)
+    has read the store."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         text = (await client.get(f"{gateway_url}/metrics")).text
-        if metric(text, "bulkhead_incidents_open", replica="leaky", model=MODEL) == expected:
+        if metric(text, name, replica="leaky", model=MODEL) == expected:
             return
         await asyncio.sleep(0.1)
-    raise AssertionError(f"bulkhead_incidents_open is not {expected}")
+    raise AssertionError(f"{name} is not {expected}")
 
 
 async def test_bad_requests_for_incidents_and_exposure_are_refused_clearly(
