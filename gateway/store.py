@@ -1,8 +1,9 @@
 """State that gateway instances share: in Redis when configured, in this process's memory otherwise.
 
 Both implementations behave the same and are exercised by the same tests. What is shared today:
-- decisions about replicas (quarantined, draining: sticky until released; suspended while a leak's confirmation
-  probe runs: quarantine.py);
+- decisions about replicas (quarantined, draining: sticky until released; suspended until a leak's confirmation
+  probe decides, the probe's owner holding it by a lease that any instance takes over once it lapses:
+  quarantine.py);
 - failures seen on the request path (a count per replica), so every instance takes a failing replica out of
   rotation at its next sync, until its own next health check passes.
 """
@@ -33,8 +34,13 @@ class Store(Protocol):
         (the other replicas of its model) has none either: never the last one, whatever instance asks."""
         ...
 
-    async def release_expired(self, now: float) -> list[str]:
-        """End the suspensions whose time is past (their probe died with its instance); the replicas released."""
+    async def renew(self, replica: str, until: float) -> bool:
+        """Hold the replica's suspension until `until`, only while it is still suspended (its probe's owner, alive)."""
+        ...
+
+    async def take_lapsed(self, now: float, until: float) -> list[str]:
+        """The suspensions whose hold lapsed by `now` (their probe's owner died or stopped), each taken in one step by
+        the caller, held until `until`: one instance probes each. A suspension is never ended by lapse alone."""
         ...
 
     async def admin_states(self) -> dict[str, AdminState]: ...
@@ -88,13 +94,23 @@ class MemoryStore:
         self._admin[replica], self._until[replica] = "suspended", until
         return True
 
-    async def release_expired(self, now: float) -> list[str]:
-        expired = [name for name, until in self._until.items() if until <= now]
-        for name in expired:
-            del self._until[name]
+    async def renew(self, replica: str, until: float) -> bool:
+        if self._admin.get(replica) != "suspended":
+            return False
+        self._until[replica] = until
+        return True
+
+    async def take_lapsed(self, now: float, until: float) -> list[str]:
+        taken = []
+        for name, end in list(self._until.items()):
+            if end > now:
+                continue
             if self._admin.get(name) == "suspended":
-                del self._admin[name]
-        return expired
+                self._until[name] = until
+                taken.append(name)
+            else:
+                del self._until[name]
+        return taken
 
     async def admin_states(self) -> dict[str, AdminState]:
         return dict(self._admin)
@@ -148,26 +164,36 @@ end
 return 0
 """
 
-# KEYS: the admin hash, the suspensions' ends; ARGV: now. The replicas whose suspension ended.
-_RELEASE_EXPIRED = """
-local released = {}
+# KEYS: the admin hash, the suspensions' holds; ARGV: replica, until. 1 when it is still suspended, and held.
+_RENEW = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= 'suspended' then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"""
+
+# KEYS: the admin hash, the suspensions' holds; ARGV: now, until. The suspended replicas whose hold lapsed, taken.
+_TAKE_LAPSED = """
+local taken = {}
 local ends = redis.call('HGETALL', KEYS[2])
 for i = 1, #ends, 2 do
   if tonumber(ends[i + 1]) <= tonumber(ARGV[1]) then
-    redis.call('HDEL', KEYS[2], ends[i])
-    if redis.call('HGET', KEYS[1], ends[i]) == 'suspended' then redis.call('HDEL', KEYS[1], ends[i]) end
-    table.insert(released, ends[i])
+    if redis.call('HGET', KEYS[1], ends[i]) == 'suspended' then
+      redis.call('HSET', KEYS[2], ends[i], ARGV[2])
+      table.insert(taken, ends[i])
+    else
+      redis.call('HDEL', KEYS[2], ends[i])
+    end
   end
 end
-return released
+return taken
 """
 
 
 class RedisStore:
     """Three hashes, replica → state: `{prefix}replica-admin`, `{prefix}replica-failures` and
-    `{prefix}replica-suspended-until` (when each suspension ends at the latest); a counter per budget and window,
-    `{prefix}budget:{name}:{window}`, which expires with its window; and `{prefix}blocks`, what is blocked until an
-    operator lifts it (name → since when)."""
+    `{prefix}replica-suspended-until` (until when the instance probing each suspension holds it); a counter per
+    budget and window, `{prefix}budget:{name}:{window}`, which expires with its window; and `{prefix}blocks`, what is
+    blocked until an operator lifts it (name → since when)."""
 
     def __init__(self, redis: Redis, *, prefix: str) -> None:
         self._redis = redis
@@ -178,7 +204,8 @@ class RedisStore:
         self._blocks = f"{prefix}blocks"
         self._end_suspension = redis.register_script(_END_SUSPENSION)
         self._suspend = redis.register_script(_SUSPEND)
-        self._release_expired = redis.register_script(_RELEASE_EXPIRED)
+        self._renew = redis.register_script(_RENEW)
+        self._take_lapsed = redis.register_script(_TAKE_LAPSED)
 
     async def set_admin_state(self, replica: str, state: AdminState | None) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -195,8 +222,11 @@ class RedisStore:
     async def suspend(self, replica: str, others: list[str], until: float) -> bool:
         return bool(await self._suspend(keys=[self._admin, self._until], args=[replica, until, *others]))
 
-    async def release_expired(self, now: float) -> list[str]:
-        return [text(name) for name in await self._release_expired(keys=[self._admin, self._until], args=[now])]
+    async def renew(self, replica: str, until: float) -> bool:
+        return bool(await self._renew(keys=[self._admin, self._until], args=[replica, until]))
+
+    async def take_lapsed(self, now: float, until: float) -> list[str]:
+        return [text(name) for name in await self._take_lapsed(keys=[self._admin, self._until], args=[now, until])]
 
     async def admin_states(self) -> dict[str, AdminState]:
         raw = text_fields(await self._redis.hgetall(self._admin))

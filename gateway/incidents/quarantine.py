@@ -12,8 +12,9 @@ model to decode an encoding of it). So no tenant's request decides on its own; t
   state: two leaks at once never take every replica out, and an operator's drain is never overwritten;
 - a replica that cannot be suspended (the last one free, or one with an operator's state) stays as it is while it
   is probed, and is quarantined only when the probe sees it mix requests;
-- a probe that cannot tell keeps a suspension, and a suspension ends by itself at its time (ReplicaPool.sync), so
-  none outlives a probe that died with its instance;
+- a probe that cannot tell keeps a suspension; a suspension ends only by a probe's verdict or an operator, never by
+  lapse: the instance probing holds it by a lease in the store, renewed every health interval, and once a lease
+  lapses (its instance died mid-probe) any instance takes it over and probes again (`take_over`);
 - the follow-up event (kind `leak_check`) says whether the probe confirmed it (yes, no, unknown) and what was done;
 - automatic suspensions and quarantines of one replica are bounded per window, and confirmation probes per replica
   and per recipient tenant per hour (`isolation.quarantine`), across every instance (the store); past a bound the
@@ -24,6 +25,7 @@ nothing is suspended or quarantined, on any path.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import replace
@@ -32,7 +34,7 @@ from typing import Final, Protocol
 from redis.exceptions import RedisError
 
 from gateway.incidents import tracking
-from gateway.incidents.prober import ProbingParts, probe
+from gateway.incidents.prober import PROBER, ProbingParts, probe
 from gateway.incidents.reporting import report
 from gateway.settings import QuarantineSettings
 from gateway.store import AdminState, MemoryStore, Store
@@ -52,7 +54,8 @@ NONE = "none"
 CHECK = "leak_check"
 OUTCOMES = {"yes": "confirmed", "no": "unconfirmed", "unknown": "inconclusive"}  # the probe's, as metric outcomes
 DETAILS = {"no": "the canary probe saw no requests mixed", "unknown": "the canary probe could not run"}
-SUSPENSION_SLACK_S = 60.0
+LEASE_INTERVALS = 3  # a probe's hold on a suspension lapses after this many health intervals without renewal
+TAKEN_OVER = "taken_over"
 
 
 class QuarantineBudget:
@@ -107,8 +110,7 @@ async def _set(state: ResponderParts, replica: Replica, admin_state: AdminState,
 async def _suspend(state: ResponderParts, replica: Replica, others: list[Replica], reason: str) -> bool:
     """Suspend the replica, unless it has a state (an operator's drain) or every other replica of its model has one
     by now (another leak, on this instance or another, suspended them): checked and set in one step in the store."""
-    # The probe's own limit, and time for it to start and report: a suspension whose probe died ends by then.
-    until = time.time() + state.settings.isolation.prober.time_limit_s + SUSPENSION_SLACK_S
+    until = time.time() + _lease_s(state)
     try:
         return await state.pool.suspend(replica, others, until, reason)
     except (RedisError, OSError) as exc:
@@ -161,16 +163,61 @@ async def on_leak(event: IsolationEvent, state: ResponderParts) -> None:
     if replica is None or action not in (SUSPENDED, PROBING) or replica.name in state.quarantines.probing:
         return
     if not await state.quarantines.probe(replica.name, event.tenant):
-        # Past the bound a suspension still ends by itself at its time, and the next leak may be probed again.
+        # No probe starts here past the bound; a suspension's hold lapses and take_over probes it (suspensions are
+        # bounded per replica), and the next leak may be probed again.
         state.metrics.quarantines.labels(replica.name, "probe_bounded").inc()
         return
     state.quarantines.probing.add(replica.name)
     state.background(_confirm(state, replica, event, incident.id if incident is not None else ""))
 
 
+def _lease_s(state: ResponderParts) -> float:
+    return LEASE_INTERVALS * state.settings.upstream.health_interval_s
+
+
+async def _hold(state: ResponderParts, replica: Replica) -> None:
+    """Renew this instance's hold on the replica's suspension while its probe runs; ends once it is not suspended."""
+    interval = state.settings.upstream.health_interval_s
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            if not await state.pool.renew_suspension(replica, time.time() + _lease_s(state)):
+                return
+        except (RedisError, OSError) as exc:
+            # The hold may lapse: another instance then probes too, and the first verdict stands.
+            log.warning("suspension of %s not renewed: %s", replica.name, type(exc).__name__)
+
+
+async def take_over(state: ResponderParts) -> None:
+    """Started by the lifespan on every instance: each health interval, the suspensions whose probe's owner stopped
+    renewing its hold (it died mid-probe) are taken, one instance each, and probed again. A replica stays out of
+    rotation from its first signal until a probe or an operator decides."""
+    while True:
+        await asyncio.sleep(state.settings.upstream.health_interval_s)
+        try:
+            lapsed = await state.pool.take_lapsed(time.time() + _lease_s(state))
+            for replica in lapsed:
+                if replica.name in state.quarantines.probing:
+                    continue  # this instance's own probe, whose renewals did not reach the store: it holds again
+                incident = await state.incidents.open_for(replica.name)
+                state.metrics.quarantines.labels(replica.name, TAKEN_OVER).inc()
+                log.error(
+                    "suspension of %s: no probe holds it (its instance stopped, or it could not tell); probing it here",
+                    replica.name,
+                )
+                model = next((m.name for m in state.settings.models if replica.name in m.backends), "")
+                request = incident.first_request if incident is not None else ""
+                event = IsolationEvent(CHECK, request, PROBER, model, replica.name, "taken over")
+                state.quarantines.probing.add(replica.name)
+                state.background(_confirm(state, replica, event, incident.id if incident is not None else ""))
+        except (RedisError, OSError) as exc:
+            log.warning("lapsed suspensions not read: %s", type(exc).__name__)
+
+
 async def _confirm(state: ResponderParts, replica: Replica, event: IsolationEvent, incident_id: str) -> None:
     findings: list[Finding] | None = None  # None: the probe could not tell
     started = time.time()
+    holding = asyncio.get_running_loop().create_task(_hold(state, replica))
     try:
         model = state.settings.model(event.model)
         findings = await probe(state, replica, model) if model is not None else None
@@ -179,6 +226,7 @@ async def _confirm(state: ResponderParts, replica: Replica, event: IsolationEven
     except Exception:
         log.exception("leak on %s: the confirmation probe failed", replica.name)
     finally:
+        holding.cancel()
         state.quarantines.probing.discard(replica.name)
     outcome = "unknown" if findings is None else "yes" if findings else "no"
     state.metrics.quarantines.labels(replica.name, OUTCOMES[outcome]).inc()

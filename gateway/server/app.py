@@ -44,7 +44,7 @@ from gateway.errors import (
     NotFound,
     error_response,
 )
-from gateway.incidents import tracking
+from gateway.incidents import quarantine, tracking
 from gateway.incidents.ledger import LedgerWriter
 from gateway.incidents.prober import run_prober
 from gateway.incidents.quarantine import QuarantineBudget
@@ -509,6 +509,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     asyncio.create_task(verdicts.watch(settings.upstream.health_interval_s)),
                     asyncio.create_task(writer.run()),
                     asyncio.create_task(tracking.watch(app.state.gateway, settings.upstream.health_interval_s)),
+                    asyncio.create_task(quarantine.take_over(app.state.gateway)),
                     asyncio.create_task(deliveries.run()),
                 ]
                 if redis is not None and metrics.redis_up is not None:

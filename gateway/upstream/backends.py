@@ -135,11 +135,18 @@ class ReplicaPool:
         except (RedisError, OSError) as exc:
             log.warning("failure of backend %s not shared: %s", name, type(exc).__name__)
 
+    async def renew_suspension(self, replica: Replica, until: float) -> bool:
+        """Hold the replica's suspension until `until`; False when it is no longer suspended."""
+        return await self._store.renew(replica.name, until)
+
+    async def take_lapsed(self, until: float) -> list[Replica]:
+        """The suspended replicas whose hold lapsed (their probe's owner died), taken by this instance until `until`
+        (store.take_lapsed)."""
+        names = await self._store.take_lapsed(time.time(), until)
+        return [self.replicas[name] for name in names if name in self.replicas]
+
     async def sync(self) -> None:
-        """Take in what other instances decided or saw; a new failure holds until the next passing check. A
-        suspension past its time ends here, on whichever instance syncs first (its probe died with its instance)."""
-        for name in await self._store.release_expired(time.time()):
-            log.warning("backend %s: its suspension ended without a probe's verdict", name)
+        """Take in what other instances decided or saw; a new failure holds until the next passing check."""
         admin = await self._store.admin_states()
         failures = await self._store.failures()
         seen, self._failures_seen = self._failures_seen, failures

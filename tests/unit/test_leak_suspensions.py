@@ -54,11 +54,12 @@ class Instance:
         self.tasks.add(asyncio.get_running_loop().create_task(work))
 
 
-def instance(store: MemoryStore, probe_time_s: float = 30.0) -> Instance:
+def instance(store: MemoryStore, probe_time_s: float = 30.0, health_s: float = 5.0) -> Instance:
     settings = Settings.model_validate(
         {
             "backends": [{"name": name, "url": f"http://{name}"} for name in ("a", "b")],
             "models": [{"name": "m", "backends": ["a", "b"]}],
+            "upstream": {"health_interval_s": health_s},
         }
     )
     # Past validation (which wants a probe some time): 0 s makes a suspension's time pass at once.
@@ -185,13 +186,16 @@ async def test_a_probe_that_cannot_tell_keeps_the_suspension_and_says_so(
     assert (await store.admin_states()).get("a") == "suspended"
 
 
+@pytest.mark.parametrize("found", [False, True], ids=["sound", "mixing"])
 @pytest.mark.parametrize("how", ["crash", "shutdown"])
-async def test_a_suspension_ends_when_its_time_is_past_if_its_probe_died(
-    monkeypatch: pytest.MonkeyPatch, how: str
+async def test_a_suspension_whose_probe_died_is_taken_over_and_decided_by_another_instance(
+    monkeypatch: pytest.MonkeyPatch, how: str, found: bool
 ) -> None:
-    # The probe task dies (an error, or its instance stops: a deploy, an OOM kill): any instance's next sync ends the
-    # suspension once the probe's time and some slack are past.
+    # The probe's instance dies mid-probe (an error, or its instance stops: a deploy, an OOM kill). Its hold on the
+    # suspension lapses after a few health intervals; another instance takes it over and probes again, and only
+    # that verdict ends the suspension: the replica never returns to rotation by lapse alone.
     started = asyncio.Event()
+    probed_by: list[str] = []
 
     async def dies(*_: Any) -> list[Any]:
         started.set()
@@ -200,23 +204,43 @@ async def test_a_suspension_ends_when_its_time_is_past_if_its_probe_died(
         await asyncio.sleep(3600)
         return []
 
-    probe_that(monkeypatch, dies)
-    slack_s = 0.2
-    monkeypatch.setattr(quarantine, "SUSPENSION_SLACK_S", slack_s)
+    async def decides(state: Any, replica: Any, model: Any) -> list[Any]:
+        probed_by.append(replica.name)
+        return [AuditFinding()] if found else []
+
+    health_s = 0.05
     store = MemoryStore()
-    state = instance(store, probe_time_s=0.0)
-    await quarantine.on_leak(leak_on("a"), state)
+    probe_that(monkeypatch, dies)
+    first = instance(store, health_s=health_s)
+    await quarantine.on_leak(leak_on("a"), first)
     await started.wait()
-    for task in state.tasks:
+    for task in first.tasks:
         task.cancel()
-    await settle(state)
-    later = instance(store)  # any instance, now or after a restart
+    await settle(first)
+    probe_that(monkeypatch, decides)
+    later = instance(store, health_s=health_s)  # any instance, now or after a restart
     await later.pool.sync()
-    assert (await store.admin_states()).get("a") == "suspended", "not before its time"
-    await asyncio.sleep(slack_s + 0.05)  # the suspension's time itself: its end is what is waited for
-    await later.pool.sync()
-    assert (await store.admin_states()).get("a") is None
-    assert later.pool.replicas["a"].routable
+    assert later.pool.replicas["a"].admin_state == "suspended"
+    taking = asyncio.create_task(quarantine.take_over(later))
+    try:
+        async with asyncio.timeout(5):
+            while not probed_by or later.tasks and not all(task.done() for task in later.tasks):
+                # Until then, still out of rotation on every instance.
+                assert (await store.admin_states()).get("a") in ("suspended", "quarantined")
+                await asyncio.sleep(health_s / 2)
+    finally:
+        taking.cancel()
+    await settle(later)
+    assert probed_by == ["a"], "one probe took it over"
+    [check] = await checks(later)
+    assert (check.confirmed, check.action) == (("yes", "quarantined") if found else ("no", "released"))
+    assert (await store.admin_states()).get("a") == ("quarantined" if found else None)
+    assert METRICS.quarantines.labels("a", quarantine.TAKEN_OVER)._value.get() >= 1
+
+
+@dataclass
+class AuditFinding:
+    title: str = "requests mixed"
 
 
 async def test_the_probes_one_tenant_draws_are_bounded_across_instances(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -645,7 +645,7 @@ async def test_a_suspension_ends_only_while_it_is_one(store: Store, prefix: str)
     assert mine(await store.admin_states(), prefix) == {a: "quarantined"}
 
 
-async def test_a_suspension_never_takes_a_models_last_free_replica_and_ends_at_its_time(
+async def test_a_suspension_never_takes_a_models_last_free_replica_and_is_held_until_a_verdict(
     store: Store, prefix: str
 ) -> None:
     a, b, c = f"{prefix}a", f"{prefix}b", f"{prefix}c"
@@ -656,17 +656,27 @@ async def test_a_suspension_never_takes_a_models_last_free_replica_and_ends_at_i
     assert not await store.suspend(a, [b, c], now + 60), "suspended already"
     assert not await store.suspend(c, [a, b], now + 60), "an operator's drain is not overwritten"
     assert mine(await store.admin_states(), prefix) == {a: "suspended", c: "draining"}
-    assert [n for n in await store.release_expired(now + 30) if n.startswith(prefix)] == []
-    assert [n for n in await store.release_expired(now + 61) if n.startswith(prefix)] == [a]
-    assert mine(await store.admin_states(), prefix) == {c: "draining"}
-    # A suspension that the probe or an operator ended has no time left to end.
+
+    def taken(names: list[str]) -> list[str]:
+        return [n for n in names if n.startswith(prefix)]
+
+    # Held while its probe's owner renews; taken, by one caller alone, once the hold lapsed; never ended by it.
+    assert taken(await store.take_lapsed(now + 30, now + 90)) == []
+    assert await store.renew(a, now + 120)
+    assert taken(await store.take_lapsed(now + 61, now + 90)) == [], "renewed"
+    assert taken(await store.take_lapsed(now + 121, now + 180)) == [a]
+    assert taken(await store.take_lapsed(now + 121, now + 180)) == [], "taken once"
+    assert mine(await store.admin_states(), prefix) == {a: "suspended", c: "draining"}
+    assert taken(await store.take_lapsed(now + 181, now + 240)) == [a], "its taker stopped renewing too"
+    # A suspension that the probe or an operator ended has nothing left to hold or take.
+    assert await store.end_suspension(a)
+    assert not await store.renew(a, now + 300)
+    assert taken(await store.take_lapsed(now + 241, now + 300)) == []
     assert await store.suspend(b, [a, c], now + 60)
     await store.set_admin_state(b, "quarantined")
-    await store.set_admin_state(c, None)
-    assert await store.suspend(a, [b, c], now + 60)
-    assert await store.end_suspension(a)
-    assert [n for n in await store.release_expired(now + 61) if n.startswith(prefix)] == []
-    assert mine(await store.admin_states(), prefix) == {b: "quarantined"}
+    assert not await store.renew(b, now + 300)
+    assert taken(await store.take_lapsed(now + 241, now + 300)) == []
+    assert mine(await store.admin_states(), prefix) == {b: "quarantined", c: "draining"}
 
 
 async def test_failures_are_counted_per_replica(store: Store, prefix: str) -> None:
