@@ -235,8 +235,14 @@ async def _confirm(state: ResponderParts, replica: Replica, event: IsolationEven
     if findings:
         action = QUARANTINED if suspended or await state.quarantines.take(replica.name) else BOUNDED
     elif findings is None:
-        # No evidence either way: a suspension stays, until its time ends (ReplicaPool.sync) or an operator decides.
+        # No evidence either way: a suspension stays until a probe or an operator decides. The next probe is any
+        # instance's once this hold lapses: a probe's time from now, not every few seconds at a replica that is down.
         action = NONE
+        if suspended:
+            try:
+                await state.pool.renew_suspension(replica, time.time() + state.settings.isolation.prober.time_limit_s)
+            except (RedisError, OSError) as exc:
+                log.warning("suspension of %s not held: %s", replica.name, type(exc).__name__)
     else:
         released = suspended and await _release(state, replica, "the leak's confirmation probe saw no requests mixed")
         action = RELEASED if released else NONE

@@ -211,7 +211,9 @@ async def test_a_suspension_whose_probe_died_is_taken_over_and_decided_by_anothe
     health_s = 0.05
     store = MemoryStore()
     probe_that(monkeypatch, dies)
-    first = instance(store, health_s=health_s)
+    # (A probe that crashed could not tell: its instance holds the suspension a probe's time, here 0.1 s, before
+    # anyone probes again.)
+    first = instance(store, probe_time_s=0.1, health_s=health_s)
     await quarantine.on_leak(leak_on("a"), first)
     await started.wait()
     for task in first.tasks:
