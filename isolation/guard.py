@@ -694,6 +694,8 @@ class OutputGuard:
             if owner is None:
                 continue
             if owner.tenant == self._tenant:
+                if candidate in self._joins.held:
+                    continue  # its start is not out: it goes out, and is joined then, only if it is no marker there
                 raise SplitMarker("the tenant's own marker, split across texts of the answer")
             elif await self._leak(Leak(owner.tenant, MARKER, str(owner.epoch))) is not None:
                 holder[name] = REDACTED

@@ -43,6 +43,9 @@ class Joins:
         self._texts = 0
         self._settled: dict[int, set[str]] = {}  # per choice: Joins.settled
         self._open_ends = 0  # texts whose end could start a marker
+        # Candidates found only with what a scanner still holds before them: a start of the tenant's own marker held
+        # there is stripped once whole, or joined when it goes out (then the text that holds it is withheld).
+        self.held: set[bytes] = set()
 
     def settled(self, choice: int) -> set[str]:
         """The texts of a choice that a plain piece changes nothing of while `order_idle` (the guard's fast path asks
@@ -101,18 +104,29 @@ class Joins:
         # growing, and each step of it joined to another text's start would be another candidate, all but the last
         # no marker; it is read once it goes out, and a text that starts after it meanwhile is read after it below.)
         if mine.out != out and mine.out:
-            found += [
+            gone = [
                 candidate for theirs in self._others(mine) for candidate in candidates_across(mine.out, theirs.begins())
             ]
+            self.held.difference_update(gone)  # what was held went out: the join is made
+            found += gone
         # Every other text's end, held or gone out, before its start: nothing after a held first half of a marker
         # leaves before the join is decided.
         if grown and self._open_ends:
-            found += [
-                candidate
-                for theirs in self._others(mine)
-                if theirs.tail
-                for candidate in candidates_across(theirs.tail, mine.begins())
-            ]
+            found += self._after_tails(mine)
+        return found
+
+    def _after_tails(self, mine: _Ends) -> list[bytes]:
+        """The candidates that `mine`'s start completes after every other text's end; those that need what a
+        scanner still holds are also kept in `held`."""
+        found = []
+        for theirs in self._others(mine):
+            if not theirs.tail:
+                continue
+            joined = candidates_across(theirs.tail, mine.begins())
+            if joined and theirs.tail != theirs.out:
+                gone = candidates_across(theirs.out, mine.begins()) if theirs.out else []
+                self.held.update(candidate for candidate in joined if candidate not in gone)
+            found += joined
         return found
 
     def standalone(self, choice: int, key: str, text: str) -> list[bytes]:
@@ -135,12 +149,7 @@ class Joins:
                 candidate for theirs in self._others(mine) for candidate in candidates_across(tail, theirs.begins())
             ]
         if self._open_ends > bool(tail):
-            found += [
-                candidate
-                for theirs in self._others(mine)
-                if theirs.tail
-                for candidate in candidates_across(theirs.tail, mine.begins())
-            ]
+            found += self._after_tails(mine)
         return found
 
     def _others(self, mine: _Ends) -> list[_Ends]:

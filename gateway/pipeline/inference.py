@@ -303,6 +303,9 @@ class InferenceCall:
         self._kinds: list[str] = []  # its isolation events' kinds
         self._withheld = False
         self._events_out = 0  # stream events handed to the client
+        # Some of another tenant's data went out with them (_exposed): the victim's words, not the template's
+        # scaffolding or the tenant's own text before them.
+        self._exposed = False
         self._whole = True  # a stream that ended with its [DONE] (one cut short is relayed as it came, in part)
 
     async def close(self) -> None:
@@ -338,7 +341,9 @@ class InferenceCall:
             return
         if self.record.status == 200 and self.finished and self._whole:
             verdict = DELIVERED
-        elif self._events_out:
+        elif self._events_out and (self._exposed or LEAKS.isdisjoint(self._kinds)):
+            # (An answer in an incident's window with no leak of its own: what it carried is not known, so a part
+            # that went out is one.)
             verdict = PARTIAL
         else:
             verdict = WITHHELD if self._withheld else FAILED
@@ -580,8 +585,18 @@ class InferenceCall:
         return withheld()
 
     async def leak(self, leak: Leak) -> None:
+        self._exposed = self._exposed or self._goes_out(leak)
         event = self.event(leak.kind, LEAK_DETAILS[leak.kind], victim_tenant=leak.victim, epoch=leak.epoch)
         await on_leak(event, self.state)
+
+    def _goes_out(self, leak: Leak) -> bool:
+        """Whether some of what made this leak reaches the client, should the stream have begun: under a policy that
+        lets the answer go on (alert, or redact, which sends what follows a marker), or a fragment of a stream held
+        only from its first hit (up to min_fragment - 1 of its words left before the hit). A marker under block is
+        held whole until decided: what went out before it is no one else's data that any check found."""
+        if self.state.settings.isolation.canary.policy != "block":
+            return True
+        return leak.kind == FRAGMENT and self.state.settings.isolation.fingerprints.stream_hold == "first_hit"
 
     def event(self, kind: str, detail: str, victim_tenant: str = "", epoch: str = "") -> IsolationEvent:
         """An isolation event about this request."""

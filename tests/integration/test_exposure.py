@@ -35,6 +35,7 @@ from tests.integration.test_quarantine import ADMIN, ADMIN_AUTH, FAST_PROBE, wai
 from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"
+NOTICES = "/v1/isolation/notices"
 CAROL_KEY = "bk-test-carol-0123456789"
 DAVE_KEY = "bk-test-dave-0123456789"
 TENANTS = [
@@ -145,6 +146,44 @@ async def test_the_exposure_of_an_incident_is_what_the_replica_served_while_faul
         for change in ("opened", "closed"):
             assert metric(metrics, "bulkhead_incidents_total", replica="leaky", change=change) == 1
         await open_gauge(client, gateway_url, 0)
+
+
+async def test_a_stream_withheld_after_template_text_only_is_withheld_not_partial_and_tells_no_victim(
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path
+) -> None:
+    """The stale answer starts with the chat template's scaffolding, which goes out, then alice's marker, which never
+    does: bob received nothing of hers. The ledger says withheld, and alice's notice that nothing of hers reached
+    another tenant (it said `partial` and `reached_another_tenant`: 1)."""
+    sims = {"leaky": make_sim(num_gpu_blocks=16, output_tokens=64, fault="stale-kv"), "healthy": make_sim()}
+    gateway_url = make_gateway(
+        sims,
+        models=canaries_only(tokenizer_dir, NAMES),
+        tenants=TENANTS,
+        admin_token=ADMIN,
+        isolation={"prober": FAST_PROBE, "fingerprints": {"enabled": False}},
+    )
+    await alice_fills_the_cache(client, gateway_url, session_on("alice", "leaky", NAMES))
+    headers = auth(BOB_KEY) | {"x-session-affinity": session_on("bob", "leaky", NAMES)}
+    response = await client.post(f"{gateway_url}{CHAT}", json=over_capacity(stream=True), headers=headers)
+    events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line.startswith("data: {")]
+    texts = [e for e in events if '"content":"' in e and '"content":""' not in e]
+    assert texts and "answer_withheld" in events[-1], "some of the answer went out before it was withheld"
+    assert not shows_marker(response.text) and "merger" not in response.text
+    check = await wait_for_event(client, gateway_url, "leak_check")
+    assert check["confirmed"] == "yes"
+
+    [incident] = (await client.get(f"{gateway_url}/admin/incidents", headers=ADMIN_AUTH)).json()["incidents"]
+    exposure = await client.get(f"{gateway_url}/admin/incidents/{incident['id']}/exposure", headers=ADMIN_AUTH)
+    bobs = requests_of(exposure.json())[response.headers["x-request-id"]]
+    assert bobs["verdict"] == "withheld" and "leak" in bobs["events"]
+    deadline = time.monotonic() + 10
+    while not (notices := (await client.get(f"{gateway_url}{NOTICES}", headers=auth(ALICE_KEY))).json()["data"]):
+        assert time.monotonic() < deadline, "alice was never told"
+        await asyncio.sleep(0.1)
+    [notice] = notices
+    assert (notice["data"]["withheld"], notice["data"]["reached_another_tenant"]) == (1, 0)
+    # Bob was sent nothing of anyone's: no notice of foreign data.
+    assert (await client.get(f"{gateway_url}{NOTICES}", headers=auth(BOB_KEY))).json()["data"] == []
 
 
 async def open_gauge(
