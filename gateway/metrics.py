@@ -265,7 +265,7 @@ class GatewayMetrics:
         self.exposed_answers = Counter(
             "bulkhead_exposed_answers",
             "Answers found to carry another tenant's data (a leak event), by what became of them: withheld, delivered "
-            "(policy alert or redact), partial (a stream cut after a part went out).",
+            "(policy alert or redact), partial (a stream cut after some of that data went out).",
             ["model", "replica", "verdict"],
             registry=self.registry,
         )

@@ -35,7 +35,7 @@ log = logging.getLogger("bulkhead.isolation")
 
 # What became of an answer.
 DELIVERED = "delivered"  # all of it went out
-PARTIAL = "partial"  # a part went out (a stream), then it was withheld, failed or its client left
+PARTIAL = "partial"  # a part went out (a stream; with a leak: some of another tenant's data), then it was stopped
 WITHHELD = "withheld"  # an isolation check withheld it before any of it went out
 FAILED = "failed"  # nothing went out, for another reason (the backend failed, the client left)
 JUDGED = "judged"  # a fragment verdict's regeneration: the tenant's prompt went there, nothing came back to it
