@@ -62,7 +62,7 @@ class Incident:
 
     def window_end(self, now: float, slack_s: float = 0.0) -> float:
         """Until when the replica served while faulty: until it left rotation, else until it closed, else now; and
-        never before its latest leak (a suspension that ended by itself put it back in rotation). `slack_s`: the
+        never before its latest leak (a probe that saw nothing released it, and it leaked again). `slack_s`: the
         other instances learn of a suspension within a health interval, and route there until then."""
         end = self.contained_at or self.closed_at
         return now if end is None else min(now, max(end, self.last_seen) + slack_s)
