@@ -32,11 +32,15 @@ def request_id(header: str | None) -> str:
     return secrets.token_hex(16)  # as uuid4().hex reads, at a quarter of its cost (0.7 µs against 2.7)
 
 
+ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's SDK reads a request's id from `request-id` (its `_request_id`)
+
+
 class RequestIdHeader:
     """ASGI middleware: every answer carries `x-request-id`, so a client can quote it and an operator find it.
 
     Routes that log a request set the header themselves (the id of its log line and isolation events); this adds
-    it to every other answer (health, metrics, admin, unknown routes) with the caller's id or a new one.
+    it to every other answer (health, metrics, admin, unknown routes) with the caller's id or a new one. Answers of
+    the Anthropic surface carry the same id as `request-id` too, where Anthropic's clients look for it.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -52,6 +56,8 @@ class RequestIdHeader:
                 headers = MutableHeaders(scope=message)
                 if "x-request-id" not in headers:
                     headers["x-request-id"] = request_id(Headers(scope=scope).get("x-request-id"))
+                if scope["path"].startswith(ANTHROPIC_PATHS):
+                    headers["request-id"] = headers["x-request-id"]
             await send(message)
 
         await self.app(scope, receive, send_with_id)

@@ -51,8 +51,11 @@ def sdk(gateway_url: str) -> Iterator[anthropic.Anthropic]:
 def test_a_message_goes_through_every_defence_as_a_chat_completion(
     sdk: anthropic.Anthropic, gateway_url: str, sim_url: str
 ) -> None:
-    answer = sdk.messages.create(model=MODEL, max_tokens=4, system="You are terse.", messages=HELLO)
+    raw = sdk.messages.with_raw_response.create(model=MODEL, max_tokens=4, system="You are terse.", messages=HELLO)
+    answer = raw.parse()
     assert answer.type == "message" and answer.role == "assistant" and answer.model == MODEL
+    # The SDK's request id is the gateway's, the one its log line and any isolation event carry.
+    assert answer._request_id == raw.headers["x-request-id"] and answer._request_id
     assert answer.stop_reason == "max_tokens" and answer.usage.output_tokens == 4
     assert answer.content[0].type == "text" and answer.content[0].text
     [sent] = forwarded(sim_url)
@@ -79,6 +82,7 @@ def test_a_stream_comes_as_anthropics_events(sdk: anthropic.Anthropic) -> None:
     with sdk.messages.stream(model=MODEL, max_tokens=5, messages=HELLO) as stream:
         texts = list(stream.text_stream)
         final = stream.get_final_message()
+        assert stream.response.headers["request-id"] == stream.response.headers["x-request-id"]
     assert len(texts) == 5 and final.content[0].text == "".join(texts)
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 5 and final.usage.input_tokens > 0
 
