@@ -628,7 +628,10 @@ class EventWriter:
         return [
             self._event("response.output_item.added", {"output_index": index, "item": added}),
             self._event("response.function_call_arguments.delta", {**where, "delta": held["arguments"]}),
-            self._event("response.function_call_arguments.done", {**where, "arguments": held["arguments"]}),
+            # (`name`: the current specification's; older SDKs' types read past it.)
+            self._event(
+                "response.function_call_arguments.done", {**where, "name": held["name"], "arguments": held["arguments"]}
+            ),
             self._event("response.output_item.done", {"output_index": index, "item": done}),
         ]
 

@@ -115,6 +115,8 @@ def test_a_stream_adds_and_finishes_each_item_in_order() -> None:
     final = said[-1]["response"]
     assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call"]
     assert final["output"][2]["arguments"] == "{}" and final["usage"]["output_tokens"] == 4
+    [arguments] = [e for e in said if e["type"] == "response.function_call_arguments.done"]
+    assert (arguments["name"], arguments["arguments"]) == ("f", "{}")
     assert [e["output_index"] for e in said if e["type"] == "response.output_item.added"] == [0, 1, 2]
 
 
