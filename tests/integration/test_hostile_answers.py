@@ -137,8 +137,11 @@ def gateway(engine: Engine, tokenizer_dir: Path) -> Iterator[str]:
             yield url
 
 
-async def alice_marker(client: httpx.AsyncClient, gateway: str, engine: Engine, says: str = "hi") -> str:
-    response = await client.post(gateway + CHAT, json=chat_body(says), headers=auth(ALICE_KEY))
+async def alice_marker(
+    client: httpx.AsyncClient, gateway: str, engine: Engine, says: str = "hi", key: str = ALICE_KEY
+) -> str:
+    """The marker the gateway planted in a request of alice's (or of the tenant whose `key` it is)."""
+    response = await client.post(gateway + CHAT, json=chat_body(says), headers=auth(key))
     assert response.status_code == 200, response.text
     found = MARKER_PATTERN.search(engine.prompts[-1][0])
     assert found is not None

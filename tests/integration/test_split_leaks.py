@@ -249,26 +249,27 @@ async def test_a_messages_text_block_joined_from_content_and_refusal_is_checked_
     assert await events_since(client, gateway, since) == [("fingerprint_leak", "alice")]
 
 
+def choice_zero(deltas: list[JsonObject]) -> list[JsonObject]:
+    """A stream's events: one per delta of choice 0, then its finish."""
+    events = [chunk({"index": 0, "delta": delta, "finish_reason": None}) for delta in deltas]
+    return [*events, chunk({"index": 0, "delta": {}, "finish_reason": "stop"})]
+
+
 @pytest.mark.parametrize("paced", [False, True])
 @pytest.mark.parametrize("field", ["reasoning", "reasoning_content", "refusal"])
 async def test_the_tenants_own_marker_streamed_in_pieces_then_content_is_stripped_not_withheld(
     client: httpx.AsyncClient, gateway: str, engine: Engine, field: str, paced: bool  # noqa: F811
 ) -> None:
-    # A model that repeats its prompt writes the tenant's own marker. Its scanner held it while it grew, and then
-    # stripped it; the join of that held end with the content's start found the whole marker inside the held end
-    # alone, called it split across texts, and withheld the answer as a failed check: a false event (seen in
-    # test_channels: 3 cases of one suite run, by how the events happened to be read).
-    response = await client.post(gateway + CHAT, json=chat_body("hi"), headers=auth(BOB_KEY))
-    assert response.status_code == 200, response.text
-    found = MARKER_PATTERN.search(engine.prompts[-1][0])
-    assert found is not None
-    own = found.group()
+    # A model that repeats its prompt writes the tenant's own marker, a word of content beside each piece. Its
+    # scanner holds the marker while it grows, then strips it; the content, joined to that held end, could spell it
+    # (with the markers of some keys, ~1 run in 5) and withheld the answer as a failed check: a false event (seen in
+    # test_channels: 3 cases of one suite run).
+    own = await alice_marker(client, gateway, engine, key=BOB_KEY)
     # As a model writes both at once: a piece of the marker in `field`, a word of content beside it, each event.
     words = [" the", " weather", " today", " is", " fine"]
     pieces = [own[at : at + 7] for at in range(0, len(own), 7)]
     deltas = [{field: piece, "content": words[n % len(words)]} for n, piece in enumerate(pieces)]
-    events = [chunk({"index": 0, "delta": delta, "finish_reason": None}) for delta in deltas]
-    events.append(chunk({"index": 0, "delta": {}, "finish_reason": "stop"}))
+    events = choice_zero(deltas)
 
     def script(prompt: int) -> list[JsonObject | bytes | float]:
         sent = continuous(events, prompt) if paced else [{**e, "usage": usage(prompt, n)} for n, e in enumerate(events)]
@@ -290,14 +291,9 @@ async def test_content_that_happens_to_complete_a_held_own_marker_is_no_failed_c
     # letter: the held start and the content's start spell the marker. Nothing of it went out (the held start goes
     # out only if it turns out no marker, and then it is joined), and the next piece completes it where it stands,
     # to be stripped. Seen as a withheld answer and a check_failed event when the events were read as they came.
-    response = await client.post(gateway + CHAT, json=chat_body("hi"), headers=auth(BOB_KEY))
-    assert response.status_code == 200, response.text
-    found = MARKER_PATTERN.search(engine.prompts[-1][0])
-    assert found is not None
-    own = found.group()
+    own = await alice_marker(client, gateway, engine, key=BOB_KEY)
     deltas = [{field: own[:-1], "content": own[-1] + "he weather"}, {field: own[-1] + " then", "content": " is mild"}]
-    events = [chunk({"index": 0, "delta": delta, "finish_reason": None}) for delta in deltas]
-    events.append(chunk({"index": 0, "delta": {}, "finish_reason": "stop"}))
+    events = choice_zero(deltas)
     engine.script = lambda prompt: [*continuous(events, prompt), b"data: [DONE]\n\n"]
     since = time.time()
     response = await client.post(gateway + CHAT, json=chat_body("q", stream=True), headers=auth(BOB_KEY))
