@@ -235,8 +235,8 @@ class GatewayMetrics:
         )
         self.quarantines = Counter(
             "bulkhead_quarantines",
-            "Automatic quarantine decisions after a leak, by replica and outcome (quarantined, probing, confirmed, "
-            "unconfirmed, bounded, disabled).",
+            "Automatic quarantine decisions after a leak, by replica and outcome (suspended, held, quarantined, "
+            "probing, confirmed, unconfirmed, inconclusive, released, probe_bounded, taken_over, disabled).",
             ["replica", "outcome"],
             registry=self.registry,
         )
@@ -303,7 +303,7 @@ class GatewayMetrics:
         )
         self.replica_state = Gauge(
             "bulkhead_replica_state",
-            "1 for the state a replica is in (healthy, unhealthy, quarantined, draining, suspended).",
+            "1 for the state a replica is in (healthy, unhealthy, quarantined, draining, suspended, held).",
             ["backend", "state"],
             registry=self.registry,
             multiprocess_mode="livemostrecent",

@@ -410,7 +410,8 @@ class QuarantineSettings(_Section):
     max_per_replica: int = Field(
         default=1,
         ge=0,
-        description="automatic suspensions and quarantines of one replica per window (all instances); more are counted",
+        description="automatic suspensions of one replica per window (all instances), each probed; past it a leaking "
+        "replica is held out of rotation for an operator",
     )
     window_s: float = Field(default=3600.0, gt=0, description="the window of max_per_replica")
     max_probes_per_replica: int = Field(

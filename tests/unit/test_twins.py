@@ -679,6 +679,24 @@ async def test_a_suspension_never_takes_a_models_last_free_replica_and_is_held_u
     assert mine(await store.admin_states(), prefix) == {b: "quarantined", c: "draining"}
 
 
+async def test_a_held_replica_is_out_for_an_operator_never_taken_by_a_lapse_nor_the_last_free_one(
+    store: Store, prefix: str
+) -> None:
+    a, b, c = f"{prefix}a", f"{prefix}b", f"{prefix}c"
+    now = time.time()
+    assert await store.suspend(a, [b, c], None, "held")
+    assert not await store.suspend(a, [b, c], now + 60), "held already"
+    assert await store.suspend(b, [a, c], now + 60)
+    assert not await store.suspend(c, [a, b], None, "held"), "the model's last free replica"
+    assert mine(await store.admin_states(), prefix) == {a: "held", b: "suspended"}
+    # No prober holds it: no lapse hands it to one, no renewal holds it, no probe's release ends it.
+    assert [n for n in await store.take_lapsed(now + 3600, now + 3660) if n.startswith(prefix)] == [b]
+    assert not await store.renew(a, now + 60)
+    assert not await store.end_suspension(a)
+    await store.set_admin_state(a, None)  # the operator's release
+    assert mine(await store.admin_states(), prefix) == {b: "suspended"}
+
+
 async def test_failures_are_counted_per_replica(store: Store, prefix: str) -> None:
     a, b = f"{prefix}a", f"{prefix}b"
     for replica in (a, b, a, a):
