@@ -20,6 +20,7 @@ from gateway.incidents.notices import MemoryNoticeStore, NoticeStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import QuarantineSettings, Settings
 from gateway.store import MemoryStore
+from gateway.tenancy.lookups import NameLookups
 from gateway.tenancy.webhooks import MemoryRegistrationStore, SigningKey, TenantWebhooks
 from gateway.upstream.backends import ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
@@ -76,7 +77,7 @@ def instance(store: MemoryStore, probe_time_s: float = 30.0, health_s: float = 5
         client,
         quarantine.QuarantineBudget(store, QuarantineSettings()),
         Deliveries(MemoryOutbox(), settings_resolver(settings.isolation.canary), client, settings.webhooks, METRICS),
-        TenantWebhooks(MemoryRegistrationStore(), SigningKey(b"k" * 32), settings.isolation.notices),
+        TenantWebhooks(MemoryRegistrationStore(), SigningKey(b"k" * 32), settings.isolation.notices, NameLookups()),
     )
 
 
