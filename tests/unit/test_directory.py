@@ -430,7 +430,9 @@ async def test_a_change_on_one_instance_reaches_another_at_once(store: Directory
         await asyncio.wait([following])
 
 
-async def test_a_tenant_deleted_on_one_instance_departs_from_every_instance(store: DirectoryStore, clock: Clock) -> None:
+async def test_a_tenant_deleted_on_one_instance_departs_from_every_instance(
+    store: DirectoryStore, clock: Clock
+) -> None:
     """What each process keeps of a deleted tenant goes: its metric series and what `left` holds (the fair queue's);
     where it was deleted at once, elsewhere at the upkeep after the message. A tenant merely changed stays."""
     metrics = {"here": GatewayMetrics(), "there": GatewayMetrics()}
