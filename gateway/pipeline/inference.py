@@ -29,7 +29,7 @@ from gateway.incidents.ledger import DELIVERED, FAILED, PARTIAL, WITHHELD, Serve
 from gateway.incidents.quarantine import ResponderParts, on_leak
 from gateway.incidents.reporting import LEAKS, USAGE_MISMATCH, report
 from gateway.incidents.verdicts import VerdictBound
-from gateway.offload import heavy, in_turn
+from gateway.offload import heavy, ids_decoder, in_turn
 from gateway.pipeline import embeddings
 from gateway.pipeline.admission import Admission, admit, admit_inputs
 from gateway.pipeline.counting import LocalCounter, Prompt, PromptCounter
@@ -527,7 +527,7 @@ class InferenceCall:
             return None
         owner = self.tenant.incarnation()  # whose marker is its own, whose prompts are its own
         counter = self.state.counters[self.model.name]
-        decode = counter.tokenizer.decode if isinstance(counter, LocalCounter) else None
+        decode = ids_decoder(counter.tokenizer.decode) if isinstance(counter, LocalCounter) else None
         stop = self.request.stop
         stops = frozenset([stop] if isinstance(stop, str) else stop or ())
         fragments, hold_tail = None, 0

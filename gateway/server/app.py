@@ -506,6 +506,7 @@ def create_app(
                     tenant_webhooks=tenant_webhooks,
                     bodies=bodies,
                 )
+                tenants.left = app.state.gateway.gate.forget
                 tasks = [
                     asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
                     asyncio.create_task(capacity.watch(client, settings.upstream.capacity_refresh_s, timeout)),

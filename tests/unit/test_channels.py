@@ -349,7 +349,11 @@ async def test_a_stop_reason_is_one_of_the_requests_stop_strings(registry: Marke
 async def test_what_pruning_removed_is_scanned_too(registry: MarkerRegistry) -> None:
     marker = registry.marker("bob")
     ids = {marker: [9, 9, 9]}
-    guard, leaks = guard_for(registry, decode=lambda tokens: next(m for m, i in ids.items() if i == tokens))
+
+    async def decode(tokens: list[int]) -> str:
+        return next(m for m, i in ids.items() if i == tokens)
+
+    guard, leaks = guard_for(registry, decode=decode)
     body = vllm_chat_body()
     body["prompt_token_ids"] = [9, 9, 9]
     with pytest.raises(LeakBlocked):
