@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from gateway.server.shutdown import stop_tasks
+from gateway.supervisor import stop_tasks
 
 
 async def loses_cancellations(lost: list[int], heard: list[int]) -> None:
