@@ -169,7 +169,7 @@ class Supervisor:
                 pause = self._first_pause_s  # it ran a while: a new failure, not the same crash loop
             kept.down = True
             self._crashes.labels(kept.name).inc()
-            log.error("background task %s %s; starting it again in %.1f s", kept.name, what, pause, exc_info=error)
+            log.error("background task %s %s; starting it again in %.3g s", kept.name, what, pause, exc_info=error)
             await asyncio.sleep(pause)
             pause = min(pause * 2, self._longest_pause_s)
 
