@@ -416,7 +416,7 @@ def keep_tasks(state: GatewayState, instance: str, workers: int) -> None:
     tasks.keep(
         "tenant-listener",
         state.tenants.follow,
-        breaks="changes to tenants and keys (a key revoked) are not heard until it is back",
+        breaks="a key revoked or a tenant changed on another instance is heard only at the next resync",
     )
     tasks.keep("tenant-upkeep", state.tenants.keep_up)
     tasks.keep("verdict-blocks", partial(state.verdicts.watch, interval))

@@ -69,7 +69,8 @@ async def test_every_long_lived_task_that_crashes_is_logged_counted_and_started_
             down = await client.get(f"{url}/readyz")
             assert down.status_code == 503
             assert {f"task:{name}" for name in names} <= set(down.json()["degraded"])
-            blocking = [p for p in down.json()["problems"] if "background task" in p and ":" in p.split("down")[1]]
+            # A defence's problem says what fails meanwhile (after a colon); another task's is only degraded.
+            blocking = [p for p in down.json()["problems"] if p.startswith("background task ") and ": " in p]
             assert sorted(p.split()[2] for p in blocking) == DEFENCES
             # What a defence down means: a fingerprinted answer cannot be vouched for, so it is withheld.
             withheld = await client.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=4), headers=auth())
@@ -130,12 +131,7 @@ async def test_one_shot_work_is_drained_or_cancelled_before_redis_closes(
             await redis.delete(done_key)
     gc.collect()
     assert outcomes == {"short": "done", "long": "cancelled"}
-    failed = [
-        r
-        for r in caplog.records
-        if r.getMessage()
-        == "background work test_one_shot_work_is_drained_or_cancelled_before_redis_closes.<locals>.fails failed"
-    ]
+    failed = [r for r in caplog.records if r.getMessage() == f"background work {fails.__qualname__} failed"]
     assert failed and failed[0].exc_info is not None
     said = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
     assert not [m for m in said if "never retrieved" in m or "destroyed but it is pending" in m], said
