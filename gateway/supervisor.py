@@ -159,7 +159,7 @@ class Supervisor:
             error: Exception | None = None
             try:
                 await self._attempt(kept)
-            except Exception as exc:
+            except Exception as exc:  # the supervisor's one job: whatever a task raises is said, never its silent end
                 error = exc
             what = "crashed" if error is not None else "ended"
             if self._stopping:  # its end, as asked (a library can turn the cancellation into an error)
