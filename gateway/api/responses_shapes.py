@@ -142,6 +142,8 @@ class ResponsesRequest(_Strict):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stream: bool = False
+    # Run on the durable queue, answered at once as `queued`, read back by its id (api/responses.py).
+    background: bool = False
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
@@ -409,6 +411,7 @@ def envelope(request: ResponsesRequest, response: str, status: str, created: int
         "object": "response",
         "created_at": created,
         "status": status,
+        "background": request.background,
         "error": None,
         "incomplete_details": None,
         "instructions": request.instructions,
@@ -434,6 +437,12 @@ def envelope(request: ResponsesRequest, response: str, status: str, created: int
 
 def response(answer: dict[str, Any], request: ResponsesRequest, response_id: str) -> dict[str, Any]:
     """A checked chat completion (one choice) as a response object."""
+    return answered(envelope(request, response_id, "in_progress", int(time.time())), answer)
+
+
+def answered(base: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """A checked chat completion (one choice) as the response object whose envelope is `base` (a background one's
+    is made when it is queued)."""
     choice = (answer.get("choices") or [{}])[0]
     said = choice.get("message") or {}
     output: list[dict[str, Any]] = []
@@ -453,7 +462,7 @@ def response(answer: dict[str, Any], request: ResponsesRequest, response_id: str
                 "completed",
             )
         )
-    body = envelope(request, response_id, _status(choice.get("finish_reason")), int(time.time()))
+    body = {**base, "status": _status(choice.get("finish_reason"))}
     body["incomplete_details"] = _incomplete(choice.get("finish_reason"))
     body["output"] = output
     body["usage"] = usage(answer.get("usage") or {})

@@ -110,6 +110,9 @@ class Route:
 
 
 CHAT = Route("chat", "/v1/chat/completions", ChatCompletionRequest)
+# A Responses request, asked of the engine on its chat route, stateless: the rendering the gateway counts is the one
+# the engine runs (api/responses.py; a background one from the queue: jobs/worker.py).
+RESPONSES = Route("responses", "/v1/chat/completions", ChatCompletionRequest)
 COMPLETIONS = Route("completions", "/v1/completions", CompletionRequest)
 EMBEDDINGS = Route("embeddings", "/v1/embeddings", EmbeddingRequest)
 

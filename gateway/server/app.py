@@ -53,6 +53,7 @@ from gateway.incidents.verdicts import VerdictBound
 from gateway.jobs.worker import work
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.counting import BackendCounter, LocalCounter, PromptCounter
+from gateway.pipeline.inference import RESPONSES
 from gateway.server import readiness
 from gateway.server.openapi import openapi_document
 from gateway.server.stores import build_stores
@@ -433,8 +434,9 @@ def keep_tasks(state: GatewayState, instance: str, workers: int) -> None:
         tasks.keep("redis-ping", partial(watch_redis, state.redis, state.metrics.redis_up, interval))
     if settings.isolation.prober.enabled:
         tasks.keep("prober", partial(run_prober, state))
+    finishers = {RESPONSES.name: responses.Background(state.conversations)}  # background responses' (api/responses.py)
     for n in range(workers):
-        tasks.keep(f"queue-worker-{n}", partial(work, state, state.queue, f"{instance}-{n}"))
+        tasks.keep(f"queue-worker-{n}", partial(work, state, state.queue, f"{instance}-{n}", finishers))
 
 
 def create_app(
