@@ -58,7 +58,11 @@ class Turn:
         """The response less its output, and the items with what links them (and the response's status: a later
         turn may follow only a finished one)."""
         envelope = {name: value for name, value in self.response.items() if name != "output"}
-        items = {"input": self.input, "output": self.response.get("output") or [], "status": self.response.get("status", "completed")}
+        items = {
+            "input": self.input,
+            "output": self.response.get("output") or [],
+            "status": self.response.get("status", "completed"),
+        }
         return orjson.dumps(envelope), orjson.dumps(items | {"depth": self.depth, "size": self.size, "root": self.root})
 
     @classmethod
