@@ -27,9 +27,16 @@ MULTIPROC_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 _LIVE_FILE = re.compile(r"^gauge_live\w+_(\d+)\.db$")
 
 
+# Children kept per metric: every model × route × status, replica × state and the like many times over; past it the
+# oldest kept goes (it is looked up again, and kept again, when next used), so labels that keep coming (tenants) cost
+# bounded memory here.
+KEPT_CHILDREN = 4096
+
+
 class _KeptChildren(MetricWrapperBase):
     """labels() converts, checks and locks on every call (~3 µs, eight times a request); the children of a metric
-    are few (configured models, routes, replicas, statuses), so each one is kept from its first lookup."""
+    are few (configured models, routes, replicas, statuses), so each one is kept from its lookup, up to
+    KEPT_CHILDREN."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -40,12 +47,18 @@ class _KeptChildren(MetricWrapperBase):
             return super().labels(*values, **named)
         child = self._kept.get(values)
         if child is None:
+            if len(self._kept) >= KEPT_CHILDREN:
+                del self._kept[next(iter(self._kept))]
             child = self._kept[values] = super().labels(*values)
         return child
 
     def remove(self, *values: Any) -> None:
         self._kept.clear()
         super().remove(*values)
+
+    def remove_by_labels(self, labels: dict[str, str]) -> None:
+        self._kept.clear()
+        super().remove_by_labels(labels)
 
     def clear(self) -> None:
         self._kept.clear()
@@ -235,8 +248,8 @@ class GatewayMetrics:
         )
         self.quarantines = Counter(
             "bulkhead_quarantines",
-            "Automatic quarantine decisions after a leak, by replica and outcome (quarantined, probing, confirmed, "
-            "unconfirmed, bounded, disabled).",
+            "Automatic quarantine decisions after a leak, by replica and outcome (suspended, held, quarantined, "
+            "probing, confirmed, unconfirmed, inconclusive, released, probe_bounded, taken_over, disabled).",
             ["replica", "outcome"],
             registry=self.registry,
         )
@@ -303,7 +316,7 @@ class GatewayMetrics:
         )
         self.replica_state = Gauge(
             "bulkhead_replica_state",
-            "1 for the state a replica is in (healthy, unhealthy, quarantined, draining, suspended).",
+            "1 for the state a replica is in (healthy, unhealthy, quarantined, draining, suspended, held).",
             ["backend", "state"],
             registry=self.registry,
             multiprocess_mode="livemostrecent",
@@ -466,6 +479,14 @@ class GatewayMetrics:
             if with_redis
             else None
         )
+
+    def forget_tenant(self, tenant_id: str) -> None:
+        """Remove every series of a deleted tenant. Under --workers prometheus_client cannot remove a series from
+        its multiprocess files: there they stay until the processes restart."""
+        if self.shared_directory is not None:
+            return
+        for metric in (self.queue_depth, self.queue_wait, self.fragment_verdicts, self.judges):
+            metric.remove_by_labels({"tenant": tenant_id})
 
     def track(self, gauge: Gauge, read: Callable[[], float]) -> None:
         """`gauge` reads `read()`: when scraped; under --workers, at this process's scrapes and refreshes."""

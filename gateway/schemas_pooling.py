@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from gateway.schemas import (
     MAX_EMBEDDING_INPUTS,
     UNCOUNTABLE,
+    AnyRequest,
     EmbeddingRequest,
     ModelName,
     ShortText,
@@ -138,3 +139,4 @@ def _listed(texts: str | list[str]) -> list[str]:
 
 InputsRequest = EmbeddingRequest | ScoreRequest | RerankRequest  # PoolingRequest is an EmbeddingRequest
 INPUTS_REQUESTS = (EmbeddingRequest, ScoreRequest, RerankRequest)
+PipelineRequest = AnyRequest | ScoreRequest | RerankRequest  # a request any route takes

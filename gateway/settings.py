@@ -213,7 +213,11 @@ class ModelSettings(_Section):
         "(/v1/embeddings, /pooling, /v1/score, /v1/rerank; vLLM's --runner pooling); a request of the other kind "
         "gets 400, never forwarded",
     )
-    tokenizer: Path | None = Field(default=None, description="HF tokenizer dir; unset = ask the backend's /tokenize")
+    tokenizer: Path | None = Field(
+        default=None,
+        description="HF tokenizer dir; unset = ask the backend's /tokenize (an answer past 1 MiB + 16 bytes a byte "
+        "asked is a 502)",
+    )
     marker_placement: MarkerPlacement | None = Field(
         default=None, description="this model's canary placement; unset = isolation.canary.placement"
     )
@@ -328,7 +332,12 @@ class QueueSettings(_Section):
 
 
 class ResponsesSettings(_Section):
-    """The Responses API's stored responses (`store`, `previous_response_id`), kept by the gateway per tenant."""
+    """The Responses API's stored responses (`store`, `previous_response_id`), kept by the gateway per tenant.
+
+    Bounded per tenant by `max_bytes_per_tenant` and in time by `ttl_s`: in memory, every store call sweeps up to 64
+    expired turns of any tenant (an idle tenant's leave without it storing again); in Redis, they expire. Deleting a
+    tenant (admin API or `bulkhead tenants delete`) drops all of its stored responses at once, in memory or Redis.
+    """
 
     ttl_s: int = Field(default=2_592_000, ge=60, description="how long a stored response lasts (OpenAI's: 30 days)")
     max_bytes_per_tenant: int = Field(
@@ -411,7 +420,8 @@ class QuarantineSettings(_Section):
     max_per_replica: int = Field(
         default=1,
         ge=0,
-        description="automatic suspensions and quarantines of one replica per window (all instances); more are counted",
+        description="automatic suspensions of one replica per window (all instances), each probed; past it a leaking "
+        "replica is held out of rotation for an operator",
     )
     window_s: float = Field(default=3600.0, gt=0, description="the window of max_per_replica")
     max_probes_per_replica: int = Field(

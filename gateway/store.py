@@ -2,8 +2,8 @@
 
 Both implementations behave the same and are exercised by the same tests. What is shared today:
 - decisions about replicas (quarantined, draining: sticky until released; suspended until a leak's confirmation
-  probe decides, the probe's owner holding it by a lease that any instance takes over once it lapses:
-  quarantine.py);
+  probe decides, the probe's owner holding it by a lease that any instance takes over once it lapses; held, a leak
+  past the automatic bound, until an operator decides: quarantine.py);
 - failures seen on the request path (a count per replica), so every instance takes a failing replica out of
   rotation at its next sync, until its own next health check passes.
 """
@@ -18,8 +18,9 @@ from redis.asyncio import Redis
 
 from isolation.redis_text import text, text_fields
 
-AdminState = Literal["quarantined", "draining", "suspended"]
-ADMIN_STATES: tuple[AdminState, ...] = ("quarantined", "draining", "suspended")
+AdminState = Literal["quarantined", "draining", "suspended", "held"]
+ADMIN_STATES: tuple[AdminState, ...] = ("quarantined", "draining", "suspended", "held")
+Suspension = Literal["suspended", "held"]
 
 
 class Store(Protocol):
@@ -29,9 +30,12 @@ class Store(Protocol):
         """Release the replica only while it is still suspended (not changed meanwhile, by an operator say)."""
         ...
 
-    async def suspend(self, replica: str, others: list[str], until: float) -> bool:
-        """Suspend the replica until `until` (epoch s), in one step, only while it has no state and one of `others`
-        (the other replicas of its model) has none either: never the last one, whatever instance asks."""
+    async def suspend(
+        self, replica: str, others: list[str], until: float | None, state: Suspension = "suspended"
+    ) -> bool:
+        """Suspend the replica, held by its prober until `until` (epoch s; None: "held", by no prober, until an
+        operator decides), in one step, only while it has no state and one of `others` (the other replicas of its
+        model) has none either: never the last one, whatever instance asks."""
         ...
 
     async def renew(self, replica: str, until: float) -> bool:
@@ -88,10 +92,14 @@ class MemoryStore:
         await self.set_admin_state(replica, None)
         return True
 
-    async def suspend(self, replica: str, others: list[str], until: float) -> bool:
+    async def suspend(
+        self, replica: str, others: list[str], until: float | None, state: Suspension = "suspended"
+    ) -> bool:
         if replica in self._admin or all(other in self._admin for other in others):
             return False
-        self._admin[replica], self._until[replica] = "suspended", until
+        self._admin[replica] = state
+        if until is not None:
+            self._until[replica] = until
         return True
 
     async def renew(self, replica: str, until: float) -> bool:
@@ -151,13 +159,14 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 return 1
 """
 
-# KEYS: the admin hash, the suspensions' ends; ARGV: replica, until, the model's other replicas. 1 when suspended.
+# KEYS: the admin hash, the suspensions' ends; ARGV: replica, its state, until ("" for no hold), the model's other
+# replicas. 1 when suspended.
 _SUSPEND = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then
-    redis.call('HSET', KEYS[1], ARGV[1], 'suspended')
-    redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+    redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+    if ARGV[3] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) end
     return 1
   end
 end
@@ -219,8 +228,11 @@ class RedisStore:
     async def end_suspension(self, replica: str) -> bool:
         return bool(await self._end_suspension(keys=[self._admin, self._until], args=[replica]))
 
-    async def suspend(self, replica: str, others: list[str], until: float) -> bool:
-        return bool(await self._suspend(keys=[self._admin, self._until], args=[replica, until, *others]))
+    async def suspend(
+        self, replica: str, others: list[str], until: float | None, state: Suspension = "suspended"
+    ) -> bool:
+        hold = "" if until is None else until
+        return bool(await self._suspend(keys=[self._admin, self._until], args=[replica, state, hold, *others]))
 
     async def renew(self, replica: str, until: float) -> bool:
         return bool(await self._renew(keys=[self._admin, self._until], args=[replica, until]))

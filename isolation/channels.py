@@ -1,7 +1,8 @@
 """What an OpenAI-style answer may carry to a tenant, field by field, and the pruning that holds answers to it.
 
 docs/channels.md is the inventory in prose. Every field an engine can fill is a channel:
-- a field outside the inventory may be absent, or null when vLLM is known to send it so; any other value of it is
+- a field outside the inventory may be absent; null, when vLLM is known to send it so, it is taken out silently (a
+  client reading the answer by the SDKs' types meets no field they do not declare); any other value of it is
   removed before the answer goes out, since it could carry text, token ids or bytes that no scan looks at (vLLM's
   prompt_token_ids, prompt_logprobs, token_ids, prompt_text, kv_transfer_params, routed_experts... and whatever a
   later version adds); a name the inventory does not know goes even with a null value, its name scanned;
@@ -12,7 +13,7 @@ docs/channels.md is the inventory in prose. Every field an engine can fill is a 
 Whatever is removed is handed back with where it was (`Removed`), for the guard to scan anyway: an engine that
 leaks through a field the gateway drops is still an isolation event. What stays is scanned by the guard.
 
-Pruning leaves an answer that already fits untouched.
+Pruning leaves an answer that already fits untouched but for those null fields.
 """
 
 from __future__ import annotations
@@ -73,10 +74,14 @@ CHAT_LOGPROBS: Fields = {"content": None}
 ENTRY: Fields = dict.fromkeys(("token", "logprob", "bytes", "top_logprobs"))
 ALTERNATIVE: Fields = dict.fromkeys(("token", "logprob", "bytes"))
 COMPLETION_LOGPROBS: Fields = dict.fromkeys(("text_offset", "token_logprobs", "tokens", "top_logprobs"))
-# Dropped fields that vLLM 0.32 sends as null (docs/channels.md): they may stay null, so its answers go out untouched.
+# Dropped fields that vLLM 0.32 sends as null (docs/channels.md): null, they are taken out and nothing is reported.
+# (`service_tier` too: OpenAI's completions have none, and vLLM never sets it.)
 TOP_NULLS = frozenset(
-    {"prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics"}
-)
+    {
+        "prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics",
+        "service_tier",
+    }
+)  # fmt: skip
 CHOICE_NULLS = frozenset({"token_ids", "routed_experts", "prompt_token_ids", "prompt_logprobs"})
 MESSAGE_NULLS = frozenset({"annotations", "audio", "function_call"})
 USAGE_NULLS = frozenset({"completion_tokens_details"})
@@ -101,13 +106,13 @@ def _fit(
 ) -> None:
     """Hold one level of an answer to its fields, in place. A listed field of the wrong type, or outside its closed
     set, is nulled. A name not listed goes, even with a null value, and is scanned itself (a field's name is a
-    channel as much as its value) — except a field the engine is known to send as null (`nulls`), which may stay
-    null. One pass over what the level holds: this runs for every event of every stream."""
+    channel as much as its value) — except a field the engine is known to send as null (`nulls`): null, it goes
+    unreported. One pass over what the level holds: this runs for every event of every stream."""
     wrong = []
     for key, value in holder.items():
         kind = fields.get(key, _UNLISTED)
         if value is None:
-            if kind is _UNLISTED and key not in nulls:
+            if kind is _UNLISTED or key in nulls:
                 wrong.append(key)
         elif kind is None:
             continue
@@ -120,6 +125,9 @@ def _fit(
             wrong.append(key)
     for key in wrong:  # in order: a text spread over names is read whole
         value = holder[key]
+        if value is None and key in nulls:
+            del holder[key]
+            continue
         if key in fields:
             removed.append((f"{where}.{key}", value))
             holder[key] = None

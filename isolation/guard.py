@@ -65,7 +65,9 @@ class Leak:
 
 
 LeakHandler = Callable[[Leak], Awaitable[None]]
-Decode = Callable[[list[int]], str]  # the model's tokenizer: token ids to text
+# The model's tokenizer: token ids to text. Awaited: a dropped field can hold a prompt's 200,000 ids (~35 ms to decode),
+# which the caller decodes off the event loop (the gateway: gateway/offload.py's ids_decoder).
+Decode = Callable[[list[int]], Awaitable[str]]
 MAX_REJOINS = 8  # scans of one release after a strip: each strip shortens it, honest text needs one
 # Distinct marker-shaped strings one answer may hold: each is read back into codes (~0.1 ms) and, when no marker of
 # this instance's, asked of the store. An honest answer holds none but the tenant's own, a few times; a model made to
@@ -308,7 +310,7 @@ class OutputGuard:
                     ids = sink.ids + [number for number in item if 0 <= number < 1 << 32]
                     sink.ids = ids[-IDS_KEPT:]
                     try:
-                        decoded = self._decode(ids)
+                        decoded = await self._decode(ids)
                     except (OverflowError, TypeError, ValueError):
                         continue  # not ids of this vocabulary
                     await self._detect(scan_all(decoded))

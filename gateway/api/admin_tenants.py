@@ -244,8 +244,10 @@ async def delete_tenant(request: Request, state: GatewayState) -> Response:
     tenant_id = request.path_params["tenant"]
     incarnation = (await state.tenants.tenant(tenant_id)).incarnation()
     await state.tenants.delete_tenant(tenant_id)
-    # Its notices go nowhere now (a tenant made again under its id is another one, with no webhook).
+    # What it kept goes with it (a tenant made again under its id is another one: no webhook, no stored response):
+    # its notices go nowhere now, and its stored responses leave memory or Redis now, not at their TTL.
     await state.tenant_webhooks.delete(incarnation)
+    await state.conversations.delete_owner(incarnation)
     await _audit(state, "tenant.delete", tenant_id)
     return Response(status_code=204)
 

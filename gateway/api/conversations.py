@@ -11,14 +11,18 @@ request's settings, its instructions and tools, which an agent may send again ev
 read in one step, whatever its length: its turns' ids by their links, then their items, never their responses;
 each turn stores only itself and one link, so a conversation's storage grows with its length, not its square.
 Each tenant holds at most `responses.max_bytes_per_tenant`: storing past it drops the tenant's oldest turns, so a
-conversation that reached back to one of them is gone too (404), as it would be at its TTL.
+conversation that reached back to one of them is gone too (404), as it would be at its TTL. In memory, every call
+sweeps up to SWEEP_TURNS expired turns of any owner (the oldest first: one TTL for all makes the order they were
+stored the order they expire in), so an idle or deleted tenant's turns leave memory without it saving again; in
+Redis, a turn's records and an idle owner's indexes expire on their own. A deleted tenant's turns are all dropped at
+once (`delete_owner`, by the admin API's delete).
 
 With Redis, under the owner (the tenant's incarnation): the response `{prefix}conversation:{owner}:response:{id}`
 and the items `{prefix}conversation:{owner}:turn:{id}` (both expiring at the TTL), the links
 `{prefix}response-links:{owner}` (a hash: id → the id before it, "" for a first turn), the turns by when they were
 stored `{prefix}responses:{owner}` (a sorted set) and their sizes `{prefix}response-sizes:{owner}` (`#total`: their
 sum). One script stores a turn and drops what expired or is over the bound; one walks a conversation's links and
-reads its items.
+reads its items; one drops an owner's turns, a batch at a time.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ from typing import Any, Protocol
 
 import orjson
 from redis.asyncio import Redis
+
+# Expired turns a memory store drops per call: a backlog (a quiet hour's worth of expired turns) costs any one call
+# little, and a store called at all sweeps faster than turns are stored.
+SWEEP_TURNS = 64
+# A deleted owner's turns dropped from Redis per script run: one run holds Redis ~1 ms, not the owner's whole history.
+DELETE_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,14 @@ class ConversationStore(Protocol):
         """False when the owner holds no such turn."""
         ...
 
+    async def delete_owner(self, owner: str) -> None:
+        """Drop every turn of the owner (a deleted tenant's incarnation)."""
+        ...
+
+    async def held(self, owner: str) -> int:
+        """The bytes the owner's turns take in the store now (expired ones not yet swept included)."""
+        ...
+
 
 @dataclass
 class _Held:
@@ -116,18 +134,23 @@ class MemoryConversationStore:
         self._cap = max_bytes_per_owner
         self._owners: dict[str, OrderedDict[str, _Held]] = {}  # owner → its turns, oldest first
         self._totals: dict[str, int] = {}
+        self._stored: OrderedDict[tuple[str, str], float] = OrderedDict()  # every turn held, oldest first: its end
 
     async def save(self, owner: str, turn: Turn) -> None:
         now = time.time()
-        if owner in self._owners:
-            self._drop(owner, [held for held, kept in self._owners[owner].items() if kept.until <= now])
+        self._sweep(now)
         turns = self._owners.setdefault(owner, OrderedDict())
+        if turn.id in turns:
+            self._drop(owner, [turn.id])
+            turns = self._owners.setdefault(owner, OrderedDict())
         turns[turn.id] = kept = _Held(now + self._ttl_s, turn.parent, *turn.encode())
+        self._stored[owner, turn.id] = kept.until
         self._totals[owner] = self._totals.get(owner, 0) + kept.size
         while self._totals[owner] > self._cap and len(turns) > 1:
             self._drop(owner, [next(iter(turns))])
 
     async def load(self, owner: str, turn_id: str) -> Turn | None:
+        self._sweep(time.time())
         held = self._held(owner, turn_id)
         return None if held is None else Turn.decode(turn_id, held.parent, held.envelope, held.items)
 
@@ -149,15 +172,31 @@ class MemoryConversationStore:
             self._drop(owner, [turn_id])
         return found
 
+    async def delete_owner(self, owner: str) -> None:
+        if owner in self._owners:
+            self._drop(owner, list(self._owners[owner]))
+
+    async def held(self, owner: str) -> int:
+        return self._totals.get(owner, 0)
+
     def _held(self, owner: str, turn_id: str) -> _Held | None:
         turns: dict[str, _Held] = self._owners.get(owner, {})
         held = turns.get(turn_id)
         return held if held is not None and held.until > time.time() else None
 
+    def _sweep(self, now: float) -> None:
+        for _ in range(SWEEP_TURNS):
+            oldest = next(iter(self._stored.items()), None)
+            if oldest is None or oldest[1] > now:
+                return
+            owner, turn_id = oldest[0]
+            self._drop(owner, [turn_id])
+
     def _drop(self, owner: str, ids: list[str]) -> None:
         turns = self._owners[owner]
         for turn_id in ids:
             self._totals[owner] -= turns.pop(turn_id).size
+            del self._stored[owner, turn_id]
         if not turns:
             del self._owners[owner]
             self._totals.pop(owner, None)
@@ -239,6 +278,20 @@ return found
 )
 
 
+# KEYS: the owner's turns, sizes, links; ARGV: the records' key prefix, the most turns to drop. 1 while some are left.
+_DELETE_OWNER = (
+    _DROP
+    + """
+for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)) do
+  drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1], member)
+end
+if redis.call('ZCARD', KEYS[1]) > 0 then return 1 end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+return 0
+"""
+)
+
+
 class RedisConversationStore:
     def __init__(self, redis: Redis, ttl_s: float, max_bytes_per_owner: int, *, prefix: str) -> None:
         self._redis = redis
@@ -248,6 +301,7 @@ class RedisConversationStore:
         self._save = redis.register_script(_SAVE)
         self._conversation = redis.register_script(_CONVERSATION)
         self._delete = redis.register_script(_DELETE)
+        self._delete_owner = redis.register_script(_DELETE_OWNER)
 
     def _keys(self, owner: str) -> list[str]:
         """The owner's turns, their sizes, their links."""
@@ -281,3 +335,10 @@ class RedisConversationStore:
 
     async def delete(self, owner: str, turn_id: str) -> bool:
         return bool(await self._delete(keys=self._keys(owner), args=[self._base(owner), turn_id]))
+
+    async def delete_owner(self, owner: str) -> None:
+        while await self._delete_owner(keys=self._keys(owner), args=[self._base(owner), DELETE_BATCH]):
+            pass
+
+    async def held(self, owner: str) -> int:
+        return int(await self._redis.hget(self._keys(owner)[1], "#total") or 0)

@@ -18,7 +18,15 @@ from starlette.responses import Response
 
 from gateway.api.admin_tenants import validated_body
 from gateway.api.state import GatewayState, state_of
-from gateway.errors import GatewayError, InvalidRequest, NotFound, StoreUnavailable, error_response
+from gateway.errors import (
+    ConcurrencyLimited,
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+    StoreUnavailable,
+    error_response,
+)
+from gateway.tenancy.lookups import LookupsBusy
 from gateway.tenancy.webhooks import MAX_URL_CHARS, UnsafeUrl
 
 TenantHandler = Callable[[Request, GatewayState, str], Awaitable[Response]]
@@ -56,6 +64,8 @@ async def set_webhook(request: Request, state: GatewayState, tenant: str) -> Res
         registration, secret = await state.tenant_webhooks.register(tenant, body.url, body.rotate_secret)
     except UnsafeUrl as exc:
         raise InvalidRequest(f"url: {exc}.", param="url") from exc
+    except LookupsBusy as exc:
+        raise ConcurrencyLimited(f"The webhook's host cannot be looked up now ({exc}); try again later.") from exc
     view: dict[str, object] = dict(registration.view())
     if secret is not None:
         view["secret"] = secret  # shown once: it is derived, never stored

@@ -418,7 +418,6 @@ def envelope(request: ResponsesRequest, response: str, status: str, created: int
         "parallel_tool_calls": request.parallel_tool_calls if request.parallel_tool_calls is not None else True,
         "previous_response_id": request.previous_response_id,
         "reasoning": {"effort": request.reasoning.effort if request.reasoning else None, "summary": None},
-        "store": request.store is not False,
         "temperature": request.temperature,
         "text": {"format": form.model_dump(by_alias=True, exclude_none=True) if form is not None else {"type": "text"}},
         "tool_choice": request.tool_choice.model_dump()
@@ -476,7 +475,7 @@ def usage(counted: dict[str, Any]) -> dict[str, Any]:
     prompt, completion = tokens(counted, "prompt_tokens"), tokens(counted, "completion_tokens")
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,

@@ -14,7 +14,9 @@ tenant itself provoked (`fingerprint_induced`) is no leak, and a leak no probe c
 A notice's id is made from its content: the same incident noticed again (another instance, a later leak that
 changes nothing) makes no second notice; a later leak that adds requests makes a new one, which supersedes it.
 Kept per tenant incarnation (at most `max_per_tenant`, for the ledger's retention): in Redis
-(`{prefix}notices:{tenant}`, id → JSON), or in memory.
+(`{prefix}notices:{tenant}`, id → JSON), or in memory; a notice for a tenant with a webhook is kept with its message
+queued in the outbox, in one step, so a store that fails keeps neither and the next round makes it again: a notice is
+never kept unsent.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from gateway.incidents.ledger import DELIVERED, PARTIAL, WITHHELD, LedgerWriter,
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
 from gateway.tenancy.webhooks import TenantWebhooks
-from gateway.webhooks import TENANT_PREFIX, Deliveries
+from gateway.webhooks import ADD_MESSAGE, TENANT_PREFIX, Deliveries, MemoryOutbox, Message, RedisOutbox
 from isolation.guard import MARKER
 from isolation.redis_text import text
 
@@ -69,8 +71,12 @@ class Notice:
 
 
 class NoticeStore(Protocol):
-    async def add(self, notice: Notice, keep: int) -> bool:
-        """Keep a notice; False when one of its id is kept already."""
+    async def add(
+        self, notice: Notice, keep: int, sending: Message | None = None, max_pending: int = 0
+    ) -> list[Message] | None:
+        """Keep a notice, and queue `sending` (its webhook message) in the outbox in the same step: neither is
+        written without the other, so a notice is never kept unsent. None when one of its id is kept already
+        (nothing is queued); else what the message's target held past `max_pending`, now dropped (Outbox.add's)."""
         ...
 
     async def of(self, tenant: str, limit: int) -> list[Notice]:
@@ -79,20 +85,25 @@ class NoticeStore(Protocol):
 
 
 class MemoryNoticeStore:
-    def __init__(self, retention_s: float) -> None:
+    def __init__(self, retention_s: float, outbox: MemoryOutbox) -> None:
         self._retention_s = retention_s
+        self._outbox = outbox
         self._notices: dict[str, dict[str, Notice]] = {}
 
-    async def add(self, notice: Notice, keep: int) -> bool:
+    async def add(
+        self, notice: Notice, keep: int, sending: Message | None = None, max_pending: int = 0
+    ) -> list[Message] | None:
         kept = self._notices.setdefault(notice.tenant, {})
         if notice.id in kept:
-            return False
+            return None
         kept[notice.id] = notice
+        # The memory outbox neither fails nor waits: the two are one step.
+        dropped = [] if sending is None else await self._outbox.add(sending, max_pending)
         horizon = time.time() - self._retention_s
         ordered = sorted(kept.values(), key=lambda n: n.created_at)
         for gone in [n for n in ordered if n.created_at < horizon] + ordered[: max(0, len(kept) - keep)]:
             kept.pop(gone.id, None)
-        return True
+        return dropped
 
     async def of(self, tenant: str, limit: int) -> list[Notice]:
         horizon = time.time() - self._retention_s
@@ -100,10 +111,21 @@ class MemoryNoticeStore:
         return sorted(kept, key=lambda n: n.created_at, reverse=True)[:limit]
 
 
-# KEYS: the tenant's notices (id → JSON), its index (id by time); ARGV: id, JSON, time, keep, horizon, retention (s).
-# 1 when new. The oldest past `keep`, and those past the retention, go in the same step.
-_ADD = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+# KEYS: the tenant's notices (id → JSON), its index (id by time), then the outbox's keys when a message is queued
+# with it; ARGV: id, JSON, time, keep, horizon, retention (s), then the message's (RedisOutbox.adding). {0} when one of
+# its id is kept already; else {1, what the message's target dropped...}. The message is queued first: a write that
+# fails after it leaves the notice to be made again (its message queued twice at worst), never kept unsent. The
+# oldest past `keep`, and those past the retention, go in the same step.
+_ADD = (
+    ADD_MESSAGE
+    + """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {0} end
+local added = {1}
+if #KEYS > 2 then
+  local dropped = add_message(KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11])
+  for _, raw in ipairs(dropped) do table.insert(added, raw) end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
 local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[5])
 local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[4])
@@ -116,26 +138,35 @@ for _, id in ipairs(gone) do
 end
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('EXPIRE', KEYS[2], ARGV[6])
-return 1
+return added
 """
+)
 
 
 class RedisNoticeStore:
-    def __init__(self, redis: Redis, retention_s: float, *, prefix: str) -> None:
+    def __init__(self, redis: Redis, retention_s: float, outbox: RedisOutbox, *, prefix: str) -> None:
         self._redis = redis
         self._retention_s = retention_s
+        self._outbox = outbox
         self._key = f"{prefix}notices:"
         self._index = f"{prefix}notices-by-time:"
         self._add = redis.register_script(_ADD)
 
-    async def add(self, notice: Notice, keep: int) -> bool:
+    async def add(
+        self, notice: Notice, keep: int, sending: Message | None = None, max_pending: int = 0
+    ) -> list[Message] | None:
         raw = orjson.dumps({"type": notice.type, "created_at": notice.created_at, "data": notice.data})
         keys = [self._key + notice.tenant, self._index + notice.tenant]
         horizon = time.time() - self._retention_s
-        args: list[str | bytes | int] = [
+        args: list[str | bytes | int | float] = [
             notice.id, raw, repr(notice.created_at), keep, repr(horizon), int(self._retention_s) + 1
         ]  # fmt: skip
-        return bool(await self._add(keys=keys, args=args))
+        if sending is not None:
+            message_keys, message_args = self._outbox.adding(sending, max_pending)
+            keys += message_keys
+            args += message_args
+        added, *dropped = await self._add(keys=keys, args=args)
+        return [Message.decode(m) for m in dropped] if added else None
 
     async def of(self, tenant: str, limit: int) -> list[Notice]:
         horizon = time.time() - self._retention_s
@@ -227,21 +258,26 @@ def confirmed_for_notices(incident: Incident, state: NoticeParts) -> bool:
 
 
 async def notify(incident: Incident, state: NoticeParts) -> int:
-    """Keep and send the notices a confirmed incident makes; the number that were new. A store that fails loses
-    this round's notices, logged; the next leak or confirmation of the incident makes them again."""
+    """Keep and send the notices a confirmed incident makes; the number that were new. Each is kept with its webhook
+    message queued, in one step (NoticeStore.add): a store that fails keeps neither, logged, and the next leak or
+    confirmation of the incident makes it again."""
     settings = state.settings.isolation.notices
+    max_pending = state.settings.webhooks.max_pending_per_target
     try:
         made = await notices_of(incident, state, time.time())
         new = 0
         for notice in made:
-            if not await state.notices.add(notice, settings.max_per_tenant):
+            sending = None
+            if await state.tenant_webhooks.registration(notice.tenant) is not None:
+                data = {"id": notice.id, **notice.data}
+                sending = state.deliveries.message(TENANT_PREFIX + notice.tenant, notice.type, data)
+            dropped = await state.notices.add(notice, settings.max_per_tenant, sending, max_pending)
+            if dropped is None:
                 continue
             new += 1
             state.metrics.notices.labels(notice.type).inc()
-            if await state.tenant_webhooks.registration(notice.tenant) is not None:
-                await state.deliveries.send(
-                    TENANT_PREFIX + notice.tenant, notice.type, {"id": notice.id, **notice.data}
-                )
+            if sending is not None:
+                state.deliveries.queued(sending, dropped)
     except (RedisError, OSError) as exc:
         log.error("notices of incident %s not made: %s", incident.id, type(exc).__name__)
         return 0

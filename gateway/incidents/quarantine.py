@@ -16,9 +16,13 @@ model to decode an encoding of it). So no tenant's request decides on its own; t
   lapse: the instance probing holds it by a lease in the store, renewed every health interval, and once a lease
   lapses (its instance died mid-probe) any instance takes it over and probes again (`take_over`);
 - the follow-up event (kind `leak_check`) says whether the probe confirmed it (yes, no, unknown) and what was done;
-- automatic suspensions and quarantines of one replica are bounded per window, and confirmation probes per replica
-  and per recipient tenant per hour (`isolation.quarantine`), across every instance (the store); past a bound the
-  leak is still blocked and recorded, and the decision is counted.
+- automatic suspensions of one replica are bounded per window, and confirmation probes per replica
+  and per recipient tenant per hour (`isolation.quarantine`), across every instance (the store): they stop a tenant
+  from driving probes and releases at will, never from containing a replica the gateway saw leaking. Past the
+  suspension bound the replica is held: out of rotation like a suspension (and, like one, never the model's last
+  free replica), probed by no one, until an operator releases or quarantines it (an open incident pages; the
+  held state warns); a last replica past the bound stays in rotation and is probed, each of its answers checked. A probe
+  that confirms quarantines whatever the bound: no tenant can fake a probe's finding.
 Every decision is counted in `bulkhead_quarantines_total{replica,outcome}`. With `quarantine_on_leak: false`
 nothing is suspended or quarantined, on any path.
 """
@@ -37,7 +41,7 @@ from gateway.incidents import tracking
 from gateway.incidents.prober import PROBER, ProbingParts, probe
 from gateway.incidents.reporting import report
 from gateway.settings import QuarantineSettings
-from gateway.store import AdminState, MemoryStore, Store
+from gateway.store import AdminState, MemoryStore, Store, Suspension
 from gateway.upstream.backends import Replica
 from isolation.audit import AuditError, Finding
 from isolation.events import IsolationEvent
@@ -46,9 +50,9 @@ log = logging.getLogger("bulkhead.isolation")
 
 QUARANTINED: Final = "quarantined"
 SUSPENDED: Final = "suspended"
+HELD: Final = "held"
 RELEASED = "released"
 PROBING = "probing"
-BOUNDED = "bounded"
 DISABLED = "disabled"
 NONE = "none"
 CHECK = "leak_check"
@@ -59,8 +63,8 @@ TAKEN_OVER = "taken_over"
 
 
 class QuarantineBudget:
-    """What a leak's automatic decisions may cost, counted across every instance (the store): suspensions and
-    quarantines of one replica per window, and confirmation probes per replica and per recipient tenant per hour (a
+    """What a leak's automatic decisions may cost, counted across every instance (the store): suspensions of one
+    replica per window, and confirmation probes per replica and per recipient tenant per hour (a
     probe is a few dozen requests a tenant could otherwise make the gateway send at will); and one probe of a
     replica at a time from this instance."""
 
@@ -71,7 +75,7 @@ class QuarantineBudget:
         self.probing: set[str] = set()
 
     async def take(self, replica: str) -> bool:
-        """One automatic suspension or quarantine of this replica; False past the bound (or the store unreachable)."""
+        """One automatic suspension of this replica; False past the bound."""
         settings = self._settings
         return await self._take(f"quarantine:{replica}", settings.max_per_replica, settings.window_s)
 
@@ -107,17 +111,21 @@ async def _set(state: ResponderParts, replica: Replica, admin_state: AdminState,
         replica.admin_state = admin_state  # at least here, when the store cannot tell the others
 
 
-async def _suspend(state: ResponderParts, replica: Replica, others: list[Replica], reason: str) -> bool:
-    """Suspend the replica, unless it has a state (an operator's drain) or every other replica of its model has one
-    by now (another leak, on this instance or another, suspended them): checked and set in one step in the store."""
-    until = time.time() + _lease_s(state)
+async def _suspend(
+    state: ResponderParts, replica: Replica, others: list[Replica], reason: str, held: bool = False
+) -> bool:
+    """Suspend the replica (held: for an operator, with no probe's lease), unless it has a state (an operator's
+    drain) or every other replica of its model has one by now (another leak, on this instance or another, suspended
+    them): checked and set in one step in the store."""
+    until = None if held else time.time() + _lease_s(state)
+    target: Suspension = "held" if held else "suspended"
     try:
-        return await state.pool.suspend(replica, others, until, reason)
+        return await state.pool.suspend(replica, others, until, reason, target)
     except (RedisError, OSError) as exc:
-        log.error("suspension of %s not shared: %s", replica.name, type(exc).__name__)
+        log.error("%s of %s not shared: %s", target, replica.name, type(exc).__name__)
         if replica.admin_state is not None or all(other.admin_state is not None for other in others):
             return False
-        replica.admin_state = SUSPENDED  # at least here, when the store cannot tell the others
+        replica.admin_state = target  # at least here, when the store cannot tell the others
         return True
 
 
@@ -134,7 +142,7 @@ async def _release(state: ResponderParts, replica: Replica, reason: str) -> bool
 
 
 async def _decide(event: IsolationEvent, state: ResponderParts, replica: Replica | None) -> str:
-    if replica is None or replica.admin_state in (QUARANTINED, SUSPENDED):
+    if replica is None or replica.admin_state in (QUARANTINED, SUSPENDED, HELD):
         return NONE
     if not state.settings.isolation.canary.quarantine_on_leak:
         return DISABLED
@@ -144,9 +152,10 @@ async def _decide(event: IsolationEvent, state: ResponderParts, replica: Replica
     others = [state.pool.replicas[name] for name in model.backends if name != replica.name]
     if not any(other.routable for other in others):
         return PROBING
-    if not await state.quarantines.take(replica.name):
-        return BOUNDED
     # Another leak (here or on another instance) may have suspended the others since: then this one is the last.
+    if not await state.quarantines.take(replica.name):
+        reason = f"{event.kind} in request {event.request_id}, past the automatic bound: an operator decides"
+        return HELD if await _suspend(state, replica, others, reason, held=True) else PROBING
     reason = f"{event.kind} in request {event.request_id}, being probed"
     return SUSPENDED if await _suspend(state, replica, others, reason) else PROBING
 
@@ -158,8 +167,14 @@ async def on_leak(event: IsolationEvent, state: ResponderParts) -> None:
     state.metrics.quarantines.labels(event.replica, action).inc()
     await report(replace(event, action=action), state)
     incident = await tracking.sight(event, state)
-    if action == SUSPENDED:
+    if action in (SUSPENDED, HELD):
         await tracking.contained(event.replica, state)
+    if action == HELD:
+        log.error(
+            "leak on %s past its automatic bound (%d per %.0f s): held out of rotation until an operator decides",
+            event.replica, state.settings.isolation.quarantine.max_per_replica,
+            state.settings.isolation.quarantine.window_s,
+        )  # fmt: skip
     if replica is None or action not in (SUSPENDED, PROBING) or replica.name in state.quarantines.probing:
         return
     if not await state.quarantines.probe(replica.name, event.tenant):
@@ -230,10 +245,9 @@ async def _confirm(state: ResponderParts, replica: Replica, event: IsolationEven
         state.quarantines.probing.discard(replica.name)
     outcome = "unknown" if findings is None else "yes" if findings else "no"
     state.metrics.quarantines.labels(replica.name, OUTCOMES[outcome]).inc()
-    # A suspension took its place in the bound already.
     suspended = replica.admin_state == SUSPENDED
     if findings:
-        action = QUARANTINED if suspended or await state.quarantines.take(replica.name) else BOUNDED
+        action = QUARANTINED
     elif findings is None:
         # No evidence either way: a suspension stays until a probe or an operator decides. The next probe is any
         # instance's once this hold lapses: a probe's time from now, not every few seconds at a replica that is down.

@@ -25,21 +25,20 @@ from gateway.errors import (
     UpstreamError,
 )
 from gateway.incidents import tracking
-from gateway.incidents.ledger import DELIVERED, FAILED, JUDGED, PARTIAL, WITHHELD, Served
+from gateway.incidents.ledger import DELIVERED, FAILED, PARTIAL, WITHHELD, Served
 from gateway.incidents.quarantine import ResponderParts, on_leak
 from gateway.incidents.reporting import LEAKS, USAGE_MISMATCH, report
 from gateway.incidents.verdicts import VerdictBound
-from gateway.offload import heavy, in_turn
+from gateway.offload import heavy, ids_decoder, in_turn
 from gateway.pipeline import embeddings, scoring
 from gateway.pipeline.admission import Admission, admit, admit_inputs
 from gateway.pipeline.counting import LocalCounter, Prompt, PromptCounter
-from gateway.pipeline.judging import Judgement, Said, grams_said, judge_body
+from gateway.pipeline.judging import Judges, JudgingParts
 from gateway.pipeline.outcome import DONE, Answer, Event, Outcome, Stream
 from gateway.pipeline.recount import ask_count, shape, tokenize_body
 from gateway.pipeline.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, failing_closed, filtered
-from gateway.pipeline.slot import Slot, SlotParts
+from gateway.pipeline.slot import Slot
 from gateway.schemas import (
-    AnyRequest,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -47,7 +46,14 @@ from gateway.schemas import (
     request_path,
     validate,
 )
-from gateway.schemas_pooling import INPUTS_REQUESTS, InputsRequest, PoolingRequest, RerankRequest, ScoreRequest
+from gateway.schemas_pooling import (
+    INPUTS_REQUESTS,
+    InputsRequest,
+    PipelineRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from gateway.settings import ModelSettings, TenantSettings
 from gateway.tenancy.tenants import TenantDirectory
 from gateway.upstream.backends import Replica
@@ -57,7 +63,7 @@ from gateway.upstream.routing import Router
 from isolation.channels import prune
 from isolation.events import IsolationEvent
 from isolation.fingerprints import AnswerCheck, Fingerprinter, Prepared
-from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard, Suspect
+from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard
 from isolation.inject import completion_prefix, hide_injected, inject_chat, inject_completion
 from isolation.leaks import LeakPolicy
 from isolation.markers import MarkerRegistry
@@ -72,8 +78,6 @@ SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 TOKEN_BYTES = 256
 ANSWER_BASE_BYTES = 1 << 20
 DATA = b"data: "
-INDUCED = "fingerprint_induced"  # the isolation event of a judged fragment that was no leak
-MAX_VERDICTS = 4  # judges one answer may ask for: one per victim, and an answer names few
 # A surface's work at a stream's end, told whether the backend ended it with its [DONE] (run's docstring).
 AtEnd = Callable[[bool], Awaitable[object]]
 LEAK_DETAILS = {
@@ -84,8 +88,8 @@ LEAK_DETAILS = {
 log = logging.getLogger("bulkhead.counting")
 
 
-class PipelineParts(SlotParts, ResponderParts, Protocol):
-    """What a request's path uses, beside the slot's and the leak responder's parts."""
+class PipelineParts(JudgingParts, ResponderParts, Protocol):
+    """What a request's path uses, beside the judges' (a slot's among them) and the leak responder's parts."""
 
     @property
     def tenants(self) -> TenantDirectory: ...
@@ -124,8 +128,6 @@ EMBEDDINGS = Route("embeddings", "/v1/embeddings", EmbeddingRequest)
 POOLING = Route("pooling", "/pooling", PoolingRequest)
 SCORE = Route("score", "/v1/score", ScoreRequest)
 RERANK = Route("rerank", "/v1/rerank", RerankRequest)
-# A request any route takes.
-Request = AnyRequest | ScoreRequest | RerankRequest
 
 
 def resolve_model(state: PipelineParts, tenant: TenantSettings, name: str) -> ModelSettings:
@@ -137,7 +139,7 @@ def resolve_model(state: PipelineParts, tenant: TenantSettings, name: str) -> Mo
     return model
 
 
-def check_task(model: ModelSettings, request: Request) -> None:
+def check_task(model: ModelSettings, request: PipelineRequest) -> None:
     """Refuse a request its model's engines do not serve (vLLM would answer it with an error of its own)."""
     if isinstance(request, INPUTS_REQUESTS) and model.task != "embed":
         raise InvalidRequest(
@@ -285,7 +287,7 @@ class InferenceCall:
         record: RequestRecord,
         tenant: TenantSettings,
         model: ModelSettings,
-        request: Request,
+        request: PipelineRequest,
         admission: Admission,
         placement: Placement,
         slot: Slot,
@@ -314,9 +316,8 @@ class InferenceCall:
         self._closed = False
         self._injected: int | None = None  # the tokens the gateway injected, once counted
         self._mark: str | None = None  # the prompt's last entry in the fingerprint feed
-        self._sent: tuple[str, bytes] | None = None  # the path and body forwarded
-        self._verdicts = 0  # suspects judged in this answer
-        self._judgement: Judgement | None = None  # its judge, when asked with the request (judged from the start)
+        self.sent: tuple[str, bytes] | None = None  # the path and body forwarded
+        self.judges = Judges(state, self)
         self._forwarded_at: float | None = None  # when it was sent (the ledger records only what was)
         self._kinds: list[str] = []  # its isolation events' kinds
         self._withheld = False
@@ -330,8 +331,7 @@ class InferenceCall:
         if self._closed:
             return
         self._closed = True
-        if self._judgement is not None:
-            self._judgement.said.cancel()
+        self.judges.cancel()
         if self.response is not None:
             await self.response.aclose()
         self.admission.cancel()
@@ -365,13 +365,13 @@ class InferenceCall:
             verdict = PARTIAL
         else:
             verdict = WITHHELD if self._withheld else FAILED
-        served = self._served(self.replica, self._forwarded_at, verdict, ",".join(self._kinds))
+        served = self.served(self.replica, self._forwarded_at, verdict, ",".join(self._kinds))
         self.state.ledger.record(served)
         if not LEAKS.isdisjoint(self._kinds):
             self.state.metrics.exposed_answers.labels(self.model.name, self.replica.name, verdict).inc()
             self.state.background(tracking.answered(served, self.state))
 
-    def _served(self, replica: Replica, start: float, verdict: str, kinds: str = "") -> Served:
+    def served(self, replica: Replica, start: float, verdict: str, kinds: str = "") -> Served:
         return Served(
             self.record.request_id, self.tenant.incarnation(), self.model.name, replica.name, start, time.time(),
             verdict, kinds,
@@ -383,11 +383,11 @@ class InferenceCall:
 
     async def forward(self, path: str, body: bytes) -> None:
         self.sent_bytes = len(body)
-        self._sent = (path, body)
+        self.sent = (path, body)
         self._forwarded_at = time.time()
         try:
-            await self._fingerprint(self.replica)
-            self._judge_from_start()  # before it is sent: the engine may answer only once it has written it all
+            await self.fingerprint(self.replica)
+            self.judges.from_start()  # before it is sent: the engine may answer only once it has written it all
             await self._open(path, body)
         except InvalidRequest as refusal:
             # The backend's own words about the request: they can quote the prompt, markers included.
@@ -407,7 +407,7 @@ class InferenceCall:
             lag = "the other gateway instances' prompt fingerprints could not be read in time"
             raise await self.withhold(StreamWithheld(lag, "fingerprint_feed_lag"))
 
-    async def _fingerprint(self, replica: Replica) -> None:
+    async def fingerprint(self, replica: Replica) -> None:
         """Make this prompt known to every instance as sent to `replica`, before it is (its mark: `_mark`)."""
         fingerprints, prepared = self.state.fingerprints, self.prepared
         if fingerprints is None or prepared is None:
@@ -447,113 +447,9 @@ class InferenceCall:
             if fallback is None:
                 raise
             self.replica, self.record.backend = fallback, fallback.name
-            await self._fingerprint(fallback)
-            self._judge_from_start()
+            await self.fingerprint(fallback)
+            self.judges.from_start()
             self.response = await upstream.open(fallback, path, body, self.upstream_id)
-
-    def _judge_from_start(self) -> None:
-        """Ask the judge now, beside the engine, when this tenant's answers on the model are judged from their start
-        (past its judges of the day on a suspect): the answer then waits for it, whether a suspect needs it or not."""
-        if (judgement := self._judgement) is not None:
-            if judgement.replica is not self.replica:
-                return
-            judgement.said.cancel()  # the request moved to the judge's replica (its first one refused to connect)
-            self._judgement = None
-        if self.state.fingerprints is None or isinstance(self.request, INPUTS_REQUESTS):
-            return
-        if not self.state.verdicts.judged_from_start(self.tenant.id, self.model.name):
-            return
-        replica = self._judging_replica()
-        if replica is not None:
-            self.state.metrics.judges.labels(self.tenant.id, self.model.name, "start").inc()
-            self._judgement = Judgement(replica, asyncio.create_task(self._regenerate(replica)))
-
-    async def _until_judged(self) -> None:
-        """The release rule of an answer judged from its start: none of it is read, nor goes out, before its judge
-        answered; a suspect found in it is then decided at once, so a judged answer takes a clean one's time."""
-        if self._judgement is not None:
-            # Not `await`: a judge that failed is for a suspect to find (unjudged), not for a clean answer.
-            await asyncio.wait([self._judgement.said])
-
-    async def judge(self, suspect: Suspect) -> frozenset[int] | None:
-        """Whether a fragment of another tenant's prompt in this answer was induced: the same request, greedy, on
-        another replica (preferably one the victim's prompts never went to), says it too. A stale page cannot follow
-        a request to another replica; a text the recipient had the model write (a public text, a candidate of an
-        oracle) does. Returns the victim's grams that the judge's answer holds (no evidence in this answer from now
-        on) when it was induced, else None (a leak). Every verdict is counted and recorded for operators."""
-        judgement = self._judgement
-        replica = judgement.replica if judgement is not None else self._judging_replica(suspect.victim)
-        verdict, cleared = "unjudged", None
-        try:
-            if replica is not None and self._verdicts < MAX_VERDICTS:
-                self._verdicts += 1
-                said = await (judgement.said if judgement is not None else self._judge_on_suspect(replica))
-                if said is not None:
-                    cleared = self._came_back(replica, suspect, said)
-                    verdict = "leak" if cleared is None else "induced"
-        finally:
-            self.state.metrics.fragment_verdicts.labels(
-                self.tenant.id, self.model.name, self.replica.name, verdict
-            ).inc()
-            if verdict != "induced":  # what the tenant sees: a withheld answer
-                await self.state.verdicts.draw(self.tenant.id, self.model.name)
-        if cleared is None or replica is None:
-            return None
-        detail = f"a fragment of another tenant's prompt that the answer was induced to say (judged on {replica.name})"
-        # Not awaited: a store's round trip would make the answer that a judge cleared the slower one.
-        self.state.background(report(self.event(INDUCED, detail, victim_tenant=suspect.victim), self.state))
-        return cleared
-
-    async def _judge_on_suspect(self, replica: Replica) -> Said:
-        """A judge asked once a suspect is found: the answer waits for it, which its client sees, so each counts
-        against the tenant's judges of the day on the model (past them, its answers are judged from their start)."""
-        self.state.metrics.judges.labels(self.tenant.id, self.model.name, "suspect").inc()
-        await self.state.verdicts.judge(self.tenant.id, self.model.name)
-        return await self._regenerate(replica)
-
-    def _judging_replica(self, victim: str | None = None) -> Replica | None:
-        """Another routable replica of the model, one the victim's recent prompts never went to if there is one (the
-        least busy; before a suspect no victim is known)."""
-        fingerprints = self.state.fingerprints
-        assert fingerprints is not None
-        others = [r for r in self.state.pool.routable(self.model) if r.name != self.replica.name]
-        clean = [r for r in others if victim is not None and not fingerprints.index.sent(victim, r.name)]
-        return min(clean or others, key=lambda r: r.in_flight, default=None)
-
-    async def _regenerate(self, replica: Replica) -> Said:
-        """Every gram `replica` says answering this request, greedily and whole (judging.grams_said); None when it
-        could not be asked or did not answer."""
-        fingerprints = self.state.fingerprints
-        assert fingerprints is not None
-        if self._sent is None:
-            return None
-        path, body = self._sent
-        bound = answer_bound(self.request, self.admission.max_tokens, self.sent_bytes)
-        await self._fingerprint(replica)  # the tenant's prompt goes there now too
-        start = time.time()
-        try:
-            response = await self.state.upstream.open(replica, path, judge_body(body), f"{self.upstream_id}.j")
-            try:
-                raw = await response.read(bound + 1)
-            finally:
-                await response.aclose()
-            answer = parse_json_body(replica, raw)
-        except GatewayError:
-            return None
-        finally:
-            self.state.ledger.record(self._served(replica, start, JUDGED))
-        return None if len(raw) > bound else grams_said(answer, fingerprints.hasher)
-
-    def _came_back(self, replica: Replica, suspect: Suspect, said: frozenset[int]) -> frozenset[int] | None:
-        """The victim's grams a judge said, when they hold the two that made the suspect (else None)."""
-        fingerprints = self.state.fingerprints
-        assert fingerprints is not None
-        check = AnswerCheck(
-            fingerprints.index, fingerprints.hasher, replica.name, self.tenant.incarnation(), self._own_grams(),
-            only=suspect.victim,
-        )  # fmt: skip
-        found = frozenset(check.found(said))
-        return found if found.issuperset(suspect.pair) else None
 
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
         """Raise StreamWithheld when the backend's accounting does not add up."""
@@ -574,9 +470,9 @@ class InferenceCall:
     async def _counts_so(self, reported: int) -> bool:
         """Whether the replica that answered, asked to count the request it was forwarded (recount.py), says what its
         usage said: then it read that prompt. Not when it cannot be asked: the answer stays unvouched for."""
-        if self._sent is None:
+        if self.sent is None:
             return False
-        path, body = self._sent
+        path, body = self.sent
         asked = tokenize_body(path, body)
         if asked is None:
             return False
@@ -587,8 +483,8 @@ class InferenceCall:
         return abs(counted - reported) <= self.model.usage_tolerance
 
     def _shape(self) -> str:
-        assert self._sent is not None
-        return shape(*self._sent)
+        assert self.sent is not None
+        return shape(*self.sent)
 
     async def withhold(self, exc: StreamWithheld) -> AnswerWithheld:
         """The error the tenant gets for an answer that cannot be shown safe, once its event is recorded. A usage
@@ -639,7 +535,11 @@ class InferenceCall:
             self.state.metrics.injected_tokens.labels(self.model.name).observe(injected)
         hide_injected(usage, injected)
 
-    def _own_grams(self) -> Fingerprints:
+    def answer_bound(self) -> int:
+        """The most bytes an honest whole answer to this request can take."""
+        return answer_bound(self.request, self.admission.max_tokens, self.sent_bytes)
+
+    def own_grams(self) -> Fingerprints:
         """Every gram of the tenant's own prompt (none counts in its answer), as its admission made them."""
         return self.prepared.grams if isinstance(self.prepared, Prepared) else NO_GRAMS
 
@@ -649,16 +549,14 @@ class InferenceCall:
             return None
         owner = self.tenant.incarnation()  # whose marker is its own, whose prompts are its own
         counter = self.state.counters[self.model.name]
-        decode = counter.tokenizer.decode if isinstance(counter, LocalCounter) else None
+        decode = ids_decoder(counter.tokenizer.decode) if isinstance(counter, LocalCounter) else None
         stop = self.request.stop
         stops = frozenset([stop] if isinstance(stop, str) else stop or ())
         fragments, hold_tail = None, 0
         if fingerprints is not None:
             if self.state.settings.isolation.fingerprints.stream_hold == "tail":
                 hold_tail = fingerprints.hasher.shape.min_fragment - 1
-            fragments = AnswerCheck(
-                fingerprints.index, fingerprints.hasher, self.replica.name, owner, self._own_grams()
-            )
+            fragments = AnswerCheck(fingerprints.index, fingerprints.hasher, self.replica.name, owner, self.own_grams())
         return OutputGuard(
             self.state.markers,
             owner,
@@ -669,20 +567,20 @@ class InferenceCall:
             stops,
             fragments,
             self.request.n,
-            self.judge if fragments is not None else None,
+            self.judges.judge if fragments is not None else None,
             hold_tail,
         )
 
     async def complete(self) -> Answer:
         assert self.response is not None
-        bound = answer_bound(self.request, self.admission.max_tokens, self.sent_bytes)
+        bound = self.answer_bound()
         raw = await self.response.read(bound + 1)
         self.record.mark_first_byte()
         if len(raw) > bound:
             raise BackendBadResponse(f"Backend '{self.replica.name}' answered more than {bound} bytes.")
         try:
             with failing_closed():
-                await self._until_judged()
+                await self.judges.until_judged()
                 body = await self._checked(raw)
         except StreamWithheld as exc:
             raise await self.withhold(exc) from exc
@@ -758,7 +656,7 @@ class InferenceCall:
         )
         last: Event | None = None
         try:
-            await self._until_judged()
+            await self.judges.until_judged()
             async for event in filtered(self.response.chunks(), stream_filter):
                 record.mark_first_byte()
                 self._events_out += 1
@@ -791,7 +689,7 @@ class InferenceCall:
         return error
 
 
-def answer_bound(request: Request, tokens: int, sent_bytes: int) -> int:
+def answer_bound(request: PipelineRequest, tokens: int, sent_bytes: int) -> int:
     """The most bytes an honest answer (or one stream event) of `tokens` tokens per choice can take."""
     if isinstance(request, EmbeddingRequest):
         return ANSWER_BASE_BYTES + sent_bytes + embeddings.answer_bound(request)

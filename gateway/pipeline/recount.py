@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import InvalidRequest, UpstreamError
+from gateway.errors import BackendBadResponse, InvalidRequest, UpstreamError
 from gateway.upstream.backends import Replica
 from gateway.upstream.proxy import Upstream
 
@@ -36,6 +36,16 @@ MESSAGE_FEATURES = {
     "reasoning": "reasoning",
     "reasoning_content": "reasoning",
 }
+# A /tokenize answer lists the prompt's token ids: each at most 11 bytes written ("4294967295,"), and a prompt renders
+# to at most about one token per byte of the request that asks for its count. Beyond that, and the base for the
+# template's own text and the answer's other fields, a backend would only grow the gateway's memory.
+TOKENIZE_BYTES_PER_BYTE = 16
+TOKENIZE_BASE_BYTES = 1 << 20
+
+
+def tokenize_bound(body: bytes) -> int:
+    """The most bytes an honest /tokenize answer to `body` takes."""
+    return TOKENIZE_BASE_BYTES + TOKENIZE_BYTES_PER_BYTE * len(body)
 
 
 def tokenize_body(path: str, forwarded: bytes) -> bytes | None:
@@ -72,8 +82,12 @@ async def ask_count(upstream: Upstream, replica: Replica, body: bytes) -> int:
         generic = InvalidRequest(f"The backend refused to count this prompt (HTTP {status}).", code=refusal.code)
         generic.status = refusal.status
         raise generic from refusal
+    bound = tokenize_bound(body)
     try:
-        answer = orjson.loads(await response.read())
+        raw = await response.read(bound + 1)
+        if len(raw) > bound:
+            raise BackendBadResponse(f"Backend '{replica.name}' answered /tokenize with more than {bound} bytes.")
+        answer = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise UpstreamError(f"Backend '{replica.name}' answered /tokenize with something not JSON.") from exc
     finally:

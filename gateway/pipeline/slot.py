@@ -37,9 +37,10 @@ class SlotParts(Protocol):
 
 
 class Slot:
-    def __init__(self, state: SlotParts, tenant: TenantSettings, model: ModelSettings) -> None:
-        """Take the tenant's place under its cap now, or raise ConcurrencyLimited."""
-        cap = tenant.limits.max_concurrent_requests
+    def __init__(self, state: SlotParts, tenant: TenantSettings, model: ModelSettings, capped: bool = True) -> None:
+        """Take the tenant's place under its cap now, or raise ConcurrencyLimited. Not `capped`: counted all the same,
+        never refused (a judge's, which its request's own slot passed the cap for: judging.py)."""
+        cap = tenant.limits.max_concurrent_requests if capped else None
         held = state.tenant_in_flight
         if cap is not None and held[tenant.id] >= cap:
             raise ConcurrencyLimited(

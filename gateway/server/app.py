@@ -58,6 +58,7 @@ from gateway.server.shutdown import stop_tasks
 from gateway.server.stores import build_stores
 from gateway.settings import Settings, SettingsError
 from gateway.store import shared_key
+from gateway.tenancy.lookups import GetAddrInfo, NameLookups
 from gateway.tenancy.ratelimit import RateLimiter
 from gateway.tenancy.tenants import TenantDirectory
 from gateway.tenancy.webhooks import SigningKey, TenantWebhooks
@@ -400,9 +401,12 @@ def warn_short_grace(settings: Settings) -> None:
         )
 
 
-def create_app(settings: Settings, workers: int | None = None) -> Starlette:
-    """The gateway; `workers` queue workers run inside it (default: settings.queue.workers). A file the settings
-    name that is missing or bad raises SettingsError here, before anything is served."""
+def create_app(
+    settings: Settings, workers: int | None = None, *, getaddrinfo: GetAddrInfo = socket.getaddrinfo
+) -> Starlette:
+    """The gateway; `workers` queue workers run inside it (default: settings.queue.workers); tenants' webhook hosts
+    are looked up with `getaddrinfo` (lookups.py). A file the settings name that is missing or bad raises
+    SettingsError here, before anything is served."""
     tokenizers = check_files(settings)
     targets = webhook_targets(settings)
     workers = settings.queue.workers if workers is None else workers
@@ -424,7 +428,10 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
         pool = ReplicaPool(settings.backends, metrics, stores.store)
         capacity = CapacityMonitor(settings.models, settings.backends, pool, metrics, settings.upstream)
         timeout = settings.upstream.connect_timeout_s
-        with ThreadPoolExecutor(settings.admission.tokenizer_threads, "bulkhead-tokens") as executor:
+        with (
+            ThreadPoolExecutor(settings.admission.tokenizer_threads, "bulkhead-tokens") as executor,
+            contextlib.closing(NameLookups(getaddrinfo)) as lookups,
+        ):
             async with make_client(settings.upstream) as client, make_session(settings.upstream) as session:
                 upstream = Upstream(session, settings.upstream, pool, metrics)
                 await pool.refresh(client, timeout)
@@ -458,7 +465,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                 kept = settings.isolation.ledger
                 writer = LedgerWriter(stores.ledger, kept.max_buffered, kept.flush_interval_s, metrics.ledger_dropped)
                 signing_key = notice_signing_key(settings, redis)
-                tenant_webhooks = TenantWebhooks(stores.registrations, signing_key, settings.isolation.notices)
+                tenant_webhooks = TenantWebhooks(stores.registrations, signing_key, settings.isolation.notices, lookups)
                 deliveries = Deliveries(
                     stores.outbox, either(targets, tenant_webhooks.resolve), client, settings.webhooks, metrics
                 )
@@ -499,6 +506,7 @@ def create_app(settings: Settings, workers: int | None = None) -> Starlette:
                     tenant_webhooks=tenant_webhooks,
                     bodies=bodies,
                 )
+                tenants.left = app.state.gateway.gate.forget
                 tasks = [
                     asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
                     asyncio.create_task(capacity.watch(client, settings.upstream.capacity_refresh_s, timeout)),

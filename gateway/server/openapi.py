@@ -167,13 +167,13 @@ def _stored_response(summary: str, *query: str) -> dict[str, Any]:
     }
 
 
-def _tenant(summary: str, *query: str) -> dict[str, Any]:
-    """A route for the key's own tenant's: no other tenant's can be named."""
+def _tenant(summary: str, *query: str, errors: tuple[int, ...] = ()) -> dict[str, Any]:
+    """A route for the key's own tenant's: no other tenant's can be named; `errors` beyond the usual ones."""
     return {
         "summary": summary,
         "security": [{"bearer": []}],
         "parameters": [_QUERY[name] for name in query],
-        "responses": {"200": {"description": summary}, **_errors(400, 401, 404, 503)},
+        "responses": {"200": {"description": summary}, **_errors(400, 401, 404, 503, *errors)},
     }
 
 
@@ -268,7 +268,7 @@ def _admin_paths() -> dict[str, Any]:
             "put": _admin(
                 "Set a tenant's webhook; the secret is shown when made or rotated",
                 _OBJECT,
-                errors=(400, 503),
+                errors=(400, 429, 503),
                 body="WebhookSet",
             ),  # fmt: skip
             "delete": _admin("Delete a tenant's webhook", None, status=204, errors=(503,)),
@@ -377,7 +377,10 @@ def openapi_document() -> dict[str, Any]:
             "/v1/isolation/webhook": {
                 "get": _tenant("The tenant's webhook for its notices (never its secret)"),
                 "put": {
-                    **_tenant("Set the tenant's webhook; the secret (whsec_) is shown when made or rotated"),
+                    **_tenant(
+                        "Set the tenant's webhook; the secret (whsec_) is shown when made or rotated",
+                        errors=(429,),  # its earlier lookups of webhook hosts still run (tenancy/lookups.py)
+                    ),
                     "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("WebhookSet")}}},
                 },
                 "delete": _tenant("Delete the tenant's webhook"),

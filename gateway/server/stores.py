@@ -55,6 +55,7 @@ def build_stores(settings: Settings, redis: Redis | None) -> Stores:
     queue, ttl, prefix = settings.queue, settings.isolation.fingerprints.ttl_s, settings.redis_key_prefix
     kept, ledger = settings.responses, settings.isolation.ledger
     if redis is None:
+        outbox = MemoryOutbox()
         return Stores(
             redis=None,
             directory=MemoryDirectoryStore(),
@@ -65,14 +66,15 @@ def build_stores(settings: Settings, redis: Redis | None) -> Stores:
             conversations=MemoryConversationStore(kept.ttl_s, kept.max_bytes_per_tenant),
             ledger=MemoryLedger(ledger.retention_s, ledger.max_memory_records),
             incidents=MemoryIncidentStore(ledger.retention_s),
-            notices=MemoryNoticeStore(ledger.retention_s),
+            notices=MemoryNoticeStore(ledger.retention_s, outbox),
             registrations=MemoryRegistrationStore(),
-            outbox=MemoryOutbox(),
+            outbox=outbox,
             buckets=None,
             markers=None,
             prefix=prefix,
             feed_ttl_s=ttl,
         )
+    redis_outbox = RedisOutbox(redis, prefix=prefix)
     return Stores(
         redis=redis,
         directory=RedisDirectoryStore(redis, prefix=prefix),
@@ -83,9 +85,9 @@ def build_stores(settings: Settings, redis: Redis | None) -> Stores:
         conversations=RedisConversationStore(redis, kept.ttl_s, kept.max_bytes_per_tenant, prefix=prefix),
         ledger=RedisLedger(redis, ledger.retention_s, prefix=prefix),
         incidents=RedisIncidentStore(redis, ledger.retention_s, prefix=prefix),
-        notices=RedisNoticeStore(redis, ledger.retention_s, prefix=prefix),
+        notices=RedisNoticeStore(redis, ledger.retention_s, redis_outbox, prefix=prefix),
         registrations=RedisRegistrationStore(redis, prefix=prefix),
-        outbox=RedisOutbox(redis, prefix=prefix),
+        outbox=redis_outbox,
         buckets=RedisBuckets(redis, prefix=prefix),
         markers=RedisMarkerStore(redis, prefix=prefix),
         prefix=prefix,

@@ -19,7 +19,10 @@ memory). Authentication stays off the network for a key seen before:
 - every change (a key revoked, a tenant disabled) is published by the store in the step that makes it; each
   instance drops what it holds of that tenant when the message comes (milliseconds), and re-reads everything it
   holds every `resync_s` and after every reconnection, in case a message was missed — unless the store's count of
-  changes shows that nothing changed since the last re-read (one small read instead of all of them).
+  changes shows that nothing changed since the last re-read (one small read instead of all of them);
+- a tenant that changed and is gone from the store at the next upkeep (within UPKEEP_S) was deleted: each instance
+  drops what its process keeps of it (its metric series, `left`'s state: the fair queue's), as the deleting instance
+  does at once. A message missed (a lost subscription) leaves that to the next restart.
 
 A store read started before an invalidation must not put what it read back into memory: every invalidation moves
 a generation counter, and a read keeps its result only when the counter has not moved since the read began.
@@ -69,6 +72,7 @@ RESYNC_BATCH = 1000
 RESYNC_TRIES = 3
 
 Joined = Callable[[list[str]], Awaitable[None]]
+Left = Callable[[str], None]
 
 
 def new_api_key(check_secret: bytes | None = None) -> str:
@@ -193,7 +197,10 @@ class TenantDirectory:
         self._uses: dict[str, KeyUse] = {}
         # Hears of the runtime tenants this instance serves for the first time (to publish their canary markers).
         self.joined: Joined | None = None
-        self._seen: set[str] = set()
+        # Hears of each tenant deleted, on any instance, to drop what this process keeps of it.
+        self.left: Left | None = None
+        self._changed: set[str] = set()  # tenants changed since the last upkeep: the deleted among them depart there
+        self._seen: dict[str, str] = {}  # tenant id → the incarnation announced
         self._new: list[str] = []
         self._resync_at = clock() + settings.resync_s
         self._synced: int | None = None  # the store's count of changes at the last re-read; None: re-read
@@ -279,7 +286,7 @@ class TenantDirectory:
         held = _Held.of(found)
         if generation == self._generation:
             self._hold(held)
-        self._note_seen(held.tenant.incarnation())  # whose markers the prompts carry
+        self._note_seen(held.tenant.id, held.tenant.incarnation())  # whose markers the prompts carry
         return held
 
     def _count(self, outcome: str) -> None:
@@ -315,10 +322,10 @@ class TenantDirectory:
         if not hashes:
             del self._held_by_tenant[held.tenant.id]
 
-    def _note_seen(self, tenant_id: str) -> None:
-        if tenant_id not in self._seen:
-            self._seen.add(tenant_id)
-            self._new.append(tenant_id)
+    def _note_seen(self, tenant_id: str, incarnation: str) -> None:
+        if self._seen.get(tenant_id) != incarnation:
+            self._seen[tenant_id] = incarnation
+            self._new.append(incarnation)
 
     # --- keeping memory true -----------------------------------------------------------------------------------
 
@@ -330,6 +337,7 @@ class TenantDirectory:
         if tenant_id is None:
             self._resync_at, self._synced = 0.0, None
             return
+        self._changed.add(tenant_id)
         for key_hash in list(self._held_by_tenant.get(tenant_id, ())):
             self._drop(key_hash)
 
@@ -352,6 +360,8 @@ class TenantDirectory:
         if self._uses:
             uses, self._uses = list(self._uses.values()), {}
             await self.store.mark_used(uses)
+        if self._changed:
+            await self._departures()
         if self._clock() >= self._resync_at:
             await self.resync()
         if self._new and self.joined is not None:
@@ -361,6 +371,24 @@ class TenantDirectory:
             except BaseException:
                 self._new[:0] = new  # announced at the next upkeep instead
                 raise
+
+    async def _departures(self) -> None:
+        """Each tenant changed since the last upkeep that the store no longer has departs."""
+        changed, self._changed = self._changed, set()
+        try:
+            for tenant_id in changed:
+                if tenant_id not in self._by_id and await self.store.tenant(tenant_id) is None:
+                    self._depart(tenant_id)
+        except BaseException:
+            self._changed |= changed  # asked again at the next upkeep (departing twice changes nothing)
+            raise
+
+    def _depart(self, tenant_id: str) -> None:
+        self._seen.pop(tenant_id, None)
+        if self._metrics is not None:
+            self._metrics.forget_tenant(tenant_id)
+        if self.left is not None:
+            self.left(tenant_id)
 
     async def resync(self) -> None:
         """Re-read every key held, in batches (what is gone or shadowed is dropped, the rest refreshed), unless
@@ -488,6 +516,7 @@ class TenantDirectory:
         if not removed:
             raise NotFound(f"No tenant '{tenant_id}'.")
         self.forget(tenant_id)
+        self._depart(tenant_id)
 
     async def keys(self, tenant_id: str) -> list[ApiKey]:
         """A stored tenant's keys (a configured tenant's are in the settings)."""

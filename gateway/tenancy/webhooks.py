@@ -12,20 +12,20 @@ A URL is a control a tenant hands the gateway: the gateway will POST to it. So i
 and again at each delivery (a name can be pointed elsewhere later), and the delivery connects to the address so
 checked (its name as Host and TLS server name: no second lookup to rebind): no tenant turns the gateway against the
 network it runs in (loopback, private, link-local such as cloud metadata, IPv6 forms of such IPv4 addresses: the rule
-is addresses.not_public) unless `isolation.notices.allow_private_urls`. A host must be ASCII (an international name
-in its xn-- form). A host written as an address is refused with what that address is; a name, with the same words
-whatever it resolves to, or if it does not: the answer must not tell which internal names exist.
+is addresses.not_public) unless `isolation.notices.allow_private_urls` (then any address, but a name must still
+resolve). A host must be ASCII (an international name in its xn-- form). A host written as an address is refused
+with what that address is; a name, with the same words whatever it resolves to, or if it does not: the answer must
+not tell which internal names exist. A name is looked up among its tenant's lookups, in threads of their own
+(lookups.py): a tenant's slow names hold up no other lookup.
 
 Kept in the store's hash `{prefix}tenant-webhooks` (incarnation → JSON), or in memory.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import ipaddress
-import socket
 import time
 from dataclasses import asdict, dataclass
 from typing import Protocol
@@ -38,6 +38,7 @@ from redis.exceptions import RedisError
 from gateway.settings import NoticeSettings
 from gateway.store import shared_key
 from gateway.tenancy.addresses import not_public
+from gateway.tenancy.lookups import LookupsBusy, NameLookups
 from gateway.webhooks import TENANT_PREFIX, Target, whsec
 from isolation.redis_text import text
 
@@ -97,8 +98,8 @@ class RedisRegistrationStore:
         return bool(await self._redis.hdel(self._key, tenant))
 
 
-RESOLVE_TIMEOUT_S = 5.0
 NOT_PUBLIC = "url's host must resolve to public addresses only"
+NOT_RESOLVED = "url's host does not resolve"
 
 
 def _literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -128,19 +129,22 @@ class SigningKey:
 
 
 class TenantWebhooks:
-    def __init__(self, store: RegistrationStore, key: SigningKey, settings: NoticeSettings) -> None:
+    def __init__(
+        self, store: RegistrationStore, key: SigningKey, settings: NoticeSettings, lookups: NameLookups
+    ) -> None:
         self._store = store
         self._key = key
         self._settings = settings
-        self._resolving = asyncio.Semaphore(4)  # names resolved at once: a tenant's slow names hold no more threads
+        self._lookups = lookups
 
     async def secret(self, tenant: str, registration: Registration) -> bytes:
         # Its making too: a webhook deleted and registered again gets a secret of its own, not the first one back.
         made = f"{tenant}\n{registration.version}\n{registration.created_at!r}".encode()
         return hmac.new(await self._key.get(), made, hashlib.sha256).digest()
 
-    async def check_url(self, url: str) -> list[str]:
-        """The addresses the gateway may POST `url` to (module docstring), or UnsafeUrl; empty: anything goes."""
+    async def check_url(self, tenant: str, url: str) -> list[str]:
+        """The addresses the gateway may POST `url` to (module docstring), or UnsafeUrl; its host is looked up among
+        `tenant`'s (lookups.py): LookupsBusy while they are all held."""
         if len(url) > MAX_URL_CHARS:
             raise UnsafeUrl(f"url has more than {MAX_URL_CHARS} characters")
         try:
@@ -159,29 +163,27 @@ class TenantWebhooks:
             port = parts.port
         except ValueError as exc:
             raise UnsafeUrl("url has a bad port") from exc
-        if self._settings.allow_private_urls:
-            return []
+        anything = self._settings.allow_private_urls
         literal = _literal(parts.hostname)
-        if literal is not None and (why := not_public(literal)):
+        if literal is not None and not anything and (why := not_public(literal)):
             # The tenant wrote the address: saying what it is reveals nothing of the network the gateway is in.
             raise UnsafeUrl(f"url's host must be a public address: {literal} is {why}")
+        refused = NOT_RESOLVED if anything else NOT_PUBLIC
         try:
-            async with self._resolving:
-                found = await asyncio.wait_for(
-                    asyncio.get_running_loop().getaddrinfo(parts.hostname, port or 443, type=socket.SOCK_STREAM),
-                    RESOLVE_TIMEOUT_S,
-                )
+            addresses = await self._lookups.addresses(tenant, parts.hostname, port or 443)
+        except LookupsBusy:
+            raise  # not the URL's fault: the tenant tries again, a delivery is attempted again
         except (OSError, UnicodeError, TimeoutError) as exc:
             # The same words as a private address: the answer must not tell which internal names exist.
-            raise UnsafeUrl(NOT_PUBLIC) from exc
-        addresses = [str(info[4][0]) for info in found]
-        if not addresses or any(not_public(ipaddress.ip_address(address)) for address in addresses):
-            raise UnsafeUrl(NOT_PUBLIC)
+            raise UnsafeUrl(refused) from exc
+        if not addresses or (not anything and any(not_public(ipaddress.ip_address(a)) for a in addresses)):
+            raise UnsafeUrl(refused)
         return addresses
 
     async def register(self, tenant: str, url: str, rotate: bool) -> tuple[Registration, str | None]:
-        """Register or move the tenant's webhook; the secret (whsec_) when one was made or rotated, else None."""
-        await self.check_url(url)
+        """Register or move the tenant's webhook; the secret (whsec_) when one was made or rotated, else None.
+        UnsafeUrl, or LookupsBusy while the tenant's lookups are all held."""
+        await self.check_url(tenant, url)
         now = time.time()
         current = await self._store.get(tenant)
         if current is None:
@@ -199,19 +201,19 @@ class TenantWebhooks:
         return await self._store.delete(tenant)
 
     async def resolve(self, target: str) -> Target | None:
-        """A `tenant:<incarnation>` target at an attempt: its URL pinned to an address checked now; None: there is
-        none, or it no longer resolves to public addresses. RedisError while the signing key cannot be read."""
+        """A `tenant:<incarnation>` target at an attempt: its URL pinned to an address checked now (so that no name
+        of a tenant's is looked up anywhere else: lookups.py); None: there is none, or it no longer resolves to public
+        addresses. RedisError while the signing key cannot be read, LookupsBusy while the tenant's lookups are all
+        held: either way the attempt is made again."""
         tenant = target.removeprefix(TENANT_PREFIX)
         registration = await self._store.get(tenant)
         if registration is None:
             return None
         try:
-            addresses = await self.check_url(registration.url)
+            addresses = await self.check_url(tenant, registration.url)
         except UnsafeUrl:
             return None
         secret = await self.secret(tenant, registration)
-        if not addresses:
-            return Target(registration.url, secret)
         parts = urlsplit(registration.url)
         address = addresses[0]
         literal = f"[{address}]" if ":" in address else address

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from gateway.metrics import GatewayMetrics
 from gateway.settings import BackendSettings, ModelSettings
-from gateway.store import AdminState, Store
+from gateway.store import AdminState, Store, Suspension
 
 log = logging.getLogger("bulkhead.backends")
 
@@ -31,6 +31,7 @@ class ReplicaState(StrEnum):
     QUARANTINED = "quarantined"
     DRAINING = "draining"
     SUSPENDED = "suspended"  # out of rotation while a leak's confirmation probe runs
+    HELD = "held"  # out of rotation: a leak past the automatic bound, for an operator to decide
 
 
 @dataclass(eq=False)
@@ -111,12 +112,15 @@ class ReplicaPool:
         self._apply_admin_state(replica, None, reason)
         return True
 
-    async def suspend(self, replica: Replica, others: list[Replica], until: float, reason: str) -> bool:
-        """Out of rotation on every instance until `until` at the latest, unless it has a state already or every
-        other replica of its model has one (store.suspend); True when it was suspended."""
-        if not await self._store.suspend(replica.name, [other.name for other in others], until):
+    async def suspend(
+        self, replica: Replica, others: list[Replica], until: float | None, reason: str, state: Suspension = "suspended"
+    ) -> bool:
+        """Out of rotation on every instance, held by its prober until `until` (None: held by no one, for an operator
+        to decide), unless it has a state already or every other replica of its model has one (store.suspend); True
+        when it was suspended."""
+        if not await self._store.suspend(replica.name, [other.name for other in others], until, state):
             return False
-        self._apply_admin_state(replica, "suspended", reason)
+        self._apply_admin_state(replica, state, reason)
         return True
 
     def _apply_admin_state(self, replica: Replica, state: AdminState | None, reason: str) -> None:

@@ -171,6 +171,7 @@ class ModelQueue:
         return batch, rr.depth(rr.head()) > 1
 
     def served(self, tenant: str, weight: float, now: float) -> None:
+        self._expire(now)  # the recent tenants are those of the last LIGHT_WINDOW_S, not every tenant ever served
         self._weight_sum += weight - self._weights.get(tenant, 0.0)
         self._weights[tenant] = weight
         self.recent[tenant] = now
@@ -194,6 +195,11 @@ class ModelQueue:
         if weight is None or self._weight_sum <= 0:
             return False
         return running <= slots * weight / self._weight_sum
+
+    def forget(self, tenant: str) -> None:
+        """A deleted tenant is no longer a recent one (its queued requests, if any, leave on their own)."""
+        if self.recent.pop(tenant, None) is not None:
+            self._weight_sum -= self._weights.pop(tenant, 0.0)
 
     def _expire(self, now: float) -> None:
         recent = self.recent
@@ -327,6 +333,11 @@ class Gate:
             if queue.remove(waiter):
                 self._changed(queue, tenant.id)
             self._metrics.queue_wait.labels(model.name, tenant.id).observe(time.monotonic() - now)
+
+    def forget(self, tenant: str) -> None:
+        """Drop what this instance keeps of a deleted tenant's recent service."""
+        for queue in self._queues.values():
+            queue.forget(tenant)
 
     def released(self, model: str, *, finished: bool) -> None:
         """A request of `model` left its replica (`finished`: it ran there): a slot is free, for any queue."""

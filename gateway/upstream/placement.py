@@ -68,3 +68,26 @@ class Placement:
     def _move(self, decision: Decision) -> None:
         self._decision, self.queued = decision, False
         self._counted.assign(decision.replica)
+
+
+class Confined(Placement):
+    """A placement kept to a set of replicas that `allowed` names when asked (a judge's: the model's routable
+    replicas but the one whose answer it judges): on `replica` first, and when the fair gate places it again, on the
+    least busy of them with room. Never failed over elsewhere."""
+
+    def __init__(self, replica: Replica, allowed: Callable[[], list[Replica]], counted: Counted) -> None:
+        self._allowed = allowed
+        self._counted = counted
+        self._decision = Decision(replica, Reason.JUDGE, [])
+        self.queued = False
+        counted.assign(replica)
+
+    def place(self, room: Callable[[Replica], bool]) -> bool:
+        fits = [r for r in self._allowed() if room(r)]
+        if not fits:
+            return False
+        self._move(Decision(min(fits, key=lambda r: r.in_flight), Reason.JUDGE, []))
+        return True
+
+    def fail_over(self) -> Replica | None:
+        return None

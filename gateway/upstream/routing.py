@@ -33,6 +33,7 @@ class Reason(StrEnum):
     SPILL = "spill"
     FAILOVER = "failover"
     TWO_CHOICES = "two-choices"
+    JUDGE = "judge"  # a judge's, on a replica other than the one whose answer it judges (placement.Confined)
 
 
 @dataclass

@@ -3,7 +3,7 @@ delivered with retries and dead letters (delivery.py) to targets named, not addr
 receiver makes (verify.py)."""
 
 from gateway.webhooks.delivery import Deliveries
-from gateway.webhooks.outbox import MemoryOutbox, Message, Outbox, RedisOutbox
+from gateway.webhooks.outbox import ADD_MESSAGE, MemoryOutbox, Message, Outbox, RedisOutbox
 from gateway.webhooks.signing import (
     ID_HEADER,
     LEGACY_SIGNATURE_HEADER,
@@ -18,6 +18,7 @@ from gateway.webhooks.targets import OPERATOR, TENANT_PREFIX, Resolver, Target, 
 from gateway.webhooks.verify import DEFAULT_TOLERANCE_S, Rejected, verify
 
 __all__ = [
+    "ADD_MESSAGE",
     "DEFAULT_TOLERANCE_S",
     "ID_HEADER",
     "LEGACY_SIGNATURE_HEADER",

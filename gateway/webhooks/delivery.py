@@ -62,20 +62,30 @@ class Deliveries:
     async def send(self, target: str, event_type: str, data: Mapping[str, Any]) -> str:
         """Store a notice for `target` ("operator" or "tenant:<id>"); returns its id (its webhook-id) once stored.
         Raises ValueError for another target name, and the store's error when it cannot take it."""
-        kind = target_kind(target)
+        message = self.message(target, event_type, data)
+        self.queued(message, await self.outbox.add(message, self._settings.max_pending_per_target))
+        return message.id
+
+    def message(self, target: str, event_type: str, data: Mapping[str, Any]) -> Message:
+        """A new notice for `target`, due now, for whoever stores it (send, or a store that keeps it with something
+        else in one step); ValueError for a target name that is neither "operator" nor "tenant:<id>"."""
+        target_kind(target)
         now = self._clock()
-        message = Message(Message.new_id(now), target, event_type, notice_body(event_type, data, now), now, now)
-        for old in await self.outbox.add(message, self._settings.max_pending_per_target):
-            self._metrics.webhook_deliveries.labels(kind, "dropped").inc()
+        return Message(Message.new_id(now), target, event_type, notice_body(event_type, data, now), now, now)
+
+    def queued(self, message: Message, dropped: list[Message]) -> None:
+        """`message` is in the outbox, and `dropped` (its target's oldest past the bound) are not: counted, and the
+        loop woken to send it."""
+        for old in dropped:
+            self._metrics.webhook_deliveries.labels(target_kind(old.target), "dropped").inc()
             log.warning(
                 "webhook notice %s (%s) to %s dropped: the target holds %d newer ones",
                 old.id,
                 old.type,
-                target,
+                old.target,
                 self._settings.max_pending_per_target,
             )
         self._wake.set()
-        return message.id
 
     async def replay(self, message_id: str) -> Message | None:
         """A dead letter, due now (its attempts kept); None when no dead letter has that id."""

@@ -138,25 +138,34 @@ class MemoryOutbox:
         return sum(not m.expired for m in messages), sum(m.dead for m in messages)
 
 
-# Store a new message and drop its target's oldest past the bound, in one step. KEYS: messages, due, dead, the
-# target's set. ARGV: id, message, next_at, created, bound. Returns the dropped messages, oldest first.
-_ADD = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
-redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
-local over = redis.call('ZCARD', KEYS[4]) - tonumber(ARGV[5])
-local dropped = {}
-if over <= 0 then return dropped end
-for _, id in ipairs(redis.call('ZRANGE', KEYS[4], 0, over - 1)) do
-  local raw = redis.call('HGET', KEYS[1], id)
-  if raw then table.insert(dropped, raw) end
-  redis.call('HDEL', KEYS[1], id)
-  redis.call('ZREM', KEYS[2], id)
-  redis.call('ZREM', KEYS[3], id)
+# Store a new message and drop its target's oldest past the bound, in one step: a Lua function, so that a script that
+# stores something else with it (notices.py) writes both in that step. Returns the dropped messages, oldest first.
+ADD_MESSAGE = """
+local function add_message(messages, due, dead, target, id, raw, next_at, created, bound)
+  redis.call('HSET', messages, id, raw)
+  redis.call('ZADD', due, next_at, id)
+  redis.call('ZADD', target, created, id)
+  local over = redis.call('ZCARD', target) - tonumber(bound)
+  local dropped = {}
+  if over <= 0 then return dropped end
+  for _, old in ipairs(redis.call('ZRANGE', target, 0, over - 1)) do
+    local kept = redis.call('HGET', messages, old)
+    if kept then table.insert(dropped, kept) end
+    redis.call('HDEL', messages, old)
+    redis.call('ZREM', due, old)
+    redis.call('ZREM', dead, old)
+  end
+  redis.call('ZREMRANGEBYRANK', target, 0, over - 1)
+  return dropped
 end
-redis.call('ZREMRANGEBYRANK', KEYS[4], 0, over - 1)
-return dropped
 """
+# KEYS and ARGV: add_message's arguments, in its order (RedisOutbox.adding).
+_ADD = (
+    ADD_MESSAGE
+    + """
+return add_message(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
+"""
+)
 
 # Take the due messages and move them past the lease, in one step: no two instances claim one message. KEYS: due,
 # messages. ARGV: now, the lease's end, limit.
@@ -213,9 +222,13 @@ class RedisOutbox:
         self._remove = redis.register_script(_REMOVE)
 
     async def add(self, message: Message, max_pending: int) -> list[Message]:
-        keys = [self._messages, self._due, self._dead, self._target + message.target]
-        args: list[bytes | str | float] = [message.id, message.encode(), message.next_at, message.created, max_pending]
+        keys, args = self.adding(message, max_pending)
         return [Message.decode(raw) for raw in await self._add(keys=keys, args=args)]
+
+    def adding(self, message: Message, max_pending: int) -> tuple[list[str], list[bytes | str | float]]:
+        """The keys and arguments of ADD_MESSAGE's add_message for `message`, in its order."""
+        keys = [self._messages, self._due, self._dead, self._target + message.target]
+        return keys, [message.id, message.encode(), message.next_at, message.created, max_pending]
 
     async def claim(self, now: float, lease_s: float, limit: int) -> list[Message]:
         until = now + lease_s

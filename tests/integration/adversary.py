@@ -72,10 +72,11 @@ class Plan:
         [DONE]), midstream_error (a `data: {"error": ...}` event after the first chunk), error_400 and error_500
         (an HTTP 400 or 500 whose message and param quote the text), not_json (the whole answer, or a stream's
         event after the first chunk, is the text and not JSON), tokenize_400 (the next /tokenize refused, quoting
-        the prompt it was given). An embeddings answer: extra_top, extra_item (the text in an unknown field of the
-        answer or of its first vector), id, model (the text as that string), and VECTOR_CHANNELS (the text nowhere).
-        A score or rerank answer: extra_top, extra_item, document_text (a rerank's first document's text is the
-        text), and SCORE_CHANNELS (the text nowhere).
+        the prompt it was given), tokenize_huge (the next /tokenize answered with its count and 4 MiB more). An
+        embeddings answer: extra_top, extra_item (the text in an unknown field of the answer or of its first vector),
+        id, model (the text as that string), and VECTOR_CHANNELS (the text nowhere). A score or rerank answer:
+        extra_top, extra_item, document_text (a rerank's first document's text is the text), and SCORE_CHANNELS
+        (the text nowhere).
     source: the text put there: the previous request's prompt, the first request's, this one's own, or benign.
     piece: characters per stream chunk and logprob position (token ids: the ids of those characters); 0, all at once.
     rank: the alternative that top_logprob_token / top_logprobs fill.
@@ -437,7 +438,11 @@ class Adversary:
             error = {"message": f"Cannot tokenize: {prompt}", "type": "BadRequestError", "param": None, "code": 400}
             return _json({"error": error}, 400)
         ids = self._encode(body)
-        return _json({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": None})
+        strings = None
+        if self.plan is not None and self.plan.channel == "tokenize_huge":
+            self.plan = None
+            strings = ["x" * 1024] * 4096
+        return _json({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": strings})
 
     async def _chat(self, request: Request) -> Response:
         body = orjson.loads(await request.body())

@@ -237,6 +237,24 @@ async def test_a_backends_refusal_to_count_never_quotes_the_prompt_back(
     assert engine.prompts == [], "refused before it reached the engine"
 
 
+async def test_a_count_answered_past_its_bound_is_refused_unread(
+    client: httpx.AsyncClient, make_gateway: Any, tokenizer_dir: Path
+) -> None:
+    # A /tokenize answer is read whole into memory: one that runs past what a count of this prompt can take is a
+    # backend's fault (502), not a bigger buffer.
+    engine = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    with run_server(engine.app()) as url:
+        gateway_url = make_gateway({"adversary": url}, models=[{"name": MODEL, "backends": ["adversary"]}])
+        engine.plan = Plan("tokenize_huge")
+        response = await client.post(f"{gateway_url}{CHAT}", json=chat_body("Survey the telescope"), headers=auth())
+        assert response.status_code == 502, response.text
+        error = response.json()["error"]
+        assert error["code"] == "backend_bad_response" and "answered /tokenize with more than" in error["message"]
+        assert engine.prompts == [], "refused before it reached the engine"
+        after = await client.post(f"{gateway_url}{CHAT}", json=chat_body("Survey the telescope"), headers=auth())
+    assert after.status_code == 200, after.text
+
+
 def cache_config(blocks: int) -> bytes:
     return f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{blocks}"}} 1.0\n'.encode()
 

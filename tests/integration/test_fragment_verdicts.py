@@ -8,6 +8,7 @@ time."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
@@ -96,14 +97,16 @@ Engines = dict[str, tuple[str, DecodingModel]]
 def deployment(make_gateway: Any, tokenizer_dir: Path) -> Iterator[Any]:
     """`deployment(["r1", "r2"])`: decoding models as the replicas of one model, behind a gateway with fingerprints
     alone; returns (gateway URL, engines). `instances=2` puts a second gateway on the same Redis (then the URLs);
-    `isolation` is merged into the isolation settings."""
+    `isolation` is merged into the isolation settings; keywords are every tenant's limits."""
     tokenizer = ModelTokenizer.from_dir(tokenizer_dir)
     with ExitStack() as stack:
 
-        def start(names: list[str], isolation: dict[str, Any] | None = None, instances: int = 1) -> Any:
+        def start(
+            names: list[str], isolation: dict[str, Any] | None = None, instances: int = 1, **limits: int
+        ) -> Any:
             engines = {name: DecodingModel(tokenizer) for name in names}
             served = {name: (stack.enter_context(run_server(e.app())), e) for name, e in engines.items()}
-            tenants = [{"id": t, "key_hashes": [hash_key(key(t))]} for t in TENANTS]
+            tenants = [{"id": t, "key_hashes": [hash_key(key(t))], "limits": limits} for t in TENANTS]
             redis: dict[str, str] = {}
             if instances > 1:  # with a prefix of its own: a Redis it did not start holds other runs' bounds and blocks
                 redis = {
@@ -271,6 +274,34 @@ async def test_induced_verdicts_count_against_no_one(client: httpx.AsyncClient, 
         assert (await send(client, gateway_url, "primer", text)).status_code == 200
         assert (await send(client, gateway_url, "asker", encoded(text))).status_code == 200
     assert (await send(client, gateway_url, "asker", "Hello")).status_code == 200
+
+
+async def test_a_judge_is_a_request_of_the_tenant_who_drew_it_charged_and_counted(
+    client: httpx.AsyncClient, deployment: Any
+) -> None:
+    """A judge is one more generation: its tokens are the asker's (the same request, judged or not, costs the asker
+    one answer more than it costs the victim), and it is counted in flight on its replica while it runs."""
+    # 20 tokens a second refill the buckets: slow enough that the few tenths of a second between the two tenants'
+    # requests move their difference by a few tokens, where the judge's answer is a hundred or more.
+    gateway_url, engines = deployment(["r1", "r2"], tokens_per_minute=1200)
+    text = PUBLIC["Genesis 1"]
+
+    async def left(tenant: str) -> int:
+        answer = await send(client, gateway_url, tenant, "Hi")
+        return int(answer.headers["x-ratelimit-remaining-tokens"])
+
+    unjudged = await send(client, gateway_url, "victim", encoded(text))  # no one primed it: no suspect, no judge
+    assert (await send(client, gateway_url, "primer", text)).status_code == 200
+    judged = await send(client, gateway_url, "asker", encoded(text))
+    assert unjudged.json()["choices"] == judged.json()["choices"] and len(engines["r2"][1].prompts) == 1
+    assert await verdicts(client, gateway_url) == [("fingerprint_induced", "asker", "primer")]
+    await asyncio.sleep(0.05)  # the settlements are written off the answers' path
+    victim, asker = await left("victim"), await left("asker")
+    judge = judged.json()["usage"]["total_tokens"]
+    assert judge > 100 and abs(victim - asker - judge) <= 10, "the judge's answer, charged to the asker"
+    exposition = (await client.get(f"{gateway_url}/metrics")).text
+    assert metric(exposition, "bulkhead_judges_total", tenant="asker", when="suspect") == 1
+    assert metric(exposition, "bulkhead_in_flight_requests") == 0, "the judge's slot was given back"
 
 
 def tool_arguments(response: httpx.Response, stream: bool) -> tuple[int, bool, str]:

@@ -140,7 +140,7 @@ async def test_a_real_leak_on_the_last_replica_is_confirmed_then_quarantined(
     assert (await states(client, gateway_url))["sim"] == "quarantined"
 
 
-async def test_a_replica_is_suspended_at_once_while_others_serve_released_by_the_probe_and_bounded(
+async def test_a_replica_is_suspended_at_once_while_others_serve_released_by_the_probe_and_held_past_the_bound(
     client: httpx.AsyncClient, make_gateway: Any, decoders: Any, tokenizer_dir: Path
 ) -> None:
     engines = decoders(["a", "b"])
@@ -154,14 +154,23 @@ async def test_a_replica_is_suspended_at_once_while_others_serve_released_by_the
     check = await wait_for_event(client, gateway_url, "leak_check")
     assert (check["confirmed"], check["action"], check["request_id"]) == ("no", "released", leak["request_id"])
     assert (await states(client, gateway_url))["a"] == "healthy"
-    # Hit again within the window: the bound holds, the leak is still blocked, nothing leaves rotation.
+    # Hit again within the window: past the bound no probe runs (a tenant cannot drive probes and releases at
+    # will), yet a replica seen leaking is not left in rotation: it is held, probed by no one, for an operator.
     assert (await decoded(client, gateway_url, marker, on_a)).status_code == 502
-    assert (await states(client, gateway_url))["a"] == "healthy"
+    assert (await states(client, gateway_url))["a"] == "held"
     actions = [e["action"] for e in await events(client, gateway_url) if e["kind"] == "leak"]
-    assert actions == ["bounded", "suspended"]  # newest first
+    assert actions == ["held", "suspended"]  # newest first
     metrics = (await client.get(f"{gateway_url}/metrics")).text
-    for outcome in ("suspended", "unconfirmed", "released", "bounded"):
+    for outcome in ("suspended", "unconfirmed", "released", "held"):
         assert metric(metrics, "bulkhead_quarantines_total", replica="a", outcome=outcome) == 1, outcome
+    assert metric(metrics, "bulkhead_replica_state", backend="a", state="held") == 1
+    # Bob's session now lands on b; no lease lapses a hold, so no probe takes it over and nothing brings a back.
+    assert (await decoded(client, gateway_url, "hello", on_a)).status_code == 200
+    await asyncio.sleep(1.0)  # past a suspension's lease: 3 health intervals of 0.2 s
+    assert (await states(client, gateway_url))["a"] == "held"
+    assert len([e for e in await events(client, gateway_url) if e["kind"] == "leak_check"]) == 1
+    released = await client.post(f"{gateway_url}/admin/replicas/a/release", headers=ADMIN_AUTH)
+    assert released.json()["state"] == "healthy"
 
 
 async def test_a_real_leak_while_others_serve_is_suspended_then_confirmed_and_quarantined(

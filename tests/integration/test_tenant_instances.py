@@ -75,6 +75,26 @@ async def test_a_tenant_disabled_on_one_instance_is_refused_on_the_other_within_
     await until(lambda: refused_with(client, there, key, 401), timeout=1.0)
 
 
+async def test_a_tenant_deleted_on_one_instance_leaves_none_of_its_stored_responses_in_redis(
+    client: httpx.AsyncClient, pair: tuple[str, str], redis_url: str
+) -> None:
+    # They would have lived out their 30-day TTL, under an incarnation no tenant can ever be again.
+    here, there = Admin(client, pair[0]), pair[1]
+    tenant_id, _, key = await here.tenant_with_key()
+    body = {"model": MODEL, "input": "Remember the telescope", "max_output_tokens": 2}
+    stored = await client.post(f"{there}/v1/responses", json=body, headers=auth(key))
+    assert stored.status_code == 200, stored.text
+
+    async def kept() -> list[str]:
+        found = [text(name) async for name in redis.scan_iter(match=f"*{tenant_id}@*")]
+        return [name for name in found if "respons" in name or "conversation:" in name]
+
+    async with Redis.from_url(redis_url) as redis:
+        assert len(await kept()) == 5, "two records, the links, the turns and their sizes"
+        assert (await here.call("DELETE", f"/tenants/{tenant_id}")).status_code == 204
+        assert await kept() == []
+
+
 async def test_a_rotation_on_one_instance_overlaps_on_the_other(
     client: httpx.AsyncClient, pair: tuple[str, str]
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from gateway.api.bounds import Bounds, Refusal, answer, ask, checked, quick_coun
 from gateway.api.openai import CONVERSATION
 from gateway.errors import BodyTooLarge, InvalidRequest
 from gateway.metrics import GatewayMetrics
-from gateway.offload import measure
+from gateway.offload import THREAD_IDS, ids_decoder, measure
 from gateway.settings import LimitSettings
 
 BOUNDS = Bounds(values=1000, depth=8, caps={"max_messages": 3, "max_content_parts": 2, "max_tools": 2})
@@ -59,6 +60,20 @@ def test_the_quick_count_is_never_below_the_values_and_the_walk_counts_them_exac
     raw = orjson.dumps(value)
     assert quick_count(raw) >= values_in(value)
     assert measure(value, 1 << 62, 1 << 62) == (values_in(value), depth_of(value))
+
+
+async def test_a_long_run_of_token_ids_is_decoded_off_the_loop() -> None:
+    # A dropped field of an answer can hold a prompt's 200,000 ids: ~35 ms of decoding the guard must not do on the
+    # loop every tenant shares.
+    threads: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        threads.append(threading.get_ident())
+        return str(len(ids))
+
+    decoded = ids_decoder(decode)
+    assert [await decoded([7] * THREAD_IDS), await decoded([7] * 200_000)] == [str(THREAD_IDS), "200000"]
+    assert threads[0] == threading.get_ident() != threads[1]
 
 
 def test_the_walk_stops_at_the_first_level_past_either_limit() -> None:

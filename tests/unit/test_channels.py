@@ -81,11 +81,16 @@ def vllm_chat_body() -> dict[str, Any]:
             "prompt_tokens_details": None}}  # fmt: skip
 
 
-def test_an_answer_that_fits_the_inventory_is_left_untouched() -> None:
+def test_an_answer_that_fits_the_inventory_loses_only_vllms_null_extras_and_reports_nothing() -> None:
     body = vllm_chat_body()
     before = copy.deepcopy(body)
     assert prune(body) == []
+    for level, nulls in ((before, channels.TOP_NULLS), (before["choices"][0], channels.CHOICE_NULLS),
+                         (before["choices"][0]["message"], channels.MESSAGE_NULLS)):  # fmt: skip
+        for name in nulls & level.keys():
+            del level[name]
     assert body == before
+    assert "service_tier" not in body and "token_ids" not in body["choices"][0], "what the SDKs' types do not declare"
 
 
 def test_fields_outside_the_inventory_are_removed_and_handed_over() -> None:
@@ -344,7 +349,11 @@ async def test_a_stop_reason_is_one_of_the_requests_stop_strings(registry: Marke
 async def test_what_pruning_removed_is_scanned_too(registry: MarkerRegistry) -> None:
     marker = registry.marker("bob")
     ids = {marker: [9, 9, 9]}
-    guard, leaks = guard_for(registry, decode=lambda tokens: next(m for m, i in ids.items() if i == tokens))
+
+    async def decode(tokens: list[int]) -> str:
+        return next(m for m, i in ids.items() if i == tokens)
+
+    guard, leaks = guard_for(registry, decode=decode)
     body = vllm_chat_body()
     body["prompt_token_ids"] = [9, 9, 9]
     with pytest.raises(LeakBlocked):

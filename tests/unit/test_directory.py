@@ -430,6 +430,41 @@ async def test_a_change_on_one_instance_reaches_another_at_once(store: Directory
         await asyncio.wait([following])
 
 
+async def test_a_tenant_deleted_on_one_instance_departs_from_every_instance(
+    store: DirectoryStore, clock: Clock
+) -> None:
+    """What each process keeps of a deleted tenant goes: its metric series and what `left` holds (the fair queue's);
+    where it was deleted at once, elsewhere at the upkeep after the message. A tenant merely changed stays."""
+    metrics = {"here": GatewayMetrics(), "there": GatewayMetrics()}
+    settings = TenantDirectorySettings()
+    here, there = (TenantDirectory([], store, settings, metrics[name], clock=clock) for name in ("here", "there"))
+    left: dict[str, list[str]] = {"here": [], "there": []}
+    here.left, there.left = left["here"].append, left["there"].append
+    following = asyncio.create_task(there.follow())
+    await asyncio.sleep(0.2)  # subscribed
+    try:
+        for tenant_id in ("acme", "other"):
+            await with_key(here, tenant_id)
+            for kept in metrics.values():
+                kept.queue_depth.labels("m", tenant_id).set(1)
+                kept.fragment_verdicts.labels(tenant_id, "m", "r", "leak").inc()
+        await here.update_tenant("other", {"enabled": False})
+        await here.delete_tenant("acme")
+        assert left["here"] == ["acme"]
+        deadline = time.monotonic() + 1.0
+        while not left["there"]:
+            assert time.monotonic() < deadline, "the deletion did not reach the other instance within 1 s"
+            await there.upkeep()
+            await asyncio.sleep(0.01)
+        assert left["there"] == ["acme"]
+        for kept in metrics.values():
+            text = kept.render().decode()
+            assert 'tenant="acme"' not in text and 'tenant="other"' in text
+    finally:
+        following.cancel()
+        await asyncio.wait([following])
+
+
 async def test_a_read_that_began_before_a_change_is_not_kept(counting: CountingStore, clock: Clock) -> None:
     directory = directory_over(counting, clock)
     key, secret = await with_key(directory)

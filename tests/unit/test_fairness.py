@@ -17,7 +17,7 @@ from gateway.settings import BackendSettings, ModelSettings, RoutingSettings, Te
 from gateway.store import MemoryStore
 from gateway.tenancy.tenants import hash_key
 from gateway.upstream.backends import Replica, ReplicaPool
-from gateway.upstream.fairness import Gate, RoundRobin, Waiter
+from gateway.upstream.fairness import LIGHT_WINDOW_S, Gate, ModelQueue, RoundRobin, Waiter
 from gateway.upstream.placement import Placement
 from gateway.upstream.routing import Router
 from gateway.upstream.saturation import EngineLoad, LoadMonitor, parse_load
@@ -72,6 +72,17 @@ def test_a_tenant_alone_gets_every_turn_and_keeps_its_order() -> None:
     rr.push(first)
     rr.push(second)
     assert rr.pop() is first and rr.pop() is second and rr.size == 0
+
+
+def test_the_recent_tenants_are_those_of_the_light_window_and_a_deleted_one_is_none() -> None:
+    # Every tenant served was kept as recent until a backlog asked for light tenants: without one, forever.
+    queue = ModelQueue(ModelSettings(name="m", backends=["b"]))
+    for n in range(1000):
+        queue.served(f"t{n}", 1.0, now=float(n))
+    assert len(queue.recent) <= LIGHT_WINDOW_S + 1
+    queue.served("gone", 2.0, now=1000.0)
+    queue.forget("gone")
+    assert "gone" not in queue.recent and not queue.within_share("gone", 2, slots=100)
 
 
 def test_a_late_tenant_goes_first_then_waits_behind_about_its_share_not_the_whole_backlog() -> None:

@@ -12,7 +12,7 @@ from gateway.accesslog import request_id
 from gateway.api.body import parse_json_object
 from gateway.api.workers_shapes import decoded_arguments
 from gateway.errors import AuthenticationFailed, InvalidRequest
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import KEPT_CHILDREN, GatewayMetrics
 from gateway.schemas import ChatCompletionRequest, request_path
 from gateway.server.edge import TickCorkedTransport
 from gateway.settings import SettingsError, TenantSettings, load_settings
@@ -45,6 +45,27 @@ def test_kept_metric_children_count_in_the_exposition_and_follow_a_removal() -> 
     requests.clear()
     requests.labels("m", "chat", 200).inc(3)
     assert 'bulkhead_requests_total{model="m",route="chat",status="200"} 3.0' in metrics.render().decode()
+
+
+def test_kept_metric_children_are_bounded_and_a_tenants_series_are_removed_with_it() -> None:
+    metrics = GatewayMetrics()
+    wait = metrics.queue_wait
+    for n in range(KEPT_CHILDREN + 10):  # tenants that come and go: each a label set
+        wait.labels("m", f"t{n}")
+    assert len(wait._kept) == KEPT_CHILDREN
+    assert wait.labels("m", "t0") is wait.labels("m", "t0"), "a child dropped from the kept ones is kept again"
+    for tenant in ("acme", "other"):
+        metrics.queue_depth.labels("m", tenant).set(2)
+        wait.labels("m", tenant).observe(0.1)
+        metrics.fragment_verdicts.labels(tenant, "m", "r", "leak").inc()
+        metrics.judges.labels(tenant, "m", "suspect").inc()
+    metrics.forget_tenant("acme")
+    text = metrics.render().decode()
+    assert 'tenant="acme"' not in text and text.count('tenant="other"') > 4
+    metrics.fragment_verdicts.labels("acme", "m", "r", "leak").inc()  # made again, it counts from zero, and is read
+    assert 'bulkhead_fragment_verdicts_total{model="m",replica="r",tenant="acme",verdict="leak"} 1.0' in (
+        metrics.render().decode()
+    )
 
 
 def test_depth_limit_counts_levels() -> None:

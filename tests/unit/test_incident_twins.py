@@ -6,25 +6,37 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from contextlib import closing
+from dataclasses import dataclass, field
 
+import httpx
+import orjson
 import pytest
 from redis.asyncio import Redis
 
 from gateway.incidents.incident import (
     PROBE,
     RETENTION,
+    Incident,
     IncidentStore,
     MemoryIncidentStore,
     RedisIncidentStore,
     Sighting,
 )
 from gateway.incidents.ledger import DELIVERED, WITHHELD, Ledger, LedgerWriter, MemoryLedger, RedisLedger, Served
-from gateway.incidents.notices import VICTIM, MemoryNoticeStore, Notice, NoticeStore, RedisNoticeStore
+from gateway.incidents.notices import RECIPIENT, VICTIM, Notice, NoticeStore, notify
+from gateway.metrics import GatewayMetrics
+from gateway.server.stores import Stores, build_stores
+from gateway.settings import Settings
+from gateway.tenancy.lookups import NameLookups
+from gateway.tenancy.webhooks import MemoryRegistrationStore, Registration, SigningKey, TenantWebhooks
+from gateway.webhooks import Deliveries, Message
 from tests.unit.test_twins import TWINS, prefix, redis_for, redis_url
 
 __all__ = ["prefix", "redis_url"]  # fixtures, used by name
 
 RETENTION_S = 3600.0
+METRICS = GatewayMetrics()  # one registry for the module: prometheus names are global
 
 
 @pytest.fixture(params=TWINS)
@@ -298,17 +310,26 @@ async def test_a_window_reaches_the_latest_leak_when_the_replica_came_back(incid
 
 
 @pytest.fixture(params=TWINS)
-async def notices(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[NoticeStore]:
+async def stores(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Stores]:
+    """The gateway's stores, as the lifespan builds them: the notices with the webhook outbox they queue into."""
+    settings = Settings.model_validate(
+        {"isolation": {"ledger": {"retention_s": RETENTION_S}}, "redis_key_prefix": prefix}
+    )
     async with redis_for(request, prefix) as redis:
-        yield MemoryNoticeStore(RETENTION_S) if redis is None else RedisNoticeStore(redis, RETENTION_S, prefix=prefix)
+        yield build_stores(settings, redis)
+
+
+@pytest.fixture
+def notices(stores: Stores) -> NoticeStore:
+    return stores.notices
 
 
 async def test_notices_are_kept_once_per_id_newest_first_within_their_bound(notices: NoticeStore) -> None:
     now = time.time()
     made = [Notice.of("alice", VICTIM, {"incident": "inc_1", "n": n}, now + n, what=n) for n in range(5)]
     for notice in made:
-        assert await notices.add(notice, keep=3)
-    assert not await notices.add(made[-1], keep=3), "the same notice again is none"
+        assert await notices.add(notice, keep=3) == []
+    assert await notices.add(made[-1], keep=3) is None, "the same notice again is none"
     assert [n.id for n in await notices.of("alice", 10)] == [n.id for n in made[:1:-1]]
     assert [n.data["n"] for n in await notices.of("alice", 2)] == [4, 3]
     assert await notices.of("bob", 10) == []
@@ -316,3 +337,74 @@ async def test_notices_are_kept_once_per_id_newest_first_within_their_bound(noti
     old = Notice.of("carol", VICTIM, {"incident": "inc_2"}, now - 2 * RETENTION_S, what=0)
     await notices.add(old, keep=3)
     assert await notices.of("carol", 10) == []
+
+
+def message(n: int, target: str = "tenant:alice") -> Message:
+    now = time.time() + n
+    return Message(Message.new_id(now), target, VICTIM, b'{"n": %d}' % n, now, now)
+
+
+async def test_a_notice_and_its_webhook_message_are_kept_together_once(stores: Stores) -> None:
+    first = Notice.of("alice", VICTIM, {"incident": "inc_1"}, time.time(), what=1)
+    assert await stores.notices.add(first, 10, message(1), max_pending=2) == []
+    assert await stores.notices.add(first, 10, message(2), max_pending=2) is None, "kept already: nothing queued"
+    assert [m.body for m in await stores.outbox.claim(time.time() + 10, 60, 10)] == [b'{"n": 1}']
+    # Its target's bound holds as for any message: the oldest past it is dropped, and said.
+    for n in (3, 4):
+        later = Notice.of("alice", VICTIM, {"incident": f"inc_{n}"}, time.time(), what=n)
+        dropped = await stores.notices.add(later, 10, message(n), max_pending=2)
+    assert [m.body for m in dropped] == [b'{"n": 1}']
+    assert (await stores.outbox.counts())[0] == 2
+
+
+@dataclass
+class Notifying:
+    """What notices.notify reads (NoticeParts), over the stores under test; bob has a webhook."""
+
+    settings: Settings
+    notices: NoticeStore
+    deliveries: Deliveries
+    tenant_webhooks: TenantWebhooks
+    metrics: GatewayMetrics = METRICS
+    ledger: LedgerWriter = field(
+        default_factory=lambda: LedgerWriter(MemoryLedger(RETENTION_S, 10), 10, 1, METRICS.ledger_dropped)
+    )
+
+
+@pytest.fixture
+async def notifying(stores: Stores) -> AsyncIterator[Notifying]:
+    settings = Settings()
+    registrations = MemoryRegistrationStore()
+    await registrations.put("bob", Registration("https://hooks.bob.test/", 1, time.time(), time.time()))
+    with closing(NameLookups()) as lookups:
+        webhooks = TenantWebhooks(registrations, SigningKey(b"k" * 32), settings.isolation.notices, lookups)
+        async with httpx.AsyncClient() as client:
+            deliveries = Deliveries(stores.outbox, webhooks.resolve, client, settings.webhooks, METRICS)
+            yield Notifying(settings, stores.notices, deliveries, webhooks)
+
+
+# bob was sent alice's data: a recipient's notice, for his webhook.
+LEAKED = Incident("inc_1", "a", "m", 1.0, 0.0, PROBE, "r1", answers=frozenset({("r1", "bob", DELIVERED)}))
+
+
+async def test_a_notice_is_sent_to_its_tenants_webhook_once(notifying: Notifying, stores: Stores) -> None:
+    assert await notify(LEAKED, notifying) == 1
+    assert await notify(LEAKED, notifying) == 0, "the same notice again is none"
+    [notice] = await stores.notices.of("bob", 10)
+    [sent] = await stores.outbox.claim(time.time() + 10, 60, 10)
+    assert (sent.target, sent.type, orjson.loads(sent.body)["data"]["id"]) == ("tenant:bob", RECIPIENT, notice.id)
+
+
+@pytest.mark.parametrize("stores", ["redis"], indirect=True)
+async def test_a_notice_whose_message_the_store_refused_is_sent_at_the_next_notify(
+    notifying: Notifying, stores: Stores, prefix: str
+) -> None:
+    # A real failure of the second write: the outbox's messages hash is a string, which Redis refuses to write to.
+    assert stores.redis is not None
+    await stores.redis.set(f"{prefix}webhooks:messages", "not a hash")
+    assert await notify(LEAKED, notifying) == 0
+    await stores.redis.delete(f"{prefix}webhooks:messages")
+    assert await notify(LEAKED, notifying) == 1, "not kept without its message: made again"
+    [notice] = await stores.notices.of("bob", 10)
+    [sent] = await stores.outbox.claim(time.time() + 10, 60, 10)
+    assert orjson.loads(sent.body)["data"]["id"] == notice.id

@@ -20,6 +20,7 @@ from gateway.incidents.notices import MemoryNoticeStore, NoticeStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import QuarantineSettings, Settings
 from gateway.store import MemoryStore
+from gateway.tenancy.lookups import NameLookups
 from gateway.tenancy.webhooks import MemoryRegistrationStore, SigningKey, TenantWebhooks
 from gateway.upstream.backends import ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
@@ -43,9 +44,9 @@ class Instance:
     quarantines: quarantine.QuarantineBudget
     deliveries: Deliveries  # no webhook is configured: nothing is queued
     tenant_webhooks: TenantWebhooks
+    notices: NoticeStore  # with the deliveries' outbox
     ledger: LedgerWriter = field(default_factory=lambda: LedgerWriter(MemoryLedger(3600, 1000), 100, 0.1, Counted()))
     incidents: IncidentStore = field(default_factory=lambda: MemoryIncidentStore(3600))
-    notices: NoticeStore = field(default_factory=lambda: MemoryNoticeStore(3600))
     metrics: GatewayMetrics = METRICS
     events: EventLog = field(default_factory=lambda: MemoryEventLog(100))
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -69,14 +70,16 @@ def instance(store: MemoryStore, probe_time_s: float = 30.0, health_s: float = 5
     for replica in pool.replicas.values():
         replica.healthy = True
     client = httpx.AsyncClient()  # never used: the probe is replaced
+    outbox = MemoryOutbox()
     return Instance(
         settings,
         pool,
         CapacityMonitor(settings.models, settings.backends, pool, METRICS, settings.upstream),
         client,
         quarantine.QuarantineBudget(store, QuarantineSettings()),
-        Deliveries(MemoryOutbox(), settings_resolver(settings.isolation.canary), client, settings.webhooks, METRICS),
-        TenantWebhooks(MemoryRegistrationStore(), SigningKey(b"k" * 32), settings.isolation.notices),
+        Deliveries(outbox, settings_resolver(settings.isolation.canary), client, settings.webhooks, METRICS),
+        TenantWebhooks(MemoryRegistrationStore(), SigningKey(b"k" * 32), settings.isolation.notices, NameLookups()),
+        MemoryNoticeStore(3600, outbox),
     )
 
 

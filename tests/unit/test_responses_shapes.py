@@ -80,7 +80,7 @@ def test_a_checked_answer_becomes_a_response() -> None:
     said = response(answer, asked(metadata={"k": "v"}), "resp_1")
     assert [item["type"] for item in said["output"]] == ["reasoning", "message", "function_call"]
     assert said["output"][2]["call_id"] == "c1" and said["output"][2]["arguments"] == '{"a": 1}'
-    assert said["status"] == "completed" and said["store"] is True and said["metadata"] == {"k": "v"}
+    assert said["status"] == "completed" and said["metadata"] == {"k": "v"}
     assert said["usage"]["total_tokens"] == 10
     cut = response({"choices": [{"finish_reason": "length", "message": {"content": "x"}}]}, asked(), "r")
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}

@@ -4,7 +4,9 @@ and a pinned target delivered with its name as Host and TLS server name."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from contextlib import closing
 
 import httpx
 import pytest
@@ -13,17 +15,20 @@ from redis.exceptions import RedisError
 
 from gateway.metrics import GatewayMetrics
 from gateway.settings import NoticeSettings, WebhookSettings
+from gateway.tenancy.lookups import PER_TENANT, NameLookups
 from gateway.tenancy.webhooks import MemoryRegistrationStore, Registration, SigningKey, TenantWebhooks, UnsafeUrl
 from gateway.webhooks import Deliveries, MemoryOutbox, Target
+from tests.unit.test_lookups import StallingResolver, resolver
 from tests.unit.test_twins import redis_url
 
-__all__ = ["redis_url"]  # a fixture, used by name
+__all__ = ["redis_url", "resolver"]  # fixtures, used by name
 
 KEY = SigningKey(b"the gateway's notice signing key")
+LOOKUPS = NameLookups()  # its threads are made when first used, and end with the process
 
 
 def webhooks(**settings: bool) -> TenantWebhooks:
-    return TenantWebhooks(MemoryRegistrationStore(), KEY, NoticeSettings(**settings))
+    return TenantWebhooks(MemoryRegistrationStore(), KEY, NoticeSettings(**settings), LOOKUPS)
 
 
 @pytest.mark.parametrize(
@@ -72,7 +77,7 @@ def webhooks(**settings: bool) -> TenantWebhooks:
 )
 async def test_urls_the_gateway_will_not_post_to(url: str, why: str) -> None:
     with pytest.raises(UnsafeUrl, match=why):
-        await webhooks().check_url(url)
+        await webhooks().check_url("acme", url)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +90,7 @@ async def test_urls_the_gateway_will_not_post_to(url: str, why: str) -> None:
     ],
 )
 async def test_public_addresses_in_any_form_are_accepted(url: str, addresses: list[str]) -> None:
-    assert await webhooks().check_url(url) == addresses
+    assert await webhooks().check_url("acme", url) == addresses
 
 
 async def test_a_public_address_is_pinned_with_its_name_as_host_and_server_name() -> None:
@@ -103,7 +108,7 @@ async def test_a_public_address_is_pinned_with_its_name_as_host_and_server_name(
 
 async def test_a_delivery_checks_its_url_again_by_the_same_rule() -> None:
     store = MemoryRegistrationStore()
-    registry = TenantWebhooks(store, KEY, NoticeSettings())
+    registry = TenantWebhooks(store, KEY, NoticeSettings(), LOOKUPS)
     now = time.time()
     # As if registered while allowed, or under an older rule: the address is judged again at each attempt.
     await store.put("acme", Registration("https://[::ffff:0:7f00:1]/hook", 1, now, now))
@@ -133,7 +138,7 @@ async def test_the_signing_key_kept_in_redis_is_shared_and_never_invented_while_
         assert await one.get() == await two.get()
         await redis.delete(name)
     async with Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5) as down:
-        registry = TenantWebhooks(MemoryRegistrationStore(), SigningKey(None, down, "k"), NoticeSettings())
+        registry = TenantWebhooks(MemoryRegistrationStore(), SigningKey(None, down, "k"), NoticeSettings(), LOOKUPS)
         with pytest.raises((RedisError, OSError)):
             await registry.register("acme", "https://93.184.216.34/hook", rotate=False)
         assert await registry.registration("acme") is None, "no key, no registration"
@@ -162,3 +167,25 @@ async def test_a_pinned_target_is_delivered_to_its_address_with_its_name() -> No
     assert request.url.host == "93.184.216.34"
     assert request.headers["host"] == "hooks.acme.example"
     assert request.extensions["sni_hostname"] == "hooks.acme.example"
+
+
+async def test_a_delivery_looks_its_host_up_among_its_tenants_lookups_and_waits_while_they_are_held(
+    resolver: StallingResolver,
+) -> None:
+    with closing(NameLookups(resolver)) as lookups:
+        store = MemoryRegistrationStore()
+        registry = TenantWebhooks(store, KEY, NoticeSettings(), lookups)
+        await registry.register("acme", "https://hooks.bob.test/hook", rotate=False)
+        stuck = [asyncio.create_task(registry.check_url("acme", "https://a.stall.test/")) for _ in range(PER_TENANT)]
+        await resolver.stalling(PER_TENANT)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(lambda _: httpx.Response(204))) as client:
+            deliveries = Deliveries(MemoryOutbox(), registry.resolve, client, WebhookSettings(), GatewayMetrics())
+            sent = await deliveries.send("tenant:acme", "test.held", {})
+            [message] = await deliveries.outbox.claim(time.time(), 60, 10)
+            await deliveries.attempt(message)
+            assert await deliveries.outbox.get(sent) is not None, "kept, to be tried again: its target is not gone"
+            resolver.release.set()
+            await asyncio.gather(*stuck, return_exceptions=True)
+            target = await registry.resolve("tenant:acme")
+        assert target is not None and target.url == "https://93.184.216.34/hook"
+        assert (target.host, target.server_name) == ("hooks.bob.test", "hooks.bob.test")

@@ -24,6 +24,7 @@ from gateway.jobs.queue import Claimed, Job, JobQueue, JobStatus, MemoryJobQueue
 from gateway.store import MemoryStore, RedisStore, Store
 from gateway.tenancy.ratelimit import Buckets, MemoryBuckets, Quota, RedisBuckets, Verdict
 from isolation.events import EventLog, IsolationEvent, MemoryEventLog, RedisEventLog
+from isolation.redis_text import text
 from tests.redis_server import redis_server
 
 TWINS = ["memory", "redis"]
@@ -679,6 +680,24 @@ async def test_a_suspension_never_takes_a_models_last_free_replica_and_is_held_u
     assert mine(await store.admin_states(), prefix) == {b: "quarantined", c: "draining"}
 
 
+async def test_a_held_replica_is_out_for_an_operator_never_taken_by_a_lapse_nor_the_last_free_one(
+    store: Store, prefix: str
+) -> None:
+    a, b, c = f"{prefix}a", f"{prefix}b", f"{prefix}c"
+    now = time.time()
+    assert await store.suspend(a, [b, c], None, "held")
+    assert not await store.suspend(a, [b, c], now + 60), "held already"
+    assert await store.suspend(b, [a, c], now + 60)
+    assert not await store.suspend(c, [a, b], None, "held"), "the model's last free replica"
+    assert mine(await store.admin_states(), prefix) == {a: "held", b: "suspended"}
+    # No prober holds it: no lapse hands it to one, no renewal holds it, no probe's release ends it.
+    assert [n for n in await store.take_lapsed(now + 3600, now + 3660) if n.startswith(prefix)] == [b]
+    assert not await store.renew(a, now + 60)
+    assert not await store.end_suspension(a)
+    await store.set_admin_state(a, None)  # the operator's release
+    assert mine(await store.admin_states(), prefix) == {b: "suspended"}
+
+
 async def test_failures_are_counted_per_replica(store: Store, prefix: str) -> None:
     a, b = f"{prefix}a", f"{prefix}b"
     for replica in (a, b, a, a):
@@ -807,6 +826,37 @@ async def test_past_its_bound_an_owner_loses_its_oldest_turns_and_no_one_elses(
     assert await store.delete("alice", "r4")
     await store.save("alice", turn("r5", text="x" * 100))
     assert [await store.load("alice", name) is not None for name in ("r2", "r3", "r5")] == [True, True, True]
+
+
+async def test_an_idle_owners_expired_turns_leave_the_store_without_it_saving_again(
+    make_conversations: ConversationsFactory,
+) -> None:
+    # Swept once any owner calls (memory) or expired by Redis: an idle or deleted tenant keeps nothing past the TTL.
+    store = make_conversations(ttl_s=SHORTEST_TTL_S)
+    for i in range(3):
+        await store.save("alice", turn(f"r{i}", text="x" * 100))
+    assert await store.held("alice") > 300
+    await outlive(SHORTEST_TTL_S)
+    await store.save("bob", turn("b0"))
+    assert await store.held("alice") == 0 and await store.held("bob") > 0
+
+
+async def test_a_deleted_owners_turns_are_all_gone_and_no_one_elses(
+    make_conversations: ConversationsFactory, prefix: str, request: pytest.FixtureRequest
+) -> None:
+    store = make_conversations()
+    for i in range(1200):  # more than one of the Redis twin's batches
+        await store.save("alice@1.5", turn(f"r{i}", parent=f"r{i - 1}" if i else ""))
+    await store.save("bob@2.5", turn("b0"))
+    await store.delete_owner("alice@1.5")
+    assert await store.held("alice@1.5") == 0 and await store.load("alice@1.5", "r1199") is None
+    assert await store.conversation("alice@1.5", "r1199", 2000) is None
+    assert await store.load("bob@2.5", "b0") is not None
+    await store.delete_owner("nobody@3.5")  # nothing to drop is no error
+    if request.node.callspec.params["make_conversations"] == "redis":
+        async with Redis.from_url(request.getfixturevalue("redis_url")) as redis:
+            left = [text(key) async for key in redis.scan_iter(match=f"{prefix}*")]
+        assert left and not [key for key in left if "alice" in key], left
 
 
 async def test_a_turn_larger_than_the_bound_is_still_kept_alone(make_conversations: ConversationsFactory) -> None:

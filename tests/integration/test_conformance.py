@@ -1,0 +1,172 @@
+"""Every answer body and stream event of the three APIs, the gateway's and the simulator's alike, is what the official
+SDKs' types say (issue 46, part 5): validated by the `openai` and `anthropic` packages' own models, strictly — a
+required field missing fails validation, and a field the type does not declare (the SDKs keep such fields as extras)
+fails the test, at any depth. A client built on the SDK types must never meet a shape they do not describe."""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Iterator
+from typing import Any, Literal, Union, get_args, get_origin
+
+import anthropic.types
+import httpx
+import openai.types
+import openai.types.chat
+import openai.types.responses
+import orjson
+import pytest
+from pydantic import BaseModel, TypeAdapter
+
+from tests.integration.support import MODEL, auth, chat_body
+
+WHERE = ["gateway", "sim"]
+MESSAGES = [{"role": "user", "content": "Hello there, tell me something."}]
+# vLLM's own fields that the gateway passes on, documented in docs/api.md ("Beyond OpenAI's fields"): a reasoning
+# model's text, the stop string or token that ended a choice, a model's context window. Clients built for vLLM read
+# them; nothing else outside the SDKs' types reaches a client.
+EXTENSIONS = frozenset({"reasoning", "reasoning_content", "stop_reason", "max_model_len"})
+# What vLLM 0.32 adds on top, which the simulator mirrors (and the gateway takes out: isolation/channels.py).
+VLLM_EXTRAS = EXTENSIONS | {
+    "prompt_logprobs", "prompt_token_ids", "kv_transfer_params", "ec_transfer_params", "token_ids", "service_tier",
+    "presence_penalty", "frequency_penalty", "input_messages", "output_messages", "input_tokens_per_turn",
+    "cached_tokens_per_turn", "output_tokens_per_turn", "tool_output_tokens", "tool_output_tokens_per_turn",
+    "context_management", "phase", "root", "parent", "permission",
+}  # fmt: skip
+
+
+def unknown(value: Any, path: str = "") -> Iterator[str]:
+    """The paths of every field the SDK's types did not declare (kept as a model's extras), at any depth."""
+    if isinstance(value, BaseModel):
+        for name in value.model_extra or {}:
+            yield f"{path}.{name}"
+        for name in type(value).model_fields:
+            yield from unknown(getattr(value, name), f"{path}.{name}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from unknown(item, f"{path}[{index}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from unknown(item, f"{path}.{key}")
+
+
+def conforms(kind: Any, data: dict[str, Any], beyond: frozenset[str]) -> BaseModel:
+    """`data` validated as the SDK type `kind`; every field it does not declare must be one of `beyond`."""
+    value = TypeAdapter(kind).validate_python(data)
+    assert isinstance(value, BaseModel)
+    extra = [path for path in unknown(value) if path.rpartition(".")[2] not in beyond]
+    assert extra == [], f"{kind.__name__}: fields the spec does not have in {data}"
+    return value
+
+
+def by_type(union: Any) -> dict[str, type[BaseModel]]:
+    """A stream event union's members by their `type` literal: each event is checked against the one it names (a
+    plain union would let a lenient member of another type accept it)."""
+    members: dict[str, type[BaseModel]] = {}
+    while get_origin(union) is typing.Annotated:
+        union = get_args(union)[0]
+    assert get_origin(union) in (Union, types.UnionType)
+    for member in get_args(union):
+        annotation = member.model_fields["type"].annotation
+        assert get_origin(annotation) is Literal
+        for name in get_args(annotation):
+            members[name] = member
+    return members
+
+
+RESPONSE_EVENTS = by_type(openai.types.responses.ResponseStreamEvent)
+MESSAGE_EVENTS = by_type(anthropic.types.RawMessageStreamEvent)
+
+
+def events(body: bytes) -> list[dict[str, Any]]:
+    """The JSON of each SSE event's data, `[DONE]` left out."""
+    found = []
+    for block in body.decode().split("\n\n"):
+        data = "".join(line[5:].lstrip() for line in block.splitlines() if line.startswith("data:"))
+        if data and data != "[DONE]":
+            found.append(orjson.loads(data))
+    return found
+
+
+Base = tuple[str, dict[str, str], frozenset[str]]
+
+
+@pytest.fixture
+def base(request: pytest.FixtureRequest, make_gateway: Any, sim_url: str) -> Base:
+    """Where answers come from, the headers it wants, and the fields it may add to the SDKs' types: the gateway (a
+    tenant's key) or the simulator alone, which answers as vLLM does."""
+    if request.param == "sim":
+        return sim_url, {}, frozenset(VLLM_EXTRAS)
+    return make_gateway({"sim": sim_url}), auth(), EXTENSIONS
+
+
+def post(client: httpx.Client, base: Base, path: str, body: dict[str, Any]) -> httpx.Response:
+    url, headers, _ = base
+    response = client.post(f"{url}{path}", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    return response
+
+
+@pytest.fixture
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=30) as client:
+        yield client
+
+
+@pytest.mark.parametrize("base", WHERE, indirect=True)
+def test_chat_completions_and_their_chunks_conform(client: httpx.Client, base: Base) -> None:
+    body = chat_body(max_tokens=12, n=2, logprobs=True, top_logprobs=2, seed=7)
+    answer = conforms(
+        openai.types.chat.ChatCompletion, post(client, base, "/v1/chat/completions", body).json(), base[2]
+    )
+    assert isinstance(answer, openai.types.chat.ChatCompletion) and len(answer.choices) == 2
+    streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
+    chunks = events(post(client, base, "/v1/chat/completions", streamed).content)
+    for chunk in chunks:
+        conforms(openai.types.chat.ChatCompletionChunk, chunk, base[2])
+    assert chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+@pytest.mark.parametrize("base", WHERE, indirect=True)
+def test_completions_and_their_chunks_conform(client: httpx.Client, base: Base) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "logprobs": 2}
+    conforms(openai.types.Completion, post(client, base, "/v1/completions", body).json(), base[2])
+    streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
+    for chunk in events(post(client, base, "/v1/completions", streamed).content):
+        # OpenAI's own streams send a null finish_reason until the last chunk, which the SDK's type (shared by the
+        # whole answer and its chunks) cannot say: read as the whole answer's.
+        for choice in chunk["choices"]:
+            choice["finish_reason"] = choice["finish_reason"] or "length"
+        conforms(openai.types.Completion, chunk, base[2])
+
+
+@pytest.mark.parametrize("base", WHERE, indirect=True)
+def test_responses_and_their_events_conform(client: httpx.Client, base: Base) -> None:
+    body = {"model": MODEL, "input": "Tell me something.", "max_output_tokens": 16, "instructions": "Be brief."}
+    conforms(openai.types.responses.Response, post(client, base, "/v1/responses", body).json(), base[2])
+    streamed = events(post(client, base, "/v1/responses", body | {"stream": True}).content)
+    assert streamed[-1]["type"] in ("response.completed", "response.incomplete")
+    for event in streamed:
+        conforms(RESPONSE_EVENTS[event["type"]], event, base[2])
+
+
+@pytest.mark.parametrize("base", WHERE, indirect=True)
+def test_messages_and_their_events_conform(client: httpx.Client, base: Base) -> None:
+    body = {"model": MODEL, "max_tokens": 16, "system": "Be brief.", "messages": MESSAGES}
+    conforms(anthropic.types.Message, post(client, base, "/v1/messages", body).json(), base[2])
+    streamed = events(post(client, base, "/v1/messages", body | {"stream": True}).content)
+    assert [event["type"] for event in streamed][-1] == "message_stop"
+    for event in streamed:
+        conforms(MESSAGE_EVENTS[event["type"]], event, base[2])
+    counted = post(client, base, "/v1/messages/count_tokens", {"model": MODEL, "messages": MESSAGES}).json()
+    conforms(anthropic.types.MessageTokensCount, counted, base[2])
+
+
+@pytest.mark.parametrize("base", WHERE, indirect=True)
+def test_the_model_list_conforms(client: httpx.Client, base: Base) -> None:
+    url, headers, _ = base
+    listed = client.get(f"{url}/v1/models", headers=headers).json()
+    assert set(listed) == {"object", "data"} and listed["object"] == "list"
+    for model in listed["data"]:
+        conforms(openai.types.Model, model, base[2])
