@@ -301,6 +301,13 @@ class GatewayMetrics:
             "Exposure ledger records lost: the store could not take them and the buffer was full.",
             registry=self.registry,
         )
+        self.task_crashes = Counter(
+            "bulkhead_task_crashes",
+            "Background tasks that failed, by name: a long-lived one that crashed (started again after a pause) or "
+            "one-shot work (a probe, a notice, a settlement) that raised.",
+            ["task"],
+            registry=self.registry,
+        )
         self.isolation_events = Counter(
             "bulkhead_isolation_events",
             "Answers withheld because they could not be shown safe, by kind (usage_mismatch, leak).",

@@ -281,7 +281,10 @@ class RedisFingerprintFeed:
             start = f"({last}"  # exclusive: the next page after the last entry read
 
     async def follow(self, index: FingerprintIndex, last: str) -> None:
-        """Add every other instance's prompts to the index as they come, from `last` on, until cancelled."""
+        """Add every other instance's prompts to the index as they come, from `last` on (or from where an earlier
+        follow read to, when that is further: a follow started again after a crash), until cancelled."""
+        if self._read_to > stream_position(last):
+            last = f"{self._read_to[0]}-{self._read_to[1]}"
         task = asyncio.current_task()
         while True:
             # redis-py can swallow the cancellation of a blocked read (answering nothing, or a connection error): the

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from gateway.jobs.queue import JobQueue
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.counting import PromptCounter
 from gateway.settings import Settings
+from gateway.supervisor import Supervisor
 from gateway.tenancy.auditlog import AuditLog
 from gateway.tenancy.ratelimit import RateLimiter
 from gateway.tenancy.tenants import TenantDirectory
@@ -70,17 +70,15 @@ class GatewayState:
     tenant_webhooks: TenantWebhooks  # where each tenant's notices go
     deliveries: Deliveries  # webhook notices: the operators' and tenants'
     bodies: BodyReader  # request bodies, read and bounded (worker processes check the large ones)
+    tasks: Supervisor  # every background task: the lifespan's and the requests' one-shot work
     fingerprints: Fingerprinter | None = None
     redis: Redis | None = None
     # Per-instance concurrency per tenant; a shared budget across instances is the rate limiter's job.
     tenant_in_flight: Counter[str] = field(default_factory=Counter)
-    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def background(self, work: Coroutine[Any, Any, Any]) -> None:
-        """Run work that must not delay the answer (a probe), keeping a reference until it ends."""
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """Run work that must not delay the answer (a probe): supervised, drained or cancelled at shutdown."""
+        self.tasks.spawn(work)
 
 
 def state_of(request: Request) -> GatewayState:

@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge
@@ -54,10 +55,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.pipeline.counting import BackendCounter, LocalCounter, PromptCounter
 from gateway.server import readiness
 from gateway.server.openapi import openapi_document
-from gateway.server.shutdown import stop_tasks
 from gateway.server.stores import build_stores
 from gateway.settings import Settings, SettingsError
 from gateway.store import shared_key
+from gateway.supervisor import Supervisor
 from gateway.tenancy.lookups import GetAddrInfo, NameLookups
 from gateway.tenancy.ratelimit import RateLimiter
 from gateway.tenancy.tenants import TenantDirectory
@@ -80,6 +81,9 @@ from isolation.winnowing import Hasher, Shape
 log = logging.getLogger("bulkhead")
 
 SHUTDOWN_WAIT_S = 5.0
+# One-shot work's time to end at shutdown: a settlement, a report or a notice is a Redis round trip or two. A probe
+# cut short is taken over by another instance once its hold lapses (quarantine.take_over): not waited for.
+WORK_GRACE_S = 1.0
 
 
 async def write_last(writer: LedgerWriter) -> None:
@@ -355,7 +359,6 @@ def make_fingerprinter(
 
 async def sweep_fingerprints(fingerprinter: Fingerprinter, metrics: GatewayMetrics) -> None:
     """Forget expired fingerprints every 30 s."""
-    metrics.track(metrics.fingerprints, lambda: len(fingerprinter.index))
     while True:
         fingerprinter.index.sweep(time.time())
         metrics.refresh()
@@ -401,6 +404,39 @@ def warn_short_grace(settings: Settings) -> None:
         )
 
 
+def keep_tasks(state: GatewayState, instance: str, workers: int) -> None:
+    """The lifespan's long-lived tasks, each under the supervisor (`state.tasks`) by name; those whose absence
+    breaks a defence say what breaks, and /readyz is not ready while one is down."""
+    settings, tasks, client = state.settings, state.tasks, state.client
+    upstream, timeout = settings.upstream, settings.upstream.connect_timeout_s
+    interval = upstream.health_interval_s
+    tasks.keep("replica-health", partial(state.pool.watch, client, interval, timeout))
+    tasks.keep("capacity", partial(state.capacity.watch, client, upstream.capacity_refresh_s, timeout))
+    tasks.keep("load", partial(state.load.watch, client, upstream.load_interval_s, timeout))
+    tasks.keep("canary-rotation", partial(rotate_markers, state.markers, state.metrics))
+    tasks.keep(
+        "tenant-listener",
+        state.tenants.follow,
+        breaks="a key revoked or a tenant changed on another instance is heard only at the next resync",
+    )
+    tasks.keep("tenant-upkeep", state.tenants.keep_up)
+    tasks.keep("verdict-blocks", partial(state.verdicts.watch, interval))
+    tasks.keep(
+        "ledger-writer",
+        state.ledger.run,
+        breaks="what replicas served is not written to the exposure ledger (held, then dropped, meanwhile)",
+    )
+    tasks.keep("incident-gauges", partial(tracking.watch, state, interval))
+    tasks.keep("suspension-takeover", partial(quarantine.take_over, state))
+    tasks.keep("webhook-deliveries", state.deliveries.run)
+    if state.redis is not None and state.metrics.redis_up is not None:
+        tasks.keep("redis-ping", partial(watch_redis, state.redis, state.metrics.redis_up, interval))
+    if settings.isolation.prober.enabled:
+        tasks.keep("prober", partial(run_prober, state))
+    for n in range(workers):
+        tasks.keep(f"queue-worker-{n}", partial(work, state, state.queue, f"{instance}-{n}"))
+
+
 def create_app(
     settings: Settings, workers: int | None = None, *, getaddrinfo: GetAddrInfo = socket.getaddrinfo
 ) -> Starlette:
@@ -413,144 +449,129 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        redis = make_redis(settings)
-        stores = build_stores(settings, redis)
-        metrics = GatewayMetrics(with_redis=redis is not None)
-        tenants = TenantDirectory(settings.tenants, stores.directory, settings.tenant_directory, metrics)
-        try:
-            await tenants.start()
-        except SettingsError:  # said in one line by BadSettingsAtStart
+        # What start-up opens is closed by this stack in reverse, whether a later step of the start fails or the app
+        # stops: the supervisor's tasks first (drained, then cancelled), then what they use (the ledger's last
+        # records, the HTTP clients, the executor, the Redis pool).
+        async with contextlib.AsyncExitStack() as stack:
+            redis = make_redis(settings)
             if redis is not None:
-                await redis.aclose()
-            raise
-        fingerprinting = settings.isolation.fingerprints
-        verdicts = VerdictBound(stores.store, fingerprinting.max_verdicts_per_day, fingerprinting.max_judges_per_day)
-        pool = ReplicaPool(settings.backends, metrics, stores.store)
-        capacity = CapacityMonitor(settings.models, settings.backends, pool, metrics, settings.upstream)
-        timeout = settings.upstream.connect_timeout_s
-        with (
-            ThreadPoolExecutor(settings.admission.tokenizer_threads, "bulkhead-tokens") as executor,
-            contextlib.closing(NameLookups(getaddrinfo)) as lookups,
-        ):
-            async with make_client(settings.upstream) as client, make_session(settings.upstream) as session:
-                upstream = Upstream(session, settings.upstream, pool, metrics)
-                await pool.refresh(client, timeout)
-                warn_unreachable(pool)
-                warn_short_grace(settings)
-                keys = canary_keys(settings)
-                markers = await marker_registry(settings, keys, stores.markers, metrics, tokenizers)
-                tenants.joined = markers.publish_tenants
-                instance = f"{socket.gethostname()}-{os.getpid()}"
-                # Random too: several apps can run in one process (tests, the demo), and must not skip each other.
-                feed_name = f"{instance}-{secrets.token_hex(4)}"
-                fingerprints_on = settings.isolation.fingerprints.enabled
-                secret = await fingerprint_key(settings, keys[0], redis) if fingerprints_on else b""
-                fingerprinter = make_fingerprinter(settings, secret, stores.fingerprint_feed(feed_name), executor)
-                feed_ready = None
-                if fingerprinter is not None and fingerprinter.feed is not None:
-                    try:
-                        feed_ready = await fingerprinter.feed.catch_up(fingerprinter.index)
-                    except (RedisError, OSError) as exc:
-                        log.warning("fingerprints of other instances not read at start: %s", type(exc).__name__)
-                await capacity.refresh_all(client, timeout)
-                router = Router(pool, metrics, settings.routing, random.Random())
-                load = LoadMonitor(settings.backends, pool, metrics)
-
-                def recovered(replica: Replica) -> None:
-                    # Back from down, perhaps a new engine: other capacity, other slots.
-                    capacity.refresh_soon(client, replica, timeout)
-                    load.restarted(replica)
-
-                pool.on_recovered = recovered
-                kept = settings.isolation.ledger
-                writer = LedgerWriter(stores.ledger, kept.max_buffered, kept.flush_interval_s, metrics.ledger_dropped)
-                signing_key = notice_signing_key(settings, redis)
-                tenant_webhooks = TenantWebhooks(stores.registrations, signing_key, settings.isolation.notices, lookups)
-                deliveries = Deliveries(
-                    stores.outbox, either(targets, tenant_webhooks.resolve), client, settings.webhooks, metrics
-                )
-                in_flight: Counter[str] = Counter()  # what each tenant holds here: Slot counts it, the gate reads it
-                bodies = BodyReader(settings.limits, settings.edge.body_timeout_s, metrics)
-                app.state.gateway = GatewayState(
-                    settings=settings,
-                    tenants=tenants,
-                    pool=pool,
-                    upstream=upstream,
-                    metrics=metrics,
-                    capacity=capacity,
-                    counters=build_counters(settings, tokenizers, pool, upstream, executor),
-                    events=stores.events,
-                    router=router,
-                    load=load,
-                    gate=Gate(pool, load, metrics, in_flight),
-                    tenant_in_flight=in_flight,
-                    salts=CacheSalts(salt_secret(settings)),
-                    markers=markers,
-                    queue=stores.queue,
-                    limiter=RateLimiter(
-                        stores.buckets,
-                        fail_open=settings.rate_limits.on_store_failure == "fail_open",
-                        metrics=metrics,
-                    ),
-                    redis=redis,
-                    client=client,
-                    fingerprints=fingerprinter,
-                    quarantines=QuarantineBudget(stores.store, settings.isolation.quarantine),
-                    verdicts=verdicts,
-                    audit=stores.audit,
-                    conversations=stores.conversations,
-                    ledger=writer,
-                    incidents=stores.incidents,
-                    deliveries=deliveries,
-                    notices=stores.notices,
-                    tenant_webhooks=tenant_webhooks,
-                    bodies=bodies,
-                )
-                tenants.left = app.state.gateway.gate.forget
-                tasks = [
-                    asyncio.create_task(pool.watch(client, settings.upstream.health_interval_s, timeout)),
-                    asyncio.create_task(capacity.watch(client, settings.upstream.capacity_refresh_s, timeout)),
-                    asyncio.create_task(load.watch(client, settings.upstream.load_interval_s, timeout)),
-                    asyncio.create_task(rotate_markers(markers, metrics)),
-                    asyncio.create_task(tenants.follow()),
-                    asyncio.create_task(tenants.keep_up()),
-                    asyncio.create_task(verdicts.watch(settings.upstream.health_interval_s)),
-                    asyncio.create_task(writer.run()),
-                    asyncio.create_task(tracking.watch(app.state.gateway, settings.upstream.health_interval_s)),
-                    asyncio.create_task(quarantine.take_over(app.state.gateway)),
-                    asyncio.create_task(deliveries.run()),
-                ]
-                if redis is not None and metrics.redis_up is not None:
-                    interval = settings.upstream.health_interval_s
-                    tasks.append(asyncio.create_task(watch_redis(redis, metrics.redis_up, interval)))
-                state = app.state.gateway
-                if settings.isolation.prober.enabled:
-                    tasks.append(asyncio.create_task(run_prober(state)))
-                if fingerprinter is not None:
-                    tasks.append(asyncio.create_task(sweep_fingerprints(fingerprinter, metrics)))
-                if fingerprinter is not None and fingerprinter.feed is not None:
-                    # The other instances' prompts as they come, from where the start read the stream to; when it
-                    # could not, from the last ttl_s: answers wait on it.
-                    start = feed_ready or f"{int((time.time() - fingerprinter.index.ttl_s) * 1000)}-0"
-                    tasks.append(asyncio.create_task(fingerprinter.feed.follow(fingerprinter.index, start)))
-                tasks += [asyncio.create_task(work(state, state.queue, f"{instance}-{n}")) for n in range(workers)]
-                # What start-up built (modules, the tokenizer, settings, tables) lives as long as the process: frozen
-                # out of the collector's sight, a full collection stops walking it, which took ~40 ms a time under
-                # load (a p99 spike for every request in flight then). Thawed at shutdown (the whole process's
-                # frozen objects, not only this app's), so that an app made and dropped in a longer-lived process
-                # (tests, the demo) does not keep its start-up's cycles out of the collector's reach for good.
-                gc.collect()
-                gc.freeze()
+                stack.push_async_callback(redis.aclose)
+            stores = build_stores(settings, redis)
+            metrics = GatewayMetrics(with_redis=redis is not None)
+            stack.callback(metrics.close)
+            tenants = TenantDirectory(settings.tenants, stores.directory, settings.tenant_directory, metrics)
+            await tenants.start()  # a SettingsError is said in one line by BadSettingsAtStart
+            fingerprinting = settings.isolation.fingerprints
+            verdicts = VerdictBound(
+                stores.store, fingerprinting.max_verdicts_per_day, fingerprinting.max_judges_per_day
+            )
+            pool = ReplicaPool(settings.backends, metrics, stores.store)
+            capacity = CapacityMonitor(settings.models, settings.backends, pool, metrics, settings.upstream)
+            timeout = settings.upstream.connect_timeout_s
+            executor = stack.enter_context(ThreadPoolExecutor(settings.admission.tokenizer_threads, "bulkhead-tokens"))
+            lookups = stack.enter_context(contextlib.closing(NameLookups(getaddrinfo)))
+            client = await stack.enter_async_context(make_client(settings.upstream))
+            session = await stack.enter_async_context(make_session(settings.upstream))
+            upstream = Upstream(session, settings.upstream, pool, metrics)
+            await pool.refresh(client, timeout)
+            warn_unreachable(pool)
+            warn_short_grace(settings)
+            keys = canary_keys(settings)
+            markers = await marker_registry(settings, keys, stores.markers, metrics, tokenizers)
+            tenants.joined = markers.publish_tenants
+            instance = f"{socket.gethostname()}-{os.getpid()}"
+            # Random too: several apps can run in one process (tests, the demo), and must not skip each other.
+            feed_name = f"{instance}-{secrets.token_hex(4)}"
+            secret = await fingerprint_key(settings, keys[0], redis) if fingerprinting.enabled else b""
+            fingerprinter = make_fingerprinter(settings, secret, stores.fingerprint_feed(feed_name), executor)
+            feed_ready = None
+            if fingerprinter is not None and fingerprinter.feed is not None:
                 try:
-                    yield
-                finally:
-                    gc.unfreeze()
-                    await stop_tasks(tasks, SHUTDOWN_WAIT_S)
-                    await bodies.close()
-                    await write_last(writer)
-                    if redis is not None:
-                        await redis.aclose()
-                    metrics.close()
+                    feed_ready = await fingerprinter.feed.catch_up(fingerprinter.index)
+                except (RedisError, OSError) as exc:
+                    log.warning("fingerprints of other instances not read at start: %s", type(exc).__name__)
+            await capacity.refresh_all(client, timeout)
+            router = Router(pool, metrics, settings.routing, random.Random())
+            load = LoadMonitor(settings.backends, pool, metrics)
+
+            def recovered(replica: Replica) -> None:
+                # Back from down, perhaps a new engine: other capacity, other slots.
+                capacity.refresh_soon(client, replica, timeout)
+                load.restarted(replica)
+
+            pool.on_recovered = recovered
+            kept = settings.isolation.ledger
+            writer = LedgerWriter(stores.ledger, kept.max_buffered, kept.flush_interval_s, metrics.ledger_dropped)
+            stack.push_async_callback(write_last, writer)
+            signing_key = notice_signing_key(settings, redis)
+            tenant_webhooks = TenantWebhooks(stores.registrations, signing_key, settings.isolation.notices, lookups)
+            deliveries = Deliveries(
+                stores.outbox, either(targets, tenant_webhooks.resolve), client, settings.webhooks, metrics
+            )
+            in_flight: Counter[str] = Counter()  # what each tenant holds here: Slot counts it, the gate reads it
+            bodies = BodyReader(settings.limits, settings.edge.body_timeout_s, metrics)
+            stack.push_async_callback(bodies.close)
+            tasks = Supervisor(metrics.task_crashes)
+            stack.push_async_callback(tasks.stop, WORK_GRACE_S, SHUTDOWN_WAIT_S)
+            app.state.gateway = state = GatewayState(
+                settings=settings,
+                tenants=tenants,
+                pool=pool,
+                upstream=upstream,
+                metrics=metrics,
+                capacity=capacity,
+                counters=build_counters(settings, tokenizers, pool, upstream, executor),
+                events=stores.events,
+                router=router,
+                load=load,
+                gate=Gate(pool, load, metrics, in_flight),
+                tenant_in_flight=in_flight,
+                salts=CacheSalts(salt_secret(settings)),
+                markers=markers,
+                queue=stores.queue,
+                limiter=RateLimiter(
+                    stores.buckets,
+                    fail_open=settings.rate_limits.on_store_failure == "fail_open",
+                    metrics=metrics,
+                ),
+                redis=redis,
+                client=client,
+                fingerprints=fingerprinter,
+                quarantines=QuarantineBudget(stores.store, settings.isolation.quarantine),
+                verdicts=verdicts,
+                audit=stores.audit,
+                conversations=stores.conversations,
+                ledger=writer,
+                incidents=stores.incidents,
+                deliveries=deliveries,
+                notices=stores.notices,
+                tenant_webhooks=tenant_webhooks,
+                bodies=bodies,
+                tasks=tasks,
+            )
+            tenants.left = state.gate.forget
+            keep_tasks(state, instance, workers)
+            if fingerprinter is not None:
+                metrics.track(metrics.fingerprints, lambda: len(fingerprinter.index))
+                tasks.keep("fingerprint-sweep", partial(sweep_fingerprints, fingerprinter, metrics))
+            if fingerprinter is not None and fingerprinter.feed is not None:
+                # The other instances' prompts as they come, from where the start read the stream to; when it could
+                # not, from the last ttl_s: answers wait on it.
+                start = feed_ready or f"{int((time.time() - fingerprinter.index.ttl_s) * 1000)}-0"
+                tasks.keep(
+                    "fingerprint-follower",
+                    partial(fingerprinter.feed.follow, fingerprinter.index, start),
+                    breaks="answers wait for it and are withheld (fingerprint_feed_lag)",
+                )
+            # What start-up built (modules, the tokenizer, settings, tables) lives as long as the process: frozen out
+            # of the collector's sight, a full collection stops walking it, which took ~40 ms a time under load (a
+            # p99 spike for every request in flight then). Thawed at shutdown (the whole process's frozen objects,
+            # not only this app's), so that an app made and dropped in a longer-lived process (tests, the demo) does
+            # not keep its start-up's cycles out of the collector's reach for good.
+            gc.collect()
+            gc.freeze()
+            stack.callback(gc.unfreeze)
+            yield
 
     app = Starlette(
         routes=[

@@ -1,7 +1,9 @@
 """What `/readyz` answers: whether this instance can take traffic now, and what about it is degraded.
 
-Not ready (503) only when sending this instance a request is pointless: no backend is routable, or Redis is
-unreachable while something configured cannot work without it. Everything else is served with Redis down, so the
+Not ready (503) only when sending this instance a request is pointless or unsafe: no backend is routable, Redis is
+unreachable while something configured cannot work without it, or a background task a defence needs (the fingerprint
+feed follower, the ledger writer, the tenant listener) is down after a crash until its supervisor has started it
+again. Any other background task down is degraded. Everything else is served with Redis down, so the
 instance stays in rotation and says what is degraded; one Redis restart must not take every gateway out at once.
 A disaggregated backend's stage whose capacity cannot be read is degraded too, with what its limit does meanwhile
 (upstream.on_stage_unread).
@@ -106,8 +108,19 @@ async def _redis(state: GatewayState, readiness: Readiness) -> None:
         )
 
 
+def _tasks(state: GatewayState, readiness: Readiness) -> None:
+    for name, breaks in state.tasks.down():
+        readiness.degraded.append(f"task:{name}")
+        down = f"background task {name} is down after a crash (starting again)"
+        if breaks is None:
+            readiness.problems.append(down)
+        else:
+            readiness.blocking.append(f"{down}: {breaks}")
+
+
 async def check(state: GatewayState) -> Readiness:
     readiness = Readiness()
     _backends(state, readiness)
+    _tasks(state, readiness)
     await _redis(state, readiness)
     return readiness

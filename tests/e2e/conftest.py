@@ -24,7 +24,7 @@ from gateway.server.app import create_app
 from gateway.server.serving import free_port, run_server
 from isolation.sim.tinymodel import build_model
 from tests.e2e.vllm_env import find_python, venv_dir
-from tests.integration.support import MODEL, gateway_settings
+from tests.integration.support import MODEL, gateway_settings, metric
 
 REQUIRED_VARIABLE = "VLLM_E2E_REQUIRED"
 HEALTH_TIMEOUT_S = 180.0  # ~25 s seen alone on 2 cores; a second server starting beside a busy one takes longer
@@ -209,16 +209,23 @@ def vllm(make_vllm: VllmFactory) -> VllmServer:
 @pytest.fixture(scope="package")
 def make_e2e_gateway(model_dir: Path) -> Iterator[GatewayFactory]:
     """`make_e2e_gateway({"vllm": url}, **overrides)`: a gateway over those backends, counting with the model's
-    own tokenizer; returns its URL once it has discovered the backends' limits."""
+    own tokenizer; returns its URL once it has discovered the backends' limits. Against a real vLLM no request of the
+    whole package may make a usage_mismatch: each gateway is asked, before it stops, that it recorded none (a
+    mismatch there is the gateway's own count differing from vLLM's, a false isolation event)."""
+    started: list[str] = []
     with ExitStack() as stack:
 
         def start(urls: dict[str, str], **overrides: Any) -> str:
             settings = gateway_settings(urls, model_dir, **overrides)
             url: str = stack.enter_context(run_server(create_app(settings)))
             _wait_for_capacity(url, urls)
+            started.append(url)
             return url
 
         yield start
+        for url in started:
+            exposition = httpx.get(f"{url}/metrics").text
+            assert metric(exposition, "bulkhead_isolation_events_total", kind="usage_mismatch") == 0, url
 
 
 def _wait_for_capacity(url: str, backends: dict[str, str]) -> None:

@@ -286,6 +286,29 @@ async def test_an_answer_waits_until_its_instance_has_read_the_feed_to_its_mark(
         await redis.aclose()
 
 
+async def test_a_follow_started_again_goes_on_from_where_the_last_one_read_to() -> None:
+    with redis_server() as url:
+        redis = Redis.from_url(url)
+        prefix = f"fingerprints-{uuid.uuid4().hex[:12]}:"
+        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix)
+        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix)
+        before = FingerprintIndex(1800, 10_000)
+        start = await feed_two.catch_up(before)
+        mark = await feed_one.publish(prompt("alice", "r1", [7, 8], at=time.time()))
+        follower = asyncio.create_task(feed_two.follow(before, start))
+        assert await feed_two.reached(mark, 5.0)
+        await stopped(follower)  # as a crash ends it
+        after = FingerprintIndex(1800, 10_000)
+        mark = await feed_one.publish(prompt("bob", "r1", [9], at=time.time()))
+        # The supervisor starts it again as the lifespan first did: from the start's position.
+        follower = asyncio.create_task(feed_two.follow(after, start))
+        assert await feed_two.reached(mark, 5.0)
+        await stopped(follower)
+        assert len(after) == 1, "alice's entry, read before the crash, is not read again"
+        await redis.delete(f"{prefix}fingerprints")
+        await redis.aclose()
+
+
 async def test_instances_share_fingerprints_through_redis() -> None:
     with redis_server() as url:
         redis = Redis.from_url(url)
