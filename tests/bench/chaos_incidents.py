@@ -80,12 +80,18 @@ ADMIN = "chaos-admin-token-0123456789"
 OPERATOR_SECRET = "chaos-operator-secret-0123456789"
 PREFIX = "bulkhead:"
 HEALTH_INTERVAL_S = 0.5
+# Another instance takes in a suspension at its next sync, which follows a health round: every interval plus the
+# round's time (its GETs of /health), so up to a little more than an interval after it is stored.
+SYNC_GRACE_S = 2 * HEALTH_INTERVAL_S
+# A webhook message claimed by a killed gateway is sent again once its lease ends: webhooks.timeout_s + 30 s.
+WEBHOOK_TIMEOUT_S = 2.0
+OUTBOX_DRAIN_S = WEBHOOK_TIMEOUT_S + 30 + 10
 # ~40 requests at 8 a second: a probe of ~5 s, long enough to be killed midway.
 PROBE = {"rate": 8, "max_requests": 40, "time_limit_s": 30}
 OUTPUT_TOKENS = 24
 FAULTY_KV_BLOCKS = 16  # 256 tokens of KV cache behind a 2,048-token window
 SHINGLE = 4  # words in a run that names whose prompt an answer's text came from
-KILL_POINTS = ("opened", "mid-probe", "confirmed", "quarantined", "random")
+KILL_POINTS = ("opened", "mid-probe", "checked", "confirmed", "quarantined", "random")
 POLICIES = ("block", "alert")
 WARMUP_S = 4.0  # short prompts only: every replica's cache holds the tenants' data before the first long one
 SETTLE_S = 5.0  # after quarantine: the notices made, sent, scraped
@@ -334,7 +340,7 @@ def settings(
             },
             "notices": {"allow_http": True, "allow_private_urls": True, "signing_key": "chaos-signing-0123456789"},
         },
-        "webhooks": {"retry_schedule_s": [0.2, 0.5, 1.0], "poll_interval_s": 0.1},
+        "webhooks": {"retry_schedule_s": [0.2, 0.5, 1.0], "poll_interval_s": 0.1, "timeout_s": WEBHOOK_TIMEOUT_S},
         "backends": [{"name": name, "url": url} for name, url in proxies.items()],
         "models": [
             {
@@ -344,6 +350,9 @@ def settings(
                 "context_window": 2048,
                 # Over-capacity prompts reach the faulty engine: the incident needs them.
                 "limit_by_kv_capacity": False,
+                # Under `alert` only the canaries stand (as tests/integration/test_notices.py): the usage check would
+                # withhold every stale answer, and no leak would reach a client.
+                "verify_usage": policy != "alert",
                 "fairness": {"enabled": False},
             }
         ],
@@ -400,6 +409,7 @@ class Timeline:
     events: list[dict[str, str]] = field(default_factory=list)
     alerts: list[tuple[float, list[dict[str, Any]]]] = field(default_factory=list)
     incident_open: list[tuple[float, bool]] = field(default_factory=list)
+    drained: float | None = None  # when every webhook message was delivered
 
 
 async def watch_replicas(
@@ -446,8 +456,20 @@ async def watch_alerts(session: aiohttp.ClientSession, prometheus: str, line: Ti
         await asyncio.sleep(1.0)
 
 
-async def chaos(point: str, gateways: Gateways, load: Load, line: Timeline, rng: random.Random) -> None:
-    """Kill the gateway that suspended the replica and probes it at `point`, then start it again."""
+async def incident_confirmed(store: Redis) -> bool:
+    found = await store.get(f"{PREFIX}incident-open:{FAULTY}")
+    return found is not None and await store.hget(f"{PREFIX}incident:{text(found)}", "confirmed") == b"yes"
+
+
+async def leak_checked(store: Redis) -> bool:
+    last = await store.xrevrange(f"{PREFIX}isolation-events", count=5)
+    return any(text_fields(fields).get("kind") == "leak_check" for _, fields in last or [])
+
+
+async def chaos(point: str, gateways: Gateways, load: Load, line: Timeline, rng: random.Random, store: Redis) -> None:
+    """Kill the gateway that suspended the replica and probes it at `point`, then start it again. The points that
+    last a few milliseconds (the probe's verdict stored, the incident confirmed and its notices being made) are
+    watched in a tight loop of their own."""
     while line.target is None:
         opening = [e for e in line.events if e.get("kind") in OPENING]
         if opening and line.first_signal is None:
@@ -462,17 +484,23 @@ async def chaos(point: str, gateways: Gateways, load: Load, line: Timeline, rng:
         line.kill_note = f"random: {point}; "
     if point == "mid-probe":
         await asyncio.sleep(rng.uniform(1.0, 3.0))
+    elif point == "checked":
+        while not await leak_checked(store):
+            await asyncio.sleep(0.002)
     elif point == "confirmed":
-        while not any(e.get("kind") == "leak_check" for e in line.events):
-            await asyncio.sleep(0.02)
+        while not await incident_confirmed(store):
+            await asyncio.sleep(0.002)
     elif point == "quarantined":
-        while line.quarantined_at is None:
-            await asyncio.sleep(0.02)
-    checks = [e for e in line.events if e.get("kind") == "leak_check"]
-    verdict = f"{checks[0]['confirmed']}/{checks[0]['action']}" if checks else ""
-    line.kill_note += f"leak_check {verdict} before" if checks else "no verdict yet"
+        while await store.hget(f"{PREFIX}replica-admin", FAULTY) != b"quarantined":
+            await asyncio.sleep(0.002)
     gateways.kill(line.target)
     line.killed_at = time.time()
+    state = await store.hget(f"{PREFIX}replica-admin", FAULTY)
+    notices = sum([await store.hlen(f"{PREFIX}notices:{tenant}") for tenant in TENANTS])
+    line.kill_note += (
+        f"at the kill: sim0 {text(state) if state else 'in rotation'}, leak_check stored: {await leak_checked(store)},"
+        f" incident confirmed: {await incident_confirmed(store)}, notices kept: {notices}"
+    )
     await asyncio.sleep(0.3)
     await asyncio.to_thread(gateways.start, line.target)
     line.restarted_at = time.time()
@@ -561,7 +589,7 @@ async def one_run(run: int, point: str, policy: str, args: argparse.Namespace, r
                 asyncio.create_task(watch_alerts(client, prometheus, line, stop_watch)),
             ]
             started = time.time()
-            killer = asyncio.create_task(chaos(point, gateways, load, line, rng))
+            killer = asyncio.create_task(chaos(point, gateways, load, line, rng, store))
             deadline = time.monotonic() + WARMUP_S + HEAL_TIMEOUT_S
             while (line.quarantined_at is None or not killer.done()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
@@ -572,6 +600,10 @@ async def one_run(run: int, point: str, policy: str, args: argparse.Namespace, r
             await asyncio.gather(*tasks)
             if healed:
                 await asyncio.sleep(SETTLE_S / 2)
+            drained = time.monotonic() + OUTBOX_DRAIN_S
+            while await store.hlen(f"{PREFIX}webhooks:messages") and time.monotonic() < drained:
+                await asyncio.sleep(0.2)
+            line.drained = time.time()
             stop_watch.set()
             await asyncio.gather(*watchers)
             if not killer.done():
@@ -702,7 +734,7 @@ async def judge(
     outcome.note(
         f"first signal {at(first)} ({line.first_event.get('kind')} {line.first_event.get('action')}, gateway"
         f" {line.target}); killed {at(line.killed_at)} ({line.kill_note}); restarted {at(line.restarted_at)};"
-        f" quarantined {at(line.quarantined_at)}"
+        f" quarantined {at(line.quarantined_at)}; webhook outbox empty {at(line.drained)}"
     )
     taken_over = reported.taken_over
     checks = [f"{e['confirmed']}/{e['action']}" for e in line.events if e.get("kind") == "leak_check"]
@@ -712,20 +744,29 @@ async def judge(
     # 1. Out of rotation from the first signal until healed.
     end = line.quarantined_at or time.time()
     if first is not None:
-        seen = sorted({s for t, _, s in line.states if first + HEALTH_INTERVAL_S < t <= end})
-        routable = [(round(t - started, 2), n, s) for t, n, s in line.states if first + HEALTH_INTERVAL_S < t <= end]
+        seen = sorted({s for t, _, s in line.states if first + SYNC_GRACE_S < t <= end})
+        routable = [(round(t - started, 2), n, s) for t, n, s in line.states if first + SYNC_GRACE_S < t <= end]
         routable = [x for x in routable if x[2] not in ("suspended", "quarantined", "held")]
-        outcome.check(not routable, f"sim0's state on both gateways from the signal (+1 sync) to quarantine: {seen}")
+        outcome.check(
+            not routable, f"sim0's state on both gateways from the signal (+{SYNC_GRACE_S:g} s) to quarantine: {seen}"
+        )
+        stored = next((t for t, s in line.store_states if s), None)
+        if stored is not None:
+            learned = []
+            for n in range(2):
+                out = [t for t, g, s in line.states if g == n and t >= stored and s != "healthy"]
+                learned.append(f"gateway {n} {out[0] - stored:.2f} s" if out else f"gateway {n} -")
+            outcome.note(f"suspension stored {at(stored)}; out of rotation after: {', '.join(learned)}")
         for x in routable[:5]:
             outcome.note(f"    routable at {x[0]} s on gateway {x[1]}: {x[2]}")
         store_seen = sorted({s for t, s in line.store_states if first < t <= end})
         outcome.check("" not in store_seen, f"sim0's state in the store meanwhile: {store_seen}")
     truth = ground_truth(proxies, load, line)
-    late = [r for r in truth.after_signal if first is not None and r.arrived > first + HEALTH_INTERVAL_S]
+    late = [r for r in truth.after_signal if first is not None and r.arrived > first + SYNC_GRACE_S]
     within = len(truth.after_signal) - len(late)
     outcome.check(
         not late,
-        f"tenant requests reaching sim0 after the signal: {within} within one sync, {len(late)} later"
+        f"tenant requests reaching sim0 after the signal: {within} within {SYNC_GRACE_S:g} s, {len(late)} later"
         + (f" ({', '.join(r.request_id for r in late[:5])})" if late else ""),
     )
     outcome.numbers.update(within_sync=within, late=len(late))
