@@ -755,7 +755,9 @@ async def judge(
             learned = []
             for n in range(2):
                 out = [t for t, g, s in line.states if g == n and t >= stored and s != "healthy"]
-                learned.append(f"gateway {n} {out[0] - stored:.2f} s" if out else f"gateway {n} -")
+                killed = n == line.target and line.killed_at is not None and (not out or line.killed_at < out[0])
+                late = "killed before, then at its start" if killed else ""
+                learned.append(f"gateway {n} {out[0] - stored:.2f} s {late}".strip() if out else f"gateway {n} -")
             outcome.note(f"suspension stored {at(stored)}; out of rotation after: {', '.join(learned)}")
         for x in routable[:5]:
             outcome.note(f"    routable at {x[0]} s on gateway {x[1]}: {x[2]}")
@@ -793,6 +795,11 @@ async def judge(
         outcome.note(f"    not reported: {p.request_id} {p.victim}->{p.recipient} ({truth.pairs[p]} words)")
     for p in sorted(invented, key=str)[:8]:
         outcome.note(f"    no such leak: {p.request_id} {p.victim}->{p.recipient}")
+    probed = any(e.get("kind") == "leak_check" and e.get("confirmed") == "yes" for e in line.events)
+    outcome.check(
+        incident["confirmed"] == ("yes" if probed else incident["confirmed"]),
+        f"the incident's word is the probe's: confirmed {incident['confirmed']}, a probe said yes: {probed}",
+    )
     victims = {p.victim for p in counted}
     recipients = {p.recipient for p in counted}
     outcome.check(
