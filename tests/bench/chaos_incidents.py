@@ -91,7 +91,8 @@ PROBE = {"rate": 8, "max_requests": 40, "time_limit_s": 30}
 OUTPUT_TOKENS = 24
 FAULTY_KV_BLOCKS = 16  # 256 tokens of KV cache behind a 2,048-token window
 SHINGLE = 4  # words in a run that names whose prompt an answer's text came from
-KILL_POINTS = ("opened", "mid-probe", "checked", "confirmed", "quarantined", "random")
+# In this order by default, with POLICIES in turn: `quarantined` under `alert`, whose first leak names a victim.
+KILL_POINTS = ("opened", "quarantined", "mid-probe", "confirmed", "checked", "random")
 POLICIES = ("block", "alert")
 WARMUP_S = 4.0  # short prompts only: every replica's cache holds the tenants' data before the first long one
 SETTLE_S = 5.0  # after quarantine: the notices made, sent, scraped
@@ -756,8 +757,8 @@ async def judge(
             for n in range(2):
                 out = [t for t, g, s in line.states if g == n and t >= stored and s != "healthy"]
                 killed = n == line.target and line.killed_at is not None and (not out or line.killed_at < out[0])
-                late = "killed before, then at its start" if killed else ""
-                learned.append(f"gateway {n} {out[0] - stored:.2f} s {late}".strip() if out else f"gateway {n} -")
+                how = " (killed before, then at its start)" if killed else ""
+                learned.append(f"gateway {n} {out[0] - stored:.2f} s{how}" if out else f"gateway {n} -")
             outcome.note(f"suspension stored {at(stored)}; out of rotation after: {', '.join(learned)}")
         for x in routable[:5]:
             outcome.note(f"    routable at {x[0]} s on gateway {x[1]}: {x[2]}")
