@@ -88,7 +88,7 @@ WEBHOOK_TIMEOUT_S = 2.0
 OUTBOX_DRAIN_S = WEBHOOK_TIMEOUT_S + 30 + 10
 # ~40 requests at 8 a second: a probe of ~5 s, long enough to be killed midway.
 PROBE = {"rate": 8, "max_requests": 40, "time_limit_s": 30}
-OUTPUT_TOKENS = 24
+OUTPUT_TOKENS = 64  # a stale answer of 4 KV blocks: what fingerprints catch nearly always (docs/fingerprints.md)
 FAULTY_KV_BLOCKS = 16  # 256 tokens of KV cache behind a 2,048-token window
 SHINGLE = 4  # words in a run that names whose prompt an answer's text came from
 # In this order by default, with POLICIES in turn: `quarantined` under `alert`, whose first leak names a victim.
