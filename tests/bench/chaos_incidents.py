@@ -91,6 +91,7 @@ PROBE = {"rate": 8, "max_requests": 40, "time_limit_s": 30}
 OUTPUT_TOKENS = 64  # a stale answer of 4 KV blocks: what fingerprints catch nearly always (docs/fingerprints.md)
 FAULTY_KV_BLOCKS = 16  # 256 tokens of KV cache behind a 2,048-token window
 SHINGLE = 4  # words in a run that names whose prompt an answer's text came from
+SHORT_WORDS = 20  # fewer words of a victim's prompt than 2 KV blocks hold (~1.6 tokens a word of this prose)
 # In this order by default, with POLICIES in turn: `quarantined` under `alert`, whose first leak names a victim.
 KILL_POINTS = ("opened", "quarantined", "mid-probe", "confirmed", "checked", "random")
 POLICIES = ("block", "alert")
@@ -762,8 +763,9 @@ async def judge(
             outcome.note(f"suspension stored {at(stored)}; out of rotation after: {', '.join(learned)}")
         for x in routable[:5]:
             outcome.note(f"    routable at {x[0]} s on gateway {x[1]}: {x[2]}")
-        store_seen = sorted({s for t, s in line.store_states if first < t <= end})
-        outcome.check("" not in store_seen, f"sim0's state in the store meanwhile: {store_seen}")
+        # The event is made before the suspension is stored (a round trip): from then on, a state until quarantine.
+        store_seen = sorted({s for t, s in line.store_states if stored is not None and stored <= t <= end})
+        outcome.check("" not in store_seen, f"sim0's state in the store from then to quarantine: {store_seen}")
     truth = ground_truth(proxies, load, line)
     late = [r for r in truth.after_signal if first is not None and r.arrived > first + SYNC_GRACE_S]
     within = len(truth.after_signal) - len(late)
@@ -782,7 +784,10 @@ async def judge(
     incident = incidents[-1]
     leak_events = [e for e in reported.events if e["kind"] in OPENING and e.get("victim_tenant")]
     gateway_pairs = {Pair(e["request_id"], e["tenant"], e["victim_tenant"]) for e in leak_events}
-    counted = {p for p in truth.pairs if p not in truth.lost}
+    # A fragment under 2 KV blocks without the victim's marker is under every detector's reach (docs/fingerprints.md):
+    # listed, and left out of what the gateway must have told.
+    short = {p for p in truth.pairs if p not in truth.lost and truth.pairs[p] < SHORT_WORDS}
+    counted = {p for p in truth.pairs if p not in truth.lost} - short
     outcome.note(
         f"ground truth: {len(truth.pairs)} answer(s) of sim0 carried another tenant's data"
         f" ({len(truth.lost)} lost with the killed gateway), {len(truth.reached)} reached their client;"
@@ -790,6 +795,10 @@ async def judge(
     )
     outcome.numbers.update(pairs=len(truth.pairs), lost=len(truth.lost), reached=len(truth.reached))
     missed = counted - gateway_pairs
+    for p in sorted(short - gateway_pairs, key=str):
+        outcome.note(f"    under the detectors' reach, not reported: {p.request_id} {p.victim}->{p.recipient}"
+                     f" ({truth.pairs[p]} words)")  # fmt: skip
+    outcome.numbers.update(short=len(short - gateway_pairs))
     invented = gateway_pairs - set(truth.pairs)
     outcome.check(not missed and not invented, "leak events pair by pair (request, recipient, victim) = ground truth")
     for p in sorted(missed, key=str)[:8]:
@@ -803,8 +812,11 @@ async def judge(
     )
     victims = {p.victim for p in counted}
     recipients = {p.recipient for p in counted}
+    told_victims = {t for t in TENANTS if latest(reported.notices[t], "isolation.exposure", incident["id"])}
+    outcome.numbers.update(told=f"{len(told_victims & victims)}/{len(victims)}", confirmed=incident["confirmed"])
+    named = set(incident["victims"]) - ({p.victim for p in short} - victims)
     outcome.check(
-        set(incident["victims"]) == victims and set(incident["recipients"]) >= recipients,
+        named == victims and set(incident["recipients"]) >= recipients,
         f"incident {incident['id']}: victims {incident['victims']} (truth {sorted(victims)}), recipients"
         f" {incident['recipients']} (truth {sorted(recipients)}), confirmed {incident['confirmed']}",
     )
@@ -893,15 +905,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcome = asyncio.run(one_run(run, point, policy, args, root))
         print("\n".join(outcome.lines), flush=True)
         outcomes.append(outcome)
-    print("\n| run | kill point | policy | verdicts | taken over | leaks (reached, lost) | late | pages | failed |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    columns = (
+        "run", "kill point", "policy", "probe verdicts", "taken over", "requests to sim0 after the signal (within"
+        f" {SYNC_GRACE_S:g} s, later)", "leaking answers (reached a client, lost, short)", "incident confirmed",
+        "victims told", "pages", "failed checks",
+    )  # fmt: skip
+    print(f"\n| {' | '.join(columns)} |\n|{' --- |' * len(columns)}")
     for o in outcomes:
         n = o.numbers
-        print(
-            f"| {o.run} | {o.point} | {o.policy} | {', '.join(n.get('verdicts', []))} | {n.get('taken_over', '-')} |"
-            f" {n.get('pairs', '-')} ({n.get('reached', '-')}, {n.get('lost', '-')}) | {n.get('late', '-')} |"
-            f" {n.get('pages', '-')} | {len(o.failures)} |"
-        )
+        cells = (
+            o.run, o.point, o.policy, ", ".join(n.get("verdicts", [])), f"{n.get('taken_over', 0):g}",
+            f"{n.get('within_sync', '-')}, {n.get('late', '-')}",
+            f"{n.get('pairs', '-')} ({n.get('reached', '-')}, {n.get('lost', '-')}, {n.get('short', '-')})",
+            n.get("confirmed", "-"), n.get("told", "-"), n.get("pages", "-"), len(o.failures),
+        )  # fmt: skip
+        print(f"| {' | '.join(map(str, cells))} |")
     return 1 if any(o.failures for o in outcomes) else 0
 
 
