@@ -854,6 +854,10 @@ async def judge(
         f"notices kept = notices delivered to each tenant's webhook, signature verified: "
         f"{sum(map(len, kept.values()))} kept, {sum(map(len, verified.values()))} delivered, {bad} bad signatures",
     )
+    for tenant in TENANTS:
+        for notice in reported.notices[tenant]:
+            if notice["id"] not in verified[tenant]:
+                outcome.note(f"    kept, never delivered: {tenant}'s {notice['type']} {notice['id']}")
     operator = {d.headers.get("webhook-id") for d in receivers.deliveries if d.receiver == "operator"}
     for delivery in receivers.deliveries:
         if delivery.receiver == "operator":
