@@ -1,8 +1,8 @@
 """Incidents under chaos (issue 47): the gateway that is confirming a leak is SIGKILLed at a random point, and what the
 gateways report is compared with what the replicas and the clients really saw.
 
-    python -m tests.bench.chaos_incidents [--runs 5] [--seed 1] [--kill opened,mid-probe,confirmed,quarantined]
-                                          [--policy block,alert] [--rate 8]
+    python -m tests.bench.chaos_incidents [--runs 5] [--seed 1] [--rate 8] [--keep DIR]
+        [--kill opened,quarantined,mid-probe,confirmed,checked,random] [--policy block,alert]
 
 Each run starts from nothing: a Redis of its own, three simulator replicas (`sim0` with the stale-KV fault and a
 KV cache of 256 tokens, the incident's engine; `sim1`, `sim2` healthy), each behind a recording proxy in this
@@ -16,21 +16,27 @@ KV cache, which it answers from stale blocks of earlier requests: another tenant
 it suspends `sim0` and probes it; that gateway is SIGKILLed at the run's kill point and started again:
 - `opened`: as soon as the first leak event is in the store;
 - `mid-probe`: 1 to 3 s later, before the probe's verdict;
-- `confirmed`: as soon as the probe's `leak_check` event is in the store (before the replica is quarantined and
+- `checked`: as soon as the probe's `leak_check` event is in the store (before the replica is quarantined and
   the notices are made, or while they are);
-- `quarantined`: as soon as the store says `sim0` is quarantined (while the notices are made and sent).
-The run goes on until `sim0` is quarantined (healed), then a few seconds more for notices and webhooks.
+- `confirmed`: as soon as the incident is confirmed in the store (while its notices are made);
+- `quarantined`: as soon as the store says `sim0` is quarantined (before the incident is confirmed, or after);
+- `random`: one of these.
+Runs take the kill points and the policies in turn: `block` as shipped, `alert` with the usage check off (only the
+canaries stand, so that leaked data reaches clients). The run goes on until `sim0` is quarantined (healed), then
+until the webhook outbox is empty (a message the killed gateway claimed waits for its lease).
 
 Checks, per run:
 1. out of rotation: from the first isolation signal until quarantine, `sim0` is never routable on either gateway
-   (GET /admin/replicas on both every 100 ms), and no tenant request reaches it later than a health interval
-   after the signal (the recording proxy; the other instance learns of a suspension at its next sync);
+   (GET /admin/replicas on both every 100 ms) once the other instance has synced (SYNC_GRACE_S), and no tenant
+   request reaches it later than that (the recording proxy);
 2. notices equal the ground truth: the ground truth is every answer `sim0` gave a tenant that carries another
    tenant's prompt data (4-word runs of the victim's forwarded prompts, its marker included), and whether the
    recipient's client really received that data. The leak events' (request, recipient, victim) pairs, the
    incident's victims and recipients, each victim's `isolation.exposure` notice (answers carrying its data,
    `reached_another_tenant`) and each recipient's `isolation.foreign_data` notice (its request ids) must equal
-   it; every notice kept (/v1/isolation/notices) must reach its tenant's webhook, signed for it;
+   it; the incident's `confirmed` is the probe's word; every notice kept (/v1/isolation/notices) must reach its
+   tenant's webhook, signed for it. A fragment under every detector's reach (fewer words of the victim's than 2 KV
+   blocks hold) is listed apart;
 3. one page per incident: Prometheus's BulkheadIncident alerts (GET /api/v1/alerts every second): one firing
    label set with one `activeAt` for the incident, never resolved while it is open, none for another replica.
 Answers whose gateway died under them are set apart (the replica answered, no client got anything, and no
