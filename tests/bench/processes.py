@@ -168,9 +168,12 @@ class Workspace:
         # The tiny model's tokenizer, shared by simulator and gateway as a real deployment shares one model.
         return cls(root, build_tokenizer(root / "tokenizer"), log_level)
 
-    def simulator(self, output_tokens: int, tokens_per_s: float = 0.0) -> contextlib.AbstractContextManager[Server]:
+    def simulator(
+        self, output_tokens: int, tokens_per_s: float = 0.0, extra: Sequence[str] = ()
+    ) -> contextlib.AbstractContextManager[Server]:
+        """A simulator; `extra` are more of its options (`--fault stale-kv`, `--num-gpu-blocks 16`)."""
         port = free_port()
-        command = _simulator_command(port, self.tokenizer_dir, output_tokens, tokens_per_s)
+        command = [*_simulator_command(port, self.tokenizer_dir, output_tokens, tokens_per_s), *extra]
         return child(command, port, self.root / f"sim-{port}.log", "/health")
 
     def gateway(
