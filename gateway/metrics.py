@@ -140,6 +140,13 @@ class GatewayMetrics:
             ["backend", "kind"],
             registry=self.registry,
         )
+        self.closed_unanswered = Counter(
+            "bulkhead_upstream_closed_unanswered",
+            "Requests sent to a backend that closed or reset the connection before answering: they may have run "
+            "there, and were not sent again (also counted as upstream errors of kind unreachable).",
+            ["backend"],
+            registry=self.registry,
+        )
         self.backend_up = Gauge(
             "bulkhead_backend_up",
             "1 when the backend's last health check passed.",

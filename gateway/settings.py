@@ -95,7 +95,8 @@ class UpstreamSettings(_Section):
     keepalive_expiry_s: float = Field(
         default=4.0,
         ge=0,
-        description="below the backend's idle timeout (uvicorn and vLLM: 5 s), or reuse races its close",
+        description="below the backend's idle timeout (uvicorn and vLLM: 5 s), or reuse races its close and the "
+        "request fails (it is never sent again)",
     )
     health_interval_s: float = Field(default=5.0, gt=0, description="how often each backend's /health is checked")
     capacity_refresh_s: float = Field(

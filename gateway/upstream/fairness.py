@@ -146,7 +146,9 @@ class ModelQueue:
         self.size = 0
         self.interactive = 0
         self.completions: deque[float] = deque(maxlen=64)
-        self.recent: OrderedDict[str, float] = OrderedDict()  # tenant → when it was last placed, oldest first
+        # Tenant → when it was last placed, oldest first: only _expire ages them out, and whatever reads them or their
+        # weights calls it first.
+        self.recent: OrderedDict[str, float] = OrderedDict()
         self._weights: dict[str, float] = {}  # of the recent tenants, and their sum
         self._weight_sum = 0.0
 
@@ -180,21 +182,22 @@ class ModelQueue:
     def light_tenants(self, now: float, in_flight: Mapping[str, int], slots: int) -> bool:
         """Whether a tenant served lately has nothing queued and is within its share (within_share): its next request
         should find a slot free."""
-        self._expire(now)
+        self._expire(now)  # before the loop: at this `now`, within_share then expires nothing under it
         return any(
-            not self.depth(tenant) and self.within_share(tenant, in_flight.get(tenant, 0), slots)
+            not self.depth(tenant)
+            and self.within_share(tenant, self._weights[tenant], in_flight.get(tenant, 0), slots, now)
             for tenant in reversed(self.recent)
         )
 
-    def within_share(self, tenant: str, running: int, slots: int) -> bool:
+    def within_share(self, tenant: str, weight: float, running: int, slots: int, now: float) -> bool:
         """Whether `running` requests in flight (an arriving one included) are within the tenant's weighted share of
-        the model's `slots` among the tenants served lately. One always is: with slots unknown, that is the rule."""
+        the model's `slots` among the tenants served lately and itself (its requests may have been placed before
+        them). One always is: with slots unknown, that is the rule."""
         if running <= 1:
             return True
-        weight = self._weights.get(tenant)
-        if weight is None or self._weight_sum <= 0:
-            return False
-        return running <= slots * weight / self._weight_sum
+        self._expire(now)
+        others = self._weight_sum - self._weights.get(tenant, 0.0)
+        return running <= slots * weight / (others + weight)
 
     def forget(self, tenant: str) -> None:
         """A deleted tenant is no longer a recent one (its queued requests, if any, leave on their own)."""
@@ -202,6 +205,9 @@ class ModelQueue:
             self._weight_sum -= self._weights.pop(tenant, 0.0)
 
     def _expire(self, now: float) -> None:
+        """Forget the tenants not served within LIGHT_WINDOW_S, and their weights: every reader of them calls this
+        first, or weights left by tenants gone quiet shrink every share (ten tenants served long ago made a light
+        tenant heavy, and it joined the tail). Oldest first, so a call costs what it expires, not the tenants."""
         recent = self.recent
         while recent and now - next(iter(recent.values())) > LIGHT_WINDOW_S:
             tenant, _ = recent.popitem(last=False)
@@ -254,9 +260,11 @@ class Gate:
         monitor: LoadMonitor,
         metrics: GatewayMetrics,
         in_flight: Mapping[str, int],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`in_flight`: each tenant's requests on this instance that hold a slot (Slot), running or about to."""
         self._in_flight = in_flight
+        self._clock = clock
         self._pool = pool
         self._monitor = monitor
         self._metrics = metrics
@@ -298,15 +306,15 @@ class Gate:
             # Nobody it must let go first. Counted on its replica already: room for itself is room >= 0.
             here = monitor.batch_room if batch else monitor.room
             if here(placement.replica, fairness) >= 0:
-                queue.served(tenant.id, tenant.limits.weight, time.monotonic())
+                queue.served(tenant.id, tenant.limits.weight, self._clock())
                 return
             placement.leave()
             if placement.place(self._room(model, batch)):
-                queue.served(tenant.id, tenant.limits.weight, time.monotonic())
+                queue.served(tenant.id, tenant.limits.weight, self._clock())
                 return
         else:
             placement.leave()
-        now = time.monotonic()
+        now = self._clock()
         if reject_if_busy:
             rate = queue.rate(now)
             raise self._shed(model, "reject_if_busy", (queue.interactive + 1) / rate if rate else 1)
@@ -314,7 +322,7 @@ class Gate:
         # A new flow: nothing of the tenant queued, and within its share in flight (its one slot held is this request's
         # own): it goes to the head of the ring, and takes a slot kept free for it.
         new = not queue.depth(tenant.id) and queue.within_share(
-            tenant.id, self._in_flight.get(tenant.id, 0), self._slots(model)
+            tenant.id, tenant.limits.weight, self._in_flight.get(tenant.id, 0), self._slots(model), now
         )
         if not batch:
             self._refuse_early(queue, tenant, priority, now, new)
@@ -324,7 +332,8 @@ class Gate:
         self.pump()  # a light tenant's request, at the head of the ring, may take the slot kept free for it
         timeout = None if batch else fairness.max_queue_wait_s
         try:
-            await _wait(waiter.future, timeout, gone)
+            if not waiter.future.done():  # else that pump placed it: it goes on now, not a turn of a busy loop later
+                await _wait(waiter.future, timeout, gone)
         except TimeoutError:
             raise self._shed(model, "timed_out", fairness.max_queue_wait_s) from None
         finally:
@@ -332,7 +341,7 @@ class Gate:
                 waiter.future.cancel()
             if queue.remove(waiter):
                 self._changed(queue, tenant.id)
-            self._metrics.queue_wait.labels(model.name, tenant.id).observe(time.monotonic() - now)
+            self._metrics.queue_wait.labels(model.name, tenant.id).observe(self._clock() - now)
 
     def forget(self, tenant: str) -> None:
         """Drop what this instance keeps of a deleted tenant's recent service."""
@@ -343,13 +352,13 @@ class Gate:
         """A request of `model` left its replica (`finished`: it ran there): a slot is free, for any queue."""
         queue = self._queues.get(model)
         if queue is not None and finished:
-            queue.completions.append(time.monotonic())
+            queue.completions.append(self._clock())
         if not self._empty.is_set():
             self.pump()
 
     def pump(self) -> None:
         """Place queued requests, in fair order, while their model has a replica with room."""
-        now = time.monotonic()
+        now = self._clock()
         for queue in self._queues.values():
             model = queue.model
             light = None

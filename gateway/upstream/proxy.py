@@ -10,8 +10,8 @@ key) never do. The upstream is always read as a stream, so a non-stream answer a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from functools import partial
+import contextlib
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -60,7 +60,8 @@ def make_session(settings: UpstreamSettings) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(
         limit=settings.max_connections,
         limit_per_host=0,
-        # Below the backend's idle timeout (uvicorn and vLLM: 5 s), or reusing a connection races its close.
+        # Below the backend's idle timeout (uvicorn and vLLM: 5 s), or reusing a connection races its close: a request
+        # lost to that race is not sent again (Upstream.open), so it fails.
         keepalive_timeout=settings.keepalive_expiry_s,
     )
     timeout = aiohttp.ClientTimeout(
@@ -107,7 +108,7 @@ class UpstreamResponse:
         self._replica = replica
         self._response = response
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The body as the network delivers it: a chunk is forwarded as soon as it arrives."""
         try:
             async for chunk in self._response.content.iter_any():
@@ -118,11 +119,12 @@ class UpstreamResponse:
     async def read(self, limit: int | None = None) -> bytes:
         parts: list[bytes] = []
         size = 0
-        async for chunk in self.chunks():
-            parts.append(chunk)
-            size += len(chunk)
-            if limit is not None and size >= limit:
-                break
+        async with contextlib.aclosing(self.chunks()) as chunks:  # closed here when cut short, not by the collector
+            async for chunk in chunks:
+                parts.append(chunk)
+                size += len(chunk)
+                if limit is not None and size >= limit:
+                    break
         return b"".join(parts)
 
     async def aclose(self) -> None:
@@ -154,9 +156,17 @@ class Upstream:
         if replica.api_key:
             headers["authorization"] = f"Bearer {replica.api_key}"
         try:
-            response = await self._send(replica.url + path, body, headers)
+            # Never where a backend points: a redirect would carry the prompt (and the backend's key) to another host,
+            # or to a second replica. A 3xx is a bad answer like any other status.
+            response = await self._session.post(replica.url + path, data=body, headers=headers, allow_redirects=False)
         except TRANSPORT_ERRORS as exc:
-            raise self.fail(replica, map_transport_error(replica, exc)) from exc
+            error = map_transport_error(replica, exc)
+            if not error.before_sending and isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+                # Sent, and the connection closed unanswered. A kept-alive connection the backend closed as it was
+                # reused looks the same as a backend that read the request and died, so it may have run there: it
+                # is not sent again, here or elsewhere (aiohttp itself resends only idempotent methods).
+                self._metrics.closed_unanswered.labels(replica.name).inc()
+            raise self.fail(replica, error) from exc
         answer = UpstreamResponse(self, replica, response)
         if response.status == 200:
             return answer
@@ -165,22 +175,6 @@ class Upstream:
         finally:
             await answer.aclose()
         raise self._refusal(replica, response.status, raw)
-
-    async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
-        # Never where a backend points: a redirect would carry the prompt (and the backend's key) to another host, or
-        # to a second replica. A 3xx is a bad answer like any other status.
-        post = partial(self._session.post, url, data=body, headers=headers, allow_redirects=False)
-        try:
-            return await post()
-        except aiohttp.ServerDisconnectedError as first:
-            # Most likely a kept-alive connection the backend closed as it was reused: nothing was read, so once
-            # more to the same backend. But a backend that died with the request in hand looks the same, so the
-            # request may have reached it: a connect that now fails (gone, or timing out) must not read as "never
-            # sent", which would let the request go to another replica too. Other failures are the resend's own.
-            try:
-                return await post()
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-                raise first from exc
 
     def _refusal(self, replica: Replica, status: int, raw: bytes) -> GatewayError:
         message = _error_message(raw)

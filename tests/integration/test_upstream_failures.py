@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import socket
 import threading
 from typing import Any
 
@@ -165,72 +164,70 @@ async def test_a_backends_redirect_is_not_followed(client: httpx.AsyncClient, ma
     assert reached == []
 
 
-class ReadsThenVanishes:
-    """A backend that answers health checks, reads a POST whole, then closes it unanswered and takes no connection
-    again: new connects hang (its accept queue is full) until they time out."""
+class ClosesUnanswered:
+    """A backend that answers its health checks, reads a POST whole, then closes the connection unanswered, and takes
+    new connections all along, so a resend would reach it: `posts` counts the requests it received. A raw asyncio
+    server on 127.0.0.1, its loop in a thread of its own: the gateway checks it as it starts, while the test waits."""
 
     def __init__(self) -> None:
         self.posts = 0
-        self._listener = socket.create_server(("127.0.0.1", 0), backlog=0)
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        self._fillers: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.url = ""
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=asyncio.run, args=(self._run(),), daemon=True)
+        self._thread.start()
+        assert self._ready.wait(5), "the server never started"
 
-    def _serve(self) -> None:
-        while not self.posts:
-            connection, _ = self._listener.accept()
-            with connection:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += connection.recv(65536)
-                head, _, body = data.partition(b"\r\n\r\n")
-                length = int(re.search(rb"content-length: *(\d+)", head, re.I).group(1)) if b"POST" in head else 0
-                while len(body) < length:
-                    body += connection.recv(65536)
-                if head.startswith(b"POST"):
-                    self.posts += 1
-                    for _ in range(3):  # the queue full: a connect now hangs
-                        filler = socket.socket()
-                        filler.setblocking(False)
-                        with contextlib.suppress(BlockingIOError):
-                            filler.connect(self._listener.getsockname())
-                        self._fillers.append(filler)
-                    continue
+    async def _run(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        async with await asyncio.start_server(self._serve, "127.0.0.1", 0) as server:
+            self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            self._ready.set()
+            await self._stop.wait()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = re.search(rb"content-length: *(\d+)", head, re.I)
+            await reader.readexactly(int(length.group(1)) if length else 0)
+            if head.startswith(b"POST"):
+                self.posts += 1
+            else:
                 answer = b'{"object":"list","data":[]}' if b"/v1/models" in head else b""
                 status = b"404 Not Found" if b"/metrics" in head.split(b"\r\n")[0] else b"200 OK"
-                connection.sendall(b"HTTP/1.1 %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (
+                writer.write(b"HTTP/1.1 %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (
                     status, len(answer), answer))  # fmt: skip
+                await writer.drain()
+        writer.close()
 
     def close(self) -> None:
-        for held in (self._listener, *self._fillers):
-            held.close()
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(5)
 
 
-async def test_a_request_that_may_have_reached_a_replica_is_never_sent_to_another(
+async def test_a_request_whose_connection_closed_unanswered_is_never_sent_again(
     client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Any
 ) -> None:
-    # The first send was read whole; the resend meant for a stale kept-alive connection then timed out connecting,
-    # which once read as "never sent" and failed the request over to the second replica.
-    vanishing, sim_url = ReadsThenVanishes(), make_sim()
+    # It was sent once more to the same backend (meant for a kept-alive connection the backend had closed as it was
+    # reused): a backend that read it and went away looks the same, and one that took it again ran it twice.
+    closing, sim_url = ClosesUnanswered(), make_sim()
     try:
-        response = await ask_through_vanishing(client, make_gateway, vanishing, sim_url, tokenizer_dir)
+        quiet = {"health_interval_s": 1000, "load_interval_s": 1000, "capacity_refresh_s": 1000}
+        gateway_url = make_gateway(
+            {"closing": closing.url, "sim": sim_url},
+            models=[{"name": MODEL, "backends": ["closing", "sim"], "tokenizer": str(tokenizer_dir)}],
+            upstream=quiet,
+        )
+        replicas = [Replica("closing", ""), Replica("sim", "")]
+        session = next(
+            f"s{i}" for i in range(100) if rank(affinity_key("alice", f"s{i}"), replicas)[0].name == "closing"
+        )
+        headers = {**auth(), "x-session-affinity": session}
+        response = await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=4), headers=headers)
     finally:
-        vanishing.close()
+        closing.close()
     assert response.status_code == 502 and response.json()["error"]["code"] == "backend_unreachable", response.text
-    assert vanishing.posts == 1
+    assert closing.posts == 1
     assert forwarded(sim_url) == [], "the request may have reached a replica: it goes to no other"
-
-
-async def ask_through_vanishing(
-    client: httpx.AsyncClient, make_gateway: Any, vanishing: ReadsThenVanishes, sim_url: str, tokenizer_dir: Any
-) -> httpx.Response:
-    quiet = {"health_interval_s": 1000, "load_interval_s": 1000, "capacity_refresh_s": 1000}
-    gateway_url = make_gateway(
-        {"vanishing": vanishing.url, "sim": sim_url},
-        models=[{"name": MODEL, "backends": ["vanishing", "sim"], "tokenizer": str(tokenizer_dir)}],
-        upstream={**quiet, "connect_timeout_s": 0.5, "pool_timeout_s": 0.5},
-    )
-    replicas = [Replica("vanishing", ""), Replica("sim", "")]
-    session = next(f"s{i}" for i in range(100) if rank(affinity_key("alice", f"s{i}"), replicas)[0].name == "vanishing")
-    headers = {**auth(), "x-session-affinity": session}
-    return await client.post(f"{gateway_url}{CHAT}", json=chat_body(max_tokens=4), headers=headers)
+    metrics = (await client.get(f"{gateway_url}/metrics")).text
+    assert metric(metrics, "bulkhead_upstream_closed_unanswered_total", backend="closing") == 1
+    assert metric(metrics, "bulkhead_upstream_errors_total", backend="closing", kind="unreachable") == 1

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -82,7 +84,8 @@ def test_the_recent_tenants_are_those_of_the_light_window_and_a_deleted_one_is_n
     assert len(queue.recent) <= LIGHT_WINDOW_S + 1
     queue.served("gone", 2.0, now=1000.0)
     queue.forget("gone")
-    assert "gone" not in queue.recent and not queue.within_share("gone", 2, slots=100)
+    assert "gone" not in queue.recent
+    assert queue.within_share("t999", 1.0, 10, slots=100, now=1000.0), "its weight counts against no one"
 
 
 def test_a_late_tenant_goes_first_then_waits_behind_about_its_share_not_the_whole_backlog() -> None:
@@ -98,7 +101,7 @@ def test_a_late_tenant_goes_first_then_waits_behind_about_its_share_not_the_whol
 
 
 class Fixture:
-    def __init__(self, slots: int, **fairness: Any) -> None:
+    def __init__(self, slots: int, clock: Callable[[], float] = time.monotonic, **fairness: Any) -> None:
         self.metrics = GatewayMetrics()
         backends = [BackendSettings(name="r", url="http://r", max_num_seqs=slots)]
         self.pool = ReplicaPool(backends, self.metrics, MemoryStore())
@@ -108,7 +111,7 @@ class Fixture:
         self.router = Router(self.pool, self.metrics, RoutingSettings(), random.Random(0))
         self.monitor = LoadMonitor(backends, self.pool, self.metrics)
         self.in_flight: Counter[str] = Counter()  # as Slot keeps it: taken before the gate, given back at the end
-        self.gate = Gate(self.pool, self.monitor, self.metrics, self.in_flight)
+        self.gate = Gate(self.pool, self.monitor, self.metrics, self.in_flight, clock)
         self.placed: list[str] = []
 
     def tenant(self, name: str, weight: float = 1.0, priority: int = 0) -> TenantSettings:
@@ -191,6 +194,34 @@ async def test_a_light_tenant_finds_a_slot_kept_free_while_another_is_backlogged
     assert f.placed.count("heavy") == 9 and f.replica.in_flight == 7, "one slot is kept free"
     await asyncio.wait_for(f.enter(light), 1)  # at once, with no slot freed
     assert f.replica.in_flight == 8
+    for task in backlog:
+        task.cancel()
+    await asyncio.gather(*backlog, return_exceptions=True)
+
+
+async def test_tenants_served_long_ago_leave_no_weight_that_makes_a_light_tenant_wait() -> None:
+    """Ten tenants last served 100 s ago, and nothing placed since (every request a long one): they are no tenants
+    served lately, so the light tenant's two requests in flight are within its share of the 8 slots, and its second
+    is a new flow, at the head of the queue. Their weights were read before anything expired them (8/12 of a slot
+    its share), and it joined the tail."""
+    now = [0.0]
+    f = Fixture(slots=8, clock=lambda: now[0])
+    for n in range(10):
+        old = f.tenant(f"old-{n}")
+        await f.enter(old)
+        f.finish(old.id)
+    heavy, light = f.tenant("heavy"), f.tenant("light")
+    await f.enter(light)
+    backlog = [asyncio.create_task(f.enter(heavy)) for _ in range(8)]
+    await settle()
+    assert f.placed.count("heavy") == 7 and f.gate.queued() == 1
+    now[0] = 100.0
+    second = asyncio.create_task(f.enter(light))
+    await settle()
+    f.finish("heavy")
+    await settle()
+    assert f.placed[-1] == "light", "the light tenant's request joined the tail"
+    await second
     for task in backlog:
         task.cancel()
     await asyncio.gather(*backlog, return_exceptions=True)

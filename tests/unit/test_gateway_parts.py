@@ -1,9 +1,10 @@
 """Small gateway parts with sharp edges: SSE splitting, body limits, key hashing, settings sources, metric children,
-the edge's corked writes."""
+the edge's corked writes, an upstream answer read in part."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,11 @@ from gateway.errors import AuthenticationFailed, InvalidRequest
 from gateway.metrics import KEPT_CHILDREN, GatewayMetrics
 from gateway.schemas import ChatCompletionRequest, request_path
 from gateway.server.edge import TickCorkedTransport
-from gateway.settings import SettingsError, TenantSettings, load_settings
+from gateway.settings import BackendSettings, SettingsError, TenantSettings, UpstreamSettings, load_settings
+from gateway.store import MemoryStore
 from gateway.tenancy.tenants import TenantDirectory, hash_key, new_api_key
+from gateway.upstream.backends import ReplicaPool
+from gateway.upstream.proxy import Upstream, UpstreamResponse, make_session
 from gateway.upstream.sse import EventSplitter
 
 
@@ -241,3 +245,33 @@ def test_a_backends_param_goes_out_only_as_a_path_into_the_request(param: str | 
 def test_workers_tool_arguments_are_decoded_only_into_what_was_scanned(arguments: str, decoded: bool) -> None:
     out = decoded_arguments(arguments)
     assert (out != arguments) == decoded, out
+
+
+async def test_an_upstream_answer_read_in_part_closes_its_chunks_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """read(limit) stops at the limit: the generator of the body's chunks is closed then, not left suspended for the
+    garbage collector to finish later in a task of its own."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 8\r\n\r\nabcdefgh")
+        writer.close()
+        await writer.wait_closed()
+
+    made: list[AsyncGenerator[bytes, None]] = []
+    chunks = UpstreamResponse.chunks
+
+    def kept(self: UpstreamResponse) -> AsyncGenerator[bytes, None]:
+        made.append(chunks(self))
+        return made[-1]
+
+    monkeypatch.setattr(UpstreamResponse, "chunks", kept)
+    metrics, settings = GatewayMetrics(), UpstreamSettings()
+    async with await asyncio.start_server(answer, "127.0.0.1", 0) as server, make_session(settings) as session:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        pool = ReplicaPool([BackendSettings(name="r", url=url)], metrics, MemoryStore())
+        upstream = Upstream(session, settings, pool, metrics)
+        response = await upstream.open(pool.replicas["r"], "/v1/chat/completions", b"{}", "req-1")
+        part = await response.read(1)
+        assert part and b"abcdefgh".startswith(part)
+        await response.aclose()
+    assert len(made) == 1 and made[0].ag_frame is None, "the chunks' generator was left suspended"
