@@ -257,10 +257,11 @@ def confirmed_for_notices(incident: Incident, state: NoticeParts) -> bool:
     )
 
 
-async def notify(incident: Incident, state: NoticeParts) -> int:
-    """Keep and send the notices a confirmed incident makes; the number that were new. Each is kept with its webhook
-    message queued, in one step (NoticeStore.add): a store that fails keeps neither, logged, and the next leak or
-    confirmation of the incident makes it again."""
+async def notify(incident: Incident, state: NoticeParts) -> int | None:
+    """Keep and send the notices a confirmed incident makes; the number that were new, None when the store failed.
+    Each is kept with its webhook message queued, in one step (NoticeStore.add): a store that fails keeps neither,
+    logged, and the next answer of the incident, or an instance's next pass over the confirmed incidents
+    (tracking.watch), makes it again."""
     settings = state.settings.isolation.notices
     max_pending = state.settings.webhooks.max_pending_per_target
     try:
@@ -280,5 +281,5 @@ async def notify(incident: Incident, state: NoticeParts) -> int:
                 state.deliveries.queued(sending, dropped)
     except (RedisError, OSError) as exc:
         log.error("notices of incident %s not made: %s", incident.id, type(exc).__name__)
-        return 0
+        return None
     return new

@@ -38,6 +38,7 @@ from typing import Final, Protocol
 from redis.exceptions import RedisError
 
 from gateway.incidents import tracking
+from gateway.incidents.incident import Incident
 from gateway.incidents.prober import PROBER, ProbingParts, probe
 from gateway.incidents.reporting import report
 from gateway.settings import QuarantineSettings
@@ -265,7 +266,26 @@ async def _confirm(state: ResponderParts, replica: Replica, event: IsolationEven
     detail = findings[0].title if findings else DETAILS[outcome]
     check = replace(event, kind=CHECK, detail=detail, action=action, confirmed=outcome, time=time.time())
     await report(check, state)
+    # The verdict is recorded before it is acted on: an instance that dies between the two leaves a confirmed
+    # incident, which every instance's tracking.watch finishes (settle, and its notices); the other way round it
+    # left a quarantined replica whose victims were never told.
+    await tracking.confirmed(replica.name, outcome, started, state, incident_id)
     if action == QUARANTINED:
         await _set(state, replica, QUARANTINED, f"confirmed leak in request {event.request_id}")
         await tracking.contained(replica.name, state)
-    await tracking.confirmed(replica.name, outcome, started, state, incident_id)
+
+
+async def settle(state: ResponderParts, incident: Incident) -> None:
+    """An open incident the canary probe confirmed: its replica quarantined, whichever instance recorded the verdict
+    (tracking.watch asks every instance, every interval). Not over an operator's drain, nor with quarantine_on_leak
+    off."""
+    replica = state.pool.replicas.get(incident.replica)
+    if replica is None or replica.admin_state not in (None, SUSPENDED, HELD):
+        return
+    if not state.settings.isolation.canary.quarantine_on_leak:
+        return
+    log.error("incident %s on %s is confirmed and its replica was not quarantined: quarantining it", incident.id,
+              replica.name)  # fmt: skip
+    state.metrics.quarantines.labels(replica.name, QUARANTINED).inc()
+    await _set(state, replica, QUARANTINED, f"confirmed leak, incident {incident.id}")
+    await tracking.contained(replica.name, state)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 import orjson
@@ -119,11 +119,18 @@ async def closed(replica: str, reason: str, state: TrackingParts, incident_id: s
     return incident
 
 
-async def watch(state: TrackingParts, interval_s: float) -> None:
-    """Started by the lifespan: `bulkhead_incidents_open` and `bulkhead_incident_exposed_answers` from the store,
-    whichever instance opened, joined or closed the incidents: the page (deploy/prometheus) is read from every
-    instance's export, so none's death resolves it."""
+async def watch(
+    state: TrackingParts, interval_s: float, on_confirmed: Callable[[Incident], Awaitable[None]] | None = None
+) -> None:
+    """Started by the lifespan on every instance, each interval:
+    - `bulkhead_incidents_open` and `bulkhead_incident_exposed_answers` from the store, whichever instance opened,
+      joined or closed the incidents: the page (deploy/prometheus) is read from every instance's export, so none's
+      death resolves it;
+    - what an open incident's confirmation makes, finished whichever instance recorded it: `on_confirmed` (the
+      replica quarantined: quarantine.settle), and its notices, made once by each instance (a notice is kept once,
+      whoever makes it). The instance that recorded the verdict may have died before either."""
     shown: set[tuple[str, str]] = set()
+    notified: set[str] = set()
     while True:
         try:
             recent = await state.incidents.recent(WATCHED)
@@ -139,6 +146,13 @@ async def watch(state: TrackingParts, interval_s: float) -> None:
                 reached = sum(1 for _, _, verdict in incident.answers if verdict in REACHED)
                 state.metrics.incident_exposed.labels(*labels).set(reached)
             shown |= now.keys()
+            confirmed = [i for i in now.values() if i.confirmed == "yes"]
+            notified &= {incident.id for incident in confirmed}
+            for incident in confirmed:
+                if on_confirmed is not None:
+                    await on_confirmed(incident)
+                if incident.id not in notified and await notify(incident, state) is not None:
+                    notified.add(incident.id)
         await asyncio.sleep(interval_s)
 
 

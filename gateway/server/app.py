@@ -427,7 +427,7 @@ def keep_tasks(state: GatewayState, instance: str, workers: int) -> None:
         state.ledger.run,
         breaks="what replicas served is not written to the exposure ledger (held, then dropped, meanwhile)",
     )
-    tasks.keep("incident-gauges", partial(tracking.watch, state, interval))
+    tasks.keep("incident-gauges", partial(tracking.watch, state, interval, partial(quarantine.settle, state)))
     tasks.keep("suspension-takeover", partial(quarantine.take_over, state))
     tasks.keep("webhook-deliveries", state.deliveries.run)
     if state.redis is not None and state.metrics.redis_up is not None:

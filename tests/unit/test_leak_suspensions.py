@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import httpx
 import pytest
 
-from gateway.incidents import quarantine
+from gateway.incidents import quarantine, tracking
 from gateway.incidents.incident import IncidentStore, MemoryIncidentStore
 from gateway.incidents.ledger import LedgerWriter, MemoryLedger
 from gateway.incidents.notices import MemoryNoticeStore, NoticeStore
@@ -270,3 +271,35 @@ async def test_the_probes_one_tenant_draws_are_bounded_across_instances(monkeypa
             await state.pool.sync()
     assert len(probed) == QuarantineSettings().max_probes_per_tenant == 3
     assert METRICS.quarantines.labels("a", "probe_bounded")._value.get() > 0
+
+
+async def test_a_verdict_whose_instance_died_before_acting_on_it_is_finished_by_another() -> None:
+    # The confirming instance records the probe's "yes" first, then quarantines and notifies: it dies in between
+    # (the chaos run's window, docs/incidents.md). Any other instance's next pass over the incidents finishes both.
+    store, incidents = MemoryStore(), MemoryIncidentStore(3600)
+    dead = instance(store)
+    dead.incidents = incidents
+    await quarantine.on_leak(leak_on("a"), dead)
+    for task in dead.tasks:
+        task.cancel()  # the probe's task, with the instance
+    await settle(dead)
+    assert await incidents.confirm("a", "yes") is not None  # all it did of the verdict
+    survivor = instance(store, health_s=0.05)
+    survivor.incidents = incidents
+    await survivor.pool.sync()
+    assert survivor.pool.replicas["a"].admin_state == "suspended"
+    watching = asyncio.create_task(tracking.watch(survivor, 0.05, partial(quarantine.settle, survivor)))
+    try:
+        async with asyncio.timeout(5):
+            while (await store.admin_states()).get("a") != "quarantined" or not await survivor.notices.of("alice", 10):
+                await asyncio.sleep(0.02)
+    finally:
+        watching.cancel()
+    await settle(survivor)
+    [incident] = await incidents.recent(10)
+    assert incident.contained_at is not None and incident.confirmed == "yes"
+    notices = await survivor.notices.of("alice", 10)
+    again = asyncio.create_task(tracking.watch(survivor, 0.05, partial(quarantine.settle, survivor)))
+    await asyncio.sleep(0.2)
+    again.cancel()
+    assert await survivor.notices.of("alice", 10) == notices, "a notice is kept once, whoever makes it"
