@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.schemas import REFUSED
+from gateway.schemas import CHAT_COUNTED, REFUSED
 from tests.integration.support import MODEL, auth, chat_body, forwarded
 from tests.integration.test_bad_input import assert_openai_error
 
@@ -48,9 +48,10 @@ def completion(**extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, **extra}
 
 
-# add_special_tokens is counted on chat (the gateway's Responses route sets it), refused on completions.
+# add_special_tokens and continue_final_message are counted on chat (the gateway's Responses and Messages routes set
+# them), refused on completions.
 CASES = [
-    (CHAT, name, chat_body(max_tokens=4, **{name: VALUES[name]})) for name in REFUSED if name != "add_special_tokens"
+    (CHAT, name, chat_body(max_tokens=4, **{name: VALUES[name]})) for name in REFUSED if name not in CHAT_COUNTED
 ] + [(COMPLETIONS, name, completion(**{name: VALUES[name]})) for name in REFUSED]
 
 
