@@ -75,11 +75,7 @@ async def _bob_gets(client: httpx.AsyncClient, url: str, scripted: Engine, text:
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("encoding", ENCODINGS)
 async def test_another_tenants_marker_written_encoded_is_withheld(
-    client: httpx.AsyncClient,
-    gateway: str,
-    engine: Engine,
-    encoding: str,
-    stream: bool,  # noqa: F811
+    client: httpx.AsyncClient, gateway: str, engine: Engine, encoding: str, stream: bool  # noqa: F811
 ) -> None:
     # Before: 20 of 20 such answers reached bob with no event (and a marker percent-encoded whole, 4 of 4).
     marker = await alice_marker(client, gateway, engine)
@@ -94,11 +90,7 @@ async def test_another_tenants_marker_written_encoded_is_withheld(
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("encoding", ENCODINGS)
 async def test_another_tenants_words_written_encoded_are_a_fragment_leak(
-    client: httpx.AsyncClient,
-    gateway: str,
-    engine: Engine,
-    encoding: str,
-    stream: bool,  # noqa: F811
+    client: httpx.AsyncClient, gateway: str, engine: Engine, encoding: str, stream: bool  # noqa: F811
 ) -> None:
     private = memo()
     assert (await client.post(gateway + CHAT, json=chat_body(private), headers=auth(ALICE_KEY))).status_code == 200
@@ -111,9 +103,7 @@ async def test_another_tenants_words_written_encoded_are_a_fragment_leak(
 
 
 async def test_an_honest_answer_with_percent_signs_and_ampersands_goes_out_as_written(
-    client: httpx.AsyncClient,
-    gateway: str,
-    engine: Engine,  # noqa: F811
+    client: httpx.AsyncClient, gateway: str, engine: Engine  # noqa: F811
 ) -> None:
     said = r"R&D grew 50% (see https://example.com/a%20b?x=1&y=2); use \x41 or &amp; or \101 in C; 100%."
     engine.script = lambda prompt: answer(prompt, said)

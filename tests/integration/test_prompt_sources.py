@@ -77,10 +77,7 @@ def _call_id(private: str) -> tuple[str, JsonObject, dict[str, str]]:
 
 @pytest.mark.parametrize("source", [_reasoned, _thinking, _reasoning_item, _named, _call_id])
 async def test_a_text_the_template_renders_from_outside_the_contents_is_a_leak_when_returned(
-    client: httpx.AsyncClient,
-    gateway: str,
-    engine: Engine,
-    source: Any,  # noqa: F811
+    client: httpx.AsyncClient, gateway: str, engine: Engine, source: Any  # noqa: F811
 ) -> None:
     # Only contents, tool arguments and tool definitions were fingerprinted: alice's reasoning came back to bob with
     # 200 and no event, 3 of 3 (the same words as her content were withheld).

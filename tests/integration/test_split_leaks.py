@@ -110,11 +110,7 @@ def _whole(layout: tuple[str, ...], pieces: list[str]) -> Any:
     ("layout", "stream"), [*((layout, True) for layout in STREAMED), *((layout, False) for layout in WHOLE)]
 )
 async def test_a_passage_split_across_the_fields_of_an_answer_is_a_fragment_leak(
-    client: httpx.AsyncClient,
-    gateway: str,
-    engine: Engine,
-    layout: tuple[str, ...],
-    stream: bool,  # noqa: F811
+    client: httpx.AsyncClient, gateway: str, engine: Engine, layout: tuple[str, ...], stream: bool  # noqa: F811
 ) -> None:
     pieces = _passage()
     passage = "".join(pieces)
@@ -174,11 +170,7 @@ def _carrying(halves: tuple[str, str], first: str, second: str, stream: bool) ->
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("halves", HALVES)
 async def test_a_marker_split_across_an_answers_ids_and_texts_is_withheld(
-    client: httpx.AsyncClient,
-    gateway: str,
-    engine: Engine,
-    halves: tuple[str, str],
-    stream: bool,  # noqa: F811
+    client: httpx.AsyncClient, gateway: str, engine: Engine, halves: tuple[str, str], stream: bool  # noqa: F811
 ) -> None:
     marker = await alice_marker(client, gateway, engine)
     engine.script = _carrying(halves, marker[:22], marker[22:], stream)
@@ -197,12 +189,7 @@ async def test_a_marker_split_across_an_answers_ids_and_texts_is_withheld(
 @pytest.mark.parametrize("order", ["apart", "one event", "held then finished"])
 @pytest.mark.parametrize("secret_apart", [False, True])
 async def test_no_text_after_a_marker_split_between_two_choices_goes_out(
-    client: httpx.AsyncClient,
-    gateway: str,
-    engine: Engine,
-    cut: int,
-    order: str,
-    secret_apart: bool,  # noqa: F811
+    client: httpx.AsyncClient, gateway: str, engine: Engine, cut: int, order: str, secret_apart: bool  # noqa: F811
 ) -> None:
     # Choice 0 ends in the start of alice's marker, which its own scanner holds (it could still become one); choice 1
     # begins with the rest, then alice's secret. The join was found once choice 0 finished and its held end went out,
@@ -233,10 +220,7 @@ async def test_no_text_after_a_marker_split_between_two_choices_goes_out(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_messages_text_block_joined_from_content_and_refusal_is_checked_as_one(
-    client: httpx.AsyncClient,
-    gateway: str,
-    engine: Engine,
-    stream: bool,  # noqa: F811
+    client: httpx.AsyncClient, gateway: str, engine: Engine, stream: bool  # noqa: F811
 ) -> None:
     # Anthropic's answer has no refusal field: content and refusal go out as one text block, which no check read.
     words = [secrets.token_hex(3) for _ in range(32)]
@@ -274,11 +258,7 @@ def choice_zero(deltas: list[JsonObject]) -> list[JsonObject]:
 @pytest.mark.parametrize("paced", [False, True])
 @pytest.mark.parametrize("field", ["reasoning", "reasoning_content", "refusal"])
 async def test_the_tenants_own_marker_streamed_in_pieces_then_content_is_stripped_not_withheld(
-    client: httpx.AsyncClient,
-    gateway: str,
-    engine: Engine,
-    field: str,
-    paced: bool,  # noqa: F811
+    client: httpx.AsyncClient, gateway: str, engine: Engine, field: str, paced: bool  # noqa: F811
 ) -> None:
     # A model that repeats its prompt writes the tenant's own marker, a word of content beside each piece. Its
     # scanner holds the marker while it grows, then strips it; the content, joined to that held end, could spell it
@@ -305,10 +285,7 @@ async def test_the_tenants_own_marker_streamed_in_pieces_then_content_is_strippe
 
 @pytest.mark.parametrize("field", ["reasoning", "reasoning_content", "refusal"])
 async def test_content_that_happens_to_complete_a_held_own_marker_is_no_failed_check(
-    client: httpx.AsyncClient,
-    gateway: str,
-    engine: Engine,
-    field: str,  # noqa: F811
+    client: httpx.AsyncClient, gateway: str, engine: Engine, field: str  # noqa: F811
 ) -> None:
     # The tenant's own marker is held in `field` but for its last letter, when the content beside it starts with that
     # letter: the held start and the content's start spell the marker. Nothing of it went out (the held start goes

@@ -11,7 +11,6 @@ from gateway.api.anthropic_shapes import EventWriter, MessagesRequest, chat_erro
 from gateway.errors import BackendBadResponse, InvalidRequest
 from gateway.schemas import validate
 
-
 BASE: dict[str, Any] = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 
 
