@@ -211,7 +211,7 @@ CHAT_UNSERVED_CASES = [
     ("audio", {"audio": {"voice": "alloy", "format": "mp3"}}, "audio output"),
     ("modalities", {"modalities": ["text", "audio"]}, "audio output"),
     ("web_search_options", {"web_search_options": {}}, "web search"),
-    ("moderation", {"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+    ("moderation", {"moderation": {"model": "omni-moderation-latest"}}, "moderation models"),
     ("functions", {"functions": [{"name": "f", "parameters": {}}]}, "tools"),
     ("function_call", {"function_call": "auto"}, "tool_choice"),
     # The gateway's marker is in user turns: the engine is never set to go on writing one.
@@ -256,7 +256,6 @@ RESPONSES_DEFAULTS: dict[str, Any] = {
     "background_options": {"completion_window": "soonest"},
     "image": {"context_compression": "auto"},
     "include": ["web_search_call.action.sources", "reasoning.encrypted_content"],
-    "service_tier": "auto",
 }
 
 
@@ -311,10 +310,10 @@ async def test_responses_logprobs_are_forwarded_and_answered(
 
 
 RESPONSES_UNSERVED = [
-    ("background", True, "background"),
+    ("background", True, "while its request is open"),
     ("prompt", {"id": "pmpt_1"}, "saved prompts"),
     ("conversation", "conv_1", "previous_response_id"),
-    ("moderation", {"model": "omni-moderation-latest"}, "moderation"),
+    ("moderation", {"model": "omni-moderation-latest"}, "moderation models"),
 ]
 
 
