@@ -235,15 +235,18 @@ def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None
     else:
         for item in request.input:
             _append(messages, item)
-    if isinstance(request.input, list) and _partial(request.input[-1]):
-        raise InvalidRequest(
-            "input: a last assistant message or reasoning item that is in_progress or incomplete (a turn to continue) "
-            "is not supported; end with a complete item",
-            param="input",
-        )
     # vLLM's Responses route encodes the rendered prompt with the tokenizer's special tokens on top of the template's
     # own (a second BOS for Llama): asked of its chat route, the same prompt.
     payload: dict[str, Any] = {"model": request.model, "messages": messages, "add_special_tokens": True}
+    if isinstance(request.input, list) and _partial(request.input[-1]):
+        # The gateway's marker is in system and user turns: the engine is never set to go on writing one of them.
+        if messages[-1]["role"] != "assistant":
+            raise InvalidRequest(
+                f"input[{len(request.input) - 1}]: only an assistant message or a reasoning item is continued; "
+                "a last item of another role must be complete",
+                param=f"input[{len(request.input) - 1}]",
+            )
+        payload |= {"add_generation_prompt": False, "continue_final_message": True}
     if request.max_output_tokens is not None:
         payload["max_tokens"] = request.max_output_tokens
     if request.stream:
@@ -298,7 +301,8 @@ def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None
 
 
 def _partial(item: Item) -> bool:
-    # responses/utils.py should_continue_final_message: vLLM continues such a turn instead of starting the answer.
+    # responses/utils.py should_continue_final_message: vLLM continues such a turn (left open, as a prefill) instead
+    # of starting the answer.
     return isinstance(item, MessageItem | ReasoningItem) and item.status in ("in_progress", "incomplete")
 
 
