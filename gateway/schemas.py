@@ -388,9 +388,8 @@ class ChatCompletionRequest(_Generation):
         # The gateway's marker is in system and user turns: the engine is never set to go on writing one of them.
         if self.messages[-1].role != "assistant":
             raise ValueError("'continue_final_message' continues only a last assistant message (a prefill)")
-        # vLLM refuses both when both are sent (check_generation_prompt); a continued message is cut where it ends, so
-        # a generation prompt by default is cut away.
-        if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+        # vLLM refuses both, a generation prompt by default too (transformers' apply_chat_template).
+        if self.add_generation_prompt:
             raise ValueError("'continue_final_message' needs 'add_generation_prompt': false")
         return self
 

@@ -186,6 +186,9 @@ class ModelTokenizer:
         variables = template_variables(
             template_kwargs, add_generation_prompt=add_generation_prompt, reasoning_effort=reasoning_effort
         )
+        if continue_final_message and add_generation_prompt:
+            # transformers' apply_chat_template refuses both (a turn is either continued or a new one opened).
+            raise ChatTemplateError("continue_final_message and add_generation_prompt are not compatible")
         turns = conversation(messages, self.content_format, self.knows_developer)
         final = _tag_final(turns) if continue_final_message else None
         try:

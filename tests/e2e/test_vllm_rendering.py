@@ -153,11 +153,11 @@ def chat_request(d: Draw) -> Body:
     if d.chance(0.1):
         body["add_generation_prompt"] = False
     if d.chance(0.1):
-        # A prefill: a last assistant message left open (continue_final_message), the generation prompt left out or
-        # left at its default (cut away with the rest of the turn).
+        # A prefill: a last assistant message left open (continue_final_message), mostly without the generation
+        # prompt (both are refused).
         messages.append({"role": "assistant", "content": d.content()})
         body["continue_final_message"] = True
-        if d.chance(0.5):
+        if d.chance(0.8):
             body["add_generation_prompt"] = False
     return body
 

@@ -234,6 +234,7 @@ async def test_a_chat_prefill_is_continued_and_counted(
 ) -> None:
     turns = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
     body = {"model": MODEL, "messages": turns, "max_tokens": 3, "continue_final_message": True}
+    body |= {"add_generation_prompt": False}
     response = await client.post(module_gateway + CHAT, json=body, headers=auth())
     # Answered: the engine's usage matched the gateway's count of the continued prompt.
     assert response.status_code == 200, response.text
