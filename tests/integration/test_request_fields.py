@@ -407,3 +407,19 @@ async def test_an_assistant_prefill_is_continued_and_counted_as_the_continued_tu
     else:
         usage = response.json()["usage"]
     assert usage["input_tokens"] == counted.json()["input_tokens"] > answered.json()["input_tokens"]
+
+
+async def test_a_responses_turn_in_progress_is_continued_and_one_of_the_users_is_refused(
+    client: httpx.AsyncClient, module_gateway: str, shared_sim: str
+) -> None:
+    started = {"type": "message", "role": "assistant", "content": "The colour is", "status": "in_progress"}
+    body = {"model": MODEL, "input": [*HELLO, started], "max_output_tokens": 2}
+    response = await client.post(module_gateway + RESPONSES, json=body, headers=auth())
+    assert response.status_code == 200, response.text
+    sent = forwarded(shared_sim)[-1]["body"]
+    assert sent["continue_final_message"] is True and sent["add_generation_prompt"] is False
+    assert sent["messages"][-1] == {"role": "assistant", "content": "The colour is"}
+    body["input"] = [{"type": "message", "role": "user", "content": "Name a", "status": "in_progress"}]
+    response = await client.post(module_gateway + RESPONSES, json=body, headers=auth())
+    assert_openai_error(response, 400, "input[0]")
+    assert len(forwarded(shared_sim)) == 1
