@@ -7,7 +7,9 @@ unknown one could be an engine control the gateway has never heard of). Three ki
 refused on purpose, each with its reason (REFUSED): fields that change what the engine processes in ways the
 gateway cannot count, engine-control fields no tenant may set, and fields that would make the engine return
 the prompt, i.e. the gateway's injected canary text. Sizes that cost the engine (stop strings, schemas,
-grammars, token lists) are bounded.
+grammars, token lists) are bounded. OpenAI's own chat fields are all read: a hosted API's controls are accepted and
+never forwarded (NOT_APPLIED), and those asking for what nothing here runs are refused unless null, with their
+reason (CHAT_UNSERVED); docs/api.md has the table of them all.
 """
 
 from __future__ import annotations
@@ -319,7 +321,7 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: OutputTokens | None = None
     add_generation_prompt: bool = True
     # The last message left open for the answer to go on with (a prefill), as vLLM renders it: counted (refused on
-    # completions, REFUSED). The gateway's Messages route sets it for Anthropic's prefill.
+    # completions, REFUSED). The gateway's Messages and Responses routes set it for a turn to continue.
     continue_final_message: bool = False
     # The tokenizer's special tokens on top of the template's (BOS again): counted on chat as the tokenizer adds them
     # (refused elsewhere, REFUSED). The gateway's Responses route sets it, as vLLM's own Responses route renders so.
@@ -346,7 +348,7 @@ class ChatCompletionRequest(_Generation):
     prompt_cache_options: Annotated[dict[str, ShortText | None], Field(max_length=8)] | None = None
     safety_identifier: ShortText | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
-    # Text is what the engines write; audio is refused (CHAT_UNSERVED's reason, by _modalities).
+    # Text is what the engines write; audio is refused (CHAT_UNSERVED's reason, by _refused).
     modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = None
     # A predicted output only makes OpenAI's answer faster: the answer is the same without it.
     prediction: dict[str, Any] | None = None
