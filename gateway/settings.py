@@ -210,7 +210,8 @@ class ModelSettings(_Section):
     task: Literal["generate", "embed"] = Field(
         default="generate",
         description="what its engines do: generate text (chat, completions, Responses, Messages) or embed "
-        "(/v1/embeddings; vLLM's --runner pooling); a request of the other kind gets 400, never forwarded",
+        "(/v1/embeddings, /pooling, /v1/score, /v1/rerank; vLLM's --runner pooling); a request of the other kind "
+        "gets 400, never forwarded",
     )
     tokenizer: Path | None = Field(
         default=None,

@@ -55,9 +55,14 @@ class Turn:
     root: str  # its conversation's first turn: the same for every turn of it (its session, when the client names none)
 
     def encode(self) -> tuple[bytes, bytes]:
-        """The response less its output, and the items with what links them."""
+        """The response less its output, and the items with what links them (and the response's status: a later
+        turn may follow only a finished one)."""
         envelope = {name: value for name, value in self.response.items() if name != "output"}
-        items = {"input": self.input, "output": self.response.get("output") or []}
+        items = {
+            "input": self.input,
+            "output": self.response.get("output") or [],
+            "status": self.response.get("status", "completed"),
+        }
         return orjson.dumps(envelope), orjson.dumps(items | {"depth": self.depth, "size": self.size, "root": self.root})
 
     @classmethod
@@ -76,6 +81,7 @@ class Said:
     depth: int
     size: int
     root: str
+    status: str = "completed"  # its response's (a background one's may be queued, in progress, cancelled, failed)
 
     def items(self) -> list[dict[str, Any]]:
         """What the turn adds to its conversation: its input, then its output."""
@@ -84,12 +90,15 @@ class Said:
     @classmethod
     def decode(cls, items: bytes | str) -> Said:
         held = orjson.loads(items)
-        return cls(held["input"], held["output"], held["depth"], held["size"], held["root"])
+        status = held.get("status", "completed")  # (turns stored before the status was)
+        return cls(held["input"], held["output"], held["depth"], held["size"], held["root"], status)
 
 
 class ConversationStore(Protocol):
-    async def save(self, owner: str, turn: Turn) -> None:
-        """Keep the turn for the TTL; past the owner's bound, its oldest turns are dropped (never this one)."""
+    async def save(self, owner: str, turn: Turn, only_from: frozenset[str] | None = None) -> bool:
+        """Keep the turn for the TTL; past the owner's bound, its oldest turns are dropped (never this one). With
+        `only_from`, only in place of the owner's turn of that id while its response's status is one of them (a
+        background response's next state: never over a cancelled one, nor one deleted meanwhile); False when not."""
         ...
 
     async def load(self, owner: str, turn_id: str) -> Turn | None:
@@ -136,9 +145,13 @@ class MemoryConversationStore:
         self._totals: dict[str, int] = {}
         self._stored: OrderedDict[tuple[str, str], float] = OrderedDict()  # every turn held, oldest first: its end
 
-    async def save(self, owner: str, turn: Turn) -> None:
+    async def save(self, owner: str, turn: Turn, only_from: frozenset[str] | None = None) -> bool:
         now = time.time()
         self._sweep(now)
+        if only_from is not None:
+            held = self._held(owner, turn.id)
+            if held is None or orjson.loads(held.envelope)["status"] not in only_from:
+                return False
         turns = self._owners.setdefault(owner, OrderedDict())
         if turn.id in turns:
             self._drop(owner, [turn.id])
@@ -148,6 +161,7 @@ class MemoryConversationStore:
         self._totals[owner] = self._totals.get(owner, 0) + kept.size
         while self._totals[owner] > self._cap and len(turns) > 1:
             self._drop(owner, [next(iter(turns))])
+        return True
 
     async def load(self, owner: str, turn_id: str) -> Turn | None:
         self._sweep(time.time())
@@ -225,6 +239,10 @@ local turns, sizes, links = KEYS[1], KEYS[2], KEYS[3]
 local base = ARGV[1]
 local id, parent, envelope, items = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local ttl, now, cap = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+if ARGV[9] ~= '' then
+  local held = redis.call('GET', base .. 'response:' .. id)
+  if not held or not string.find(ARGV[9], ',' .. cjson.decode(held).status .. ',', 1, true) then return 0 end
+end
 for _, member in ipairs(redis.call('ZRANGEBYSCORE', turns, '-inf', now - ttl, 'LIMIT', 0, 64)) do
   drop(turns, sizes, links, base, member)
 end
@@ -233,8 +251,9 @@ redis.call('SET', base .. 'turn:' .. id, items, 'EX', ttl)
 redis.call('HSET', links, id, parent)
 redis.call('ZADD', turns, now, id)
 local size = #envelope + #items
+local before = tonumber(redis.call('HGET', sizes, id) or '0')  -- a turn saved again counts once
 redis.call('HSET', sizes, id, size)
-local total = redis.call('HINCRBY', sizes, '#total', size)
+local total = redis.call('HINCRBY', sizes, '#total', size - before)
 while total > cap do
   -- The oldest but this one (instances' clocks may differ: this one's score need not be the newest).
   local victim = nil
@@ -246,6 +265,7 @@ while total > cap do
   total = tonumber(redis.call('HGET', sizes, '#total'))
 end
 for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl) end
+return 1
 """
 )
 
@@ -312,11 +332,11 @@ class RedisConversationStore:
         """What a record's name is made of, with "response:" or "turn:" between it and the id."""
         return f"{self._prefix}conversation:{owner}:"
 
-    async def save(self, owner: str, turn: Turn) -> None:
+    async def save(self, owner: str, turn: Turn, only_from: frozenset[str] | None = None) -> bool:
         envelope, items = turn.encode()
         args: list[bytes | str | float] = [self._base(owner), turn.id, turn.parent, envelope, items]
-        args += [self._ttl_s, time.time(), self._cap]
-        await self._save(keys=self._keys(owner), args=args)
+        args += [self._ttl_s, time.time(), self._cap, "," + ",".join(sorted(only_from)) + "," if only_from else ""]
+        return bool(await self._save(keys=self._keys(owner), args=args))
 
     async def load(self, owner: str, turn_id: str) -> Turn | None:
         base = self._base(owner)

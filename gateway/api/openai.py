@@ -1,5 +1,6 @@
-"""The OpenAI surface: /v1/chat/completions, /v1/completions and /v1/embeddings read from HTTP, run through the
-pipeline, and the outcome rendered as OpenAI's JSON or server-sent events."""
+"""The OpenAI surface: /v1/chat/completions, /v1/completions and /v1/embeddings (and vLLM's /pooling, /v1/score and
+/v1/rerank) read from HTTP, run through the pipeline, and the outcome rendered as OpenAI's JSON or server-sent
+events."""
 
 from __future__ import annotations
 
@@ -21,7 +22,18 @@ from gateway.accesslog import RequestRecord
 from gateway.api.bounds import Cap, Shape
 from gateway.api.state import GatewayState, state_of
 from gateway.errors import BackendBadResponse, GatewayError
-from gateway.pipeline.inference import CHAT, COMPLETIONS, EMBEDDINGS, Route, Submission, refuse, run
+from gateway.pipeline.inference import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    POOLING,
+    RERANK,
+    SCORE,
+    Route,
+    Submission,
+    refuse,
+    run,
+)
 from gateway.pipeline.outcome import DONE, Event, Outcome, Stream
 from gateway.settings import TenantSettings
 from gateway.upstream.routing import SESSION_HEADER, session_id
@@ -48,6 +60,18 @@ async def completions(request: Request) -> Response:
 
 async def embeddings(request: Request) -> Response:
     return await serve(request, state_of(request), EMBEDDINGS)
+
+
+async def pooling(request: Request) -> Response:
+    return await serve(request, state_of(request), POOLING)
+
+
+async def score(request: Request) -> Response:
+    return await serve(request, state_of(request), SCORE)
+
+
+async def rerank(request: Request) -> Response:
+    return await serve(request, state_of(request), RERANK)
 
 
 class RelayResponse(StreamingResponse):

@@ -5,11 +5,19 @@ outcome is written back as a response object or the Responses API's events; refu
 Responses asked to be stored (`store`, true unless false, as OpenAI's) are kept by the gateway per tenant
 (conversations.py), stored before the client is told they are complete: a client may name one as
 `previous_response_id` the moment it has its answer.
+
+A background response (`background: true`) is stored at once as `queued` and run from the durable queue
+(jobs/worker.py) by any instance's worker, its chat request built when it was asked (its conversation read then);
+`Background`, the route's finisher, stores what became of it in its place. Until then it is read back as `queued`
+or, once a worker has it, `in_progress`; `cancel` stores it `cancelled`, which no worker overwrites (a worker
+asks before it runs one, and stores over none but a pending one: conversations.save's `only_from`). A later turn
+may follow it only once it has finished.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import partial
@@ -21,15 +29,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import accesslog
-from gateway.api.conversations import Said, Turn
+from gateway.api.conversations import ConversationStore, Said, Turn
 from gateway.api.openai import cut_short, new_record, openai_response, read_submission, relayed_as
 from gateway.api.responses_shapes import (
     INPUT,
     MAX_ID,
     EventWriter,
     ResponsesRequest,
+    answered,
     chat_error,
     chat_payload,
+    envelope,
     history_items,
     item_page,
     response,
@@ -44,9 +54,12 @@ from gateway.errors import (
     GatewayError,
     InvalidRequest,
     NotFound,
+    QueueUnavailable,
+    TooManyQueued,
 )
+from gateway.jobs.queue import Job, QueueFull
 from gateway.offload import off_loop
-from gateway.pipeline.inference import Route, refuse, run
+from gateway.pipeline.inference import RESPONSES, PipelineParts, Route, refuse, run
 from gateway.pipeline.outcome import Stream
 from gateway.schemas import ChatCompletionRequest, validate
 from gateway.settings import TenantSettings
@@ -55,12 +68,12 @@ log = logging.getLogger("bulkhead.responses")
 T = TypeVar("T")
 Admit = Callable[[TenantSettings], None] | None  # refuses a key the route does not serve (another account's)
 
-# Asked of the engine on its chat route, stateless: the rendering the gateway counts is the one the engine runs.
-RESPONSES = Route("responses", "/v1/chat/completions", ChatCompletionRequest)
 # The stored responses' own routes, in the access log and metrics.
 STORED = Route("responses_stored", "", ChatCompletionRequest)
 # What OpenAI lets a client ask of the routes that read a stored response, and that means nothing here (nothing is
 # kept that `include` could add): accepted so that clients work unchanged.
+PENDING = frozenset({"queued", "in_progress"})  # a background response's states before it has finished
+FINISHED = frozenset({"completed", "incomplete"})  # what a later turn may follow
 _INCLUDES = {
     "file_search_call.results",
     "web_search_call.results",
@@ -97,6 +110,11 @@ async def create(request: Request, admit_tenant: Admit = None) -> Response:
         session = submission.session or (before.root if before is not None else made if keep else None)
         payload = await off_loop(partial(chat_payload, asked, history), [submission.payload, history])
         submission = replace(submission, payload=payload, session=session)
+        if asked.background:
+            queued = await _in_background(state, submission.tenant, asked, made, before, payload)
+            accesslog.finish(record, state.metrics)
+            headers = {"x-request-id": record.request_id}
+            return Response(orjson.dumps(queued), media_type="application/json", headers=headers)
     except GatewayError as error:
         return openai_response(refuse(state, record, error))
     answered: dict[str, Any] = {}
@@ -135,6 +153,85 @@ async def create(request: Request, admit_tenant: Admit = None) -> Response:
     return Response(orjson.dumps(answered), media_type="application/json", headers=outcome.headers)
 
 
+async def _in_background(
+    state: GatewayState,
+    tenant: TenantSettings,
+    asked: ResponsesRequest,
+    made: str,
+    before: Said | None,
+    payload: dict[str, Any],
+) -> dict[str, Any]:
+    """Store the response as queued, then queue its chat request: a worker finds it stored (Background)."""
+    if asked.stream:
+        raise InvalidRequest(
+            "stream: a background response is read back by its id (GET /v1/responses/{id}), not streamed here.",
+            param="stream",
+        )
+    if asked.store is False:
+        raise InvalidRequest("background: a background response is read back by its id, so it needs store: true.",
+                             param="background")  # fmt: skip
+    owner = tenant.incarnation()
+    queued = envelope(asked, made, "queued", int(time.time()))
+    kept = stored_input(asked)
+    size = (before.size if before is not None else 0) + len(orjson.dumps(kept))
+    depth, root = (before.depth + 1, before.root) if before is not None else (1, made)
+    turn = Turn(made, queued, kept, asked.previous_response_id or "", depth, size, root)
+    await _stored(state.conversations.save(owner, turn))
+    cap = tenant.limits.max_queued_requests or state.settings.queue.max_queued_per_tenant
+    try:
+        await state.queue.enqueue(Job(made, tenant.id, RESPONSES.name, [payload], [], owner), cap)
+    except QueueFull as full:
+        await _stored(state.conversations.delete(owner, made))
+        raise TooManyQueued(
+            f"This API key has {full.held} requests queued or running; at most {cap} may be. Nothing was queued."
+        ) from None
+    except (RedisError, OSError) as exc:
+        log.error("responses: background response not queued: %s: %s", type(exc).__name__, exc)
+        await _stored(state.conversations.delete(owner, made))
+        raise QueueUnavailable("The queue cannot take requests right now; nothing was queued. Retry shortly.") from exc
+    return queued
+
+
+class Background:
+    """The finisher of background responses' jobs (jobs/worker.py), over the conversation store they are kept in."""
+
+    def __init__(self, conversations: ConversationStore) -> None:
+        self._conversations = conversations
+
+    async def wanted(self, state: PipelineParts, job: Job) -> bool:
+        """Still queued (not cancelled, nor deleted, since)."""
+        turn = await self._conversations.load(job.owner, job.id)
+        return turn is not None and turn.response["status"] in PENDING
+
+    async def finish(self, state: PipelineParts, job: Job, results: dict[int, Any]) -> None:
+        """The response as the chat answer made it (or failed, with the refusal's error), stored in place of the
+        pending one, unless it was cancelled or deleted meanwhile."""
+        turn = await self._conversations.load(job.owner, job.id)
+        if turn is None or turn.response["status"] not in PENDING:
+            return
+        result = results.get(0) or {}
+        body: dict[str, Any] = result["body"] if isinstance(result.get("body"), dict) else {}
+        done = _failed(turn.response, body)
+        if done is None:
+            try:
+                done = answered(turn.response, body)
+                _readable(done["output"])
+            except GatewayError as error:
+                done = _failed(turn.response, error.body())
+        assert done is not None
+        size = turn.size + len(orjson.dumps(done["output"]))
+        await self._conversations.save(job.owner, replace(turn, response=done, size=size), PENDING)
+
+
+def _failed(pending: dict[str, Any], body: dict[str, Any]) -> dict[str, Any] | None:
+    """The response failed, with the error its chat request got; None when it got an answer."""
+    error = body.get("error")
+    if not isinstance(error, dict):
+        return None
+    said = {"code": str(error.get("code") or "server_error"), "message": str(error.get("message") or "")}
+    return {**pending, "status": "failed", "error": said}
+
+
 async def _conversation(state: GatewayState, owner: str, last: str | None, param: str) -> list[Said]:
     """Every turn of the stored conversation that ends at `last`, oldest first (none without `last`), within what
     one request may hold."""
@@ -150,6 +247,10 @@ async def _conversation(state: GatewayState, owner: str, last: str | None, param
         raise InvalidRequest(
             f"{param}: this conversation has reached {kept.max_turns} turns (responses.max_turns); start a new one.",
             param=param,
+        )
+    if said[-1].status not in FINISHED:
+        raise InvalidRequest(
+            f"{param}: the response is {said[-1].status}; a conversation goes on from a finished one.", param=param
         )
     return said
 
@@ -215,7 +316,14 @@ def _check_query(request: Request, allowed: set[str]) -> None:
 
 
 async def _retrieved(state: GatewayState, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
-    return turn.response
+    if turn.response["status"] != "queued":
+        return turn.response
+    try:
+        job = await state.queue.status(owner, turn.id)
+    except (RedisError, OSError):
+        return turn.response  # queued is what the store says; the queue's word can wait for the next poll
+    running = job is not None and job.status == "running"
+    return {**turn.response, "status": "in_progress"} if running else turn.response
 
 
 async def _deleted(state: GatewayState, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
@@ -225,9 +333,17 @@ async def _deleted(state: GatewayState, owner: str, turn: Turn, request: Request
 
 
 async def _cancelled(state: GatewayState, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
-    # OpenAI cancels only a background response; every response here was answered as it was asked, so a stored one
-    # has nothing left to cancel, and OpenAI says so of a response that was not in the background.
-    raise InvalidRequest("Only a background response can be cancelled; this one has finished.", code="not_cancellable")
+    """A pending background response, cancelled: stored so, over nothing but a pending one (a worker's finish may
+    have come first: then that is what the client gets, as OpenAI answers a finished one)."""
+    if not turn.response.get("background"):
+        raise InvalidRequest("Only a background response can be cancelled.", code="not_cancellable")
+    if turn.response["status"] in PENDING:
+        cancelled = replace(turn, response={**turn.response, "status": "cancelled"})
+        if await _stored(state.conversations.save(owner, cancelled, PENDING)):
+            return cancelled.response
+        now = await _stored(state.conversations.load(owner, turn.id))
+        return (now or turn).response
+    return turn.response
 
 
 async def _input_items(state: GatewayState, owner: str, turn: Turn, request: Request) -> dict[str, Any]:

@@ -155,6 +155,8 @@ class ResponsesRequest(_Strict):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stream: bool = False
+    # Run on the durable queue, answered at once as `queued`, read back by its id (api/responses.py).
+    background: bool = False
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
@@ -190,7 +192,6 @@ class ResponsesRequest(_Strict):
     background_options: Annotated[dict[str, ShortText | None], Field(max_length=8)] | None = None
     image: Annotated[dict[str, ShortText | None], Field(max_length=8)] | None = None
     # At their defaults only: refused otherwise, with the reason (UNSERVED).
-    background: bool | None = None
     prompt: dict[str, Any] | None = None
     conversation: str | dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
@@ -211,7 +212,6 @@ UNSERVED: dict[str, str] = {
     # Server-side compaction would summarise a conversation behind the client's back (LangChain sends it when asked
     # to compact), and nothing here runs it.
     "context_management": "a conversation is not compacted here; send it whole, or shorten it yourself.",
-    "background": "a response runs while its request is open here; none runs in the background.",
     "prompt": "OpenAI's saved prompts are not kept here; send the prompt's text as instructions and input.",
     "conversation": "OpenAI's Conversations API is not served here; chain turns with previous_response_id.",
     "moderation": f"OpenAI's moderation models: {NOTHING_RUNS}.",
@@ -471,6 +471,7 @@ def envelope(request: ResponsesRequest, response: str, status: str, created: int
         "object": "response",
         "created_at": created,
         "status": status,
+        "background": request.background,
         "error": None,
         "incomplete_details": None,
         "instructions": request.instructions,
@@ -488,7 +489,6 @@ def envelope(request: ResponsesRequest, response: str, status: str, created: int
         "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or ()],
         "top_p": request.top_p,
         "truncation": request.truncation or "disabled",
-        "background": False,
         "top_logprobs": request.top_logprobs or 0,
         "max_tool_calls": request.max_tool_calls,
         "usage": None,
@@ -499,6 +499,12 @@ def envelope(request: ResponsesRequest, response: str, status: str, created: int
 
 def response(answer: dict[str, Any], request: ResponsesRequest, response_id: str) -> dict[str, Any]:
     """A checked chat completion (one choice) as a response object."""
+    return answered(envelope(request, response_id, "in_progress", int(time.time())), answer)
+
+
+def answered(base: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """A checked chat completion (one choice) as the response object whose envelope is `base` (a background one's
+    is made when it is queued)."""
     choice = (answer.get("choices") or [{}])[0]
     said = choice.get("message") or {}
     output: list[dict[str, Any]] = []
@@ -519,7 +525,7 @@ def response(answer: dict[str, Any], request: ResponsesRequest, response_id: str
                 "completed",
             )
         )
-    body = envelope(request, response_id, _status(choice.get("finish_reason")), int(time.time()))
+    body = {**base, "status": _status(choice.get("finish_reason"))}
     body["incomplete_details"] = _incomplete(choice.get("finish_reason"))
     body["output"] = output
     body["usage"] = usage(answer.get("usage") or {})

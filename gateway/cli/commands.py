@@ -39,6 +39,7 @@ from isolation.sim.pools import incident_prefill_tokens
 from isolation.sim.tinymodel import cached_tokenizer
 
 EMBEDDED_MODEL = "tiny-llama"
+EMBEDDED_EMBEDDER = "tiny-embed"  # the embedding model beside it, on a simulator of its own
 EMBEDDED_CONTEXT = 2048
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
@@ -66,40 +67,55 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 
 @contextlib.contextmanager
-def embedded_simulator(tokenizer: Path) -> Iterator[str]:
-    """A `bulkhead sim` child process on a free loopback port, for running with no backend configured.
+def embedded_simulators(tokenizer: Path) -> Iterator[dict[str, str]]:
+    """`bulkhead sim` child processes on free loopback ports, for running with no backend configured: one for the chat
+    model, one for the embedding model (a backend serves one task: settings.py), started together; their URLs by
+    model.
 
-    It lives in its own session, so that a Ctrl-C at the terminal reaches only the gateway, which drains its streams
-    (served by the simulator) before it stops the simulator; and it dies with the gateway however that ends."""
-    port = free_port()
-    command = [sys.executable, "-m", "gateway", "sim", "--port", str(port), "--tokenizer", str(tokenizer)]
-    child = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_parent())
-    url = f"http://127.0.0.1:{port}"
+    Each lives in its own session, so that a Ctrl-C at the terminal reaches only the gateway, which drains its streams
+    (served by the simulators) before it stops them; and each dies with the gateway however that ends."""
+    urls: dict[str, str] = {}
+    children: list[subprocess.Popen[bytes]] = []
     try:
+        for model in (EMBEDDED_MODEL, EMBEDDED_EMBEDDER):
+            port = free_port()
+            command = [sys.executable, "-m", "gateway", "sim", "--port", str(port), "--tokenizer", str(tokenizer)]
+            children.append(
+                subprocess.Popen([*command, "--model", model], start_new_session=True, preexec_fn=_die_with_parent())
+            )
+            urls[model] = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
-        while True:
-            if child.poll() is not None:
-                raise SystemExit(f"the built-in simulator exited at start (code {child.returncode})")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit("the built-in simulator did not become healthy within 30 s")
-            time.sleep(0.1)
-        yield url
+        for child, url in zip(children, urls.values(), strict=True):
+            while True:
+                if child.poll() is not None:
+                    raise SystemExit(f"the built-in simulator exited at start (code {child.returncode})")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise SystemExit("the built-in simulator did not become healthy within 30 s")
+                time.sleep(0.1)
+        yield urls
     finally:
-        child.terminate()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        for child in children:
+            child.terminate()
+        for child in children:
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
 
 
-def with_embedded_backend(settings: Settings, url: str, tokenizer: Path) -> Settings:
+def with_embedded_backends(settings: Settings, urls: dict[str, str], tokenizer: Path) -> Settings:
     data = settings.model_dump()
-    data["backends"] = [{"name": "simulator", "url": url}]
+    data["backends"] = [
+        {"name": "simulator", "url": urls[EMBEDDED_MODEL]},
+        {"name": "simulator-embed", "url": urls[EMBEDDED_EMBEDDER]},
+    ]
+    window = {"tokenizer": tokenizer, "context_window": EMBEDDED_CONTEXT}
     data["models"] = [
-        {"name": EMBEDDED_MODEL, "backends": ["simulator"], "tokenizer": tokenizer, "context_window": EMBEDDED_CONTEXT}
+        {"name": EMBEDDED_MODEL, "backends": ["simulator"], **window},
+        {"name": EMBEDDED_EMBEDDER, "backends": ["simulator-embed"], "task": "embed", **window},
     ]
     return Settings.model_validate(data)
 
@@ -168,8 +184,8 @@ def _serve(args: argparse.Namespace) -> int:
         settings = _listen_at(settings, None, sock.getsockname()[1])  # port 0: the one the system chose
         if not settings.backends:
             tokenizer = cached_tokenizer(_cache_root())
-            url = stack.enter_context(embedded_simulator(tokenizer))
-            settings = with_embedded_backend(settings, url, tokenizer)
+            urls = stack.enter_context(embedded_simulators(tokenizer))
+            settings = with_embedded_backends(settings, urls, tokenizer)
         demo_key = None
         # With an admin token, tenants are made at runtime (and a demo id could clash with one in Redis).
         if not settings.tenants and settings.admin_token is None:

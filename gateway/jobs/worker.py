@@ -5,6 +5,11 @@ worker's job never looks abandoned; it stores every result (retrying through a s
 before it acknowledges; and an exception of any kind leaves the job to be claimed again — after MAX_ATTEMPTS
 attempts it ends `failed`, with an error result for every item that has none.
 
+A route may have a finisher (`Finisher`, given by the app: a background response's, api/responses.py): asked before
+a job runs whether it is still wanted (a cancelled one is not, and ends `cancelled` unrun), and handed the job's
+results once they are all stored, before the job is acknowledged — so a worker that dies in between leaves it to the
+next, which finishes it again (a finisher makes the same of the same results).
+
 Workers serve every tenant, so none waits out one tenant's own limits: an item its tenant's rate or concurrency
 limit refuses for now defers the job (queue.py) and the worker goes on with the next. Refusals that say "not now"
 to everyone (no replica free, a store unreachable) are waited out in place. And a batch gives way between its
@@ -16,10 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, TypeVar
+from types import MappingProxyType
+from typing import Any, Protocol, TypeVar
 
 from redis.exceptions import RedisError
 
@@ -32,7 +38,7 @@ from gateway.pipeline.outcome import Answer
 
 log = logging.getLogger("bulkhead.worker")
 
-ROUTES = {inference.CHAT.name: inference.CHAT, inference.COMPLETIONS.name: inference.COMPLETIONS}
+ROUTES = {route.name: route for route in (inference.CHAT, inference.COMPLETIONS, inference.RESPONSES)}
 MAX_ATTEMPTS = 3
 # Refusals of a request that never left the gateway and may pass later: 429 (rate, concurrency, capacity) and 503
 # (no replica, a store unreachable). A batch item waits them out.
@@ -58,6 +64,22 @@ async def stored(operation: Callable[[], Awaitable[T]], what: str) -> T:
 
 def error_result(error: GatewayError) -> dict[str, Any]:
     return {"status": error.status, "body": error.body()}
+
+
+class Finisher(Protocol):
+    """What a route's jobs need beyond their results (module docstring)."""
+
+    async def wanted(self, state: PipelineParts, job: Job) -> bool:
+        """Whether the job should still run (False: it ends `cancelled`, unrun)."""
+        ...
+
+    async def finish(self, state: PipelineParts, job: Job, results: dict[int, Any]) -> None:
+        """Made of the job's stored results, once all are; raise a store's error to be asked again."""
+        ...
+
+
+Finishers = Mapping[str, Finisher]
+NONE: Finishers = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -97,9 +119,15 @@ async def run_item(state: PipelineParts, job: Job, index: int, lost: asyncio.Eve
         pause = min(MAX_PAUSE_S, pause * 2)
 
 
-async def process(state: PipelineParts, queue: JobQueue, claimed: Claimed, name: str, lost: asyncio.Event) -> None:
+async def process(
+    state: PipelineParts, queue: JobQueue, claimed: Claimed, name: str, lost: asyncio.Event, finishers: Finishers = NONE
+) -> None:
     """Run the job's items not yet done, until they are or another worker has taken the job over."""
     job = claimed.job
+    finisher = finishers.get(job.route)
+    if finisher is not None and not await stored(partial(finisher.wanted, state, job), "read a job's state"):
+        await stored(partial(queue.finish, claimed, "cancelled"), "finish a job")
+        return
     attempt = await stored(partial(queue.start, job), "mark a job running")
     status = await stored(partial(queue.status, job.owner, job.id), "read a job")
     done = set(status.results) if status is not None else set()
@@ -108,7 +136,7 @@ async def process(state: PipelineParts, queue: JobQueue, claimed: Claimed, name:
         for index in range(len(job.items)):
             if index not in done:
                 await stored(partial(queue.store_result, job, index, error_result(failed)), "store a result")
-        await stored(partial(queue.finish, claimed, "failed"), "finish a job")
+        await _finished(state, queue, claimed, finisher, "failed")
         return
     for index in range(len(job.items)):
         if index in done:
@@ -134,7 +162,19 @@ async def process(state: PipelineParts, queue: JobQueue, claimed: Claimed, name:
             if not await stored(partial(queue.defer, claimed, job, time.time(), name), "give way"):
                 log.warning("worker gave up job %s: another worker took it over", job.id)
             return
-    await stored(partial(queue.finish, claimed), "finish a job")
+    await _finished(state, queue, claimed, finisher)
+
+
+async def _finished(
+    state: PipelineParts, queue: JobQueue, claimed: Claimed, finisher: Finisher | None, status: str = "done"
+) -> None:
+    """Acknowledge the job, once its finisher (if its route has one) has made what it makes of its results."""
+    job = claimed.job
+    if finisher is not None:
+        read = await stored(partial(queue.status, job.owner, job.id), "read a job")
+        results = read.results if read is not None else {}
+        await stored(partial(finisher.finish, state, job, results), "finish a job's work")
+    await stored(partial(queue.finish, claimed, status), "finish a job")
 
 
 async def keep_claimed(queue: JobQueue, claimed: Claimed, name: str, lost: asyncio.Event) -> None:
@@ -149,7 +189,7 @@ async def keep_claimed(queue: JobQueue, claimed: Claimed, name: str, lost: async
             log.warning("worker %s could not renew its claim: %s", name, type(exc).__name__)
 
 
-async def work(state: PipelineParts, queue: JobQueue, name: str) -> None:
+async def work(state: PipelineParts, queue: JobQueue, name: str, finishers: Finishers = NONE) -> None:
     """Run until cancelled; a store outage pauses the worker, and a job that fails goes back to the queue."""
     while True:
         # New work only while nothing waits at the gateway's fair queue: a backlog of jobs never delays
@@ -168,7 +208,7 @@ async def work(state: PipelineParts, queue: JobQueue, name: str) -> None:
                 # A claim that waited for a job may have come back while requests started to wait at the gateway:
                 # the job stays queued, its claim kept, until they have gone.
                 await state.gate.quiet()
-                await process(state, queue, claimed, name, lost)
+                await process(state, queue, claimed, name, lost, finishers)
             except Exception:
                 # Whatever it was, the job is not lost: it is claimed again, and fails for good after MAX_ATTEMPTS.
                 log.exception("worker %s failed on job %s; it will be tried again", name, claimed.job.id)

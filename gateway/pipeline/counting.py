@@ -201,6 +201,7 @@ def _probe(tokenizer: ModelTokenizer) -> tuple[frozenset[str], int]:
 # What one message costs an exact count, in characters of text: the template renders it (measured with the test
 # model's template: 5.7 µs a message against 0.24 µs a character of text rendered and tokenized).
 MESSAGE_CHARS = 24
+TOKEN_CHARS = 4  # what a token decodes to, about, in English text: a decode's cost in characters
 
 
 class LocalCounter:
@@ -263,12 +264,41 @@ class LocalCounter:
         if prompt.text is not None:
             # What the post-processor adds (BOS) does not depend on the text.
             return self.pieces.count(prompt.text, prompt.owner) + self._added
+        text = self._rendered(prompt)
+        return self.pieces.count(text, prompt.owner) + (self._added if prompt.add_special_tokens else 0)
+
+    async def encode(self, prompt: Prompt, add_special_tokens: bool) -> list[int]:
+        """The prompt's token ids as vLLM's /tokenize gives them (`add_special_tokens`: the tokenizer's own, BOS and
+        the like, on top of a chat template's), off the loop when it is large."""
+        if self.is_cheap(prompt):
+            return self.encode_now(prompt, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.encode_now, prompt, add_special_tokens
+        )
+
+    def encode_now(self, prompt: Prompt, add_special_tokens: bool) -> list[int]:
+        text = prompt.text if prompt.text is not None else self._rendered(prompt)
+        return list(self.tokenizer.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    async def decode(self, token_ids: list[int], param: str) -> str:
+        """The text of these token ids as vLLM's /detokenize gives it: special tokens kept, as its tokenizer's decode
+        keeps them by default."""
+        if len(token_ids) * TOKEN_CHARS <= self._inline_chars:
+            return self.decode_now(token_ids, param)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.decode_now, token_ids, param)
+
+    def decode_now(self, token_ids: list[int], param: str) -> str:
+        if any(token >= self._vocab for token in token_ids):
+            raise InvalidRequest(f"{param}: token ids must be below {self._vocab}.", param=param)
+        return str(self.tokenizer.tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    def _rendered(self, prompt: Prompt) -> str:
+        """A chat prompt's text, or InvalidRequest when its template refuses it."""
         assert prompt.messages is not None
         try:
-            text = self._render(prompt, prompt.messages)
+            return self._render(prompt, prompt.messages)
         except ChatTemplateError as exc:
             raise InvalidRequest(f"The model's chat template refused these messages: {exc}", param="messages") from exc
-        return self.pieces.count(text, prompt.owner) + (self._added if prompt.add_special_tokens else 0)
 
     def _render(self, prompt: Prompt, messages: list[dict[str, Any]]) -> str:
         return self.tokenizer.render_chat(

@@ -1,4 +1,5 @@
-"""An embeddings answer, taken apart and built again: only vectors that answer the inputs sent go out.
+"""An embeddings answer (or /pooling's, its vectors under `data`), taken apart and built again: only vectors that
+answer the inputs sent go out.
 
 A vector carries no text to scan, but every field of an answer is a channel: what goes out is built from what was
 parsed and checked (`object`, `data[].object`, `index`, `embedding`, the tenant-facing model name and the gateway's
@@ -17,6 +18,7 @@ from typing import Any
 from gateway.errors import BackendBadResponse
 from gateway.pipeline.relay import StreamWithheld
 from gateway.schemas import MAX_EMBEDDING_DIMENSIONS, EmbeddingRequest
+from gateway.schemas_pooling import PoolingRequest
 
 EMBEDDING_MISMATCH = "embedding_mismatch"  # the isolation event of vectors that do not answer the inputs
 # What one number of a vector can take as JSON (`-1.2345678901234567e-05,`): with MAX_EMBEDDING_DIMENSIONS, the most
@@ -27,6 +29,11 @@ NUMBERS = frozenset({float, int})
 USAGE = ("prompt_tokens", "total_tokens", "completion_tokens")  # what the usage check reads; the rest is dropped
 
 Removed = list[tuple[str, Any]]
+
+
+def shape(request: EmbeddingRequest) -> tuple[str, str]:
+    """Each vector's object and the field that holds it: OpenAI's embeddings, or vLLM's /pooling."""
+    return ("pooling", "data") if isinstance(request, PoolingRequest) else ("embedding", "embedding")
 
 
 def upstream_body(payload: dict[str, Any]) -> dict[str, Any]:
@@ -54,14 +61,15 @@ def vectors(body: dict[str, Any], request: EmbeddingRequest, replica: str) -> tu
     if isinstance(usage, dict):
         removed += [(f"usage.{name}", value) for name, value in usage.items() if name not in USAGE]
     found: dict[int, list[float]] = {}
+    field = shape(request)[1]
     for item in data:
         index = item.get("index")
         if type(index) is not int or not 0 <= index < inputs or index in found:
             raise StreamWithheld(
                 f"the backend answered a vector with index {index!r} for {inputs} inputs", EMBEDDING_MISMATCH
             )
-        found[index] = _vector(item.get("embedding"), replica)
-        removed += [(f"data.{name}", value) for name, value in item.items() if name not in ("index", "embedding")]
+        found[index] = _vector(item.get(field), replica)
+        removed += [(f"data.{name}", value) for name, value in item.items() if name not in ("index", field)]
     sizes = {len(vector) for vector in found.values()}
     wanted = request.dimensions
     if len(sizes) != 1 or (wanted is not None and sizes != {wanted}):
@@ -83,10 +91,11 @@ def _vector(value: Any, replica: str) -> list[float]:
 def answer(vectors: list[list[float]], request: EmbeddingRequest, model: str, tokens: int) -> dict[str, Any]:
     """The answer the tenant gets: its vectors as it asked for them, the model as it named it, the exact count."""
     encode = _base64 if request.encoding_format == "base64" else None
+    kind, field = shape(request)
     return {
         "object": "list",
         "data": [
-            {"object": "embedding", "index": index, "embedding": vector if encode is None else encode(vector)}
+            {"object": kind, "index": index, field: vector if encode is None else encode(vector)}
             for index, vector in enumerate(vectors)
         ],
         "model": model,

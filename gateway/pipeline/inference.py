@@ -30,7 +30,7 @@ from gateway.incidents.quarantine import ResponderParts, on_leak
 from gateway.incidents.reporting import LEAKS, USAGE_MISMATCH, report
 from gateway.incidents.verdicts import VerdictBound
 from gateway.offload import heavy, ids_decoder, in_turn
-from gateway.pipeline import embeddings
+from gateway.pipeline import embeddings, scoring
 from gateway.pipeline.admission import Admission, admit, admit_inputs
 from gateway.pipeline.counting import LocalCounter, Prompt, PromptCounter
 from gateway.pipeline.judging import Judges, JudgingParts
@@ -39,7 +39,6 @@ from gateway.pipeline.recount import ask_count, shape, tokenize_body
 from gateway.pipeline.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, failing_closed, filtered
 from gateway.pipeline.slot import Slot
 from gateway.schemas import (
-    AnyRequest,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -47,6 +46,14 @@ from gateway.schemas import (
     not_applied,
     request_path,
     validate,
+)
+from gateway.schemas_pooling import (
+    INPUTS_REQUESTS,
+    InputsRequest,
+    PipelineRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
 )
 from gateway.settings import ModelSettings, TenantSettings
 from gateway.tenancy.tenants import TenantDirectory
@@ -107,12 +114,24 @@ class PipelineParts(JudgingParts, ResponderParts, Protocol):
 class Route:
     name: str
     path: str
-    schema: type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
+    schema: (
+        type[ChatCompletionRequest]
+        | type[CompletionRequest]
+        | type[EmbeddingRequest]
+        | type[ScoreRequest]
+        | type[RerankRequest]
+    )
 
 
 CHAT = Route("chat", "/v1/chat/completions", ChatCompletionRequest)
+# A Responses request, asked of the engine on its chat route, stateless: the rendering the gateway counts is the one
+# the engine runs (api/responses.py; a background one from the queue: jobs/worker.py).
+RESPONSES = Route("responses", "/v1/chat/completions", ChatCompletionRequest)
 COMPLETIONS = Route("completions", "/v1/completions", CompletionRequest)
 EMBEDDINGS = Route("embeddings", "/v1/embeddings", EmbeddingRequest)
+POOLING = Route("pooling", "/pooling", PoolingRequest)
+SCORE = Route("score", "/v1/score", ScoreRequest)
+RERANK = Route("rerank", "/v1/rerank", RerankRequest)
 
 
 def resolve_model(state: PipelineParts, tenant: TenantSettings, name: str) -> ModelSettings:
@@ -124,13 +143,19 @@ def resolve_model(state: PipelineParts, tenant: TenantSettings, name: str) -> Mo
     return model
 
 
-def check_task(model: ModelSettings, request: AnyRequest) -> None:
+def check_task(model: ModelSettings, request: PipelineRequest) -> None:
     """Refuse a request its model's engines do not serve (vLLM would answer it with an error of its own)."""
-    if isinstance(request, EmbeddingRequest) and model.task != "embed":
-        raise InvalidRequest(f"The model '{model.name}' generates text; it makes no embeddings.", param="model")
-    if not isinstance(request, EmbeddingRequest) and model.task != "generate":
+    if isinstance(request, INPUTS_REQUESTS) and model.task != "embed":
         raise InvalidRequest(
-            f"The model '{model.name}' is an embedding model: send its requests to /v1/embeddings.", param="model"
+            f"The model '{model.name}' generates text; it makes no embeddings, poolings or scores (its task is "
+            "'generate').",
+            param="model",
+        )
+    if not isinstance(request, INPUTS_REQUESTS) and model.task != "generate":
+        raise InvalidRequest(
+            f"The model '{model.name}' is an embedding model: send its requests to /v1/embeddings, /pooling, "
+            "/v1/score or /v1/rerank.",
+            param="model",
         )
 
 
@@ -267,7 +292,7 @@ class InferenceCall:
         record: RequestRecord,
         tenant: TenantSettings,
         model: ModelSettings,
-        request: AnyRequest,
+        request: PipelineRequest,
         admission: Admission,
         placement: Placement,
         slot: Slot,
@@ -579,6 +604,8 @@ class InferenceCall:
             raise
         if isinstance(self.request, EmbeddingRequest):
             return await self._embeddings(body, self.request, guard)
+        if isinstance(self.request, ScoreRequest | RerankRequest):
+            return await self._scored(body, self.request, guard)
         removed = prune(body)
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
         if guard is not None and removed:
@@ -607,12 +634,25 @@ class InferenceCall:
         self.record.take_usage(answer["usage"])
         return answer
 
+    async def _scored(
+        self, body: dict[str, Any], request: ScoreRequest | RerankRequest, guard: OutputGuard | None
+    ) -> dict[str, Any]:
+        """A scoring answer built again from its scores, once they answer the pairs and its usage adds up."""
+        found, removed = scoring.scores(body, request, self.replica.name)
+        if guard is not None and removed:
+            await guard.check_removed(removed)
+        if self.model.verify_usage:
+            await self.check_usage(body.get("usage") if isinstance(body.get("usage"), dict) else None)
+        answer = scoring.answer(found, request, self.model.name, await self.admission.prompt_tokens())
+        self.record.take_usage(answer["usage"])
+        return answer
+
     async def relay(self, at_end: AtEnd | None = None) -> AsyncGenerator[Event, None]:
         """The checked stream; `at_end`: run's, once the backend's stream has ended, before the log is written and
         the stream's end goes out."""
         assert self.response is not None
         record, request = self.record, self.request
-        assert not isinstance(request, EmbeddingRequest)  # never streamed
+        assert not isinstance(request, INPUTS_REQUESTS)  # never streamed
         wanted = UsageWanted(final=request.include_usage, every_chunk=request.continuous_usage)
         check = self.check_usage if self.model.verify_usage else None
         bound = answer_bound(request, request.stream_interval or 1, self.sent_bytes)
@@ -654,10 +694,12 @@ class InferenceCall:
         return error
 
 
-def answer_bound(request: AnyRequest, tokens: int, sent_bytes: int) -> int:
+def answer_bound(request: PipelineRequest, tokens: int, sent_bytes: int) -> int:
     """The most bytes an honest answer (or one stream event) of `tokens` tokens per choice can take."""
     if isinstance(request, EmbeddingRequest):
         return ANSWER_BASE_BYTES + sent_bytes + embeddings.answer_bound(request)
+    if isinstance(request, ScoreRequest | RerankRequest):
+        return ANSWER_BASE_BYTES + sent_bytes + scoring.answer_bound(request)
     alternatives = (request.top_logprobs or 0) if isinstance(request, ChatCompletionRequest) else request.logprobs or 0
     return ANSWER_BASE_BYTES + sent_bytes + request.n * tokens * (alternatives + 1) * TOKEN_BYTES
 
@@ -696,7 +738,7 @@ async def _admit(
     check_task(model, parsed)
     state.verdicts.check(tenant.id, model.name)
     record.model, record.stream = model.name, parsed.stream
-    if isinstance(parsed, EmbeddingRequest):
+    if isinstance(parsed, INPUTS_REQUESTS):
         return await _admit_inputs(state, submission, record, model, parsed)
     default_output = check_request_limits(state, tenant, model, parsed)
     slot = Slot(state, tenant, model)
@@ -751,7 +793,7 @@ async def _admit(
 
 
 async def _admit_inputs(
-    state: PipelineParts, submission: Submission, record: RequestRecord, model: ModelSettings, parsed: EmbeddingRequest
+    state: PipelineParts, submission: Submission, record: RequestRecord, model: ModelSettings, parsed: InputsRequest
 ) -> tuple[InferenceCall, bytes]:
     """An embeddings request: each input admitted on its own and all of them together, held like any request. No
     marker is planted (it would change the vectors) and nothing is fingerprinted (no text comes back, and a replica
@@ -771,7 +813,11 @@ async def _admit_inputs(
             state.metrics,
             placement.replica,
         )
-        payload = embeddings.upstream_body(submission.payload)
+        payload = (
+            embeddings.upstream_body(submission.payload)
+            if isinstance(parsed, EmbeddingRequest)
+            else dict(submission.payload)
+        )
         set_controls(payload, model, state.salts.salt(owner), tenant)
         await slot.reserve(admission.estimate)
         await state.gate.enter(model, tenant, placement, submission.batch, submission.gone, submission.reject_if_busy)

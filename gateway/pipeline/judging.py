@@ -31,7 +31,7 @@ from gateway.incidents.reporting import ReportingParts, report
 from gateway.incidents.verdicts import VerdictBound
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.slot import Slot, SlotParts
-from gateway.schemas import AnyRequest, EmbeddingRequest
+from gateway.schemas_pooling import INPUTS_REQUESTS, PipelineRequest
 from gateway.settings import ModelSettings, TenantSettings
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.placement import Confined
@@ -114,7 +114,7 @@ class Judged(Protocol):
 
     tenant: TenantSettings
     model: ModelSettings
-    request: AnyRequest
+    request: PipelineRequest
     admission: Admission
     replica: Replica
     upstream_id: str
@@ -150,7 +150,7 @@ class Judges:
                 return
             judgement.said.cancel()  # the request moved to the judge's replica (its first one refused to connect)
             self._judgement = None
-        if state.fingerprints is None or isinstance(call.request, EmbeddingRequest):
+        if state.fingerprints is None or isinstance(call.request, INPUTS_REQUESTS):
             return
         if not state.verdicts.judged_from_start(call.tenant.id, call.model.name):
             return

@@ -34,7 +34,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.accesslog import RequestIdHeader
-from gateway.api import admin, anthropic, catalog, notices, openai, responses
+from gateway.api import admin, anthropic, catalog, notices, openai, responses, tokenization
 from gateway.api import workers as workers_api
 from gateway.api.body import BodyReader
 from gateway.api.state import GatewayState, state_of
@@ -53,6 +53,7 @@ from gateway.incidents.verdicts import VerdictBound
 from gateway.jobs.worker import work
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.counting import BackendCounter, LocalCounter, PromptCounter
+from gateway.pipeline.inference import RESPONSES
 from gateway.server import readiness
 from gateway.server.openapi import openapi_document
 from gateway.server.stores import build_stores
@@ -433,8 +434,9 @@ def keep_tasks(state: GatewayState, instance: str, workers: int) -> None:
         tasks.keep("redis-ping", partial(watch_redis, state.redis, state.metrics.redis_up, interval))
     if settings.isolation.prober.enabled:
         tasks.keep("prober", partial(run_prober, state))
+    finishers = {RESPONSES.name: responses.Background(state.conversations)}  # background responses' (api/responses.py)
     for n in range(workers):
-        tasks.keep(f"queue-worker-{n}", partial(work, state, state.queue, f"{instance}-{n}"))
+        tasks.keep(f"queue-worker-{n}", partial(work, state, state.queue, f"{instance}-{n}", finishers))
 
 
 def create_app(
@@ -578,6 +580,9 @@ def create_app(
             Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
             Route("/v1/completions", openai.completions, methods=["POST"]),
             Route("/v1/embeddings", openai.embeddings, methods=["POST"]),
+            Route("/pooling", openai.pooling, methods=["POST"]),
+            *(Route(path, openai.score, methods=["POST"]) for path in ("/v1/score", "/score")),
+            *(Route(path, openai.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank")),
             Route("/v1/responses", responses.create, methods=["POST"]),
             Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
             Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
@@ -585,6 +590,8 @@ def create_app(
             Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
             Route("/v1/messages", anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+            Route("/tokenize", tokenization.tokenize, methods=["POST"]),
+            Route("/detokenize", tokenization.detokenize, methods=["POST"]),
             Route("/v1/isolation/notices", notices.by_key(notices.notices), methods=["GET"]),
             Route("/v1/isolation/webhook", notices.by_key(notices.show_webhook), methods=["GET"]),
             Route("/v1/isolation/webhook", notices.by_key(notices.set_webhook), methods=["PUT"]),

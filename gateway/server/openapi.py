@@ -20,7 +20,9 @@ from gateway.api.admin_tenants import (
 from gateway.api.anthropic_shapes import CountTokensRequest, MessagesRequest
 from gateway.api.notices import WebhookSet
 from gateway.api.responses_shapes import ResponsesRequest
+from gateway.api.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizePromptRequest
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from gateway.schemas_pooling import PoolingRequest, RerankRequest, ScoreRequest
 
 _ERROR_SCHEMA = {
     "type": "object",
@@ -73,6 +75,20 @@ def _inference(summary: str, schema: str, streams: bool = True) -> dict[str, Any
             "responses": {
                 "200": {"description": answer, "content": content},
                 **_errors(400, 401, 403, 404, 413, 429, 502, 503, 504),
+            },
+        }
+    }
+
+
+def _tokenization(summary: str, schema: dict[str, Any], answer: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearer": []}],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {
+                "200": {"description": answer, "content": {"application/json": {"schema": {"type": "object"}}}},
+                **_errors(400, 401, 403, 404, 413, 429, 503),
             },
         }
     }
@@ -273,6 +289,8 @@ def openapi_document() -> dict[str, Any]:
             (ChatCompletionRequest, "validation"),
             (CompletionRequest, "validation"),
             (EmbeddingRequest, "validation"),
+            *((model, "validation") for model in (PoolingRequest, ScoreRequest, RerankRequest)),
+            *((model, "validation") for model in (TokenizePromptRequest, TokenizeChatRequest, DetokenizeRequest)),
             (ResponsesRequest, "validation"),
             (MessagesRequest, "validation"),
             (CountTokensRequest, "validation"),
@@ -298,6 +316,25 @@ def openapi_document() -> dict[str, Any]:
             "/v1/completions": _inference("Create a completion", "CompletionRequest"),
             "/v1/embeddings": _inference(
                 "Create embeddings: a vector per input (never streamed)", "EmbeddingRequest", streams=False
+            ),
+            "/pooling": _inference(
+                "vLLM's pooling of an embedding model: its vectors under data", "PoolingRequest", streams=False
+            ),
+            "/v1/score": _inference(
+                "vLLM's scores of an embedding model: the cosine of each pair", "ScoreRequest", streams=False
+            ),
+            "/v1/rerank": _inference(
+                "vLLM's rerank: the documents ranked against the query, best first", "RerankRequest", streams=False
+            ),
+            "/tokenize": _tokenization(
+                "A prompt's token ids, from the model's tokenizer in the gateway (no engine asked)",
+                {"oneOf": [_ref("TokenizePromptRequest"), _ref("TokenizeChatRequest")]},
+                '{"count", "max_model_len", "tokens", "token_strs"}',
+            ),
+            "/detokenize": _tokenization(
+                "The text of token ids, from the model's tokenizer in the gateway (no engine asked)",
+                _ref("DetokenizeRequest"),
+                '{"prompt"}',
             ),
             "/v1/responses": _inference(
                 "Create a response (OpenAI's Responses API; stored by the gateway unless store is false)",

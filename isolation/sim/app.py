@@ -4,6 +4,7 @@ vLLM's routes, with vLLM's shapes, status codes and error texts:
     GET  /v1/models            POST /v1/chat/completions    POST /v1/completions
     POST /v1/responses         POST /v1/messages            POST /v1/messages/count_tokens
     GET  /v1/responses/{id}    POST /v1/responses/{id}/cancel (404: no store, as vLLM's default)
+    POST /v1/embeddings        POST /pooling                POST /v1/score, /score   POST /v1/rerank, /rerank
     POST /tokenize             POST /detokenize
     GET  /health               GET  /version                GET  /metrics
 
@@ -48,7 +49,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from isolation.sim import embeddings, sglang
+from isolation.sim import embeddings, scoring, sglang
 from isolation.sim.config import FAULTS, SimConfig
 from isolation.sim.detokenizer import Detokenizer
 from isolation.sim.engine import Abandoned, Engine, Run
@@ -123,6 +124,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
 
 
 def _vllm_routes(config: SimConfig, tokenizer: ModelTokenizer, engine: Engine, endpoints: _Endpoints) -> list[Route]:
+    embedder = embeddings.Embeddings(config, tokenizer, engine, endpoints.request_log)
     return [
         Route("/v1/models", endpoints.models, methods=["GET"]),
         Route("/v1/responses", endpoints.responses, methods=["POST"]),
@@ -130,7 +132,8 @@ def _vllm_routes(config: SimConfig, tokenizer: ModelTokenizer, engine: Engine, e
         Route("/v1/responses/{response_id}/cancel", endpoints.stored_response, methods=["POST"]),
         Route("/v1/messages", endpoints.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", endpoints.count_message_tokens, methods=["POST"]),
-        embeddings.route(config, tokenizer, engine, endpoints.request_log),
+        *embeddings.routes(embedder),
+        *scoring.routes(embedder),
         Route("/tokenize", endpoints.tokenize, methods=["POST"]),
         Route("/detokenize", endpoints.detokenize, methods=["POST"]),
         Route("/health", endpoints.health, methods=["GET"]),

@@ -48,9 +48,12 @@ INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of li
 Vector = NDArray[np.float32]
 
 
-def route(config: SimConfig, tokenizer: ModelTokenizer, engine: Engine, request_log: RequestLog) -> Route:
-    """POST /v1/embeddings of a simulator over this tokenizer and engine, recording what it is sent."""
-    return Route("/v1/embeddings", Embeddings(config, tokenizer, engine, request_log).create, methods=["POST"])
+def routes(embeddings: Embeddings) -> list[Route]:
+    """POST /v1/embeddings and /pooling (an embedding model's) of a simulator."""
+    return [
+        Route("/v1/embeddings", embeddings.create, methods=["POST"]),
+        Route("/pooling", embeddings.pool, methods=["POST"]),
+    ]
 
 
 class Embeddings:
@@ -61,54 +64,74 @@ class Embeddings:
         self._log = request_log
         self._vocab = vocab_size(tokenizer.tokenizer)
 
+    @property
+    def model(self) -> str:
+        return self._config.model
+
     async def create(self, request: Request) -> Response:
-        body = await self._read(request)
+        body = await self.read(request)
+        vectors, prompt_tokens = await self.embed(
+            body, self._inputs(body), _dimensions(body.get("dimensions"), self._config.model)
+        )
+        return self._answer(body, vectors, prompt_tokens, "embd", "embedding", "embedding")
+
+    async def pool(self, request: Request) -> Response:
+        """POST /pooling of an embedding model (its task "embed"): the vectors as /v1/embeddings makes them, each
+        under `data` in an object "pooling"."""
+        body = await self.read(request)
+        task = body.get("task")
+        if task not in (None, "embed"):
+            raise bad_request(f"Task {task} is not supported, it must be one of the supported tasks: ['embed']", "task")
+        vectors, prompt_tokens = await self.embed(
+            body, self._inputs(body), _dimensions(body.get("dimensions"), self._config.model)
+        )
+        return self._answer(body, vectors, prompt_tokens, "pool", "pooling", "data")
+
+    def _answer(
+        self, body: JsonObject, vectors: list[Vector], prompt_tokens: int, prefix: str, kind: str, field: str
+    ) -> Response:
+        encoding = body.get("encoding_format") or "float"
+        if encoding not in ("float", "base64"):
+            raise bad_request(f"encoding_format {encoding!r} is not simulated: float or base64.", "encoding_format")
+        data = [
+            {"index": index, "object": kind, field: vector.tolist() if encoding == "float" else _base64(vector)}
+            for index, vector in enumerate(vectors)
+        ]
+        answer = {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": self._config.model,
+            "data": data,
+            "usage": usage(prompt_tokens),
+        }
+        # Each float32 written as the double it is (0.1198030412197113), as vLLM 0.32 writes them.
+        return Response(orjson.dumps(answer), media_type="application/json")
+
+    async def embed(
+        self, body: JsonObject, inputs: list[list[int]], dimensions: int = DIMENSIONS
+    ) -> tuple[list[Vector], int]:
+        """The vector of each input's tokens (each checked before any runs, then pooled through the KV cache), and
+        the prompt tokens the engine reports for them all."""
         model = parse_model(body)
         if model is not None and model != self._config.model:  # like vLLM, an omitted model means the served one
             raise model_not_found(model)
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.")
-        encoding = body.get("encoding_format") or "float"
-        if encoding not in ("float", "base64"):
-            raise bad_request(f"encoding_format {encoding!r} is not simulated: float or base64.", "encoding_format")
-        dimensions = _dimensions(body.get("dimensions"), self._config.model)
-        inputs = self._inputs(body)
         for ids in inputs:
             self._check_length(len(ids))
         read = [await self._pool(ids, salt) for ids in inputs]
         if self._engine.paced:
             await asyncio.sleep(self._config.ttft_ms / 1000)
         normalize = flag(body, "use_activation", True)
-        vectors = [embedding(tokens, dimensions, normalize) for tokens, _ in read]
-        data = [
-            {
-                "index": index,
-                "object": "embedding",
-                "embedding": vector.tolist() if encoding == "float" else _base64(vector),
-            }
-            for index, vector in enumerate(vectors)
-        ]
-        prompt_tokens = sum(count for _, count in read)
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens,
-            "completion_tokens": 0,
-            "prompt_tokens_details": None,
-            "completion_tokens_details": None,
-        }
-        answer = {
-            "id": f"embd-{uuid.uuid4().hex}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": self._config.model,
-            "data": data,
-            "usage": usage,
-        }
-        # Each float32 written as the double it is (0.1198030412197113), as vLLM 0.32 writes them.
-        return Response(orjson.dumps(answer), media_type="application/json")
+        return [embedding(tokens, dimensions, normalize) for tokens, _ in read], sum(count for _, count in read)
 
-    async def _read(self, request: Request) -> JsonObject:
+    def encode(self, text: str) -> list[int]:
+        """A text's tokens as the pooling runner reads them (special tokens added)."""
+        return list(self._tokenizer.tokenizer.encode(text, add_special_tokens=True).ids)
+
+    async def read(self, request: Request) -> JsonObject:
         """The body, recorded as it arrived (None when it is not a JSON object) for tests of what was forwarded."""
         try:
             body = parse_json_object(await request.body())
@@ -166,6 +189,16 @@ class Embeddings:
         counters.prefix_cache_hits += table.hit_tokens
         counters.request_success["stop"] += 1
         return ids, len(ids)
+
+
+def usage(prompt_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
 
 
 def _dimensions(value: Any, model: str) -> int:

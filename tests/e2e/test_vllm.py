@@ -311,6 +311,26 @@ def test_corpus_counts_equal_vllms_tokenize(
     assert mismatches == [], "\n".join(mismatches)
 
 
+def test_the_gateways_tokenize_and_detokenize_answer_as_vllms(
+    http: httpx.Client, gateway: str, vllm: VllmServer
+) -> None:
+    """The gateway answers both from its own tokenizer (no engine asked): the same ids, token strings and text as
+    vLLM's, for every corpus prompt."""
+    mismatches: list[str] = []
+    for index, item in enumerate(PROMPTS):
+        body = {**item.tokenize_body(MODEL), "return_token_strs": index % 10 == 0}
+        ours = http.post(f"{gateway}/tokenize", json=body, headers=auth())
+        theirs = http.post(f"{vllm.url}/tokenize", json=body).json()
+        assert ours.status_code == 200, (item.name, ours.text)
+        if {**ours.json(), "max_model_len": theirs["max_model_len"]} != theirs:
+            mismatches.append(f"{item.name}: tokenize differs")
+        ids = {"model": MODEL, "tokens": theirs["tokens"]}
+        text = http.post(f"{gateway}/detokenize", json=ids, headers=auth()).json()
+        if text != http.post(f"{vllm.url}/detokenize", json=ids).json():
+            mismatches.append(f"{item.name}: detokenize differs")
+    assert mismatches == [], "\n".join(mismatches)
+
+
 def test_corpus_through_the_gateway_passes_usage_verification(
     http: httpx.Client, gateway: str, counter: LocalCounter
 ) -> None:

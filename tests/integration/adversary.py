@@ -5,6 +5,7 @@ honest usage, that can be told to replay a prompt it saw into any one channel of
     POST /tokenize                           counted as the simulator counts
     POST /v1/chat/completions, /v1/completions   streamed or not
     POST /v1/embeddings                      the simulator's vectors for the inputs (isolation/sim/embeddings.py)
+    POST /v1/score, /v1/rerank               the cosines of those vectors (score: `queries` and `documents`)
 
 It remembers the prompt text of every inference request as it arrived (markers included: chat contents joined by
 newlines, or the completion prompt). Tests drive it in-process: `adversary.plan = Plan(...)` answers the next
@@ -53,6 +54,8 @@ DONE = b"data: [DONE]\n\n"
 AFTER_ONE = ("midstream_error", "not_json")  # a stream's channels that come after one benign chunk
 # An embeddings answer that does not answer its inputs: a vector fewer, one more, an index twice, one vector shorter.
 VECTOR_CHANNELS = ("vector_missing", "vector_extra", "index_repeated", "vector_short")
+# A scoring answer that does not answer its pairs: a score fewer, one more, an index twice, a score that is no number.
+SCORE_CHANNELS = ("vector_missing", "vector_extra", "index_repeated", "score_nan")
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,9 @@ class Plan:
         event after the first chunk, is the text and not JSON), tokenize_400 (the next /tokenize refused, quoting
         the prompt it was given), tokenize_huge (the next /tokenize answered with its count and 4 MiB more). An
         embeddings answer: extra_top, extra_item (the text in an unknown field of the answer or of its first vector),
-        id, model (the text as that string), and VECTOR_CHANNELS (the text nowhere).
+        id, model (the text as that string), and VECTOR_CHANNELS (the text nowhere). A score or rerank answer:
+        extra_top, extra_item, document_text (a rerank's first document's text is the text), and SCORE_CHANNELS
+        (the text nowhere).
     source: the text put there: the previous request's prompt, the first request's, this one's own, or benign.
     piece: characters per stream chunk and logprob position (token ids: the ids of those characters); 0, all at once.
     rank: the alternative that top_logprob_token / top_logprobs fill.
@@ -388,6 +393,8 @@ class Adversary:
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/embeddings", self._embeddings, methods=["POST"]),
+                Route("/v1/score", self._scores, methods=["POST"]),
+                Route("/v1/rerank", self._scores, methods=["POST"]),
             ]
         )
 
@@ -477,6 +484,39 @@ class Adversary:
             answer[EXTRA] = text
         elif plan.channel in ("id", "model"):
             answer[plan.channel] = text
+        return _json(answer)
+
+    async def _scores(self, request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        rerank = "query" in body
+        first, second = (body["query"], body["documents"]) if rerank else (body["queries"], body["documents"])
+        firsts, seconds = ([t] if isinstance(t, str) else t for t in (first, second))
+        plan, text = self._planned(Plan("scores", source="benign"), "\n".join([*firsts, *seconds]))
+        vectors = [embedding(self.tokenizer.encode_prompt(t), DIMENSIONS, True) for t in [*firsts, *seconds]]
+        lefts, rights = vectors[: len(firsts)], vectors[len(firsts) :]
+        scores = [float(lefts[0 if len(lefts) == 1 else i] @ right) for i, right in enumerate(rights)]
+        name, field = ("results", "relevance_score") if rerank else ("data", "score")
+        items: list[JsonObject] = [{"index": i, field: score} for i, score in enumerate(scores)]
+        for item in items:
+            item.update({"document": {"text": seconds[item["index"]]}} if rerank else {"object": "score"})
+        if plan.channel == "vector_missing":
+            items.pop()
+        elif plan.channel == "vector_extra":
+            items.append({**items[0], "index": len(items)})
+        elif plan.channel == "index_repeated":
+            items[-1]["index"] = 0
+        elif plan.channel == "score_nan":
+            items[0][field] = "NaN"
+        elif plan.channel == "extra_item":
+            items[0][EXTRA] = text
+        elif plan.channel == "document_text":
+            items[0]["document"] = {"text": text}
+        prompt = sum(len(self.tokenizer.encode_prompt(t)) for t in [*firsts, *seconds])
+        prompt -= 1 if plan.usage == "short" else 0
+        answer: JsonObject = {"id": f"score-{uuid.uuid4().hex}", "model": body.get("model") or self.model, name: items}
+        answer["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt}
+        if plan.channel == "extra_top":
+            answer[EXTRA] = text
         return _json(answer)
 
     def _planned(self, default: Plan, prompt: str) -> tuple[Plan, str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from gateway.server.app import create_app
@@ -71,13 +73,23 @@ def wait_until_ready(process: subprocess.Popen[str], url: str) -> None:
     raise AssertionError("bulkhead serve did not become ready")
 
 
-def test_serve_on_embedded_defaults_answers_the_printed_curl(served: tuple[subprocess.Popen[str], list[str]]) -> None:
+def readme_snippet(call: str) -> str:
+    """The README's Python code block that makes this call."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL)
+    [block] = [block for block in blocks if call in block]
+    return str(block)
+
+
+def test_serve_on_embedded_defaults_answers_the_printed_curl_and_the_readmes_embeddings(
+    served: tuple[subprocess.Popen[str], list[str]],
+) -> None:
     process, banner = served
     text = "\n".join(banner)
     address = re.search(r"listening on (http://127\.0\.0\.1:\d+)", text)
     backend = re.search(r"backend 'simulator' at (http://127\.0\.0\.1:\d+)", text)
+    embedder = re.search(r"backend 'simulator-embed' at (http://127\.0\.0\.1:\d+)", text)
     key = re.search(r"API key \(shown once, valid for this run\): (bk-\S+)", text)
-    assert address and backend and key, text
+    assert address and backend and embedder and key, text
     assert "state in memory" in text
     url = address.group(1)
     # Sent the moment the banner's curl line is out, as a script that waits for it would: the port is served by then.
@@ -89,11 +101,17 @@ def test_serve_on_embedded_defaults_answers_the_printed_curl(served: tuple[subpr
     )
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"]
-    sim = backend.group(1)
+    # The README's embeddings snippet, as printed, with the client its first snippet makes.
+    printed = io.StringIO()
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=key.group(1)) as client, contextlib.redirect_stdout(printed):
+        exec(readme_snippet("client.embeddings.create("), {"client": client})
+    count, tokens = printed.getvalue().split()
+    assert count == "2" and int(tokens) > 2
     process.send_signal(signal.SIGINT)
     process.wait(timeout=15)
-    with pytest.raises(httpx.TransportError):
-        httpx.get(f"{sim}/health", timeout=2)  # the embedded simulator stops with the gateway
+    for sim in (backend.group(1), embedder.group(1)):
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{sim}/health", timeout=2)  # the embedded simulators stop with the gateway
 
 
 def test_keys_create_prints_a_key_once_and_its_hash() -> None:

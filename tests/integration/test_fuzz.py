@@ -135,6 +135,21 @@ EMBEDDING = st.fixed_dictionaries(
         "unknown_field": JSON,
     },
 )
+TEXTS = TEXT | st.lists(TEXT, max_size=3) | JSON
+MODEL_NAMES = st.sampled_from([EMBED_MODEL, EMBED_MODEL, EMBED_MODEL, MODEL, ""]) | JSON
+SCORING = {
+    "use_activation": st.booleans() | JSON,
+    "cache_salt": TEXT | JSON,
+    "max_tokens_per_doc": INTS,
+    "unknown_field": JSON,
+}
+SCORE = st.fixed_dictionaries(
+    {"model": MODEL_NAMES},
+    optional={**{name: TEXTS for name in ("queries", "documents", "items", "text_1", "text_2")}, **SCORING},
+)
+RERANK = st.fixed_dictionaries(
+    {"model": MODEL_NAMES, "query": TEXT | JSON, "documents": TEXTS}, optional={"top_n": INTS, **SCORING}
+)
 CASES = [
     ("/v1/chat/completions", "ChatCompletionRequest", CHAT, 900),
     ("/v1/completions", "CompletionRequest", COMPLETION, 800),
@@ -157,6 +172,8 @@ def test_generated_embedding_bodies(make_gateway: Any, make_sim: Any, tokenizer_
     alice = {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]}
     gateway_url = make_gateway({"sim": sim_url}, models=[embedding_model(tokenizer_dir, ["sim"])], tenants=[alice])
     fuzz(gateway_url, sim_url, "/v1/embeddings", "EmbeddingRequest", EMBEDDING, 250)
+    fuzz(gateway_url, sim_url, "/v1/score", "ScoreRequest", SCORE, 100)
+    fuzz(gateway_url, sim_url, "/v1/rerank", "RerankRequest", RERANK, 100)
 
 
 def fuzz(

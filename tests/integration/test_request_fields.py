@@ -243,7 +243,6 @@ async def test_a_chat_prefill_is_continued_and_counted(
 
 
 RESPONSES_DEFAULTS: dict[str, Any] = {
-    "background": False,
     "top_logprobs": 0,
     "max_tool_calls": None,
     "prompt": None,
@@ -311,7 +310,6 @@ async def test_responses_logprobs_are_forwarded_and_answered(
 
 
 RESPONSES_UNSERVED = [
-    ("background", True, "while its request is open"),
     ("prompt", {"id": "pmpt_1"}, "saved prompts"),
     ("conversation", "conv_1", "previous_response_id"),
     ("moderation", {"model": "omni-moderation-latest"}, "moderation models"),

@@ -787,6 +787,30 @@ async def test_a_stored_turn_is_found_only_by_its_owner(make_conversations: Conv
     assert await store.load("alice-1", "r1") is None and not await store.delete("alice-1", "r1")
 
 
+async def test_a_pending_turn_is_replaced_only_while_pending_and_counted_once(
+    make_conversations: ConversationsFactory,
+) -> None:
+    store = make_conversations(max_bytes=10_000)
+    pending = turn("r1")
+    pending = Turn(pending.id, {**pending.response, "status": "queued"}, pending.input, "", 1, 2, "r0")
+    wanted = frozenset({"queued", "in_progress"})
+    assert not await store.save("alice", pending, wanted), "nothing to replace yet"
+    assert await store.save("alice", pending)
+    said = await store.conversation("alice", "r1", 10)
+    assert said is not None and said[-1].status == "queued"
+    cancelled = Turn("r1", {**pending.response, "status": "cancelled"}, pending.input, "", 1, 2, "r0")
+    assert await store.save("alice", cancelled, wanted)
+    done = Turn("r1", {**pending.response, "status": "completed"}, pending.input, "", 1, 2, "r0")
+    assert not await store.save("alice", done, wanted), "a cancellation stands"
+    kept = await store.load("alice", "r1")
+    assert kept is not None and kept.response["status"] == "cancelled"
+    # A turn saved again is held once: a byte bound that counted every save would soon drop the owner's others.
+    await store.save("alice", Turn("x0", done.response, [], "", 1, 2, "r0"))
+    for _ in range(100):
+        await store.save("alice", cancelled)
+    assert await store.load("alice", "x0") is not None and await store.load("alice", "r1") is not None
+
+
 async def test_a_conversation_is_read_by_its_links_oldest_first_and_within_its_bound(
     make_conversations: ConversationsFactory,
 ) -> None:
