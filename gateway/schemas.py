@@ -7,7 +7,9 @@ unknown one could be an engine control the gateway has never heard of). Three ki
 refused on purpose, each with its reason (REFUSED): fields that change what the engine processes in ways the
 gateway cannot count, engine-control fields no tenant may set, and fields that would make the engine return
 the prompt, i.e. the gateway's injected canary text. Sizes that cost the engine (stop strings, schemas,
-grammars, token lists) are bounded.
+grammars, token lists) are bounded. OpenAI's own chat fields are all read: a hosted API's controls are accepted and
+never forwarded (NOT_APPLIED), and those asking for what nothing here runs are refused unless null, with their
+reason (CHAT_UNSERVED); docs/api.md has the table of them all.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def _bounded(value: T, what: str) -> T:
 class StreamOptions(_Strict):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+    # OpenAI's padding of stream events against length side channels: none is added here (NOT_APPLIED).
+    include_obfuscation: bool | None = None
 
 
 class TextPart(_Strict):
@@ -188,6 +192,10 @@ REFUSED: dict[str, str] = {
 }
 
 
+# Refused fields (REFUSED) a chat request may set, since the gateway counts what they render.
+CHAT_COUNTED = frozenset({"add_special_tokens", "continue_final_message"})
+
+
 # What vLLM passes a chat template itself: a client's chat_template_kwargs would replace them (vLLM merges the
 # kwargs over them), rendering another prompt than the one the gateway counts.
 TEMPLATE_ARGUMENTS = frozenset(
@@ -196,11 +204,39 @@ TEMPLATE_ARGUMENTS = frozenset(
 )  # fmt: skip
 
 
-def _refuse_known(data: Any) -> Any:
+def _refuse_known(data: Any, refused: dict[str, str] = REFUSED) -> Any:
     if isinstance(data, dict):
-        for name in data.keys() & REFUSED.keys():
-            raise ValueError(f"'{name}' is not accepted: {REFUSED[name]}")
+        for name in data.keys() & refused.keys():
+            raise ValueError(f"'{name}' is not accepted: {refused[name]}")
     return data
+
+
+# OpenAI's chat fields that ask for what nothing behind the gateway does: refused unless null (their default), since
+# an answer made without them would not be the one asked for.
+NOTHING_RUNS = "nothing behind the gateway runs it"
+CHAT_UNSERVED: dict[str, str] = {
+    "audio": f"audio output: {NOTHING_RUNS} (the engines write text)",
+    "web_search_options": f"OpenAI's hosted web search: {NOTHING_RUNS}",
+    "moderation": f"OpenAI's moderation models: {NOTHING_RUNS}",
+    "functions": "deprecated by OpenAI for `tools`, which the gateway forwards; vLLM does not read it",
+    "function_call": "deprecated by OpenAI for `tool_choice`, which the gateway forwards; vLLM does not read it",
+}
+# A hosted API's own controls, accepted as its clients send them and never forwarded (not_applied): the prefix cache
+# is the engine's, salted per tenant, so a client's cache key must not reach it (it could name another tenant's).
+NOT_APPLIED = (
+    "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+    "safety_identifier", "verbosity", "modalities", "prediction", "audio", "web_search_options", "moderation",
+    "functions", "function_call",
+)  # fmt: skip
+
+
+def not_applied(payload: dict[str, Any]) -> None:
+    """The accepted fields that are not applied, out of a chat request before it goes upstream."""
+    for name in NOT_APPLIED:
+        payload.pop(name, None)
+    options = payload.get("stream_options")
+    if isinstance(options, dict):
+        options.pop("include_obfuscation", None)
 
 
 class _Generation(_Strict):
@@ -284,6 +320,9 @@ class ChatCompletionRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: OutputTokens | None = None
     add_generation_prompt: bool = True
+    # The last message left open for the answer to go on with (a prefill), as vLLM renders it: counted (refused on
+    # completions, REFUSED). The gateway's Messages and Responses routes set it for a turn to continue.
+    continue_final_message: bool = False
     # The tokenizer's special tokens on top of the template's (BOS again): counted on chat as the tokenizer adds them
     # (refused elsewhere, REFUSED). The gateway's Responses route sets it, as vLLM's own Responses route renders so.
     add_special_tokens: bool = False
@@ -300,6 +339,25 @@ class ChatCompletionRequest(_Generation):
 
     # A chat echo prepends the last message, which carries the tenant's marker when it is a user turn.
     echo: Literal[False] | None = None
+    # Accepted and not applied (NOT_APPLIED).
+    store: bool | None = None
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    service_tier: ShortText | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    prompt_cache_retention: ShortText | None = None
+    prompt_cache_options: Annotated[dict[str, ShortText | None], Field(max_length=8)] | None = None
+    safety_identifier: ShortText | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # Text is what the engines write; audio is refused (CHAT_UNSERVED's reason, by _refused).
+    modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = None
+    # A predicted output only makes OpenAI's answer faster: the answer is the same without it.
+    prediction: dict[str, Any] | None = None
+    # Refused unless null (CHAT_UNSERVED).
+    audio: None = None
+    web_search_options: None = None
+    moderation: None = None
+    functions: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _bounded_tool_grammar(self) -> ChatCompletionRequest:
@@ -315,9 +373,27 @@ class ChatCompletionRequest(_Generation):
     @model_validator(mode="before")
     @classmethod
     def _refused(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "add_special_tokens" in data:
-            return _refuse_known({name: value for name, value in data.items() if name != "add_special_tokens"})
+        if isinstance(data, dict):
+            given = {name for name, value in data.items() if value is not None}
+            _refuse_known(dict.fromkeys(given & CHAT_UNSERVED.keys()), CHAT_UNSERVED)
+            modalities = data.get("modalities")
+            if isinstance(modalities, list) and "audio" in modalities:
+                raise ValueError(f"'modalities' is not accepted with audio: {CHAT_UNSERVED['audio']}")
+            _refuse_known({name: value for name, value in data.items() if name not in CHAT_COUNTED})
+            return data
         return _refuse_known(data)
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> ChatCompletionRequest:
+        if not self.continue_final_message:
+            return self
+        # The gateway's marker is in system and user turns: the engine is never set to go on writing one of them.
+        if self.messages[-1].role != "assistant":
+            raise ValueError("'continue_final_message' continues only a last assistant message (a prefill)")
+        # vLLM refuses both, a generation prompt by default too (transformers' apply_chat_template).
+        if self.add_generation_prompt:
+            raise ValueError("'continue_final_message' needs 'add_generation_prompt': false")
+        return self
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -177,28 +177,30 @@ class ModelTokenizer:
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
         reasoning_effort: str | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text vLLM's chat route renders for these request fields (`template_kwargs`: the request's
-        chat_template_kwargs)."""
+        chat_template_kwargs; `continue_final_message`: the last message left open, for the answer to go on with)."""
         if self.template is None:
             raise ChatTemplateError("this model's tokenizer has no chat template")
         variables = template_variables(
             template_kwargs, add_generation_prompt=add_generation_prompt, reasoning_effort=reasoning_effort
         )
+        if continue_final_message and add_generation_prompt:
+            # transformers' apply_chat_template refuses both (a turn is either continued or a new one opened).
+            raise ChatTemplateError("continue_final_message and add_generation_prompt are not compatible")
+        turns = conversation(messages, self.content_format, self.knows_developer)
+        final = _tag_final(turns) if continue_final_message else None
         try:
-            return self.template.render(
-                {
-                    **self.special_tokens,
-                    **variables,
-                    "messages": conversation(messages, self.content_format, self.knows_developer),
-                    "tools": template_tools(tools),
-                }
+            rendered = self.template.render(
+                {**self.special_tokens, **variables, "messages": turns, "tools": template_tools(tools)}
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
         except (TypeError, ValueError, ArithmeticError, LookupError) as exc:
             # A template variable of a type the template does not expect ("Today: " + 5): the request's fault.
             raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from exc
+        return rendered if final is None else _cut_at_tag(rendered, final)
 
     def count_chat(
         self,
@@ -229,6 +231,36 @@ class ModelTokenizer:
         # decode_batch lets go of the GIL while it works (decode holds it: 35 ms for 200,000 ids, which stalls every
         # other request even from a thread).
         return str(self.tokenizer.decode_batch([list(ids)], skip_special_tokens=True)[0])
+
+
+# transformers' render_jinja_template (chat_template_utils.py), which vLLM's chat route calls: the final message's
+# text is marked, rendered, and the prompt ends where the mark is.
+_FINAL_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final(turns: list[dict[str, Any]]) -> str:
+    """The final message's text to continue, its mark appended in place (to its last text part, if parts)."""
+    final = turns[-1].get("content") if turns else None
+    if isinstance(final, list):
+        for part in reversed(final):
+            if isinstance(part, dict) and "text" in part:
+                text = str(part["text"])
+                part["text"] = text + _FINAL_TAG
+                return text
+        raise ChatTemplateError("continue_final_message is set but the final message has no text to continue")
+    if not isinstance(final, str):
+        raise ChatTemplateError('continue_final_message is set but the final message has no "content" to continue')
+    turns[-1]["content"] = final + _FINAL_TAG
+    return final
+
+
+def _cut_at_tag(rendered: str, final: str) -> str:
+    mark = _FINAL_TAG.strip()
+    if final.strip() not in rendered or mark not in rendered:
+        raise ChatTemplateError("continue_final_message is set but the template drops part of the final message")
+    at = rendered.rindex(mark)
+    # A template that trims the message's trailing space has trimmed the mark's too: trimmed, the prompt ends there.
+    return rendered[:at] if rendered[at : at + len(_FINAL_TAG)] == _FINAL_TAG else rendered[:at].rstrip()
 
 
 def token_counts(tokenizer: Tokenizer, texts: Sequence[str], add_special_tokens: bool) -> list[int]:

@@ -14,7 +14,7 @@ import secrets
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.api.bounds import Cap, Shape
 from gateway.api.openai import client_path, hold_call, tokens, unfinished
@@ -50,6 +50,7 @@ CHAT_FIELDS = {
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
     "thinking_token_budget": "thinking.budget_tokens",
     "reasoning_effort": "output_config.effort",
+    "response_format": "output_config.format",
 }
 TOOL_FIELDS = {"name": "name", "description": "description", "parameters": "input_schema"}
 
@@ -125,8 +126,15 @@ class Thinking(_Strict):
     display: str | None = None  # how a client shows thinking: nothing the engine does
 
 
+class JsonOutputFormat(_Strict):
+    type: Literal["json_schema"]
+    # "schema" is a BaseModel attribute; the alias keeps the wire name. Bounded as chat's (schemas.JsonSchemaFormat).
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
 class OutputConfig(_Strict):
-    effort: Literal["low", "medium", "high", "max"] | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonOutputFormat | None = None
 
 
 class Metadata(_Strict):
@@ -144,25 +152,6 @@ TURNS: Shape = (
 )
 
 
-class MessagesRequest(_Strict):
-    """POST /v1/messages: the fields of Anthropic's Messages API that an open-weight engine can honour."""
-
-    model: ModelName
-    max_tokens: OutputTokens
-    messages: Annotated[list[Message], Field(min_length=1)]
-    system: str | Annotated[list[TextBlock], Field(min_length=1)] | None = None
-    stop_sequences: Annotated[list[ShortText], Field(max_length=16)] | None = None
-    stream: bool = False
-    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
-    tools: list[ToolDefinition] | None = None
-    tool_choice: ToolChoice | None = None
-    thinking: Thinking | None = None
-    output_config: OutputConfig | None = None
-    metadata: Metadata | None = None
-
-
 class CountTokensRequest(_Strict):
     """POST /v1/messages/count_tokens: what a Messages request's prompt would cost, without generating."""
 
@@ -172,6 +161,38 @@ class CountTokensRequest(_Strict):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    # Accepted and not applied: the prefix cache is the engine's, salted per tenant (a top-level breakpoint as any
+    # other); there is one speed, and no profile or workspace but the key's tenant.
+    cache_control: CacheControl = None
+    speed: Literal["standard", "fast"] | None = None
+    user_profile_id: ShortText | None = None
+    workspace_id: ShortText | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """POST /v1/messages: the fields of Anthropic's Messages API that an open-weight engine can honour."""
+
+    max_tokens: OutputTokens
+    stop_sequences: Annotated[list[ShortText], Field(max_length=16)] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    metadata: Metadata | None = None
+    # Accepted and not applied: no tiers, the engines are where the operator runs them, no cache diagnosis.
+    service_tier: Literal["auto", "standard_only"] | None = None
+    inference_geo: ShortText | None = None
+    diagnostics: Annotated[dict[str, ShortText | None], Field(max_length=8)] | None = None
+    # Anthropic's code-execution containers: none runs here (refused unless null, with its reason).
+    container: None = None
+
+    @field_validator("container", mode="before")
+    @classmethod
+    def _no_container(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("'container' is not accepted: Anthropic's code-execution containers do not run here")
+        return value
 
 
 def chat_payload(request: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
@@ -180,14 +201,16 @@ def chat_payload(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
     system = _system(request)
     if system:
         messages.append({"role": "system", "content": system})
-    if request.messages[-1].role == "assistant":
-        raise InvalidRequest(
-            "messages: a last assistant turn (a prefill to continue) is not supported; end with a user turn",
-            param="messages",
-        )
     for message in request.messages:
         messages.extend(_chat_messages(message))
     payload: dict[str, Any] = {"model": request.model, "messages": messages}
+    if request.messages[-1].role == "assistant":
+        # A prefill: Anthropic's answer goes on from the last assistant turn, which vLLM's chat route leaves open
+        # (and the gateway counts so); it says only what comes after it.
+        if "content" not in messages[-1]:
+            last = f"messages[{len(request.messages) - 1}]"
+            raise InvalidRequest(f"{last}: a last assistant turn (a prefill) needs text to go on from", param=last)
+        payload |= {"add_generation_prompt": False, "continue_final_message": True}
     if isinstance(request, MessagesRequest):
         payload["max_tokens"] = request.max_tokens
         if request.stream:
@@ -227,8 +250,13 @@ def chat_payload(request: MessagesRequest | CountTokensRequest) -> dict[str, Any
     thinking = request.thinking
     if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is not None:
         payload["thinking_token_budget"] = thinking.budget_tokens
-    if isinstance(request, MessagesRequest) and request.output_config and request.output_config.effort is not None:
-        payload["reasoning_effort"] = request.output_config.effort
+    config = request.output_config
+    if isinstance(request, MessagesRequest) and config is not None and config.effort is not None:
+        payload["reasoning_effort"] = config.effort
+    if isinstance(request, MessagesRequest) and config is not None and config.format is not None:
+        # As vLLM's own Messages route asks it (serving.py `_handle_output_config`): the format's type as its name.
+        schema = {"name": config.format.type, "schema": config.format.json_schema}
+        payload["response_format"] = {"type": "json_schema", "json_schema": schema}
     return payload
 
 
@@ -250,7 +278,14 @@ def request_path(chat_path: str, request: MessagesRequest | CountTokensRequest) 
         turns = [f"messages[{turn}]" for turn, said in enumerate(request.messages) for _ in _chat_messages(said)]
         return (["system"] if _system(request) else []) + turns
 
-    return client_path(chat_path, origins, CHAT_FIELDS, TOOL_FIELDS, listed={"stop": "stop_sequences"})
+    return client_path(
+        chat_path,
+        origins,
+        CHAT_FIELDS,
+        TOOL_FIELDS,
+        whole=("tool_choice", "response_format"),
+        listed={"stop": "stop_sequences"},
+    )
 
 
 def chat_error(message: str, param: str | None, request: MessagesRequest | CountTokensRequest) -> str:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from gateway.api.bounds import Cap, Shape
 from gateway.api.openai import CHAT_PATH, client_path, hold_call, tokens, unfinished
 from gateway.errors import GatewayError, InvalidRequest
-from gateway.schemas import ModelName, OutputTokens, ShortText
+from gateway.schemas import INT64, NOTHING_RUNS, ModelName, OutputTokens, ShortText
 
 
 class _Strict(BaseModel):
@@ -129,6 +129,19 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None
 
 
+LOGPROBS = "message.output_text.logprobs"
+Includable = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+]
+
+
 class ResponsesRequest(_Strict):
     """POST /v1/responses: the fields of OpenAI's Responses API that an open-weight engine behind a stateless
     gateway can honour."""
@@ -153,17 +166,35 @@ class ResponsesRequest(_Strict):
     previous_response_id: Annotated[str, Field(min_length=1, max_length=MAX_ID)] | None = None
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
     user: ShortText | None = None
-    truncation: Literal["disabled"] | None = None
-    # Encrypted reasoning is a provider's to hand back: asking for it here gets none (Codex asks when reasoning is on).
-    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    # "auto" is accepted and runs as "disabled": an input over the window is refused (context_length_exceeded), never
+    # cut by the engine, which would run another prompt than the one the gateway counted.
+    truncation: Literal["disabled", "auto"] | None = None
+    # What a request may ask to be included: the output text's logprobs (applied); encrypted reasoning is a provider's
+    # to hand back (Codex asks when reasoning is on), and the others are built-in tools' outputs, none of which runs
+    # here: asked for, none is returned.
+    include: list[Includable] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Caps calls to built-in tools, none of which runs here: met whatever it says.
+    max_tool_calls: Annotated[int, Field(ge=0)] | None = None
+    # vLLM's sampling parameters on its Responses route, forwarded.
+    seed: INT64 | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     # A hosted API's controls, accepted as clients send them (Codex sends prompt_cache_key every time) and not
     # forwarded: the prefix cache is the engine's, salted per tenant; there is no tier; the tenant is the key's.
     prompt_cache_key: Annotated[str, Field(max_length=1024)] | None = None
+    prompt_cache_retention: ShortText | None = None
+    prompt_cache_options: Annotated[dict[str, ShortText | None], Field(max_length=8)] | None = None
     service_tier: ShortText | None = None
     safety_identifier: ShortText | None = None
     stream_options: StreamOptions | None = None
-    # Read only to be refused with its reason (LangChain sends it when asked to compact): server-side compaction
-    # would summarise a conversation behind the client's back, and nothing here runs it.
+    access_programs: Annotated[dict[str, ShortText | None], Field(max_length=8)] | None = None
+    background_options: Annotated[dict[str, ShortText | None], Field(max_length=8)] | None = None
+    image: Annotated[dict[str, ShortText | None], Field(max_length=8)] | None = None
+    # At their defaults only: refused otherwise, with the reason (UNSERVED).
+    prompt: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
     context_management: list[dict[str, Any]] | None = None
 
 
@@ -176,15 +207,24 @@ INPUT: Shape = (
 )
 
 
+# The fields refused unless at their defaults, and why.
+UNSERVED: dict[str, str] = {
+    # Server-side compaction would summarise a conversation behind the client's back (LangChain sends it when asked
+    # to compact), and nothing here runs it.
+    "context_management": "a conversation is not compacted here; send it whole, or shorten it yourself.",
+    "prompt": "OpenAI's saved prompts are not kept here; send the prompt's text as instructions and input.",
+    "conversation": "OpenAI's Conversations API is not served here; chain turns with previous_response_id.",
+    "moderation": f"OpenAI's moderation models: {NOTHING_RUNS}.",
+}
+
+
 def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The chat completion a Responses request is: the pipeline validates it again as one, with every other check.
     `history`: a stored conversation's items before this request's input (its instructions are not carried over,
     as OpenAI's are not)."""
-    if request.context_management:
-        raise InvalidRequest(
-            "context_management: a conversation is not compacted here; send it whole, or shorten it yourself.",
-            param="context_management",
-        )
+    for name, reason in UNSERVED.items():
+        if getattr(request, name):
+            raise InvalidRequest(f"{name}: {reason}", param=name)
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
@@ -195,21 +235,32 @@ def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None
     else:
         for item in request.input:
             _append(messages, item)
-    if isinstance(request.input, list) and _partial(request.input[-1]):
-        raise InvalidRequest(
-            "input: a last assistant message or reasoning item that is in_progress or incomplete (a turn to continue) "
-            "is not supported; end with a complete item",
-            param="input",
-        )
     # vLLM's Responses route encodes the rendered prompt with the tokenizer's special tokens on top of the template's
     # own (a second BOS for Llama): asked of its chat route, the same prompt.
     payload: dict[str, Any] = {"model": request.model, "messages": messages, "add_special_tokens": True}
+    if isinstance(request.input, list) and _partial(request.input[-1]):
+        # The gateway's marker is in system and user turns: the engine is never set to go on writing one of them.
+        if messages[-1]["role"] != "assistant":
+            raise InvalidRequest(
+                f"input[{len(request.input) - 1}]: only an assistant message or a reasoning item is continued; "
+                "a last item of another role must be complete",
+                param=f"input[{len(request.input) - 1}]",
+            )
+        payload |= {"add_generation_prompt": False, "continue_final_message": True}
     if request.max_output_tokens is not None:
         payload["max_tokens"] = request.max_output_tokens
     if request.stream:
         payload["stream"] = True
         payload["stream_options"] = {"include_usage": True}
-    for name in ("temperature", "top_p", "parallel_tool_calls", "user"):
+    for name in (
+        "temperature",
+        "top_p",
+        "parallel_tool_calls",
+        "user",
+        "seed",
+        "frequency_penalty",
+        "presence_penalty",
+    ):
         value = getattr(request, name)
         if value is not None:
             payload[name] = value
@@ -242,11 +293,16 @@ def chat_payload(request: ResponsesRequest, history: list[dict[str, Any]] | None
             payload["response_format"] = {"type": "json_schema", "json_schema": schema | _strict(form.strict)}
     if request.reasoning is not None and request.reasoning.effort is not None:
         payload["reasoning_effort"] = request.reasoning.effort
+    if LOGPROBS in (request.include or ()):
+        # vLLM's Responses route: top_logprobs alternatives per token, with the include only.
+        payload["logprobs"] = True
+        payload["top_logprobs"] = request.top_logprobs or 0
     return payload
 
 
 def _partial(item: Item) -> bool:
-    # responses/utils.py should_continue_final_message: vLLM continues such a turn instead of starting the answer.
+    # responses/utils.py should_continue_final_message: vLLM continues such a turn (left open, as a prefill) instead
+    # of starting the answer.
     return isinstance(item, MessageItem | ReasoningItem) and item.status in ("in_progress", "incomplete")
 
 
@@ -259,6 +315,10 @@ _FIELDS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "parallel_tool_calls": "parallel_tool_calls",
+    "seed": "seed",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "top_logprobs": "top_logprobs",
     "user": "user",
     "tool_choice": "tool_choice",
     "response_format": "text.format",
@@ -428,7 +488,9 @@ def envelope(request: ResponsesRequest, response: str, status: str, created: int
         else (request.tool_choice or "auto"),
         "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or ()],
         "top_p": request.top_p,
-        "truncation": "disabled",
+        "truncation": request.truncation or "disabled",
+        "top_logprobs": request.top_logprobs or 0,
+        "max_tool_calls": request.max_tool_calls,
         "usage": None,
         "metadata": request.metadata or {},
         **({"user": request.user} if request.user is not None else {}),
@@ -450,7 +512,8 @@ def answered(base: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
     if reasoning:
         output.append(_reasoning_item(_item_id("rs"), reasoning))
     if said.get("content") or said.get("refusal"):
-        output.append(_message_item(_item_id("msg"), said.get("content") or "", "completed", said.get("refusal") or ""))
+        text, refusal = said.get("content") or "", said.get("refusal") or ""
+        output.append(_message_item(_item_id("msg"), text, "completed", refusal, _logprobs(choice)))
     for call in said.get("tool_calls") or ():
         function = call.get("function") or {}
         output.append(
@@ -495,18 +558,27 @@ def _reasoning_item(item: str, text: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _message_item(item: str, text: str, status: str, refusal: str = "") -> dict[str, Any]:
-    parts = [_part("message", text)] if text else []
+def _message_item(
+    item: str, text: str, status: str, refusal: str = "", logprobs: list[Any] | None = None
+) -> dict[str, Any]:
+    parts = [_part("message", text, logprobs)] if text else []
     if refusal:
         parts.append(_part("refusal", refusal))
     return {"type": "message", "id": item, "status": status, "role": "assistant", "content": parts}
 
 
-def _part(kind: str, text: str) -> dict[str, Any]:
+def _part(kind: str, text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
     """A message's content part: its text (`message`) or a refusal (`refusal`)."""
     if kind == "refusal":
         return {"type": "refusal", "refusal": text}
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _logprobs(choice: dict[str, Any]) -> list[Any]:
+    """A checked chat choice's (or chunk's) token logprobs: the Responses API's are the same objects (token, logprob,
+    bytes, top_logprobs)."""
+    content = (choice.get("logprobs") or {}).get("content")
+    return content if isinstance(content, list) else []
 
 
 def _call_item(item: str, call: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -541,6 +613,7 @@ class EventWriter:
         self._open: str | None = None  # "reasoning" or "message"
         self._item: dict[str, Any] = {}
         self._text = ""  # what the open item has said
+        self._logprobs: list[Any] = []  # and its tokens' logprobs, when they were asked for
         self._output: list[dict[str, Any]] = []
         self._finish: str | None = None
         self._usage: dict[str, Any] = {}
@@ -560,7 +633,7 @@ class EventWriter:
             if reasoning:
                 out += self._text_delta("reasoning", reasoning)
             if delta.get("content"):
-                out += self._text_delta("message", delta["content"])
+                out += self._text_delta("message", delta["content"], _logprobs(choice))
             if delta.get("refusal"):
                 out += self._text_delta("refusal", delta["refusal"])
             for call in delta.get("tool_calls") or ():
@@ -612,16 +685,17 @@ class EventWriter:
             self._event("response.in_progress", {"response": body}),
         ]
 
-    def _text_delta(self, kind: str, delta: str) -> list[bytes]:
+    def _text_delta(self, kind: str, delta: str, logprobs: list[Any] | None = None) -> list[bytes]:
         out = []
         if self._open != kind:
             out += self._close()
             out += self._begin(kind)
         self._text += delta
+        self._logprobs += logprobs or []
         name = _DELTAS[kind]
         fields = {"item_id": self._item["id"], "output_index": len(self._output), "content_index": 0, "delta": delta}
         if kind == "message":
-            fields["logprobs"] = []
+            fields["logprobs"] = logprobs or []
         out.append(self._event(name, fields))
         return out
 
@@ -644,7 +718,7 @@ class EventWriter:
         ]
 
     def _begin(self, kind: str) -> list[bytes]:
-        self._open, self._text = kind, ""
+        self._open, self._text, self._logprobs = kind, "", []
         index = len(self._output)
         if kind == "reasoning":
             self._item = {"type": "reasoning", "id": _item_id("rs"), "summary": []}
@@ -679,9 +753,10 @@ class EventWriter:
                 out.append(self._event("response.refusal.done", {**where, "refusal": text}))
                 done = _message_item(item["id"], "", "completed", text)
             else:
-                out.append(self._event("response.output_text.done", {**where, "text": text, "logprobs": []}))
-                done = _message_item(item["id"], text, "completed")
-            out.append(self._event("response.content_part.done", {**where, "part": _part(kind, text)}))
+                said = self._logprobs
+                out.append(self._event("response.output_text.done", {**where, "text": text, "logprobs": said}))
+                done = _message_item(item["id"], text, "completed", logprobs=said)
+            out.append(self._event("response.content_part.done", {**where, "part": _part(kind, text, self._logprobs)}))
         out.append(self._event("response.output_item.done", {"output_index": index, "item": done}))
         self._output.append(done)
         return out

@@ -35,6 +35,7 @@ class Prompt:
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message left open: an answer's prefill
     template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None  # a chat template variable too (vLLM passes it, and enable_thinking)
     # Special tokens the tokenizer adds to the rendered chat (BOS), as vLLM's Responses route asks on top of the
@@ -53,6 +54,7 @@ class Prompt:
             messages=payload["messages"],
             tools=payload.get("tools"),
             add_generation_prompt=payload.get("add_generation_prompt", True),
+            continue_final_message=payload.get("continue_final_message", False),
             template_kwargs=payload.get("chat_template_kwargs"),
             reasoning_effort=payload.get("reasoning_effort"),
             add_special_tokens=payload.get("add_special_tokens", False),
@@ -121,6 +123,8 @@ class Prompt:
             "messages": [_reasoning_renamed(message) for message in self.messages],
             "add_generation_prompt": self.add_generation_prompt,
         }
+        if self.continue_final_message:
+            body["continue_final_message"] = True
         if self.add_special_tokens:
             body["add_special_tokens"] = True
         if self.tools:
@@ -298,7 +302,12 @@ class LocalCounter:
 
     def _render(self, prompt: Prompt, messages: list[dict[str, Any]]) -> str:
         return self.tokenizer.render_chat(
-            messages, prompt.tools, prompt.add_generation_prompt, prompt.template_kwargs, prompt.reasoning_effort
+            messages,
+            prompt.tools,
+            prompt.add_generation_prompt,
+            prompt.template_kwargs,
+            prompt.reasoning_effort,
+            prompt.continue_final_message,
         )
 
     @staticmethod

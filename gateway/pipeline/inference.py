@@ -43,6 +43,7 @@ from gateway.schemas import (
     CompletionRequest,
     EmbeddingRequest,
     InferenceRequest,
+    not_applied,
     request_path,
     validate,
 )
@@ -192,6 +193,7 @@ def upstream_body(
     salt: str,
     tenant: TenantSettings,
 ) -> bytes:
+    not_applied(payload)
     set_controls(payload, model, salt, tenant)
     # Always: without it the engine would generate up to its whole window, past what admission reserved.
     payload[request.output_param] = admission.max_tokens

@@ -324,6 +324,7 @@ class _Endpoints:
                 prompt.add_generation_prompt,
                 prompt.template_kwargs,
                 prompt.reasoning_effort,
+                prompt.continue_final_message,
             )
         except ChatTemplateError as exc:
             raise bad_request(str(exc)) from exc

@@ -61,6 +61,7 @@ class ChatPrompt:
     template_kwargs: Mapping[str, Any] | None
     add_special_tokens: bool  # vLLM's default for chat is False: the template writes BOS itself
     reasoning_effort: str | None = None  # a template variable on vLLM's chat route
+    continue_final_message: bool = False
 
     @property
     def response_role(self) -> str:
@@ -205,6 +206,7 @@ def parse_chat_prompt(body: JsonObject) -> ChatPrompt:
         template_kwargs=template_kwargs,
         add_special_tokens=flag(body, "add_special_tokens", False),
         reasoning_effort=effort if isinstance(effort := body.get("reasoning_effort"), str) else None,
+        continue_final_message=flag(body, "continue_final_message", False),
     )
 
 

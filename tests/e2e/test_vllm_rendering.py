@@ -4,9 +4,11 @@ A seeded generator makes chat, Responses and Messages requests that mix the fiel
 tools with and without description, parameters and strict; tool-call history whose arguments are objects,
 truncated, arrays, strings or empty; content as strings and as parts, empty ones among them; system blocks and
 Claude Code's billing line; reasoning; names; developer messages anywhere; reasoning effort and template variables
-(null and "auto" among them). Each is counted by the gateway (its translation, then the LocalCounter admission uses)
-and tokenized by vLLM's own routes on a render-only vLLM (`/v1/chat/completions/render`, `/v1/responses/render`,
-`/v1/messages/render`: the routes' own preprocessing, no engine), for three template families: the tiny model's
+(null and "auto" among them); a last assistant turn continued (chat's continue_final_message, a Responses item in
+progress, an Anthropic prefill: the last compared with vLLM's chat route, which the gateway asks to continue it).
+Each is counted by the gateway (its translation, then the LocalCounter admission uses) and tokenized by vLLM's own
+routes on a render-only vLLM (`/v1/chat/completions/render`, `/v1/responses/render`, `/v1/messages/render`: the
+routes' own preprocessing, no engine), for three template families: the tiny model's
 Llama-style one, ChatML in Qwen3's shape, and Mistral's (content iterated as parts). A request both sides refuse
 agrees. A disagreement fails the test with the smallest request that still disagrees the same way.
 
@@ -150,6 +152,13 @@ def chat_request(d: Draw) -> Body:
         body["chat_template_kwargs"] = {k: v for k, v in variables.items() if d.chance(0.7)}
     if d.chance(0.1):
         body["add_generation_prompt"] = False
+    if d.chance(0.1):
+        # A prefill: a last assistant message left open (continue_final_message), mostly without the generation
+        # prompt (both are refused).
+        messages.append({"role": "assistant", "content": d.content()})
+        body["continue_final_message"] = True
+        if d.chance(0.8):
+            body["add_generation_prompt"] = False
     return body
 
 
@@ -189,6 +198,13 @@ def responses_request(d: Draw) -> Body:
         body["tools"] = [responses_tool(d) for _ in range(d.rng.randint(1, 3))]
     if d.chance(0.3):
         body["reasoning"] = {"effort": d.effort()}
+    if isinstance(body["input"], list) and d.chance(0.1):
+        # A turn to continue: a last assistant message or reasoning item in progress (should_continue_final_message).
+        said = [item for item in answer_items(d) if item["type"] in ("message", "reasoning")] or [
+            {"type": "message", "role": "assistant", "content": d.text()}
+        ]
+        said[-1]["status"] = d.rng.choice(("in_progress", "incomplete"))
+        body["input"] += said
     return body
 
 
@@ -260,7 +276,7 @@ def messages_request(d: Draw) -> Body:
         d.rng.shuffle(blocks)
         turns.append({"role": "user", "content": d.text() if not pending and d.chance(0.5) else blocks})
         if turn == last:
-            break  # a last assistant turn is a prefill, which the gateway refuses
+            break  # a last assistant turn is a prefill: drawn below
         said: list[dict[str, Any]] = []
         if d.chance(0.3):
             said.append({"type": "thinking", "thinking": d.text(), "signature": "sig"})
@@ -274,6 +290,13 @@ def messages_request(d: Draw) -> Body:
         ]
         turns.append({"role": "assistant", "content": said or d.text()})
     body["messages"] = turns
+    if d.chance(0.15):
+        # A prefill, continued: text, text after thinking, or thinking alone (nothing to continue: refused).
+        thought = {"type": "thinking", "thinking": d.text(), "signature": "sig"}
+        prefill = d.rng.choice(
+            (d.text(), [{"type": "text", "text": d.text()}], [thought, {"type": "text", "text": d.text()}], [thought])
+        )
+        turns.append({"role": "assistant", "content": prefill})
     if d.chance(0.5):
         body["tools"] = [messages_tool(d) for _ in range(d.rng.randint(1, 3))]
     if d.chance(0.3):
@@ -329,6 +352,13 @@ def gateway_count(counter: LocalCounter, kind: str, body: Body) -> Outcome:
 
 
 def vllm_count(client: httpx.Client, kind: str, body: Body) -> Outcome:
+    if kind == "messages" and body["messages"][-1]["role"] == "assistant":
+        # A prefill. vLLM's Messages route closes the turn and opens another; Anthropic's answer goes on from it,
+        # which is what the gateway asks of vLLM's chat route (continue_final_message): that route's rendering of it.
+        try:
+            return vllm_count(client, "chat", chat_payload(kind, json.loads(json.dumps(body))))
+        except InvalidRequest as refusal:
+            return f"no chat request: {refusal.message}"
     answer = client.post(ROUTES[kind], json=body)
     if answer.status_code == 200:
         return len(answer.json()["token_ids"])

@@ -84,3 +84,14 @@ def test_a_bound_tool_is_called_and_its_result_read_back(client: Client, engine:
     assert isinstance(answer, AIMessage) and answer.text == BENIGN and not answer.tool_calls
     # The call and its result reached the engine as the chat turns they are.
     assert "Sunny" in engine.prompts[-1] and "Thanks." in engine.prompts[-1]
+
+
+def test_anthropics_structured_output_by_json_schema_is_answered(gateway: str) -> None:
+    """`ChatAnthropic.with_structured_output(method="json_schema")` asks with `output_config.format` (issue 46): the
+    engine is asked for the schema's output (test_request_fields checks what it is sent), and the answer is read back
+    as the object."""
+    model = ChatAnthropic(base_url=gateway, api_key=ALICE_KEY, model=MODEL, max_tokens=64, max_retries=0)
+    schema = {"title": "Colour", "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    structured = model.with_structured_output(schema, method="json_schema")
+    answer = structured.invoke("BASE64: " + base64.b64encode(b'{"name": "red"}').decode())
+    assert answer == {"name": "red"}

@@ -11,10 +11,11 @@ from gateway.api.anthropic_shapes import EventWriter, MessagesRequest, chat_erro
 from gateway.errors import BackendBadResponse, InvalidRequest
 from gateway.schemas import validate
 
+BASE: dict[str, Any] = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+
 
 def payload(**body: Any) -> dict[str, Any]:
-    request = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **body}
-    return chat_payload(validate(MessagesRequest, request))
+    return chat_payload(validate(MessagesRequest, BASE | body))
 
 
 def test_system_blocks_tools_choices_and_thinking_become_chat_fields() -> None:
@@ -185,9 +186,14 @@ def test_usage_the_backend_did_not_give_counts_as_nothing() -> None:
     assert events(writer.done())[-2]["usage"] == {"input_tokens": 0, "output_tokens": 0}
 
 
-def test_a_prefill_is_refused_and_claude_codes_billing_line_is_not_sent() -> None:
-    with pytest.raises(InvalidRequest, match="prefill"):
-        payload(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "{"}])
+def test_a_prefill_is_continued_and_claude_codes_billing_line_is_not_sent() -> None:
+    prefilled = payload(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "{"}])
+    assert prefilled["messages"][-1] == {"role": "assistant", "content": "{"}
+    assert prefilled["continue_final_message"] is True and prefilled["add_generation_prompt"] is False
+    thought = [{"type": "thinking", "thinking": "hmm", "signature": ""}]
+    with pytest.raises(InvalidRequest, match="prefill") as refused:
+        payload(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": thought}])
+    assert refused.value.param == "messages[1]"
     billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abc;"}
     chat = payload(
         system=[billing, {"type": "text", "text": "You are Claude Code."}],
@@ -196,6 +202,14 @@ def test_a_prefill_is_refused_and_claude_codes_billing_line_is_not_sent() -> Non
     )
     assert chat["messages"][0] == {"role": "system", "content": "You are Claude Code."}
     assert chat["reasoning_effort"] == "high" and "thinking_token_budget" not in chat
+
+
+def test_an_output_format_is_asked_as_vllms_messages_route_asks_it() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    chat = payload(output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "xhigh"})
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
+    assert chat["reasoning_effort"] == "xhigh"
+    assert request_path("response_format.json_schema.schema", validate(MessagesRequest, BASE)) == "output_config.format"
 
 
 def blocks_of(said: list[dict[str, Any]]) -> list[tuple[str, str]]:

@@ -33,6 +33,18 @@ def test_chat_renders_special_tokens_and_generation_prompt(tok: ModelTokenizer) 
     )
 
 
+def test_a_continued_final_message_ends_the_prompt_where_its_text_ends(tok: ModelTokenizer) -> None:
+    """transformers' continue_final_message, as vLLM's chat route renders a prefill: the template's own end of the
+    turn cut off; a template that trims the text trims where it ends. A generation prompt too is refused."""
+    prefill = [*USER_HI, {"role": "assistant", "content": "The answer is "}]
+    text = tok.render_chat(prefill, add_generation_prompt=False, continue_final_message=True)
+    assert text == f"{BOS}{HEADER_START}user{HEADER_END}\n\nhi{EOT}{HEADER_START}assistant{HEADER_END}\n\nThe answer is"
+    with pytest.raises(ChatTemplateError, match="not compatible"):
+        tok.render_chat(prefill, continue_final_message=True)
+    parts = [*USER_HI, {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert tok.render_chat(parts, add_generation_prompt=False, continue_final_message=True).endswith("a\nb")
+
+
 def test_generation_prompt_can_be_left_out(tok: ModelTokenizer) -> None:
     text = tok.render_chat(USER_HI, add_generation_prompt=False)
     assert text.endswith(f"hi{EOT}")
