@@ -149,7 +149,8 @@ async def test_the_report_is_json_with_every_finding_trimmed_and_no_keys(
         assert len(finding["received"].get("answer_excerpt", "")) < 300
     text = json.dumps(report)
     assert ALICE_KEY not in text and BOB_KEY not in text
-    assert report["endpoint_facts"]["token_counts"] == "estimated (lower bounds)"
+    # The gateway answers /tokenize from its own tokenizer (as vLLM's): the audit counts exactly through it.
+    assert report["endpoint_facts"]["token_counts"] == "exact (/tokenize)"
 
 
 def test_an_unreachable_endpoint_exits_2() -> None:

@@ -310,10 +310,12 @@ def test_the_built_in_simulator_stops_with_the_gateway_and_ctrl_c_prints_no_trac
     sig: signal.Signals, tmp_path: Path
 ) -> None:
     with _serve(None, tmp_path) as (process, url, log):
-        [simulator] = _children(process.pid)
+        simulators = _children(process.pid)
+        assert len(simulators) == 2, "the embedded default's two: tiny-llama's and tiny-embed's"
         process.send_signal(sig)
         code = process.wait(30)
-        assert _gone(simulator, 15), f"the built-in simulator ({simulator}) outlived the gateway"
+        for simulator in simulators:
+            assert _gone(simulator, 15), f"a built-in simulator ({simulator}) outlived the gateway"
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0)
     text = log.read_text()
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text

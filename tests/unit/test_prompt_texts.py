@@ -30,7 +30,11 @@ NOT_RENDERED = frozenset(
         "bad_words", "logprob_token_ids", "structured_outputs", "thinking_token_budget", "repetition_detection",
         "stream_interval", "max_completion_tokens", "add_generation_prompt", "add_special_tokens", "tool_choice",
         "parallel_tool_calls",
-        "logprobs", "top_logprobs", "include_reasoning", "reasoning_effort", "echo",
+        "logprobs", "top_logprobs", "include_reasoning", "reasoning_effort", "echo", "continue_final_message",
+        # Accepted and never forwarded, or refused unless null (docs/api.md, "Fields of each API"):
+        "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+        "safety_identifier", "verbosity", "modalities", "prediction", "audio", "web_search_options", "moderation",
+        "functions", "function_call",
     }
 )  # fmt: skip
 
