@@ -36,7 +36,10 @@ T = TypeVar("T")
 TOKENIZE = "tokenize"
 DETOKENIZE = "detokenize"
 # The fields of a chat /tokenize that make its prompt: validated as the chat request they are part of.
-CHAT_FIELDS = ("model", "messages", "tools", "add_generation_prompt", "add_special_tokens", "chat_template_kwargs")
+CHAT_FIELDS = (
+    "model", "messages", "tools", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+    "chat_template_kwargs",
+)  # fmt: skip
 
 
 class _Strict(BaseModel):
@@ -68,6 +71,8 @@ class TokenizeChatRequest(_Strict):
     messages: Annotated[list[Any], Field(min_length=1)]
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
+    # A prefill left open, counted as the chat route counts it (its rules: the chat request's validation).
+    continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False

@@ -58,6 +58,11 @@ def post(url: str, path: str, body: Any, key: str = ALICE_KEY) -> httpx.Response
         {"prompt": "Hello there", "add_special_tokens": False},
         {"messages": MESSAGES},
         {"messages": MESSAGES, "add_generation_prompt": False, "add_special_tokens": True},
+        {
+            "messages": [*MESSAGES, {"role": "assistant", "content": "Bonjour, je"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
     ],
 )
 def test_tokenize_answers_the_ids_the_engine_would_read(gateway: str, module_sim: str, body: dict[str, Any]) -> None:
