@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import orjson
 from redis.exceptions import RedisError
@@ -35,6 +35,7 @@ from gateway.api.responses_shapes import (
     INPUT,
     MAX_ID,
     EventWriter,
+    Includable,
     ResponsesRequest,
     answered,
     chat_error,
@@ -70,20 +71,11 @@ Admit = Callable[[TenantSettings], None] | None  # refuses a key the route does 
 
 # The stored responses' own routes, in the access log and metrics.
 STORED = Route("responses_stored", "", ChatCompletionRequest)
-# What OpenAI lets a client ask of the routes that read a stored response, and that means nothing here (nothing is
-# kept that `include` could add): accepted so that clients work unchanged.
 PENDING = frozenset({"queued", "in_progress"})  # a background response's states before it has finished
 FINISHED = frozenset({"completed", "incomplete"})  # what a later turn may follow
-_INCLUDES = {
-    "file_search_call.results",
-    "web_search_call.results",
-    "web_search_call.action.sources",
-    "message.input_image.image_url",
-    "computer_call_output.output.image_url",
-    "code_interpreter_call.outputs",
-    "reasoning.encrypted_content",
-    "message.output_text.logprobs",
-}
+# What OpenAI lets a client ask of the routes that read a stored response, and that means nothing here (nothing is
+# kept that `include` could add): accepted so that clients work unchanged.
+_INCLUDES = frozenset(get_args(Includable))
 
 
 async def create(request: Request, admit_tenant: Admit = None) -> Response:

@@ -18,7 +18,9 @@ import pytest
 from gateway.server.app import create_app
 from gateway.server.serving import run_server
 from isolation.sim import SimConfig, create_sim_app
-from tests.integration.support import gateway_settings, stop
+from isolation.tokens import ModelTokenizer
+from tests.integration.adversary import Adversary
+from tests.integration.support import HOSTILE_EMBED, gateway_settings, stop
 from tests.redis_server import free_port
 
 GatewayFactory = Callable[..., str]
@@ -105,3 +107,14 @@ def make_gateway_process(tmp_path: Path) -> Iterator[Callable[..., str]]:
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=10) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path) -> ModelTokenizer:
+    return ModelTokenizer.from_dir(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def hostile(tokenizer: ModelTokenizer) -> Adversary:
+    """An adversary serving the embedding model HOSTILE_EMBED (test_embeddings, test_scoring)."""
+    return Adversary(tokenizer, model=HOSTILE_EMBED)

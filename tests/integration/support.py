@@ -21,6 +21,7 @@ from isolation.spelling import ANCHOR
 
 MODEL = "tiny-llama"
 EMBED_MODEL = "tiny-embed"  # an embedding model: its simulators are started with SimConfig(model=EMBED_MODEL)
+HOSTILE_EMBED = "hostile-embed"  # an embedding model served by the adversary (conftest's `hostile`)
 ALICE_KEY = "bk-test-alice-0123456789"
 BOB_KEY = "bk-test-bob-0123456789"
 NOBODY_KEY = "bk-test-nobody-0123456789"

@@ -33,6 +33,7 @@ from tests.integration.support import (
     ALICE_KEY,
     BOB_KEY,
     EMBED_MODEL,
+    HOSTILE_EMBED,
     MODEL,
     auth,
     chat_body,
@@ -46,7 +47,7 @@ from tests.integration.support import (
 from tests.redis_server import redis_server
 
 EMBEDDINGS = "/v1/embeddings"
-HOSTILE = "hostile-embed"  # an embedding model served by the adversary
+HOSTILE = HOSTILE_EMBED
 CAROL_KEY = "bk-test-carol-0123456789"
 ADMIN = "admin-token-0123456789"
 MAX_TOTAL = 3000  # limits.max_embedding_tokens of the gateway under test
@@ -63,16 +64,6 @@ def tenants(**carol: Any) -> list[dict[str, Any]]:
 
 def embed_sim(tokenizer_dir: Path, **config: Any) -> Any:
     return run_server(create_sim_app(SimConfig(tokenizer_dir=tokenizer_dir, model=EMBED_MODEL, **config)))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> ModelTokenizer:
-    return ModelTokenizer.from_dir(tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def hostile(tokenizer: ModelTokenizer) -> Adversary:
-    return Adversary(tokenizer, model=HOSTILE)
 
 
 @pytest.fixture(scope="module")

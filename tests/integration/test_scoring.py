@@ -20,7 +20,6 @@ import pytest
 
 from gateway.server.app import create_app
 from gateway.server.serving import run_server
-from gateway.tenancy.tenants import hash_key
 from isolation.markers import MARKER_PATTERN
 from isolation.sim import SimConfig, create_sim_app
 from isolation.sim.embeddings import DIMENSIONS, embedding
@@ -39,28 +38,18 @@ from tests.integration.support import (
     shows_marker,
 )
 
-HOSTILE = "hostile-embed"
-CAROL_KEY = "bk-test-carol-0123456789"
-ADMIN = "admin-token-0123456789"
+# The embeddings tests' tenants and names (and conftest's tokenizer and hostile engine): the same deployment's.
+from tests.integration.test_embeddings import ADMIN, CAROL_KEY, HOSTILE, embed_sim, tenants
+
 QUERY = "When is high tide in the harbour?"
 DOCUMENTS = ["High tide is at noon on Tuesday.", "The bakery opens at seven.", "Tide tables for the harbour."]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> ModelTokenizer:
-    return ModelTokenizer.from_dir(tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def hostile(tokenizer: ModelTokenizer) -> Adversary:
-    return Adversary(tokenizer, model=HOSTILE)
 
 
 @pytest.fixture(scope="module")
 def servers(tokenizer_dir: Path, hostile: Adversary) -> Iterator[dict[str, str]]:
     """The embedding model's simulator, the chat model's, the adversary, and a gateway over all of them."""
     with ExitStack() as stack:
-        urls = {"embed": stack.enter_context(run_server(create_sim_app(SimConfig(tokenizer_dir, model=EMBED_MODEL))))}
+        urls = {"embed": stack.enter_context(embed_sim(tokenizer_dir))}
         urls["chat"] = stack.enter_context(run_server(create_sim_app(SimConfig(tokenizer_dir=tokenizer_dir))))
         urls["hostile"] = stack.enter_context(run_server(hostile.app()))
         settings = gateway_settings(
@@ -71,11 +60,7 @@ def servers(tokenizer_dir: Path, hostile: Adversary) -> Iterator[dict[str, str]]
                 embedding_model(tokenizer_dir, ["embed"]),
                 embedding_model(tokenizer_dir, ["hostile"], name=HOSTILE),
             ],
-            tenants=[
-                {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]},
-                {"id": "bob", "key_hashes": [hash_key(BOB_KEY)], "models": [MODEL]},
-                {"id": "carol", "key_hashes": [hash_key(CAROL_KEY)]},
-            ],
+            tenants=tenants(),
             admin_token=ADMIN,
             isolation={"canary": {"quarantine_on_leak": False}},
         )
