@@ -2,18 +2,46 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 from gateway.server.serving import run_server
 from isolation.sim import SimConfig, create_sim_app
 from isolation.sim.tinymodel import build_tokenizer
 
 SimFactory = Callable[..., str]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """README's command runs the suite on two pytest-xdist workers: a module runs whole on one worker, so its module
+    fixtures start once, and the end-to-end package is one unit, so one vLLM serves it. (xdist's own `loadgroup`
+    cannot say this on pytest 9: it renames node ids, which pytest 9 no longer lets a plugin do.)"""
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "tests/e2e" if module.startswith("tests/e2e/") else module
+
+    return ByModule(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """A test marked `alone` times something against the clock: while it runs (setup to teardown), no other worker
+    runs a test, and it waits for the one in flight; every other test holds a shared turn."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return (yield)
+    with open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bulkhead-pytest-{run}.lock", "a") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+        return (yield)
 
 
 @pytest.fixture(scope="session")

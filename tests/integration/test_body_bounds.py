@@ -32,6 +32,7 @@ EVERY_S = 0.01  # a small request starts this often, whatever the others are doi
 ADDED_MS = 50  # the most a huge body may add to another tenant's request
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("shape", list(HUGE))
 async def test_a_huge_body_adds_no_latency_to_another_tenants_requests(
     make_gateway: GatewayFactory, sim_url: str, shape: str

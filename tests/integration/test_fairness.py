@@ -107,6 +107,7 @@ async def test_a_request_the_engine_runs_and_has_reported_counts_once(
     assert metric(text, "bulkhead_queue_wait_seconds_count", model=MODEL, tenant="bob") == 0, "it never waited"
 
 
+@pytest.mark.alone
 async def test_a_full_queue_refuses_at_once_with_retry_after_and_forwards_nothing(
     client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
 ) -> None:
@@ -151,6 +152,7 @@ async def test_the_workers_route_answers_3040_when_the_model_is_at_capacity(
     assert len(chats(sim)) == 2
 
 
+@pytest.mark.alone
 async def test_a_request_that_waited_max_queue_wait_s_is_refused_and_never_sent(
     client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
 ) -> None:
@@ -219,6 +221,7 @@ async def test_queue_workers_claim_no_job_while_an_interactive_request_waits(
     assert [user_text(r) for r in chats(sim)] == ["first", "second", "a batch job"]
 
 
+@pytest.mark.alone
 async def test_queued_tenants_take_turns_instead_of_first_come_first_served(
     client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any
 ) -> None:
@@ -275,6 +278,7 @@ async def test_a_flood_is_bounded_by_the_queue_depth(
     assert len(chats(sim)) == 200 - refused
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("reserve", [None, 0], ids=["default-reserve", "reserve-broken"])
 async def test_a_light_tenant_never_waits_behind_a_flood_while_slots_exist(
     client: httpx.AsyncClient, one_slot: Callable[..., str], make_sim: Any, reserve: int | None

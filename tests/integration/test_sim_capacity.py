@@ -96,6 +96,7 @@ def wait_for_occupancy(client: httpx.Client, admitted: int) -> tuple[float, floa
     return counts
 
 
+@pytest.mark.alone
 def test_requests_beyond_max_num_seqs_wait_first_come_first_served(make_sim: SimFactory) -> None:
     # A long TTFT keeps the first two running while all five are sent, one after another, so their order is known.
     url = make_sim(max_num_seqs=2, ttft_ms=1000, output_tokens=3)
@@ -190,6 +191,7 @@ def test_a_stale_kv_placeholder_takes_a_sequence_slot_and_reads_blocks_freed_whi
         assert occupancy(observer) == (0, 0)
 
 
+@pytest.mark.alone
 def test_a_full_batch_stretches_the_token_interval(make_sim: SimFactory) -> None:
     rate, tokens, skip = 50, 50, 5
     url = make_sim(max_num_seqs=4, tokens_per_s=rate, output_tokens=tokens, batch_slowdown=1.0)
@@ -210,6 +212,7 @@ def test_a_full_batch_stretches_the_token_interval(make_sim: SimFactory) -> None
     assert batch_gap / solo_gap > 1.35
 
 
+@pytest.mark.alone
 def test_batch_slowdown_zero_keeps_a_full_batch_at_its_configured_speed(make_sim: SimFactory) -> None:
     rate, tokens = 50, 30
     url = make_sim(max_num_seqs=4, tokens_per_s=rate, output_tokens=tokens)

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import SimFactory
 from tests.integration.test_sim import MODEL, error_of, metric, stream, token_count, wait_for_metric
@@ -53,6 +54,7 @@ def test_another_salt_misses_and_no_salt_is_shared_across_callers(sim_url: str) 
         assert metric(client, "vllm:prefix_cache_queries_total") == 4 * prompt_tokens
 
 
+@pytest.mark.alone
 def test_prefix_hits_shorten_the_time_to_first_token(make_sim: SimFactory) -> None:
     with httpx.Client(base_url=make_sim(ttft_ms=400), timeout=10) as client:
         elapsed = []
