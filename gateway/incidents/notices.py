@@ -264,7 +264,7 @@ class Notifier:
         """Keep and send the notices a confirmed incident makes; the number that were new, None when the store failed.
         Each is kept with its webhook message queued, in one step (NoticeStore.add): a store that fails keeps neither,
         logged, and the next answer of the incident, or an instance's next pass over the confirmed incidents
-        (tracking.watch), makes it again."""
+        (Tracker.watch), makes it again."""
         settings = self._settings.isolation.notices
         max_pending = self._settings.webhooks.max_pending_per_target
         try:

@@ -282,7 +282,7 @@ class Responder:
         check = replace(event, kind=CHECK, detail=detail, action=action, confirmed=outcome, time=time.time())
         await self._reporter.report(check)
         # The verdict is recorded before it is acted on: an instance that dies between the two leaves a confirmed
-        # incident, which every instance's tracking.watch finishes (settle, and its notices); the other way round it
+        # incident, which every instance's Tracker.watch finishes (settle, and its notices); the other way round it
         # left a quarantined replica whose victims were never told.
         await self._tracker.confirmed(replica.name, outcome, started, incident_id)
         if action == QUARANTINED:
@@ -291,7 +291,7 @@ class Responder:
 
     async def settle(self, incident: Incident) -> None:
         """An open incident the canary probe confirmed: its replica quarantined, whichever instance recorded the verdict
-        (tracking.watch asks every instance, every interval). Not over an operator's drain, nor with quarantine_on_leak
+        (Tracker.watch asks every instance, every interval). Not over an operator's drain, nor with quarantine_on_leak
         off."""
         replica = self._pool.replicas.get(incident.replica)
         if replica is None or replica.admin_state not in (None, SUSPENDED, HELD):

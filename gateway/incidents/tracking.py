@@ -129,7 +129,7 @@ class Tracker:
           joined or closed the incidents: the page (deploy/prometheus) is read from every instance's export, so none's
           death resolves it;
         - what an open incident's confirmation makes, finished whichever instance recorded it: `on_confirmed` (the
-          replica quarantined: quarantine.settle), and its notices, made once by each instance (a notice is kept once,
+          replica quarantined: Responder.settle), and its notices, made once by each instance (a notice is kept once,
           whoever makes it). The instance that recorded the verdict may have died before either."""
         shown: set[tuple[str, str]] = set()
         notified: set[str] = set()

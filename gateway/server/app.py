@@ -97,7 +97,7 @@ log = logging.getLogger("bulkhead")
 
 SHUTDOWN_WAIT_S = 5.0
 # One-shot work's time to end at shutdown: a settlement, a report or a notice is a Redis round trip or two. A probe
-# cut short is taken over by another instance once its hold lapses (quarantine.take_over): not waited for.
+# cut short is taken over by another instance once its hold lapses (Responder.take_over): not waited for.
 WORK_GRACE_S = 1.0
 
 
@@ -771,7 +771,8 @@ def create_app(
                 ),
             )
             stack.callback(app.router.routes.clear)  # a stopped app serves nothing of what it closed
-            # What the app's own callers may look at in process (the tests, the demo): nothing a route reads.
+            # For callers in the same process (the tests): the supervisor's fault hooks, the pipeline's state. No
+            # route or task reads app.state: each was handed what it uses.
             app.state.pipeline, app.state.tasks = pipeline, tasks
             keep_tasks(
                 tasks,
