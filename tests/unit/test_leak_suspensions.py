@@ -1,7 +1,8 @@
 """What a leak does to its replica (gateway/incidents/quarantine.py), where integration tests cannot make it happen on
 cue: two leaks at once, a probe that dies or cannot run, an operator's decision made before the leak. The probe is
-replaced by its possible outcomes and the instance by the parts these rules use (the replica pool and store are the
-real ones); tests/integration/test_quarantine.py runs the same rules end to end."""
+replaced by its possible outcomes; the rest of an instance's responder is built as its lifespan builds it, on memory
+stores (the replica pool and the shared store are real); tests/integration/test_quarantine.py runs the same rules end
+to end."""
 
 from __future__ import annotations
 
