@@ -24,7 +24,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
-from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
 from redis.exceptions import RedisError
@@ -81,7 +80,6 @@ class Finisher(Protocol):
 
 
 Finishers = Mapping[str, Finisher]
-NONE: Finishers = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -115,7 +113,7 @@ class Worker:
         tenants: TenantDirectory,
         gate: Gate,
         queue: JobQueue,
-        finishers: Finishers = NONE,
+        finishers: Finishers,
     ) -> None:
         self._pipeline = pipeline
         self._tenants = tenants
