@@ -34,6 +34,8 @@ LONGEST_PAUSE_S = 30.0
 ASK_AGAIN_S = 0.2
 
 Start = Callable[[], Coroutine[Any, Any, None]]
+# Where one-shot work is handed (Supervisor.spawn): what starts such work needs nothing else of the supervisor.
+Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 
 
 class TaskFault(RuntimeError):

@@ -16,8 +16,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.api import admin_incidents, admin_tenants, admin_webhooks, notices
-from gateway.api.state import GatewayState, state_of
+from gateway.api.admin_incidents import IncidentAdminRoutes
+from gateway.api.admin_tenants import TenantAdminRoutes
+from gateway.api.admin_webhooks import WebhookAdminRoutes
+from gateway.api.notices import NoticeRoutes
 from gateway.errors import (
     AuthenticationFailed,
     CapacityUnknown,
@@ -27,14 +29,17 @@ from gateway.errors import (
     StoreUnavailable,
     error_response,
 )
-from gateway.incidents import tracking
-from gateway.settings import BackendSettings
+from gateway.incidents.tracking import Tracker
+from gateway.incidents.verdicts import VerdictBound
+from gateway.settings import BackendSettings, Settings
 from gateway.store import AdminState
+from gateway.tenancy.auditlog import AuditLog
 from gateway.tenancy.tenants import reaching_store
-from gateway.upstream.backends import Replica
-from gateway.upstream.capacity import PromptLimit, StageView
+from gateway.upstream.backends import Replica, ReplicaPool
+from gateway.upstream.capacity import CapacityMonitor, PromptLimit, StageView
+from isolation.events import EventLog
 
-Handler = Callable[[Request, GatewayState], Awaitable[Response]]
+Handler = Callable[[Request], Awaitable[Response]]  # a Starlette endpoint
 
 
 def bearer_matches(request: Request, token: str) -> bool:
@@ -44,42 +49,8 @@ def bearer_matches(request: Request, token: str) -> bool:
     return hmac.compare_digest(presented.encode(), token.encode())
 
 
-def _authorized(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-    async def endpoint(request: Request) -> Response:
-        state = state_of(request)
-        token = state.settings.admin_token
-        if token is None:
-            return error_response(NotFound("The admin API is off: set admin_token to enable it."))
-        if not bearer_matches(request, token):
-            return error_response(AuthenticationFailed("This route needs the admin token."))
-        try:
-            return await handler(request, state)
-        except GatewayError as error:
-            return error_response(error)
-        except (RedisError, OSError) as exc:
-            return error_response(StoreUnavailable.of(exc))
-
-    return endpoint
-
-
 def _json(value: object) -> Response:
     return Response(orjson.dumps(value), media_type="application/json")
-
-
-def _describe(replica: Replica, state: GatewayState) -> dict[str, object]:
-    view = state.capacity.backends[replica.name]
-    return {
-        "name": replica.name,
-        "url": replica.url,
-        "kind": view.settings.kind,
-        "state": replica.state.value,
-        "healthy": replica.healthy,
-        "in_flight": replica.in_flight,
-        "models": [m.name for m in state.settings.models if replica.name in m.backends],
-        "max_model_len": view.holds.max_model_len,
-        "kv_capacity_tokens": view.holds.kv_tokens,
-        "stages": [_stage(stage, view.settings, set()) for stage in view.stages],
-    }
 
 
 def _stage(stage: StageView, backend: BackendSettings, setters: set[str]) -> dict[str, object]:
@@ -103,42 +74,6 @@ def _bound(limit: PromptLimit | None) -> dict[str, object] | None:
     return {"tokens": limit.tokens, "set_by": limit.source, "reason": limit.reason, "stage": limit.setter or None}
 
 
-async def capacity(request: Request, state: GatewayState) -> Response:
-    """What each model admits and what sets it; each backend's and each stage's last read."""
-    monitor = state.capacity
-    models = []
-    setters: set[str] = set()
-    for model in state.settings.models:
-        try:
-            limit: PromptLimit | None = monitor.require(model)
-            unknown = None
-        except CapacityUnknown as error:
-            limit, unknown = None, error.message
-        setters |= monitor.setters(model)
-        models.append(
-            {
-                "name": model.name,
-                "context_window": model.context_window,
-                "limit": _bound(limit),
-                "prompt_limit": _bound(limit.prompt) if limit is not None else None,
-                "longest_prompt": limit.prompt_tokens if limit is not None else None,
-                "unknown": unknown,
-            }
-        )
-    backends = [
-        {
-            "name": name,
-            "kind": view.settings.kind,
-            "url": view.settings.url,
-            "max_model_len": view.holds.max_model_len,
-            "kv_capacity_tokens": view.holds.kv_tokens,
-            "stages": [_stage(stage, view.settings, setters) for stage in view.stages],
-        }
-        for name, view in monitor.backends.items()
-    ]
-    return _json({"models": models, "backends": backends})
-
-
 def _limit(request: Request) -> int:
     limit = request.query_params.get("limit", "100")
     if not limit.isdigit() or not 1 <= int(limit) <= 10_000:
@@ -146,81 +81,178 @@ def _limit(request: Request) -> int:
     return int(limit)
 
 
-async def isolation_events(request: Request, state: GatewayState) -> Response:
-    recent = await state.events.recent(_limit(request))
-    return _json({"events": [e.fields() for e in recent]})
+class AdminRoutes:
+    """/admin/*, each route behind the admin token: replicas, capacity, isolation and audit events and verdict blocks
+    here; tenants, incidents, webhooks' dead letters and tenants' notices by the routes given for them."""
 
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        pool: ReplicaPool,
+        capacity: CapacityMonitor,
+        events: EventLog,
+        audit: AuditLog,
+        verdicts: VerdictBound,
+        tracker: Tracker,
+        tenants: TenantAdminRoutes,
+        incidents: IncidentAdminRoutes,
+        webhooks: WebhookAdminRoutes,
+        notices: NoticeRoutes,
+    ) -> None:
+        self._settings = settings
+        self._pool = pool
+        self._capacity = capacity
+        self._events = events
+        self._audit = audit
+        self._verdicts = verdicts
+        self._tracker = tracker
+        self._tenants = tenants
+        self._incidents = incidents
+        self._webhooks = webhooks
+        self._notices = notices
 
-async def audit_events(request: Request, state: GatewayState) -> Response:
-    with reaching_store():
-        recent = await state.audit.recent(_limit(request))
-    return _json({"events": [asdict(e) for e in recent]})
+    def _authorized(self, handler: Handler) -> Handler:
+        """`handler`, for the admin token's bearer alone; its errors in OpenAI's shape."""
 
+        async def endpoint(request: Request) -> Response:
+            token = self._settings.admin_token
+            if token is None:
+                return error_response(NotFound("The admin API is off: set admin_token to enable it."))
+            if not bearer_matches(request, token):
+                return error_response(AuthenticationFailed("This route needs the admin token."))
+            try:
+                return await handler(request)
+            except GatewayError as error:
+                return error_response(error)
+            except (RedisError, OSError) as exc:
+                return error_response(StoreUnavailable.of(exc))
 
-async def list_replicas(request: Request, state: GatewayState) -> Response:
-    return _json({"replicas": [_describe(r, state) for r in state.pool.replicas.values()]})
+        return endpoint
 
+    def _describe(self, replica: Replica) -> dict[str, object]:
+        view = self._capacity.backends[replica.name]
+        return {
+            "name": replica.name,
+            "url": replica.url,
+            "kind": view.settings.kind,
+            "state": replica.state.value,
+            "healthy": replica.healthy,
+            "in_flight": replica.in_flight,
+            "models": [m.name for m in self._settings.models if replica.name in m.backends],
+            "max_model_len": view.holds.max_model_len,
+            "kv_capacity_tokens": view.holds.kv_tokens,
+            "stages": [_stage(stage, view.settings, set()) for stage in view.stages],
+        }
 
-def _set_state(target: AdminState | None) -> Handler:
-    async def handler(request: Request, state: GatewayState) -> Response:
-        name = request.path_params["name"]
-        replica = state.pool.replicas.get(name)
-        if replica is None:
-            raise NotFound(f"No replica named '{name}'.")
-        await state.pool.set_admin_state(replica, target, "by the admin API")
-        if target is None:
-            await tracking.closed(replica.name, "the replica was released by an operator", state)
-        else:
-            await tracking.contained(replica.name, state)
-        return _json(_describe(replica, state))
+    async def capacity(self, request: Request) -> Response:
+        """What each model admits and what sets it; each backend's and each stage's last read."""
+        monitor = self._capacity
+        models = []
+        setters: set[str] = set()
+        for model in self._settings.models:
+            try:
+                limit: PromptLimit | None = monitor.require(model)
+                unknown = None
+            except CapacityUnknown as error:
+                limit, unknown = None, error.message
+            setters |= monitor.setters(model)
+            models.append(
+                {
+                    "name": model.name,
+                    "context_window": model.context_window,
+                    "limit": _bound(limit),
+                    "prompt_limit": _bound(limit.prompt) if limit is not None else None,
+                    "longest_prompt": limit.prompt_tokens if limit is not None else None,
+                    "unknown": unknown,
+                }
+            )
+        backends = [
+            {
+                "name": name,
+                "kind": view.settings.kind,
+                "url": view.settings.url,
+                "max_model_len": view.holds.max_model_len,
+                "kv_capacity_tokens": view.holds.kv_tokens,
+                "stages": [_stage(stage, view.settings, setters) for stage in view.stages],
+            }
+            for name, view in monitor.backends.items()
+        ]
+        return _json({"models": models, "backends": backends})
 
-    return handler
+    async def isolation_events(self, request: Request) -> Response:
+        recent = await self._events.recent(_limit(request))
+        return _json({"events": [e.fields() for e in recent]})
 
+    async def audit_events(self, request: Request) -> Response:
+        with reaching_store():
+            recent = await self._audit.recent(_limit(request))
+        return _json({"events": [asdict(e) for e in recent]})
 
-async def verdict_blocks(request: Request, state: GatewayState) -> Response:
-    blocks = await state.verdicts.blocks()
-    return _json({"blocks": [{"tenant": tenant, "model": model} for tenant, model in blocks]})
+    async def list_replicas(self, request: Request) -> Response:
+        return _json({"replicas": [self._describe(r) for r in self._pool.replicas.values()]})
 
+    def _set_state(self, target: AdminState | None) -> Handler:
+        async def handler(request: Request) -> Response:
+            name = request.path_params["name"]
+            replica = self._pool.replicas.get(name)
+            if replica is None:
+                raise NotFound(f"No replica named '{name}'.")
+            await self._pool.set_admin_state(replica, target, "by the admin API")
+            if target is None:
+                await self._tracker.closed(replica.name, "the replica was released by an operator")
+            else:
+                await self._tracker.contained(replica.name)
+            return _json(self._describe(replica))
 
-async def lift_verdict_block(request: Request, state: GatewayState) -> Response:
-    tenant, model = request.path_params["tenant"], request.path_params["model"]
-    if not await state.verdicts.lift(tenant, model):
-        raise NotFound(f"No verdict block of tenant '{tenant}' on model '{model}'.")
-    return _json({"tenant": tenant, "model": model, "lifted": True})
+        return handler
 
+    async def verdict_blocks(self, request: Request) -> Response:
+        blocks = await self._verdicts.blocks()
+        return _json({"blocks": [{"tenant": tenant, "model": model} for tenant, model in blocks]})
 
-def routes() -> list[Route]:
-    tenants, tenant = "/admin/tenants", "/admin/tenants/{tenant}"
-    dead_letters = "/admin/webhooks/dead-letters"
-    return [
-        Route("/admin/isolation-events", _authorized(isolation_events), methods=["GET"]),
-        Route("/admin/audit-events", _authorized(audit_events), methods=["GET"]),
-        Route(tenants, _authorized(admin_tenants.list_tenants), methods=["GET"]),
-        Route(tenants, _authorized(admin_tenants.create_tenant), methods=["POST"]),
-        Route(tenant, _authorized(admin_tenants.show_tenant), methods=["GET"]),
-        Route(tenant, _authorized(admin_tenants.update_tenant), methods=["PATCH"]),
-        Route(tenant, _authorized(admin_tenants.delete_tenant), methods=["DELETE"]),
-        Route(f"{tenant}/keys", _authorized(admin_tenants.list_keys), methods=["GET"]),
-        Route(f"{tenant}/keys", _authorized(admin_tenants.create_key), methods=["POST"]),
-        Route(f"{tenant}/keys/{{key_id}}", _authorized(admin_tenants.revoke_key), methods=["DELETE"]),
-        Route(f"{tenant}/keys/{{key_id}}/rotate", _authorized(admin_tenants.rotate_key), methods=["POST"]),
-        Route(f"{tenant}/notices", _authorized(notices.by_admin(notices.notices)), methods=["GET"]),
-        Route(f"{tenant}/webhook", _authorized(notices.by_admin(notices.show_webhook)), methods=["GET"]),
-        Route(f"{tenant}/webhook", _authorized(notices.by_admin(notices.set_webhook)), methods=["PUT"]),
-        Route(f"{tenant}/webhook", _authorized(notices.by_admin(notices.delete_webhook)), methods=["DELETE"]),
-        Route("/admin/incidents", _authorized(admin_incidents.list_incidents), methods=["GET"]),
-        Route("/admin/incidents/{id}", _authorized(admin_incidents.show_incident), methods=["GET"]),
-        Route("/admin/incidents/{id}/exposure", _authorized(admin_incidents.incident_exposure), methods=["GET"]),
-        Route("/admin/incidents/{id}/close", _authorized(admin_incidents.close_incident), methods=["POST"]),
-        Route("/admin/exposure", _authorized(admin_incidents.replica_exposure), methods=["GET"]),
-        Route(dead_letters, _authorized(admin_webhooks.list_dead_letters), methods=["GET"]),
-        Route(f"{dead_letters}/{{id}}/replay", _authorized(admin_webhooks.replay_dead_letter), methods=["POST"]),
-        Route(f"{dead_letters}/{{id}}", _authorized(admin_webhooks.discard_dead_letter), methods=["DELETE"]),
-        Route("/admin/replicas", _authorized(list_replicas), methods=["GET"]),
-        Route("/admin/capacity", _authorized(capacity), methods=["GET"]),
-        Route("/admin/verdict-blocks", _authorized(verdict_blocks), methods=["GET"]),
-        Route("/admin/verdict-blocks/{tenant}/{model:path}", _authorized(lift_verdict_block), methods=["DELETE"]),
-        Route("/admin/replicas/{name}/quarantine", _authorized(_set_state("quarantined")), methods=["POST"]),
-        Route("/admin/replicas/{name}/drain", _authorized(_set_state("draining")), methods=["POST"]),
-        Route("/admin/replicas/{name}/release", _authorized(_set_state(None)), methods=["POST"]),
-    ]
+    async def lift_verdict_block(self, request: Request) -> Response:
+        tenant, model = request.path_params["tenant"], request.path_params["model"]
+        if not await self._verdicts.lift(tenant, model):
+            raise NotFound(f"No verdict block of tenant '{tenant}' on model '{model}'.")
+        return _json({"tenant": tenant, "model": model, "lifted": True})
+
+    def routes(self) -> list[Route]:
+        tenants, tenant = "/admin/tenants", "/admin/tenants/{tenant}"
+        dead_letters = "/admin/webhooks/dead-letters"
+        authorized, by_admin = self._authorized, self._notices.by_admin
+        tenants_admin, incidents, webhooks, notices = self._tenants, self._incidents, self._webhooks, self._notices
+        return [
+            Route("/admin/isolation-events", authorized(self.isolation_events), methods=["GET"]),
+            Route("/admin/audit-events", authorized(self.audit_events), methods=["GET"]),
+            Route(tenants, authorized(tenants_admin.list_tenants), methods=["GET"]),
+            Route(tenants, authorized(tenants_admin.create_tenant), methods=["POST"]),
+            Route(tenant, authorized(tenants_admin.show_tenant), methods=["GET"]),
+            Route(tenant, authorized(tenants_admin.update_tenant), methods=["PATCH"]),
+            Route(tenant, authorized(tenants_admin.delete_tenant), methods=["DELETE"]),
+            Route(f"{tenant}/keys", authorized(tenants_admin.list_keys), methods=["GET"]),
+            Route(f"{tenant}/keys", authorized(tenants_admin.create_key), methods=["POST"]),
+            Route(f"{tenant}/keys/{{key_id}}", authorized(tenants_admin.revoke_key), methods=["DELETE"]),
+            Route(f"{tenant}/keys/{{key_id}}/rotate", authorized(tenants_admin.rotate_key), methods=["POST"]),
+            Route(f"{tenant}/notices", authorized(by_admin(notices.notices)), methods=["GET"]),
+            Route(f"{tenant}/webhook", authorized(by_admin(notices.show_webhook)), methods=["GET"]),
+            Route(f"{tenant}/webhook", authorized(by_admin(notices.set_webhook)), methods=["PUT"]),
+            Route(f"{tenant}/webhook", authorized(by_admin(notices.delete_webhook)), methods=["DELETE"]),
+            Route("/admin/incidents", authorized(incidents.list_incidents), methods=["GET"]),
+            Route("/admin/incidents/{id}", authorized(incidents.show_incident), methods=["GET"]),
+            Route("/admin/incidents/{id}/exposure", authorized(incidents.incident_exposure), methods=["GET"]),
+            Route("/admin/incidents/{id}/close", authorized(incidents.close_incident), methods=["POST"]),
+            Route("/admin/exposure", authorized(incidents.replica_exposure), methods=["GET"]),
+            Route(dead_letters, authorized(webhooks.list_dead_letters), methods=["GET"]),
+            Route(f"{dead_letters}/{{id}}/replay", authorized(webhooks.replay_dead_letter), methods=["POST"]),
+            Route(f"{dead_letters}/{{id}}", authorized(webhooks.discard_dead_letter), methods=["DELETE"]),
+            Route("/admin/replicas", authorized(self.list_replicas), methods=["GET"]),
+            Route("/admin/capacity", authorized(self.capacity), methods=["GET"]),
+            Route("/admin/verdict-blocks", authorized(self.verdict_blocks), methods=["GET"]),
+            Route(
+                "/admin/verdict-blocks/{tenant}/{model:path}", authorized(self.lift_verdict_block), methods=["DELETE"]
+            ),
+            Route("/admin/replicas/{name}/quarantine", authorized(self._set_state("quarantined")), methods=["POST"]),
+            Route("/admin/replicas/{name}/drain", authorized(self._set_state("draining")), methods=["POST"]),
+            Route("/admin/replicas/{name}/release", authorized(self._set_state(None)), methods=["POST"]),
+        ]

@@ -15,12 +15,13 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.state import GatewayState
 from gateway.errors import InvalidRequest, NotFound
-from gateway.incidents import tracking
 from gateway.incidents.exposure import Window, exposure, slack_s
-from gateway.incidents.incident import Incident
-from gateway.incidents.ledger import MAX_TIME_S
+from gateway.incidents.incident import Incident, IncidentStore
+from gateway.incidents.ledger import MAX_TIME_S, LedgerWriter
+from gateway.incidents.tracking import Tracker
+from gateway.settings import Settings
+from gateway.upstream.backends import ReplicaPool
 
 MAX_ANSWERS = 100_000  # per report: a larger window is cut (`truncated`) and can be read in parts by time
 
@@ -57,51 +58,61 @@ def _time(request: Request, name: str, default: float | None = None) -> float:
     return when
 
 
-async def _incident(request: Request, state: GatewayState) -> Incident:
-    incident_id = request.path_params["id"]
-    incident = await state.incidents.get(incident_id)
-    if incident is None:
-        raise NotFound(f"No incident '{incident_id}' (incidents expire with isolation.ledger.retention_s).")
-    return incident
+class IncidentAdminRoutes:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        incidents: IncidentStore,
+        ledger: LedgerWriter,
+        pool: ReplicaPool,
+        tracker: Tracker,
+    ) -> None:
+        self._settings = settings
+        self._incidents = incidents
+        self._ledger = ledger
+        self._pool = pool
+        self._tracker = tracker
 
+    async def _incident(self, request: Request) -> Incident:
+        incident_id = request.path_params["id"]
+        incident = await self._incidents.get(incident_id)
+        if incident is None:
+            raise NotFound(f"No incident '{incident_id}' (incidents expire with isolation.ledger.retention_s).")
+        return incident
 
-async def list_incidents(request: Request, state: GatewayState) -> Response:
-    recent = await state.incidents.recent(_int(request, "limit", 100, 10_000))
-    return _json({"incidents": [incident.view() for incident in recent]})
+    async def list_incidents(self, request: Request) -> Response:
+        recent = await self._incidents.recent(_int(request, "limit", 100, 10_000))
+        return _json({"incidents": [incident.view() for incident in recent]})
 
+    async def show_incident(self, request: Request) -> Response:
+        return _json((await self._incident(request)).view())
 
-async def show_incident(request: Request, state: GatewayState) -> Response:
-    return _json((await _incident(request, state)).view())
+    async def _report(self, request: Request, window: Window, incident: Incident | None) -> Response:
+        limit = _int(request, "limit", 10_000, MAX_ANSWERS)
+        # This instance's last answers first; other instances' reach the store within a flush interval.
+        await self._ledger.flush()
+        return _json(await exposure(self._ledger.ledger, window, incident, limit))
 
+    async def incident_exposure(self, request: Request) -> Response:
+        incident = await self._incident(request)
+        return await self._report(request, Window.of(incident, time.time(), slack_s(self._settings)), incident)
 
-async def _report(request: Request, state: GatewayState, window: Window, incident: Incident | None) -> Response:
-    limit = _int(request, "limit", 10_000, MAX_ANSWERS)
-    # This instance's last answers first; other instances' reach the store within a flush interval.
-    await state.ledger.flush()
-    return _json(await exposure(state.ledger.ledger, window, incident, limit))
+    async def replica_exposure(self, request: Request) -> Response:
+        replica = request.query_params.get("replica", "")
+        if replica not in self._pool.replicas:
+            raise InvalidRequest(f"replica must name a configured replica, not '{replica[:64]}'.", param="replica")
+        now = time.time()
+        since = _time(request, "since")
+        until = _time(request, "until", now)
+        if until < since:
+            raise InvalidRequest("until must not be before since.", param="until")
+        window = Window(replica, since, until, "where the operator said", "where the operator said")
+        return await self._report(request, window, None)
 
-
-async def incident_exposure(request: Request, state: GatewayState) -> Response:
-    incident = await _incident(request, state)
-    return await _report(request, state, Window.of(incident, time.time(), slack_s(state.settings)), incident)
-
-
-async def replica_exposure(request: Request, state: GatewayState) -> Response:
-    replica = request.query_params.get("replica", "")
-    if replica not in state.pool.replicas:
-        raise InvalidRequest(f"replica must name a configured replica, not '{replica[:64]}'.", param="replica")
-    now = time.time()
-    since = _time(request, "since")
-    until = _time(request, "until", now)
-    if until < since:
-        raise InvalidRequest("until must not be before since.", param="until")
-    window = Window(replica, since, until, "where the operator said", "where the operator said")
-    return await _report(request, state, window, None)
-
-
-async def close_incident(request: Request, state: GatewayState) -> Response:
-    incident = await _incident(request, state)
-    if incident.open:
-        await tracking.closed(incident.replica, "closed by an operator", state, incident.id)
-        incident = await _incident(request, state)
-    return _json(incident.view())
+    async def close_incident(self, request: Request) -> Response:
+        incident = await self._incident(request)
+        if incident.open:
+            await self._tracker.closed(incident.replica, "closed by an operator", incident.id)
+            incident = await self._incident(request)
+        return _json(incident.view())

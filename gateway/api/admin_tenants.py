@@ -17,11 +17,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.body import parse_json_object, read_body
-from gateway.api.state import GatewayState
+from gateway.api.conversations import ConversationStore
 from gateway.errors import InvalidRequest
-from gateway.settings import TENANT_ID_PATTERN, TenantLimits, TenantSettings
-from gateway.tenancy.auditlog import AuditEvent, record, token_id
+from gateway.settings import TENANT_ID_PATTERN, Settings, TenantLimits, TenantSettings
+from gateway.tenancy.auditlog import AuditEvent, AuditLog, record, token_id
 from gateway.tenancy.directory import ApiKey, Tenant
+from gateway.tenancy.tenants import TenantDirectory
+from gateway.tenancy.webhooks import TenantWebhooks
 
 ADMIN_BODY_BYTES = 64 * 1024
 MAX_BODY_DEPTH = 8
@@ -105,8 +107,9 @@ def _refusal(exc: ValidationError, prefix: str = "") -> InvalidRequest:
     return InvalidRequest(f"{path}: {reason}." if path else f"{reason}.", param=path or None)
 
 
-async def validated_body(request: Request, state: GatewayState, model: type[M]) -> M:
-    raw = await read_body(request, ADMIN_BODY_BYTES, state.settings.edge.body_timeout_s) or b"{}"
+async def validated_body(request: Request, timeout_s: float, model: type[M]) -> M:
+    """A small JSON body, read within `timeout_s` (edge.body_timeout_s) and validated as `model`."""
+    raw = await read_body(request, ADMIN_BODY_BYTES, timeout_s) or b"{}"
     parse_json_object(raw, MAX_BODY_DEPTH)  # the same checks and messages as everywhere: JSON, an object, nesting
     try:
         # From JSON, so that strict validation still takes a time as an RFC 3339 string.
@@ -186,103 +189,107 @@ def configured_key_view(tenant: TenantSettings, key_hash: str) -> KeyView:
     )
 
 
-def _models_known(state: GatewayState, models: list[str] | None) -> None:
-    known = {m.name for m in state.settings.models}
-    for index, name in enumerate(models or []):
-        if name != "*" and name not in known:
-            raise InvalidRequest(f"models[{index}]: no model '{name}' is configured.", param=f"models[{index}]")
+class TenantAdminRoutes:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        tenants: TenantDirectory,
+        audit: AuditLog,
+        tenant_webhooks: TenantWebhooks,
+        conversations: ConversationStore,
+    ) -> None:
+        self._settings = settings
+        self._tenants = tenants
+        self._audit_log = audit
+        self._tenant_webhooks = tenant_webhooks
+        self._conversations = conversations
 
+    def _models_known(self, models: list[str] | None) -> None:
+        known = {m.name for m in self._settings.models}
+        for index, name in enumerate(models or []):
+            if name != "*" and name not in known:
+                raise InvalidRequest(f"models[{index}]: no model '{name}' is configured.", param=f"models[{index}]")
 
-async def _audit(
-    state: GatewayState, action: str, tenant: str, key_id: str = "", detail: dict[str, Any] | None = None
-) -> None:
-    assert state.settings.admin_token is not None, "the admin API runs only with a token"
-    text = "" if detail is None else orjson.dumps(detail).decode()
-    event = AuditEvent(token_id(state.settings.admin_token), action, tenant, key_id, text)
-    await record(state.audit, event)
+    async def _audit(self, action: str, tenant: str, key_id: str = "", detail: dict[str, Any] | None = None) -> None:
+        assert self._settings.admin_token is not None, "the admin API runs only with a token"
+        text = "" if detail is None else orjson.dumps(detail).decode()
+        event = AuditEvent(token_id(self._settings.admin_token), action, tenant, key_id, text)
+        await record(self._audit_log, event)
 
+    async def create_tenant(self, request: Request) -> Response:
+        body = await validated_body(request, self._settings.edge.body_timeout_s, TenantCreate)
+        self._models_known(body.models)
+        tenant = await self._tenants.create_tenant(body.id, body.models, body.limits, body.enabled)
+        await self._audit("tenant.create", tenant.id, detail=body.model_dump(mode="json", exclude={"id"}))
+        return _json(tenant_view(tenant), 201)
 
-async def create_tenant(request: Request, state: GatewayState) -> Response:
-    body = await validated_body(request, state, TenantCreate)
-    _models_known(state, body.models)
-    tenant = await state.tenants.create_tenant(body.id, body.models, body.limits, body.enabled)
-    await _audit(state, "tenant.create", tenant.id, detail=body.model_dump(mode="json", exclude={"id"}))
-    return _json(tenant_view(tenant), 201)
+    async def list_tenants(self, request: Request) -> Response:
+        limit = request.query_params.get("limit", "100")
+        if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
+            raise InvalidRequest(f"limit must be an integer from 1 to {MAX_PAGE}.", param="limit")
+        page, more = await self._tenants.tenants(request.query_params.get("after", ""), int(limit))
+        views = [tenant_view(t).model_dump(mode="json") for t in page]
+        return _json({"tenants": views, "next": page[-1].id if more else None})
 
+    async def show_tenant(self, request: Request) -> Response:
+        return _json(tenant_view(await self._tenants.tenant(request.path_params["tenant"])))
 
-async def list_tenants(request: Request, state: GatewayState) -> Response:
-    limit = request.query_params.get("limit", "100")
-    if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
-        raise InvalidRequest(f"limit must be an integer from 1 to {MAX_PAGE}.", param="limit")
-    page, more = await state.tenants.tenants(request.query_params.get("after", ""), int(limit))
-    views = [tenant_view(t).model_dump(mode="json") for t in page]
-    return _json({"tenants": views, "next": page[-1].id if more else None})
+    async def update_tenant(self, request: Request) -> Response:
+        tenant_id = request.path_params["tenant"]
+        body = await validated_body(request, self._settings.edge.body_timeout_s, TenantPatch)
+        changes = body.model_dump(exclude_unset=True)
+        if not changes:
+            raise InvalidRequest("Nothing to change: give models, limits or enabled.")
+        for name in ("models", "enabled", "limits"):
+            if name in changes and changes[name] is None:
+                raise InvalidRequest(f"{name}: cannot be null.", param=name)
+        self._models_known(body.models)
+        if body.limits is not None:
+            _check_limits(body.limits)
+        tenant = await self._tenants.update_tenant(tenant_id, changes)
+        await self._audit("tenant.update", tenant_id, detail=changes)
+        return _json(tenant_view(tenant))
 
+    async def delete_tenant(self, request: Request) -> Response:
+        tenant_id = request.path_params["tenant"]
+        incarnation = (await self._tenants.tenant(tenant_id)).incarnation()
+        await self._tenants.delete_tenant(tenant_id)
+        # What it kept goes with it (a tenant made again under its id is another one: no webhook, no stored response):
+        # its notices go nowhere now, and its stored responses leave memory or Redis now, not at their TTL.
+        await self._tenant_webhooks.delete(incarnation)
+        await self._conversations.delete_owner(incarnation)
+        await self._audit("tenant.delete", tenant_id)
+        return Response(status_code=204)
 
-async def show_tenant(request: Request, state: GatewayState) -> Response:
-    return _json(tenant_view(await state.tenants.tenant(request.path_params["tenant"])))
+    async def list_keys(self, request: Request) -> Response:
+        tenant_id = request.path_params["tenant"]
+        configured = self._tenants.configured(tenant_id)
+        if configured is not None:
+            views = [configured_key_view(configured, h) for h in configured.key_hashes]
+        else:
+            views = [key_view(k) for k in await self._tenants.keys(tenant_id)]
+        return _json({"keys": [v.model_dump(mode="json") for v in views]})
 
+    async def create_key(self, request: Request) -> Response:
+        tenant_id = request.path_params["tenant"]
+        body = await validated_body(request, self._settings.edge.body_timeout_s, KeyCreate)
+        key, secret = await self._tenants.create_key(tenant_id, body.label, _future(body.expires_at, "expires_at"))
+        await self._audit("key.create", tenant_id, key.key_id, body.model_dump(mode="json", exclude_unset=True))
+        return _json(NewKeyView(**key_view(key).model_dump(), key=secret), 201)
 
-async def update_tenant(request: Request, state: GatewayState) -> Response:
-    tenant_id = request.path_params["tenant"]
-    body = await validated_body(request, state, TenantPatch)
-    changes = body.model_dump(exclude_unset=True)
-    if not changes:
-        raise InvalidRequest("Nothing to change: give models, limits or enabled.")
-    for name in ("models", "enabled", "limits"):
-        if name in changes and changes[name] is None:
-            raise InvalidRequest(f"{name}: cannot be null.", param=name)
-    _models_known(state, body.models)
-    if body.limits is not None:
-        _check_limits(body.limits)
-    tenant = await state.tenants.update_tenant(tenant_id, changes)
-    await _audit(state, "tenant.update", tenant_id, detail=changes)
-    return _json(tenant_view(tenant))
+    async def revoke_key(self, request: Request) -> Response:
+        tenant_id, key_id = request.path_params["tenant"], request.path_params["key_id"]
+        await self._tenants.revoke_key(tenant_id, key_id)
+        await self._audit("key.revoke", tenant_id, key_id)
+        return Response(status_code=204)
 
-
-async def delete_tenant(request: Request, state: GatewayState) -> Response:
-    tenant_id = request.path_params["tenant"]
-    incarnation = (await state.tenants.tenant(tenant_id)).incarnation()
-    await state.tenants.delete_tenant(tenant_id)
-    # What it kept goes with it (a tenant made again under its id is another one: no webhook, no stored response):
-    # its notices go nowhere now, and its stored responses leave memory or Redis now, not at their TTL.
-    await state.tenant_webhooks.delete(incarnation)
-    await state.conversations.delete_owner(incarnation)
-    await _audit(state, "tenant.delete", tenant_id)
-    return Response(status_code=204)
-
-
-async def list_keys(request: Request, state: GatewayState) -> Response:
-    tenant_id = request.path_params["tenant"]
-    configured = state.tenants.configured(tenant_id)
-    if configured is not None:
-        views = [configured_key_view(configured, h) for h in configured.key_hashes]
-    else:
-        views = [key_view(k) for k in await state.tenants.keys(tenant_id)]
-    return _json({"keys": [v.model_dump(mode="json") for v in views]})
-
-
-async def create_key(request: Request, state: GatewayState) -> Response:
-    tenant_id = request.path_params["tenant"]
-    body = await validated_body(request, state, KeyCreate)
-    key, secret = await state.tenants.create_key(tenant_id, body.label, _future(body.expires_at, "expires_at"))
-    await _audit(state, "key.create", tenant_id, key.key_id, body.model_dump(mode="json", exclude_unset=True))
-    return _json(NewKeyView(**key_view(key).model_dump(), key=secret), 201)
-
-
-async def revoke_key(request: Request, state: GatewayState) -> Response:
-    tenant_id, key_id = request.path_params["tenant"], request.path_params["key_id"]
-    await state.tenants.revoke_key(tenant_id, key_id)
-    await _audit(state, "key.revoke", tenant_id, key_id)
-    return Response(status_code=204)
-
-
-async def rotate_key(request: Request, state: GatewayState) -> Response:
-    tenant_id, key_id = request.path_params["tenant"], request.path_params["key_id"]
-    body = await validated_body(request, state, KeyRotate)
-    expires_at = _future(body.expires_at, "expires_at")
-    old, new, secret = await state.tenants.rotate_key(tenant_id, key_id, body.overlap_s, body.label, expires_at)
-    detail = {"new_key_id": new.key_id, **body.model_dump(mode="json", exclude_unset=True)}
-    await _audit(state, "key.rotate", tenant_id, key_id, detail)
-    view = RotatedKeyView(**key_view(new).model_dump(), key=secret, previous=key_view(old))
-    return _json(view, 201)
+    async def rotate_key(self, request: Request) -> Response:
+        tenant_id, key_id = request.path_params["tenant"], request.path_params["key_id"]
+        body = await validated_body(request, self._settings.edge.body_timeout_s, KeyRotate)
+        expires_at = _future(body.expires_at, "expires_at")
+        old, new, secret = await self._tenants.rotate_key(tenant_id, key_id, body.overlap_s, body.label, expires_at)
+        detail = {"new_key_id": new.key_id, **body.model_dump(mode="json", exclude_unset=True)}
+        await self._audit("key.rotate", tenant_id, key_id, detail)
+        view = RotatedKeyView(**key_view(new).model_dump(), key=secret, previous=key_view(old))
+        return _json(view, 201)

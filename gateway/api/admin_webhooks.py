@@ -13,9 +13,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.state import GatewayState
 from gateway.errors import InvalidRequest, NotFound
-from gateway.webhooks import Message, iso_time
+from gateway.webhooks import Deliveries, Message, iso_time
 
 MAX_PAGE = 1000
 
@@ -42,24 +41,26 @@ def _not_found(message_id: str) -> NotFound:
     return NotFound(f"No dead letter with id '{message_id[:100]}'.")
 
 
-async def list_dead_letters(request: Request, state: GatewayState) -> Response:
-    limit = request.query_params.get("limit", "100")
-    if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
-        raise InvalidRequest(f"limit must be an integer from 1 to {MAX_PAGE}.", param="limit")
-    found = await state.deliveries.outbox.dead_letters(int(limit))
-    return _json({"dead_letters": [dead_letter_view(m) for m in found]})
+class WebhookAdminRoutes:
+    def __init__(self, *, deliveries: Deliveries) -> None:
+        self._deliveries = deliveries
 
+    async def list_dead_letters(self, request: Request) -> Response:
+        limit = request.query_params.get("limit", "100")
+        if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
+            raise InvalidRequest(f"limit must be an integer from 1 to {MAX_PAGE}.", param="limit")
+        found = await self._deliveries.outbox.dead_letters(int(limit))
+        return _json({"dead_letters": [dead_letter_view(m) for m in found]})
 
-async def replay_dead_letter(request: Request, state: GatewayState) -> Response:
-    message_id = request.path_params["id"]
-    replayed = await state.deliveries.replay(message_id)
-    if replayed is None:
-        raise _not_found(message_id)
-    return _json(dead_letter_view(replayed))
+    async def replay_dead_letter(self, request: Request) -> Response:
+        message_id = request.path_params["id"]
+        replayed = await self._deliveries.replay(message_id)
+        if replayed is None:
+            raise _not_found(message_id)
+        return _json(dead_letter_view(replayed))
 
-
-async def discard_dead_letter(request: Request, state: GatewayState) -> Response:
-    message_id = request.path_params["id"]
-    if not await state.deliveries.discard(message_id):
-        raise _not_found(message_id)
-    return _json({"id": message_id, "deleted": True})
+    async def discard_dead_letter(self, request: Request) -> Response:
+        message_id = request.path_params["id"]
+        if not await self._deliveries.discard(message_id):
+            raise _not_found(message_id)
+        return _json({"id": message_id, "deleted": True})

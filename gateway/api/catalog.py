@@ -13,9 +13,9 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.state import GatewayState, state_of
 from gateway.errors import GatewayError, ModelNotFound, error_response
-from gateway.settings import ModelSettings, TenantSettings
+from gateway.settings import ModelSettings, Settings, TenantSettings
+from gateway.tenancy.tenants import TenantDirectory
 
 
 def model_object(model: ModelSettings) -> dict[str, Any]:
@@ -28,32 +28,34 @@ def model_object(model: ModelSettings) -> dict[str, Any]:
     }
 
 
-def listing(state: GatewayState, tenant: TenantSettings) -> dict[str, Any]:
-    data = [model_object(m) for m in state.settings.models if tenant.may_use(m.name)]
+def listing(settings: Settings, tenant: TenantSettings) -> dict[str, Any]:
+    data = [model_object(m) for m in settings.models if tenant.may_use(m.name)]
     return {"object": "list", "data": data}
 
 
-def retrieve(state: GatewayState, tenant: TenantSettings, name: str) -> dict[str, Any]:
-    model = state.settings.model(name)
+def retrieve(settings: Settings, tenant: TenantSettings, name: str) -> dict[str, Any]:
+    model = settings.model(name)
     if model is None or not tenant.may_use(name):
         raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
     return model_object(model)
 
 
-async def list_models(request: Request) -> Response:
-    state = state_of(request)
-    try:
-        tenant = await state.tenants.authenticate(request.headers.get("authorization"))
-    except GatewayError as error:
-        return error_response(error)
-    return Response(orjson.dumps(listing(state, tenant)), media_type="application/json")
+class CatalogRoutes:
+    def __init__(self, *, tenants: TenantDirectory, settings: Settings) -> None:
+        self._tenants = tenants
+        self._settings = settings
 
+    async def list_models(self, request: Request) -> Response:
+        try:
+            tenant = await self._tenants.authenticate(request.headers.get("authorization"))
+        except GatewayError as error:
+            return error_response(error)
+        return Response(orjson.dumps(listing(self._settings, tenant)), media_type="application/json")
 
-async def retrieve_model(request: Request) -> Response:
-    state = state_of(request)
-    try:
-        tenant = await state.tenants.authenticate(request.headers.get("authorization"))
-        card = retrieve(state, tenant, request.path_params["model"])
-    except GatewayError as error:
-        return error_response(error)
-    return Response(orjson.dumps(card), media_type="application/json")
+    async def retrieve_model(self, request: Request) -> Response:
+        try:
+            tenant = await self._tenants.authenticate(request.headers.get("authorization"))
+            card = retrieve(self._settings, tenant, request.path_params["model"])
+        except GatewayError as error:
+            return error_response(error)
+        return Response(orjson.dumps(card), media_type="application/json")

@@ -17,7 +17,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.admin_tenants import validated_body
-from gateway.api.state import GatewayState, state_of
 from gateway.errors import (
     ConcurrencyLimited,
     GatewayError,
@@ -26,10 +25,13 @@ from gateway.errors import (
     StoreUnavailable,
     error_response,
 )
+from gateway.incidents.notices import NoticeStore
 from gateway.tenancy.lookups import LookupsBusy
-from gateway.tenancy.webhooks import MAX_URL_CHARS, UnsafeUrl
+from gateway.tenancy.tenants import TenantDirectory
+from gateway.tenancy.webhooks import MAX_URL_CHARS, TenantWebhooks, UnsafeUrl
 
-TenantHandler = Callable[[Request, GatewayState, str], Awaitable[Response]]
+TenantHandler = Callable[[Request, str], Awaitable[Response]]  # a route's work for one tenant, by its incarnation
+Handler = Callable[[Request], Awaitable[Response]]  # a Starlette endpoint
 
 
 class WebhookSet(BaseModel):
@@ -43,63 +45,73 @@ def _json(value: object, status: int = 200) -> Response:
     return Response(orjson.dumps(value), status_code=status, media_type="application/json")
 
 
-async def notices(request: Request, state: GatewayState, tenant: str) -> Response:
-    limit = request.query_params.get("limit", "100")
-    if not limit.isdigit() or not 1 <= int(limit) <= 1000:
-        raise InvalidRequest("limit must be an integer from 1 to 1000.", param="limit")
-    found = await state.notices.of(tenant, int(limit))
-    return _json({"object": "list", "data": [n.view() for n in found]})
+class NoticeRoutes:
+    """A tenant's notices and webhook: by its key (`by_key`), or by an operator's word (`by_admin`)."""
 
+    def __init__(
+        self,
+        *,
+        tenants: TenantDirectory,
+        notices: NoticeStore,
+        tenant_webhooks: TenantWebhooks,
+        body_timeout_s: float,
+    ) -> None:
+        self._tenants = tenants
+        self._notices = notices
+        self._tenant_webhooks = tenant_webhooks
+        self._body_timeout_s = body_timeout_s
 
-async def show_webhook(request: Request, state: GatewayState, tenant: str) -> Response:
-    registration = await state.tenant_webhooks.registration(tenant)
-    if registration is None:
-        raise NotFound("No webhook is registered for isolation notices.")
-    return _json(registration.view())
+    async def notices(self, request: Request, tenant: str) -> Response:
+        limit = request.query_params.get("limit", "100")
+        if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+            raise InvalidRequest("limit must be an integer from 1 to 1000.", param="limit")
+        found = await self._notices.of(tenant, int(limit))
+        return _json({"object": "list", "data": [n.view() for n in found]})
 
+    async def show_webhook(self, request: Request, tenant: str) -> Response:
+        registration = await self._tenant_webhooks.registration(tenant)
+        if registration is None:
+            raise NotFound("No webhook is registered for isolation notices.")
+        return _json(registration.view())
 
-async def set_webhook(request: Request, state: GatewayState, tenant: str) -> Response:
-    body = await validated_body(request, state, WebhookSet)
-    try:
-        registration, secret = await state.tenant_webhooks.register(tenant, body.url, body.rotate_secret)
-    except UnsafeUrl as exc:
-        raise InvalidRequest(f"url: {exc}.", param="url") from exc
-    except LookupsBusy as exc:
-        raise ConcurrencyLimited(f"The webhook's host cannot be looked up now ({exc}); try again later.") from exc
-    view: dict[str, object] = dict(registration.view())
-    if secret is not None:
-        view["secret"] = secret  # shown once: it is derived, never stored
-    return _json(view)
-
-
-async def delete_webhook(request: Request, state: GatewayState, tenant: str) -> Response:
-    deleted = await state.tenant_webhooks.delete(tenant)
-    if not deleted:
-        raise NotFound("No webhook is registered for isolation notices.")
-    return Response(status_code=204)
-
-
-def by_key(handler: TenantHandler) -> Callable[[Request], Awaitable[Response]]:
-    """The route for a tenant's own: the API key says whose."""
-
-    async def endpoint(request: Request) -> Response:
-        state = state_of(request)
+    async def set_webhook(self, request: Request, tenant: str) -> Response:
+        body = await validated_body(request, self._body_timeout_s, WebhookSet)
         try:
-            tenant = await state.tenants.authenticate(request.headers.get("authorization"))
-            return await handler(request, state, tenant.incarnation())
-        except GatewayError as error:
-            return error_response(error)
-        except (RedisError, OSError) as exc:
-            return error_response(StoreUnavailable.of(exc))
+            registration, secret = await self._tenant_webhooks.register(tenant, body.url, body.rotate_secret)
+        except UnsafeUrl as exc:
+            raise InvalidRequest(f"url: {exc}.", param="url") from exc
+        except LookupsBusy as exc:
+            raise ConcurrencyLimited(f"The webhook's host cannot be looked up now ({exc}); try again later.") from exc
+        view: dict[str, object] = dict(registration.view())
+        if secret is not None:
+            view["secret"] = secret  # shown once: it is derived, never stored
+        return _json(view)
 
-    return endpoint
+    async def delete_webhook(self, request: Request, tenant: str) -> Response:
+        deleted = await self._tenant_webhooks.delete(tenant)
+        if not deleted:
+            raise NotFound("No webhook is registered for isolation notices.")
+        return Response(status_code=204)
 
+    def by_key(self, handler: TenantHandler) -> Handler:
+        """The route for a tenant's own: the API key says whose."""
 
-def by_admin(handler: TenantHandler) -> Callable[[Request, GatewayState], Awaitable[Response]]:
-    """The operators' route for any tenant's (admin.py adds the token check)."""
+        async def endpoint(request: Request) -> Response:
+            try:
+                tenant = await self._tenants.authenticate(request.headers.get("authorization"))
+                return await handler(request, tenant.incarnation())
+            except GatewayError as error:
+                return error_response(error)
+            except (RedisError, OSError) as exc:
+                return error_response(StoreUnavailable.of(exc))
 
-    async def endpoint(request: Request, state: GatewayState) -> Response:
-        tenant = await state.tenants.tenant(request.path_params["tenant"])
-        return await handler(request, state, tenant.incarnation())
+        return endpoint
 
-    return endpoint
+    def by_admin(self, handler: TenantHandler) -> Handler:
+        """The operators' route for any tenant's (admin.py adds the token check)."""
+
+        async def endpoint(request: Request) -> Response:
+            tenant = await self._tenants.tenant(request.path_params["tenant"])
+            return await handler(request, tenant.incarnation())
+
+        return endpoint

@@ -8,7 +8,6 @@ import asyncio
 import re
 from collections.abc import Callable, Collection, Mapping
 from contextlib import suppress
-from functools import partial
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -20,23 +19,12 @@ from starlette.types import Receive, Scope, Send
 from gateway import accesslog
 from gateway.accesslog import RequestRecord
 from gateway.api.bounds import Cap, Shape
-from gateway.api.state import GatewayState, state_of
+from gateway.api.intake import Intake
 from gateway.errors import BackendBadResponse, GatewayError
-from gateway.pipeline.inference import (
-    CHAT,
-    COMPLETIONS,
-    EMBEDDINGS,
-    POOLING,
-    RERANK,
-    SCORE,
-    Route,
-    Submission,
-    refuse,
-    run,
-)
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline.inference import CHAT, COMPLETIONS, EMBEDDINGS, POOLING, RERANK, SCORE, Pipeline, Route, refuse
 from gateway.pipeline.outcome import DONE, Event, Outcome, Stream
 from gateway.settings import TenantSettings
-from gateway.upstream.routing import SESSION_HEADER, session_id
 from gateway.upstream.sse import DONE as SSE_DONE
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
@@ -48,30 +36,6 @@ CONVERSATION: Shape = (
     Cap(("messages", "*", "content"), "content parts", "max_content_parts"),
     Cap(("tools",), "tools", "max_tools"),
 )
-
-
-async def chat_completions(request: Request) -> Response:
-    return await serve(request, state_of(request), CHAT, shape=CONVERSATION)
-
-
-async def completions(request: Request) -> Response:
-    return await serve(request, state_of(request), COMPLETIONS)
-
-
-async def embeddings(request: Request) -> Response:
-    return await serve(request, state_of(request), EMBEDDINGS)
-
-
-async def pooling(request: Request) -> Response:
-    return await serve(request, state_of(request), POOLING)
-
-
-async def score(request: Request) -> Response:
-    return await serve(request, state_of(request), SCORE)
-
-
-async def rerank(request: Request) -> Response:
-    return await serve(request, state_of(request), RERANK)
 
 
 class RelayResponse(StreamingResponse):
@@ -248,43 +212,51 @@ def openai_response(outcome: Outcome) -> Response:
     return Response(content, status_code=outcome.status, media_type="application/json", headers=outcome.headers)
 
 
-async def read_submission(
-    request: Request, state: GatewayState, record: RequestRecord, shape: Shape, *, authorization: str | None = None
-) -> Submission:
-    """The tenant (by `authorization`, else the request's Authorization header), its session and its body, read as a
-    body of `shape` (its API's lists, each capped)."""
-    tenant = await state.tenants.authenticate(authorization or request.headers.get("authorization"))
-    record.tenant = tenant.id
-    session = session_id(request.headers.get(SESSION_HEADER))
-    payload = await state.bodies.read(request, shape, record.route)
-    return Submission(tenant, payload, session, gone=partial(disconnected, request))
-
-
-async def disconnected(request: Request) -> None:
-    """Return once the client has gone (the body is read by then, so the next message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def new_record(request: Request, route: Route) -> RequestRecord:
     return RequestRecord(request_id=accesslog.request_id(request.headers.get("x-request-id")), route=route.name)
 
 
-async def serve(
-    request: Request,
-    state: GatewayState,
-    route: Route,
-    admit_tenant: Callable[[TenantSettings], None] | None = None,
-    *,
-    shape: Shape = (),
-) -> Response:
-    """The OpenAI routes; `admit_tenant` refuses a key the route does not serve (another account's, on its routes),
-    `shape` is the route's body's (bounds.py)."""
-    record = new_record(request, route)
-    try:
-        submission = await read_submission(request, state, record, shape)
-        if admit_tenant is not None:
-            admit_tenant(submission.tenant)
-    except GatewayError as error:
-        return openai_response(refuse(state, record, error))
-    return openai_response(await run(state, route, submission, record))
+class OpenAIRoutes:
+    """The OpenAI routes: each request read by the intake, run through the pipeline, its outcome rendered."""
+
+    def __init__(self, *, pipeline: Pipeline, intake: Intake, metrics: GatewayMetrics) -> None:
+        self._pipeline = pipeline
+        self._intake = intake
+        self._metrics = metrics
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.serve(request, CHAT, shape=CONVERSATION)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.serve(request, COMPLETIONS)
+
+    async def embeddings(self, request: Request) -> Response:
+        return await self.serve(request, EMBEDDINGS)
+
+    async def pooling(self, request: Request) -> Response:
+        return await self.serve(request, POOLING)
+
+    async def score(self, request: Request) -> Response:
+        return await self.serve(request, SCORE)
+
+    async def rerank(self, request: Request) -> Response:
+        return await self.serve(request, RERANK)
+
+    async def serve(
+        self,
+        request: Request,
+        route: Route,
+        admit_tenant: Callable[[TenantSettings], None] | None = None,
+        *,
+        shape: Shape = (),
+    ) -> Response:
+        """An OpenAI route; `admit_tenant` refuses a key the route does not serve (another account's, on its
+        routes), `shape` is the route's body's (bounds.py)."""
+        record = new_record(request, route)
+        try:
+            submission = await self._intake.submission(request, record, shape)
+            if admit_tenant is not None:
+                admit_tenant(submission.tenant)
+        except GatewayError as error:
+            return openai_response(refuse(self._metrics, record, error))
+        return openai_response(await self._pipeline.run(route, submission, record))

@@ -30,7 +30,8 @@ from starlette.responses import Response
 
 from gateway import accesslog
 from gateway.api.conversations import ConversationStore, Said, Turn
-from gateway.api.openai import cut_short, new_record, openai_response, read_submission, relayed_as
+from gateway.api.intake import Intake
+from gateway.api.openai import cut_short, new_record, openai_response, relayed_as
 from gateway.api.responses_shapes import (
     INPUT,
     MAX_ID,
@@ -47,7 +48,6 @@ from gateway.api.responses_shapes import (
     response_id,
     stored_input,
 )
-from gateway.api.state import GatewayState, state_of
 from gateway.errors import (
     BackendBadResponse,
     BodyTooLarge,
@@ -58,12 +58,13 @@ from gateway.errors import (
     QueueUnavailable,
     TooManyQueued,
 )
-from gateway.jobs.queue import Job, QueueFull
+from gateway.jobs.queue import Job, JobQueue, QueueFull
+from gateway.metrics import GatewayMetrics
 from gateway.offload import off_loop
-from gateway.pipeline.inference import RESPONSES, PipelineParts, Route, refuse, run
+from gateway.pipeline.inference import RESPONSES, Pipeline, Route, refuse
 from gateway.pipeline.outcome import Stream
 from gateway.schemas import ChatCompletionRequest, validate
-from gateway.settings import TenantSettings
+from gateway.settings import Settings, TenantSettings
 
 log = logging.getLogger("bulkhead.responses")
 T = TypeVar("T")
@@ -78,110 +79,236 @@ FINISHED = frozenset({"completed", "incomplete"})  # what a later turn may follo
 _INCLUDES = frozenset(get_args(Includable))
 
 
-async def create(request: Request, admit_tenant: Admit = None) -> Response:
-    """POST /v1/responses; `admit_tenant` refuses a key the route does not serve (another account's)."""
-    state = state_of(request)
-    record = new_record(request, RESPONSES)
-    try:
-        submission = await read_submission(request, state, record, INPUT)
-        if admit_tenant is not None:
-            admit_tenant(submission.tenant)
-        asked = await off_loop(partial(validate, ResponsesRequest, submission.payload), submission.payload)
-        owner, made = submission.tenant.incarnation(), response_id()
-        said = await _conversation(state, owner, asked.previous_response_id, "previous_response_id")
-        if said and said[-1].size + len(orjson.dumps(submission.payload)) > state.settings.limits.max_body_bytes:
-            # What the engine is sent is bounded as the same conversation sent whole would be.
-            raise BodyTooLarge(
-                f"This conversation and its new input hold more than {state.settings.limits.max_body_bytes} bytes, "
-                "more than a request may; start a new one."
+class ResponsesRoutes:
+    """/v1/responses and the stored responses' routes (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        pipeline: Pipeline,
+        intake: Intake,
+        settings: Settings,
+        conversations: ConversationStore,
+        queue: JobQueue,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._pipeline = pipeline
+        self._intake = intake
+        self._settings = settings
+        self._conversations = conversations
+        self._queue = queue
+        self._metrics = metrics
+
+    async def create(self, request: Request, admit_tenant: Admit = None) -> Response:
+        """POST /v1/responses; `admit_tenant` refuses a key the route does not serve (another account's)."""
+        record = new_record(request, RESPONSES)
+        try:
+            submission = await self._intake.submission(request, record, INPUT)
+            if admit_tenant is not None:
+                admit_tenant(submission.tenant)
+            asked = await off_loop(partial(validate, ResponsesRequest, submission.payload), submission.payload)
+            owner, made = submission.tenant.incarnation(), response_id()
+            said = await self._conversation(owner, asked.previous_response_id, "previous_response_id")
+            if said and said[-1].size + len(orjson.dumps(submission.payload)) > self._settings.limits.max_body_bytes:
+                # What the engine is sent is bounded as the same conversation sent whole would be.
+                raise BodyTooLarge(
+                    f"This conversation and its new input hold more than {self._settings.limits.max_body_bytes} bytes, "
+                    "more than a request may; start a new one."
+                )
+            before = said[-1] if said else None
+            keep = asked.store is not False
+            history = [item for turn in said for item in turn.items()]
+            # A kept conversation's turns go to one replica, where its prefix is cached, unless the client says where.
+            session = submission.session or (before.root if before is not None else made if keep else None)
+            payload = await off_loop(partial(chat_payload, asked, history), [submission.payload, history])
+            submission = replace(submission, payload=payload, session=session)
+            if asked.background:
+                queued = await self._in_background(submission.tenant, asked, made, before, payload)
+                accesslog.finish(record, self._metrics)
+                headers = {"x-request-id": record.request_id}
+                return Response(orjson.dumps(queued), media_type="application/json", headers=headers)
+        except GatewayError as error:
+            return openai_response(refuse(self._metrics, record, error))
+        answered: dict[str, Any] = {}
+
+        async def save(response: dict[str, Any]) -> None:
+            if not keep:
+                return
+            _readable(response["output"])
+            kept = stored_input(asked)
+            size = (before.size if before is not None else 0) + len(orjson.dumps([kept, response["output"]]))
+            depth, root = (before.depth + 1, before.root) if before is not None else (1, made)
+            turn = Turn(made, response, kept, asked.previous_response_id or "", depth, size, root)
+            await _stored(self._conversations.save(owner, turn))
+
+        async def accept(answer: dict[str, Any]) -> None:
+            # Inside the pipeline, so that what the client gets instead (an answer the engine did not finish, a
+            # response that could not be stored) is what the log and the metrics say.
+            answered.update(response(answer, asked, made))
+            await save(answered)
+
+        writer = EventWriter(asked, made)
+
+        async def at_end(done: bool) -> None:
+            cut_short(done)
+            # A stream's response is made, and stored, before its end goes out: the client must not name a response it
+            # was told is complete and find it missing.
+            await save(writer.finish())
+
+        outcome = await self._pipeline.run(RESPONSES, submission, record, accept=accept, at_end=at_end)
+        if isinstance(outcome, Stream):
+            return relayed_as(outcome, writer)
+        if outcome.status != 200:
+            refused = outcome.body.get("error") or {}
+            message, param = chat_error(str(refused.get("message")), refused.get("param"), asked, history)
+            return openai_response(replace(outcome, body={"error": {**refused, "message": message, "param": param}}))
+        return Response(orjson.dumps(answered), media_type="application/json", headers=outcome.headers)
+
+    async def _in_background(
+        self,
+        tenant: TenantSettings,
+        asked: ResponsesRequest,
+        made: str,
+        before: Said | None,
+        payload: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Store the response as queued, then queue its chat request: a worker finds it stored (Background)."""
+        if asked.stream:
+            raise InvalidRequest(
+                "stream: a background response is read back by its id (GET /v1/responses/{id}), not streamed here.",
+                param="stream",
             )
-        before = said[-1] if said else None
-        keep = asked.store is not False
-        history = [item for turn in said for item in turn.items()]
-        # A kept conversation's turns go to one replica, where its prefix is cached, unless the client says where.
-        session = submission.session or (before.root if before is not None else made if keep else None)
-        payload = await off_loop(partial(chat_payload, asked, history), [submission.payload, history])
-        submission = replace(submission, payload=payload, session=session)
-        if asked.background:
-            queued = await _in_background(state, submission.tenant, asked, made, before, payload)
-            accesslog.finish(record, state.metrics)
-            headers = {"x-request-id": record.request_id}
-            return Response(orjson.dumps(queued), media_type="application/json", headers=headers)
-    except GatewayError as error:
-        return openai_response(refuse(state, record, error))
-    answered: dict[str, Any] = {}
-
-    async def save(response: dict[str, Any]) -> None:
-        if not keep:
-            return
-        _readable(response["output"])
+        if asked.store is False:
+            raise InvalidRequest("background: a background response is read back by its id, so it needs store: true.",
+                                 param="background")  # fmt: skip
+        owner = tenant.incarnation()
+        queued = envelope(asked, made, "queued", int(time.time()))
         kept = stored_input(asked)
-        size = (before.size if before is not None else 0) + len(orjson.dumps([kept, response["output"]]))
+        size = (before.size if before is not None else 0) + len(orjson.dumps(kept))
         depth, root = (before.depth + 1, before.root) if before is not None else (1, made)
-        turn = Turn(made, response, kept, asked.previous_response_id or "", depth, size, root)
-        await _stored(state.conversations.save(owner, turn))
+        turn = Turn(made, queued, kept, asked.previous_response_id or "", depth, size, root)
+        await _stored(self._conversations.save(owner, turn))
+        cap = tenant.limits.max_queued_requests or self._settings.queue.max_queued_per_tenant
+        try:
+            await self._queue.enqueue(Job(made, tenant.id, RESPONSES.name, [payload], [], owner), cap)
+        except QueueFull as full:
+            await _stored(self._conversations.delete(owner, made))
+            raise TooManyQueued(
+                f"This API key has {full.held} requests queued or running; at most {cap} may be. Nothing was queued."
+            ) from None
+        except (RedisError, OSError) as exc:
+            log.error("responses: background response not queued: %s: %s", type(exc).__name__, exc)
+            await _stored(self._conversations.delete(owner, made))
+            raise QueueUnavailable(
+                "The queue cannot take requests right now; nothing was queued. Retry shortly."
+            ) from exc
+        return queued
 
-    async def accept(answer: dict[str, Any]) -> None:
-        # Inside the pipeline, so that what the client gets instead (an answer the engine did not finish, a
-        # response that could not be stored) is what the log and the metrics say.
-        answered.update(response(answer, asked, made))
-        await save(answered)
+    async def _conversation(self, owner: str, last: str | None, param: str) -> list[Said]:
+        """Every turn of the stored conversation that ends at `last`, oldest first (none without `last`), within what
+        one request may hold."""
+        if last is None:
+            return []
+        kept = self._settings.responses
+        # One turn fewer than the most: this request's own is one more.
+        said = await _stored(self._conversations.conversation(owner, last, kept.max_turns - 1))
+        if said is None:
+            # Never made, another tenant's, expired, deleted, or an earlier turn of it is: the same miss.
+            raise _missing(last, param)
+        if not said:
+            raise InvalidRequest(
+                f"{param}: this conversation has reached {kept.max_turns} turns (responses.max_turns); start a new "
+                "one.",
+                param=param,
+            )
+        if said[-1].status not in FINISHED:
+            raise InvalidRequest(
+                f"{param}: the response is {said[-1].status}; a conversation goes on from a finished one.", param=param
+            )
+        return said
 
-    writer = EventWriter(asked, made)
+    async def _serve_stored(
+        self, request: Request, allowed: set[str], answer: StoredAnswer, admit_tenant: Admit
+    ) -> Response:
+        """A stored response's route: the tenant's turn by its id (404 when the tenant has none by that id, whoever else
+        may) and what `answer` makes of it, given the tenant's incarnation; `admit_tenant` as for create."""
+        record = new_record(request, STORED)
+        try:
+            tenant = await self._intake.tenant(request)
+            record.tenant = tenant.id
+            if admit_tenant is not None:
+                admit_tenant(tenant)
+            _check_query(request, allowed)
+            owner, name = tenant.incarnation(), request.path_params["response_id"]
+            turn = await _stored(self._conversations.load(owner, name)) if len(name) <= MAX_ID else None
+            if turn is None:
+                raise _missing(name)
+            body = await answer(owner, turn, request)
+        except GatewayError as error:
+            return openai_response(refuse(self._metrics, record, error))
+        accesslog.finish(record, self._metrics)
+        return Response(orjson.dumps(body), media_type="application/json", headers={"x-request-id": record.request_id})
 
-    async def at_end(done: bool) -> None:
-        cut_short(done)
-        # A stream's response is made, and stored, before its end goes out: the client must not name a response it
-        # was told is complete and find it missing.
-        await save(writer.finish())
+    async def _retrieved(self, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
+        if turn.response["status"] != "queued":
+            return turn.response
+        try:
+            job = await self._queue.status(owner, turn.id)
+        except (RedisError, OSError):
+            return turn.response  # queued is what the store says; the queue's word can wait for the next poll
+        running = job is not None and job.status == "running"
+        return {**turn.response, "status": "in_progress"} if running else turn.response
 
-    outcome = await run(state, RESPONSES, submission, record, accept=accept, at_end=at_end)
-    if isinstance(outcome, Stream):
-        return relayed_as(outcome, writer)
-    if outcome.status != 200:
-        refused = outcome.body.get("error") or {}
-        message, param = chat_error(str(refused.get("message")), refused.get("param"), asked, history)
-        return openai_response(replace(outcome, body={"error": {**refused, "message": message, "param": param}}))
-    return Response(orjson.dumps(answered), media_type="application/json", headers=outcome.headers)
+    async def _deleted(self, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
+        if not await _stored(self._conversations.delete(owner, turn.id)):
+            raise _missing(turn.id)  # deleted meanwhile, by another request
+        return {"id": turn.id, "object": "response.deleted", "deleted": True}
 
+    async def _cancelled(self, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
+        """A pending background response, cancelled: stored so, over nothing but a pending one (a worker's finish may
+        have come first: then that is what the client gets, as OpenAI answers a finished one)."""
+        if not turn.response.get("background"):
+            raise InvalidRequest("Only a background response can be cancelled.", code="not_cancellable")
+        if turn.response["status"] in PENDING:
+            cancelled = replace(turn, response={**turn.response, "status": "cancelled"})
+            if await _stored(self._conversations.save(owner, cancelled, PENDING)):
+                return cancelled.response
+            now = await _stored(self._conversations.load(owner, turn.id))
+            return (now or turn).response
+        return turn.response
 
-async def _in_background(
-    state: GatewayState,
-    tenant: TenantSettings,
-    asked: ResponsesRequest,
-    made: str,
-    before: Said | None,
-    payload: dict[str, Any],
-) -> dict[str, Any]:
-    """Store the response as queued, then queue its chat request: a worker finds it stored (Background)."""
-    if asked.stream:
-        raise InvalidRequest(
-            "stream: a background response is read back by its id (GET /v1/responses/{id}), not streamed here.",
-            param="stream",
+    async def _input_items(self, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("order: 'asc' or 'desc'.", param="order")
+        limit = query.get("limit", "20")
+        if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 100):
+            raise InvalidRequest("limit: a whole number from 1 to 100.", param="limit")
+        earlier = await self._conversation(owner, turn.parent or None, "response_id")
+        items = [item for said in earlier for item in said.items()]
+        return item_page([*items, *turn.input], order, query.get("after"), int(limit))
+
+    async def retrieve(self, request: Request, admit_tenant: Admit = None) -> Response:
+        """GET /v1/responses/{response_id}: a stored response, as it was answered."""
+        return await self._serve_stored(
+            request, {"include", "stream", "include_obfuscation"}, self._retrieved, admit_tenant
         )
-    if asked.store is False:
-        raise InvalidRequest("background: a background response is read back by its id, so it needs store: true.",
-                             param="background")  # fmt: skip
-    owner = tenant.incarnation()
-    queued = envelope(asked, made, "queued", int(time.time()))
-    kept = stored_input(asked)
-    size = (before.size if before is not None else 0) + len(orjson.dumps(kept))
-    depth, root = (before.depth + 1, before.root) if before is not None else (1, made)
-    turn = Turn(made, queued, kept, asked.previous_response_id or "", depth, size, root)
-    await _stored(state.conversations.save(owner, turn))
-    cap = tenant.limits.max_queued_requests or state.settings.queue.max_queued_per_tenant
-    try:
-        await state.queue.enqueue(Job(made, tenant.id, RESPONSES.name, [payload], [], owner), cap)
-    except QueueFull as full:
-        await _stored(state.conversations.delete(owner, made))
-        raise TooManyQueued(
-            f"This API key has {full.held} requests queued or running; at most {cap} may be. Nothing was queued."
-        ) from None
-    except (RedisError, OSError) as exc:
-        log.error("responses: background response not queued: %s: %s", type(exc).__name__, exc)
-        await _stored(state.conversations.delete(owner, made))
-        raise QueueUnavailable("The queue cannot take requests right now; nothing was queued. Retry shortly.") from exc
-    return queued
+
+    async def delete(self, request: Request, admit_tenant: Admit = None) -> Response:
+        """DELETE /v1/responses/{response_id}: gone for good; a conversation that reached back to it ends there."""
+        return await self._serve_stored(request, set(), self._deleted, admit_tenant)
+
+    async def cancel(self, request: Request, admit_tenant: Admit = None) -> Response:
+        """POST /v1/responses/{response_id}/cancel."""
+        return await self._serve_stored(request, set(), self._cancelled, admit_tenant)
+
+    async def input_items(self, request: Request, admit_tenant: Admit = None) -> Response:
+        """GET /v1/responses/{response_id}/input_items: the items the response was made from, its conversation's
+        earlier turns included, a page at a time."""
+        return await self._serve_stored(
+            request, {"after", "limit", "order", "include"}, self._input_items, admit_tenant
+        )
 
 
 class Background:
@@ -190,12 +317,12 @@ class Background:
     def __init__(self, conversations: ConversationStore) -> None:
         self._conversations = conversations
 
-    async def wanted(self, state: PipelineParts, job: Job) -> bool:
+    async def wanted(self, job: Job) -> bool:
         """Still queued (not cancelled, nor deleted, since)."""
         turn = await self._conversations.load(job.owner, job.id)
         return turn is not None and turn.response["status"] in PENDING
 
-    async def finish(self, state: PipelineParts, job: Job, results: dict[int, Any]) -> None:
+    async def finish(self, job: Job, results: dict[int, Any]) -> None:
         """The response as the chat answer made it (or failed, with the refusal's error), stored in place of the
         pending one, unless it was cancelled or deleted meanwhile."""
         turn = await self._conversations.load(job.owner, job.id)
@@ -224,29 +351,6 @@ def _failed(pending: dict[str, Any], body: dict[str, Any]) -> dict[str, Any] | N
     return {**pending, "status": "failed", "error": said}
 
 
-async def _conversation(state: GatewayState, owner: str, last: str | None, param: str) -> list[Said]:
-    """Every turn of the stored conversation that ends at `last`, oldest first (none without `last`), within what
-    one request may hold."""
-    if last is None:
-        return []
-    kept = state.settings.responses
-    # One turn fewer than the most: this request's own is one more.
-    said = await _stored(state.conversations.conversation(owner, last, kept.max_turns - 1))
-    if said is None:
-        # Never made, another tenant's, expired, deleted, or an earlier turn of it is: the same miss.
-        raise _missing(last, param)
-    if not said:
-        raise InvalidRequest(
-            f"{param}: this conversation has reached {kept.max_turns} turns (responses.max_turns); start a new one.",
-            param=param,
-        )
-    if said[-1].status not in FINISHED:
-        raise InvalidRequest(
-            f"{param}: the response is {said[-1].status}; a conversation goes on from a finished one.", param=param
-        )
-    return said
-
-
 def _readable(output: list[dict[str, Any]]) -> None:
     """An answer stored only if a later turn can read it back as its history: an engine's tool call with no name
     would make every later turn of the conversation fail."""
@@ -269,29 +373,7 @@ async def _stored(work: Awaitable[T]) -> T:
         raise ConversationsUnavailable("Stored responses cannot be reached right now; retry shortly.") from exc
 
 
-StoredAnswer = Callable[[GatewayState, str, Turn, Request], Awaitable[dict[str, Any]]]
-
-
-async def _serve_stored(request: Request, allowed: set[str], answer: StoredAnswer, admit_tenant: Admit) -> Response:
-    """A stored response's route: the tenant's turn by its id (404 when the tenant has none by that id, whoever else
-    may) and what `answer` makes of it, given the tenant's incarnation; `admit_tenant` as for create."""
-    state = state_of(request)
-    record = new_record(request, STORED)
-    try:
-        tenant = await state.tenants.authenticate(request.headers.get("authorization"))
-        record.tenant = tenant.id
-        if admit_tenant is not None:
-            admit_tenant(tenant)
-        _check_query(request, allowed)
-        owner, name = tenant.incarnation(), request.path_params["response_id"]
-        turn = await _stored(state.conversations.load(owner, name)) if len(name) <= MAX_ID else None
-        if turn is None:
-            raise _missing(name)
-        body = await answer(state, owner, turn, request)
-    except GatewayError as error:
-        return openai_response(refuse(state, record, error))
-    accesslog.finish(record, state.metrics)
-    return Response(orjson.dumps(body), media_type="application/json", headers={"x-request-id": record.request_id})
+StoredAnswer = Callable[[str, Turn, Request], Awaitable[dict[str, Any]]]
 
 
 def _check_query(request: Request, allowed: set[str]) -> None:
@@ -305,68 +387,3 @@ def _check_query(request: Request, allowed: set[str]) -> None:
     if request.query_params.get("stream", "false") != "false":
         # A stream to resume is a background response's; none are run here.
         raise InvalidRequest("stream: only a background response's events can be streamed again.", param="stream")
-
-
-async def _retrieved(state: GatewayState, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
-    if turn.response["status"] != "queued":
-        return turn.response
-    try:
-        job = await state.queue.status(owner, turn.id)
-    except (RedisError, OSError):
-        return turn.response  # queued is what the store says; the queue's word can wait for the next poll
-    running = job is not None and job.status == "running"
-    return {**turn.response, "status": "in_progress"} if running else turn.response
-
-
-async def _deleted(state: GatewayState, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
-    if not await _stored(state.conversations.delete(owner, turn.id)):
-        raise _missing(turn.id)  # deleted meanwhile, by another request
-    return {"id": turn.id, "object": "response.deleted", "deleted": True}
-
-
-async def _cancelled(state: GatewayState, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
-    """A pending background response, cancelled: stored so, over nothing but a pending one (a worker's finish may
-    have come first: then that is what the client gets, as OpenAI answers a finished one)."""
-    if not turn.response.get("background"):
-        raise InvalidRequest("Only a background response can be cancelled.", code="not_cancellable")
-    if turn.response["status"] in PENDING:
-        cancelled = replace(turn, response={**turn.response, "status": "cancelled"})
-        if await _stored(state.conversations.save(owner, cancelled, PENDING)):
-            return cancelled.response
-        now = await _stored(state.conversations.load(owner, turn.id))
-        return (now or turn).response
-    return turn.response
-
-
-async def _input_items(state: GatewayState, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
-    query = request.query_params
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise InvalidRequest("order: 'asc' or 'desc'.", param="order")
-    limit = query.get("limit", "20")
-    if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 100):
-        raise InvalidRequest("limit: a whole number from 1 to 100.", param="limit")
-    earlier = await _conversation(state, owner, turn.parent or None, "response_id")
-    items = [item for said in earlier for item in said.items()]
-    return item_page([*items, *turn.input], order, query.get("after"), int(limit))
-
-
-async def retrieve(request: Request, admit_tenant: Admit = None) -> Response:
-    """GET /v1/responses/{response_id}: a stored response, as it was answered."""
-    return await _serve_stored(request, {"include", "stream", "include_obfuscation"}, _retrieved, admit_tenant)
-
-
-async def delete(request: Request, admit_tenant: Admit = None) -> Response:
-    """DELETE /v1/responses/{response_id}: gone for good; a conversation that reached back to it ends there."""
-    return await _serve_stored(request, set(), _deleted, admit_tenant)
-
-
-async def cancel(request: Request, admit_tenant: Admit = None) -> Response:
-    """POST /v1/responses/{response_id}/cancel."""
-    return await _serve_stored(request, set(), _cancelled, admit_tenant)
-
-
-async def input_items(request: Request, admit_tenant: Admit = None) -> Response:
-    """GET /v1/responses/{response_id}/input_items: the items the response was made from, its conversation's
-    earlier turns included, a page at a time."""
-    return await _serve_stored(request, {"after", "limit", "order", "include"}, _input_items, admit_tenant)

@@ -22,15 +22,18 @@ from starlette.responses import Response
 
 from gateway import accesslog
 from gateway.accesslog import RequestRecord
-from gateway.api.openai import CONVERSATION, openai_response, read_submission
-from gateway.api.state import GatewayState, state_of
+from gateway.api.intake import Intake
+from gateway.api.openai import CONVERSATION, openai_response
 from gateway.errors import GatewayError, InvalidRequest
+from gateway.incidents.verdicts import VerdictBound
+from gateway.metrics import GatewayMetrics
 from gateway.offload import off_loop
-from gateway.pipeline.counting import LocalCounter, Prompt
+from gateway.pipeline.counting import LocalCounter, Prompt, PromptCounter
 from gateway.pipeline.inference import refuse, resolve_model
-from gateway.pipeline.slot import Slot
+from gateway.pipeline.slot import Slot, Slots
 from gateway.schemas import REFUSED, ChatCompletionRequest, ModelName, TokenId, validate
-from gateway.settings import ModelSettings, TenantSettings
+from gateway.settings import ModelSettings, Settings, TenantSettings
+from gateway.upstream.capacity import CapacityMonitor
 
 T = TypeVar("T")
 TOKENIZE = "tokenize"
@@ -83,88 +86,106 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
-async def tokenize(request: Request) -> Response:
-    """`{count, max_model_len, tokens, token_strs}`, as vLLM answers; max_model_len is the most tokens this key's
-    request to the model may take (the limit admission holds it to)."""
-    return await _answer(request, TOKENIZE, _tokenized)
+class TokenizationRoutes:
+    """/tokenize and /detokenize, answered from the model's tokenizer in the gateway (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        intake: Intake,
+        settings: Settings,
+        verdicts: VerdictBound,
+        capacity: CapacityMonitor,
+        slots: Slots,
+        counters: dict[str, PromptCounter],
+        metrics: GatewayMetrics,
+    ) -> None:
+        self._intake = intake
+        self._settings = settings
+        self._verdicts = verdicts
+        self._capacity = capacity
+        self._slots = slots
+        self._counters = counters
+        self._metrics = metrics
+
+    async def tokenize(self, request: Request) -> Response:
+        """`{count, max_model_len, tokens, token_strs}`, as vLLM answers; max_model_len is the most tokens this key's
+        request to the model may take (the limit admission holds it to)."""
+        return await self._answer(request, TOKENIZE, self._tokenized)
+
+    async def detokenize(self, request: Request) -> Response:
+        """`{prompt}`: the text of the token ids, as vLLM answers (special tokens kept)."""
+        return await self._answer(request, DETOKENIZE, self._detokenized)
+
+    async def _answer(self, request: Request, route: str, work: Work) -> Response:
+        record = RequestRecord(request_id=accesslog.request_id(request.headers.get("x-request-id")), route=route)
+        try:
+            submission = await self._intake.submission(request, record, CONVERSATION if route == TOKENIZE else ())
+            answer = await work(submission.tenant, submission.payload, record)
+        except GatewayError as error:
+            return openai_response(refuse(self._metrics, record, error))
+        record.status = 200
+        accesslog.finish(record, self._metrics)
+        return Response(
+            orjson.dumps(answer), media_type="application/json", headers={"x-request-id": record.request_id}
+        )
+
+    async def _tokenized(
+        self, tenant: TenantSettings, payload: dict[str, Any], record: RequestRecord
+    ) -> dict[str, Any]:
+        if "messages" in payload:
+            asked: TokenizeChatRequest | TokenizePromptRequest = await off_loop(
+                partial(_chat_request, payload), payload
+            )
+        else:
+            asked = validate(TokenizePromptRequest, payload)
+        model, counter = self._tokenizer(tenant, asked.model, record)
+        limit = self._capacity.require(model, tenant).tokens
+        owner = tenant.incarnation()
+        prompt = Prompt.of_chat(payload, owner) if isinstance(asked, TokenizeChatRequest) else Prompt(text=asked.prompt)
+        ids = await self._held(tenant, model, partial(counter.encode, prompt, asked.add_special_tokens))
+        record.prompt_tokens = len(ids)
+        strings = [counter.tokenizer.tokenizer.id_to_token(token) for token in ids] if asked.return_token_strs else None
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strings}
+
+    async def _detokenized(
+        self, tenant: TenantSettings, payload: dict[str, Any], record: RequestRecord
+    ) -> dict[str, Any]:
+        asked = await off_loop(partial(validate, DetokenizeRequest, payload), payload)
+        model, counter = self._tokenizer(tenant, asked.model, record)
+        return {"prompt": await self._held(tenant, model, partial(counter.decode, asked.tokens, "tokens"))}
+
+    def _tokenizer(
+        self, tenant: TenantSettings, name: str, record: RequestRecord
+    ) -> tuple[ModelSettings, LocalCounter]:
+        """The model the key names and may use, and its tokenizer in the gateway."""
+        model = resolve_model(self._settings, tenant, name)
+        self._verdicts.check(tenant.id, model.name)
+        record.model = model.name
+        counter = self._counters[model.name]
+        if not isinstance(counter, LocalCounter):
+            raise InvalidRequest(
+                f"The gateway answers this route from the model's tokenizer, and model '{model.name}' has none "
+                "configured (models[].tokenizer); it counts with its backends' /tokenize, whose answers the gateway "
+                "cannot vouch for.",
+                param="model",
+            )
+        return model, counter
+
+    async def _held(self, tenant: TenantSettings, model: ModelSettings, work: Callable[[], Awaitable[T]]) -> T:
+        """`work`, as a request: under the tenant's concurrency cap and request rate (no tokens: nothing runs)."""
+        slot = Slot(self._slots, tenant, model)
+        try:
+            await slot.reserve(0)
+            return await work()
+        finally:
+            slot.release()
 
 
-async def detokenize(request: Request) -> Response:
-    """`{prompt}`: the text of the token ids, as vLLM answers (special tokens kept)."""
-    return await _answer(request, DETOKENIZE, _detokenized)
-
-
-Work = Callable[[GatewayState, TenantSettings, dict[str, Any], RequestRecord], Awaitable[dict[str, Any]]]
-
-
-async def _answer(request: Request, route: str, work: Work) -> Response:
-    state = state_of(request)
-    record = RequestRecord(request_id=accesslog.request_id(request.headers.get("x-request-id")), route=route)
-    try:
-        submission = await read_submission(request, state, record, CONVERSATION if route == TOKENIZE else ())
-        answer = await work(state, submission.tenant, submission.payload, record)
-    except GatewayError as error:
-        return openai_response(refuse(state, record, error))
-    record.status = 200
-    accesslog.finish(record, state.metrics)
-    return Response(orjson.dumps(answer), media_type="application/json", headers={"x-request-id": record.request_id})
-
-
-async def _tokenized(
-    state: GatewayState, tenant: TenantSettings, payload: dict[str, Any], record: RequestRecord
-) -> dict[str, Any]:
-    if "messages" in payload:
-        asked: TokenizeChatRequest | TokenizePromptRequest = await off_loop(partial(_chat_request, payload), payload)
-    else:
-        asked = validate(TokenizePromptRequest, payload)
-    model, counter = _tokenizer(state, tenant, asked.model, record)
-    limit = state.capacity.require(model, tenant).tokens
-    owner = tenant.incarnation()
-    prompt = Prompt.of_chat(payload, owner) if isinstance(asked, TokenizeChatRequest) else Prompt(text=asked.prompt)
-    ids = await _held(state, tenant, model, partial(counter.encode, prompt, asked.add_special_tokens))
-    record.prompt_tokens = len(ids)
-    strings = [counter.tokenizer.tokenizer.id_to_token(token) for token in ids] if asked.return_token_strs else None
-    return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strings}
+Work = Callable[[TenantSettings, dict[str, Any], RequestRecord], Awaitable[dict[str, Any]]]
 
 
 def _chat_request(payload: dict[str, Any]) -> TokenizeChatRequest:
     asked = validate(TokenizeChatRequest, payload)
     validate(ChatCompletionRequest, {name: payload[name] for name in CHAT_FIELDS if name in payload})
     return asked
-
-
-async def _detokenized(
-    state: GatewayState, tenant: TenantSettings, payload: dict[str, Any], record: RequestRecord
-) -> dict[str, Any]:
-    asked = await off_loop(partial(validate, DetokenizeRequest, payload), payload)
-    model, counter = _tokenizer(state, tenant, asked.model, record)
-    return {"prompt": await _held(state, tenant, model, partial(counter.decode, asked.tokens, "tokens"))}
-
-
-def _tokenizer(
-    state: GatewayState, tenant: TenantSettings, name: str, record: RequestRecord
-) -> tuple[ModelSettings, LocalCounter]:
-    """The model the key names and may use, and its tokenizer in the gateway."""
-    model = resolve_model(state, tenant, name)
-    state.verdicts.check(tenant.id, model.name)
-    record.model = model.name
-    counter = state.counters[model.name]
-    if not isinstance(counter, LocalCounter):
-        raise InvalidRequest(
-            f"The gateway answers this route from the model's tokenizer, and model '{model.name}' has none configured "
-            "(models[].tokenizer); it counts with its backends' /tokenize, whose answers the gateway cannot vouch for.",
-            param="model",
-        )
-    return model, counter
-
-
-async def _held(
-    state: GatewayState, tenant: TenantSettings, model: ModelSettings, work: Callable[[], Awaitable[T]]
-) -> T:
-    """`work`, as a request: under the tenant's concurrency cap and request rate (no tokens: nothing runs)."""
-    slot = Slot(state, tenant, model)
-    try:
-        await slot.reserve(0)
-        return await work()
-    finally:
-        slot.release()

@@ -37,9 +37,10 @@ from starlette.routing import Match, Route
 
 from gateway import accesslog
 from gateway.accesslog import RequestRecord, StatusRendering
-from gateway.api import catalog, openai, responses, workers_models
-from gateway.api.openai import RelayResponse
-from gateway.api.state import GatewayState, state_of
+from gateway.api import catalog, workers_models
+from gateway.api.intake import Intake
+from gateway.api.openai import CONVERSATION, OpenAIRoutes, RelayResponse, new_record, openai_response
+from gateway.api.responses import ResponsesRoutes
 from gateway.api.workers_shapes import (
     RUN,
     rejects_if_busy,
@@ -60,12 +61,13 @@ from gateway.errors import (
     error_response,
 )
 from gateway.jobs.queue import Job, JobQueue, JobStatus, QueueFull
+from gateway.metrics import GatewayMetrics
 from gateway.offload import off_loop
 from gateway.pipeline import inference
-from gateway.pipeline.inference import CHAT, COMPLETIONS, EMBEDDINGS
+from gateway.pipeline.inference import CHAT, COMPLETIONS, EMBEDDINGS, Pipeline, refuse
 from gateway.pipeline.outcome import Answer, Stream
 from gateway.schemas import validate
-from gateway.settings import ModelSettings, TenantSettings
+from gateway.settings import LimitSettings, ModelSettings, Settings, TenantSettings
 
 log = logging.getLogger("bulkhead.queue")
 
@@ -149,7 +151,7 @@ def _batch_bodies(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _queued_item(
-    state: GatewayState, tenant: TenantSettings, model: ModelSettings, body: dict[str, Any], where: str | None
+    limits: LimitSettings, tenant: TenantSettings, model: ModelSettings, body: dict[str, Any], where: str | None
 ) -> tuple[str, dict[str, Any], str | None]:
     """One item of a batch (`where` it is in the body), checked now: a bad one is refused at once, not in a worker."""
     item = dict(body)
@@ -157,7 +159,7 @@ def _queued_item(
     try:
         if reference is not None and not isinstance(reference, str):
             raise InvalidRequest("`external_reference` must be a string.", param="external_reference")
-        asked = to_openai(state, tenant, model.name, item)
+        asked = to_openai(limits, tenant, model.name, item)
         if asked.json_mode:
             # A poll renders a stored answer without its request: it could not know to parse this one.
             raise InvalidRequest(
@@ -173,45 +175,6 @@ def _queued_item(
             error.param = f"{where}.{error.param}" if error.param else where
         raise
     return route.name, payload, reference
-
-
-async def enqueue(state: GatewayState, tenant: TenantSettings, model: str, body: dict[str, Any]) -> dict[str, Any]:
-    bodies = _batch_bodies(body)
-    if len(bodies) > state.settings.queue.max_batch:
-        raise InvalidRequest(f"At most {state.settings.queue.max_batch} requests per batch.", param="requests")
-    resolved = inference.resolve_model(state, tenant, model)
-    batch = "requests" in body
-
-    def check() -> list[tuple[str, dict[str, Any], str | None]]:
-        return [
-            _queued_item(state, tenant, resolved, item, f"requests[{index}]" if batch else None)
-            for index, item in enumerate(bodies)
-        ]
-
-    checked = await off_loop(check, bodies)
-    routes = {route for route, _, _ in checked}
-    if len(routes) > 1:
-        raise InvalidRequest("A batch is all chat or all raw completion (`raw: true`) requests.", param="requests")
-    items, references = [payload for _, payload, _ in checked], [ref for _, _, ref in checked]
-    job = Job.new(tenant.id, tenant.incarnation(), routes.pop(), items, references)
-    cap = tenant.limits.max_queued_requests or state.settings.queue.max_queued_per_tenant
-    if len(items) > cap:
-        # A 429 would send the client retrying a batch that can never be queued.
-        raise InvalidRequest(
-            f"This batch has {len(items)} requests; this API key may have at most {cap} queued or running.",
-            param="requests",
-        )
-    try:
-        await state.queue.enqueue(job, cap)
-    except QueueFull as full:
-        raise TooManyQueued(
-            f"This API key has {full.held} requests queued or running; at most {cap} may be. Nothing was queued: "
-            "poll the queued ones, and queue more as they finish."
-        ) from None
-    except (RedisError, OSError) as exc:
-        log.error("queue: job not stored: %s: %s", type(exc).__name__, exc)
-        raise QueueUnavailable("The queue cannot take requests right now; nothing was queued. Retry shortly.") from exc
-    return {"status": "queued", "request_id": job.id, "model": model}
 
 
 async def job_status(queue: JobQueue, tenant: TenantSettings, request_id: str) -> JobStatus:
@@ -278,105 +241,223 @@ def _record(request: Request, route: str, sent_as: StatusRendering | None) -> Re
     return RequestRecord(request_id=request_id, route=route, sent_as=sent_as)
 
 
-def _answered(state: GatewayState, record: RequestRecord, result: dict[str, Any]) -> Response:
-    accesslog.finish(record, state.metrics)
-    return envelope(result, 200, headers={"x-request-id": record.request_id})
+class WorkersRoutes:
+    """The Workers AI surface (module docstring): its own routes, and the OpenAI and Responses routes (`openai`,
+    `responses`) for the account."""
 
+    def __init__(
+        self,
+        *,
+        pipeline: Pipeline,
+        intake: Intake,
+        settings: Settings,
+        queue: JobQueue,
+        metrics: GatewayMetrics,
+        openai: OpenAIRoutes,
+        responses: ResponsesRoutes,
+    ) -> None:
+        self._pipeline = pipeline
+        self._intake = intake
+        self._settings = settings
+        self._queue = queue
+        self._metrics = metrics
+        self._openai = openai
+        self._responses = responses
 
-async def run_model(request: Request) -> Response:
-    """`POST …/ai/run/{model}`: run, queue, or poll."""
-    state = state_of(request)
-    model = request.path_params["model"]
-    record = _record(request, CHAT.name, workers_status)
-    try:
-        submission = await openai.read_submission(request, state, record, RUN)
-        tenant, body = submission.tenant, submission.payload
+    async def run_model(self, request: Request) -> Response:
+        """`POST …/ai/run/{model}`: run, queue, or poll."""
+        model = request.path_params["model"]
+        record = _record(request, CHAT.name, workers_status)
+        try:
+            submission = await self._intake.submission(request, record, RUN)
+            tenant, body = submission.tenant, submission.payload
+            check_account(request.path_params["account_id"], tenant)
+            if "request_id" in body:
+                record.route = QUEUE_ROUTE
+                request_id = polled_id(body)
+                status = await job_status(self._queue, tenant, request_id)
+                return self._answered(record, batch_result(request_id, status))
+            if is_queued(request, body):
+                record.route = QUEUE_ROUTE
+                return self._answered(record, await self.enqueue(tenant, model, body))
+            asked = to_openai(self._settings.limits, tenant, model, body)
+        except GatewayError as error:
+            return failure(refuse(self._metrics, record, error))
+        record.route = asked.route.name
+        submission = replace(submission, payload=asked.payload, reject_if_busy=asked.reject_if_busy)
+
+        async def parsed(answer: dict[str, Any]) -> None:
+            workers_result(answer, json_mode=True)  # JSON mode's 422, raised inside the pipeline for the log to say it
+
+        accept = parsed if asked.json_mode else None
+        outcome = await self._pipeline.run(asked.route, submission, record, accept=accept)
+        if isinstance(outcome, Stream):
+            return RelayResponse(outcome, workers_event)
+        return workers_answer(outcome, asked.json_mode)
+
+    async def enqueue(self, tenant: TenantSettings, model: str, body: dict[str, Any]) -> dict[str, Any]:
+        bodies = _batch_bodies(body)
+        if len(bodies) > self._settings.queue.max_batch:
+            raise InvalidRequest(f"At most {self._settings.queue.max_batch} requests per batch.", param="requests")
+        resolved = inference.resolve_model(self._settings, tenant, model)
+        batch = "requests" in body
+
+        def check() -> list[tuple[str, dict[str, Any], str | None]]:
+            return [
+                _queued_item(self._settings.limits, tenant, resolved, item, f"requests[{index}]" if batch else None)
+                for index, item in enumerate(bodies)
+            ]
+
+        checked = await off_loop(check, bodies)
+        routes = {route for route, _, _ in checked}
+        if len(routes) > 1:
+            raise InvalidRequest("A batch is all chat or all raw completion (`raw: true`) requests.", param="requests")
+        items, references = [payload for _, payload, _ in checked], [ref for _, _, ref in checked]
+        job = Job.new(tenant.id, tenant.incarnation(), routes.pop(), items, references)
+        cap = tenant.limits.max_queued_requests or self._settings.queue.max_queued_per_tenant
+        if len(items) > cap:
+            # A 429 would send the client retrying a batch that can never be queued.
+            raise InvalidRequest(
+                f"This batch has {len(items)} requests; this API key may have at most {cap} queued or running.",
+                param="requests",
+            )
+        try:
+            await self._queue.enqueue(job, cap)
+        except QueueFull as full:
+            raise TooManyQueued(
+                f"This API key has {full.held} requests queued or running; at most {cap} may be. Nothing was queued: "
+                "poll the queued ones, and queue more as they finish."
+            ) from None
+        except (RedisError, OSError) as exc:
+            log.error("queue: job not stored: %s: %s", type(exc).__name__, exc)
+            raise QueueUnavailable(
+                "The queue cannot take requests right now; nothing was queued. Retry shortly."
+            ) from exc
+        return {"status": "queued", "request_id": job.id, "model": model}
+
+    def _answered(self, record: RequestRecord, result: dict[str, Any]) -> Response:
+        accesslog.finish(record, self._metrics)
+        return envelope(result, 200, headers={"x-request-id": record.request_id})
+
+    async def _polled(self, request: Request, record: RequestRecord, account: str | None) -> JobStatus:
+        tenant = await self._intake.tenant(request)
+        record.tenant = tenant.id
+        if account is not None:
+            check_account(account, tenant)
+        return await job_status(self._queue, tenant, request.path_params["request_id"])
+
+    async def poll_workers(self, request: Request) -> Response:
+        """`GET …/ai/run/{model}/requests/{id}`: the same answer as polling by POST."""
+        record = _record(request, QUEUE_ROUTE, workers_status)
+        try:
+            status = await self._polled(request, record, request.path_params["account_id"])
+        except GatewayError as error:
+            return failure(refuse(self._metrics, record, error))
+        return self._answered(record, batch_result(request.path_params["request_id"], status))
+
+    async def poll_openai(self, request: Request) -> Response:
+        """`GET /v1/requests/{id}`: the poll for OpenAI clients, with each item's OpenAI answer."""
+        record = _record(request, QUEUE_ROUTE, None)
+        try:
+            status = await self._polled(request, record, None)
+        except GatewayError as error:
+            return openai_response(refuse(self._metrics, record, error))
+        accesslog.finish(record, self._metrics)
+        content = orjson.dumps(openai_poll(request.path_params["request_id"], status))
+        return Response(content, media_type="application/json", headers={"x-request-id": record.request_id})
+
+    async def _account_tenant(self, request: Request) -> TenantSettings:
+        tenant = await self._intake.tenant(request)
         check_account(request.path_params["account_id"], tenant)
-        if "request_id" in body:
-            record.route = QUEUE_ROUTE
-            request_id = polled_id(body)
-            status = await job_status(state.queue, tenant, request_id)
-            return _answered(state, record, batch_result(request_id, status))
-        if is_queued(request, body):
-            record.route = QUEUE_ROUTE
-            return _answered(state, record, await enqueue(state, tenant, model, body))
-        asked = to_openai(state, tenant, model, body)
-    except GatewayError as error:
-        return failure(inference.refuse(state, record, error))
-    record.route = asked.route.name
-    submission = replace(submission, payload=asked.payload, reject_if_busy=asked.reject_if_busy)
+        return tenant
 
-    async def parsed(answer: dict[str, Any]) -> None:
-        workers_result(answer, json_mode=True)  # JSON mode's 422, raised inside the pipeline for the log to say it
+    async def account_chat(self, request: Request) -> Response:
+        """/v1's chat completions for this account, with Workers AI's `options.rejectIfBusy` at the body's top level
+        (taken out before the body is validated as /v1's: it goes nowhere upstream)."""
+        record = new_record(request, CHAT)
+        try:
+            submission = await self._intake.submission(request, record, CONVERSATION)
+            check_account(request.path_params["account_id"], submission.tenant)
+            if "options" in submission.payload:
+                submission = replace(submission, reject_if_busy=rejects_if_busy(submission.payload.pop("options")))
+        except GatewayError as error:
+            return openai_response(refuse(self._metrics, record, error))
+        return openai_response(await self._pipeline.run(CHAT, submission, record))
 
-    accept = parsed if asked.json_mode else None
-    outcome = await inference.run(state, asked.route, submission, record, accept=accept)
-    if isinstance(outcome, Stream):
-        return RelayResponse(outcome, workers_event)
-    return workers_answer(outcome, asked.json_mode)
+    async def account_completions(self, request: Request) -> Response:
+        return await self._openai.serve(request, COMPLETIONS, _account_check(request))
 
+    async def account_embeddings(self, request: Request) -> Response:
+        return await self._openai.serve(request, EMBEDDINGS, _account_check(request))
 
-async def _polled(request: Request, state: GatewayState, record: RequestRecord, account: str | None) -> JobStatus:
-    tenant = await state.tenants.authenticate(request.headers.get("authorization"))
-    record.tenant = tenant.id
-    if account is not None:
-        check_account(account, tenant)
-    return await job_status(state.queue, tenant, request.path_params["request_id"])
+    async def _account_catalog(self, request: Request, answer: Callable[[Settings, TenantSettings], Any]) -> Response:
+        try:
+            content = answer(self._settings, await self._account_tenant(request))
+        except GatewayError as error:
+            return error_response(error)
+        return Response(orjson.dumps(content), media_type="application/json")
 
+    async def account_models(self, request: Request) -> Response:
+        return await self._account_catalog(request, catalog.listing)
 
-async def poll_workers(request: Request) -> Response:
-    """`GET …/ai/run/{model}/requests/{id}`: the same answer as polling by POST."""
-    state, record = state_of(request), _record(request, QUEUE_ROUTE, workers_status)
-    try:
-        status = await _polled(request, state, record, request.path_params["account_id"])
-    except GatewayError as error:
-        return failure(inference.refuse(state, record, error))
-    return _answered(state, record, batch_result(request.path_params["request_id"], status))
+    async def account_model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        return await self._account_catalog(request, lambda settings, tenant: catalog.retrieve(settings, tenant, name))
 
+    async def _cloudflare_api(self, request: Request, answer: workers_models.Listing) -> Response:
+        """A route of Cloudflare's own API for this account (the model catalogue), in its envelope."""
+        try:
+            result, info = answer(self._settings, await self._account_tenant(request), request.query_params)
+        except GatewayError as error:
+            return failure(Answer.refusal(error, {}))
+        return envelope(result, 200, info=info)
 
-async def poll_openai(request: Request) -> Response:
-    """`GET /v1/requests/{id}`: the poll for OpenAI clients, with each item's OpenAI answer."""
-    state, record = state_of(request), _record(request, QUEUE_ROUTE, None)
-    try:
-        status = await _polled(request, state, record, None)
-    except GatewayError as error:
-        return openai.openai_response(inference.refuse(state, record, error))
-    accesslog.finish(record, state.metrics)
-    content = orjson.dumps(openai_poll(request.path_params["request_id"], status))
-    return Response(content, media_type="application/json", headers={"x-request-id": record.request_id})
+    async def models_search(self, request: Request) -> Response:
+        return await self._cloudflare_api(request, workers_models.search)
+
+    async def model_schema(self, request: Request) -> Response:
+        return await self._cloudflare_api(request, workers_models.schema)
+
+    def routes(self) -> list[Route]:
+        responses = self._responses
+        account_routes: list[tuple[str, Callable[[Request], Any], list[str]]] = [
+            # The GET poll first: `{model:path}` would otherwise swallow ".../requests/{id}".
+            ("/ai/run/{model:path}/requests/{request_id}", self.poll_workers, ["GET"]),
+            ("/ai/run/{model:path}", self.run_model, ["POST"]),
+            ("/ai/models/search", self.models_search, ["GET"]),
+            ("/ai/models/schema", self.model_schema, ["GET"]),
+            ("/ai/v1/chat/completions", self.account_chat, ["POST"]),
+            ("/ai/v1/responses", _on_account(responses.create), ["POST"]),
+            ("/ai/v1/responses/{response_id}", _on_account(responses.retrieve), ["GET"]),
+            ("/ai/v1/responses/{response_id}", _on_account(responses.delete), ["DELETE"]),
+            ("/ai/v1/responses/{response_id}/cancel", _on_account(responses.cancel), ["POST"]),
+            ("/ai/v1/responses/{response_id}/input_items", _on_account(responses.input_items), ["GET"]),
+            ("/ai/v1/completions", self.account_completions, ["POST"]),
+            ("/ai/v1/embeddings", self.account_embeddings, ["POST"]),
+            ("/ai/v1/models", self.account_models, ["GET"]),
+            ("/ai/v1/models/{model:path}", self.account_model, ["GET"]),
+        ]
+        account = [
+            Route(f"{root}/accounts/{{account_id}}{path}", endpoint, methods=methods)
+            for root in ROOTS
+            for path, endpoint, methods in account_routes
+        ]
+        # Last: they take only what no other route of the app matched (every method: Starlette's default is GET
+        # alone). The OpenAI-compatible base URL answers as OpenAI does, everything else under the account as
+        # Cloudflare does.
+        unknown_openai = [
+            Route(f"{root}/accounts/{{account_id}}/ai/v1/{{rest:path}}", unknown_openai_route, methods=ANY_METHOD)
+            for root in ROOTS
+        ]
+        unknown = [
+            Route(f"{root}/{{rest:path}}", unknown_route, methods=ANY_METHOD) for root in ("/accounts", "/client/v4")
+        ]
+        poll = Route("/v1/requests/{request_id}", self.poll_openai, methods=["GET"])
+        return [*account, poll, *unknown_openai, *unknown]
 
 
 def _account_check(request: Request) -> Callable[[TenantSettings], None]:
     return partial(check_account, request.path_params["account_id"])
-
-
-async def _account_tenant(request: Request, state: GatewayState) -> TenantSettings:
-    tenant = await state.tenants.authenticate(request.headers.get("authorization"))
-    check_account(request.path_params["account_id"], tenant)
-    return tenant
-
-
-async def account_chat(request: Request) -> Response:
-    """/v1's chat completions for this account, with Workers AI's `options.rejectIfBusy` at the body's top level
-    (taken out before the body is validated as /v1's: it goes nowhere upstream)."""
-    state = state_of(request)
-    record = openai.new_record(request, CHAT)
-    try:
-        submission = await openai.read_submission(request, state, record, openai.CONVERSATION)
-        check_account(request.path_params["account_id"], submission.tenant)
-        if "options" in submission.payload:
-            submission = replace(submission, reject_if_busy=rejects_if_busy(submission.payload.pop("options")))
-    except GatewayError as error:
-        return openai.openai_response(inference.refuse(state, record, error))
-    return openai.openai_response(await inference.run(state, CHAT, submission, record))
-
-
-async def account_completions(request: Request) -> Response:
-    return await openai.serve(request, state_of(request), COMPLETIONS, _account_check(request))
-
-
-async def account_embeddings(request: Request) -> Response:
-    return await openai.serve(request, state_of(request), EMBEDDINGS, _account_check(request))
 
 
 def _on_account(
@@ -388,42 +469,6 @@ def _on_account(
         return await serve(request, _account_check(request))
 
     return endpoint
-
-
-async def _account_catalog(request: Request, answer: Callable[[GatewayState, TenantSettings], Any]) -> Response:
-    state = state_of(request)
-    try:
-        content = answer(state, await _account_tenant(request, state))
-    except GatewayError as error:
-        return error_response(error)
-    return Response(orjson.dumps(content), media_type="application/json")
-
-
-async def account_models(request: Request) -> Response:
-    return await _account_catalog(request, catalog.listing)
-
-
-async def account_model(request: Request) -> Response:
-    name = request.path_params["model"]
-    return await _account_catalog(request, lambda state, tenant: catalog.retrieve(state, tenant, name))
-
-
-async def _cloudflare_api(request: Request, answer: workers_models.Listing) -> Response:
-    """A route of Cloudflare's own API for this account (the model catalogue), in its envelope."""
-    state = state_of(request)
-    try:
-        result, info = answer(state, await _account_tenant(request, state), request.query_params)
-    except GatewayError as error:
-        return failure(Answer.refusal(error, {}))
-    return envelope(result, 200, info=info)
-
-
-async def models_search(request: Request) -> Response:
-    return await _cloudflare_api(request, workers_models.search)
-
-
-async def model_schema(request: Request) -> Response:
-    return await _cloudflare_api(request, workers_models.schema)
 
 
 def _unrouted(request: Request) -> GatewayError:
@@ -444,41 +489,6 @@ async def unknown_openai_route(request: Request) -> Response:
     return error_response(_unrouted(request))
 
 
-ACCOUNT_ROUTES: list[tuple[str, Callable[[Request], Any], list[str]]] = [
-    # The GET poll first: `{model:path}` would otherwise swallow ".../requests/{id}".
-    ("/ai/run/{model:path}/requests/{request_id}", poll_workers, ["GET"]),
-    ("/ai/run/{model:path}", run_model, ["POST"]),
-    ("/ai/models/search", models_search, ["GET"]),
-    ("/ai/models/schema", model_schema, ["GET"]),
-    ("/ai/v1/chat/completions", account_chat, ["POST"]),
-    ("/ai/v1/responses", _on_account(responses.create), ["POST"]),
-    ("/ai/v1/responses/{response_id}", _on_account(responses.retrieve), ["GET"]),
-    ("/ai/v1/responses/{response_id}", _on_account(responses.delete), ["DELETE"]),
-    ("/ai/v1/responses/{response_id}/cancel", _on_account(responses.cancel), ["POST"]),
-    ("/ai/v1/responses/{response_id}/input_items", _on_account(responses.input_items), ["GET"]),
-    ("/ai/v1/completions", account_completions, ["POST"]),
-    ("/ai/v1/embeddings", account_embeddings, ["POST"]),
-    ("/ai/v1/models", account_models, ["GET"]),
-    ("/ai/v1/models/{model:path}", account_model, ["GET"]),
-]
 ANY_METHOD = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 # Cloudflare's API root is `https://api.cloudflare.com/client/v4`: with it, a client changes only the host.
 ROOTS = ("", "/client/v4")
-
-
-def routes() -> list[Route]:
-    account = [
-        Route(f"{root}/accounts/{{account_id}}{path}", endpoint, methods=methods)
-        for root in ROOTS
-        for path, endpoint, methods in ACCOUNT_ROUTES
-    ]
-    # Last: they take only what no other route of the app matched (every method: Starlette's default is GET alone).
-    # The OpenAI-compatible base URL answers as OpenAI does, everything else under the account as Cloudflare does.
-    unknown_openai = [
-        Route(f"{root}/accounts/{{account_id}}/ai/v1/{{rest:path}}", unknown_openai_route, methods=ANY_METHOD)
-        for root in ROOTS
-    ]
-    unknown = [
-        Route(f"{root}/{{rest:path}}", unknown_route, methods=ANY_METHOD) for root in ("/accounts", "/client/v4")
-    ]
-    return [*account, Route("/v1/requests/{request_id}", poll_openai, methods=["GET"]), *unknown_openai, *unknown]

@@ -16,10 +16,9 @@ from typing import Any
 from starlette.datastructures import QueryParams
 
 from gateway.api import catalog
-from gateway.api.state import GatewayState
 from gateway.errors import InvalidRequest
 from gateway.pipeline.inference import output_cap
-from gateway.settings import TenantSettings
+from gateway.settings import Settings, TenantSettings
 
 # Workers AI's default output for text generation (`max_tokens`, default 256, in every model's input schema).
 WORKERS_MAX_TOKENS = 256
@@ -44,8 +43,8 @@ UNANSWERED = {
     "format": "only Cloudflare's own format is served",
 }
 
-# The catalogue's answers: (result, result_info or None), given the key's tenant and the query.
-Listing = Callable[[GatewayState, TenantSettings, QueryParams], tuple[Any, dict[str, Any] | None]]
+# The catalogue's answers: (result, result_info or None), given the settings, the key's tenant and the query.
+Listing = Callable[[Settings, TenantSettings, QueryParams], tuple[Any, dict[str, Any] | None]]
 
 
 def workers_model(card: dict[str, Any]) -> dict[str, Any]:
@@ -64,7 +63,7 @@ def workers_model(card: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def search(state: GatewayState, tenant: TenantSettings, query: QueryParams) -> tuple[Any, dict[str, Any] | None]:
+def search(settings: Settings, tenant: TenantSettings, query: QueryParams) -> tuple[Any, dict[str, Any] | None]:
     """The key's models whose name holds `search` (any case), of `task` (its name, any case), one page of them."""
     _check(query, SEARCH_PARAMS)
     page, per_page = _whole(query, "page", 1, None), _whole(query, "per_page", PER_PAGE, MAX_PER_PAGE)
@@ -72,20 +71,21 @@ def search(state: GatewayState, tenant: TenantSettings, query: QueryParams) -> t
         if query.get(flag, "false") not in ("true", "false"):
             raise InvalidRequest(f"`{flag}` is true or false.", param=flag)
     text, task = query.get("search", "").casefold(), query.get("task")
-    found = [workers_model(card) for card in catalog.listing(state, tenant)["data"] if text in card["id"].casefold()]
+    found = [workers_model(card) for card in catalog.listing(settings, tenant)["data"] if text in card["id"].casefold()]
     if task is not None and task.casefold() != TEXT_GENERATION["name"].casefold():
         found = []
     shown = found[(page - 1) * per_page : page * per_page]
     return shown, {"page": page, "per_page": per_page, "count": len(shown), "total_count": len(found)}
 
 
-def schema(state: GatewayState, tenant: TenantSettings, query: QueryParams) -> tuple[Any, dict[str, Any] | None]:
+def schema(settings: Settings, tenant: TenantSettings, query: QueryParams) -> tuple[Any, dict[str, Any] | None]:
     _check(query, frozenset({"model"}))
     name = query.get("model")
     if not name:
         raise InvalidRequest("`model` names the model whose schema is asked for.", param="model")
-    card = catalog.retrieve(state, tenant, name)  # another tenant's model is no model at all
-    return {"input": input_schema(name, card.get("max_model_len"), output_cap(state, tenant)), "output": OUTPUT}, None
+    card = catalog.retrieve(settings, tenant, name)  # another tenant's model is no model at all
+    cap = output_cap(settings.limits, tenant)
+    return {"input": input_schema(name, card.get("max_model_len"), cap), "output": OUTPUT}, None
 
 
 def input_schema(name: str, window: int | None, cap: int) -> dict[str, Any]:

@@ -18,13 +18,12 @@ import orjson
 from gateway.api.body import depth_exceeds
 from gateway.api.bounds import Cap, Shape
 from gateway.api.openai import CONVERSATION
-from gateway.api.state import GatewayState
 from gateway.api.workers_models import SAMPLING, WORKERS_MAX_TOKENS
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.pipeline import inference
 from gateway.pipeline.inference import CHAT, COMPLETIONS
 from gateway.pipeline.outcome import Event
-from gateway.settings import TenantSettings
+from gateway.settings import LimitSettings, TenantSettings
 from gateway.upstream.sse import DONE as SSE_DONE
 
 DATA = b"data: "
@@ -138,7 +137,7 @@ class WorkersRequest:
     reject_if_busy: bool = False
 
 
-def to_openai(state: GatewayState, tenant: TenantSettings, model: str, body: dict[str, Any]) -> WorkersRequest:
+def to_openai(limits: LimitSettings, tenant: TenantSettings, model: str, body: dict[str, Any]) -> WorkersRequest:
     """A Workers AI text-generation body as the OpenAI request the pipeline runs.
 
     `prompt` is templated as a user turn (Workers AI does so unless `raw: true`, which sends it as a completion);
@@ -162,7 +161,7 @@ def to_openai(state: GatewayState, tenant: TenantSettings, model: str, body: dic
         )
     payload["model"] = model
     if "max_tokens" not in payload and "max_completion_tokens" not in payload:
-        payload["max_tokens"] = min(WORKERS_MAX_TOKENS, inference.output_cap(state, tenant))
+        payload["max_tokens"] = min(WORKERS_MAX_TOKENS, inference.output_cap(limits, tenant))
     if isinstance(payload.get("tools"), list):
         payload["tools"] = [_openai_tool(tool) for tool in payload["tools"]]
     options = payload.get("stream_options")

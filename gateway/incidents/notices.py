@@ -182,21 +182,6 @@ class RedisNoticeStore:
         return notices
 
 
-class NoticeParts(Protocol):
-    @property
-    def settings(self) -> Settings: ...
-    @property
-    def metrics(self) -> GatewayMetrics: ...
-    @property
-    def ledger(self) -> LedgerWriter: ...
-    @property
-    def notices(self) -> NoticeStore: ...
-    @property
-    def tenant_webhooks(self) -> TenantWebhooks: ...
-    @property
-    def deliveries(self) -> Deliveries: ...
-
-
 def _request(served: Served) -> dict[str, Any]:
     return {"request_id": served.request_id, "start": served.start, "end": served.end}
 
@@ -210,76 +195,94 @@ def _common(incident: Incident) -> dict[str, Any]:
     }
 
 
-async def notices_of(incident: Incident, state: NoticeParts, now: float) -> list[Notice]:
-    """The notices a confirmed incident makes now (module docstring)."""
-    until = incident.window_end(now, slack_s(state.settings))
-    window = {"since": incident.window_start, "until": until}
-    ended = {request_id: (recipient, verdict) for request_id, recipient, verdict in incident.answers}
-    made = []
-    victims = sorted({victim for _, victim in incident.leaks})
-    served: list[Served] = []
-    cut = False
-    if victims:
-        await state.ledger.flush()
-        served, cut = await state.ledger.ledger.served(incident.replica, incident.window_start, until, MAX_READ)
-    for victim in victims:
-        mine = [s for s in served if s.tenant == victim]
-        verdicts = [ended[r][1] if r in ended else NOT_ENDED for r, v in sorted(incident.leaks) if v == victim]
-        data = {
-            **_common(incident),
-            "window": window,
-            "your_requests": [_request(s) for s in mine[-MAX_LISTED:]],
-            "your_requests_total": len(mine),
-            "your_requests_complete": not cut,
-            "answers_carrying_your_data": len(verdicts),
-            "withheld": verdicts.count(WITHHELD),
-            "reached_another_tenant": sum(v in REACHED for v in verdicts),
-            "not_ended": verdicts.count(NOT_ENDED),
-        }
-        what = [[r["request_id"] for r in data["your_requests"]], len(mine), verdicts]
-        made.append(Notice.of(victim, VICTIM, data, now, what=what))
-    received: dict[str, list[tuple[str, str]]] = {}
-    for request_id, (recipient, verdict) in sorted(ended.items()):
-        if verdict in REACHED:
-            received.setdefault(recipient, []).append((request_id, verdict))
-    for recipient, answers in sorted(received.items()):
-        requests = [{"request_id": r, "delivered": WHOLE if v == DELIVERED else "in part"} for r, v in answers]
-        data = {**_common(incident), "requests": requests}
-        made.append(Notice.of(recipient, RECIPIENT, data, now, what=answers))
-    return made
+class Notifier:
+    """Makes a confirmed incident's notices (module docstring), keeps them and sends them to tenants' webhooks."""
 
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        metrics: GatewayMetrics,
+        ledger: LedgerWriter,
+        notices: NoticeStore,
+        tenant_webhooks: TenantWebhooks,
+        deliveries: Deliveries,
+    ) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._ledger = ledger
+        self._notices = notices
+        self._tenant_webhooks = tenant_webhooks
+        self._deliveries = deliveries
 
-def confirmed_for_notices(incident: Incident, state: NoticeParts) -> bool:
-    """Whether the incident's leaks are notices now: confirmed by the canary probe, or (by setting) by a marker leak
-    (which no tenant makes a model write without having learned another's marker)."""
-    return incident.confirmed == "yes" or (
-        state.settings.isolation.notices.confirm == "marker" and MARKER in incident.kinds
-    )
+    async def notices_of(self, incident: Incident, now: float) -> list[Notice]:
+        """The notices a confirmed incident makes now (module docstring)."""
+        until = incident.window_end(now, slack_s(self._settings))
+        window = {"since": incident.window_start, "until": until}
+        ended = {request_id: (recipient, verdict) for request_id, recipient, verdict in incident.answers}
+        made = []
+        victims = sorted({victim for _, victim in incident.leaks})
+        served: list[Served] = []
+        cut = False
+        if victims:
+            await self._ledger.flush()
+            served, cut = await self._ledger.ledger.served(incident.replica, incident.window_start, until, MAX_READ)
+        for victim in victims:
+            mine = [s for s in served if s.tenant == victim]
+            verdicts = [ended[r][1] if r in ended else NOT_ENDED for r, v in sorted(incident.leaks) if v == victim]
+            data = {
+                **_common(incident),
+                "window": window,
+                "your_requests": [_request(s) for s in mine[-MAX_LISTED:]],
+                "your_requests_total": len(mine),
+                "your_requests_complete": not cut,
+                "answers_carrying_your_data": len(verdicts),
+                "withheld": verdicts.count(WITHHELD),
+                "reached_another_tenant": sum(v in REACHED for v in verdicts),
+                "not_ended": verdicts.count(NOT_ENDED),
+            }
+            what = [[r["request_id"] for r in data["your_requests"]], len(mine), verdicts]
+            made.append(Notice.of(victim, VICTIM, data, now, what=what))
+        received: dict[str, list[tuple[str, str]]] = {}
+        for request_id, (recipient, verdict) in sorted(ended.items()):
+            if verdict in REACHED:
+                received.setdefault(recipient, []).append((request_id, verdict))
+        for recipient, answers in sorted(received.items()):
+            requests = [{"request_id": r, "delivered": WHOLE if v == DELIVERED else "in part"} for r, v in answers]
+            data = {**_common(incident), "requests": requests}
+            made.append(Notice.of(recipient, RECIPIENT, data, now, what=answers))
+        return made
 
+    def confirmed(self, incident: Incident) -> bool:
+        """Whether the incident's leaks are notices now: confirmed by the canary probe, or (by setting) by a marker leak
+        (which no tenant makes a model write without having learned another's marker)."""
+        return incident.confirmed == "yes" or (
+            self._settings.isolation.notices.confirm == "marker" and MARKER in incident.kinds
+        )
 
-async def notify(incident: Incident, state: NoticeParts) -> int | None:
-    """Keep and send the notices a confirmed incident makes; the number that were new, None when the store failed.
-    Each is kept with its webhook message queued, in one step (NoticeStore.add): a store that fails keeps neither,
-    logged, and the next answer of the incident, or an instance's next pass over the confirmed incidents
-    (tracking.watch), makes it again."""
-    settings = state.settings.isolation.notices
-    max_pending = state.settings.webhooks.max_pending_per_target
-    try:
-        made = await notices_of(incident, state, time.time())
-        new = 0
-        for notice in made:
-            sending = None
-            if await state.tenant_webhooks.registration(notice.tenant) is not None:
-                data = {"id": notice.id, **notice.data}
-                sending = state.deliveries.message(TENANT_PREFIX + notice.tenant, notice.type, data)
-            dropped = await state.notices.add(notice, settings.max_per_tenant, sending, max_pending)
-            if dropped is None:
-                continue
-            new += 1
-            state.metrics.notices.labels(notice.type).inc()
-            if sending is not None:
-                state.deliveries.queued(sending, dropped)
-    except (RedisError, OSError) as exc:
-        log.error("notices of incident %s not made: %s", incident.id, type(exc).__name__)
-        return None
-    return new
+    async def notify(self, incident: Incident) -> int | None:
+        """Keep and send the notices a confirmed incident makes; the number that were new, None when the store failed.
+        Each is kept with its webhook message queued, in one step (NoticeStore.add): a store that fails keeps neither,
+        logged, and the next answer of the incident, or an instance's next pass over the confirmed incidents
+        (Tracker.watch), makes it again."""
+        settings = self._settings.isolation.notices
+        max_pending = self._settings.webhooks.max_pending_per_target
+        try:
+            made = await self.notices_of(incident, time.time())
+            new = 0
+            for notice in made:
+                sending = None
+                if await self._tenant_webhooks.registration(notice.tenant) is not None:
+                    data = {"id": notice.id, **notice.data}
+                    sending = self._deliveries.message(TENANT_PREFIX + notice.tenant, notice.type, data)
+                dropped = await self._notices.add(notice, settings.max_per_tenant, sending, max_pending)
+                if dropped is None:
+                    continue
+                new += 1
+                self._metrics.notices.labels(notice.type).inc()
+                if sending is not None:
+                    self._deliveries.queued(sending, dropped)
+        except (RedisError, OSError) as exc:
+            log.error("notices of incident %s not made: %s", incident.id, type(exc).__name__)
+            return None
+        return new

@@ -7,14 +7,11 @@ What a leak does to its replica is decided in quarantine.py, before the event is
 from __future__ import annotations
 
 import logging
-from collections.abc import Coroutine
-from typing import Any, Protocol
 
 import orjson
 from redis.exceptions import RedisError
 
 from gateway.metrics import GatewayMetrics
-from gateway.settings import Settings
 from gateway.webhooks import OPERATOR, Deliveries
 from isolation.events import EventLog, IsolationEvent
 from isolation.guard import FRAGMENT, MARKER
@@ -25,33 +22,28 @@ LEAKS = frozenset({MARKER, FRAGMENT})
 USAGE_MISMATCH = "usage_mismatch"  # the engine's prompt count is not the prompt it was sent
 
 
-class ReportingParts(Protocol):
-    """What reporting an event uses."""
+class Reporter:
+    """Reports isolation events: counted, logged, stored, and sent to the operators' webhook when one is set."""
 
-    @property
-    def metrics(self) -> GatewayMetrics: ...
-    @property
-    def events(self) -> EventLog: ...
-    @property
-    def settings(self) -> Settings: ...
-    @property
-    def deliveries(self) -> Deliveries: ...
-    def background(self, work: Coroutine[Any, Any, Any]) -> None: ...
+    def __init__(self, *, metrics: GatewayMetrics, events: EventLog, deliveries: Deliveries, webhook: bool) -> None:
+        self._metrics = metrics
+        self._events = events
+        self._deliveries = deliveries
+        self._webhook = webhook  # isolation.canary.webhook_url is set
 
-
-async def report(event: IsolationEvent, state: ReportingParts) -> None:
-    state.metrics.isolation_events.labels(event.kind, event.model, event.replica).inc()
-    if event.kind in LEAKS:
-        state.metrics.leaks.labels(event.model, event.replica, event.kind).inc()
-    # ERROR level on purpose: every isolation event is a page; the line carries no keys, markers or text.
-    log.error(orjson.dumps({"event": "isolation", **event.fields()}).decode())
-    try:
-        await state.events.append(event)
-    except (RedisError, OSError) as exc:
-        log.error("isolation event %s not stored: %s", event.request_id, type(exc).__name__)
-    if state.settings.isolation.canary.webhook_url is None:
-        return
-    try:
-        await state.deliveries.send(OPERATOR, "isolation.event", event.fields())
-    except (RedisError, OSError) as exc:
-        log.error("isolation event %s: no webhook notice queued: %s", event.request_id, type(exc).__name__)
+    async def report(self, event: IsolationEvent) -> None:
+        self._metrics.isolation_events.labels(event.kind, event.model, event.replica).inc()
+        if event.kind in LEAKS:
+            self._metrics.leaks.labels(event.model, event.replica, event.kind).inc()
+        # ERROR level on purpose: every isolation event is a page; the line carries no keys, markers or text.
+        log.error(orjson.dumps({"event": "isolation", **event.fields()}).decode())
+        try:
+            await self._events.append(event)
+        except (RedisError, OSError) as exc:
+            log.error("isolation event %s not stored: %s", event.request_id, type(exc).__name__)
+        if not self._webhook:
+            return
+        try:
+            await self._deliveries.send(OPERATOR, "isolation.event", event.fields())
+        except (RedisError, OSError) as exc:
+            log.error("isolation event %s: no webhook notice queued: %s", event.request_id, type(exc).__name__)

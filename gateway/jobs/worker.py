@@ -24,7 +24,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
-from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
 from redis.exceptions import RedisError
@@ -33,8 +32,10 @@ from gateway.accesslog import RequestRecord
 from gateway.errors import AuthenticationFailed, GatewayError
 from gateway.jobs.queue import Claimed, Job, JobQueue
 from gateway.pipeline import inference
-from gateway.pipeline.inference import PipelineParts
+from gateway.pipeline.inference import Pipeline, Submission
 from gateway.pipeline.outcome import Answer
+from gateway.tenancy.tenants import TenantDirectory
+from gateway.upstream.fairness import Gate
 
 log = logging.getLogger("bulkhead.worker")
 
@@ -69,17 +70,16 @@ def error_result(error: GatewayError) -> dict[str, Any]:
 class Finisher(Protocol):
     """What a route's jobs need beyond their results (module docstring)."""
 
-    async def wanted(self, state: PipelineParts, job: Job) -> bool:
+    async def wanted(self, job: Job) -> bool:
         """Whether the job should still run (False: it ends `cancelled`, unrun)."""
         ...
 
-    async def finish(self, state: PipelineParts, job: Job, results: dict[int, Any]) -> None:
+    async def finish(self, job: Job, results: dict[int, Any]) -> None:
         """Made of the job's stored results, once all are; raise a store's error to be asked again."""
         ...
 
 
 Finishers = Mapping[str, Finisher]
-NONE: Finishers = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -88,93 +88,6 @@ class Later:
 
     until: float
     since: float  # when they first refused this item
-
-
-async def run_item(state: PipelineParts, job: Job, index: int, lost: asyncio.Event) -> dict[str, Any] | Later:
-    """The item's result; or, when its tenant's own limits refuse it for now, when to try again (for MAX_WAIT_S in
-    all, then the refusal is its answer). A refusal that says "not now" to every tenant (no replica free) is
-    waited out here, as the job holds its claim, not stored as the item's answer."""
-    pause, deadline = 0.5, time.monotonic() + MAX_WAIT_S
-    while True:
-        tenant = await state.tenants.by_id(job.tenant)
-        # A job queued before jobs named their tenant's incarnation belongs to whoever has its tenant's id.
-        if tenant is None or (job.incarnation and tenant.incarnation() != job.incarnation):
-            return error_result(AuthenticationFailed("The tenant no longer exists or is disabled."))
-        route = ROUTES[job.route]
-        record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
-        outcome = await inference.run(
-            state, route, inference.Submission(tenant, dict(job.items[index]), batch=True), record
-        )
-        assert isinstance(outcome, Answer), "queued items are never streamed (workers_api sets stream: false)"
-        result = {"status": outcome.status, "body": outcome.body}
-        if outcome.status not in NOT_NOW or lost.is_set() or time.monotonic() > deadline:
-            return result
-        retry = outcome.headers.get("retry-after", "")
-        wait = min(MAX_PAUSE_S, float(retry) if retry.isdigit() else pause)
-        if outcome.body.get("error", {}).get("code") in TENANTS_OWN:
-            now = time.time()
-            since = job.waiting_since if job.waiting_item == index else now
-            return result if now - since > MAX_WAIT_S else Later(now + wait, since)
-        await asyncio.sleep(wait)
-        pause = min(MAX_PAUSE_S, pause * 2)
-
-
-async def process(
-    state: PipelineParts, queue: JobQueue, claimed: Claimed, name: str, lost: asyncio.Event, finishers: Finishers = NONE
-) -> None:
-    """Run the job's items not yet done, until they are or another worker has taken the job over."""
-    job = claimed.job
-    finisher = finishers.get(job.route)
-    if finisher is not None and not await stored(partial(finisher.wanted, state, job), "read a job's state"):
-        await stored(partial(queue.finish, claimed, "cancelled"), "finish a job")
-        return
-    attempt = await stored(partial(queue.start, job), "mark a job running")
-    status = await stored(partial(queue.status, job.owner, job.id), "read a job")
-    done = set(status.results) if status is not None else set()
-    if attempt > MAX_ATTEMPTS:
-        failed = GatewayError(f"The request could not be run in {MAX_ATTEMPTS} attempts.", code="job_failed")
-        for index in range(len(job.items)):
-            if index not in done:
-                await stored(partial(queue.store_result, job, index, error_result(failed)), "store a result")
-        await _finished(state, queue, claimed, finisher, "failed")
-        return
-    for index in range(len(job.items)):
-        if index in done:
-            continue  # stored before an earlier worker died: never run twice
-        if lost.is_set() or not await stored(partial(queue.keep, claimed, name), "renew a claim"):
-            # Our claim lapsed (a store outage longer than reclaim_after_s) and another worker has the job now:
-            # it runs what is left; only the item in flight when the claim went may have run twice.
-            log.warning("worker gave up job %s: another worker took it over", job.id)
-            return
-        result = await run_item(state, job, index, lost)
-        if isinstance(result, Later):
-            waiting = replace(job, waiting_item=index, waiting_since=result.since)
-            if not await stored(partial(queue.defer, claimed, waiting, result.until, name), "defer a job"):
-                log.warning("worker gave up job %s: another worker took it over", job.id)
-            return
-        if lost.is_set() and result["status"] in NOT_NOW:
-            # Refused for now, and the job is another worker's already: its answer is for that worker to find.
-            log.warning("worker gave up job %s: another worker took it over", job.id)
-            return
-        await stored(partial(queue.store_result, job, index, result), "store a result")
-        if index + 1 < len(job.items) and await stored(partial(queue.others_waiting, job.owner), "read the queue"):
-            # Another tenant's turn: this batch's next item waits one, not this batch's every item.
-            if not await stored(partial(queue.defer, claimed, job, time.time(), name), "give way"):
-                log.warning("worker gave up job %s: another worker took it over", job.id)
-            return
-    await _finished(state, queue, claimed, finisher)
-
-
-async def _finished(
-    state: PipelineParts, queue: JobQueue, claimed: Claimed, finisher: Finisher | None, status: str = "done"
-) -> None:
-    """Acknowledge the job, once its finisher (if its route has one) has made what it makes of its results."""
-    job = claimed.job
-    if finisher is not None:
-        read = await stored(partial(queue.status, job.owner, job.id), "read a job")
-        results = read.results if read is not None else {}
-        await stored(partial(finisher.finish, state, job, results), "finish a job's work")
-    await stored(partial(queue.finish, claimed, status), "finish a job")
 
 
 async def keep_claimed(queue: JobQueue, claimed: Claimed, name: str, lost: asyncio.Event) -> None:
@@ -189,29 +102,128 @@ async def keep_claimed(queue: JobQueue, claimed: Claimed, name: str, lost: async
             log.warning("worker %s could not renew its claim: %s", name, type(exc).__name__)
 
 
-async def work(state: PipelineParts, queue: JobQueue, name: str, finishers: Finishers = NONE) -> None:
-    """Run until cancelled; a store outage pauses the worker, and a job that fails goes back to the queue."""
-    while True:
-        # New work only while nothing waits at the gateway's fair queue: a backlog of jobs never delays
-        # interactive requests, and a job claimed is one that runs now, not one that waits holding its claim.
-        await state.gate.quiet()
-        try:
-            claims = await queue.claim(name, wait_s=1.0)
-        except (RedisError, OSError) as exc:
-            log.warning("worker %s waits for the queue's store: %s", name, type(exc).__name__)
-            await asyncio.sleep(1.0)
-            continue
-        for claimed in claims:
-            lost = asyncio.Event()
-            keeper = asyncio.create_task(keep_claimed(queue, claimed, name, lost))
+class Worker:
+    """What an instance's queue workers share: the pipeline their items run through, the tenants they run as, the
+    gate they wait on, the queue, and the routes' finishers. Each worker is one `work` task, by its name."""
+
+    def __init__(
+        self,
+        *,
+        pipeline: Pipeline,
+        tenants: TenantDirectory,
+        gate: Gate,
+        queue: JobQueue,
+        finishers: Finishers,
+    ) -> None:
+        self._pipeline = pipeline
+        self._tenants = tenants
+        self._gate = gate
+        self._queue = queue
+        self._finishers = finishers
+
+    async def run_item(self, job: Job, index: int, lost: asyncio.Event) -> dict[str, Any] | Later:
+        """The item's result; or, when its tenant's own limits refuse it for now, when to try again (for MAX_WAIT_S in
+        all, then the refusal is its answer). A refusal that says "not now" to every tenant (no replica free) is
+        waited out here, as the job holds its claim, not stored as the item's answer."""
+        pause, deadline = 0.5, time.monotonic() + MAX_WAIT_S
+        while True:
+            tenant = await self._tenants.by_id(job.tenant)
+            # A job queued before jobs named their tenant's incarnation belongs to whoever has its tenant's id.
+            if tenant is None or (job.incarnation and tenant.incarnation() != job.incarnation):
+                return error_result(AuthenticationFailed("The tenant no longer exists or is disabled."))
+            route = ROUTES[job.route]
+            record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
+            outcome = await self._pipeline.run(route, Submission(tenant, dict(job.items[index]), batch=True), record)
+            assert isinstance(outcome, Answer), "queued items are never streamed (workers_api sets stream: false)"
+            result = {"status": outcome.status, "body": outcome.body}
+            if outcome.status not in NOT_NOW or lost.is_set() or time.monotonic() > deadline:
+                return result
+            retry = outcome.headers.get("retry-after", "")
+            wait = min(MAX_PAUSE_S, float(retry) if retry.isdigit() else pause)
+            if outcome.body.get("error", {}).get("code") in TENANTS_OWN:
+                now = time.time()
+                since = job.waiting_since if job.waiting_item == index else now
+                return result if now - since > MAX_WAIT_S else Later(now + wait, since)
+            await asyncio.sleep(wait)
+            pause = min(MAX_PAUSE_S, pause * 2)
+
+    async def process(self, claimed: Claimed, name: str, lost: asyncio.Event) -> None:
+        """Run the job's items not yet done, until they are or another worker has taken the job over."""
+        job, queue = claimed.job, self._queue
+        finisher = self._finishers.get(job.route)
+        if finisher is not None and not await stored(partial(finisher.wanted, job), "read a job's state"):
+            await stored(partial(queue.finish, claimed, "cancelled"), "finish a job")
+            return
+        attempt = await stored(partial(queue.start, job), "mark a job running")
+        status = await stored(partial(queue.status, job.owner, job.id), "read a job")
+        done = set(status.results) if status is not None else set()
+        if attempt > MAX_ATTEMPTS:
+            failed = GatewayError(f"The request could not be run in {MAX_ATTEMPTS} attempts.", code="job_failed")
+            for index in range(len(job.items)):
+                if index not in done:
+                    await stored(partial(queue.store_result, job, index, error_result(failed)), "store a result")
+            await self._finished(claimed, finisher, "failed")
+            return
+        for index in range(len(job.items)):
+            if index in done:
+                continue  # stored before an earlier worker died: never run twice
+            if lost.is_set() or not await stored(partial(queue.keep, claimed, name), "renew a claim"):
+                # Our claim lapsed (a store outage longer than reclaim_after_s) and another worker has the job now:
+                # it runs what is left; only the item in flight when the claim went may have run twice.
+                log.warning("worker gave up job %s: another worker took it over", job.id)
+                return
+            result = await self.run_item(job, index, lost)
+            if isinstance(result, Later):
+                waiting = replace(job, waiting_item=index, waiting_since=result.since)
+                if not await stored(partial(queue.defer, claimed, waiting, result.until, name), "defer a job"):
+                    log.warning("worker gave up job %s: another worker took it over", job.id)
+                return
+            if lost.is_set() and result["status"] in NOT_NOW:
+                # Refused for now, and the job is another worker's already: its answer is for that worker to find.
+                log.warning("worker gave up job %s: another worker took it over", job.id)
+                return
+            await stored(partial(queue.store_result, job, index, result), "store a result")
+            if index + 1 < len(job.items) and await stored(partial(queue.others_waiting, job.owner), "read the queue"):
+                # Another tenant's turn: this batch's next item waits one, not this batch's every item.
+                if not await stored(partial(queue.defer, claimed, job, time.time(), name), "give way"):
+                    log.warning("worker gave up job %s: another worker took it over", job.id)
+                return
+        await self._finished(claimed, finisher)
+
+    async def _finished(self, claimed: Claimed, finisher: Finisher | None, status: str = "done") -> None:
+        """Acknowledge the job, once its finisher (if its route has one) has made what it makes of its results."""
+        job, queue = claimed.job, self._queue
+        if finisher is not None:
+            read = await stored(partial(queue.status, job.owner, job.id), "read a job")
+            results = read.results if read is not None else {}
+            await stored(partial(finisher.finish, job, results), "finish a job's work")
+        await stored(partial(queue.finish, claimed, status), "finish a job")
+
+    async def work(self, name: str) -> None:
+        """Run as worker `name` until cancelled; a store outage pauses it, and a job that fails goes back to the
+        queue."""
+        queue = self._queue
+        while True:
+            # New work only while nothing waits at the gateway's fair queue: a backlog of jobs never delays
+            # interactive requests, and a job claimed is one that runs now, not one that waits holding its claim.
+            await self._gate.quiet()
             try:
-                # A claim that waited for a job may have come back while requests started to wait at the gateway:
-                # the job stays queued, its claim kept, until they have gone.
-                await state.gate.quiet()
-                await process(state, queue, claimed, name, lost, finishers)
-            except Exception:
-                # Whatever it was, the job is not lost: it is claimed again, and fails for good after MAX_ATTEMPTS.
-                log.exception("worker %s failed on job %s; it will be tried again", name, claimed.job.id)
-                await stored(partial(queue.abandon, claimed), "give a job back")
-            finally:
-                keeper.cancel()
+                claims = await queue.claim(name, wait_s=1.0)
+            except (RedisError, OSError) as exc:
+                log.warning("worker %s waits for the queue's store: %s", name, type(exc).__name__)
+                await asyncio.sleep(1.0)
+                continue
+            for claimed in claims:
+                lost = asyncio.Event()
+                keeper = asyncio.create_task(keep_claimed(queue, claimed, name, lost))
+                try:
+                    # A claim that waited for a job may have come back while requests started to wait at the gateway:
+                    # the job stays queued, its claim kept, until they have gone.
+                    await self._gate.quiet()
+                    await self.process(claimed, name, lost)
+                except Exception:
+                    # Whatever it was, the job is not lost: it is claimed again, and fails for good after MAX_ATTEMPTS.
+                    log.exception("worker %s failed on job %s; it will be tried again", name, claimed.job.id)
+                    await stored(partial(queue.abandon, claimed), "give a job back")
+                finally:
+                    keeper.cancel()

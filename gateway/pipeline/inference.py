@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
@@ -24,20 +24,21 @@ from gateway.errors import (
     ModelNotFound,
     UpstreamError,
 )
-from gateway.incidents import tracking
-from gateway.incidents.ledger import DELIVERED, FAILED, PARTIAL, WITHHELD, Served
-from gateway.incidents.quarantine import ResponderParts, on_leak
-from gateway.incidents.reporting import LEAKS, USAGE_MISMATCH, report
+from gateway.incidents.ledger import DELIVERED, FAILED, PARTIAL, WITHHELD, LedgerWriter, Served
+from gateway.incidents.quarantine import Responder
+from gateway.incidents.reporting import LEAKS, USAGE_MISMATCH, Reporter
+from gateway.incidents.tracking import Tracker
 from gateway.incidents.verdicts import VerdictBound
+from gateway.metrics import GatewayMetrics
 from gateway.offload import heavy, ids_decoder, in_turn
 from gateway.pipeline import embeddings, scoring
 from gateway.pipeline.admission import Admission, admit, admit_inputs
 from gateway.pipeline.counting import LocalCounter, Prompt, PromptCounter
-from gateway.pipeline.judging import Judges, JudgingParts
+from gateway.pipeline.judging import Judges, Judging
 from gateway.pipeline.outcome import DONE, Answer, Event, Outcome, Stream
 from gateway.pipeline.recount import ask_count, shape, tokenize_body
 from gateway.pipeline.relay import StreamFailed, StreamFilter, StreamWithheld, UsageWanted, failing_closed, filtered
-from gateway.pipeline.slot import Slot
+from gateway.pipeline.slot import Slot, Slots
 from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -55,9 +56,11 @@ from gateway.schemas_pooling import (
     RerankRequest,
     ScoreRequest,
 )
-from gateway.settings import ModelSettings, TenantSettings
-from gateway.tenancy.tenants import TenantDirectory
+from gateway.settings import LimitSettings, ModelSettings, Settings, TenantSettings
+from gateway.supervisor import Spawn
 from gateway.upstream.backends import Replica
+from gateway.upstream.capacity import CapacityMonitor
+from gateway.upstream.fairness import Gate
 from gateway.upstream.placement import Placement
 from gateway.upstream.proxy import Upstream, UpstreamResponse, parse_json_body
 from gateway.upstream.routing import Router
@@ -89,27 +92,6 @@ LEAK_DETAILS = {
 log = logging.getLogger("bulkhead.counting")
 
 
-class PipelineParts(JudgingParts, ResponderParts, Protocol):
-    """What a request's path uses, beside the judges' (a slot's among them) and the leak responder's parts."""
-
-    @property
-    def tenants(self) -> TenantDirectory: ...
-    @property
-    def counters(self) -> dict[str, PromptCounter]: ...
-    @property
-    def router(self) -> Router: ...
-    @property
-    def upstream(self) -> Upstream: ...
-    @property
-    def salts(self) -> CacheSalts: ...
-    @property
-    def markers(self) -> MarkerRegistry: ...
-    @property
-    def fingerprints(self) -> Fingerprinter | None: ...
-    @property
-    def verdicts(self) -> VerdictBound: ...
-
-
 @dataclass(frozen=True)
 class Route:
     name: str
@@ -134,8 +116,8 @@ SCORE = Route("score", "/v1/score", ScoreRequest)
 RERANK = Route("rerank", "/v1/rerank", RerankRequest)
 
 
-def resolve_model(state: PipelineParts, tenant: TenantSettings, name: str) -> ModelSettings:
-    model = state.settings.model(name)
+def resolve_model(settings: Settings, tenant: TenantSettings, name: str) -> ModelSettings:
+    model = settings.model(name)
     if model is None:
         raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
     if not tenant.may_use(name):
@@ -159,19 +141,17 @@ def check_task(model: ModelSettings, request: PipelineRequest) -> None:
         )
 
 
-def output_cap(state: PipelineParts, tenant: TenantSettings) -> int:
+def output_cap(limits: LimitSettings, tenant: TenantSettings) -> int:
     """The most output tokens this tenant may ask for in one request."""
-    limits = state.settings.limits
     return min(limits.max_output_tokens, tenant.limits.max_output_tokens or limits.max_output_tokens)
 
 
 def check_request_limits(
-    state: PipelineParts, tenant: TenantSettings, model: ModelSettings, request: InferenceRequest
+    limits: LimitSettings, tenant: TenantSettings, model: ModelSettings, request: InferenceRequest
 ) -> int:
     """Refuse outputs and choices over the caps; return the output size a request without max_tokens gets."""
-    limits = state.settings.limits
     output = request.requested_output
-    cap = output_cap(state, tenant)
+    cap = output_cap(limits, tenant)
     if output is not None and output > cap:
         param = request.output_param
         raise InvalidRequest(f"{param} is {output}; at most {cap} output tokens may be requested.", param=param)
@@ -221,57 +201,12 @@ def set_controls(payload: dict[str, Any], model: ModelSettings, salt: str, tenan
         payload["priority"] = tenant.limits.priority
 
 
-def plant_marker(
-    state: PipelineParts, tenant: TenantSettings, model: ModelSettings, payload: dict[str, Any], chat: bool
-) -> str | None:
-    """The tenant's marker, in the model's spelling, when one was put into the prompt."""
-    canary = state.settings.isolation.canary
-    if not canary.enabled:
-        return None
-    markers = state.markers
-    style = markers.of_model(model.name)
-    marker = markers.marker(tenant.incarnation(), style.spelling)
-    if chat:
-        inject_chat(payload, marker, model.marker_placement or canary.placement, style.system_first)
-        return marker
-    return marker if inject_completion(payload, marker) else None
-
-
 @dataclass(frozen=True)
 class _Read:
     own: Prompt  # the tenant's
     texts: list[str] | None  # its texts to fingerprint: None with fingerprints off, or when its size alone refuses it
     marker: str | None  # planted in the payload
     sent: Prompt  # with the marker
-
-
-def _read_prompt(
-    state: PipelineParts, tenant: TenantSettings, model: ModelSettings, payload: dict[str, Any], limit: int, chat: bool
-) -> _Read:
-    """A request's prompt read, and its marker planted. Touches the payload alone: a thread may run it."""
-    of = Prompt.of_chat if chat else Prompt.of_completion
-    own = of(payload, tenant.incarnation())
-    wanted = state.fingerprints is not None and state.counters[model.name].lower_bound(own) < limit
-    texts = list(own.texts()) if wanted else None
-    marker = plant_marker(state, tenant, model, payload, chat)
-    return _Read(own, texts, marker, own if marker is None else of(payload, own.owner))
-
-
-def prepare_fingerprints(
-    state: PipelineParts, model: ModelSettings, prompt: Prompt, own: list[str]
-) -> Prepared | asyncio.Future[Prepared] | None:
-    """The tenant's own prompt's fingerprints (none of the gateway's markers), made or being made from its `own`
-    texts."""
-    fingerprints = state.fingerprints
-    if fingerprints is None:
-        return None
-    assert prompt.owner is not None
-    if prompt.token_ids is None:
-        return fingerprints.prepare(prompt.owner, own)
-    counter = state.counters[model.name]
-    if not isinstance(counter, LocalCounter):
-        return None  # refused once admitted (a prompt over the limit hears that first): unfingerprinted()
-    return fingerprints.prepare(prompt.owner, own, partial(counter.tokenizer.decode, prompt.token_ids))
 
 
 def unfingerprinted(model: ModelSettings) -> InvalidRequest:
@@ -288,7 +223,7 @@ class InferenceCall:
 
     def __init__(
         self,
-        state: PipelineParts,
+        pipeline: Pipeline,
         record: RequestRecord,
         tenant: TenantSettings,
         model: ModelSettings,
@@ -299,7 +234,7 @@ class InferenceCall:
         echo_prefix: str = "",
         prepared: Prepared | asyncio.Future[Prepared] | None = None,
     ) -> None:
-        self.state = state
+        self.pipeline = pipeline
         self.prepared = prepared  # the prompt's fingerprints, registered for each replica before it is sent there
         self.slot = slot
         self.echo_prefix = echo_prefix
@@ -322,7 +257,7 @@ class InferenceCall:
         self._injected: int | None = None  # the tokens the gateway injected, once counted
         self._mark: str | None = None  # the prompt's last entry in the fingerprint feed
         self.sent: tuple[str, bytes] | None = None  # the path and body forwarded
-        self.judges = Judges(state, self)
+        self.judges = Judges(pipeline.judging, self)
         self._forwarded_at: float | None = None  # when it was sent (the ledger records only what was)
         self._kinds: list[str] = []  # its isolation events' kinds
         self._withheld = False
@@ -343,7 +278,7 @@ class InferenceCall:
         if not self.finished and self.record.status == 200:
             self.record.status, self.record.error_code = 499, "client_disconnected"
         try:
-            accesslog.finish(self.record, self.state.metrics)
+            accesslog.finish(self.record, self.pipeline.metrics)
             self._write_down()
         finally:
             # Whatever the log made of it, the slots are given back: a lost one would cap the tenant for good.
@@ -371,10 +306,10 @@ class InferenceCall:
         else:
             verdict = WITHHELD if self._withheld else FAILED
         served = self.served(self.replica, self._forwarded_at, verdict, ",".join(self._kinds))
-        self.state.ledger.record(served)
+        self.pipeline.ledger.record(served)
         if not LEAKS.isdisjoint(self._kinds):
-            self.state.metrics.exposed_answers.labels(self.model.name, self.replica.name, verdict).inc()
-            self.state.background(tracking.answered(served, self.state))
+            self.pipeline.metrics.exposed_answers.labels(self.model.name, self.replica.name, verdict).inc()
+            self.pipeline.spawn(self.pipeline.tracker.answered(served))
 
     def served(self, replica: Replica, start: float, verdict: str, kinds: str = "") -> Served:
         return Served(
@@ -404,8 +339,8 @@ class InferenceCall:
             # Its words are never relayed, but a leak there is one all the same.
             await self.scan_dropped("error.body", failure.quoted)
             raise
-        self.state.metrics.routed.labels(self.replica.name, self.placement.reason.value).inc()
-        fingerprints = self.state.fingerprints
+        self.pipeline.metrics.routed.labels(self.replica.name, self.placement.reason.value).inc()
+        fingerprints = self.pipeline.fingerprints
         if fingerprints is not None and not await fingerprints.caught_up(self._mark):
             # Prompts other instances forwarded before this one may not be known here yet, and the answer could carry
             # one unseen. In health the feed is read within a round trip of Redis.
@@ -414,7 +349,7 @@ class InferenceCall:
 
     async def fingerprint(self, replica: Replica) -> None:
         """Make this prompt known to every instance as sent to `replica`, before it is (its mark: `_mark`)."""
-        fingerprints, prepared = self.state.fingerprints, self.prepared
+        fingerprints, prepared = self.pipeline.fingerprints, self.prepared
         if fingerprints is None or prepared is None:
             return
         if isinstance(prepared, asyncio.Future):
@@ -443,7 +378,7 @@ class InferenceCall:
             raise await self.withhold(exc) from exc
 
     async def _open(self, path: str, body: bytes) -> None:
-        upstream = self.state.upstream
+        upstream = self.pipeline.upstream
         try:
             self.response = await upstream.open(self.replica, path, body, self.upstream_id)
         except UpstreamError as error:
@@ -468,7 +403,7 @@ class InferenceCall:
                 "(request %s); the gateway renders this shape otherwise than the engine",
                 self.model.name, problem.prompt_tokens, sent, self._shape(), self.record.route, self.record.request_id,
             )  # fmt: skip
-            self.state.metrics.count_drift.labels(self.model.name, self.record.route, self._shape()).inc()
+            self.pipeline.metrics.count_drift.labels(self.model.name, self.record.route, self._shape()).inc()
             return
         raise StreamWithheld(problem.reason, USAGE_MISMATCH)
 
@@ -482,7 +417,7 @@ class InferenceCall:
         if asked is None:
             return False
         try:
-            counted = await ask_count(self.state.upstream, self.replica, asked)
+            counted = await ask_count(self.pipeline.upstream, self.replica, asked)
         except GatewayError:
             return False
         return abs(counted - reported) <= self.model.usage_tolerance
@@ -498,24 +433,24 @@ class InferenceCall:
         opened or joined."""
         self._withheld = True
         if exc.kind == USAGE_MISMATCH:
-            await on_leak(self.event(exc.kind, exc.reason), self.state)
+            await self.pipeline.responder.on_leak(self.event(exc.kind, exc.reason))
         elif exc.kind is not None:
-            await report(self.event(exc.kind, exc.reason), self.state)
+            await self.pipeline.reporter.report(self.event(exc.kind, exc.reason))
         return withheld()
 
     async def leak(self, leak: Leak) -> None:
         self._exposed = self._exposed or self._goes_out(leak)
         event = self.event(leak.kind, LEAK_DETAILS[leak.kind], victim_tenant=leak.victim, epoch=leak.epoch)
-        await on_leak(event, self.state)
+        await self.pipeline.responder.on_leak(event)
 
     def _goes_out(self, leak: Leak) -> bool:
         """Whether some of what made this leak reaches the client, should the stream have begun: under a policy that
         lets the answer go on (alert, or redact, which sends what follows a marker), or a fragment of a stream held
         only from its first hit (up to min_fragment - 1 of its words left before the hit). A marker under block is
         held whole until decided: what went out before it is no one else's data that any check found."""
-        if self.state.settings.isolation.canary.policy != "block":
+        if self.pipeline.settings.isolation.canary.policy != "block":
             return True
-        return leak.kind == FRAGMENT and self.state.settings.isolation.fingerprints.stream_hold == "first_hit"
+        return leak.kind == FRAGMENT and self.pipeline.settings.isolation.fingerprints.stream_hold == "first_hit"
 
     def event(self, kind: str, detail: str, victim_tenant: str = "", epoch: str = "") -> IsolationEvent:
         """An isolation event about this request."""
@@ -537,7 +472,7 @@ class InferenceCall:
         if injected is None:
             # Counted once: a stream with usage on every chunk asks for it at every event.
             injected = self._injected = await self.admission.injected_tokens()
-            self.state.metrics.injected_tokens.labels(self.model.name).observe(injected)
+            self.pipeline.metrics.injected_tokens.labels(self.model.name).observe(injected)
         hide_injected(usage, injected)
 
     def answer_bound(self) -> int:
@@ -549,21 +484,21 @@ class InferenceCall:
         return self.prepared.grams if isinstance(self.prepared, Prepared) else NO_GRAMS
 
     def output_guard(self) -> OutputGuard | None:
-        canary, fingerprints = self.state.settings.isolation.canary, self.state.fingerprints
+        canary, fingerprints = self.pipeline.settings.isolation.canary, self.pipeline.fingerprints
         if not canary.enabled and fingerprints is None:
             return None
         owner = self.tenant.incarnation()  # whose marker is its own, whose prompts are its own
-        counter = self.state.counters[self.model.name]
+        counter = self.pipeline.counters[self.model.name]
         decode = ids_decoder(counter.tokenizer.decode) if isinstance(counter, LocalCounter) else None
         stop = self.request.stop
         stops = frozenset([stop] if isinstance(stop, str) else stop or ())
         fragments, hold_tail = None, 0
         if fingerprints is not None:
-            if self.state.settings.isolation.fingerprints.stream_hold == "tail":
+            if self.pipeline.settings.isolation.fingerprints.stream_hold == "tail":
                 hold_tail = fingerprints.hasher.shape.min_fragment - 1
             fragments = AnswerCheck(fingerprints.index, fingerprints.hasher, self.replica.name, owner, self.own_grams())
         return OutputGuard(
-            self.state.markers,
+            self.pipeline.markers,
             owner,
             LeakPolicy(canary.policy),
             self.leak,
@@ -724,147 +659,217 @@ class Submission:
     reject_if_busy: bool = False  # refused (429 capacity_exceeded) rather than wait in the fair queue for a slot
 
 
-async def _admit(
-    state: PipelineParts, route: Route, submission: Submission, record: RequestRecord
-) -> tuple[InferenceCall, bytes]:
-    tenant, payload = submission.tenant, submission.payload
-    record.tenant = tenant.id
-    # Every surface's body is validated again here, as the engine's request, then walked for its texts and planted
-    # with a marker: ~1.5 µs a value in all, so a large body's (~170 ms for 100,000) goes to a thread, as the
-    # surfaces' own validation does, while the loop serves other tenants (docs/benchmarks.md, bench_bodies).
-    threaded = heavy(payload)
-    parsed = await in_turn(partial(validate, route.schema, payload), threaded)
-    model = resolve_model(state, tenant, parsed.model)
-    check_task(model, parsed)
-    state.verdicts.check(tenant.id, model.name)
-    record.model, record.stream = model.name, parsed.stream
-    if isinstance(parsed, INPUTS_REQUESTS):
-        return await _admit_inputs(state, submission, record, model, parsed)
-    default_output = check_request_limits(state, tenant, model, parsed)
-    slot = Slot(state, tenant, model)
-    prepared = None
-    try:
-        chat = isinstance(parsed, ChatCompletionRequest)
-        limit = state.capacity.require(model, tenant)
-        read = await in_turn(partial(_read_prompt, state, tenant, model, payload, limit.tokens, chat), threaded)
-        own, sent, marker = read.own, read.sent, read.marker
-        # Started now so that a large prompt is hashed while it is counted and its request routed and queued; not for
-        # one its size alone refuses (admission says so at once), which would make hashing the cheapest refusal's cost.
-        if read.texts is not None:
-            prepared = prepare_fingerprints(state, model, own, read.texts)
-        # Routed before counting: a backend that counts the prompt should be the one that will serve it.
-        placement = Placement(state.router, model, tenant.id, submission.session, slot)
-        admission = await admit(
-            sent,
-            own,
-            parsed.requested_output,
-            default_output,
-            model,
-            tenant,
-            limit,
-            state.counters[model.name],
-            state.metrics,
-            placement.replica,
-        )
-        if prepared is None and state.fingerprints is not None:
-            raise unfingerprinted(model)
-        body = upstream_body(payload, parsed, model, admission, state.salts.salt(tenant.incarnation()), tenant)
-        await slot.reserve(admission.estimate + admission.max_tokens * parsed.n)
-        await state.gate.enter(model, tenant, placement, submission.batch, submission.gone, submission.reject_if_busy)
-    except BaseException:
-        slot.release()
-        if isinstance(prepared, asyncio.Future):
-            prepared.cancel()
-        raise
-    echo = isinstance(parsed, CompletionRequest) and parsed.echo and marker is not None
-    call = InferenceCall(
-        state,
-        record,
-        tenant,
-        model,
-        parsed,
-        admission,
-        placement,
-        slot,
-        completion_prefix(marker) if echo and marker is not None else "",
-        prepared,
-    )
-    return call, body
-
-
-async def _admit_inputs(
-    state: PipelineParts, submission: Submission, record: RequestRecord, model: ModelSettings, parsed: InputsRequest
-) -> tuple[InferenceCall, bytes]:
-    """An embeddings request: each input admitted on its own and all of them together, held like any request. No
-    marker is planted (it would change the vectors) and nothing is fingerprinted (no text comes back, and a replica
-    that embeds serves nothing else: settings.py)."""
-    tenant = submission.tenant
-    owner = tenant.incarnation()
-    inputs = [Prompt.of_text(value, where, owner) for where, value in parsed.inputs]
-    slot = Slot(state, tenant, model)
-    try:
-        placement = Placement(state.router, model, tenant.id, submission.session, slot)
-        admission = await admit_inputs(
-            inputs,
-            state.settings.limits.max_embedding_tokens,
-            model,
-            state.capacity.require(model, tenant),
-            state.counters[model.name],
-            state.metrics,
-            placement.replica,
-        )
-        payload = (
-            embeddings.upstream_body(submission.payload)
-            if isinstance(parsed, EmbeddingRequest)
-            else dict(submission.payload)
-        )
-        set_controls(payload, model, state.salts.salt(owner), tenant)
-        await slot.reserve(admission.estimate)
-        await state.gate.enter(model, tenant, placement, submission.batch, submission.gone, submission.reject_if_busy)
-    except BaseException:
-        slot.release()
-        raise
-    return InferenceCall(state, record, tenant, model, parsed, admission, placement, slot), orjson.dumps(payload)
-
-
-def refuse(state: PipelineParts, record: RequestRecord, error: GatewayError) -> Answer:
+def refuse(metrics: GatewayMetrics, record: RequestRecord, error: GatewayError) -> Answer:
     """A request refused before it ran: logged, and answered with its request id."""
     record.status, record.error_code = error.status, error.code
-    accesslog.finish(record, state.metrics)
+    accesslog.finish(record, metrics)
     return Answer.refusal(error, {"x-request-id": record.request_id})
 
 
-async def run(
-    state: PipelineParts,
-    route: Route,
-    submission: Submission,
-    record: RequestRecord,
-    accept: Callable[[dict[str, Any]], Awaitable[object]] | None = None,
-    at_end: AtEnd | None = None,
-) -> Outcome:
-    """The whole pipeline for one request, whatever surface it came in by; the surface renders the outcome.
-    `accept` (a whole answer, with its checked body) and `at_end` (a stream, once every event but its end has gone to
-    the surface; told whether the backend ended it with its [DONE]): the surface's own work on the answer (its
-    reading of it, storing it), raising the GatewayError its client gets instead (an Anthropic `input` that is not an
-    object, a response that could not be stored, a stream cut off where the surface cannot say so but in an error),
-    so that the log, the metrics and the charge say what the client got."""
-    try:
-        call, body = await _admit(state, route, submission, record)
-    except GatewayError as error:
-        return refuse(state, record, error)
-    streaming = False
-    try:
-        await call.forward(route.path, body)
-        if call.request.stream:
-            streaming = True
-            headers = {"x-request-id": record.request_id, "cache-control": "no-cache", **call.limit_headers}
-            return Stream(call.relay(at_end), headers, call.close)
-        answer = await call.complete()
-        if accept is not None and answer.status == 200:
-            await accept(answer.body)
-        return answer
-    except GatewayError as error:
-        return call.fail(error)
-    finally:
-        if not streaming:
-            await call.close()
+@dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    """The path of one inference request (`run`), whatever surface it came in by, built once by the app's lifespan
+    from what it uses (server/app.py)."""
+
+    settings: Settings  # the models, the request limits, the isolation settings
+    # Admission: the prompt counted against what the model and the tenant may take, a replica and a slot held.
+    counters: dict[str, PromptCounter]
+    capacity: CapacityMonitor
+    verdicts: VerdictBound
+    router: Router
+    gate: Gate
+    slots: Slots
+    salts: CacheSalts
+    markers: MarkerRegistry
+    fingerprints: Fingerprinter | None
+    # The hop, and the answer's judges.
+    upstream: Upstream
+    judging: Judging
+    # What a request leaves behind: its log line and metrics, the ledger's record, its isolation events.
+    metrics: GatewayMetrics
+    ledger: LedgerWriter
+    reporter: Reporter
+    responder: Responder
+    tracker: Tracker
+    spawn: Spawn
+
+    async def run(
+        self,
+        route: Route,
+        submission: Submission,
+        record: RequestRecord,
+        accept: Callable[[dict[str, Any]], Awaitable[object]] | None = None,
+        at_end: AtEnd | None = None,
+    ) -> Outcome:
+        """The whole pipeline for one request, whatever surface it came in by; the surface renders the outcome.
+        `accept` (a whole answer, with its checked body) and `at_end` (a stream, once every event but its end has gone
+        to the surface; told whether the backend ended it with its [DONE]): the surface's own work on the answer (its
+        reading of it, storing it), raising the GatewayError its client gets instead (an Anthropic `input` that is not
+        an object, a response that could not be stored, a stream cut off where the surface cannot say so but in an
+        error), so that the log, the metrics and the charge say what the client got."""
+        try:
+            call, body = await self._admit(route, submission, record)
+        except GatewayError as error:
+            return refuse(self.metrics, record, error)
+        streaming = False
+        try:
+            await call.forward(route.path, body)
+            if call.request.stream:
+                streaming = True
+                headers = {"x-request-id": record.request_id, "cache-control": "no-cache", **call.limit_headers}
+                return Stream(call.relay(at_end), headers, call.close)
+            answer = await call.complete()
+            if accept is not None and answer.status == 200:
+                await accept(answer.body)
+            return answer
+        except GatewayError as error:
+            return call.fail(error)
+        finally:
+            if not streaming:
+                await call.close()
+
+    async def _admit(self, route: Route, submission: Submission, record: RequestRecord) -> tuple[InferenceCall, bytes]:
+        tenant, payload = submission.tenant, submission.payload
+        record.tenant = tenant.id
+        # Every surface's body is validated again here, as the engine's request, then walked for its texts and planted
+        # with a marker: ~1.5 µs a value in all, so a large body's (~170 ms for 100,000) goes to a thread, as the
+        # surfaces' own validation does, while the loop serves other tenants (docs/benchmarks.md, bench_bodies).
+        threaded = heavy(payload)
+        parsed = await in_turn(partial(validate, route.schema, payload), threaded)
+        model = resolve_model(self.settings, tenant, parsed.model)
+        check_task(model, parsed)
+        self.verdicts.check(tenant.id, model.name)
+        record.model, record.stream = model.name, parsed.stream
+        if isinstance(parsed, INPUTS_REQUESTS):
+            return await self._admit_inputs(submission, record, model, parsed)
+        default_output = check_request_limits(self.settings.limits, tenant, model, parsed)
+        slot = Slot(self.slots, tenant, model)
+        prepared = None
+        try:
+            chat = isinstance(parsed, ChatCompletionRequest)
+            limit = self.capacity.require(model, tenant)
+            read = await in_turn(partial(self._read_prompt, tenant, model, payload, limit.tokens, chat), threaded)
+            own, sent, marker = read.own, read.sent, read.marker
+            # Started now so that a large prompt is hashed while it is counted and its request routed and queued; not
+            # for one its size alone refuses (admission says so at once), which would make hashing the cheapest
+            # refusal's cost.
+            if read.texts is not None:
+                prepared = self._prepare_fingerprints(model, own, read.texts)
+            # Routed before counting: a backend that counts the prompt should be the one that will serve it.
+            placement = Placement(self.router, model, tenant.id, submission.session, slot)
+            admission = await admit(
+                sent,
+                own,
+                parsed.requested_output,
+                default_output,
+                model,
+                tenant,
+                limit,
+                self.counters[model.name],
+                self.metrics,
+                placement.replica,
+            )
+            if prepared is None and self.fingerprints is not None:
+                raise unfingerprinted(model)
+            body = upstream_body(payload, parsed, model, admission, self.salts.salt(tenant.incarnation()), tenant)
+            await slot.reserve(admission.estimate + admission.max_tokens * parsed.n)
+            await self.gate.enter(
+                model, tenant, placement, submission.batch, submission.gone, submission.reject_if_busy
+            )
+        except BaseException:
+            slot.release()
+            if isinstance(prepared, asyncio.Future):
+                prepared.cancel()
+            raise
+        echo = isinstance(parsed, CompletionRequest) and parsed.echo and marker is not None
+        call = InferenceCall(
+            self,
+            record,
+            tenant,
+            model,
+            parsed,
+            admission,
+            placement,
+            slot,
+            completion_prefix(marker) if echo and marker is not None else "",
+            prepared,
+        )
+        return call, body
+
+    async def _admit_inputs(
+        self, submission: Submission, record: RequestRecord, model: ModelSettings, parsed: InputsRequest
+    ) -> tuple[InferenceCall, bytes]:
+        """An embeddings request: each input admitted on its own and all of them together, held like any request. No
+        marker is planted (it would change the vectors) and nothing is fingerprinted (no text comes back, and a replica
+        that embeds serves nothing else: settings.py)."""
+        tenant = submission.tenant
+        owner = tenant.incarnation()
+        inputs = [Prompt.of_text(value, where, owner) for where, value in parsed.inputs]
+        slot = Slot(self.slots, tenant, model)
+        try:
+            placement = Placement(self.router, model, tenant.id, submission.session, slot)
+            admission = await admit_inputs(
+                inputs,
+                self.settings.limits.max_embedding_tokens,
+                model,
+                self.capacity.require(model, tenant),
+                self.counters[model.name],
+                self.metrics,
+                placement.replica,
+            )
+            payload = (
+                embeddings.upstream_body(submission.payload)
+                if isinstance(parsed, EmbeddingRequest)
+                else dict(submission.payload)
+            )
+            set_controls(payload, model, self.salts.salt(owner), tenant)
+            await slot.reserve(admission.estimate)
+            await self.gate.enter(
+                model, tenant, placement, submission.batch, submission.gone, submission.reject_if_busy
+            )
+        except BaseException:
+            slot.release()
+            raise
+        return InferenceCall(self, record, tenant, model, parsed, admission, placement, slot), orjson.dumps(payload)
+
+    def _read_prompt(
+        self, tenant: TenantSettings, model: ModelSettings, payload: dict[str, Any], limit: int, chat: bool
+    ) -> _Read:
+        """A request's prompt read, and its marker planted. Touches the payload alone: a thread may run it."""
+        of = Prompt.of_chat if chat else Prompt.of_completion
+        own = of(payload, tenant.incarnation())
+        wanted = self.fingerprints is not None and self.counters[model.name].lower_bound(own) < limit
+        texts = list(own.texts()) if wanted else None
+        marker = self._plant_marker(tenant, model, payload, chat)
+        return _Read(own, texts, marker, own if marker is None else of(payload, own.owner))
+
+    def _plant_marker(
+        self, tenant: TenantSettings, model: ModelSettings, payload: dict[str, Any], chat: bool
+    ) -> str | None:
+        """The tenant's marker, in the model's spelling, when one was put into the prompt."""
+        canary = self.settings.isolation.canary
+        if not canary.enabled:
+            return None
+        markers = self.markers
+        style = markers.of_model(model.name)
+        marker = markers.marker(tenant.incarnation(), style.spelling)
+        if chat:
+            inject_chat(payload, marker, model.marker_placement or canary.placement, style.system_first)
+            return marker
+        return marker if inject_completion(payload, marker) else None
+
+    def _prepare_fingerprints(
+        self, model: ModelSettings, prompt: Prompt, own: list[str]
+    ) -> Prepared | asyncio.Future[Prepared] | None:
+        """The tenant's own prompt's fingerprints (none of the gateway's markers), made or being made from its `own`
+        texts."""
+        fingerprints = self.fingerprints
+        if fingerprints is None:
+            return None
+        assert prompt.owner is not None
+        if prompt.token_ids is None:
+            return fingerprints.prepare(prompt.owner, own)
+        counter = self.counters[model.name]
+        if not isinstance(counter, LocalCounter):
+            return None  # refused once admitted (a prompt over the limit hears that first): unfingerprinted()
+        return fingerprints.prepare(prompt.owner, own, partial(counter.tokenizer.decode, prompt.token_ids))

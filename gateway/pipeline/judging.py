@@ -27,13 +27,16 @@ import orjson
 
 from gateway.errors import GatewayError
 from gateway.incidents.ledger import JUDGED, LedgerWriter, Served
-from gateway.incidents.reporting import ReportingParts, report
+from gateway.incidents.reporting import Reporter
 from gateway.incidents.verdicts import VerdictBound
+from gateway.metrics import GatewayMetrics
 from gateway.pipeline.admission import Admission
-from gateway.pipeline.slot import Slot, SlotParts
+from gateway.pipeline.slot import Slot, Slots
 from gateway.schemas_pooling import INPUTS_REQUESTS, PipelineRequest
 from gateway.settings import ModelSettings, TenantSettings
+from gateway.supervisor import Spawn
 from gateway.upstream.backends import Replica, ReplicaPool
+from gateway.upstream.fairness import Gate
 from gateway.upstream.placement import Confined
 from gateway.upstream.proxy import Upstream, parse_json_body
 from isolation.channels import prune, texts, token_streams
@@ -94,19 +97,21 @@ def grams_said(answer: dict[str, Any], hasher: Hasher) -> Said:
     return frozenset(gram for text in found for reading in readings(text) for gram in hasher.grams(reading).tolist())
 
 
-class JudgingParts(SlotParts, ReportingParts, Protocol):
-    """What judging uses, beside a slot's and reporting's parts."""
+@dataclass(frozen=True, kw_only=True)
+class Judging:
+    """What judges use, shared by every answer's: where they run and how they are held, placed, charged and recorded,
+    the verdict bound, and where an induced fragment's event is reported."""
 
-    @property
-    def pool(self) -> ReplicaPool: ...
-    @property
-    def upstream(self) -> Upstream: ...
-    @property
-    def fingerprints(self) -> Fingerprinter | None: ...
-    @property
-    def verdicts(self) -> VerdictBound: ...
-    @property
-    def ledger(self) -> LedgerWriter: ...
+    pool: ReplicaPool
+    upstream: Upstream
+    fingerprints: Fingerprinter | None
+    verdicts: VerdictBound
+    ledger: LedgerWriter
+    metrics: GatewayMetrics
+    gate: Gate
+    slots: Slots
+    reporter: Reporter
+    spawn: Spawn
 
 
 class Judged(Protocol):
@@ -131,8 +136,8 @@ class Judged(Protocol):
 class Judges:
     """The judges of one answer: the one asked with its request, if any, and those its suspects ask."""
 
-    def __init__(self, state: JudgingParts, call: Judged) -> None:
-        self._state = state
+    def __init__(self, judging: Judging, call: Judged) -> None:
+        self._judging = judging
         self._call = call
         self._asked = 0  # suspects judged in this answer
         self._judgement: Judgement | None = None
@@ -144,19 +149,19 @@ class Judges:
     def from_start(self) -> None:
         """Ask the judge now, beside the engine, when this tenant's answers on the model are judged from their start
         (past its judges of the day on a suspect): the answer then waits for it, whether a suspect needs it or not."""
-        call, state = self._call, self._state
+        call, judging = self._call, self._judging
         if (judgement := self._judgement) is not None:
             if judgement.replica is not call.replica:
                 return
             judgement.said.cancel()  # the request moved to the judge's replica (its first one refused to connect)
             self._judgement = None
-        if state.fingerprints is None or isinstance(call.request, INPUTS_REQUESTS):
+        if judging.fingerprints is None or isinstance(call.request, INPUTS_REQUESTS):
             return
-        if not state.verdicts.judged_from_start(call.tenant.id, call.model.name):
+        if not judging.verdicts.judged_from_start(call.tenant.id, call.model.name):
             return
         replica = self._replica()
         if replica is not None:
-            state.metrics.judges.labels(call.tenant.id, call.model.name, "start").inc()
+            judging.metrics.judges.labels(call.tenant.id, call.model.name, "start").inc()
             self._judgement = Judgement(replica, asyncio.create_task(self._regenerate(replica)))
 
     async def until_judged(self) -> None:
@@ -172,7 +177,7 @@ class Judges:
         a request to another replica; a text the recipient had the model write (a public text, a candidate of an
         oracle) does. Returns the victim's grams that the judge's answer holds (no evidence in this answer from now
         on) when it was induced, else None (a leak). Every verdict is counted and recorded for operators."""
-        call, state = self._call, self._state
+        call, judging = self._call, self._judging
         judgement = self._judgement
         replica = judgement.replica if judgement is not None else self._replica(suspect.victim)
         verdict, cleared = "unjudged", None
@@ -184,33 +189,33 @@ class Judges:
                     cleared = self._came_back(replica, suspect, said)
                     verdict = "leak" if cleared is None else "induced"
         finally:
-            state.metrics.fragment_verdicts.labels(call.tenant.id, call.model.name, call.replica.name, verdict).inc()
+            judging.metrics.fragment_verdicts.labels(call.tenant.id, call.model.name, call.replica.name, verdict).inc()
             if verdict != "induced":  # what the tenant sees: a withheld answer
-                await state.verdicts.draw(call.tenant.id, call.model.name)
+                await judging.verdicts.draw(call.tenant.id, call.model.name)
         if cleared is None or replica is None:
             return None
         detail = f"a fragment of another tenant's prompt that the answer was induced to say (judged on {replica.name})"
         # Not awaited: a store's round trip would make the answer that a judge cleared the slower one.
-        state.background(report(call.event(INDUCED, detail, victim_tenant=suspect.victim), state))
+        judging.spawn(judging.reporter.report(call.event(INDUCED, detail, victim_tenant=suspect.victim)))
         return cleared
 
     async def _on_suspect(self, replica: Replica) -> Said:
         """A judge asked once a suspect is found: the answer waits for it, which its client sees, so each counts
         against the tenant's judges of the day on the model (past them, its answers are judged from their start)."""
-        call, state = self._call, self._state
-        state.metrics.judges.labels(call.tenant.id, call.model.name, "suspect").inc()
-        await state.verdicts.judge(call.tenant.id, call.model.name)
+        call, judging = self._call, self._judging
+        judging.metrics.judges.labels(call.tenant.id, call.model.name, "suspect").inc()
+        await judging.verdicts.judge(call.tenant.id, call.model.name)
         return await self._regenerate(replica)
 
     def _others(self) -> list[Replica]:
         """Where a judge may run: the model's routable replicas but the one whose answer it judges."""
         answering = self._call.replica
-        return [r for r in self._state.pool.routable(self._call.model) if r is not answering]
+        return [r for r in self._judging.pool.routable(self._call.model) if r is not answering]
 
     def _replica(self, victim: str | None = None) -> Replica | None:
         """Another routable replica of the model, one the victim's recent prompts never went to if there is one (the
         least busy; before a suspect no victim is known)."""
-        fingerprints = self._state.fingerprints
+        fingerprints = self._judging.fingerprints
         assert fingerprints is not None
         others = self._others()
         clean = [r for r in others if victim is not None and not fingerprints.index.sent(victim, r.name)]
@@ -220,22 +225,22 @@ class Judges:
         """Every gram the judge says answering this request, greedily and whole (grams_said), on `replica` or, when
         it has no room, another of `_others` the fair gate places it on; None when it could not be asked or did not
         answer. Counted, placed, queued and charged as a request of the tenant's (the module's docstring)."""
-        call, state = self._call, self._state
-        fingerprints = state.fingerprints
+        call, judging = self._call, self._judging
+        fingerprints = judging.fingerprints
         assert fingerprints is not None
         if call.sent is None:
             return None
         path, body = call.sent
-        slot = Slot(state, call.tenant, call.model, capped=False)
+        slot = Slot(judging.slots, call.tenant, call.model, capped=False)
         start, tried, used = time.time(), False, 0
         try:
             placement = Confined(replica, self._others, slot)
-            await state.gate.enter(call.model, call.tenant, placement, batch=False, gone=None)
+            await judging.gate.enter(call.model, call.tenant, placement, batch=False, gone=None)
             replica = placement.replica
             await call.fingerprint(replica)  # the tenant's prompt goes there now too
             tried = True
             bound = call.answer_bound()
-            response = await state.upstream.open(replica, path, judge_body(body), f"{call.upstream_id}.j")
+            response = await judging.upstream.open(replica, path, judge_body(body), f"{call.upstream_id}.j")
             try:
                 raw = await response.read(bound + 1)
             finally:
@@ -247,12 +252,12 @@ class Judges:
         finally:
             slot.release(used, ran=tried)
             if tried:
-                state.ledger.record(call.served(replica, start, JUDGED))
+                judging.ledger.record(call.served(replica, start, JUDGED))
         return None if len(raw) > bound else grams_said(answer, fingerprints.hasher)
 
     def _came_back(self, replica: Replica, suspect: Suspect, said: frozenset[int]) -> frozenset[int] | None:
         """The victim's grams a judge said, when they hold the two that made the suspect (else None)."""
-        fingerprints = self._state.fingerprints
+        fingerprints = self._judging.fingerprints
         assert fingerprints is not None
         call = self._call
         check = AnswerCheck(

@@ -1,4 +1,4 @@
-"""What the pipeline (inference.run) hands to an edge: a whole Answer, or a Stream of events.
+"""What the pipeline (Pipeline.run) hands to an edge: a whole Answer, or a Stream of events.
 
 No transport here: the OpenAI routes render an outcome as JSON or server-sent events, the Workers-style route
 as its envelope or its `{"response": ...}` lines, and the queue stores an Answer's body — each at its own edge,

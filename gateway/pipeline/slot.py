@@ -10,45 +10,42 @@ before or after forwarding, a client gone, a cancellation. A reservation the req
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Coroutine
-from typing import Any, Protocol
+from dataclasses import dataclass
 
 from gateway.errors import ConcurrencyLimited
 from gateway.metrics import GatewayMetrics
 from gateway.settings import ModelSettings, TenantSettings
+from gateway.supervisor import Spawn
 from gateway.tenancy.ratelimit import RateLimiter
 from gateway.upstream.backends import Replica
 from gateway.upstream.fairness import Gate
 
 
-class SlotParts(Protocol):
+@dataclass(frozen=True, kw_only=True)
+class Slots:
     """What a slot holds and gives back: this instance's requests in flight per tenant, the gauge, the rate limits,
-    the fair queue's count of running requests."""
+    the fair queue's count of running requests; and where a settlement goes, off the answer's path."""
 
-    @property
-    def tenant_in_flight(self) -> Counter[str]: ...
-    @property
-    def metrics(self) -> GatewayMetrics: ...
-    @property
-    def limiter(self) -> RateLimiter: ...
-    @property
-    def gate(self) -> Gate: ...
-    def background(self, work: Coroutine[Any, Any, Any]) -> None: ...
+    in_flight: Counter[str]  # per tenant; Gate reads it too
+    metrics: GatewayMetrics
+    limiter: RateLimiter
+    gate: Gate
+    spawn: Spawn
 
 
 class Slot:
-    def __init__(self, state: SlotParts, tenant: TenantSettings, model: ModelSettings, capped: bool = True) -> None:
+    def __init__(self, slots: Slots, tenant: TenantSettings, model: ModelSettings, capped: bool = True) -> None:
         """Take the tenant's place under its cap now, or raise ConcurrencyLimited. Not `capped`: counted all the same,
         never refused (a judge's, which its request's own slot passed the cap for: judging.py)."""
         cap = tenant.limits.max_concurrent_requests if capped else None
-        held = state.tenant_in_flight
+        held = slots.in_flight
         if cap is not None and held[tenant.id] >= cap:
             raise ConcurrencyLimited(
                 f"This API key already has {cap} requests in flight on this gateway; the limit is {cap}."
             )
         held[tenant.id] += 1
-        state.metrics.in_flight.inc()
-        self._state = state
+        slots.metrics.in_flight.inc()
+        self._slots = slots
         self._tenant = tenant
         self._model = model.name
         self.replica: Replica | None = None
@@ -58,14 +55,14 @@ class Slot:
 
     async def reserve(self, tokens: int) -> None:
         """Take one request and `tokens` from the tenant's rate limits, or raise RateLimited."""
-        self.limit_headers = await self._state.limiter.admit(self._tenant, tokens)
+        self.limit_headers = await self._slots.limiter.admit(self._tenant, tokens)
         self.reserved = tokens
 
     def assign(self, replica: Replica | None) -> None:
         """Count the request against this replica (and no longer against the one it had, if any)."""
         if self.replica is not None:
             self.replica.finished += 1
-            self._state.gate.released(self._model, finished=False)
+            self._slots.gate.released(self._model, finished=False)
         if replica is not None:
             replica.started += 1
         self.replica = replica
@@ -76,15 +73,15 @@ class Slot:
         if self._released:
             return
         self._released = True
-        state, tenant = self._state, self._tenant.id
-        state.tenant_in_flight[tenant] -= 1
-        if state.tenant_in_flight[tenant] <= 0:
-            del state.tenant_in_flight[tenant]  # the counter holds only tenants with requests in flight
-        state.metrics.in_flight.dec()
+        slots, tenant = self._slots, self._tenant.id
+        slots.in_flight[tenant] -= 1
+        if slots.in_flight[tenant] <= 0:
+            del slots.in_flight[tenant]  # the counter holds only tenants with requests in flight
+        slots.metrics.in_flight.dec()
         if self.replica is not None:
             self.replica.finished += 1
-            state.gate.released(self._model, finished=ran)
-        settlement = state.limiter.settlement(self._tenant, self.reserved, used_tokens)
+            slots.gate.released(self._model, finished=ran)
+        settlement = slots.limiter.settlement(self._tenant, self.reserved, used_tokens)
         if settlement is not None:
             # Off the answer's path: the settlement is a Redis round trip the client need not wait for.
-            state.background(settlement)
+            slots.spawn(settlement)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+import httpx
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -30,14 +31,23 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.accesslog import RequestIdHeader
-from gateway.api import admin, anthropic, catalog, notices, openai, responses, tokenization
-from gateway.api import workers as workers_api
+from gateway.api.admin import AdminRoutes, bearer_matches
+from gateway.api.admin_incidents import IncidentAdminRoutes
+from gateway.api.admin_tenants import TenantAdminRoutes
+from gateway.api.admin_webhooks import WebhookAdminRoutes
+from gateway.api.anthropic import AnthropicRoutes
 from gateway.api.body import BodyReader
-from gateway.api.state import GatewayState, state_of
+from gateway.api.catalog import CatalogRoutes
+from gateway.api.intake import Intake
+from gateway.api.notices import NoticeRoutes
+from gateway.api.openai import OpenAIRoutes
+from gateway.api.responses import Background, ResponsesRoutes
+from gateway.api.tokenization import TokenizationRoutes
+from gateway.api.workers import WorkersRoutes
 from gateway.errors import (
     AuthenticationFailed,
     GatewayError,
@@ -45,17 +55,21 @@ from gateway.errors import (
     NotFound,
     error_response,
 )
-from gateway.incidents import quarantine, tracking
 from gateway.incidents.ledger import LedgerWriter
-from gateway.incidents.prober import run_prober
-from gateway.incidents.quarantine import QuarantineBudget
+from gateway.incidents.notices import Notifier
+from gateway.incidents.prober import Prober
+from gateway.incidents.quarantine import QuarantineBudget, Responder
+from gateway.incidents.reporting import Reporter
+from gateway.incidents.tracking import Tracker
 from gateway.incidents.verdicts import VerdictBound
-from gateway.jobs.worker import work
+from gateway.jobs.worker import Worker
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.counting import BackendCounter, LocalCounter, PromptCounter
-from gateway.pipeline.inference import RESPONSES
-from gateway.server import readiness
+from gateway.pipeline.inference import RESPONSES, Pipeline
+from gateway.pipeline.judging import Judging
+from gateway.pipeline.slot import Slots
 from gateway.server.openapi import openapi_document
+from gateway.server.readiness import ReadinessCheck
 from gateway.server.stores import build_stores
 from gateway.settings import Settings, SettingsError
 from gateway.store import shared_key
@@ -83,7 +97,7 @@ log = logging.getLogger("bulkhead")
 
 SHUTDOWN_WAIT_S = 5.0
 # One-shot work's time to end at shutdown: a settlement, a report or a notice is a Redis round trip or two. A probe
-# cut short is taken over by another instance once its hold lapses (quarantine.take_over): not waited for.
+# cut short is taken over by another instance once its hold lapses (Responder.take_over): not waited for.
 WORK_GRACE_S = 1.0
 
 
@@ -99,20 +113,26 @@ async def healthz(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-async def readyz(request: Request) -> Response:
-    """200 while this instance can serve (what is degraded in the body), 503 when it cannot: see readiness.py."""
-    found = await readiness.check(state_of(request))
-    return JSONResponse(found.body(), status_code=200 if found.ready else 503)
+class ProcessRoutes:
+    """/readyz and /metrics: this instance's own state, for its probes and its scraper."""
 
+    def __init__(self, *, readiness: ReadinessCheck, metrics: GatewayMetrics, metrics_token: str | None) -> None:
+        self._readiness = readiness
+        self._metrics = metrics
+        self._metrics_token = metrics_token
 
-async def metrics(request: Request) -> Response:
-    state = state_of(request)
-    token = state.settings.metrics_token
-    if token is not None:
-        # Its labels name tenants, and its series say when each is busy and what waits: not for tenants to read.
-        if not admin.bearer_matches(request, token):
-            return error_response(AuthenticationFailed("This route needs the metrics token."))
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def readyz(self, request: Request) -> Response:
+        """200 while this instance can serve (what is degraded in the body), 503 when it cannot: see readiness.py."""
+        found = await self._readiness.check()
+        return JSONResponse(found.body(), status_code=200 if found.ready else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        token = self._metrics_token
+        if token is not None:
+            # Its labels name tenants, and its series say when each is busy and what waits: not for tenants to read.
+            if not bearer_matches(request, token):
+                return error_response(AuthenticationFailed("This route needs the metrics token."))
+        return Response(self._metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def openapi(request: Request) -> Response:
@@ -405,38 +425,101 @@ def warn_short_grace(settings: Settings) -> None:
         )
 
 
-def keep_tasks(state: GatewayState, instance: str, workers: int) -> None:
-    """The lifespan's long-lived tasks, each under the supervisor (`state.tasks`) by name; those whose absence
-    breaks a defence say what breaks, and /readyz is not ready while one is down."""
-    settings, tasks, client = state.settings, state.tasks, state.client
+def keep_tasks(
+    tasks: Supervisor,
+    *,
+    settings: Settings,
+    client: httpx.AsyncClient,
+    pool: ReplicaPool,
+    capacity: CapacityMonitor,
+    load: LoadMonitor,
+    markers: MarkerRegistry,
+    metrics: GatewayMetrics,
+    tenants: TenantDirectory,
+    verdicts: VerdictBound,
+    ledger: LedgerWriter,
+    tracker: Tracker,
+    responder: Responder,
+    prober: Prober,
+    deliveries: Deliveries,
+    redis: Redis | None,
+    worker: Worker,
+    instance: str,
+    workers: int,
+) -> None:
+    """The lifespan's long-lived tasks, each under the supervisor by name; those whose absence breaks a defence say
+    what breaks, and /readyz is not ready while one is down. `workers`: how many queue workers run here."""
     upstream, timeout = settings.upstream, settings.upstream.connect_timeout_s
     interval = upstream.health_interval_s
-    tasks.keep("replica-health", partial(state.pool.watch, client, interval, timeout))
-    tasks.keep("capacity", partial(state.capacity.watch, client, upstream.capacity_refresh_s, timeout))
-    tasks.keep("load", partial(state.load.watch, client, upstream.load_interval_s, timeout))
-    tasks.keep("canary-rotation", partial(rotate_markers, state.markers, state.metrics))
+    tasks.keep("replica-health", partial(pool.watch, client, interval, timeout))
+    tasks.keep("capacity", partial(capacity.watch, client, upstream.capacity_refresh_s, timeout))
+    tasks.keep("load", partial(load.watch, client, upstream.load_interval_s, timeout))
+    tasks.keep("canary-rotation", partial(rotate_markers, markers, metrics))
     tasks.keep(
         "tenant-listener",
-        state.tenants.follow,
+        tenants.follow,
         breaks="a key revoked or a tenant changed on another instance is heard only at the next resync",
     )
-    tasks.keep("tenant-upkeep", state.tenants.keep_up)
-    tasks.keep("verdict-blocks", partial(state.verdicts.watch, interval))
+    tasks.keep("tenant-upkeep", tenants.keep_up)
+    tasks.keep("verdict-blocks", partial(verdicts.watch, interval))
     tasks.keep(
         "ledger-writer",
-        state.ledger.run,
+        ledger.run,
         breaks="what replicas served is not written to the exposure ledger (held, then dropped, meanwhile)",
     )
-    tasks.keep("incident-gauges", partial(tracking.watch, state, interval, partial(quarantine.settle, state)))
-    tasks.keep("suspension-takeover", partial(quarantine.take_over, state))
-    tasks.keep("webhook-deliveries", state.deliveries.run)
-    if state.redis is not None and state.metrics.redis_up is not None:
-        tasks.keep("redis-ping", partial(watch_redis, state.redis, state.metrics.redis_up, interval))
+    tasks.keep("incident-gauges", partial(tracker.watch, interval, responder.settle))
+    tasks.keep("suspension-takeover", responder.take_over)
+    tasks.keep("webhook-deliveries", deliveries.run)
+    if redis is not None and metrics.redis_up is not None:
+        tasks.keep("redis-ping", partial(watch_redis, redis, metrics.redis_up, interval))
     if settings.isolation.prober.enabled:
-        tasks.keep("prober", partial(run_prober, state))
-    finishers = {RESPONSES.name: responses.Background(state.conversations)}  # background responses' (api/responses.py)
+        tasks.keep("prober", prober.run)
     for n in range(workers):
-        tasks.keep(f"queue-worker-{n}", partial(work, state, state.queue, f"{instance}-{n}", finishers))
+        tasks.keep(f"queue-worker-{n}", partial(worker.work, f"{instance}-{n}"))
+
+
+def route_table(
+    *,
+    process: ProcessRoutes,
+    openai: OpenAIRoutes,
+    responses: ResponsesRoutes,
+    anthropic: AnthropicRoutes,
+    tokenization: TokenizationRoutes,
+    notices: NoticeRoutes,
+    catalog: CatalogRoutes,
+    admin: AdminRoutes,
+    workers: WorkersRoutes,
+) -> list[BaseRoute]:
+    """Every route of the app, each served by the surface that was given what it uses."""
+    return [
+        Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+        Route("/v1/completions", openai.completions, methods=["POST"]),
+        Route("/v1/embeddings", openai.embeddings, methods=["POST"]),
+        Route("/pooling", openai.pooling, methods=["POST"]),
+        *(Route(path, openai.score, methods=["POST"]) for path in ("/v1/score", "/score")),
+        *(Route(path, openai.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank")),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
+        Route("/v1/messages", anthropic.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+        Route("/tokenize", tokenization.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenization.detokenize, methods=["POST"]),
+        Route("/v1/isolation/notices", notices.by_key(notices.notices), methods=["GET"]),
+        Route("/v1/isolation/webhook", notices.by_key(notices.show_webhook), methods=["GET"]),
+        Route("/v1/isolation/webhook", notices.by_key(notices.set_webhook), methods=["PUT"]),
+        Route("/v1/isolation/webhook", notices.by_key(notices.delete_webhook), methods=["DELETE"]),
+        Route("/v1/models", catalog.list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", catalog.retrieve_model, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", process.readyz, methods=["GET"]),
+        Route("/metrics", process.metrics, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+        *admin.routes(),
+        *workers.routes(),
+    ]
 
 
 def create_app(
@@ -444,7 +527,8 @@ def create_app(
 ) -> Starlette:
     """The gateway; `workers` queue workers run inside it (default: settings.queue.workers); tenants' webhook hosts
     are looked up with `getaddrinfo` (lookups.py). A file the settings name that is missing or bad raises
-    SettingsError here, before anything is served."""
+    SettingsError here, before anything is served. Its routes are the lifespan's to install, once what they use is
+    built (docs/architecture.md, "The composition root")."""
     tokenizers = check_files(settings)
     targets = webhook_targets(settings)
     workers = settings.queue.workers if workers is None else workers
@@ -503,56 +587,214 @@ def create_app(
 
             pool.on_recovered = recovered
             kept = settings.isolation.ledger
-            writer = LedgerWriter(stores.ledger, kept.max_buffered, kept.flush_interval_s, metrics.ledger_dropped)
-            stack.push_async_callback(write_last, writer)
+            ledger = LedgerWriter(stores.ledger, kept.max_buffered, kept.flush_interval_s, metrics.ledger_dropped)
+            stack.push_async_callback(write_last, ledger)
             signing_key = notice_signing_key(settings, redis)
             tenant_webhooks = TenantWebhooks(stores.registrations, signing_key, settings.isolation.notices, lookups)
             deliveries = Deliveries(
                 stores.outbox, either(targets, tenant_webhooks.resolve), client, settings.webhooks, metrics
             )
-            in_flight: Counter[str] = Counter()  # what each tenant holds here: Slot counts it, the gate reads it
             bodies = BodyReader(settings.limits, settings.edge.body_timeout_s, metrics)
             stack.push_async_callback(bodies.close)
             tasks = Supervisor(metrics.task_crashes)
             stack.push_async_callback(tasks.stop, WORK_GRACE_S, SHUTDOWN_WAIT_S)
-            app.state.gateway = state = GatewayState(
-                settings=settings,
-                tenants=tenants,
-                pool=pool,
-                upstream=upstream,
+            # The composition root (docs/architecture.md): each part built once, from what it uses, by keyword.
+            # What a verdict does: reported, kept as an incident (with its notices), probed, answered on its replica.
+            reporter = Reporter(
                 metrics=metrics,
-                capacity=capacity,
-                counters=build_counters(settings, tokenizers, pool, upstream, executor),
                 events=stores.events,
-                router=router,
-                load=load,
-                gate=Gate(pool, load, metrics, in_flight),
-                tenant_in_flight=in_flight,
-                salts=CacheSalts(salt_secret(settings)),
-                markers=markers,
-                queue=stores.queue,
-                limiter=RateLimiter(
-                    stores.buckets,
-                    fail_open=settings.rate_limits.on_store_failure == "fail_open",
-                    metrics=metrics,
-                ),
-                redis=redis,
-                client=client,
-                fingerprints=fingerprinter,
-                quarantines=QuarantineBudget(stores.store, settings.isolation.quarantine),
-                verdicts=verdicts,
-                audit=stores.audit,
-                conversations=stores.conversations,
-                ledger=writer,
-                incidents=stores.incidents,
                 deliveries=deliveries,
+                webhook=settings.isolation.canary.webhook_url is not None,
+            )
+            notifier = Notifier(
+                settings=settings,
+                metrics=metrics,
+                ledger=ledger,
                 notices=stores.notices,
                 tenant_webhooks=tenant_webhooks,
-                bodies=bodies,
-                tasks=tasks,
+                deliveries=deliveries,
             )
-            tenants.left = state.gate.forget
-            keep_tasks(state, instance, workers)
+            tracker = Tracker(
+                settings=settings,
+                metrics=metrics,
+                incidents=stores.incidents,
+                ledger=ledger,
+                notifier=notifier,
+                spawn=tasks.spawn,
+            )
+            prober = Prober(
+                settings=settings,
+                pool=pool,
+                capacity=capacity,
+                client=client,
+                metrics=metrics,
+                reporter=reporter,
+                tracker=tracker,
+            )
+            responder = Responder(
+                settings=settings,
+                pool=pool,
+                metrics=metrics,
+                budget=QuarantineBudget(stores.store, settings.isolation.quarantine),
+                incidents=stores.incidents,
+                reporter=reporter,
+                tracker=tracker,
+                prober=prober,
+                spawn=tasks.spawn,
+            )
+            # The request path: a slot held, the fair gate, the judges, the pipeline.
+            in_flight: Counter[str] = Counter()  # what each tenant holds here: Slot counts it, the gate reads it
+            gate = Gate(pool, load, metrics, in_flight)
+            tenants.left = gate.forget
+            limiter = RateLimiter(
+                stores.buckets, fail_open=settings.rate_limits.on_store_failure == "fail_open", metrics=metrics
+            )
+            slots = Slots(in_flight=in_flight, metrics=metrics, limiter=limiter, gate=gate, spawn=tasks.spawn)
+            judging = Judging(
+                pool=pool,
+                upstream=upstream,
+                fingerprints=fingerprinter,
+                verdicts=verdicts,
+                ledger=ledger,
+                metrics=metrics,
+                gate=gate,
+                slots=slots,
+                reporter=reporter,
+                spawn=tasks.spawn,
+            )
+            counters = build_counters(settings, tokenizers, pool, upstream, executor)
+            pipeline = Pipeline(
+                settings=settings,
+                counters=counters,
+                capacity=capacity,
+                verdicts=verdicts,
+                router=router,
+                gate=gate,
+                slots=slots,
+                salts=CacheSalts(salt_secret(settings)),
+                markers=markers,
+                fingerprints=fingerprinter,
+                upstream=upstream,
+                judging=judging,
+                metrics=metrics,
+                ledger=ledger,
+                reporter=reporter,
+                responder=responder,
+                tracker=tracker,
+                spawn=tasks.spawn,
+            )
+            # The queue's workers: the pipeline, and a background response's finisher (api/responses.py).
+            worker = Worker(
+                pipeline=pipeline,
+                tenants=tenants,
+                gate=gate,
+                queue=stores.queue,
+                finishers={RESPONSES.name: Background(stores.conversations)},
+            )
+            # The routes: each surface given the pipeline and the few services it uses.
+            intake = Intake(tenants=tenants, bodies=bodies)
+            openai = OpenAIRoutes(pipeline=pipeline, intake=intake, metrics=metrics)
+            responses = ResponsesRoutes(
+                pipeline=pipeline,
+                intake=intake,
+                settings=settings,
+                conversations=stores.conversations,
+                queue=stores.queue,
+                metrics=metrics,
+            )
+            notices = NoticeRoutes(
+                tenants=tenants,
+                notices=stores.notices,
+                tenant_webhooks=tenant_webhooks,
+                body_timeout_s=settings.edge.body_timeout_s,
+            )
+            app.router.routes[:] = route_table(
+                process=ProcessRoutes(
+                    readiness=ReadinessCheck(
+                        settings=settings, pool=pool, capacity=capacity, tenants=tenants, tasks=tasks, redis=redis
+                    ),
+                    metrics=metrics,
+                    metrics_token=settings.metrics_token,
+                ),
+                openai=openai,
+                responses=responses,
+                anthropic=AnthropicRoutes(
+                    pipeline=pipeline,
+                    intake=intake,
+                    settings=settings,
+                    verdicts=verdicts,
+                    slots=slots,
+                    router=router,
+                    counters=counters,
+                    metrics=metrics,
+                ),
+                tokenization=TokenizationRoutes(
+                    intake=intake,
+                    settings=settings,
+                    verdicts=verdicts,
+                    capacity=capacity,
+                    slots=slots,
+                    counters=counters,
+                    metrics=metrics,
+                ),
+                notices=notices,
+                catalog=CatalogRoutes(tenants=tenants, settings=settings),
+                admin=AdminRoutes(
+                    settings=settings,
+                    pool=pool,
+                    capacity=capacity,
+                    events=stores.events,
+                    audit=stores.audit,
+                    verdicts=verdicts,
+                    tracker=tracker,
+                    tenants=TenantAdminRoutes(
+                        settings=settings,
+                        tenants=tenants,
+                        audit=stores.audit,
+                        tenant_webhooks=tenant_webhooks,
+                        conversations=stores.conversations,
+                    ),
+                    incidents=IncidentAdminRoutes(
+                        settings=settings, incidents=stores.incidents, ledger=ledger, pool=pool, tracker=tracker
+                    ),
+                    webhooks=WebhookAdminRoutes(deliveries=deliveries),
+                    notices=notices,
+                ),
+                workers=WorkersRoutes(
+                    pipeline=pipeline,
+                    intake=intake,
+                    settings=settings,
+                    queue=stores.queue,
+                    metrics=metrics,
+                    openai=openai,
+                    responses=responses,
+                ),
+            )
+            stack.callback(app.router.routes.clear)  # a stopped app serves nothing of what it closed
+            # For callers in the same process (the tests): the supervisor's fault hooks, the pipeline's state. No
+            # route or task reads app.state: each was handed what it uses.
+            app.state.pipeline, app.state.tasks = pipeline, tasks
+            keep_tasks(
+                tasks,
+                settings=settings,
+                client=client,
+                pool=pool,
+                capacity=capacity,
+                load=load,
+                markers=markers,
+                metrics=metrics,
+                tenants=tenants,
+                verdicts=verdicts,
+                ledger=ledger,
+                tracker=tracker,
+                responder=responder,
+                prober=prober,
+                deliveries=deliveries,
+                redis=redis,
+                worker=worker,
+                instance=instance,
+                workers=workers,
+            )
             if fingerprinter is not None:
                 metrics.track(metrics.fingerprints, lambda: len(fingerprinter.index))
                 tasks.keep("fingerprint-sweep", partial(sweep_fingerprints, fingerprinter, metrics))
@@ -576,35 +818,6 @@ def create_app(
             yield
 
     app = Starlette(
-        routes=[
-            Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
-            Route("/v1/completions", openai.completions, methods=["POST"]),
-            Route("/v1/embeddings", openai.embeddings, methods=["POST"]),
-            Route("/pooling", openai.pooling, methods=["POST"]),
-            *(Route(path, openai.score, methods=["POST"]) for path in ("/v1/score", "/score")),
-            *(Route(path, openai.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank")),
-            Route("/v1/responses", responses.create, methods=["POST"]),
-            Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
-            Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
-            Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
-            Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
-            Route("/v1/messages", anthropic.messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
-            Route("/tokenize", tokenization.tokenize, methods=["POST"]),
-            Route("/detokenize", tokenization.detokenize, methods=["POST"]),
-            Route("/v1/isolation/notices", notices.by_key(notices.notices), methods=["GET"]),
-            Route("/v1/isolation/webhook", notices.by_key(notices.show_webhook), methods=["GET"]),
-            Route("/v1/isolation/webhook", notices.by_key(notices.set_webhook), methods=["PUT"]),
-            Route("/v1/isolation/webhook", notices.by_key(notices.delete_webhook), methods=["DELETE"]),
-            Route("/v1/models", catalog.list_models, methods=["GET"]),
-            Route("/v1/models/{model:path}", catalog.retrieve_model, methods=["GET"]),
-            Route("/healthz", healthz, methods=["GET"]),
-            Route("/readyz", readyz, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/openapi.json", openapi, methods=["GET"]),
-            *admin.routes(),
-            *workers_api.routes(),
-        ],
         exception_handlers={HTTPException: _http_error, Exception: _unexpected},
         middleware=[Middleware(BadSettingsAtStart), Middleware(RequestIdHeader)],
         lifespan=lifespan,

@@ -27,7 +27,11 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.api.state import GatewayState
+from gateway.settings import Settings
+from gateway.supervisor import Supervisor
+from gateway.tenancy.tenants import TenantDirectory
+from gateway.upstream.backends import ReplicaPool
+from gateway.upstream.capacity import CapacityMonitor
 
 # Below the probes' timeouts (Kubernetes: 3 s; HAProxy: its connect timeout): a Redis that does not answer within
 # this is down as far as readiness goes, and the probe still gets an answer.
@@ -64,63 +68,80 @@ async def redis_failure(redis: Redis) -> str | None:
     return None
 
 
-def _backends(state: GatewayState, readiness: Readiness) -> None:
-    replicas = state.pool.replicas.values()
-    for replica in replicas:
-        if not replica.routable:
-            readiness.degraded.append(f"backend:{replica.name}")
-            readiness.problems.append(f"backend {replica.name} is {replica.state.value}")
-    if not any(r.routable for r in replicas):
-        readiness.blocking.append(
-            "no backend answers its health check (or every one is quarantined, draining or suspended)"
-        )
-        return
-    for model in state.settings.models:
-        if not state.pool.routable(model):
-            readiness.degraded.append(f"model:{model.name}")
-            readiness.problems.append(f"model {model.name} has no routable backend")
-    refusing = state.settings.upstream.on_stage_unread == "refuse"
-    for stage in state.capacity.unread_stages():
-        readiness.degraded.append(f"stage:{stage.label}")
-        kept = stage.holds.kv_tokens
-        if kept is None or refusing:
-            then = "its backend's models refuse requests (503 capacity_unknown) until it is read"
+class ReadinessCheck:
+    """What /readyz asks (module docstring), of what this instance runs."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        pool: ReplicaPool,
+        capacity: CapacityMonitor,
+        tenants: TenantDirectory,
+        tasks: Supervisor,
+        redis: Redis | None,
+    ) -> None:
+        self._settings = settings
+        self._pool = pool
+        self._capacity = capacity
+        self._tenants = tenants
+        self._supervisor = tasks
+        self._redis_client = redis
+
+    async def check(self) -> Readiness:
+        readiness = Readiness()
+        self._backends(readiness)
+        self._tasks(readiness)
+        await self._redis(readiness)
+        return readiness
+
+    def _backends(self, readiness: Readiness) -> None:
+        replicas = self._pool.replicas.values()
+        for replica in replicas:
+            if not replica.routable:
+                readiness.degraded.append(f"backend:{replica.name}")
+                readiness.problems.append(f"backend {replica.name} is {replica.state.value}")
+        if not any(r.routable for r in replicas):
+            readiness.blocking.append(
+                "no backend answers its health check (or every one is quarantined, draining or suspended)"
+            )
+            return
+        for model in self._settings.models:
+            if not self._pool.routable(model):
+                readiness.degraded.append(f"model:{model.name}")
+                readiness.problems.append(f"model {model.name} has no routable backend")
+        refusing = self._settings.upstream.on_stage_unread == "refuse"
+        for stage in self._capacity.unread_stages():
+            readiness.degraded.append(f"stage:{stage.label}")
+            kept = stage.holds.kv_tokens
+            if kept is None or refusing:
+                then = "its backend's models refuse requests (503 capacity_unknown) until it is read"
+            else:
+                then = f"its backend's limits keep its last known KV capacity ({kept} tokens)"
+            readiness.problems.append(f"stage {stage.label} is {stage.problem}: {then}")
+
+    async def _redis(self, readiness: Readiness) -> None:
+        if self._redis_client is None:
+            return
+        failure = await redis_failure(self._redis_client)
+        if failure is None:
+            return
+        readiness.degraded.append("redis")
+        unreachable = f"redis unreachable ({failure})"
+        if self._settings.rate_limits.on_store_failure == "fail_closed":
+            readiness.blocking.append(f"{unreachable}: rate_limits.on_store_failure is fail_closed")
+        elif not self._tenants.known_without_store:
+            readiness.blocking.append(f"{unreachable}: every tenant is in the tenant directory and none is held here")
         else:
-            then = f"its backend's limits keep its last known KV capacity ({kept} tokens)"
-        readiness.problems.append(f"stage {stage.label} is {stage.problem}: {then}")
+            readiness.problems.append(
+                f"{unreachable}: rate limits are per instance, the async queue and keys not held here are unavailable"
+            )
 
-
-async def _redis(state: GatewayState, readiness: Readiness) -> None:
-    if state.redis is None:
-        return
-    failure = await redis_failure(state.redis)
-    if failure is None:
-        return
-    readiness.degraded.append("redis")
-    unreachable = f"redis unreachable ({failure})"
-    if state.settings.rate_limits.on_store_failure == "fail_closed":
-        readiness.blocking.append(f"{unreachable}: rate_limits.on_store_failure is fail_closed")
-    elif not state.tenants.known_without_store:
-        readiness.blocking.append(f"{unreachable}: every tenant is in the tenant directory and none is held here")
-    else:
-        readiness.problems.append(
-            f"{unreachable}: rate limits are per instance, the async queue and keys not held here are unavailable"
-        )
-
-
-def _tasks(state: GatewayState, readiness: Readiness) -> None:
-    for name, breaks in state.tasks.down():
-        readiness.degraded.append(f"task:{name}")
-        down = f"background task {name} is down after a crash (starting again)"
-        if breaks is None:
-            readiness.problems.append(down)
-        else:
-            readiness.blocking.append(f"{down}: {breaks}")
-
-
-async def check(state: GatewayState) -> Readiness:
-    readiness = Readiness()
-    _backends(state, readiness)
-    _tasks(state, readiness)
-    await _redis(state, readiness)
-    return readiness
+    def _tasks(self, readiness: Readiness) -> None:
+        for name, breaks in self._supervisor.down():
+            readiness.degraded.append(f"task:{name}")
+            down = f"background task {name} is down after a crash (starting again)"
+            if breaks is None:
+                readiness.problems.append(down)
+            else:
+                readiness.blocking.append(f"{down}: {breaks}")

@@ -213,9 +213,11 @@ def test_gateway_is_served_scaled_and_protected(builds: dict[str, list[Object]],
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= _port_names(deployment)
 
 
-def test_gateway_probes_use_its_health_routes(builds: dict[str, list[Object]]) -> None:
+async def test_gateway_probes_use_its_health_routes(builds: dict[str, list[Object]]) -> None:
     gateway = container(one(builds["base"], "Deployment", GATEWAY), "gateway")
-    routes = {getattr(route, "path", None) for route in create_app(Settings()).routes}
+    app = create_app(Settings())
+    async with app.router.lifespan_context(app):  # its routes are installed once what they use is built
+        routes = {getattr(route, "path", None) for route in app.routes}
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert gateway["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert {"/readyz", "/healthz"} <= routes

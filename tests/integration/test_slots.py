@@ -177,4 +177,4 @@ async def test_only_requests_that_reached_a_replica_count_as_its_completions(
         for _ in range(5):
             refused = await client.post(gateway_url + CHAT, json=too_long, headers=auth())
             assert refused.json()["error"]["code"] == "context_length_exceeded"
-        assert len(app.state.gateway.gate._queues[MODEL].completions) == 1
+        assert len(app.state.pipeline.gate._queues[MODEL].completions) == 1

@@ -16,10 +16,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from gateway.api.state import GatewayState
-from gateway.server.app import create_app
+from gateway.server import app as gateway_app
+from gateway.server.app import create_app, make_redis
 from gateway.server.serving import run_server
-from gateway.settings import SettingsError
+from gateway.settings import Settings, SettingsError
 from gateway.supervisor import TaskFault
 from tests.integration.support import auth, chat_body, gateway_settings, metric
 from tests.redis_server import own_redis, redis_server
@@ -54,7 +54,7 @@ async def test_every_long_lived_task_that_crashes_is_logged_counted_and_started_
     with redis_server() as redis_url:
         app = create_app(settings_on(redis_url, sim_url, tokenizer_dir, isolation=isolation))
         with run_server(app) as url:
-            tasks = app.state.gateway.tasks
+            tasks = app.state.tasks
             names = tasks.names
             assert {*DEFENCES, "prober", "queue-worker-0", "redis-ping", "suspension-takeover"} <= set(names)
             assert (await client.get(f"{url}/readyz")).status_code == 200
@@ -97,9 +97,16 @@ async def test_every_long_lived_task_that_crashes_is_logged_counted_and_started_
 
 
 async def test_one_shot_work_is_drained_or_cancelled_before_redis_closes(
-    sim_url: str, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
+    sim_url: str, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     outcomes: dict[str, str] = {}
+    pools: list[Redis | None] = []  # the gateway's own Redis pool, as its lifespan makes it
+
+    def kept_pool(settings: Settings) -> Redis | None:
+        pools.append(make_redis(settings))
+        return pools[-1]
+
+    monkeypatch.setattr(gateway_app, "make_redis", kept_pool)
     with redis_server() as redis_url:
         settings = settings_on(redis_url, sim_url, tokenizer_dir)
         app = create_app(settings)
@@ -125,11 +132,11 @@ async def test_one_shot_work_is_drained_or_cancelled_before_redis_closes(
             raise RuntimeError("a surprise in one-shot work")
 
         async with app.router.lifespan_context(app):
-            state: GatewayState = app.state.gateway
-            assert state.redis is not None
-            state.background(short(state.redis))
-            state.background(long(state.redis))
-            state.background(fails())
+            [redis] = pools
+            assert redis is not None
+            app.state.tasks.spawn(short(redis))
+            app.state.tasks.spawn(long(redis))
+            app.state.tasks.spawn(fails())
             await asyncio.sleep(0.01)
         async with Redis.from_url(redis_url) as redis:
             assert await redis.get(done_key) == b"1"

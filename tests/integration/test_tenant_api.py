@@ -416,7 +416,7 @@ async def test_a_tenant_made_again_under_a_deleted_ones_id_inherits_none_of_its_
         redis = {"redis_url": redis_database(stack.enter_context(redis_server()))} if store == "redis" else {}
         app = create_app(gateway_settings({"sim": sim_url}, tokenizer_dir, admin_token=ADMIN_TOKEN, **redis))
         url = stack.enter_context(run_server(app))
-        counter = app.state.gateway.counters[MODEL]
+        counter = app.state.pipeline.counters[MODEL]
         assert isinstance(counter, LocalCounter) and counter.pieces.piecewise
         admin = Admin(client, url)
         tenant_id, _, key = await admin.tenant_with_key()

@@ -7,7 +7,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import closing
-from dataclasses import dataclass, field
 
 import httpx
 import orjson
@@ -24,7 +23,7 @@ from gateway.incidents.incident import (
     Sighting,
 )
 from gateway.incidents.ledger import DELIVERED, WITHHELD, Ledger, LedgerWriter, MemoryLedger, RedisLedger, Served
-from gateway.incidents.notices import RECIPIENT, VICTIM, Notice, NoticeStore, notify
+from gateway.incidents.notices import RECIPIENT, VICTIM, Notice, NoticeStore, Notifier
 from gateway.metrics import GatewayMetrics
 from gateway.server.stores import Stores, build_stores
 from gateway.settings import Settings
@@ -357,39 +356,32 @@ async def test_a_notice_and_its_webhook_message_are_kept_together_once(stores: S
     assert (await stores.outbox.counts())[0] == 2
 
 
-@dataclass
-class Notifying:
-    """What notices.notify reads (NoticeParts), over the stores under test; bob has a webhook."""
-
-    settings: Settings
-    notices: NoticeStore
-    deliveries: Deliveries
-    tenant_webhooks: TenantWebhooks
-    metrics: GatewayMetrics = METRICS
-    ledger: LedgerWriter = field(
-        default_factory=lambda: LedgerWriter(MemoryLedger(RETENTION_S, 10), 10, 1, METRICS.ledger_dropped)
-    )
-
-
 @pytest.fixture
-async def notifying(stores: Stores) -> AsyncIterator[Notifying]:
+async def notifier(stores: Stores) -> AsyncIterator[Notifier]:
+    """A notifier over the stores under test (what notify reads, and only that); bob has a webhook."""
     settings = Settings()
     registrations = MemoryRegistrationStore()
     await registrations.put("bob", Registration("https://hooks.bob.test/", 1, time.time(), time.time()))
     with closing(NameLookups()) as lookups:
         webhooks = TenantWebhooks(registrations, SigningKey(b"k" * 32), settings.isolation.notices, lookups)
         async with httpx.AsyncClient() as client:
-            deliveries = Deliveries(stores.outbox, webhooks.resolve, client, settings.webhooks, METRICS)
-            yield Notifying(settings, stores.notices, deliveries, webhooks)
+            yield Notifier(
+                settings=settings,
+                metrics=METRICS,
+                ledger=LedgerWriter(MemoryLedger(RETENTION_S, 10), 10, 1, METRICS.ledger_dropped),
+                notices=stores.notices,
+                tenant_webhooks=webhooks,
+                deliveries=Deliveries(stores.outbox, webhooks.resolve, client, settings.webhooks, METRICS),
+            )
 
 
 # bob was sent alice's data: a recipient's notice, for his webhook.
 LEAKED = Incident("inc_1", "a", "m", 1.0, 0.0, PROBE, "r1", answers=frozenset({("r1", "bob", DELIVERED)}))
 
 
-async def test_a_notice_is_sent_to_its_tenants_webhook_once(notifying: Notifying, stores: Stores) -> None:
-    assert await notify(LEAKED, notifying) == 1
-    assert await notify(LEAKED, notifying) == 0, "the same notice again is none"
+async def test_a_notice_is_sent_to_its_tenants_webhook_once(notifier: Notifier, stores: Stores) -> None:
+    assert await notifier.notify(LEAKED) == 1
+    assert await notifier.notify(LEAKED) == 0, "the same notice again is none"
     [notice] = await stores.notices.of("bob", 10)
     [sent] = await stores.outbox.claim(time.time() + 10, 60, 10)
     assert (sent.target, sent.type, orjson.loads(sent.body)["data"]["id"]) == ("tenant:bob", RECIPIENT, notice.id)
@@ -397,14 +389,14 @@ async def test_a_notice_is_sent_to_its_tenants_webhook_once(notifying: Notifying
 
 @pytest.mark.parametrize("stores", ["redis"], indirect=True)
 async def test_a_notice_whose_message_the_store_refused_is_sent_at_the_next_notify(
-    notifying: Notifying, stores: Stores, prefix: str
+    notifier: Notifier, stores: Stores, prefix: str
 ) -> None:
     # A real failure of the second write: the outbox's messages hash is a string, which Redis refuses to write to.
     assert stores.redis is not None
     await stores.redis.set(f"{prefix}webhooks:messages", "not a hash")
-    assert await notify(LEAKED, notifying) is None  # the store failed: nothing kept, said so
+    assert await notifier.notify(LEAKED) is None  # the store failed: nothing kept, said so
     await stores.redis.delete(f"{prefix}webhooks:messages")
-    assert await notify(LEAKED, notifying) == 1, "not kept without its message: made again"
+    assert await notifier.notify(LEAKED) == 1, "not kept without its message: made again"
     [notice] = await stores.notices.of("bob", 10)
     [sent] = await stores.outbox.claim(time.time() + 10, 60, 10)
     assert orjson.loads(sent.body)["data"]["id"] == notice.id

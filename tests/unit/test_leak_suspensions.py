@@ -1,23 +1,27 @@
 """What a leak does to its replica (gateway/incidents/quarantine.py), where integration tests cannot make it happen on
 cue: two leaks at once, a probe that dies or cannot run, an operator's decision made before the leak. The probe is
-replaced by its possible outcomes and the instance by the parts these rules use (the replica pool and store are the
-real ones); tests/integration/test_quarantine.py runs the same rules end to end."""
+replaced by its possible outcomes; the rest of an instance's responder is built as its lifespan builds it, on memory
+stores (the replica pool and the shared store are real); tests/integration/test_quarantine.py runs the same rules end
+to end."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
-from gateway.incidents import quarantine, tracking
+from gateway.incidents import quarantine
 from gateway.incidents.incident import IncidentStore, MemoryIncidentStore
 from gateway.incidents.ledger import LedgerWriter, MemoryLedger
-from gateway.incidents.notices import MemoryNoticeStore, NoticeStore
+from gateway.incidents.notices import MemoryNoticeStore, NoticeStore, Notifier
+from gateway.incidents.prober import Prober
+from gateway.incidents.quarantine import QuarantineBudget, Responder
+from gateway.incidents.reporting import Reporter
+from gateway.incidents.tracking import Tracker
 from gateway.metrics import GatewayMetrics
 from gateway.settings import QuarantineSettings, Settings
 from gateway.store import MemoryStore
@@ -35,28 +39,27 @@ Probe = Callable[..., Awaitable[list[Any]]]
 
 @dataclass
 class Instance:
-    """One gateway instance as the leak responder sees it (quarantine.ResponderParts): its own view of the replicas
-    and its own bound, the store shared with the others."""
+    """One gateway instance's leak responder, built as its lifespan builds it (the probe aside: probe_that), with its
+    own view of the replicas and its own bounds, the store shared with the others; its one-shot work in `tasks`."""
 
     settings: Settings
     pool: ReplicaPool
-    capacity: CapacityMonitor
-    client: httpx.AsyncClient
-    quarantines: quarantine.QuarantineBudget
-    deliveries: Deliveries  # no webhook is configured: nothing is queued
-    tenant_webhooks: TenantWebhooks
-    notices: NoticeStore  # with the deliveries' outbox
-    ledger: LedgerWriter = field(default_factory=lambda: LedgerWriter(MemoryLedger(3600, 1000), 100, 0.1, Counted()))
-    incidents: IncidentStore = field(default_factory=lambda: MemoryIncidentStore(3600))
-    metrics: GatewayMetrics = METRICS
-    events: EventLog = field(default_factory=lambda: MemoryEventLog(100))
-    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-
-    def background(self, work: Coroutine[Any, Any, Any]) -> None:
-        self.tasks.add(asyncio.get_running_loop().create_task(work))
+    events: EventLog
+    notices: NoticeStore
+    tracker: Tracker
+    responder: Responder
+    tasks: set[asyncio.Task[Any]]
 
 
-def instance(store: MemoryStore, probe_time_s: float = 30.0, health_s: float = 5.0) -> Instance:
+def instance(
+    store: MemoryStore,
+    probe_time_s: float = 30.0,
+    health_s: float = 5.0,
+    *,
+    events: EventLog | None = None,
+    incidents: IncidentStore | None = None,
+    bounds: QuarantineSettings | None = None,
+) -> Instance:
     settings = Settings.model_validate(
         {
             "backends": [{"name": name, "url": f"http://{name}"} for name in ("a", "b")],
@@ -72,16 +75,52 @@ def instance(store: MemoryStore, probe_time_s: float = 30.0, health_s: float = 5
         replica.healthy = True
     client = httpx.AsyncClient()  # never used: the probe is replaced
     outbox = MemoryOutbox()
-    return Instance(
-        settings,
-        pool,
-        CapacityMonitor(settings.models, settings.backends, pool, METRICS, settings.upstream),
-        client,
-        quarantine.QuarantineBudget(store, QuarantineSettings()),
-        Deliveries(outbox, settings_resolver(settings.isolation.canary), client, settings.webhooks, METRICS),
-        TenantWebhooks(MemoryRegistrationStore(), SigningKey(b"k" * 32), settings.isolation.notices, NameLookups()),
-        MemoryNoticeStore(3600, outbox),
+    tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(work: Coroutine[Any, Any, Any]) -> None:
+        tasks.add(asyncio.get_running_loop().create_task(work))
+
+    events = MemoryEventLog(100) if events is None else events
+    incidents = MemoryIncidentStore(3600) if incidents is None else incidents
+    ledger = LedgerWriter(MemoryLedger(3600, 1000), 100, 0.1, Counted())
+    notices = MemoryNoticeStore(3600, outbox)  # with the deliveries' outbox
+    # No webhook is configured: nothing is queued for operators.
+    deliveries = Deliveries(outbox, settings_resolver(settings.isolation.canary), client, settings.webhooks, METRICS)
+    reporter = Reporter(metrics=METRICS, events=events, deliveries=deliveries, webhook=False)
+    notifier = Notifier(
+        settings=settings,
+        metrics=METRICS,
+        ledger=ledger,
+        notices=notices,
+        tenant_webhooks=TenantWebhooks(
+            MemoryRegistrationStore(), SigningKey(b"k" * 32), settings.isolation.notices, NameLookups()
+        ),
+        deliveries=deliveries,
     )
+    tracker = Tracker(
+        settings=settings, metrics=METRICS, incidents=incidents, ledger=ledger, notifier=notifier, spawn=spawn
+    )
+    capacity = CapacityMonitor(settings.models, settings.backends, pool, METRICS, settings.upstream)
+    responder = Responder(
+        settings=settings,
+        pool=pool,
+        metrics=METRICS,
+        budget=QuarantineBudget(store, bounds or QuarantineSettings()),
+        incidents=incidents,
+        reporter=reporter,
+        tracker=tracker,
+        prober=Prober(
+            settings=settings,
+            pool=pool,
+            capacity=capacity,
+            client=client,
+            metrics=METRICS,
+            reporter=reporter,
+            tracker=tracker,
+        ),
+        spawn=spawn,
+    )
+    return Instance(settings, pool, events, notices, tracker, responder, tasks)
 
 
 class Counted:
@@ -110,7 +149,7 @@ async def checks(state: Instance) -> list[IsolationEvent]:
 
 
 def probe_that(monkeypatch: pytest.MonkeyPatch, outcome: Probe) -> None:
-    monkeypatch.setattr(quarantine, "probe", outcome)
+    monkeypatch.setattr(Prober, "probe", outcome)
 
 
 def probes_going_on(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
@@ -131,7 +170,7 @@ async def test_two_leaks_on_two_instances_at_once_never_suspend_every_replica(mo
     going_on = probes_going_on(monkeypatch)
     store = MemoryStore()
     x, y = instance(store), instance(store)
-    await asyncio.gather(quarantine.on_leak(leak_on("a"), x), quarantine.on_leak(leak_on("b"), y))
+    await asyncio.gather(x.responder.on_leak(leak_on("a")), y.responder.on_leak(leak_on("b")))
     await x.pool.sync()
     try:
         assert x.pool.routable(x.settings.models[0]), f"no replica serves the model: {await store.admin_states()}"
@@ -145,9 +184,8 @@ async def test_two_leaks_on_two_instances_at_once_never_suspend_every_replica(mo
 
 async def test_two_leaks_on_one_instance_at_once_never_suspend_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:
     going_on = probes_going_on(monkeypatch)
-    x = instance(MemoryStore())
-    x.events = NetworkLog(100)
-    await asyncio.gather(quarantine.on_leak(leak_on("a"), x), quarantine.on_leak(leak_on("b"), x))
+    x = instance(MemoryStore(), events=NetworkLog(100))
+    await asyncio.gather(x.responder.on_leak(leak_on("a")), x.responder.on_leak(leak_on("b")))
     try:
         assert x.pool.routable(x.settings.models[0])
     finally:
@@ -165,7 +203,7 @@ async def test_a_drained_replica_is_probed_in_place_and_stays_drained(monkeypatc
     store = MemoryStore()
     state = instance(store)
     await state.pool.set_admin_state(state.pool.replicas["a"], "draining", "operator")
-    await quarantine.on_leak(leak_on("a"), state)
+    await state.responder.on_leak(leak_on("a"))
     await settle(state)
     assert (await store.admin_states()).get("a") == "draining"
     [check] = await checks(state)
@@ -183,7 +221,7 @@ async def test_a_probe_that_cannot_tell_keeps_the_suspension_and_says_so(
     probe_that(monkeypatch, cannot)
     store = MemoryStore()
     state = instance(store)
-    await quarantine.on_leak(leak_on("a"), state)
+    await state.responder.on_leak(leak_on("a"))
     await settle(state)
     [check] = await checks(state)
     assert (check.confirmed, check.action, check.detail) == ("unknown", "none", "the canary probe could not run")
@@ -208,7 +246,7 @@ async def test_a_suspension_whose_probe_died_is_taken_over_and_decided_by_anothe
         await asyncio.sleep(3600)
         return []
 
-    async def decides(state: Any, replica: Any, model: Any) -> list[Any]:
+    async def decides(prober: Any, replica: Any, model: Any) -> list[Any]:
         probed_by.append(replica.name)
         return [AuditFinding()] if found else []
 
@@ -218,7 +256,7 @@ async def test_a_suspension_whose_probe_died_is_taken_over_and_decided_by_anothe
     # (A probe that crashed could not tell: its instance holds the suspension a probe's time, here 0.1 s, before
     # anyone probes again.)
     first = instance(store, probe_time_s=0.1, health_s=health_s)
-    await quarantine.on_leak(leak_on("a"), first)
+    await first.responder.on_leak(leak_on("a"))
     await started.wait()
     for task in first.tasks:
         task.cancel()
@@ -227,7 +265,7 @@ async def test_a_suspension_whose_probe_died_is_taken_over_and_decided_by_anothe
     later = instance(store, health_s=health_s)  # any instance, now or after a restart
     await later.pool.sync()
     assert later.pool.replicas["a"].admin_state == "suspended"
-    taking = asyncio.create_task(quarantine.take_over(later))
+    taking = asyncio.create_task(later.responder.take_over())
     try:
         async with asyncio.timeout(5):
             while not probed_by or later.tasks and not all(task.done() for task in later.tasks):
@@ -254,19 +292,17 @@ async def test_the_probes_one_tenant_draws_are_bounded_across_instances(monkeypa
     # max_probes_per_tenant probes an hour, however many instances its requests reach.
     probed: list[str] = []
 
-    async def sound(state: Any, replica: Any, model: Any) -> list[Any]:
+    async def sound(prober: Any, replica: Any, model: Any) -> list[Any]:
         probed.append(replica.name)
         return []
 
     probe_that(monkeypatch, sound)
     store = MemoryStore()
-    instances = [instance(store) for _ in range(4)]
-    for state in instances:
-        # Suspensions unbounded here: the bound on probes alone is what holds.
-        state.quarantines = quarantine.QuarantineBudget(store, QuarantineSettings(max_per_replica=100))
+    # Suspensions unbounded here: the bound on probes alone is what holds.
+    instances = [instance(store, bounds=QuarantineSettings(max_per_replica=100)) for _ in range(4)]
     for state in instances:
         for replica in ("a", "b"):
-            await quarantine.on_leak(leak_on(replica), state)
+            await state.responder.on_leak(leak_on(replica))
             await settle(state)
             await state.pool.sync()
     assert len(probed) == QuarantineSettings().max_probes_per_tenant == 3
@@ -277,18 +313,16 @@ async def test_a_verdict_whose_instance_died_before_acting_on_it_is_finished_by_
     # The confirming instance records the probe's "yes" first, then quarantines and notifies: it dies in between
     # (the chaos run's window, docs/incidents.md). Any other instance's next pass over the incidents finishes both.
     store, incidents = MemoryStore(), MemoryIncidentStore(3600)
-    dead = instance(store)
-    dead.incidents = incidents
-    await quarantine.on_leak(leak_on("a"), dead)
+    dead = instance(store, incidents=incidents)
+    await dead.responder.on_leak(leak_on("a"))
     for task in dead.tasks:
         task.cancel()  # the probe's task, with the instance
     await settle(dead)
     assert await incidents.confirm("a", "yes") is not None  # all it did of the verdict
-    survivor = instance(store, health_s=0.05)
-    survivor.incidents = incidents
+    survivor = instance(store, health_s=0.05, incidents=incidents)
     await survivor.pool.sync()
     assert survivor.pool.replicas["a"].admin_state == "suspended"
-    watching = asyncio.create_task(tracking.watch(survivor, 0.05, partial(quarantine.settle, survivor)))
+    watching = asyncio.create_task(survivor.tracker.watch(0.05, survivor.responder.settle))
     try:
         async with asyncio.timeout(5):
             while (await store.admin_states()).get("a") != "quarantined" or not await survivor.notices.of("alice", 10):
@@ -299,7 +333,7 @@ async def test_a_verdict_whose_instance_died_before_acting_on_it_is_finished_by_
     [incident] = await incidents.recent(10)
     assert incident.contained_at is not None and incident.confirmed == "yes"
     notices = await survivor.notices.of("alice", 10)
-    again = asyncio.create_task(tracking.watch(survivor, 0.05, partial(quarantine.settle, survivor)))
+    again = asyncio.create_task(survivor.tracker.watch(0.05, survivor.responder.settle))
     await asyncio.sleep(0.2)
     again.cancel()
     assert await survivor.notices.of("alice", 10) == notices, "a notice is kept once, whoever makes it"
