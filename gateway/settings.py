@@ -492,6 +492,21 @@ class LedgerSettings(_Section):
         "oldest are dropped and counted (bulkhead_ledger_dropped_total)",
     )
     flush_interval_s: float = Field(default=0.1, gt=0, le=10, description="records are written in batches this often")
+    postgres_url: str | None = Field(
+        default=None,
+        pattern=r"^postgres(ql)?://",
+        repr=False,
+        description="the ledger in this PostgreSQL database (a table partitioned by day; docs/incidents.md), for "
+        "deployments whose retention of answers outgrows Redis's RAM; unset: in Redis with redis_url, else in memory",
+    )
+    postgres_schema: str = Field(
+        default="bulkhead_ledger",
+        pattern=r"^[a-z_][a-z0-9_]{0,62}$",
+        description="the schema the ledger's tables are made in (deployments sharing a database keep apart by it)",
+    )
+    postgres_pool_size: int = Field(
+        default=4, ge=1, le=100, description="connections to postgres_url per gateway process; more wait their turn"
+    )
 
 
 class NoticeSettings(_Section):

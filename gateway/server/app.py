@@ -57,6 +57,7 @@ from gateway.errors import (
 )
 from gateway.incidents.ledger import LedgerWriter
 from gateway.incidents.notices import Notifier
+from gateway.incidents.pgledger import ledger_pool
 from gateway.incidents.prober import Prober
 from gateway.incidents.quarantine import QuarantineBudget, Responder
 from gateway.incidents.reporting import Reporter
@@ -537,12 +538,16 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # What start-up opens is closed by this stack in reverse, whether a later step of the start fails or the app
         # stops: the supervisor's tasks first (drained, then cancelled), then what they use (the ledger's last
-        # records, the HTTP clients, the executor, the Redis pool).
+        # records, the HTTP clients, the executor, the Redis pool and the ledger's PostgreSQL pool).
         async with contextlib.AsyncExitStack() as stack:
             redis = make_redis(settings)
             if redis is not None:
                 stack.push_async_callback(redis.aclose)
-            stores = build_stores(settings, redis)
+            kept = settings.isolation.ledger
+            postgres = None
+            if kept.postgres_url is not None:
+                postgres = await stack.enter_async_context(ledger_pool(kept.postgres_url, kept.postgres_pool_size))
+            stores = build_stores(settings, redis, postgres)
             metrics = GatewayMetrics(with_redis=redis is not None)
             stack.callback(metrics.close)
             tenants = TenantDirectory(settings.tenants, stores.directory, settings.tenant_directory, metrics)
@@ -586,7 +591,6 @@ def create_app(
                 load.restarted(replica)
 
             pool.on_recovered = recovered
-            kept = settings.isolation.ledger
             ledger = LedgerWriter(stores.ledger, kept.max_buffered, kept.flush_interval_s, metrics.ledger_dropped)
             stack.push_async_callback(write_last, ledger)
             signing_key = notice_signing_key(settings, redis)

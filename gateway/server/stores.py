@@ -1,16 +1,19 @@
 """Where shared state lives: with `redis_url`, every store is the Redis twin (shared by every instance on that Redis,
-under `redis_key_prefix`); without, the memory twin (this process only). The twin is picked here, once, for all."""
+under `redis_key_prefix`); without, the memory twin (this process only). The twin is picked here, once, for all; the
+exposure ledger alone may live in PostgreSQL instead (`isolation.ledger.postgres_url`: the lifespan's pool)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
 from gateway.api.conversations import ConversationStore, MemoryConversationStore, RedisConversationStore
 from gateway.incidents.incident import IncidentStore, MemoryIncidentStore, RedisIncidentStore
 from gateway.incidents.ledger import Ledger, MemoryLedger, RedisLedger
 from gateway.incidents.notices import MemoryNoticeStore, NoticeStore, RedisNoticeStore
+from gateway.incidents.pgledger import PostgresLedger
 from gateway.jobs.queue import JobQueue, MemoryJobQueue, RedisJobQueue
 from gateway.settings import Settings
 from gateway.store import MemoryStore, RedisStore, Store
@@ -50,10 +53,14 @@ class Stores:
         return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix)
 
 
-def build_stores(settings: Settings, redis: Redis | None) -> Stores:
+def build_stores(settings: Settings, redis: Redis | None, postgres: AsyncConnectionPool | None) -> Stores:
+    """`postgres`: the pool to `isolation.ledger.postgres_url`, None when it is unset."""
     events_max, audit_max = settings.isolation.events_max, settings.tenant_directory.audit_events_max
     queue, ttl, prefix = settings.queue, settings.isolation.fingerprints.ttl_s, settings.redis_key_prefix
     kept, ledger = settings.responses, settings.isolation.ledger
+    on_postgres = (
+        None if postgres is None else PostgresLedger(postgres, ledger.retention_s, schema=ledger.postgres_schema)
+    )
     if redis is None:
         outbox = MemoryOutbox()
         return Stores(
@@ -64,7 +71,7 @@ def build_stores(settings: Settings, redis: Redis | None) -> Stores:
             audit=MemoryAuditLog(audit_max),
             queue=MemoryJobQueue(queue.result_ttl_s),
             conversations=MemoryConversationStore(kept.ttl_s, kept.max_bytes_per_tenant),
-            ledger=MemoryLedger(ledger.retention_s, ledger.max_memory_records),
+            ledger=on_postgres or MemoryLedger(ledger.retention_s, ledger.max_memory_records),
             incidents=MemoryIncidentStore(ledger.retention_s),
             notices=MemoryNoticeStore(ledger.retention_s, outbox),
             registrations=MemoryRegistrationStore(),
@@ -83,7 +90,7 @@ def build_stores(settings: Settings, redis: Redis | None) -> Stores:
         audit=RedisAuditLog(redis, audit_max, prefix=prefix),
         queue=RedisJobQueue(redis, queue.result_ttl_s, queue.reclaim_after_s, prefix=prefix),
         conversations=RedisConversationStore(redis, kept.ttl_s, kept.max_bytes_per_tenant, prefix=prefix),
-        ledger=RedisLedger(redis, ledger.retention_s, prefix=prefix),
+        ledger=on_postgres or RedisLedger(redis, ledger.retention_s, prefix=prefix),
         incidents=RedisIncidentStore(redis, ledger.retention_s, prefix=prefix),
         notices=RedisNoticeStore(redis, ledger.retention_s, redis_outbox, prefix=prefix),
         registrations=RedisRegistrationStore(redis, prefix=prefix),

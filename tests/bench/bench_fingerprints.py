@@ -173,7 +173,7 @@ class Gateway:
         keys = canary_keys(settings)
         registry = MarkerRegistry(keys, settings.isolation.canary.epoch_s)
         registry.add_tenants(tenants)
-        feed = build_stores(settings, redis).fingerprint_feed("bench")
+        feed = build_stores(settings, redis, None).fingerprint_feed("bench")
         fingerprinter = make_fingerprinter(settings, fingerprint_secret(keys[0].secret), feed, executor)
         assert fingerprinter is not None
         return cls(settings, registry, fingerprinter, {} if keep else None)

@@ -1,16 +1,20 @@
 """The exposure ledger and the incident store: one suite for the memory and the Redis twin (as tests/unit/test_twins.py,
-whose fixtures these are)."""
+whose fixtures these are), and for the ledger's PostgreSQL twin (tests/postgres_server.py: each test in a schema of
+its own)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
-from contextlib import closing
+from contextlib import asynccontextmanager, closing
 
 import httpx
 import orjson
 import pytest
+from psycopg import sql
+from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
 from gateway.incidents.incident import (
@@ -24,12 +28,14 @@ from gateway.incidents.incident import (
 )
 from gateway.incidents.ledger import DELIVERED, WITHHELD, Ledger, LedgerWriter, MemoryLedger, RedisLedger, Served
 from gateway.incidents.notices import RECIPIENT, VICTIM, Notice, NoticeStore, Notifier
+from gateway.incidents.pgledger import PostgresLedger, ledger_pool
 from gateway.metrics import GatewayMetrics
 from gateway.server.stores import Stores, build_stores
 from gateway.settings import Settings
 from gateway.tenancy.lookups import NameLookups
 from gateway.tenancy.webhooks import MemoryRegistrationStore, Registration, SigningKey, TenantWebhooks
 from gateway.webhooks import Deliveries, Message
+from tests.postgres_server import postgres_url
 from tests.unit.test_twins import TWINS, prefix, redis_for, redis_url
 
 __all__ = ["prefix", "redis_url"]  # fixtures, used by name
@@ -38,8 +44,27 @@ RETENTION_S = 3600.0
 METRICS = GatewayMetrics()  # one registry for the module: prometheus names are global
 
 
-@pytest.fixture(params=TWINS)
+LEDGERS = [*TWINS, "postgres"]  # "postgres": the ledger there, every other store in Redis
+
+
+@asynccontextmanager
+async def postgres_schema() -> AsyncIterator[tuple[AsyncConnectionPool, str]]:
+    """A pool to the suite's PostgreSQL and a schema of the test's own, dropped afterwards with what is in it."""
+    schema = f"twin_{uuid.uuid4().hex[:12]}"
+    async with ledger_pool(postgres_url(), 4) as pool:
+        try:
+            yield pool, schema
+        finally:
+            async with pool.connection() as conn:
+                await conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+@pytest.fixture(params=LEDGERS)
 async def ledger(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Ledger]:
+    if request.param == "postgres":
+        async with postgres_schema() as (pool, schema):
+            yield PostgresLedger(pool, RETENTION_S, schema=schema)
+        return
     async with redis_for(request, prefix) as redis:
         yield MemoryLedger(RETENTION_S, 10_000) if redis is None else RedisLedger(redis, RETENTION_S, prefix=prefix)
 
@@ -308,14 +333,21 @@ async def test_a_window_reaches_the_latest_leak_when_the_replica_came_back(incid
     assert incident.window_end(now - 50) == pytest.approx(now - 50)  # never past now
 
 
-@pytest.fixture(params=TWINS)
+@pytest.fixture(params=LEDGERS)
 async def stores(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Stores]:
-    """The gateway's stores, as the lifespan builds them: the notices with the webhook outbox they queue into."""
-    settings = Settings.model_validate(
-        {"isolation": {"ledger": {"retention_s": RETENTION_S}}, "redis_key_prefix": prefix}
-    )
+    """The gateway's stores, as the lifespan builds them: the notices with the webhook outbox they queue into, the
+    ledger the notifier reads."""
     async with redis_for(request, prefix) as redis:
-        yield build_stores(settings, redis)
+        if request.param != "postgres":
+            settings = Settings.model_validate(
+                {"isolation": {"ledger": {"retention_s": RETENTION_S}}, "redis_key_prefix": prefix}
+            )
+            yield build_stores(settings, redis, None)
+            return
+        async with postgres_schema() as (pool, schema):
+            ledger = {"retention_s": RETENTION_S, "postgres_url": "postgresql://suite", "postgres_schema": schema}
+            settings = Settings.model_validate({"isolation": {"ledger": ledger}, "redis_key_prefix": prefix})
+            yield build_stores(settings, redis, pool)
 
 
 @pytest.fixture
@@ -368,7 +400,7 @@ async def notifier(stores: Stores) -> AsyncIterator[Notifier]:
             yield Notifier(
                 settings=settings,
                 metrics=METRICS,
-                ledger=LedgerWriter(MemoryLedger(RETENTION_S, 10), 10, 1, METRICS.ledger_dropped),
+                ledger=LedgerWriter(stores.ledger, 10, 1, METRICS.ledger_dropped),
                 notices=stores.notices,
                 tenant_webhooks=webhooks,
                 deliveries=Deliveries(stores.outbox, webhooks.resolve, client, settings.webhooks, METRICS),
@@ -400,3 +432,48 @@ async def test_a_notice_whose_message_the_store_refused_is_sent_at_the_next_noti
     [notice] = await stores.notices.of("bob", 10)
     [sent] = await stores.outbox.claim(time.time() + 10, 60, 10)
     assert orjson.loads(sent.body)["data"]["id"] == notice.id
+
+
+DAY_S = 86_400.0
+
+
+async def partitions(pool: AsyncConnectionPool, schema: str) -> set[str]:
+    async with pool.connection() as conn:
+        found = await conn.execute(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = to_regclass(%s)",
+            (f"{schema}.served",),
+        )
+        return {name for (name,) in await found.fetchall()}
+
+
+def day_name(at: float) -> str:
+    return time.strftime("served_%Y%m%d", time.gmtime(at))
+
+
+async def test_postgres_ledger_drops_whole_days_past_its_retention() -> None:
+    async with postgres_schema() as (pool, schema):
+        now = time.time()
+        kept_long = PostgresLedger(pool, 10 * DAY_S, schema=schema)
+        old, new = served("old", "a", now - 3 * DAY_S - 2, now - 3 * DAY_S), served("new", "a", now - 2, now)
+        await kept_long.write([old, new])
+        await kept_long.probed("a", now - 3 * DAY_S)
+        assert {day_name(now - 3 * DAY_S), day_name(now), day_name(now + DAY_S)} <= await partitions(pool, schema)
+        # Another instance, whose retention is a day: its first write keeps the retention.
+        kept_short = PostgresLedger(pool, DAY_S, schema=schema)
+        await kept_short.write([])
+        left = await partitions(pool, schema)
+        assert day_name(now - 3 * DAY_S) not in left and {day_name(now), day_name(now + DAY_S)} <= left
+        found, _ = await kept_long.served("a", now - 4 * DAY_S, now, 10)
+        assert [s.request_id for s in found] == ["new"]
+        assert await kept_long.last_clean_probe("a", now) is None  # deleted, not only out of the shorter horizon
+
+
+async def test_postgres_instances_making_the_same_partitions_at_once_all_write() -> None:
+    async with postgres_schema() as (pool, schema):
+        now = time.time()
+        instances = [PostgresLedger(pool, 10 * DAY_S, schema=schema) for _ in range(6)]
+        batches = [[served(f"r{i}-{d}", "a", now - d * DAY_S - 1, now - d * DAY_S) for d in range(3)] for i in range(6)]
+        await asyncio.gather(*(ledger.write(batch) for ledger, batch in zip(instances, batches, strict=True)))
+        found, _ = await instances[0].served("a", now - 4 * DAY_S, now, 100)
+        assert len(found) == 18

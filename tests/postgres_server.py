@@ -1,0 +1,92 @@
+"""A real PostgreSQL for the suite: the one BULKHEAD_TEST_POSTGRES_URL names, else a cluster of the suite's own.
+
+Never a PostgreSQL the suite did not start unless it is named: the one answering on 127.0.0.1:5432 may hold someone's
+data. The suite's own is made once per test process (initdb, ~2 s) in a temporary directory and listens on a unix
+socket there only (no TCP port), with durability off: it holds nothing past the run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+NAMED = "BULKHEAD_TEST_POSTGRES_URL"
+BINARIES = Path(os.environ.get("BULKHEAD_TEST_POSTGRES_BIN", "/usr/lib/postgresql/15/bin"))
+USER = "bulkhead"
+
+_suite: str | None = None  # the URL of the suite's own cluster, once one was asked for
+
+
+def postgres_url() -> str:
+    """The named PostgreSQL, or the suite's own, started the first time it is asked for and stopped when the suite
+    ends. Tests keep apart by schema (the ledger's `schema`)."""
+    global _suite
+    named = os.environ.get(NAMED)
+    if named:
+        return named
+    if _suite is None:
+        _suite = _start()
+    return _suite
+
+
+def _start() -> str:
+    initdb, postgres = BINARIES / "initdb", BINARIES / "postgres"
+    if not initdb.exists():
+        raise RuntimeError(f"PostgreSQL is not installed in {BINARIES} (or name one the suite may use in {NAMED})")
+    workdir = tempfile.mkdtemp(prefix="bulkhead-pg-")
+    # PostgreSQL refuses to run as root: as root (a CI container), the cluster is the postgres user's.
+    user = "postgres" if os.geteuid() == 0 else None
+    if user is not None:
+        entry = pwd.getpwnam(user)
+        os.chown(workdir, entry.pw_uid, entry.pw_gid)
+    data = Path(workdir) / "data"
+    subprocess.run(
+        [initdb, "-D", data, "-U", USER, "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        user=user,
+    )
+    settings = {
+        "listen_addresses": "",
+        "unix_socket_directories": workdir,
+        "fsync": "off",
+        "synchronous_commit": "off",
+        "full_page_writes": "off",
+        "shared_buffers": "32MB",
+        "max_connections": "50",
+    }
+    process = subprocess.Popen(
+        [postgres, "-D", data, *(f"-c{key}={value}" for key, value in settings.items())],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        user=user,
+    )
+
+    def stop() -> None:
+        process.send_signal(signal.SIGINT)  # a fast shutdown: clients still connected are disconnected
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    atexit.register(stop)
+    deadline = time.monotonic() + 30
+    while not _ready(workdir):
+        if time.monotonic() > deadline or process.poll() is not None:
+            raise RuntimeError("postgres did not start")
+        time.sleep(0.1)
+    return f"postgresql://{USER}@/postgres?host={workdir}"
+
+
+def _ready(workdir: str) -> bool:
+    isready = subprocess.run([BINARIES / "pg_isready", "-q", "-h", workdir, "-U", USER, "-d", "postgres"], check=False)
+    return isready.returncode == 0
