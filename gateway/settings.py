@@ -483,7 +483,9 @@ class LedgerSettings(_Section):
         default=14 * 86_400.0, ge=60, description="how long answers and incidents are kept (the incident's 14 days)"
     )
     max_memory_records: int = Field(
-        default=250_000, ge=1000, description="records kept without Redis (~180 B each); the oldest go first"
+        default=250_000,
+        ge=1000,
+        description="records kept in memory (neither Redis nor PostgreSQL; ~180 B each); the oldest go first",
     )
     max_buffered: int = Field(
         default=100_000,

@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, closing
+from pathlib import Path
 
 import httpx
 import orjson
@@ -477,3 +478,19 @@ async def test_postgres_instances_making_the_same_partitions_at_once_all_write()
         await asyncio.gather(*(ledger.write(batch) for ledger, batch in zip(instances, batches, strict=True)))
         found, _ = await instances[0].served("a", now - 4 * DAY_S, now, 100)
         assert len(found) == 18
+
+
+async def test_postgres_down_is_a_store_down_and_the_writer_keeps_its_records(tmp_path: Path) -> None:
+    # No server on this socket: every connection is refused, within the pool's timeout.
+    async with AsyncConnectionPool(f"postgresql://x@/postgres?host={tmp_path}", open=False, timeout=0.2) as pool:
+        writer = LedgerWriter(PostgresLedger(pool, RETENTION_S, schema="nowhere"), 10, 0.01, Count())
+        writer.record(served("r1", "a", 1, 2))
+        with pytest.raises(ConnectionError):  # what every caller handles as a store that cannot answer
+            await writer.flush()
+        with pytest.raises(ConnectionError):
+            await writer.ledger.served("a", 0, 3, 10)
+    store = Refusing()
+    store.down = False
+    writer.ledger = store
+    await writer.flush()
+    assert [s.request_id for s in store.written] == ["r1"]
