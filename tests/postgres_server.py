@@ -32,11 +32,13 @@ def postgres_url() -> str:
     if named:
         return named
     if _suite is None:
-        _suite = _start()
+        _suite = start_cluster(durable=False)
     return _suite
 
 
-def _start() -> str:
+def start_cluster(*, durable: bool) -> str:
+    """A cluster of the caller's own, stopped when the process ends; `durable`: fsync and synchronous commits on, as
+    production runs (the benchmark's), else off (the suite's: nothing in it outlives the run)."""
     initdb, postgres = BINARIES / "initdb", BINARIES / "postgres"
     if not initdb.exists():
         raise RuntimeError(f"PostgreSQL is not installed in {BINARIES} (or name one the suite may use in {NAMED})")
@@ -56,10 +58,11 @@ def _start() -> str:
     settings = {
         "listen_addresses": "",
         "unix_socket_directories": workdir,
-        "fsync": "off",
-        "synchronous_commit": "off",
-        "full_page_writes": "off",
-        "shared_buffers": "32MB",
+        "fsync": "on" if durable else "off",
+        "synchronous_commit": "on" if durable else "off",
+        "full_page_writes": "on" if durable else "off",
+        "shared_buffers": "256MB" if durable else "32MB",
+        "max_wal_size": "4GB",
         "max_connections": "50",
     }
     process = subprocess.Popen(

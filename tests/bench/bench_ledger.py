@@ -7,19 +7,36 @@ Records are shaped as production's: a 32-hex request id, one of 1,000 runtime te
 ("tenant-0042@1733390000.123456"), a model name, a replica, two times, "delivered" and no events. A Redis of the
 suite's kind (no persistence) is started for the run. The request path's cost is making the record and handing it
 to the writer (LedgerWriter.record); the write is the writer's batch (one pipeline of XADDs), timed from the client.
+
+    python -m tests.bench.bench_ledger --postgres [--records 200000] [--batch 256] [--loaded 10000000]
+
+The ledger on PostgreSQL (issue 49), in a cluster of the benchmark's own with production's durability (fsync,
+synchronous commits, full pages). Insert cost: `--records` records written as the writer does (PostgresLedger.write,
+one COPY a batch), timed from the client, which shares the machine with the server. Then `--loaded` records are
+loaded in the server (INSERT ... SELECT, production's shapes and sizes) at 100 req/s over 8 replicas, so that each
+day's partition holds what 100 req/s puts there (8.6 million records, 45,000 a replica-hour); bytes per record on
+disk are every partition's table, index and TOAST (pg_total_relation_size) over its rows; the blast-radius query is
+PostgresLedger.served of one replica-hour (every record of it, limit 100,000), for 20 random replica-hours, timed
+from the client (decoding included).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import secrets
+import statistics
 import time
 import tracemalloc
 
+from psycopg import sql
 from redis.asyncio import Redis
 
 from gateway.incidents.ledger import DELIVERED, LedgerWriter, MemoryLedger, RedisLedger, Served
+from gateway.incidents.notices import MAX_READ
+from gateway.incidents.pgledger import PostgresLedger, ledger_pool
+from tests.postgres_server import start_cluster
 from tests.redis_server import redis_server
 
 DAY_S = 86_400
@@ -101,13 +118,80 @@ async def redis_costs(url: str, sample: list[Served], batch: int, replicas: int)
         }
 
 
+LOAD_CHUNK = 1_000_000  # records a statement when loading
+
+
+async def postgres_costs(url: str, sample: list[Served], batch: int, replicas: int, loaded: int) -> None:
+    async with ledger_pool(url, 2) as pool:
+        await pool.wait()
+        ledger = PostgresLedger(pool, RETENTION_DAYS * DAY_S, schema="bench_ledger")
+        started = time.perf_counter()
+        for at in range(0, len(sample), batch):
+            await ledger.write(sample[at : at + batch])
+        write_us = (time.perf_counter() - started) / len(sample) * 1e6
+        print(f"records: {len(sample):,} written over {replicas} replicas, batches of {batch}")
+        print(f"PostgreSQL write, client side:  {write_us:.2f} µs per record (one COPY a batch, off the request path)")
+        async with pool.connection() as conn:
+            await conn.execute("TRUNCATE bench_ledger.served")
+        # The load's span, at 100 req/s, ending now: its days' partitions made as the writer makes them.
+        span_s = loaded / RATE
+        first = time.time() - span_s
+        days = [first + d * DAY_S for d in range(int(span_s // DAY_S) + 2)]
+        await ledger.write([Served("day", "t", MODEL, "none", at, min(at, time.time()), DELIVERED, "") for at in days])
+        started = time.perf_counter()
+        async with pool.connection() as conn:
+            for at in range(0, loaded, LOAD_CHUNK):
+                await conn.execute(
+                    sql.SQL(
+                        "INSERT INTO bench_ledger.served "
+                        "(request_id, tenant, model, replica, started, ended, verdict, kinds) "
+                        "SELECT md5(g::text), 'tenant-' || lpad((g %% 1000)::text, 4, '0') || '@' || "
+                        "(1733390000 + g %% 1000)::text || '.123456', {}, 'replica-' || (g %% {})::text, "
+                        "to_timestamp(%s + g / 100.0 - 2.5), to_timestamp(%s + g / 100.0), 'delivered', '' "
+                        "FROM generate_series(%s::bigint, %s::bigint) g"
+                    ).format(sql.Literal(MODEL), sql.Literal(replicas)),
+                    (first, first, at, min(at + LOAD_CHUNK, loaded) - 1),
+                )
+            await conn.execute("ANALYZE bench_ledger.served")
+            load_s = time.perf_counter() - started
+            found = await conn.execute(
+                "SELECT count(*), sum(pg_total_relation_size(c.oid)) FROM pg_inherits i "
+                "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'bench_ledger.served'::regclass"
+            )
+            partitions, on_disk = await found.fetchone() or (0, 0)
+            found = await conn.execute("SELECT count(*) FROM bench_ledger.served")
+            rows = (await found.fetchone() or (0,))[0]
+        print(f"loaded {rows:,} records in {partitions} daily partitions in {load_s:.0f} s (INSERT ... SELECT)")
+        print(f"bytes per record on disk (table + index): {on_disk / rows:.0f} B; {on_disk / 2**30:.2f} GiB in all")
+        total = RETENTION_DAYS * DAY_S * RATE
+        print(f"14 days at {RATE} req/s: {total:,} records = {total * on_disk / rows / 2**30:.1f} GiB on disk")
+        picks = random.Random(7)
+        took, sizes = [], []
+        for _ in range(20):
+            hour = first + picks.uniform(0, span_s - 3600)
+            started = time.perf_counter()
+            found_rows, _ = await ledger.served(f"replica-{picks.randrange(replicas)}", hour, hour + 3600, MAX_READ)
+            took.append(time.perf_counter() - started)
+            sizes.append(len(found_rows))
+        quantiles = statistics.quantiles(took, n=20)
+        print(
+            f"blast radius, one replica-hour ({statistics.median(sizes):,.0f} records): p50 "
+            f"{statistics.median(took) * 1000:.0f} ms, p95 {quantiles[-1] * 1000:.0f} ms, max {max(took) * 1000:.0f} ms"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=200_000)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--postgres", action="store_true", help="the PostgreSQL ledger instead of Redis and memory")
+    parser.add_argument("--loaded", type=int, default=10_000_000, help="with --postgres: records the query reads among")
     args = parser.parse_args()
     sample = records(args.records, args.replicas)
+    if args.postgres:
+        asyncio.run(postgres_costs(start_cluster(durable=True), sample, args.batch, args.replicas, args.loaded))
+        return
     path_ns = request_path_ns(sample[:100_000])
     memory = memory_bytes(sample[:100_000])
     with redis_server() as url:
