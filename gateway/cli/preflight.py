@@ -40,6 +40,9 @@ def _secrets(settings: Settings) -> list[tuple[str, str | None]]:
     found += [(f"backends[{i}].api_key", b.api_key) for i, b in enumerate(settings.backends)]
     if settings.redis_url is not None:
         found.append(("redis_url (its password)", urlsplit(settings.redis_url).password))
+    if settings.isolation.ledger.postgres_url is not None:
+        postgres = urlsplit(settings.isolation.ledger.postgres_url).password
+        found.append(("isolation.ledger.postgres_url (its password)", postgres))
     return found
 
 

@@ -24,6 +24,7 @@ BUILDS = [str(path.relative_to(DEPLOY / "kubernetes")) for path in KUSTOMIZATION
 # The oldest Kubernetes minor still commonly run, and the newest the validator knows.
 OLDEST_KUBERNETES = "1.29.0"
 GATEWAY = "bulkhead-gateway"
+LEDGER_BUILD, LEDGER_POSTGRES = "overlays/ledger-postgres", "bulkhead-ledger-postgres"  # the ledger on PostgreSQL
 
 
 def find(objects: list[Object], kind: str, name: str | None = None) -> list[Object]:
@@ -125,7 +126,7 @@ def test_every_yaml_and_json_file_under_deploy_parses() -> None:
 
 
 def test_every_kustomization_is_found() -> None:
-    assert {"base", "overlays/example"} <= set(BUILDS)
+    assert {"base", "overlays/example", LEDGER_BUILD} <= set(BUILDS)
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -272,9 +273,11 @@ def test_every_pod_is_selected_by_a_network_policy(builds: dict[str, list[Object
         assert [p for p in selecting if "Ingress" in p["spec"]["policyTypes"]], workload["metadata"]["name"]
 
 
-@pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("name", ["vllm", "bulkhead-redis"])
-def test_only_gateways_reach_vllm_and_redis(builds: dict[str, list[Object]], build: str, name: str) -> None:
+@pytest.mark.parametrize(
+    ("build", "name"),
+    [(build, name) for build in BUILDS for name in ("vllm", "bulkhead-redis")] + [(LEDGER_BUILD, LEDGER_POSTGRES)],
+)
+def test_only_gateways_reach_vllm_and_the_stores(builds: dict[str, list[Object]], build: str, name: str) -> None:
     objects = builds[build]
     target = one(objects, "StatefulSet", name)
     ports = {p["containerPort"] for c in target["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
@@ -343,6 +346,18 @@ def test_redis_requires_the_password_in_the_gateway_url(
     assert variables["REDISCLI_AUTH"] == password, "the probes' redis-cli must authenticate"
     url = urlsplit(gateway_settings(objects, build, tmp_path).redis_url or "")
     assert url.password == password, "the gateway's redis_url must carry Redis' password"
+
+
+def test_the_ledgers_postgres_url_is_its_postgres_with_its_password(
+    builds: dict[str, list[Object]], tmp_path: Path
+) -> None:
+    objects = builds[LEDGER_BUILD]
+    url = urlsplit(gateway_settings(objects, LEDGER_BUILD, tmp_path).isolation.ledger.postgres_url or "")
+    service = one(objects, "Service", url.hostname or "")
+    assert url.port in [p["port"] for p in service["spec"]["ports"]]
+    postgres = environment(objects, LEDGER_BUILD, one(objects, "StatefulSet", LEDGER_POSTGRES), "postgres")
+    assert "$(" not in postgres["POSTGRES_PASSWORD"] and url.password == postgres["POSTGRES_PASSWORD"]
+    assert (url.username, url.path) == (postgres["POSTGRES_USER"], "/" + postgres["POSTGRES_DB"])
 
 
 @pytest.mark.parametrize("build", BUILDS)

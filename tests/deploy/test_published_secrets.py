@@ -12,7 +12,7 @@ import yaml
 
 from gateway.cli.preflight import ALLOW_FLAG, published_secrets
 from tests.deploy.test_compose import COMPOSE, compose_settings, gateways
-from tests.deploy.test_manifests import BUILDS, GATEWAY, container, gateway_settings, one
+from tests.deploy.test_manifests import BUILDS, GATEWAY, LEDGER_BUILD, container, gateway_settings, one
 
 
 def test_the_compose_demo_runs_its_published_secrets_only_by_saying_so() -> None:
@@ -31,3 +31,5 @@ def test_no_kubernetes_build_allows_published_secrets(
     if build == "overlays/example":
         found = published_secrets(gateway_settings(builds[build], build, tmp_path))
         assert any("published example key" in p for p in found) and any("placeholder" in p for p in found), found
+    if build == LEDGER_BUILD:
+        assert any("postgres_url" in p for p in published_secrets(gateway_settings(builds[build], build, tmp_path)))
