@@ -9,9 +9,10 @@ The request path never waits for the ledger: `LedgerWriter.record` appends to a 
 task writes in batches (one pipelined round trip per batch). What the buffer cannot hold while the store is down is
 dropped, oldest first, and counted (`bulkhead_ledger_dropped_total`): the answer is never delayed or refused for it.
 
-Kept in one Redis stream per replica, `{prefix}ledger:{replica}` (entry ids are Redis's clock, trimmed by MINID
-at every write), and the times of each replica's clean probes in `{prefix}ledger-probes:{replica}`; in memory, a
-bounded ring for one process. A stream entry is one field, `r`: request id, tenant, end (ms), duration (ms),
+On PostgreSQL (isolation.ledger.postgres_url), for large deployments: pgledger.py. Else kept in one Redis stream
+per replica, `{prefix}ledger:{replica}` (entry ids are Redis's clock, trimmed by MINID at every write), and the
+times of each replica's clean probes in `{prefix}ledger-probes:{replica}`; in memory, a bounded ring for one
+process. A stream entry is one field, `r`: request id, tenant, end (ms), duration (ms),
 verdict, events and model, joined by US (0x1f), the model last (a setting's name, which may hold anything). Seven
 fields of their own took 20% more memory, 50% more time to write and three times as long to read
 (tests/bench/bench_ledger.py and docs/benchmarks.md).

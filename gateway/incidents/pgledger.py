@@ -154,7 +154,7 @@ class PostgresLedger:
     async def write(self, batch: list[Served]) -> None:
         now = time.time()
         kept = [s for s in batch if s.end >= now - self._retention_s]  # as the other twins: past it, never kept
-        async with self._connection() as conn:
+        async with self._connection() as conn, self._forgetting_partitions():
             if time.monotonic() >= self._maintained_at:
                 # Once an hour whether it works or not: a drop refused now is not retried before every batch.
                 self._maintained_at = time.monotonic() + MAINTAIN_S
@@ -168,6 +168,16 @@ class PostgresLedger:
                 async with cursor.copy(copying) as copy:
                     for s in kept:
                         await copy.write_row((*s[:4], _at(s.start), _at(s.end), *s[6:]))
+
+    @asynccontextmanager
+    async def _forgetting_partitions(self) -> AsyncIterator[None]:
+        # A write refused (a partition dropped by hand, the store restored from a backup) is retried with every
+        # partition made again: the ones this instance knew of may be gone.
+        try:
+            yield
+        except psycopg.Error:
+            self._days.clear()
+            raise
 
     async def served(self, replica: str, since: float, until: float, limit: int) -> tuple[list[Served], bool]:
         # Distinct: a batch written again after a write cancelled once it had reached the store leaves doubles.

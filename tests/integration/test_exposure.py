@@ -2,7 +2,7 @@
 after a clean probe), leaks alice's prompt into bob's answer, and the exposure report lists exactly what that
 replica served from its last clean probe until it left rotation: alice's and dave's answers and bob's, whether
 withheld (policy block) or delivered (policy alert); not dave's answer from before the probe, nor anything the
-healthy replica served. Once over the memory twin, once over Redis."""
+healthy replica served. Once over the memory twin, once over Redis, once with the ledger on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
+from psycopg import sql
 
 from gateway.tenancy.tenants import hash_key
 from tests.integration.support import (
@@ -32,6 +34,7 @@ from tests.integration.support import (
 )
 from tests.integration.test_canaries import alice_fills_the_cache, over_capacity
 from tests.integration.test_quarantine import ADMIN, ADMIN_AUTH, FAST_PROBE, wait_for_event
+from tests.postgres_server import postgres_url
 from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"
@@ -63,26 +66,39 @@ async def clean_pass(client: httpx.AsyncClient, gateway_url: str, replica: str) 
     raise AssertionError("no clean probe pass")
 
 
+def drop_schema(url: str, schema: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
 def requests_of(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["request_id"]: r for row in report["recipients"] for r in row["requests"]}
 
 
-@pytest.mark.parametrize(("policy", "shared"), [("block", False), ("alert", True)], ids=["block-memory", "alert-redis"])
+@pytest.mark.parametrize(
+    ("policy", "stored"),
+    [("block", "memory"), ("alert", "redis"), ("alert", "postgres")],
+    ids=["block-memory", "alert-redis", "alert-postgres"],
+)
 async def test_the_exposure_of_an_incident_is_what_the_replica_served_while_faulty(
-    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path, policy: str, shared: bool
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path, policy: str, stored: str
 ) -> None:
     sims = {"leaky": make_sim(num_gpu_blocks=16, output_tokens=64), "healthy": make_sim()}
     with ExitStack() as stack:
         store: dict[str, Any] = {}
-        if shared:
+        ledger: dict[str, Any] = {}
+        if stored != "memory":
             store = {"redis_url": stack.enter_context(redis_server()), "redis_key_prefix": f"x{uuid.uuid4().hex[:8]}:"}
+        if stored == "postgres":
+            ledger = {"postgres_url": postgres_url(), "postgres_schema": f"exposure_{uuid.uuid4().hex[:8]}"}
+            stack.callback(drop_schema, ledger["postgres_url"], ledger["postgres_schema"])
         prober = {"enabled": True, "interval_s": 600, **FAST_PROBE}
         gateway_url = make_gateway(
             sims,
             models=canaries_only(tokenizer_dir, NAMES),
             tenants=TENANTS,
             admin_token=ADMIN,
-            isolation={"canary": {"policy": policy}, "prober": prober},
+            isolation={"canary": {"policy": policy}, "prober": prober, "ledger": ledger},
             **store,
         )
         before = await ask(client, gateway_url, "dave", DAVE_KEY, "leaky")
