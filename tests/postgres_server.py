@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 NAMED = "BULKHEAD_TEST_POSTGRES_URL"
-BINARIES = Path(os.environ.get("BULKHEAD_TEST_POSTGRES_BIN", "/usr/lib/postgresql/15/bin"))
+# Debian's layout, the newest version installed; or where BULKHEAD_TEST_POSTGRES_BIN says.
+INSTALLED = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parts[-3]))
+BINARIES = Path(os.environ.get("BULKHEAD_TEST_POSTGRES_BIN") or (INSTALLED[-1].parent if INSTALLED else "/nowhere"))
 USER = "bulkhead"
 
 _suite: str | None = None  # the URL of the suite's own cluster, once one was asked for
