@@ -18,6 +18,7 @@ from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
+from gateway.incidents import pgledger
 from gateway.incidents.incident import (
     PROBE,
     RETENTION,
@@ -494,3 +495,27 @@ async def test_postgres_down_is_a_store_down_and_the_writer_keeps_its_records(tm
     writer.ledger = store
     await writer.flush()
     assert [s.request_id for s in store.written] == ["r1"]
+
+
+async def test_a_nullable_column_added_later_joins_a_table_that_instances_without_it_still_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A field added to Served (one more entry of COLUMNS, nullable) is added to the table the first instance with it
+    starts on; instances still without it write and read as before (a rolling upgrade)."""
+    async with postgres_schema() as (pool, schema):
+        now = time.time()
+        before = PostgresLedger(pool, RETENTION_S, schema=schema)
+        await before.write([served("r1", "a", now - 2, now - 1)])
+        monkeypatch.setattr(pgledger, "COLUMNS", (*pgledger.COLUMNS, ("suspect_chars", "integer")))
+        await PostgresLedger(pool, RETENTION_S, schema=schema).probed("a", now)  # its first use makes the column
+        monkeypatch.undo()
+        async with pool.connection() as conn:
+            found = await conn.execute(
+                "SELECT is_nullable FROM information_schema.columns "
+                "WHERE table_schema = %s AND table_name = 'served' AND column_name = 'suspect_chars'",
+                (schema,),
+            )
+            assert await found.fetchall() == [("YES",)]
+        await before.write([served("r2", "a", now - 2, now - 0.5)])
+        listed, _ = await before.served("a", now - 3, now, 10)
+        assert [s.request_id for s in listed] == ["r1", "r2"]
