@@ -29,8 +29,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from gateway.incidents.ledger import LATE_S, Served
 
-# Served's fields, in their order, with their column types. What `served` holds besides `replica` and the times is
-# read back into Served by position; a field added to Served is appended here, nullable.
+# Served's fields, in their order, with their column types: written and read back by position (the times as epoch
+# seconds). A field added to Served is appended here, nullable (e.g. ("suspect_chars", "integer")).
 COLUMNS = (
     ("request_id", "text NOT NULL"),
     ("tenant", "text NOT NULL"),
@@ -57,6 +57,18 @@ def _at(epoch_s: float) -> datetime:
 
 def _day(epoch_s: float) -> date:
     return _at(epoch_s).date()
+
+
+def _partition(day: date) -> str:
+    return f"{PARTITION}{day:%Y%m%d}"
+
+
+def _day_of(partition: str) -> date | None:
+    """The day a partition holds; None for a table of someone else's."""
+    try:
+        return datetime.strptime(partition.removeprefix(PARTITION), "%Y%m%d").date()
+    except ValueError:
+        return None
 
 
 class PostgresLedger:
@@ -121,7 +133,7 @@ class PostgresLedger:
             for day in missing:
                 await conn.execute(
                     sql.SQL("CREATE TABLE IF NOT EXISTS {} PARTITION OF {} FOR VALUES FROM ({}) TO ({})").format(
-                        self._name(f"{PARTITION}{day:%Y%m%d}"),
+                        self._name(_partition(day)),
                         self._name("served"),
                         sql.Literal(day.isoformat() + " 00:00:00+00"),
                         sql.Literal((day + timedelta(days=1)).isoformat() + " 00:00:00+00"),
@@ -138,18 +150,14 @@ class PostgresLedger:
             "WHERE i.inhparent = %s::regclass",
             (sql.SQL("{}.served").format(self._schema).as_string(conn),),
         )
-        past = [
-            name
-            for (name,) in await found.fetchall()
-            if name.startswith(PARTITION)
-            and datetime.strptime(name[len(PARTITION) :], "%Y%m%d").date() + timedelta(days=1) <= _day(horizon)
-        ]
+        days = [_day_of(name) for (name,) in await found.fetchall()]
+        past = [day for day in days if day is not None and day + timedelta(days=1) <= _day(horizon)]
         async with self._locked(conn):
             await conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(LOCK_TIMEOUT)))
-            for name in past:
-                await conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._name(name)))
+            for day in past:
+                await conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(self._name(_partition(day))))
             await conn.execute(sql.SQL("DELETE FROM {} WHERE at < %s").format(self._name("probes")), (_at(horizon),))
-        self._days.difference_update(datetime.strptime(n[len(PARTITION) :], "%Y%m%d").date() for n in past)
+        self._days.difference_update(past)
 
     async def write(self, batch: list[Served]) -> None:
         now = time.time()
