@@ -55,12 +55,11 @@ from gateway.errors import (
     NotFound,
     error_response,
 )
+from gateway.incidents.handling import incident_handling
 from gateway.incidents.ledger import LedgerWriter
-from gateway.incidents.notices import Notifier
 from gateway.incidents.pgledger import ledger_pool
 from gateway.incidents.prober import Prober
-from gateway.incidents.quarantine import QuarantineBudget, Responder
-from gateway.incidents.reporting import Reporter
+from gateway.incidents.quarantine import Responder
 from gateway.incidents.tracking import Tracker
 from gateway.incidents.verdicts import VerdictBound
 from gateway.jobs.worker import Worker
@@ -604,46 +603,19 @@ def create_app(
             stack.push_async_callback(tasks.stop, WORK_GRACE_S, SHUTDOWN_WAIT_S)
             # The composition root (docs/architecture.md): each part built once, from what it uses, by keyword.
             # What a verdict does: reported, kept as an incident (with its notices), probed, answered on its replica.
-            reporter = Reporter(
-                metrics=metrics,
-                events=stores.events,
-                deliveries=deliveries,
-                webhook=settings.isolation.canary.webhook_url is not None,
-            )
-            notifier = Notifier(
+            incident = incident_handling(
                 settings=settings,
                 metrics=metrics,
-                ledger=ledger,
-                notices=stores.notices,
-                tenant_webhooks=tenant_webhooks,
-                deliveries=deliveries,
-            )
-            tracker = Tracker(
-                settings=settings,
-                metrics=metrics,
-                incidents=stores.incidents,
-                ledger=ledger,
-                notifier=notifier,
-                spawn=tasks.spawn,
-            )
-            prober = Prober(
-                settings=settings,
                 pool=pool,
                 capacity=capacity,
                 client=client,
-                metrics=metrics,
-                reporter=reporter,
-                tracker=tracker,
-            )
-            responder = Responder(
-                settings=settings,
-                pool=pool,
-                metrics=metrics,
-                budget=QuarantineBudget(stores.store, settings.isolation.quarantine),
+                store=stores.store,
+                events=stores.events,
                 incidents=stores.incidents,
-                reporter=reporter,
-                tracker=tracker,
-                prober=prober,
+                notices=stores.notices,
+                ledger=ledger,
+                tenant_webhooks=tenant_webhooks,
+                deliveries=deliveries,
                 spawn=tasks.spawn,
             )
             # The request path: a slot held, the fair gate, the judges, the pipeline.
@@ -663,7 +635,7 @@ def create_app(
                 metrics=metrics,
                 gate=gate,
                 slots=slots,
-                reporter=reporter,
+                reporter=incident.reporter,
                 spawn=tasks.spawn,
             )
             counters = build_counters(settings, tokenizers, pool, upstream, executor)
@@ -682,9 +654,9 @@ def create_app(
                 judging=judging,
                 metrics=metrics,
                 ledger=ledger,
-                reporter=reporter,
-                responder=responder,
-                tracker=tracker,
+                reporter=incident.reporter,
+                responder=incident.responder,
+                tracker=incident.tracker,
                 spawn=tasks.spawn,
             )
             # The queue's workers: the pipeline, and a background response's finisher (api/responses.py).
@@ -750,7 +722,7 @@ def create_app(
                     events=stores.events,
                     audit=stores.audit,
                     verdicts=verdicts,
-                    tracker=tracker,
+                    tracker=incident.tracker,
                     tenants=TenantAdminRoutes(
                         settings=settings,
                         tenants=tenants,
@@ -759,7 +731,11 @@ def create_app(
                         conversations=stores.conversations,
                     ),
                     incidents=IncidentAdminRoutes(
-                        settings=settings, incidents=stores.incidents, ledger=ledger, pool=pool, tracker=tracker
+                        settings=settings,
+                        incidents=stores.incidents,
+                        ledger=ledger,
+                        pool=pool,
+                        tracker=incident.tracker,
                     ),
                     webhooks=WebhookAdminRoutes(deliveries=deliveries),
                     notices=notices,
@@ -790,9 +766,9 @@ def create_app(
                 tenants=tenants,
                 verdicts=verdicts,
                 ledger=ledger,
-                tracker=tracker,
-                responder=responder,
-                prober=prober,
+                tracker=incident.tracker,
+                responder=incident.responder,
+                prober=incident.prober,
                 deliveries=deliveries,
                 redis=redis,
                 worker=worker,

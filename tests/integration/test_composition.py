@@ -21,12 +21,8 @@ from starlette.routing import Route
 from gateway.api.body import BodyReader
 from gateway.api.intake import Intake
 from gateway.api.openai import OpenAIRoutes
+from gateway.incidents.handling import incident_handling
 from gateway.incidents.ledger import LedgerWriter
-from gateway.incidents.notices import Notifier
-from gateway.incidents.prober import Prober
-from gateway.incidents.quarantine import QuarantineBudget, Responder
-from gateway.incidents.reporting import Reporter
-from gateway.incidents.tracking import Tracker
 from gateway.incidents.verdicts import VerdictBound
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.counting import LocalCounter, Prompt
@@ -76,41 +72,19 @@ async def compose(settings: Settings, stores: Stores, stack: AsyncExitStack) -> 
         stores.outbox, settings_resolver(settings.isolation.canary), client, settings.webhooks, metrics
     )
     webhooks = TenantWebhooks(stores.registrations, SigningKey(b"k" * 32), settings.isolation.notices, NameLookups())
-    reporter = Reporter(metrics=metrics, events=stores.events, deliveries=deliveries, webhook=False)
-    notifier = Notifier(
+    incident = incident_handling(
         settings=settings,
         metrics=metrics,
-        ledger=ledger,
-        notices=stores.notices,
-        tenant_webhooks=webhooks,
-        deliveries=deliveries,
-    )
-    tracker = Tracker(
-        settings=settings,
-        metrics=metrics,
-        incidents=stores.incidents,
-        ledger=ledger,
-        notifier=notifier,
-        spawn=tasks.spawn,
-    )
-    prober = Prober(
-        settings=settings,
         pool=pool,
         capacity=capacity,
         client=client,
-        metrics=metrics,
-        reporter=reporter,
-        tracker=tracker,
-    )
-    responder = Responder(
-        settings=settings,
-        pool=pool,
-        metrics=metrics,
-        budget=QuarantineBudget(stores.store, settings.isolation.quarantine),
+        store=stores.store,
+        events=stores.events,
         incidents=stores.incidents,
-        reporter=reporter,
-        tracker=tracker,
-        prober=prober,
+        notices=stores.notices,
+        ledger=ledger,
+        tenant_webhooks=webhooks,
+        deliveries=deliveries,
         spawn=tasks.spawn,
     )
     in_flight: Counter[str] = Counter()
@@ -128,7 +102,7 @@ async def compose(settings: Settings, stores: Stores, stack: AsyncExitStack) -> 
         metrics=metrics,
         gate=gate,
         slots=slots,
-        reporter=reporter,
+        reporter=incident.reporter,
         spawn=tasks.spawn,
     )
     return Pipeline(
@@ -146,9 +120,9 @@ async def compose(settings: Settings, stores: Stores, stack: AsyncExitStack) -> 
         judging=judging,
         metrics=metrics,
         ledger=ledger,
-        reporter=reporter,
-        responder=responder,
-        tracker=tracker,
+        reporter=incident.reporter,
+        responder=incident.responder,
+        tracker=incident.tracker,
         spawn=tasks.spawn,
     )
 
