@@ -12,7 +12,9 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.api.bounds import Bounds, JsonObject, Refusal, Shape, answer, ask, checked, parsed, quick_count
+from gateway.api.bounds import Bounds, JsonObject, Refusal, Shape, answer, ask, checked, pieces, quick_count
+from gateway.api.collector import hold_while
+from gateway.api.slices import Cut, assembled
 from gateway.errors import BodyTooLarge, ClientGone, GatewayError, InvalidRequest, RequestTimeout
 from gateway.metrics import GatewayMetrics
 from gateway.offload import UNBOUNDED, measure
@@ -92,6 +94,7 @@ class BodyReader:
         raw = await read_body(request, self._max_bytes, self._timeout_s)
         values = quick_count(raw)
         if values > self._inline:
+            hold_while(request)
             value = await self._examined(raw, shape, route)
         else:
             value = checked(raw, self._bounds, shape, values)
@@ -105,10 +108,13 @@ class BodyReader:
         started = time.perf_counter()
         found = await self._in_worker(raw, shape)
         self._metrics.body_checks.labels(route).observe(time.perf_counter() - started)
-        # Within the bounds, so its parse here costs the loop no more than the bounds allow.
-        return found if found is not None else parsed(raw)
+        if isinstance(found, Refusal):
+            return found
+        # Within the bounds, and parsed here a slice at a time: the loop serves other requests in between.
+        value: JsonObject = await assembled(found)
+        return value
 
-    async def _in_worker(self, raw: bytes, shape: Shape) -> Refusal | None:
+    async def _in_worker(self, raw: bytes, shape: Shape) -> Refusal | Cut:
         async with self._turns:
             for _ in range(2):
                 try:
@@ -158,13 +164,17 @@ class _Worker:
         command = (sys.executable, "-m", "gateway.api.bounds")
         return cls(await asyncio.create_subprocess_exec(*command, stdin=PIPE, stdout=PIPE))
 
-    async def examine(self, raw: bytes, bounds: Bounds, shape: Shape) -> Refusal | None:
+    async def examine(self, raw: bytes, bounds: Bounds, shape: Shape) -> Refusal | Cut:
+        """Its refusal of the body, or the body cut in slices (slices.py)."""
         self._to.write(ask(raw, bounds, shape))
         await self._to.drain()
         line = await self._from.readline()
         if not line:
             raise EOFError("the worker process ended")
-        return answer(line)
+        said = answer(line)
+        if isinstance(said, Refusal):
+            return said
+        return pieces(await self._from.readexactly(said.plan), await self._from.readexactly(said.data))
 
     async def stop(self) -> None:
         """Its input closed, it ends its loop; one that does not within a second is killed."""
