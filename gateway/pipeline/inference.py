@@ -243,6 +243,7 @@ class _Read:
     texts: list[str] | None  # its texts to fingerprint: None with fingerprints off, or when its size alone refuses it
     marker: str | None  # planted in the payload
     sent: Prompt  # with the marker
+    least: int  # the sent prompt's lower bound in tokens: a walk of its texts, read with them (in a thread)
 
 
 def _read_prompt(
@@ -251,10 +252,12 @@ def _read_prompt(
     """A request's prompt read, and its marker planted. Touches the payload alone: a thread may run it."""
     of = Prompt.of_chat if chat else Prompt.of_completion
     own = of(payload, tenant.incarnation())
-    wanted = state.fingerprints is not None and state.counters[model.name].lower_bound(own) < limit
+    counter = state.counters[model.name]
+    wanted = state.fingerprints is not None and counter.lower_bound(own) < limit
     texts = list(own.texts()) if wanted else None
     marker = plant_marker(state, tenant, model, payload, chat)
-    return _Read(own, texts, marker, own if marker is None else of(payload, own.owner))
+    sent = own if marker is None else of(payload, own.owner)
+    return _Read(own, texts, marker, sent, counter.lower_bound(sent))
 
 
 def prepare_fingerprints(
@@ -757,6 +760,7 @@ async def _admit(
         admission = await admit(
             sent,
             own,
+            read.least,
             parsed.requested_output,
             default_output,
             model,
