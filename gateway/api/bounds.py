@@ -8,10 +8,10 @@ and each API's own lists (messages, input items, content parts, tools) by caps t
 
 Counting needs the parse, and orjson holds the GIL for all of it: a thread would block the loop as long. So
 `quick_count` first bounds the values from the bytes alone (at C speed, ~1 ms a megabyte): a body it shows small is
-parsed and checked on the loop (`refusal`), any other is checked by `examine` in a worker process (body.py), and
-parsed in the gateway only once it is known to be within the bounds. The worker process is this module
-(`python -m gateway.api.bounds`, `serve`), which imports nothing else of the gateway: it starts in ~50 ms and holds
-~15 MB.
+parsed and checked on the loop (`refusal`), any other is checked by `examine` in a worker process (body.py), which
+sends one within the bounds back cut into slices that the gateway parses a slice at a time (slices.py). The worker
+process is this module (`python -m gateway.api.bounds`, `serve`), which imports nothing of the gateway but
+slices.py and offload.py: it starts in ~50 ms and holds ~15 MB.
 """
 
 from __future__ import annotations
@@ -153,9 +153,9 @@ def pieces(plan: bytes, data: bytes) -> Cut:
 
 
 def serve(source: BinaryIO, sink: BinaryIO) -> None:
-    """A worker process's loop: a body at a time from `source` (as `ask` writes it), its answer a line on `sink`,
-    until `source` ends. The collector is off: a parsed body holds no cycles, and collecting while a large one is
-    built made its parse several times slower."""
+    """A worker process's loop: a body at a time from `source` (as `ask` writes it), its answer on `sink` (as
+    `examine` writes it), until `source` ends. The collector is off: a parsed body holds no cycles, and collecting
+    while a large one is built made its parse several times slower."""
     gc.disable()
     while header := source.readline():
         asked = orjson.loads(header)
