@@ -69,9 +69,11 @@ class BodyReader:
     """Request bodies, as JSON objects within the bounds (bounds.py) of the API they came to.
 
     A body `quick_count` shows small is parsed and checked on the event loop; any other is checked by a worker
-    process first, and parsed here only once it is known to be within the bounds: whatever a body holds, the loop
-    parses at most what the bounds allow. Worker processes start with the first large body (a gateway that never
-    gets one runs none), at most `limits.body_check_processes` of them, and one that dies is replaced."""
+    process first, and parsed here only once it is known to be within the bounds, from the worker's slices, one at a
+    time (slices.py): whatever a body holds, the loop parses at most a slice of it at once. While such a body's
+    request is in the gateway, the collector's full passes wait (collector.py). Worker processes start with the
+    first large body (a gateway that never gets one runs none), at most `limits.body_check_processes` of them, and
+    one that dies is replaced."""
 
     def __init__(self, limits: LimitSettings, timeout_s: float, metrics: GatewayMetrics) -> None:
         self._max_bytes = limits.max_body_bytes
