@@ -21,7 +21,7 @@ from gateway.api.anthropic_shapes import TURNS
 from gateway.api.body import BodyReader
 from gateway.api.bounds import Bounds, Refusal, Within, answer, ask, checked, pieces, quick_count, refusal, serve
 from gateway.api.openai import CONVERSATION
-from gateway.api.slices import SLICE, Cut
+from gateway.api.slices import SLICE, SLICE_VALUES, Cut
 from gateway.errors import BodyTooLarge, InvalidRequest
 from gateway.metrics import GatewayMetrics
 from gateway.offload import THREAD_IDS, ids_decoder, measure
@@ -177,6 +177,9 @@ async def test_a_large_body_is_checked_by_a_worker_process_and_one_that_dies_is_
     before = set(children())
     try:
         assert await reader.read(request_of(orjson.dumps(chat())), CONVERSATION, "chat") == chat()
+        # Within the bounds and over a slice: parsed here from the worker's slices, into the same object.
+        sliced = {"model": "m", "prompt": list(range(5 * SLICE_VALUES)), "echo": {"a": [1.5, None, "x,]"]}}
+        assert await reader.read(request_of(orjson.dumps(sliced)), (), "chat") == sliced
         with pytest.raises(InvalidRequest, match=r"^messages: 4 messages; at most 3"):
             await reader.read(request_of(orjson.dumps(chat(messages=4))), CONVERSATION, "chat")
         (worker,) = set(children()) - before
@@ -190,7 +193,7 @@ async def test_a_large_body_is_checked_by_a_worker_process_and_one_that_dies_is_
     assert set(children()) - before == set()
     shown = metrics.render().decode()
     assert 'bulkhead_body_refusals_total{limit="max_messages",route="chat"} 1.0' in shown
-    assert 'bulkhead_body_check_seconds_count{route="chat"} 4.0' in shown
+    assert 'bulkhead_body_check_seconds_count{route="chat"} 5.0' in shown
 
 
 def children() -> list[int]:
