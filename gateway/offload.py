@@ -3,7 +3,8 @@ every tenant shares; and the walk that tells, bounded whatever the body holds. T
 (a dropped field of an answer) are decoded the same way.
 
 Kept apart from the API surfaces so that the pipeline, which validates every body again as a chat request, offloads
-the same way; and free of the rest of the gateway so that the body-check worker (api/bounds.py) imports it cheaply.
+the same way; and free of the rest of the gateway (but leftovers.py, which frees what the threads make) so that the
+body-check worker (api/bounds.py) imports it cheaply.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+
+from gateway.leftovers import let_go
 
 T = TypeVar("T")
 UNBOUNDED = 1 << 62
@@ -65,8 +68,13 @@ async def in_turn(work: Callable[[], T], threaded: bool) -> T:
 
 
 async def off_loop(work: Callable[[], T], weight: Any) -> T:
-    """`work` (validating or translating a body), here when `weight` (the JSON it reads) is small, else in a thread."""
-    return await in_turn(work, heavy(weight))
+    """`work` (validating or translating a body), here when `weight` (the JSON it reads) is small, else in a thread,
+    what it makes then freed in one too (leftovers.py)."""
+    threaded = heavy(weight)
+    made = await in_turn(work, threaded)
+    if threaded:
+        let_go(made)
+    return made
 
 
 def ids_decoder(decode: Callable[[list[int]], str]) -> Callable[[list[int]], Awaitable[str]]:

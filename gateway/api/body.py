@@ -13,9 +13,10 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from gateway.api.bounds import Bounds, JsonObject, Refusal, Shape, answer, ask, checked, pieces, quick_count
-from gateway.api.collector import hold_while
 from gateway.api.slices import Cut, assembled
+from gateway.collector import hold
 from gateway.errors import BodyTooLarge, ClientGone, GatewayError, InvalidRequest, RequestTimeout
+from gateway.leftovers import let_go
 from gateway.metrics import GatewayMetrics
 from gateway.offload import UNBOUNDED, measure
 from gateway.settings import LimitSettings
@@ -70,10 +71,10 @@ class BodyReader:
 
     A body `quick_count` shows small is parsed and checked on the event loop; any other is checked by a worker
     process first, and parsed here only once it is known to be within the bounds, from the worker's slices, one at a
-    time (slices.py): whatever a body holds, the loop parses at most a slice of it at once. While such a body's
-    request is in the gateway, the collector's full passes wait (collector.py). Worker processes start with the
-    first large body (a gateway that never gets one runs none), at most `limits.body_check_processes` of them, and
-    one that dies is replaced."""
+    time (slices.py): whatever a body holds, the loop parses at most a slice of it at once. It is freed in a thread
+    once the gateway is done with it, and the collector's full passes wait until then (leftovers.py, collector.py).
+    Worker processes start with the first large body (a gateway that never gets one runs none), at most
+    `limits.body_check_processes` of them, and one that dies is replaced."""
 
     def __init__(self, limits: LimitSettings, timeout_s: float, metrics: GatewayMetrics) -> None:
         self._max_bytes = limits.max_body_bytes
@@ -96,7 +97,6 @@ class BodyReader:
         raw = await read_body(request, self._max_bytes, self._timeout_s)
         values = quick_count(raw)
         if values > self._inline:
-            hold_while(request)
             value = await self._examined(raw, shape, route)
         else:
             value = checked(raw, self._bounds, shape, values)
@@ -112,8 +112,14 @@ class BodyReader:
         self._metrics.body_checks.labels(route).observe(time.perf_counter() - started)
         if isinstance(found, Refusal):
             return found
-        # Within the bounds, and parsed here a slice at a time: the loop serves other requests in between.
-        value: JsonObject = await assembled(found)
+        # Within the bounds, and parsed here a slice at a time: the loop serves other requests in between. Held from
+        # its first slice: a full pass of the collector over it would hold the loop as long as its parse.
+        end_hold = hold()
+        try:
+            value: JsonObject = await assembled(found)
+            let_go(value)
+        finally:
+            end_hold()
         return value
 
     async def _in_worker(self, raw: bytes, shape: Shape) -> Refusal | Cut:

@@ -10,8 +10,8 @@ Counting needs the parse, and orjson holds the GIL for all of it: a thread would
 `quick_count` first bounds the values from the bytes alone (at C speed, ~1 ms a megabyte): a body it shows small is
 parsed and checked on the loop (`refusal`), any other is checked by `examine` in a worker process (body.py), which
 sends one within the bounds back cut into slices that the gateway parses a slice at a time (slices.py). The worker
-process is this module (`python -m gateway.api.bounds`, `serve`), which imports nothing of the gateway but
-slices.py and offload.py: it starts in ~50 ms and holds ~15 MB.
+process is this module (`python -m gateway.api.bounds`, `serve`), which imports little of the gateway (slices.py,
+offload.py and what they import, none of it the gateway's state): it starts in ~50 ms and holds ~15 MB.
 """
 
 from __future__ import annotations

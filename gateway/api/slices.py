@@ -8,7 +8,7 @@ one object, and a plan of where each goes. `assembled` parses them in order on t
 into the object that `orjson.loads` makes of the body: what orjson parsed, written by orjson, reads back the same
 (floats in their shortest round-trip form, members in order, a duplicate key's last value where its first stood).
 
-Imports nothing of the gateway but offload.py: the worker process imports it.
+Imports little of the gateway (offload.py, and what it imports): the worker process imports it.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from gateway.incidents.ledger import DELIVERED, FAILED, PARTIAL, WITHHELD, Serve
 from gateway.incidents.quarantine import ResponderParts, on_leak
 from gateway.incidents.reporting import LEAKS, USAGE_MISMATCH, report
 from gateway.incidents.verdicts import VerdictBound
+from gateway.leftovers import let_go
 from gateway.offload import heavy, ids_decoder, in_turn
 from gateway.pipeline import embeddings, scoring
 from gateway.pipeline.admission import Admission, admit, admit_inputs
@@ -737,6 +738,8 @@ async def _admit(
     # surfaces' own validation does, while the loop serves other tenants (docs/benchmarks.md, bench_bodies).
     threaded = heavy(payload)
     parsed = await in_turn(partial(validate, route.schema, payload), threaded)
+    if threaded:
+        let_go(parsed)
     model = resolve_model(state, tenant, parsed.model)
     check_task(model, parsed)
     state.verdicts.check(tenant.id, model.name)

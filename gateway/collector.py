@@ -1,23 +1,22 @@
-"""The collector's full passes held off while a large body's request is in the gateway.
+"""The collector's full passes held off while a large body's objects are in the gateway.
 
 A full pass walks every object the process tracks, and holds the GIL for all of it, in whichever thread set it off
 (a thread validating a body stops the loop as long). A large body's parse, validation and reading make ~100,000 such
 objects (a pydantic model for each content part), and the allocations themselves make a full pass come due: one
 while such a body was in the gateway held the loop 15-60 ms (docs/benchmarks.md, bench_bodies). Young passes stay
-cheap, walking only what was made since the last one, and go on as ever; a full one comes due again once the hold
-ends, over what is left then. A hold ends with its request, or `HOLD_S` after it began; and full passes are not held
-off more than `HOLD_S` in a row, so that an unbroken stream of large bodies cannot keep cycles uncollected for good.
+cheap, walking only what was made since the last one, and go on as ever; a full one comes due again once the last
+hold has ended (leftovers.py ends a body's once its objects are freed), over what is left then. Full passes are not
+held off more than `HOLD_S` in a row, so that an unbroken stream of large bodies cannot keep cycles uncollected for
+good.
 
 Thresholds are the process's, so the holds are too: gateways sharing a process (the tests) share them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import threading
 import time
-import weakref
 from collections.abc import Callable
 
 HOLD_S = 10.0
@@ -26,8 +25,7 @@ HELD = 1 << 30  # the full passes' threshold while held: gen-1 passes since the 
 
 class _Holds:
     def __init__(self) -> None:
-        # Holds start and end on any gateway's loop, each in its own thread. Nothing under the lock allocates: an
-        # allocation can set off a pass, whose finalizers may end a hold.
+        # Holds start and end in any thread. Nothing under the lock allocates: an allocation can set off a pass.
         self._lock = threading.Lock()
         self._out = 0
         self._since: float | None = None  # when full passes began to be held off; None: they are not
@@ -61,9 +59,9 @@ class _Holds:
 _HOLDS = _Holds()
 
 
-def hold_while(owner: object) -> None:
-    """Full passes held off until `owner` (the request) is gone, or HOLD_S from now. On the event loop."""
-    loop = asyncio.get_running_loop()
+def hold() -> Callable[[], None]:
+    """Full passes held off from now until the function returned is called (its first call counts; call it from
+    one thread)."""
     ended = False
 
     def end() -> None:
@@ -73,13 +71,4 @@ def hold_while(owner: object) -> None:
             _HOLDS.end()
 
     _HOLDS.start()
-    loop.call_later(HOLD_S, end)
-    # The owner may go in any thread (a young pass in a thread finds it in a cycle): the hold ends on the loop.
-    weakref.finalize(owner, _soon, loop, end)
-
-
-def _soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
-    try:
-        loop.call_soon_threadsafe(callback)
-    except RuntimeError:
-        callback()  # the loop has closed (its timers with it): nothing else runs the callback now
+    return end
