@@ -66,9 +66,8 @@ async def test_the_largest_body_the_bounds_accept_delays_no_other_tenants_reques
             {"id": "bob", "key_hashes": [hash_key(BOB_KEY)]},
         ],
     }
-    alone, beside, took = await side_by_side(
-        make_gateway_process(config), "/v1/chat/completions", orjson.dumps(LARGEST)
-    )
+    gateway = make_gateway_process(config)
+    alone, beside, took = await side_by_side(gateway, "/v1/chat/completions", orjson.dumps(LARGEST), LARGEST_ROUNDS)
     # Every request, not the middle one: the slowest beside the body against the slowest without it, so that what
     # the machine does to both (a busy neighbour) is not counted against the body.
     added_ms = (max(beside) - max(alone)) * 1000
