@@ -2,7 +2,7 @@
 the event loop.
 
 Freeing the ~100,000 objects of the largest body the bounds accept (its parse, and the pydantic model the pipeline
-validates it into) takes 10-15 ms, in one go wherever the last reference drops: on the loop, at the end of the
+validates it into) takes 10-25 ms, in one go wherever the last reference drops: on the loop, at the end of the
 request. So `let_go` keeps a reference of its own from when the object is made; once it is the only one left (its
 owner has gone: checked every POLL_S), a thread takes the object apart container by container, and the loop gets
 its turn every millisecond meanwhile (the switch interval, offload.py). Whatever anything else still holds, list,
@@ -61,10 +61,12 @@ class _Leftovers:
                 done = [kept for kept in self._kept if kept.alone() or now > kept.until]
                 self._kept = [kept for kept in self._kept if kept not in done]
             for kept in done:
-                if kept.alone():
-                    _take_apart(kept.box.pop())
-                kept.box.clear()
-                kept.end_hold()
+                try:
+                    if kept.alone():
+                        _take_apart(kept.box.pop())
+                finally:
+                    kept.box.clear()
+                    kept.end_hold()
             time.sleep(POLL_S)
 
 
@@ -92,5 +94,7 @@ def _take_apart(value: Any) -> None:
         elif type(item) is dict:
             stack.extend(item.values())
             item.clear()
-        elif hasattr(item, "__dict__"):  # a model: its fields
-            stack.append(vars(item))
+        else:
+            fields = getattr(item, "__dict__", None)  # a model's
+            if type(fields) is dict:
+                stack.append(fields)
