@@ -3,7 +3,8 @@ every tenant shares; and the walk that tells, bounded whatever the body holds. T
 (a dropped field of an answer) are decoded the same way.
 
 Kept apart from the API surfaces so that the pipeline, which validates every body again as a chat request, offloads
-the same way; and free of the rest of the gateway so that the body-check worker (api/bounds.py) imports it cheaply.
+the same way; and free of the rest of the gateway (but leftovers.py, which frees what the threads make) so that the
+body-check worker (api/bounds.py) imports it cheaply.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from gateway.leftovers import let_go
+
 T = TypeVar("T")
 UNBOUNDED = 1 << 62
 # A body holding more values than this is validated and translated in a thread. On the loop that work holds it to the
@@ -19,6 +22,10 @@ UNBOUNDED = 1 << 62
 # pydantic-core lets the loop run every few milliseconds (measured: docs/benchmarks.md, bench_bodies).
 THREAD_VALUES = 2048
 CONTAINERS = (dict, list)
+# How long a thread may hold the GIL once another thread asks for it (the process's; Python's default is 5 ms): while
+# a thread validates a large body, the loop waits about this long for each of its turns, and a small request takes
+# several (measured with pydantic validating in a thread: 5.7 ms a turn at 5 ms, 1.6 ms at 1 ms).
+SWITCH_INTERVAL_S = 0.001
 # Token ids decoded in a thread past this many: a decode costs ~0.17 µs an id (200,000 ids, 35 ms), so 4,096 hold the
 # loop under a millisecond, and fewer are not worth a thread's hand-off.
 THREAD_IDS = 4096
@@ -61,8 +68,13 @@ async def in_turn(work: Callable[[], T], threaded: bool) -> T:
 
 
 async def off_loop(work: Callable[[], T], weight: Any) -> T:
-    """`work` (validating or translating a body), here when `weight` (the JSON it reads) is small, else in a thread."""
-    return await in_turn(work, heavy(weight))
+    """`work` (validating or translating a body), here when `weight` (the JSON it reads) is small, else in a thread,
+    what it makes then freed in one too (leftovers.py)."""
+    threaded = heavy(weight)
+    made = await in_turn(work, threaded)
+    if threaded:
+        let_go(made)
+    return made
 
 
 def ids_decoder(decode: Callable[[list[int]], str]) -> Callable[[list[int]], Awaitable[str]]:

@@ -12,8 +12,11 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from gateway.api.bounds import Bounds, JsonObject, Refusal, Shape, answer, ask, checked, parsed, quick_count
+from gateway.api.bounds import Bounds, JsonObject, Refusal, Shape, answer, ask, checked, pieces, quick_count
+from gateway.api.slices import Cut, assembled
+from gateway.collector import hold
 from gateway.errors import BodyTooLarge, ClientGone, GatewayError, InvalidRequest, RequestTimeout
+from gateway.leftovers import let_go
 from gateway.metrics import GatewayMetrics
 from gateway.offload import UNBOUNDED, measure
 from gateway.settings import LimitSettings
@@ -67,9 +70,11 @@ class BodyReader:
     """Request bodies, as JSON objects within the bounds (bounds.py) of the API they came to.
 
     A body `quick_count` shows small is parsed and checked on the event loop; any other is checked by a worker
-    process first, and parsed here only once it is known to be within the bounds: whatever a body holds, the loop
-    parses at most what the bounds allow. Worker processes start with the first large body (a gateway that never
-    gets one runs none), at most `limits.body_check_processes` of them, and one that dies is replaced."""
+    process first, and parsed here only once it is known to be within the bounds, from the worker's slices, one at a
+    time (slices.py): whatever a body holds, the loop parses at most a slice of it at once. It is freed in a thread
+    once the gateway is done with it, and the collector's full passes wait until then (leftovers.py, collector.py).
+    Worker processes start with the first large body (a gateway that never gets one runs none), at most
+    `limits.body_check_processes` of them, and one that dies is replaced."""
 
     def __init__(self, limits: LimitSettings, timeout_s: float, metrics: GatewayMetrics) -> None:
         self._max_bytes = limits.max_body_bytes
@@ -105,10 +110,19 @@ class BodyReader:
         started = time.perf_counter()
         found = await self._in_worker(raw, shape)
         self._metrics.body_checks.labels(route).observe(time.perf_counter() - started)
-        # Within the bounds, so its parse here costs the loop no more than the bounds allow.
-        return found if found is not None else parsed(raw)
+        if isinstance(found, Refusal):
+            return found
+        # Within the bounds, and parsed here a slice at a time: the loop serves other requests in between. Held from
+        # its first slice: a full pass of the collector over it would hold the loop as long as its parse.
+        end_hold = hold()
+        try:
+            value: JsonObject = await assembled(found)
+            let_go(value)
+        finally:
+            end_hold()
+        return value
 
-    async def _in_worker(self, raw: bytes, shape: Shape) -> Refusal | None:
+    async def _in_worker(self, raw: bytes, shape: Shape) -> Refusal | Cut:
         async with self._turns:
             for _ in range(2):
                 try:
@@ -158,13 +172,17 @@ class _Worker:
         command = (sys.executable, "-m", "gateway.api.bounds")
         return cls(await asyncio.create_subprocess_exec(*command, stdin=PIPE, stdout=PIPE))
 
-    async def examine(self, raw: bytes, bounds: Bounds, shape: Shape) -> Refusal | None:
+    async def examine(self, raw: bytes, bounds: Bounds, shape: Shape) -> Refusal | Cut:
+        """Its refusal of the body, or the body cut in slices (slices.py)."""
         self._to.write(ask(raw, bounds, shape))
         await self._to.drain()
         line = await self._from.readline()
         if not line:
             raise EOFError("the worker process ended")
-        return answer(line)
+        said = answer(line)
+        if isinstance(said, Refusal):
+            return said
+        return pieces(await self._from.readexactly(said.plan), await self._from.readexactly(said.data))
 
     async def stop(self) -> None:
         """Its input closed, it ends its loop; one that does not within a second is killed."""

@@ -8,10 +8,10 @@ and each API's own lists (messages, input items, content parts, tools) by caps t
 
 Counting needs the parse, and orjson holds the GIL for all of it: a thread would block the loop as long. So
 `quick_count` first bounds the values from the bytes alone (at C speed, ~1 ms a megabyte): a body it shows small is
-parsed and checked on the loop (`refusal`), any other is checked by `examine` in a worker process (body.py), and
-parsed in the gateway only once it is known to be within the bounds. The worker process is this module
-(`python -m gateway.api.bounds`, `serve`), which imports nothing else of the gateway: it starts in ~50 ms and holds
-~15 MB.
+parsed and checked on the loop (`refusal`), any other is checked by `examine` in a worker process (body.py), which
+sends one within the bounds back cut into slices that the gateway parses a slice at a time (slices.py). The worker
+process is this module (`python -m gateway.api.bounds`, `serve`), which imports little of the gateway (slices.py,
+offload.py and what they import, none of it the gateway's state): it starts in ~50 ms and holds ~15 MB.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from gateway.api.slices import Cut, cut
 from gateway.offload import measure
 
 JsonObject = dict[str, Any]
@@ -114,11 +115,15 @@ def checked(raw: bytes, bounds: Bounds, shape: Shape, most: int | None = None) -
     return refusal(value, bounds, shape, most) or value
 
 
-def examine(raw: bytes, bounds: Bounds, shape: Shape) -> Refusal | None:
-    """A worker process's whole job: the body's refusal, or None. Its parse is not sent back: reading it in would
-    cost the gateway's loop as much as parsing the body again."""
+def examine(raw: bytes, bounds: Bounds, shape: Shape) -> bytes:
+    """A worker process's whole job: its answer on one body, a line, then for a body within the bounds its plan and
+    slices (slices.py), which the gateway's loop parses a slice at a time."""
     found = checked(raw, bounds, shape)
-    return found if isinstance(found, Refusal) else None
+    if isinstance(found, Refusal):
+        return orjson.dumps({"refusal": found}) + b"\n"
+    pieces = cut(found)
+    plan = orjson.dumps({"plan": pieces.plan, "sizes": pieces.sizes})
+    return orjson.dumps({"plan": len(plan), "data": len(pieces.data)}) + b"\n" + plan + pieces.data
 
 
 def ask(raw: bytes, bounds: Bounds, shape: Shape) -> bytes:
@@ -126,23 +131,38 @@ def ask(raw: bytes, bounds: Bounds, shape: Shape) -> bytes:
     return orjson.dumps({"bounds": bounds, "shape": shape, "size": len(raw)}) + b"\n" + raw
 
 
-def answer(line: bytes) -> Refusal | None:
+@dataclass(frozen=True)
+class Within:
+    """A worker process's answer line on a body within the bounds: its plan and its slices follow, `plan` bytes and
+    `data` bytes (read them with `pieces`)."""
+
+    plan: int
+    data: int
+
+
+def answer(line: bytes) -> Refusal | Within:
     """A worker process's answer line, read."""
     said = orjson.loads(line)
-    return None if said is None else Refusal(**said)
+    return Refusal(**said["refusal"]) if "refusal" in said else Within(said["plan"], said["data"])
+
+
+def pieces(plan: bytes, data: bytes) -> Cut:
+    """The body a worker process found within the bounds, as the bytes after its answer line give it."""
+    said = orjson.loads(plan)
+    return Cut(said["plan"], said["sizes"], data)
 
 
 def serve(source: BinaryIO, sink: BinaryIO) -> None:
-    """A worker process's loop: a body at a time from `source` (as `ask` writes it), its answer a line on `sink`,
-    until `source` ends. The collector is off: a parsed body holds no cycles, and collecting while a large one is
-    built made its parse several times slower."""
+    """A worker process's loop: a body at a time from `source` (as `ask` writes it), its answer on `sink` (as
+    `examine` writes it), until `source` ends. The collector is off: a parsed body holds no cycles, and collecting
+    while a large one is built made its parse several times slower."""
     gc.disable()
     while header := source.readline():
         asked = orjson.loads(header)
         raw = source.read(asked["size"])
         bounds = Bounds(**asked["bounds"])
         shape = tuple(Cap(tuple(cap["path"]), cap["items"], cap["limit"]) for cap in asked["shape"])
-        sink.write(orjson.dumps(examine(raw, bounds, shape)) + b"\n")
+        sink.write(examine(raw, bounds, shape))
         sink.flush()
 
 

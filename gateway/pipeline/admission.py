@@ -90,6 +90,7 @@ def _refuse_prompt(
 async def admit(
     sent: Prompt,
     own: Prompt,
+    lower: int,
     requested_output: int | None,
     default_output: int,
     model: ModelSettings,
@@ -100,7 +101,8 @@ async def admit(
     replica: Replica | None = None,
 ) -> Admission:
     """Admit `sent` (the prompt with the gateway's markers; `own` is the tenant's, the same object when nothing was
-    added) with `requested_output` tokens of output, or without one with up to `default_output`, cut to fit.
+    added; `lower`: the counter's lower bound of `sent`, read with it, since for a large prompt that walk is work
+    for a thread) with `requested_output` tokens of output, or without one with up to `default_output`, cut to fit.
     A backend that counts prompts is asked at `replica` first, the one the request is routed to."""
     explicit = requested_output is not None
     output = requested_output if requested_output is not None else default_output
@@ -111,7 +113,6 @@ async def admit(
     param = "messages" if sent.messages is not None else "prompt"
     bound = limit.prompt
     most = limit.prompt_tokens
-    lower = counter.lower_bound(sent)
     if lower + least_output > limit.tokens or lower > most:
         added = "" if own is sent else " (including what the gateway adds for isolation)"
         if bound is not None and lower > bound.tokens:

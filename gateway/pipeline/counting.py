@@ -248,8 +248,10 @@ class LocalCounter:
 
     def is_cheap(self, prompt: Prompt) -> bool:
         # A message costs the template's render as much as text does: 200,000 empty ones held the loop for seconds.
+        # Their count alone can tell, before a walk of their texts (on the loop, ~5 ms for 30,000 of them).
         messages = len(prompt.messages) if prompt.messages is not None else 0
-        return prompt.token_ids is not None or prompt.size() + MESSAGE_CHARS * messages <= self._inline_chars
+        room = self._inline_chars - MESSAGE_CHARS * messages
+        return prompt.token_ids is not None or (room >= 0 and prompt.size() <= room)
 
     async def count(self, prompt: Prompt, replica: Replica | None = None) -> int:
         if self.is_cheap(prompt):

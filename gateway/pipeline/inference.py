@@ -29,6 +29,7 @@ from gateway.incidents.quarantine import Responder
 from gateway.incidents.reporting import LEAKS, USAGE_MISMATCH, Reporter
 from gateway.incidents.tracking import Tracker
 from gateway.incidents.verdicts import VerdictBound
+from gateway.leftovers import let_go
 from gateway.metrics import GatewayMetrics
 from gateway.offload import heavy, ids_decoder, in_turn
 from gateway.pipeline import embeddings, scoring
@@ -207,6 +208,7 @@ class _Read:
     texts: list[str] | None  # its texts to fingerprint: None with fingerprints off, or when its size alone refuses it
     marker: str | None  # planted in the payload
     sent: Prompt  # with the marker
+    least: int  # the sent prompt's lower bound in tokens: a walk of its texts, read with them (in a thread)
 
 
 def unfingerprinted(model: ModelSettings) -> InvalidRequest:
@@ -736,6 +738,8 @@ class Pipeline:
         # surfaces' own validation does, while the loop serves other tenants (docs/benchmarks.md, bench_bodies).
         threaded = heavy(payload)
         parsed = await in_turn(partial(validate, route.schema, payload), threaded)
+        if threaded:
+            let_go(parsed)
         model = resolve_model(self.settings, tenant, parsed.model)
         check_task(model, parsed)
         self.verdicts.check(tenant.id, model.name)
@@ -760,6 +764,7 @@ class Pipeline:
             admission = await admit(
                 sent,
                 own,
+                read.least,
                 parsed.requested_output,
                 default_output,
                 model,
@@ -838,10 +843,12 @@ class Pipeline:
         """A request's prompt read, and its marker planted. Touches the payload alone: a thread may run it."""
         of = Prompt.of_chat if chat else Prompt.of_completion
         own = of(payload, tenant.incarnation())
-        wanted = self.fingerprints is not None and self.counters[model.name].lower_bound(own) < limit
+        counter = self.counters[model.name]
+        wanted = self.fingerprints is not None and counter.lower_bound(own) < limit
         texts = list(own.texts()) if wanted else None
         marker = self._plant_marker(tenant, model, payload, chat)
-        return _Read(own, texts, marker, own if marker is None else of(payload, own.owner))
+        sent = own if marker is None else of(payload, own.owner)
+        return _Read(own, texts, marker, sent, counter.lower_bound(sent))
 
     def _plant_marker(
         self, tenant: TenantSettings, model: ModelSettings, payload: dict[str, Any], chat: bool

@@ -12,6 +12,7 @@ import os
 import random
 import secrets
 import socket
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -64,6 +65,7 @@ from gateway.incidents.tracking import Tracker
 from gateway.incidents.verdicts import VerdictBound
 from gateway.jobs.worker import Worker
 from gateway.metrics import GatewayMetrics
+from gateway.offload import SWITCH_INTERVAL_S
 from gateway.pipeline.counting import BackendCounter, LocalCounter, PromptCounter
 from gateway.pipeline.inference import RESPONSES, Pipeline
 from gateway.pipeline.judging import Judging
@@ -795,6 +797,10 @@ def create_app(
             gc.collect()
             gc.freeze()
             stack.callback(gc.unfreeze)
+            # A thread's work on a large body (validation, reading, counting) holds the GIL until it is asked for it:
+            # the loop waits that long for each of its turns (the process's, restored as the freeze is).
+            stack.callback(sys.setswitchinterval, sys.getswitchinterval())
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
             yield
 
     app = Starlette(

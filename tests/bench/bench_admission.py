@@ -107,7 +107,16 @@ async def decide_once(
     started = time.perf_counter()
     try:
         admission: Admission = await admit(
-            prompt, prompt, OUTPUT_TOKENS, OUTPUT_TOKENS, MODEL, TENANT, limit, counter, metrics
+            prompt,
+            prompt,
+            counter.lower_bound(prompt),
+            OUTPUT_TOKENS,
+            OUTPUT_TOKENS,
+            MODEL,
+            TENANT,
+            limit,
+            counter,
+            metrics,
         )
     except ContextLengthExceeded:
         return time.perf_counter() - started, "refused"

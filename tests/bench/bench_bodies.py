@@ -3,7 +3,8 @@
     python -m tests.bench.bench_bodies [--baseline DIR] [--cycles 4] [--rate 100] [--skip-in-process] [--json FILE]
 
 Part 1, in process: each step a 100,000-item body meets on its way through the gateway (the median of 5 timings),
-for Responses input items, Messages text blocks and chat messages (~3 MB each): the parse, the walk of its shape,
+for Responses input items, Messages text blocks and chat messages (~3 MB each): the parse (whole, and as the loop
+parses a large body within the bounds: the worker's slices, in all and the largest), the walk of its shape,
 each API's validation and translation, and the pipeline's own walks. Part 2, in process: whether a thread would
 spare the event loop that work: the longest the main thread waits while a thread runs each kind of it (orjson's
 parse, pydantic's validation, a pure-Python walk). Part 3: `bulkhead serve` in front of a simulator (and with
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from gateway.api import anthropic_shapes, responses_shapes
 from gateway.api.body import depth_exceeds
 from gateway.api.bounds import Bounds, examine, quick_count
 from gateway.api.openai import CONVERSATION
+from gateway.api.slices import assembled, cut
 from gateway.pipeline.counting import LocalCounter, Prompt
 from gateway.schemas import ChatCompletionRequest, validate
 from gateway.settings import LimitSettings
@@ -99,12 +102,22 @@ def steps(name: str, body: dict[str, Any], counter: LocalCounter) -> dict[str, f
         limits.max_json_depth,
         {"max_messages": 10_000, "max_content_parts": 1000, "max_tools": 512},
     )
+    pieces = cut(value)
+    slices = [
+        pieces.data[start : start + size] for start, size in zip(offsets(pieces.sizes), pieces.sizes, strict=True)
+    ]
+    loop = asyncio.new_event_loop()
     timed = {
         "quick_count (bytes)": _median_ms(lambda: quick_count(raw)),
-        "examine (a worker process's check)": _median_ms(lambda: examine(raw, bounds, CONVERSATION)),
+        "examine (a worker process's check and slices)": _median_ms(lambda: examine(raw, bounds, CONVERSATION)),
         "orjson.loads": _median_ms(lambda: orjson.loads(raw)),
+        "its slices parsed on a loop (assembled), in all": _median_ms(
+            lambda: loop.run_until_complete(assembled(pieces))
+        ),
+        "the largest slice's parse": max(_median_ms(partial(orjson.loads, piece)) for piece in slices),
         "depth walk (before: every body)": _median_ms(lambda: depth_exceeds(value, 32)),
     }
+    loop.close()
     payload = value
     if name.startswith("Responses"):
         asked = validate(responses_shapes.ResponsesRequest, value)
@@ -122,6 +135,11 @@ def steps(name: str, body: dict[str, Any], counter: LocalCounter) -> dict[str, f
     timed["lower_bound (pipeline)"] = _median_ms(lambda: counter.lower_bound(prompt))
     timed["Prompt.texts (fingerprints)"] = _median_ms(lambda: list(prompt.texts()))
     return timed
+
+
+def offsets(sizes: list[int]) -> list[int]:
+    """Where each slice starts."""
+    return [sum(sizes[:n]) for n in range(len(sizes))]
 
 
 def longest_wait(work: Callable[[], object]) -> tuple[float, float]:

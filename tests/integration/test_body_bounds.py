@@ -1,20 +1,25 @@
 """A body's shape is bounded before anything reads it, and a huge one costs other tenants nothing (issue 45, item 4).
 
-The proof runs one tenant's 100,000-item body beside another tenant's small requests, over HTTP to a real gateway,
-and compares the small requests' latency while the big body is in flight with theirs while it is not, side by side.
+The proof runs one tenant's huge body beside another tenant's small requests, over HTTP to a real gateway, and
+compares the small requests' latency while the big body is in flight with theirs while it is not, side by side:
+100,000-item bodies the bounds refuse, and the largest body they accept, in a gateway process of its own (in this
+process, the test's client and simulator would hold the GIL the gateway's loop waits for).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
+from gateway.tenancy.tenants import hash_key
 from tests.integration.conftest import GatewayFactory
 from tests.integration.support import ALICE_KEY, BOB_KEY, MODEL, auth, chat_body, forwarded, metric
 
@@ -26,7 +31,12 @@ HUGE: dict[str, tuple[str, dict[str, Any]]] = {
     "messages text blocks": ("/v1/messages", {"model": MODEL, "max_tokens": 16, "messages": BLOCKS}),
     "chat messages": ("/v1/chat/completions", {"model": MODEL, "messages": WORDS}),
 }
+# ~108,000 values, under limits.max_json_values, its lists under their caps: parsed, validated and read by the
+# pipeline, which then refuses it for the model's 2,048-token window.
+LARGEST = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "w"}] * 8}] * 4000}
 ROUNDS = 4  # huge bodies, one after another, each with a pause before it
+# The largest accepted: a stall of its that a small request meets comes now and then, not with every body.
+LARGEST_ROUNDS = 8
 PAUSE_S = 0.25  # between them: the small requests alone
 EVERY_S = 0.01  # a small request starts this often, whatever the others are doing
 ADDED_MS = 50  # the most a huge body may add to another tenant's request
@@ -37,11 +47,66 @@ ADDED_MS = 50  # the most a huge body may add to another tenant's request
 async def test_a_huge_body_adds_no_latency_to_another_tenants_requests(
     make_gateway: GatewayFactory, sim_url: str, shape: str
 ) -> None:
-    gateway = make_gateway({"sim": sim_url})
     path, body = HUGE[shape]
-    raw = orjson.dumps(body)
+    alone, beside, took = await side_by_side(make_gateway({"sim": sim_url}), path, orjson.dumps(body))
+    added_ms = (statistics.median(beside) - statistics.median(alone)) * 1000
+    assert added_ms <= ADDED_MS, (
+        f"bob's requests took {added_ms:.0f} ms more while alice's body was in flight (median of {len(beside)}, "
+        f"against {len(alone)} alone; the slowest {max(beside) * 1000:.0f} ms); alice's took {took} ms"
+    )
+
+
+@pytest.mark.alone
+async def test_the_largest_body_the_bounds_accept_delays_no_other_tenants_request_by_more_than_50_ms(
+    make_gateway_process: GatewayFactory, sim_url: str, tokenizer_dir: Path
+) -> None:
+    config = {
+        "backends": [{"name": "sim", "url": sim_url}],
+        "models": [{"name": MODEL, "backends": ["sim"], "tokenizer": str(tokenizer_dir), "context_window": 2048}],
+        "tenants": [
+            {"id": "alice", "key_hashes": [hash_key(ALICE_KEY)]},
+            {"id": "bob", "key_hashes": [hash_key(BOB_KEY)]},
+        ],
+    }
+    gateway = make_gateway_process(config)
+    alone, beside, took = await side_by_side(gateway, "/v1/chat/completions", orjson.dumps(LARGEST), LARGEST_ROUNDS)
+    # The slow end, not the middle: each stall of the old code's (50-130 ms a body) met a tenth of the requests beside
+    # it. The 95th percentile beside the body against the same alone, so that a core taken away from both now and then
+    # (a busy neighbour, descheduled mid-collection) is not counted against the body; bench_bodies reports the max.
+    added_ms = (p95(beside) - p95(alone)) * 1000
+    median_ms = (statistics.median(beside) - statistics.median(alone)) * 1000
+    assert added_ms <= ADDED_MS, (
+        f"bob's requests took {added_ms:.0f} ms more at the 95th percentile while alice's body was in flight "
+        f"({len(beside)} beside it, {len(alone)} alone, {median_ms:.0f} ms more at the median, the slowest "
+        f"{max(beside) * 1000:.0f} ms against {max(alone) * 1000:.0f} ms alone); alice's took {took} ms"
+    )
+
+
+def p95(latencies: list[float]) -> float:
+    return statistics.quantiles(latencies, n=20)[-1]
+
+
+async def side_by_side(
+    gateway: str, path: str, raw: bytes, rounds: int = ROUNDS
+) -> tuple[list[float], list[float], list[int]]:
+    """Bob's small requests, one every EVERY_S, while alice sends `raw` to `path` `rounds` times, a pause before each:
+    (the latencies of those sent with no huge body in flight from their start to their end, of those sent while
+    one was, the ms each huge body took). Each huge body is refused: by the bounds or for the model's window."""
     small = chat_body("Hi", max_tokens=1)
     in_flight: list[tuple[float, float]] = []  # when each of alice's huge bodies was sent, and when it was answered
+    # This process is the clients and the simulator: the collector's full passes over all it has loaded (pytest,
+    # the gateway's modules) held them up to ~200 ms, in any window. Frozen out of its sight, as a gateway does.
+    gc.collect()
+    gc.freeze()
+    try:
+        return await _side_by_side(gateway, path, raw, rounds, small, in_flight)
+    finally:
+        gc.unfreeze()
+
+
+async def _side_by_side(
+    gateway: str, path: str, raw: bytes, rounds: int, small: dict[str, Any], in_flight: list[tuple[float, float]]
+) -> tuple[list[float], list[float], list[int]]:
     async with (
         httpx.AsyncClient(base_url=gateway, timeout=60) as alice,
         httpx.AsyncClient(base_url=gateway, timeout=60) as bob,
@@ -60,7 +125,7 @@ async def test_a_huge_body_adds_no_latency_to_another_tenants_requests(
             assert answer.status_code in (400, 413), answer.text
 
         async def huge_tenant() -> None:
-            for _ in range(ROUNDS):
+            for _ in range(rounds):
                 await asyncio.sleep(PAUSE_S)
                 await huge_request()
 
@@ -79,12 +144,7 @@ async def test_a_huge_body_adds_no_latency_to_another_tenants_requests(
     beside = [end - start for start, end in timed if any(a <= start <= b for a, b in in_flight)]
     alone = [end - start for start, end in timed if not any(start <= b and a <= end for a, b in in_flight)]
     assert len(beside) >= 10 and len(alone) >= 10, (len(beside), len(alone))
-    added_ms = (statistics.median(beside) - statistics.median(alone)) * 1000
-    took = [round((b - a) * 1000) for a, b in in_flight]
-    assert added_ms <= ADDED_MS, (
-        f"bob's requests took {added_ms:.0f} ms more while alice's body was in flight (median of {len(beside)}, "
-        f"against {len(alone)} alone; the slowest {max(beside) * 1000:.0f} ms); alice's took {took} ms"
-    )
+    return alone, beside, [round((b - a) * 1000) for a, b in in_flight]
 
 
 JSON = {"content-type": "application/json"}

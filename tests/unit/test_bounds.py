@@ -19,8 +19,9 @@ from starlette.types import Message
 
 from gateway.api.anthropic_shapes import TURNS
 from gateway.api.body import BodyReader
-from gateway.api.bounds import Bounds, Refusal, answer, ask, checked, quick_count, refusal, serve
+from gateway.api.bounds import Bounds, Refusal, Within, answer, ask, checked, pieces, quick_count, refusal, serve
 from gateway.api.openai import CONVERSATION
+from gateway.api.slices import SLICE, SLICE_VALUES, Cut
 from gateway.errors import BodyTooLarge, InvalidRequest
 from gateway.metrics import GatewayMetrics
 from gateway.offload import THREAD_IDS, ids_decoder, measure
@@ -139,14 +140,19 @@ def test_a_body_that_is_no_json_object_is_refused_with_no_limit_named() -> None:
         assert isinstance(found, Refusal) and said in found.message and found.limit is None
 
 
-def test_the_worker_loop_answers_a_line_a_body_until_its_input_ends() -> None:
+def test_the_worker_loop_answers_each_body_until_its_input_ends() -> None:
     bodies = [orjson.dumps(chat(messages=4)), b"{not json", orjson.dumps(chat())]
     sink = io.BytesIO()
     serve(io.BytesIO(b"".join(ask(raw, BOUNDS, CONVERSATION) for raw in bodies)), sink)
-    answers = [answer(line) for line in sink.getvalue().splitlines()]
-    assert answers[0] == refusal(chat(messages=4), BOUNDS, CONVERSATION)
-    assert isinstance(answers[1], Refusal) and "not valid JSON" in answers[1].message
-    assert answers[2] is None
+    answers = io.BytesIO(sink.getvalue())
+    assert answer(answers.readline()) == refusal(chat(messages=4), BOUNDS, CONVERSATION)
+    said = answer(answers.readline())
+    assert isinstance(said, Refusal) and "not valid JSON" in said.message
+    within = answer(answers.readline())
+    assert isinstance(within, Within)
+    plan, data = answers.read(within.plan), answers.read(within.data)
+    assert answers.read() == b""
+    assert orjson.loads(data) == chat() and pieces(plan, data) == Cut([SLICE], [len(data)], data)
 
 
 def request_of(body: bytes) -> Request:
@@ -171,6 +177,9 @@ async def test_a_large_body_is_checked_by_a_worker_process_and_one_that_dies_is_
     before = set(children())
     try:
         assert await reader.read(request_of(orjson.dumps(chat())), CONVERSATION, "chat") == chat()
+        # Within the bounds and over a slice: parsed here from the worker's slices, into the same object.
+        sliced = {"model": "m", "prompt": list(range(5 * SLICE_VALUES)), "echo": {"a": [1.5, None, "x,]"]}}
+        assert await reader.read(request_of(orjson.dumps(sliced)), (), "chat") == sliced
         with pytest.raises(InvalidRequest, match=r"^messages: 4 messages; at most 3"):
             await reader.read(request_of(orjson.dumps(chat(messages=4))), CONVERSATION, "chat")
         (worker,) = set(children()) - before
@@ -184,7 +193,7 @@ async def test_a_large_body_is_checked_by_a_worker_process_and_one_that_dies_is_
     assert set(children()) - before == set()
     shown = metrics.render().decode()
     assert 'bulkhead_body_refusals_total{limit="max_messages",route="chat"} 1.0' in shown
-    assert 'bulkhead_body_check_seconds_count{route="chat"} 4.0' in shown
+    assert 'bulkhead_body_check_seconds_count{route="chat"} 5.0' in shown
 
 
 def children() -> list[int]:
