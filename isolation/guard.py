@@ -193,6 +193,7 @@ class OutputGuard:
         self._joins = Joins()
         self._joined = Joined()  # every text in the order it went out, for fragments spread over several
         self.suspect = SuspectText()  # what of the answer's suspect text went out
+        self._let_out: set[bytes] = set()  # other tenants' markers a text's scanner let out whole, placed (alert)
 
     async def check_chunk(self, chunk: dict[str, Any]) -> None:
         """Scan and edit one streamed chunk (pruned: channels.prune) in place."""
@@ -743,6 +744,7 @@ class OutputGuard:
                 if alert and self._foreign(hit):
                     start, stop = _unedited(hit.start, hit.end, before)
                     self.suspect.left(text, base + start, base + stop)
+                    self._let_out.add(hit.normal)
             for hit, _ in edits:
                 start, stop = _unedited(hit.start, hit.end, before)
                 self.suspect.edited(text, base + start, base + stop)
@@ -776,9 +778,12 @@ class OutputGuard:
                 if candidate in self._joins.held:
                     continue  # its start is not out: it goes out, and is joined then, only if it is no marker there
                 raise SplitMarker("the tenant's own marker, split across texts of the answer")
-            if self._policy is not LeakPolicy.BLOCK or candidate not in self._joins.held:
+            if (self._policy is not LeakPolicy.BLOCK or candidate not in self._joins.held) and (
+                candidate not in self._let_out
+            ):
                 # Its start went out in another text (or goes, the policy letting the answer on), where the joins,
-                # reading normal forms, do not place it.
+                # reading normal forms, do not place it. (The joins read a text's own markers too: one its scanner let
+                # out whole is placed.)
                 self.suspect.located = False
             if await self._leak(Leak(owner.tenant, MARKER, str(owner.epoch))) is not None:
                 holder[name] = REDACTED
