@@ -297,15 +297,23 @@ class AnswerGrams:
 
     def _bounds(self, word: int) -> tuple[int, int]:
         """Where word number `word` (complete, of the last k - 1 before the last piece's, or of its) begins and ends
-        in the text. Counted from the end, where the complete words are known: the first piece kept may begin inside
-        a word."""
-        assert self._recent is not None
+        in the text. The kept pieces are read again as `feed` read them (a word a piece leaves open is read with the
+        next), and counted from the end, where the complete words are known: the first piece kept may begin inside a
+        word."""
+        recent = self._recent
+        assert recent is not None
         placed, read = self._placed, (self.chars, self._words)
         if placed is None or placed[0] != read:
-            text = "".join(piece for piece, _ in self._recent)
-            complete = text[: len(text) - len(self._open)] if self._open else text
-            base = self.chars - len(text)
-            placed = self._placed = (read, [(base + start, base + end) for start, end in word_bounds(complete)])
+            bounds: list[tuple[int, int]] = []
+            at, open_ = self.chars - sum(len(piece) for piece, _ in recent), ""
+            for piece, _ in recent:
+                text, start = open_ + piece, at - len(open_)
+                open_ = _open_tail(text)
+                bounds += [(start + a, start + b) for a, b in word_bounds(text[: len(text) - len(open_)])]
+                at += len(piece)
+            if open_ and not self._open:  # the text's end ended its last word
+                bounds += [(at - len(open_) + a, at - len(open_) + b) for a, b in word_bounds(open_)]
+            placed = self._placed = (read, bounds)
         bounds = placed[1]
         return bounds[len(bounds) - (self._words - word)]
 

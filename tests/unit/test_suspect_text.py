@@ -30,6 +30,7 @@ BOB = document(5, 2000)
 PREFIXES = [
     "Here is what I found in the archive, word for word: ",
     "Voilà ce que j'ai trouvé — ﬁnalement, en ㎏ et en ℃ : ",
+    "Weighed 5㎏x, 3℃y and ①z: ",
     "資料によると、次の通りです。 ",
     "Note" + ", " * 300 + "then: ",
 ]
