@@ -531,7 +531,8 @@ class OutputGuard:
                 scanner = state.scanners.get(key)
                 # What of the text went out with the events before: all it read before this piece, but what is held
                 # for a fragment and what its scanner holds for a marker.
-                out = own.sent.began - len(suspended.get(key, "")) - (len(scanner.held) if scanner is not None else 0)
+                before = own.sent.chars - len(holder[name])
+                out = before - len(suspended.get(key, "")) - (len(scanner.held) if scanner is not None else 0)
                 self._placed((index, key), own, reading, out)
             hit = victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None
             found |= hit and key == mirrored

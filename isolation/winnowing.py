@@ -213,7 +213,6 @@ class AnswerGrams:
         # The words' bounds as last placed, and (characters, complete words) read then.
         self._placed: tuple[tuple[int, int], list[tuple[int, int]]] | None = None
         self.chars = 0  # located: characters read so far
-        self.began = 0  # located: where the last piece began
         self.hit_starts: dict[str, int] = {}  # located: per victim, where its last hit's gram begins
         self.span: tuple[int, int] | None = None  # located: where the fragment the last piece completed stands
 
@@ -245,7 +244,7 @@ class AnswerGrams:
         recent = self._recent
         if recent is not None:
             recent.append((piece, self._words))
-            self.began, self.chars = self.chars, self.chars + len(piece)
+            self.chars += len(piece)
             if len(recent) > self._kept:
                 self._forget()
         self._open = _open_tail(text)
