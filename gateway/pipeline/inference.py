@@ -328,14 +328,14 @@ class InferenceCall:
         self._kinds: list[str] = []  # its isolation events' kinds
         self._withheld = False
         self._events_out = 0  # stream events handed to the client
+        # Some of another tenant's data went out with them (_exposed): the victim's words, not the template's
+        # scaffolding or the tenant's own text before them.
+        self._exposed = False
         # The answer's guard's count of the suspect text it let out, and its `sent` as the last event handed to the
         # client (or the whole answer) went out: the events its checks let through but that never went out (withheld
         # after them) are not counted.
         self._suspect: SuspectText | None = None
         self._suspect_sent = 0
-        # Where the suspect text is not placed (SuspectText.located): whether some of another tenant's data went out,
-        # as the policy says (_goes_out).
-        self._exposed = False
         self._whole = True  # a stream that ended with its [DONE] (one cut short is relayed as it came, in part)
 
     async def close(self) -> None:
@@ -371,14 +371,12 @@ class InferenceCall:
         suspect = 0 if self._suspect is None else self._suspect.chars(self._suspect_sent)
         if self.record.status == 200 and self.finished and self._whole:
             verdict = DELIVERED
-        elif self._events_out and (
-            LEAKS.isdisjoint(self._kinds) or (self._exposed if suspect is None else suspect > 0)
-        ):
+        elif self._events_out and (self._exposed or LEAKS.isdisjoint(self._kinds)):
             # (An answer in an incident's window with no leak of its own: what it carried is not known, so a part
             # that went out is one.)
             verdict = PARTIAL
         else:
-            verdict, suspect = (WITHHELD if self._withheld else FAILED), 0
+            verdict, suspect = (WITHHELD if self._withheld else FAILED), 0  # none of it went out
         served = self.served(self.replica, self._forwarded_at, verdict, ",".join(self._kinds), suspect)
         self.state.ledger.record(served)
         if not LEAKS.isdisjoint(self._kinds):
