@@ -484,10 +484,10 @@ class AnswerCheck:
         now = self.clock()
         return {gram for gram in grams if self._victim(gram, now) is not None}
 
-    def feed(self, grams: AnswerGrams, piece: str) -> str | None:
-        """Read one more piece of a text; the victim, once it carries a fragment of another tenant's prompt (its two
-        grams: `grams.pair`; `resume` reads on past it)."""
-        complete, unfinished = grams.feed(piece)
+    def feed(self, grams: AnswerGrams, piece: str, end: bool = False) -> str | None:
+        """Read one more piece of a text (`end`: its last); the victim, once it carries a fragment of another tenant's
+        prompt (its two grams: `grams.pair`, and where it stands: `grams.span`; `resume` reads on past it)."""
+        complete, unfinished = grams.feed(piece, end)
         grams.suspect, grams.pair, grams.rest = False, None, None
         if not complete and unfinished is None:
             return None
@@ -508,9 +508,10 @@ class AnswerCheck:
                 continue
             last = grams.hits.get(victim)
             if last is not None and 0 < position - last <= self._span:
-                grams.pair, grams.rest = (grams.hit_grams[victim], gram), (complete[at + 1 :], unfinished)
+                grams.paired(victim, gram, position)
+                grams.rest = (complete[at + 1 :], unfinished)
                 return victim
-            grams.hits[victim], grams.hit_grams[victim] = position, gram
+            grams.hit(victim, position, gram)
         if unfinished is not None:
             # A word still being written may become another: its gram holds the text (a stream's next piece decides
             # it, a text's end completes it), and is never a pair's: a judge's whole text would not hold it.

@@ -23,7 +23,7 @@ its own across the answer, so an engine leaking through a field the gateway drop
 from __future__ import annotations
 
 import codecs
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from isolation.markers import MarkerRegistry, Owner, normal_form
 from isolation.readings import Joined, Reading
 from isolation.scanner import Hit, StreamScanner, apply_edits, normalize, scan_all, suspects
 from isolation.spelling import ANCHOR
+from isolation.suspect_text import SuspectText
 from isolation.winnowing import tail_start, words
 
 MARKER = "leak"
@@ -74,6 +75,9 @@ MAX_REJOINS = 8  # scans of one release after a strip: each strip shortens it, h
 # write thousands held the event loop and Redis for seconds.
 MAX_CANDIDATES = 64
 IDS_KEPT = 64  # token ids of a dropped field decoded together: far more than one marker's tokens
+# A scanned text's place for the suspect text (SuspectText): which text, and where, in its characters, the text its
+# scanner reads ends (held text and this piece).
+At = tuple[Hashable, int | None]  # (None: its characters are not counted, prompt fingerprints off: a place of its own)
 
 
 class StripWouldJoin(Exception):
@@ -188,6 +192,8 @@ class OutputGuard:
         self._owners: dict[bytes, Owner | None] = {}  # the candidates of this answer looked up: whose they are
         self._joins = Joins()
         self._joined = Joined()  # every text in the order it went out, for fragments spread over several
+        self.suspect = SuspectText()  # what of the answer's suspect text went out
+        self._let_out: set[bytes] = set()  # other tenants' markers a text's scanner let out whole, placed (alert)
 
     async def check_chunk(self, chunk: dict[str, Any]) -> None:
         """Scan and edit one streamed chunk (pruned: channels.prune) in place."""
@@ -260,7 +266,7 @@ class OutputGuard:
         for index, state in self._choices.items():
             choice: dict[str, Any] = {"index": index, "finish_reason": None}
             for key, scanner in state.scanners.items():
-                rest = await self._rest(scanner)
+                rest = await self._rest(scanner, self._at(index, state, key))
                 if rest and not key.startswith("lp"):
                     holder, name = place(choice, key, rest)
                     if found := self._joins.went_out(index, key, rest, False):
@@ -277,16 +283,19 @@ class OutputGuard:
     async def check_text(self, text: str) -> str:
         """A text that stands on its own (an id, a backend's error message): the tenant's own marker stripped,
         another's handled by policy; a fragment of another tenant's prompt too (under redact, the whole text)."""
-        check = self._fragments
+        check, at = self._fragments, (object(), len(text))  # (a text of its own for the suspect text)
         if check is not None and check.hasher.may_hold_gram(text) and len(words(text)) > check.hasher.shape.k:
-            # With fewer words it holds not one gram (an id, a model name: most of these). The space ends its last.
-            victim = Reading(check.hasher).feed(check, text + " ")
-            if victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None:
-                return REDACTED
+            # With fewer words it holds not one gram (an id, a model name: most of these).
+            reading = Reading(check.hasher, located=True)
+            victim = reading.feed(check, text, end=True)
+            if victim is not None:
+                self._placed(at[0], reading, reading, 0)
+                if await self._leak(Leak(victim, FRAGMENT)) is not None:
+                    return REDACTED
         if not suspects([text]):  # no candidate in it, and no end that could start one: it passes unchanged
             return text
         scanner = StreamScanner()
-        return await self._release(scanner, text) + await self._rest(scanner)
+        return await self._release(scanner, text, at) + await self._rest(scanner, at)
 
     async def check_removed(self, removed: Removed) -> None:
         """Scan what never goes out (pruned fields, stray SSE lines, a backend's error event): another tenant's
@@ -428,9 +437,10 @@ class OutputGuard:
                 continue
             scanner = scanner or state.scanner(key)
             original = holder[name]
-            released = await self._release(scanner, original)
+            at = self._at(index, state, key)
+            released = await self._release(scanner, original, at)
             if final:
-                released += await self._rest(scanner)
+                released += await self._rest(scanner, at)
             holding |= scanner.holding
             if released != original:
                 holder[name] = released
@@ -441,7 +451,7 @@ class OutputGuard:
     async def _flush(self, index: int, state: _Choice, choice: dict[str, Any], seen: set[str]) -> None:
         """The choice's last event: what a scanner of a text this event did not write still holds goes out in it."""
         for key, scanner in state.scanners.items():
-            rest = await self._rest(scanner)
+            rest = await self._rest(scanner, self._at(index, state, key))
             if rest and key not in seen and not key.startswith("lp"):
                 holder, name = place(choice, key, rest)
                 if found := self._joins.went_out(index, key, rest, False):
@@ -513,7 +523,17 @@ class OutputGuard:
             # A tool call's name is no part of the joined texts: it stands between a text and the call's arguments,
             # where a word of its own would break the grams of a passage running on from one into the other.
             find = self._fragment(index, state, key, holder[name], final, joins=not key.endswith(":name"))
-            victim = None if find is None else await self._unless_induced(*find)  # (a coroutine only on a find)
+            judged = None if find is None else await self._unless_induced(*find)  # (a coroutine only on a find)
+            victim = None
+            if judged is not None:
+                victim, reading = judged
+                own = state.grams[key]
+                scanner = state.scanners.get(key)
+                # What of the text went out with the events before: all it read before this piece, but what is held
+                # for a fragment and what its scanner holds for a marker.
+                before = own.sent.chars - len(holder[name])
+                out = before - len(suspended.get(key, "")) - (len(scanner.held) if scanner is not None else 0)
+                self._placed((index, key), own, reading, out)
             hit = victim is not None and await self._leak(Leak(victim, FRAGMENT)) is not None
             found |= hit and key == mirrored
             if hit or key in state.tainted:
@@ -551,28 +571,42 @@ class OutputGuard:
             text = chosen if key == "lp" and chosen is not None else "".join(pieces)
             # A judge asks for the same logprobs: what a request makes the model write, chosen or ranked, it says too.
             find = self._fragment(index, state, key, text, final, joins=False)
-            victim = None if find is None else await self._unless_induced(*find)
-            if victim is not None:
-                found |= await self._leak(Leak(victim, FRAGMENT)) is not None
+            judged = None if find is None else await self._unless_induced(*find)
+            if judged is not None:
+                # Logprob tokens are no text of the answer (the chosen ones repeat it): what went out is not placed.
+                self.suspect.located = False
+                found |= await self._leak(Leak(judged[0], FRAGMENT)) is not None
         return found
 
-    async def _unless_induced(self, found: str, reading: Reading, read: list[Reading]) -> str | None:
-        """The victim of a fragment a piece ended (found by `reading`), unless a judge finds each one the piece ends
-        induced (the answer said it where her prompt never went: a public text, a text the recipient had the model
-        write). `read`: every reading of the piece, each read on past what the judge cleared."""
+    async def _unless_induced(self, found: str, reading: Reading, read: list[Reading]) -> tuple[str, Reading] | None:
+        """The victim of a fragment a piece ended (found by `reading`), and the reading that found it, unless a judge
+        finds each one the piece ends induced (the answer said it where her prompt never went: a public text, a text
+        the recipient had the model write). `read`: every reading of the piece, each read on past what the judge
+        cleared."""
         victim: str | None = found
         while victim is not None and self._judge is not None:
             assert self._fragments is not None and reading.paired is not None and reading.paired.pair is not None
             cleared = await self._judge(Suspect(victim, reading.paired.pair))
             if cleared is None:
-                return victim
+                return victim, reading
             self._fragments.clear(cleared)
             judged, victim = victim, None
             for each in read:
                 after = each.resume(self._fragments, judged)
                 if after is not None and victim is None:
                     victim, reading = after, each
-        return victim
+        return None if victim is None else (victim, reading)
+
+    def _placed(self, text: Hashable, own: Reading, reading: Reading, out: int) -> None:
+        """A fragment found by `reading` in a text whose own reading is `own`, which let out its first `out`
+        characters with the events before: its suspect text, when its own reading as sent found it (else it is not
+        placed)."""
+        grams = reading.paired
+        if reading is not own or grams is not own.sent or grams.span is None:
+            self.suspect.located = False
+            return
+        start, end = grams.span
+        self.suspect.found(text, start, end, out, goes=self._policy is LeakPolicy.ALERT)
 
     def _pending(self, state: _Choice, key: str) -> bool:
         """Whether what this stream says next could still complete a fragment with a hit already read: on its own,
@@ -591,12 +625,11 @@ class OutputGuard:
         and only a find needs to wait. A stream's last piece ends its last word."""
         check = self._fragments
         assert check is not None
-        if final:
-            piece += " "
         reading = state.grams.get(key)
         if reading is None:
-            reading = state.grams[key] = Reading(check.hasher)
-        victim = reading.feed(check, piece)
+            # A text's own reading places what it finds (suspect text); a token stream's is no text of the answer.
+            reading = state.grams[key] = Reading(check.hasher, located=key[:2] != "lp")
+        victim = reading.feed(check, piece, final)
         if reading.hit:
             state.hits = True
         find = None if victim is None else (victim, reading)
@@ -604,7 +637,7 @@ class OutputGuard:
         if not joins or (joined.glued is None and key == joined.key and index == joined.choice):
             # (While one text alone has gone out, its own reading is the joined one.)
             return None if find is None else (*find, [reading])
-        found = joined.feed(check, index, key, piece, reading)
+        found = joined.feed(check, index, key, piece, reading, final)
         find = find or found
         return None if find is None else (*find, [reading, *joined.readings])
 
@@ -648,6 +681,8 @@ class OutputGuard:
             for hit in scan.hits:
                 if await self._verdict(hit) is not None:
                     state.dropped |= _overlapping(lengths, start + hit.start, start + hit.end)
+                elif self._foreign(hit):  # let out (alert): logprob tokens are no text of the answer, not placed
+                    self.suspect.located = False
         if holding and not final:
             state.held_logprobs = joined
             choice["logprobs"] = None
@@ -658,33 +693,78 @@ class OutputGuard:
         choice["logprobs"] = joined
         state.held_logprobs, state.dropped = None, set()
 
-    async def _release(self, scanner: StreamScanner, piece: str) -> str:
+    async def _release(self, scanner: StreamScanner, piece: str, at: At | None) -> str:
+        """What of a text goes out once this piece is scanned, edited; `at`: the text's place (None: not a text of
+        the answer, a token stream's)."""
         scan = scanner.scan(piece)
         released = scan.text[: scan.release]
         if not scan.hits:
             return released
         edits = await self._edits(scan.hits)
         out = apply_edits(released, edits)
+        passes = [(scan.hits, edits)]
         strips = [hit for hit, replacement in edits if replacement == ""]
-        if not strips:
-            return out
-        if any(scanner.opens_escape(scan.text[: hit.start]) for hit in strips):
-            raise StripWouldJoin("a stripped marker stands right after the start of a JSON escape")
-        # A stripped marker joins what stood around it: `CN` + the tenant's own marker + `RY-…` would go out as a
-        # marker no scan saw. What goes out is scanned again until no strip joins anything, and the next piece is
-        # read after it.
-        for _ in range(MAX_REJOINS):
-            joined = await self._edits(scanner.after_out(out))
-            if not joined:
-                break
-            # A marker stripped on a later pass may stand after an escape's start as well (`\` + marker + `ud835…`).
-            if any(cut == "" and scanner.opens_escape(out[: hit.start]) for hit, cut in joined):
+        if strips:
+            if any(scanner.opens_escape(scan.text[: hit.start]) for hit in strips):
                 raise StripWouldJoin("a stripped marker stands right after the start of a JSON escape")
-            out = apply_edits(out, joined)
-        else:
-            raise StripWouldJoin("stripping markers kept joining text into new ones")
-        scanner.went_out(out)
+            # A stripped marker joins what stood around it: `CN` + the tenant's own marker + `RY-…` would go out as a
+            # marker no scan saw. What goes out is scanned again until no strip joins anything, and the next piece is
+            # read after it.
+            for _ in range(MAX_REJOINS):
+                hits = scanner.after_out(out)
+                joined = await self._edits(hits)
+                passes.append((hits, joined))
+                if not joined:
+                    break
+                # A marker stripped on a later pass may stand after an escape's start as well (`\` + marker +
+                # `ud835…`).
+                if any(cut == "" and scanner.opens_escape(out[: hit.start]) for hit, cut in joined):
+                    raise StripWouldJoin("a stripped marker stands right after the start of a JSON escape")
+                out = apply_edits(out, joined)
+            else:
+                raise StripWouldJoin("stripping markers kept joining text into new ones")
+            scanner.went_out(out)
+        self._suspects(passes, at, len(scan.text))
         return out
+
+    def _suspects(self, passes: list[tuple[list[Hit], list[tuple[Hit, str]]]], at: At | None, scanned: int) -> None:
+        """The suspect text of a scan's passes (its hits and edits, then each rescan's after a strip, in the text the
+        pass before made): another tenant's markers let out (alert), and what the edits took out."""
+        alert = self._policy is LeakPolicy.ALERT
+        if at is None:
+            if alert and any(self._foreign(hit) for hits, _ in passes for hit in hits):
+                self.suspect.located = False
+            return
+        text, end = at
+        if end is None:
+            text, end = object(), scanned
+        base = end - scanned  # where the scanned text (held, then this piece) begins in the text
+        for depth, (hits, edits) in enumerate(passes):
+            before = [made for _, made in passes[:depth]]
+            for hit in hits:
+                if alert and self._foreign(hit):
+                    start, stop = _unedited(hit.start, hit.end, before)
+                    self.suspect.left(text, base + start, base + stop)
+                    self._let_out.add(hit.normal)
+            for hit, _ in edits:
+                start, stop = _unedited(hit.start, hit.end, before)
+                self.suspect.edited(text, base + start, base + stop)
+
+    def _at(self, index: int, state: _Choice, key: str) -> At | None:
+        """A stream's place for the suspect text: a text's, where its scanner's reading ends (all its own reading read,
+        but what is held for a fragment), when prompt fingerprints read it (not once it is redacted for one: its
+        scanner reads `[redacted]`); None for a token stream."""
+        if key[:2] == "lp":
+            return None
+        own = state.grams.get(key)
+        if own is None or key in state.tainted:
+            return (index, key), None
+        return (index, key), own.sent.chars - len(state.suspended.get(key, ""))
+
+    def _foreign(self, hit: Hit) -> bool:
+        """Another tenant's live marker (its owner was asked already)."""
+        owner = self._owners.get(hit.normal)
+        return owner is not None and owner.tenant != self._tenant
 
     async def _split(self, found: list[bytes], holder: dict[str, Any], name: str) -> None:
         """Candidates that a text about to go out completes with texts that went out before (joins.py): the tenant's
@@ -699,15 +779,23 @@ class OutputGuard:
                 if candidate in self._joins.held:
                     continue  # its start is not out: it goes out, and is joined then, only if it is no marker there
                 raise SplitMarker("the tenant's own marker, split across texts of the answer")
-            elif await self._leak(Leak(owner.tenant, MARKER, str(owner.epoch))) is not None:
+            if (self._policy is not LeakPolicy.BLOCK or candidate not in self._joins.held) and (
+                candidate not in self._let_out
+            ):
+                # Its start went out in another text (or goes, the policy letting the answer on), where the joins,
+                # reading normal forms, do not place it. (The joins read a text's own markers too: one its scanner let
+                # out whole is placed.)
+                self.suspect.located = False
+            if await self._leak(Leak(owner.tenant, MARKER, str(owner.epoch))) is not None:
                 holder[name] = REDACTED
 
-    async def _rest(self, scanner: StreamScanner) -> str:
+    async def _rest(self, scanner: StreamScanner, at: At | None) -> str:
         """What a stream's scanner still held at its end: a tail that can no longer become a marker goes out, except
         the start of the tenant's own (a stream cut by max_tokens inside it would show her most of her marker). An
         escape still open there is read as a lenient decoder reads one at a text's end (`&#107` is "k"): what it
-        completes is found before it goes out."""
-        released = await self._release(scanner, END) if scanner.escaping else ""
+        completes is found before it goes out. `at`: the text's place (_release's)."""
+        ended = None if at is None or at[1] is None else at[1] + len(END)  # the end is read as one more character
+        released = await self._release(scanner, END, None if at is None else (at[0], ended)) if scanner.escaping else ""
         held = scanner.flush()
         if held.endswith(END):
             held = held[:-1]
@@ -720,6 +808,8 @@ class OutputGuard:
         if len(normal) > len(ANCHOR) and any(
             normal_form(registry.marker(self._tenant, spelling)).startswith(normal) for spelling in registry.spellings
         ):
+            if at is not None and at[1] is not None:
+                self.suspect.edited(at[0], at[1] - len(held), at[1])
             return released
         return released + held
 
@@ -819,6 +909,28 @@ def _contents(value: Any) -> Iterator[tuple[str, Any]]:
             yield from _contents(item)
         if run:
             yield "ints", run
+
+
+def _unedited(start: int, end: int, passes: list[list[tuple[Hit, str]]]) -> tuple[int, int]:
+    """Where [start, end) of a text stood before these passes of edits (each made on the text the one before made):
+    a character of a replacement stood where its hit did."""
+    for edits in reversed(passes):
+        start, end = _before(start, edits), _before(end - 1, edits, last=True) + 1
+    return start, end
+
+
+def _before(at: int, edits: list[tuple[Hit, str]], last: bool = False) -> int:
+    """Where the character at `at` of a text that `edits` made (apply_edits) stood before them (one of a replacement:
+    its hit's first, or its last for the `last` character of a span)."""
+    shift = 0  # characters the edits before it took out, less those they put in
+    for hit, replacement in sorted(edits, key=lambda edit: edit[0].start):
+        made = hit.start - shift
+        if at < made:
+            break
+        if at < made + len(replacement):
+            return hit.end - 1 if last else hit.start
+        shift += hit.end - hit.start - len(replacement)
+    return at + shift
 
 
 def _overlapping(lengths: list[int], start: int, end: int) -> set[int]:

@@ -20,9 +20,10 @@ from isolation.winnowing import AnswerGrams, Hasher
 class Reading:
     """One text (a stream of pieces) as sent and as decoded."""
 
-    def __init__(self, hasher: Hasher, grams: dict[int, AnswerGrams] | None = None) -> None:
+    def __init__(self, hasher: Hasher, grams: dict[int, AnswerGrams] | None = None, located: bool = False) -> None:
         self._hasher = hasher
-        self.grams = grams if grams is not None else {0: AnswerGrams(hasher)}  # by depth: 0 is the text as sent
+        # By depth: 0 is the text as sent (`located`: a text's own, which places what it finds: AnswerGrams).
+        self.grams = grams if grams is not None else {0: AnswerGrams(hasher, located)}
         self.sent = self.grams[0]
         self._readers: list[EscapeReader] | None = None  # from the first piece with an escape: one per depth
         self.paired: AnswerGrams | None = None  # the grams that found the last fragment (their pair goes to a judge)
@@ -36,19 +37,21 @@ class Reading:
         twin.hit = self.hit
         return twin
 
-    def feed(self, check: AnswerCheck, piece: str) -> str | None:
-        """Read one more piece; the victim, once a reading carries a fragment of another tenant's prompt."""
+    def feed(self, check: AnswerCheck, piece: str, end: bool = False) -> str | None:
+        """Read one more piece (`end`: the text's last); the victim, once a reading carries a fragment of another
+        tenant's prompt."""
         if self._readers is None:
             if "\\" not in piece and "%" not in piece and "&" not in piece:  # has_escape, on every piece: inlined
                 sent = self.sent
-                victim = check.feed(sent, piece)
+                victim = check.feed(sent, piece, end)
                 if victim is not None:
                     self.paired = sent
                 if sent.hits or sent.suspect:
                     self.hit = True
                 return victim
             self._readers = [EscapeReader() for _ in range(DEPTH)]
-        texts = [piece]
+        # The end of the text decodes too: an escape cut there is read as a lenient decoder reads it.
+        texts = [piece + " " if end else piece]
         for reader in self._readers:
             texts.append(reader.decoded(texts[-1]))
         grams = self.grams
@@ -59,7 +62,7 @@ class Reading:
                     grams[depth] = grams[below].copy()  # before the one below reads this piece
         victim = None
         for depth, reading in grams.items():
-            found = check.feed(reading, texts[depth])
+            found = check.feed(reading, piece, end) if depth == 0 else check.feed(reading, texts[depth])
             if found is not None and victim is None:
                 victim, self.paired = found, reading
             if reading.hits or reading.suspect:
@@ -107,9 +110,13 @@ class Joined:
         """Whether what any text says next could still complete a fragment these readings have a hit of."""
         return any(reading.pending(check) for reading in self.readings)
 
-    def feed(self, check: AnswerCheck, choice: int, key: str, piece: str, own: Reading) -> tuple[str, Reading] | None:
-        """One more piece of a text (its choice, and its key in the choice), whose own reading `own` has read it; the
-        victim and the reading that found it, once the joined texts carry a fragment."""
+    def feed(
+        self, check: AnswerCheck, choice: int, key: str, piece: str, own: Reading, end: bool = False
+    ) -> tuple[str, Reading] | None:
+        """One more piece of a text (its choice, and its key in the choice; `end`: its last), whose own reading `own`
+        has read it; the victim and the reading that found it, once the joined texts carry a fragment."""
+        if end:
+            piece += " "  # (no reading here is located: the space only ends the last word)
         if not piece:
             return None
         switched = self.key is not None and (key != self.key or choice != self.choice)

@@ -24,6 +24,8 @@ import string
 import unicodedata
 from collections import deque
 from dataclasses import dataclass
+from itertools import groupby
+from operator import itemgetter
 
 import numpy as np
 import numpy.typing as npt
@@ -136,6 +138,30 @@ def tail_start(text: str, number: int) -> int:
     return found
 
 
+def word_bounds(text: str) -> list[tuple[int, int]]:
+    """Where each word of `text` (as `words` reads them) begins and ends in it. NFKD can split a character into
+    several (a ligature) or give one that is no word character a word (a squared unit): each character is read as it
+    normalizes, so a word starts at the character that begins it."""
+    if text.isascii():
+        return [match.span() for match in WORD.finditer(text)]
+    found: list[tuple[int, int]] = []
+    inside = False
+    for at, char in enumerate(text):
+        for part in unicodedata.normalize("NFKD", char).casefold():
+            if WORD_CJK.match(part):
+                found.append((at, at + 1))
+                inside = False
+            elif part.isalnum():
+                if inside:
+                    found[-1] = (found[-1][0], at + 1)
+                else:
+                    found.append((at, at + 1))
+                    inside = True
+            else:
+                inside = False
+    return found
+
+
 PIECE_CHARS = 65_536
 
 
@@ -162,9 +188,14 @@ class AnswerGrams:
     A word cut by a chunk boundary is not known until the next chunk, so each piece also yields the gram its
     unfinished last word would end if nothing followed: a fragment that ends with this piece is found before the
     piece goes out. The last k - 1 word hashes are kept as their polynomial too, so a gram costs O(1).
+
+    A text's own reading as sent is `located`: it also says where in the text a fragment stands (`span`), the
+    characters from its first gram's first word to its second gram's last, so the guard can tell how much of it went
+    out (docs/incidents.md, "Suspect text"). It keeps the pieces that hold the last k - 1 words, each with the words
+    before it (one list append a piece); words are placed only at a hit, which is rare.
     """
 
-    def __init__(self, hasher: Hasher) -> None:
+    def __init__(self, hasher: Hasher, located: bool = False) -> None:
         self._hasher = hasher
         self._window: deque[int] = deque()
         self._prefix = 0  # the polynomial of the word hashes in the window, oldest first
@@ -176,8 +207,17 @@ class AnswerGrams:
         # What of the last piece is still to check past that fragment: (complete grams, the unfinished word's).
         self.rest: tuple[list[tuple[int, int]], tuple[int, int] | None] | None = None
         self.suspect = False  # the checker's too: the word still being written ends a gram of another tenant's
+        # Located: the recent pieces, each with the complete words read before it; None otherwise.
+        self._recent: list[tuple[str, int]] | None = [] if located else None
+        self._kept = 2 * hasher.shape.k  # pieces kept before the next look for what to forget
+        # The words' bounds as last placed, and (characters, complete words) read then.
+        self._placed: tuple[tuple[int, int], list[tuple[int, int]]] | None = None
+        self.chars = 0  # located: characters read so far
+        self.hit_starts: dict[str, int] = {}  # located: per victim, where its last hit's gram begins
+        self.span: tuple[int, int] | None = None  # located: where the fragment the last piece completed stands
 
     def copy(self) -> AnswerGrams:
+        """A reading that goes on from here on its own, unlocated (a decoding, the texts joined, a token stream)."""
         twin = AnswerGrams(self._hasher)
         twin._window, twin._prefix, twin._open = deque(self._window), self._prefix, self._open
         twin._words, twin.hits, twin.suspect = self._words, dict(self.hits), self.suspect
@@ -194,10 +234,19 @@ class AnswerGrams:
         """The text read so far ends in a word the next piece may continue."""
         return bool(self._open)
 
-    def feed(self, piece: str) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
+    def feed(self, piece: str, end: bool = False) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
         """(the (position, gram) pairs this piece completes, that of its unfinished last word or None); a gram's
-        position is the index in this text of the word that ends it."""
+        position is the index in this text of the word that ends it. `end`: the text's last piece, which ends its
+        last word."""
         text = self._open + piece if self._open else piece
+        if end:
+            text += " "
+        recent = self._recent
+        if recent is not None:
+            recent.append((piece, self._words))
+            self.chars += len(piece)
+            if len(recent) > self._kept:
+                self._forget()
         self._open = _open_tail(text)
         hasher, window, full = self._hasher, self._window, self._hasher.shape.k - 1
         grams = []
@@ -215,6 +264,57 @@ class AnswerGrams:
         if not unfinished:
             return grams, None
         return grams, (self._words, (self._prefix * BASE + hasher.word(unfinished)) & MASK)
+
+    def hit(self, victim: str, position: int, gram: int) -> None:
+        """A gram of this victim's ends at word `position` (of the last piece's)."""
+        self.hits[victim], self.hit_grams[victim] = position, gram
+        if self._recent is not None:
+            self.hit_starts[victim] = self._bounds(position - self._hasher.shape.k + 1)[0]
+
+    def paired(self, victim: str, gram: int, position: int) -> None:
+        """The victim's last hit and this gram, ending at word `position`, make a fragment."""
+        self.pair = (self.hit_grams[victim], gram)
+        if self._recent is not None:
+            self.span = (self.hit_starts[victim], self._bounds(position)[1])
+
+    def _forget(self) -> None:
+        """Drop the pieces before the one that holds the start of the first word a later hit's gram can begin with
+        (k - 1 words before the next piece's first), and join the pieces that add no word to the one before: a run of
+        them (punctuation, white space) is one. Looked for again once as many pieces came: each piece is read once
+        or twice in all."""
+        recent = self._recent
+        assert recent is not None
+        needed = self._words - self._hasher.shape.k
+        keep = 0
+        for at, (_, before) in enumerate(recent):
+            if before > needed:
+                break
+            keep = at
+        runs = groupby(recent[keep:], itemgetter(1))
+        recent[:] = [("".join(piece for piece, _ in run), before) for before, run in runs]
+        self._kept = max(2 * self._hasher.shape.k, 2 * len(recent))
+
+    def _bounds(self, word: int) -> tuple[int, int]:
+        """Where word number `word` (complete, of the last k - 1 before the last piece's, or of its) begins and ends
+        in the text. The kept pieces are read again as `feed` read them (a word a piece leaves open is read with the
+        next), and counted from the end, where the complete words are known: the first piece kept may begin inside a
+        word."""
+        recent = self._recent
+        assert recent is not None
+        placed, read = self._placed, (self.chars, self._words)
+        if placed is None or placed[0] != read:
+            bounds: list[tuple[int, int]] = []
+            at, open_ = self.chars - sum(len(piece) for piece, _ in recent), ""
+            for piece, _ in recent:
+                text, start = open_ + piece, at - len(open_)
+                open_ = _open_tail(text)
+                bounds += [(start + a, start + b) for a, b in word_bounds(text[: len(text) - len(open_)])]
+                at += len(piece)
+            if open_ and not self._open:  # the text's end ended its last word
+                bounds += [(at - len(open_) + a, at - len(open_) + b) for a, b in word_bounds(open_)]
+            placed = self._placed = (read, bounds)
+        bounds = placed[1]
+        return bounds[len(bounds) - (self._words - word)]
 
 
 def _open_tail(text: str) -> str:

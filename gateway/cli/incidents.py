@@ -46,6 +46,10 @@ def _incident_lines(incident: dict[str, Any]) -> list[str]:
     ]
 
 
+def _chars(count: int | None) -> str:
+    return "-" if count is None else str(count)
+
+
 def _exposure(report: dict[str, Any], requests: bool) -> None:
     window = report["window"]
     print(
@@ -56,21 +60,38 @@ def _exposure(report: dict[str, Any], requests: bool) -> None:
         print("\n".join(_incident_lines(report["incident"])))
     counts = ", ".join(f"{report[v]} {v}" for v in VERDICTS if report[v])
     cut = " (cut at --limit: read the rest by time)" if report["truncated"] else ""
-    print(f"{report['answers']} answer(s) in the window{cut}: {counts or 'none'}")
+    print(
+        f"{report['answers']} answer(s) in the window{cut}: {counts or 'none'}; "
+        f"suspect characters delivered: {_chars(report['suspect_chars'])}"
+    )
     rows = [
-        [row["tenant"], str(row["answers"]), *(str(row[v]) for v in VERDICTS), str(row["with_leaks"])]
+        [
+            row["tenant"],
+            str(row["answers"]),
+            *(str(row[v]) for v in VERDICTS),
+            str(row["with_leaks"]),
+            _chars(row["suspect_chars"]),
+        ]
         for row in report["recipients"]
     ]
     if rows:
-        print_table(rows, ["TENANT", "ANSWERS", *(v.upper() for v in VERDICTS), "WITH LEAKS"])
+        print_table(rows, ["TENANT", "ANSWERS", *(v.upper() for v in VERDICTS), "WITH LEAKS", "SUSPECT CHARS"])
     if requests:
         listed = [
-            [r["request_id"], r["tenant"], _when(r["start"]), _when(r["end"]), r["verdict"], ",".join(r["events"])]
+            [
+                r["request_id"],
+                r["tenant"],
+                _when(r["start"]),
+                _when(r["end"]),
+                r["verdict"],
+                ",".join(r["events"]),
+                _chars(r["suspect_chars"]),
+            ]
             for row in report["recipients"]
             for r in row["requests"]
         ]
         if listed:
-            print_table(listed, ["REQUEST", "TENANT", "START", "END", "VERDICT", "EVENTS"])
+            print_table(listed, ["REQUEST", "TENANT", "START", "END", "VERDICT", "EVENTS", "SUSPECT CHARS"])
 
 
 def _run(args: argparse.Namespace, admin: AdminClient) -> None:

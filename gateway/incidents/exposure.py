@@ -1,8 +1,9 @@
 """An incident's blast radius: every answer the replica served in its exposure window, by the tenant it went to.
 
 Every tenant listed had its prompts on the faulty replica (a possible victim of a leak not detected) and received
-its answers (a possible recipient): the report says which answers went out whole, in part, or were withheld, and
-which carried isolation events. The victims named by events are listed apart. No text is kept, so none is shown.
+its answers (a possible recipient): the report says which answers went out whole, in part, or were withheld, which
+carried isolation events, and how many characters of suspect text (another tenant's data a check found) reached each
+tenant. The victims named by events are listed apart. No text is kept, so none is shown.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ def _leaked(served: Served) -> bool:
     return any(kind in LEAKS for kind in served.kinds.split(",")) if served.kinds else False
 
 
+def _suspect_chars(answers: list[Served]) -> int | None:
+    """The suspect characters these answers delivered; None when one that carried a leak has no count (not placed,
+    or recorded before it was counted). An answer without a leak carried none that a check found."""
+    if any(s.suspect_chars is None and _leaked(s) for s in answers):
+        return None
+    return sum(s.suspect_chars or 0 for s in answers)
+
+
 async def exposure(ledger: Ledger, window: Window, incident: Incident | None, limit: int) -> dict[str, object]:
     """The report, as JSON; at most `limit` answers are read (`truncated` says when there were more)."""
     served, truncated = await ledger.served(window.replica, window.since, window.until, limit)
@@ -64,6 +73,7 @@ async def exposure(ledger: Ledger, window: Window, incident: Incident | None, li
                 "answers": len(answers),
                 **{verdict: verdicts[verdict] for verdict in VERDICTS},
                 "with_leaks": sum(map(_leaked, answers)),
+                "suspect_chars": _suspect_chars(answers),
                 "requests": [s.view() for s in answers],
             }
         )
@@ -74,6 +84,7 @@ async def exposure(ledger: Ledger, window: Window, incident: Incident | None, li
         "answers": len(served),
         "truncated": truncated,
         **{verdict: totals[verdict] for verdict in VERDICTS},
+        "suspect_chars": _suspect_chars(served),
         "victims": sorted(incident.victims) if incident is not None else [],
         "recipients": recipients,
     }

@@ -12,10 +12,12 @@ dropped, oldest first, and counted (`bulkhead_ledger_dropped_total`): the answer
 On PostgreSQL (isolation.ledger.postgres_url), for large deployments: pgledger.py. Else kept in one Redis stream
 per replica, `{prefix}ledger:{replica}` (entry ids are Redis's clock, trimmed by MINID at every write), and the
 times of each replica's clean probes in `{prefix}ledger-probes:{replica}`; in memory, a bounded ring for one
-process. A stream entry is one field, `r`: request id, tenant, end (ms), duration (ms),
-verdict, events and model, joined by US (0x1f), the model last (a setting's name, which may hold anything). Seven
-fields of their own took 20% more memory, 50% more time to write and three times as long to read
-(tests/bench/bench_ledger.py and docs/benchmarks.md).
+process. A stream entry is two fields: `r`, the request id, tenant, end (ms), duration (ms), verdict, events and
+model, joined by US (0x1f), the model last (a setting's name, which may hold anything); and `s`, the suspect
+characters that went out ("" unknown). Seven fields of their own took 20% more memory, 50% more time to write and
+three times as long to read (tests/bench/bench_ledger.py and docs/benchmarks.md); `s` came later, as a field of its
+own so that an entry written before it reads as unknown, and an instance that predates it reads the entries
+written since.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class Served(NamedTuple):
     end: float  # epoch s: its answer ended
     verdict: str
     kinds: str  # the isolation events' kinds, comma-separated, in order ("" for none)
+    # Of the suspect text (another tenant's data: docs/incidents.md), the characters the client received; None:
+    # not known (not placed, or recorded before it was counted).
+    suspect_chars: int | None = None
 
     def view(self) -> dict[str, object]:
         return {
@@ -69,6 +74,7 @@ class Served(NamedTuple):
             "end": self.end,
             "verdict": self.verdict,
             "events": self.kinds.split(",") if self.kinds else [],
+            "suspect_chars": self.suspect_chars,
         }
 
 
@@ -137,8 +143,9 @@ class RedisLedger:
                 packed = SEP.join(
                     (s.request_id, s.tenant, str(end), str(end - round(s.start * 1000)), s.verdict, s.kinds, s.model)
                 )
+                suspect = "" if s.suspect_chars is None else str(s.suspect_chars)
                 # MINID ~: trimmed whole nodes at a time, so a write costs O(1); the retention's edge is kept at least.
-                pipe.xadd(self._stream + s.replica, {"r": packed}, minid=horizon, approximate=True)
+                pipe.xadd(self._stream + s.replica, {"r": packed, "s": suspect}, minid=horizon, approximate=True)
             # A replica no longer written to (gone from the settings) is forgotten with the retention all the same.
             for replica in {s.replica for s in batch}:
                 pipe.expire(self._stream + replica, int(self._retention_s) + 1)
@@ -180,7 +187,9 @@ def _parse(replica: str, fields: dict[str, str]) -> Served | None:
     try:
         request_id, tenant, end, took, verdict, kinds, model = fields["r"].split(SEP, 6)
         ends = int(end) / 1000
-        return Served(request_id, tenant, model, replica, ends - int(took) / 1000, ends, verdict, kinds)
+        suspect = fields.get("s")
+        chars = int(suspect) if suspect else None  # (none: written before it was counted)
+        return Served(request_id, tenant, model, replica, ends - int(took) / 1000, ends, verdict, kinds, chars)
     except (KeyError, ValueError):
         return None  # not one of ours: a key under the prefix that someone else wrote
 

@@ -40,6 +40,7 @@ COLUMNS = (
     ("ended", "timestamptz NOT NULL"),
     ("verdict", "text NOT NULL"),
     ("kinds", "text NOT NULL"),
+    ("suspect_chars", "integer"),
 )
 MAINTAIN_S = 3600.0  # how often the writer makes the partitions ahead and drops those past the retention
 LOCK_TIMEOUT = "2s"  # a partition dropped waits this long for readers of the table, else the next hour tries again

@@ -73,6 +73,7 @@ from isolation.inject import completion_prefix, hide_injected, inject_chat, inje
 from isolation.leaks import LeakPolicy
 from isolation.markers import MarkerRegistry
 from isolation.salts import CacheSalts
+from isolation.suspect_text import SuspectText
 from isolation.verify import usage_problem
 from isolation.winnowing import NO_GRAMS, Fingerprints
 
@@ -267,6 +268,11 @@ class InferenceCall:
         # Some of another tenant's data went out with them (_exposed): the victim's words, not the template's
         # scaffolding or the tenant's own text before them.
         self._exposed = False
+        # The answer's guard's count of the suspect text it let out, and its `sent` as the last event handed to the
+        # client (or the whole answer) went out: the events its checks let through but that never went out (withheld
+        # after them) are not counted.
+        self._suspect: SuspectText | None = None
+        self._suspect_sent = 0
         self._whole = True  # a stream that ended with its [DONE] (one cut short is relayed as it came, in part)
 
     async def close(self) -> None:
@@ -299,6 +305,7 @@ class InferenceCall:
         """The exposure ledger's record of this request, once it reached a replica (no await: it is buffered)."""
         if self._forwarded_at is None:
             return
+        suspect = 0 if self._suspect is None else self._suspect.chars(self._suspect_sent)
         if self.record.status == 200 and self.finished and self._whole:
             verdict = DELIVERED
         elif self._events_out and (self._exposed or LEAKS.isdisjoint(self._kinds)):
@@ -306,17 +313,17 @@ class InferenceCall:
             # that went out is one.)
             verdict = PARTIAL
         else:
-            verdict = WITHHELD if self._withheld else FAILED
-        served = self.served(self.replica, self._forwarded_at, verdict, ",".join(self._kinds))
+            verdict, suspect = (WITHHELD if self._withheld else FAILED), 0  # none of it went out
+        served = self.served(self.replica, self._forwarded_at, verdict, ",".join(self._kinds), suspect)
         self.pipeline.ledger.record(served)
         if not LEAKS.isdisjoint(self._kinds):
             self.pipeline.metrics.exposed_answers.labels(self.model.name, self.replica.name, verdict).inc()
             self.pipeline.spawn(self.pipeline.tracker.answered(served))
 
-    def served(self, replica: Replica, start: float, verdict: str, kinds: str = "") -> Served:
+    def served(self, replica: Replica, start: float, verdict: str, kinds: str = "", suspect: int | None = 0) -> Served:
         return Served(
             self.record.request_id, self.tenant.incarnation(), self.model.name, replica.name, start, time.time(),
-            verdict, kinds,
+            verdict, kinds, suspect,
         )  # fmt: skip
 
     def fail(self, error: GatewayError) -> Answer:
@@ -526,6 +533,8 @@ class InferenceCall:
                 body = await self._checked(raw)
         except StreamWithheld as exc:
             raise await self.withhold(exc) from exc
+        if self._suspect is not None:
+            self._suspect_sent = self._suspect.sent
         self.finished = True
         headers = {"x-request-id": self.record.request_id, **self.limit_headers}
         return Answer(200, body, headers)
@@ -533,6 +542,7 @@ class InferenceCall:
     async def _checked(self, raw: bytes) -> dict[str, Any]:
         """A whole answer, pruned, verified and scanned."""
         guard = self.output_guard()
+        self._suspect = None if guard is None else guard.suspect
         try:
             body = parse_json_body(self.replica, raw)
         except BackendBadResponse:
@@ -593,15 +603,17 @@ class InferenceCall:
         wanted = UsageWanted(final=request.include_usage, every_chunk=request.continuous_usage)
         check = self.check_usage if self.model.verify_usage else None
         bound = answer_bound(request, request.stream_interval or 1, self.sent_bytes)
-        stream_filter = StreamFilter(
-            wanted, check, self.view_usage, self.model.continuous_usage, self.output_guard(), bound
-        )
+        guard = self.output_guard()
+        suspect = self._suspect = None if guard is None else guard.suspect
+        stream_filter = StreamFilter(wanted, check, self.view_usage, self.model.continuous_usage, guard, bound)
         last: Event | None = None
         try:
             await self.judges.until_judged()
             async for event in filtered(self.response.chunks(), stream_filter):
                 record.mark_first_byte()
                 self._events_out += 1
+                if suspect is not None:
+                    self._suspect_sent = suspect.sent
                 yield event
             self.finished = True
             self._whole = stream_filter.done

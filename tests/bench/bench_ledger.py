@@ -4,9 +4,10 @@ per record in the memory twin, what 14 days at 100 req/s would hold, and how lon
     python -m tests.bench.bench_ledger [--records 200000] [--batch 256] [--replicas 8]
 
 Records are shaped as production's: a 32-hex request id, one of 1,000 runtime tenants' incarnations
-("tenant-0042@1733390000.123456"), a model name, a replica, two times, "delivered" and no events. A Redis of the
-suite's kind (no persistence) is started for the run. The request path's cost is making the record and handing it
-to the writer (LedgerWriter.record); the write is the writer's batch (one pipeline of XADDs), timed from the client.
+("tenant-0042@1733390000.123456"), a model name, a replica, two times, "delivered", no events and no suspect
+characters. A Redis of the suite's kind (no persistence) is started for the run. The request path's cost is making
+the record and handing it to the writer (LedgerWriter.record); the write is the writer's batch (one pipeline of
+XADDs), timed from the client.
 
     python -m tests.bench.bench_ledger --postgres [--records 200000] [--batch 256] [--loaded 10000000]
 
@@ -55,7 +56,7 @@ def records(count: int, replicas: int) -> list[Served]:
     now = time.time()
     return [
         Served(
-            secrets.token_hex(16), tenants[i % 1000], MODEL, f"replica-{i % replicas}", now - 2.5, now, DELIVERED, ""
+            secrets.token_hex(16), tenants[i % 1000], MODEL, f"replica-{i % replicas}", now - 2.5, now, DELIVERED, "", 0
         )
         for i in range(count)
     ]
@@ -68,7 +69,9 @@ def request_path_ns(sample: list[Served], rounds: int = 5) -> float:
         writer = LedgerWriter(MemoryLedger(3600, 10), len(sample) + 1, 1.0, Dropped())
         started = time.perf_counter_ns()
         for s in sample:
-            writer.record(Served(s.request_id, s.tenant, s.model, s.replica, s.start, time.time(), s.verdict, s.kinds))
+            writer.record(
+                Served(s.request_id, s.tenant, s.model, s.replica, s.start, time.time(), s.verdict, s.kinds, 0)
+            )
         best = min(best, (time.perf_counter_ns() - started) / len(sample))
     return best
 
@@ -79,7 +82,7 @@ def memory_bytes(sample: list[Served]) -> float:
     before = tracemalloc.get_traced_memory()[0]
     ledger = MemoryLedger(3600, len(sample))
     kept = [
-        Served(s.request_id[:], s.tenant, s.model, s.replica, s.start + 0.0, s.end + 1.0, s.verdict, s.kinds)
+        Served(s.request_id[:], s.tenant, s.model, s.replica, s.start + 0.0, s.end + 1.0, s.verdict, s.kinds, 0)
         for s in sample
     ]
     asyncio.run(ledger.write(kept))

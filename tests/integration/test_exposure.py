@@ -21,6 +21,7 @@ import pytest
 from psycopg import sql
 
 from gateway.tenancy.tenants import hash_key
+from isolation.markers import MARKER_PATTERN
 from tests.integration.support import (
     ALICE_KEY,
     BOB_KEY,
@@ -133,6 +134,13 @@ async def test_the_exposure_of_an_incident_is_what_the_replica_served_while_faul
         bobs = served[leaked.headers["x-request-id"]]
         assert bobs["verdict"] == ("withheld" if policy == "block" else "delivered")
         assert "leak" in bobs["events"] and bobs["tenant"] == "bob"
+        if policy == "block":
+            assert bobs["suspect_chars"] == 0, "withheld whole: nothing of alice's went out"
+        else:
+            # Delivered under alert: alice's markers in it at least (and any fragment of her prompt found with them).
+            content = leaked.json()["choices"][0]["message"]["content"]
+            markers = sum(len(found.group()) for found in MARKER_PATTERN.finditer(content))
+            assert 0 < markers <= bobs["suspect_chars"] <= len(content)
         assert served[during]["verdict"] == "delivered" and served[during]["events"] == []
         assert before not in served and carol not in served and after.headers["x-request-id"] not in served
         assert report["victims"] == ["alice"] and report["answers"] == 3 and not report["truncated"]
@@ -192,6 +200,7 @@ async def test_a_stream_withheld_after_template_text_only_is_withheld_not_partia
     exposure = await client.get(f"{gateway_url}/admin/incidents/{incident['id']}/exposure", headers=ADMIN_AUTH)
     bobs = requests_of(exposure.json())[response.headers["x-request-id"]]
     assert bobs["verdict"] == "withheld" and "leak" in bobs["events"]
+    assert bobs["suspect_chars"] == 0, "the template's text went out, none of alice's"
     deadline = time.monotonic() + 10
     while not (notices := (await client.get(f"{gateway_url}{NOTICES}", headers=auth(ALICE_KEY))).json()["data"]):
         assert time.monotonic() < deadline, "alice was never told"

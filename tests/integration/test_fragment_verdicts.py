@@ -21,13 +21,15 @@ import httpx
 import orjson
 import pytest
 
+from gateway.server.app import fingerprint_secret
 from gateway.server.serving import run_server
 from gateway.tenancy.tenants import hash_key
 from isolation.tokens import ModelTokenizer
-from isolation.winnowing import words
+from isolation.winnowing import WORD, Hasher, Shape, words
 from tests.integration.adversary import DecodingModel, Plan
 from tests.integration.support import auth, canaries_only, chat_body, metric, session_on
 from tests.integration.tenant_support import until
+from tests.integration.test_exposure import requests_of
 from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"
@@ -212,7 +214,8 @@ async def test_a_stale_page_does_not_come_back_on_the_judges_replica_and_is_with
 ) -> None:
     gateway_url, engines = deployment(["r1", "r2"])
     private = PUBLIC["MIT licence"].replace("Software", "Quillon ledger")  # text only the victim ever sent
-    assert (await send(client, gateway_url, "victim", f"Review this:\n{private}")).status_code == 200
+    victims = f"Review this:\n{private}"
+    assert (await send(client, gateway_url, "victim", victims)).status_code == 200
     engines["r1"][1].plan = Plan("content", piece=5)  # r1 answers the asker from the victim's stale pages
     response = await send(client, gateway_url, "asker", "What is the weather like?", stream)
     status, error, _, said = what_came(response, stream)
@@ -221,6 +224,35 @@ async def test_a_stale_page_does_not_come_back_on_the_judges_replica_and_is_with
     assert await verdicts(client, gateway_url) == [("fingerprint_leak", "asker", "victim")]
     replicas = (await client.get(f"{gateway_url}/admin/replicas", headers=auth(ADMIN))).json()["replicas"]
     assert {r["name"]: r["state"] for r in replicas}["r1"] == "suspended", "and probed"
+
+    # The ledger says how many characters of the victim's text reached the asker: none of a whole answer; of a
+    # stream, those from the first word of the fragment's first gram (the victim's first kept one r1 wrote) to where
+    # the text was held, at that gram's last word: what the asker received from there on.
+    asked = await ledger_entry(client, gateway_url, "r1", response.headers["x-request-id"])
+    if not stream:
+        assert (asked["verdict"], asked["suspect_chars"]) == ("withheld", 0)
+        return
+    assert victims.startswith(said), "r1 wrote the victim's prompt as it came"
+    hasher = Hasher(fingerprint_secret(SECRET[0]["secret"].encode()), Shape.for_fragments(32))
+    kept = set(hasher.fingerprints(victims).tolist())
+    first = next(at for at, gram in enumerate(hasher.grams(victims).tolist()) if gram in kept)
+    start = [match.start() for match in WORD.finditer(victims)][first]
+    assert 0 < len(said) - start < len(said)
+    assert (asked["verdict"], asked["suspect_chars"]) == ("partial", len(said) - start)
+
+
+async def ledger_entry(client: httpx.AsyncClient, gateway_url: str, replica: str, request_id: str) -> dict[str, Any]:
+    """A request's record in the exposure ledger, once written (the ledger is written in batches)."""
+    found: dict[str, dict[str, Any]] = {}
+
+    async def written() -> bool:
+        params = {"replica": replica, "since": "0"}
+        report = await client.get(f"{gateway_url}/admin/exposure", params=params, headers=auth(ADMIN))
+        found.update(requests_of(report.json()))
+        return request_id in found
+
+    await until(written, every=0.05)
+    return found[request_id]
 
 
 async def test_with_one_replica_an_induced_text_cannot_be_told_from_a_leak_and_is_withheld(

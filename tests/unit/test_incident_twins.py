@@ -19,6 +19,7 @@ from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
 from gateway.incidents import pgledger
+from gateway.incidents.exposure import Window, exposure
 from gateway.incidents.incident import (
     PROBE,
     RETENTION,
@@ -28,7 +29,17 @@ from gateway.incidents.incident import (
     RedisIncidentStore,
     Sighting,
 )
-from gateway.incidents.ledger import DELIVERED, WITHHELD, Ledger, LedgerWriter, MemoryLedger, RedisLedger, Served
+from gateway.incidents.ledger import (
+    DELIVERED,
+    PARTIAL,
+    SEP,
+    WITHHELD,
+    Ledger,
+    LedgerWriter,
+    MemoryLedger,
+    RedisLedger,
+    Served,
+)
 from gateway.incidents.notices import RECIPIENT, VICTIM, Notice, NoticeStore, Notifier
 from gateway.incidents.pgledger import PostgresLedger, ledger_pool
 from gateway.metrics import GatewayMetrics
@@ -137,6 +148,38 @@ async def test_verdicts_and_event_kinds_are_kept(ledger: Ledger) -> None:
     [found], _ = await ledger.served("a", now - 3, now, 10)
     assert same(found, kept)
     assert kept.view()["events"] == ["leak", "leak_check"]
+
+
+async def test_the_suspect_characters_that_went_out_are_kept_and_unknown_stays_unknown(ledger: Ledger) -> None:
+    now = time.time()
+    answers = [
+        Served("none", "bob", "m", "a", now - 5, now - 4, DELIVERED, "", 0),
+        Served("some", "bob", "m", "a", now - 4, now - 3, PARTIAL, "fingerprint_leak", 137),
+        Served("unplaced", "carol", "m", "a", now - 3, now - 2, DELIVERED, "leak", None),
+        Served("clean", "carol", "m", "a", now - 2, now - 1, DELIVERED, "", 0),
+    ]
+    await ledger.write(answers)
+    found, _ = await ledger.served("a", now - 6, now, 10)
+    assert [(s.request_id, s.suspect_chars) for s in found] == [(s.request_id, s.suspect_chars) for s in answers]
+    assert found[1].view()["suspect_chars"] == 137
+    report = await exposure(ledger, Window("a", now - 6, now, "", ""), None, 10)
+    rows = {row["tenant"]: row["suspect_chars"] for row in report["recipients"]}  # type: ignore[attr-defined]
+    # Carol's leaking answer has no count: her total is not known, nor the window's.
+    assert (rows, report["suspect_chars"]) == ({"bob": 137, "carol": None}, None)
+
+
+async def test_a_ledger_entry_written_before_suspect_characters_were_counted_reads_as_unknown(
+    redis_url: str, prefix: str
+) -> None:
+    now = time.time()
+    async with Redis.from_url(redis_url) as redis:
+        ledger = RedisLedger(redis, RETENTION_S, prefix=prefix)
+        old = SEP.join(["r-old", "bob", str(round((now - 2) * 1000)), "1000", PARTIAL, "leak", "m"])
+        await redis.xadd(f"{prefix}ledger:a", {"r": old})
+        await ledger.write([Served("r-new", "bob", "m", "a", now - 1, now, PARTIAL, "leak", 0)])
+        found, _ = await ledger.served("a", now - 5, now + 1, 10)
+        await redis.delete(f"{prefix}ledger:a")
+    assert [(s.request_id, s.suspect_chars) for s in found] == [("r-old", None), ("r-new", 0)]
 
 
 async def test_the_last_clean_probe_before_a_time(ledger: Ledger) -> None:
