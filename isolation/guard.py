@@ -25,6 +25,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from isolation.channels import ENVELOPE, Removed, drop, in_order, join, positions, texts, token_streams
@@ -78,6 +79,8 @@ IDS_KEPT = 64  # token ids of a dropped field decoded together: far more than on
 # A scanned text's place for the suspect text (SuspectText): which text, and where, in its characters, the text its
 # scanner reads ends (held text and this piece).
 At = tuple[Hashable, int | None]  # (None: its characters are not counted, prompt fingerprints off: a place of its own)
+# A text's place, worked out only when a scan of it hits something (rare): None for a token stream.
+Place = Callable[[], At | None]
 
 
 class StripWouldJoin(Exception):
@@ -266,7 +269,7 @@ class OutputGuard:
         for index, state in self._choices.items():
             choice: dict[str, Any] = {"index": index, "finish_reason": None}
             for key, scanner in state.scanners.items():
-                rest = await self._rest(scanner, self._at(index, state, key))
+                rest = await self._rest(scanner, partial(self._at, index, state, key))
                 if rest and not key.startswith("lp"):
                     holder, name = place(choice, key, rest)
                     if found := self._joins.went_out(index, key, rest, False):
@@ -295,7 +298,7 @@ class OutputGuard:
         if not suspects([text]):  # no candidate in it, and no end that could start one: it passes unchanged
             return text
         scanner = StreamScanner()
-        return await self._release(scanner, text, at) + await self._rest(scanner, at)
+        return await self._release(scanner, text, lambda: at) + await self._rest(scanner, lambda: at)
 
     async def check_removed(self, removed: Removed) -> None:
         """Scan what never goes out (pruned fields, stray SSE lines, a backend's error event): another tenant's
@@ -437,10 +440,10 @@ class OutputGuard:
                 continue
             scanner = scanner or state.scanner(key)
             original = holder[name]
-            at = self._at(index, state, key)
-            released = await self._release(scanner, original, at)
+            place = partial(self._at, index, state, key)
+            released = await self._release(scanner, original, place)
             if final:
-                released += await self._rest(scanner, at)
+                released += await self._rest(scanner, place)
             holding |= scanner.holding
             if released != original:
                 holder[name] = released
@@ -451,7 +454,7 @@ class OutputGuard:
     async def _flush(self, index: int, state: _Choice, choice: dict[str, Any], seen: set[str]) -> None:
         """The choice's last event: what a scanner of a text this event did not write still holds goes out in it."""
         for key, scanner in state.scanners.items():
-            rest = await self._rest(scanner, self._at(index, state, key))
+            rest = await self._rest(scanner, partial(self._at, index, state, key))
             if rest and key not in seen and not key.startswith("lp"):
                 holder, name = place(choice, key, rest)
                 if found := self._joins.went_out(index, key, rest, False):
@@ -693,9 +696,8 @@ class OutputGuard:
         choice["logprobs"] = joined
         state.held_logprobs, state.dropped = None, set()
 
-    async def _release(self, scanner: StreamScanner, piece: str, at: At | None) -> str:
-        """What of a text goes out once this piece is scanned, edited; `at`: the text's place (None: not a text of
-        the answer, a token stream's)."""
+    async def _release(self, scanner: StreamScanner, piece: str, place: Place) -> str:
+        """What of a text goes out once this piece is scanned, edited; `place`: the text's (_at)."""
         scan = scanner.scan(piece)
         released = scan.text[: scan.release]
         if not scan.hits:
@@ -724,7 +726,7 @@ class OutputGuard:
             else:
                 raise StripWouldJoin("stripping markers kept joining text into new ones")
             scanner.went_out(out)
-        self._suspects(passes, at, len(scan.text))
+        self._suspects(passes, place(), len(scan.text))
         return out
 
     def _suspects(self, passes: list[tuple[list[Hit], list[tuple[Hit, str]]]], at: At | None, scanned: int) -> None:
@@ -789,13 +791,16 @@ class OutputGuard:
             if await self._leak(Leak(owner.tenant, MARKER, str(owner.epoch))) is not None:
                 holder[name] = REDACTED
 
-    async def _rest(self, scanner: StreamScanner, at: At | None) -> str:
+    async def _rest(self, scanner: StreamScanner, place: Place) -> str:
         """What a stream's scanner still held at its end: a tail that can no longer become a marker goes out, except
         the start of the tenant's own (a stream cut by max_tokens inside it would show her most of her marker). An
         escape still open there is read as a lenient decoder reads one at a text's end (`&#107` is "k"): what it
-        completes is found before it goes out. `at`: the text's place (_release's)."""
-        ended = None if at is None or at[1] is None else at[1] + len(END)  # the end is read as one more character
-        released = await self._release(scanner, END, None if at is None else (at[0], ended)) if scanner.escaping else ""
+        completes is found before it goes out. `place`: the text's (_at)."""
+        released = ""
+        if scanner.escaping:
+            at = place()
+            ended = None if at is None or at[1] is None else at[1] + len(END)  # the end is read as one more character
+            released = await self._release(scanner, END, lambda: None if at is None else (at[0], ended))
         held = scanner.flush()
         if held.endswith(END):
             held = held[:-1]
@@ -808,6 +813,7 @@ class OutputGuard:
         if len(normal) > len(ANCHOR) and any(
             normal_form(registry.marker(self._tenant, spelling)).startswith(normal) for spelling in registry.spellings
         ):
+            at = place()
             if at is not None and at[1] is not None:
                 self.suspect.edited(at[0], at[1] - len(held), at[1])
             return released

@@ -279,9 +279,9 @@ class AnswerGrams:
 
     def _forget(self) -> None:
         """Drop the pieces before the one that holds the start of the first word a later hit's gram can begin with
-        (k - 1 words before the next piece's first), and join the pieces that add no word to the one before: a run of
-        them (punctuation, white space) is one. Looked for again once as many pieces came: each piece is read once
-        or twice in all."""
+        (k - 1 words before the next piece's first); when that leaves too many (pieces that add no word: punctuation,
+        white space), join each run of them to one. Looked for again once as many pieces came: each piece is read
+        once or twice in all."""
         recent = self._recent
         assert recent is not None
         needed = self._words - self._hasher.shape.k
@@ -290,9 +290,12 @@ class AnswerGrams:
             if before > needed:
                 break
             keep = at
-        runs = groupby(recent[keep:], itemgetter(1))
-        recent[:] = [("".join(piece for piece, _ in run), before) for before, run in runs]
-        self._kept = max(2 * self._hasher.shape.k, 2 * len(recent))
+        del recent[:keep]
+        limit = 2 * self._hasher.shape.k
+        if len(recent) > limit:
+            runs = groupby(recent, itemgetter(1))
+            recent[:] = [("".join(piece for piece, _ in run), before) for before, run in runs]
+        self._kept = max(limit, 2 * len(recent))
 
     def _bounds(self, word: int) -> tuple[int, int]:
         """Where word number `word` (complete, of the last k - 1 before the last piece's, or of its) begins and ends
