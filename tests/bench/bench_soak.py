@@ -75,7 +75,6 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.server.serving import free_port
-from gateway.settings import AdmissionSettings, FingerprintSettings
 from gateway.tenancy.tenants import hash_key
 from tests.bench.hooks import ADMIN, OUTBOX_DRAIN_S, Receivers, incident_settings, register_webhooks, serve
 from tests.bench.load import DONE_EVENT, MESSAGE_STOP, RESPONSE_COMPLETED, LoadError, new_session
@@ -107,6 +106,7 @@ CHURN_EVERY_S = 20.0
 CHURN_CHECK_S = 3.0
 # When each happens, as a fraction of the run.
 LEAK_WINDOW = (0.10, 0.25)
+LEAK_NAME = "leak window"
 FAULTS = {"task crash": 0.30, "Redis restart": 0.38, "worker SIGKILL": 0.45, "gateway restart": 0.52}
 CHURN_UNTIL = 0.92
 REDIS_DOWN_S = 5.0
@@ -115,6 +115,7 @@ GROWTH_TOLERANCE = 0.05  # of a series' level, an hour
 FINGERPRINTS = re.compile(r"^bulkhead_prompt_fingerprints (\S+)$", re.MULTILINE)
 TASKS = re.compile(r'^bulkhead_tasks\{pid="(\d+)"\} (\S+)$', re.MULTILINE)
 CRASHES = re.compile(r'^bulkhead_task_crashes_total\{task="([^"]+)"\} (\S+)$', re.MULTILINE)
+IDS = re.compile(r"[0-9a-f]{32}|\d{5,}")
 TENANT_LABEL = re.compile(r'tenant="(churn-\d+)"')
 ADMIN_HEADERS = {"authorization": f"Bearer {ADMIN}"}
 
@@ -127,21 +128,19 @@ def settings(
     port: int, redis_url: str, backends: Mapping[str, str], tokenizer: Path, hooks: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     told = incident_settings(hooks)
-    fingerprints = {"fingerprints": {"ttl_s": args.fingerprint_ttl_s}} if args.fingerprint_ttl_s else {}
-    count_cache = {} if args.count_cache_mib is None else {"count_cache_mib": args.count_cache_mib}
     plain = [name for name in backends if name not in LEAK_REPLICAS]
     return {
         **told,
         "listen": {"host": "127.0.0.1", "port": port},
         "log_level": "WARNING",
         "redis_url": redis_url,
-        # Results and stored responses expire within the run, so that Redis shows its level rather than a day's or a
-        # month's worth of growth (the shipped 24 h and 30 days).
+        # Every bound is reached within the run's first third (parse_args says why each is set), so that its last
+        # third shows levels, and growth there is growth without a bound.
         "queue": {"workers": 1, "result_ttl_s": args.job_ttl_s},
         "responses": {"ttl_s": args.responses_ttl_s},
         "upstream": {"keepalive_expiry_s": 4.0},  # below the simulator's keep-alive, as tests/bench/processes.py says
-        "isolation": {**told["isolation"], **fingerprints},
-        "admission": count_cache,
+        "isolation": {**told["isolation"], "fingerprints": {"ttl_s": args.fingerprint_ttl_s}},
+        "admission": {"count_cache_mib": args.count_cache_mib},
         "backends": [{"name": name, "url": url} for name, url in backends.items()],
         "models": [
             {"name": MODEL, "backends": plain, "tokenizer": str(tokenizer)},
@@ -474,7 +473,7 @@ class Churned:
     served: int = 0  # requests answered 200
     failures: list[str] = field(default_factory=list)
     refused_after: int = 0  # the status its key got after the deletion
-    left: list[str] = field(default_factory=list)  # what Redis held naming it CHURN_CHECK_S after its deletion
+    left: list[tuple[str, int]] = field(default_factory=list)  # what Redis held naming it CHURN_CHECK_S after
     series: int = 0  # /metrics series naming it then
 
 
@@ -562,12 +561,20 @@ def _readable(raw: Any) -> str:
     return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
 
 
-async def leftovers(store: Redis, tenants: Sequence[str]) -> dict[str, list[str]]:
-    """What Redis holds that names each of `tenants` (ids that no other id contains): each key named for it, with
-    its TTL; and each member, field or value of the keys named for no tenant (the shared ones) that names it. Keys
-    named for the settings' tenants are theirs and not read; streams are capped logs (the audit and isolation events,
-    the ledger, the fingerprint feed) that name tenants by design, and are not read either."""
-    found: dict[str, list[str]] = {tenant: [] for tenant in tenants}
+def shape(name: str, tenant: str) -> str:
+    """A key's name with what differs from one tenant or entry to the next written as a placeholder."""
+    name = name.replace(tenant, "{tenant}")
+    name = re.sub(r"[0-9a-f]{32}", "{id}", name)
+    return re.sub(r"\d{4,}(\.\d+)?", "{n}", name)
+
+
+async def leftovers(store: Redis, tenants: Sequence[str]) -> dict[str, list[tuple[str, int]]]:
+    """What Redis holds that names each of `tenants` (ids that no other id contains), each as (what, its TTL in s or
+    -1 for none): the keys named for it; and the keys named for no tenant (the shared ones) one of whose members,
+    fields or values names it. Keys named for the settings' tenants are theirs and not read; streams are capped logs
+    (the audit and isolation events, the ledger, the fingerprint feed) that name tenants by design, and are not read
+    either."""
+    found: dict[str, list[tuple[str, int]]] = {tenant: [] for tenant in tenants}
     wanted = re.compile("|".join(re.escape(t) for t in tenants))
     others = re.compile("|".join(re.escape(t) for t in TENANTS))
     async for raw in store.scan_iter(count=1000):
@@ -576,10 +583,9 @@ async def leftovers(store: Redis, tenants: Sequence[str]) -> dict[str, list[str]
         if named is None and others.search(name):
             continue
         kind = _readable(await store.type(raw))
-        ttl = await store.ttl(raw)
-        lasts = f"TTL {ttl} s" if ttl >= 0 else "no TTL"
+        ttl = int(await store.ttl(raw))
         if named is not None:
-            found[named.group()].append(f"{name.replace(named.group(), '{tenant}')} ({kind}, {lasts})")
+            found[named.group()].append((f"{shape(name, named.group())} ({kind})", ttl))
             continue
         values: list[Any]
         if kind == "hash":
@@ -595,8 +601,19 @@ async def leftovers(store: Redis, tenants: Sequence[str]) -> dict[str, list[str]
         else:
             continue
         for tenant in {m.group() for value in values for m in wanted.finditer(_readable(value))}:
-            found[tenant].append(f"in {name} ({kind}, {lasts})")
+            found[tenant].append((f"in {shape(name, tenant)} ({kind})", ttl))
     return found
+
+
+def held(lefts: Sequence[tuple[str, int]]) -> str:
+    """Leftovers, alike ones counted together with their longest TTL."""
+    if not lefts:
+        return "nothing"
+    counts = collections.Counter(what for what, _ in lefts)
+    longest = {what: max(ttl for w, ttl in lefts if w == what) for what in counts}
+    return "; ".join(
+        f"{what} ×{n}, {'no TTL' if longest[what] < 0 else f'TTL ≤ {longest[what]:,} s'}" for what, n in counts.items()
+    )
 
 
 # --- the leak window ------------------------------------------------------------------------------------------------
@@ -630,7 +647,7 @@ async def leak_sender(run: Run, tenant: str, stop: asyncio.Event, rng: random.Ra
 async def leak_window(run: Run) -> None:
     """leak0 goes bad for LEAK_WINDOW of the run; what the gateway did about it is noted as it happens."""
     await sleep_until(run.at(LEAK_WINDOW[0]))
-    fault = Fault("leak window", run.minute())
+    fault = Fault(LEAK_NAME, run.minute())
     run.faults.append(fault)
     async with run.session.put(f"{run.sims[FAULTY]}/sim/fault", json={"fault": "stale-kv"}) as reply:
         assert reply.status == 200, await reply.text()
@@ -705,17 +722,19 @@ async def restart_redis(run: Run, fault: Fault) -> None:
 
 
 async def kill_worker(run: Run, fault: Fault) -> None:
+    """SIGKILL one worker; it is back once its replacement answers a scrape (its own series of bulkhead_tasks, made
+    when its app has started)."""
     victim = run.gateway.workers()[0]
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        workers = run.gateway.workers()
-        if len(workers) == WORKERS and victim not in workers:
+        new = set(run.gateway.workers()) - {victim}
+        if len(new) == WORKERS and new <= {int(pid) for pid, _ in TASKS.findall(await run.scrape() or "")}:
             break
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)
     fault.recovered = run.minute()
     fault.notes.append(
-        f"worker {victim} SIGKILLed; its replacement up after {(fault.recovered - fault.started) * 60:.1f} s"
+        f"worker {victim} SIGKILLed; its replacement serving after {(fault.recovered - fault.started) * 60:.1f} s"
     )
 
 
@@ -936,13 +955,11 @@ async def check_churn(run: Run, churned: Sequence[Churned], checks: Checks) -> N
     for c in churned:
         if c.failures or c.refused_after != 401:
             checks.note(f"{c.tenant}: refused with {c.refused_after}; {'; '.join(c.failures)[:300]}")
-    soon = collections.Counter(left for c in deleted for left in c.left)
-    checks.note(f"held {CHURN_CHECK_S:g} s after a deletion (tenants): {dict(soon) or 'nothing'}")
+    checks.note(f"held {CHURN_CHECK_S:g} s after a deletion: {held([x for c in deleted for x in c.left])}")
     checks.note(f"/metrics series naming a deleted tenant {CHURN_CHECK_S:g} s after: {sum(c.series for c in deleted)}")
     late = await leftovers(run.store, [c.tenant for c in deleted]) if deleted else {}
-    kept = collections.Counter(left for lefts in late.values() for left in lefts)
-    forever = {left: n for left, n in kept.items() if "no TTL" in left}
-    checks.check(not forever, f"held at the end, of {len(deleted)} deleted tenants: {dict(kept) or 'nothing'}")
+    kept = [x for lefts in late.values() for x in lefts]
+    checks.check(all(ttl >= 0 for _, ttl in kept), f"held at the end, of {len(deleted)} deleted tenants: {held(kept)}")
     shown = await run.scrape() or ""
     named = collections.Counter(m.group(1) for m in TENANT_LABEL.finditer(shown))
     checks.note(f"/metrics series naming a deleted tenant at the end: {sum(named.values())}")
@@ -952,6 +969,7 @@ def check_failures(run: Run, checks: Checks) -> None:
     """Every failed request is a fault's (from its start to SETTLE_S after its recovery), or a failure."""
     windows = [(f.started, (f.recovered or run.minute()) + SETTLE_S / 60, f.name) for f in run.faults]
     by_fault: collections.Counter[str] = collections.Counter()
+    kinds: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     outside = []
     for minute, kind, what in run.tally.failures:
         owner = next((name for start, end, name in windows if start <= minute <= end), None)
@@ -959,11 +977,16 @@ def check_failures(run: Run, checks: Checks) -> None:
             outside.append((minute, kind, what))
         else:
             by_fault[owner] += 1
+            # What failed, by route and the first words of why (an HTTP status and its error's code, or the
+            # exception), without the ids each message carries.
+            kinds[owner][f"{kind}: {IDS.sub('…', what)[:90]}"] += 1
     checks.check(
         not outside,
         f"requests: {run.tally.done.total()} answered, {len(run.tally.failures)} failed, of which in a fault's window: "
         f"{dict(by_fault) or 0}, outside: {len(outside)}; not sent on time: {run.tally.behind}",
     )
+    for owner, counted in kinds.items():
+        checks.note(f"in the {owner}: {'; '.join(f'{what} ×{n}' for what, n in counted.most_common(6))}")
     for minute, kind, what in outside[:10]:
         checks.note(f"{minute:.2f} min, {kind}: {what[:240]}")
 
@@ -1037,8 +1060,7 @@ def growths(samples: Sequence[Sample], minutes: float) -> list[Growth]:
 
 
 def check_growth(samples: Sequence[Sample], args: argparse.Namespace, checks: Checks) -> None:
-    ttl_s = args.fingerprint_ttl_s or FingerprintSettings().ttl_s
-    longest_ttl_min = max(ttl_s, args.responses_ttl_s, args.job_ttl_s) / 60
+    longest_ttl_min = max(args.fingerprint_ttl_s, args.responses_ttl_s, args.job_ttl_s) / 60
     judged = args.minutes * 2 / 3 >= longest_ttl_min
     found = growths(samples, args.minutes)
     grown = [g for g in found if g.unbounded]
@@ -1106,10 +1128,11 @@ async def soak(redis_server: OwnRedis, sims: Mapping[str, str], workspace: Works
 def report(
     samples: Sequence[Sample], run: Run, checks: Checks, crash_lines: Sequence[str], args: argparse.Namespace
 ) -> None:
-    ttl_s = args.fingerprint_ttl_s or FingerprintSettings().ttl_s
-    cache = AdmissionSettings().count_cache_mib if args.count_cache_mib is None else args.count_cache_mib
-    print(f"\nsoak: {args.minutes:g} min at {args.rate:g} requests/s; fingerprint ttl_s {ttl_s:g}; responses ttl_s "
-          f"{args.responses_ttl_s}; job results {args.job_ttl_s} s; count cache {cache} MiB")  # fmt: skip
+    print(
+        f"\nsoak: {args.minutes:g} min at {args.rate:g} requests/s; fingerprint ttl_s {args.fingerprint_ttl_s:g};"
+        f" responses ttl_s {args.responses_ttl_s}; job results {args.job_ttl_s} s;"
+        f" count cache {args.count_cache_mib} MiB"
+    )
     seen = process_names(samples)
     columns = [
         "minute", *(f"{n} MB: RSS (anon)" for n in seen), "tasks", "series", "fingerprints", "Redis keys",
@@ -1148,6 +1171,7 @@ def report(
 def plot(record: Mapping[str, Any], path: Path) -> None:
     samples = [Sample(**{**s, "rss": {n: tuple(v) for n, v in s["rss"].items()}}) for s in record["samples"]]
     markers = [(f["started"], f["name"]) for f in record["faults"]]
+    markers.append((LEAK_WINDOW[1] * record["args"]["minutes"], f"{LEAK_NAME} ends"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(chart(panels(samples), markers, "minutes into the run"))
 
@@ -1161,10 +1185,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, help="draw the samples against time here (SVG)")
     parser.add_argument("--replot", type=Path, help="only draw --plot from this record of an earlier run")
     parser.add_argument("--keep", type=Path, help="keep the configs and logs under this directory")
-    parser.add_argument("--fingerprint-ttl-s", type=float, help="isolation.fingerprints.ttl_s (default: as shipped)")
-    parser.add_argument("--responses-ttl-s", type=int, default=600, help="responses.ttl_s (default 600)")
-    parser.add_argument("--job-ttl-s", type=int, default=300, help="queue.result_ttl_s (default 300)")
-    parser.add_argument("--count-cache-mib", type=int, help="admission.count_cache_mib (default: as shipped)")
+    parser.add_argument("--fingerprint-ttl-s", type=float, default=600.0, help="isolation.fingerprints.ttl_s (600)")
+    parser.add_argument("--responses-ttl-s", type=int, default=600, help="responses.ttl_s (600)")
+    parser.add_argument("--job-ttl-s", type=int, default=300, help="queue.result_ttl_s (300)")
+    parser.add_argument("--count-cache-mib", type=int, default=8, help="admission.count_cache_mib (8)")
     return parser.parse_args(argv)
 
 

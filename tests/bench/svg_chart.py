@@ -39,9 +39,11 @@ def _number(value: float) -> str:
 
 def chart(panels: Sequence[Panel], markers: Sequence[tuple[float, str]], x_label: str) -> str:
     """The panels one under another, x from 0 to the largest x of any point; each marker a dashed vertical line
-    through every panel, its label on the top panel."""
+    through every panel, its label on the top panel. A name has one colour in every panel."""
     xs = [x for panel in panels for points in panel.lines.values() for x, _ in points]
     x_high = max([*xs, *(x for x, _ in markers), 1.0])
+    names = list(dict.fromkeys(name for panel in panels for name in panel.lines))
+    colours = {name: COLOURS[k % len(COLOURS)] for k, name in enumerate(names)}
     plot_width = WIDTH - LEFT - RIGHT
     height = TOP + len(panels) * (PANEL_HEIGHT + GAP) + 10
     out = [
@@ -56,7 +58,9 @@ def chart(panels: Sequence[Panel], markers: Sequence[tuple[float, str]], x_label
     for n, panel in enumerate(panels):
         top = TOP + n * (PANEL_HEIGHT + GAP)
         ys = [y for points in panel.lines.values() for _, y in points]
-        y_low, y_high = min([*ys, 0.0]), max([*ys, 1.0]) * 1.05
+        y_high = max([*ys, 1.0]) * 1.05
+        # From zero, unless the values keep well above it: then from near the lowest, so that a slope shows.
+        y_low = 0.0 if not ys or min(ys) < y_high / 2 else min(ys) * 0.95
 
         def y_at(y: float, top: float = top, y_low: float = y_low, y_high: float = y_high) -> float:
             return top + PANEL_HEIGHT * (1 - (y - y_low) / (y_high - y_low))
@@ -73,16 +77,18 @@ def chart(panels: Sequence[Panel], markers: Sequence[tuple[float, str]], x_label
             x = x_at(tick)
             bottom = top + PANEL_HEIGHT
             out.append(f'<text x="{x:.1f}" y="{bottom + 13}" text-anchor="middle">{_number(tick)}</text>')
-        for x_mark, label in markers:
+        for m, (x_mark, label) in enumerate(markers):
             x = x_at(x_mark)
             out.append(
                 f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{top + PANEL_HEIGHT}" stroke="#555" '
                 'stroke-dasharray="3,3"/>'
             )
             if n == 0:
-                out.append(f'<text x="{x + 2:.1f}" y="{top + 10}" font-size="9" fill="#333">{escape(label)}</text>')
+                # Staggered, so that the labels of markers close together do not overlap.
+                label_y = top + 10 + 10 * (m % 3)
+                out.append(f'<text x="{x + 2:.1f}" y="{label_y}" font-size="9" fill="#333">{escape(label)}</text>')
         for k, (name, points) in enumerate(panel.lines.items()):
-            colour = COLOURS[k % len(COLOURS)]
+            colour = colours[name]
             path = " ".join(f"{x_at(x):.1f},{y_at(y):.1f}" for x, y in points)
             out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
             legend_y = top + 12 + 14 * k
