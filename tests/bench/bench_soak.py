@@ -693,6 +693,9 @@ async def leak_window(run: Run) -> None:
         if incident["replica"] == FAULTY and incident["state"] == "open":
             await retried(functools.partial(run.admin, "POST", f"/admin/incidents/{incident['id']}/close"), (200,))
     await retried(lambda: run.admin("POST", f"/admin/replicas/{FAULTY}/release"), (200,))
+    for incident in (await retried(lambda: run.admin("GET", "/admin/incidents"), (200,)))["incidents"]:
+        if incident["replica"] == FAULTY:
+            run.incidents[incident["id"]] = incident
     await drained(run)
     for tenant in TENANTS:
         headers = {"authorization": f"Bearer {key(tenant)}"}
