@@ -138,7 +138,7 @@ def settings(
         "listen": {"host": "127.0.0.1", "port": port},
         "log_level": "WARNING",
         "redis_url": redis_url,
-        # Every bound is reached within the run's first third (parse_args says why each is set), so that its last
+        # Every bound is reached within the run's first third (the module's docstring names them), so that its last
         # third shows levels, and growth there is growth without a bound.
         "queue": {"workers": 1, "result_ttl_s": args.job_ttl_s},
         "responses": {"ttl_s": args.responses_ttl_s},
