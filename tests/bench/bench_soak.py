@@ -21,16 +21,16 @@ prompt new text, so every one adds fingerprints. Beside it, all run long:
   tenants send chats to `leaky` with session affinity on it, as tests/bench/chaos_incidents.py does: its answers
   carry other tenants' data, and the gateway opens an incident, probes and quarantines `leak0`, and tells the
   victims and recipients. At its end the fault is lifted, the incident closed and `leak0` released.
-Faults, at set fractions of the run (FAULTS):
+Faults, at set fractions of the run (FAULTS), in this order:
+- a gateway restart: SIGTERM to `bulkhead serve` (every process drains and stops), started again on its port;
+- a worker SIGKILLed: uvicorn's supervisor replaces it;
 - a background task's crash: a job entry written to the queue's stream `bulkhead:jobs` in a shape this version
   cannot read (no `route`, no `items`: as another version's writer might leave one), which the queue worker that
   reads it raises on (gateway/jobs/queue.py's Job.decode); once the crash is counted the entry is removed, as an
   operator would after reading the traceback (left there, XAUTOCLAIM would hand it to a worker again every
   `queue.reclaim_after_s`);
 - a Redis restart: the redis-server stopped (SIGTERM: its append-only file written), REDIS_DOWN_S down, started
-  again on its port;
-- a worker SIGKILLed: uvicorn's supervisor replaces it;
-- a gateway restart: SIGTERM to `bulkhead serve` (every process drains and stops), started again on its port.
+  again on its port.
 Every bound is set to be reached within the run's first 15 minutes, so that its last third shows levels: the
 fingerprints' `ttl_s` (600 s), the kept prompt-piece counts (8 MiB), stored responses (600 s), job results (300 s),
 the exposure ledger's retention (900 s: a tenant's notices and closed incidents go with it, so the notices are read
@@ -108,10 +108,11 @@ LEAK_WARMUP_S = 4.0  # short prompts only: leak0's cache holds the tenants' data
 CHURN_EVERY_S = 20.0
 CHURN_CHECK_S = 3.0
 # When each happens, as a fraction of the run.
-LEAK_WINDOW = (0.08, 0.22)
+LEAK_WINDOW = (0.05, 0.15)
 LEAK_NAME = "leak window"
-# The last well before the last third: the processes it starts are judged over a third after their own start.
-FAULTS = {"task crash": 0.28, "Redis restart": 0.34, "worker SIGKILL": 0.40, "gateway restart": 0.46}
+# The processes that a restart or a kill starts fill their caches (the recent texts' fingerprints take ~20 min at
+# this load) before the last third, over which growth is judged: those two first.
+FAULTS = {"gateway restart": 0.17, "worker SIGKILL": 0.22, "task crash": 0.27, "Redis restart": 0.32}
 CHURN_UNTIL = 0.92
 REDIS_DOWN_S = 5.0
 SETTLE_S = 10.0  # after a fault's recovery, failures are still its own (connections it broke, retries)
