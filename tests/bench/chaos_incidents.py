@@ -514,7 +514,9 @@ async def one_run(run: int, point: str, policy: str, args: argparse.Namespace, r
             client = await running.enter_async_context(
                 aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=64))
             )
-            secrets = await register_webhooks(client, gateways.urls[0], hooks, {t: key(t) for t in TENANTS})
+            receivers.secrets.update(
+                await register_webhooks(client, gateways.urls[0], hooks, {t: key(t) for t in TENANTS})
+            )
             store = Redis.from_url(redis_server.url)
             running.push_async_callback(store.aclose)
             load = Load(run, gateways.urls, rng, args.rate, time.monotonic() + WARMUP_S)
@@ -549,7 +551,7 @@ async def one_run(run: int, point: str, policy: str, args: argparse.Namespace, r
             outcome.check(healed, f"sim0 quarantined (healed) within {HEAL_TIMEOUT_S:.0f} s of the first long prompt")
             live = [gateways.urls[n] for n in gateways.live()]
             reported = await gateway_reports(client, live[0], live)
-            await judge(outcome, line, load, proxies, reported, receivers, secrets, started)
+            await judge(outcome, line, load, proxies, reported, receivers, started)
     return outcome
 
 
@@ -662,7 +664,6 @@ async def judge(
     proxies: Mapping[str, RecordingProxy],
     reported: Reported,
     receivers: Receivers,
-    secrets: Mapping[str, str],
     started: float,
 ) -> None:
     def at(t: float | None) -> str:
@@ -774,7 +775,7 @@ async def judge(
         if mine_ids or told_ids:
             outcome.check(told_ids == mine_ids, f"{recipient}'s foreign-data notice: {told_ids}, truth {mine_ids}")
     # Every notice kept reached its tenant's webhook, signed for it; none reached another.
-    verified, bad = receivers.notices(secrets)
+    verified, bad = receivers.notices(TENANTS)
     kept = {t: {n["id"] for n in reported.notices[t]} for t in TENANTS}
     outcome.check(
         kept == verified and not bad,
@@ -785,8 +786,12 @@ async def judge(
         for notice in reported.notices[tenant]:
             if notice["id"] not in verified[tenant]:
                 outcome.note(f"    kept, never delivered: {tenant}'s {notice['type']} {notice['id']}")
-    operator = receivers.operator_events()
-    outcome.note(f"operator's receiver: {len(operator)} isolation event(s), {len(line.events)} in the store")
+    operator, unverified = receivers.operator_events()
+    outcome.check(
+        not unverified,
+        f"operator's receiver: {len(operator)} isolation event(s), {len(line.events)} in the store, {unverified} bad"
+        " signatures",
+    )
 
     # 3. One page per incident.
     firing = [(t, a) for t, alerts in line.alerts for a in alerts if a["state"] == "firing"]
