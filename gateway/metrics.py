@@ -315,6 +315,13 @@ class GatewayMetrics:
             ["task"],
             registry=self.registry,
         )
+        self.tasks = Gauge(
+            "bulkhead_tasks",
+            "asyncio tasks in this process's event loop: requests being served, background tasks and their work "
+            "(under --workers one series per live process, by pid).",
+            registry=self.registry,
+            multiprocess_mode="liveall",
+        )
         self.isolation_events = Counter(
             "bulkhead_isolation_events",
             "Answers withheld because they could not be shown safe, by kind (usage_mismatch, leak).",

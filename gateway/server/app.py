@@ -777,6 +777,8 @@ def create_app(
                 instance=instance,
                 workers=workers,
             )
+            loop = asyncio.get_running_loop()
+            metrics.track(metrics.tasks, lambda: len(asyncio.all_tasks(loop)))
             if fingerprinter is not None:
                 metrics.track(metrics.fingerprints, lambda: len(fingerprinter.index))
                 tasks.keep("fingerprint-sweep", partial(sweep_fingerprints, fingerprinter, metrics))

@@ -57,14 +57,13 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-import standardwebhooks
 import yaml
 from aiohttp import web
 from redis.asyncio import Redis
@@ -72,8 +71,8 @@ from redis.asyncio import Redis
 from gateway.incidents.tracking import OPENING
 from gateway.server.serving import free_port
 from gateway.tenancy.tenants import hash_key
-from gateway.webhooks.signing import whsec
 from isolation.redis_text import text, text_fields
+from tests.bench.hooks import ADMIN, OUTBOX_DRAIN_S, Receivers, incident_settings, register_webhooks, serve
 from tests.bench.processes import MODEL, Server, Workspace, child
 from tests.bench.prose import prose
 from tests.integration.support import metric, session_on
@@ -82,18 +81,11 @@ from tests.redis_server import own_redis
 REPLICAS = ["sim0", "sim1", "sim2"]
 FAULTY = "sim0"
 TENANTS = ["amber", "birch", "cedar", "dune", "ember"]
-ADMIN = "chaos-admin-token-0123456789"
-OPERATOR_SECRET = "chaos-operator-secret-0123456789"
 PREFIX = "bulkhead:"
 HEALTH_INTERVAL_S = 0.5
 # Another instance takes in a suspension at its next sync, which follows a health round: every interval plus the
 # round's time (its GETs of /health), so up to a little more than an interval after it is stored.
 SYNC_GRACE_S = 2 * HEALTH_INTERVAL_S
-# A webhook message claimed by a killed gateway is sent again once its lease ends: webhooks.timeout_s + 30 s.
-WEBHOOK_TIMEOUT_S = 2.0
-OUTBOX_DRAIN_S = WEBHOOK_TIMEOUT_S + 30 + 10
-# ~40 requests at 8 a second: a probe of ~5 s, long enough to be killed midway.
-PROBE = {"rate": 8, "max_requests": 40, "time_limit_s": 30}
 OUTPUT_TOKENS = 64  # a stale answer of 4 KV blocks: what fingerprints catch nearly always (docs/fingerprints.md)
 FAULTY_KV_BLOCKS = 16  # 256 tokens of KV cache behind a 2,048-token window
 SHINGLE = 4  # words in a run that names whose prompt an answer's text came from
@@ -213,45 +205,6 @@ class RecordingProxy:
             return response
 
 
-@contextlib.asynccontextmanager
-async def serve(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
-# --- webhook receivers ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Delivery:
-    receiver: str  # a tenant, or "operator"
-    headers: dict[str, str]
-    body: bytes
-
-
-class Receivers:
-    """One receiver per tenant and one for the operator (a path each on one server): every POST kept, 204."""
-
-    def __init__(self) -> None:
-        self.deliveries: list[Delivery] = []
-
-    async def handle(self, request: web.Request) -> web.Response:
-        headers = {k.lower(): v for k, v in request.headers.items()}
-        self.deliveries.append(Delivery(request.match_info["name"], headers, await request.read()))
-        return web.Response(status=204)
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/hook/{name}", self.handle)
-        return app
-
-
 # --- the clients ---------------------------------------------------------------------------------------------------
 
 
@@ -331,24 +284,12 @@ def settings(
     port: int, redis_url: str, proxies: Mapping[str, str], tokenizer: Path, policy: str, hooks: str
 ) -> dict[str, Any]:
     return {
+        **incident_settings(hooks, policy),
         "listen": {"host": "127.0.0.1", "port": port},
         "log_level": "WARNING",
         "redis_url": redis_url,
-        "admin_token": ADMIN,
-        "cache_salt_secret": "chaos-salt-secret-0123456789",
         "upstream": {"health_interval_s": HEALTH_INTERVAL_S, "keepalive_expiry_s": 4.0},
         "routing": {"min_slack": 1000},  # a session stays on the replica its name picks
-        "isolation": {
-            "prober": PROBE,  # the confirmation probe's pace; no routine passes
-            "canary": {
-                "policy": policy,
-                "keys": [{"id": "k1", "secret": "chaos-canary-0123456789"}],
-                "webhook_url": f"{hooks}/hook/operator",
-                "webhook_secret": OPERATOR_SECRET,
-            },
-            "notices": {"allow_http": True, "allow_private_urls": True, "signing_key": "chaos-signing-0123456789"},
-        },
-        "webhooks": {"retry_schedule_s": [0.2, 0.5, 1.0], "poll_interval_s": 0.1, "timeout_s": WEBHOOK_TIMEOUT_S},
         "backends": [{"name": name, "url": url} for name, url in proxies.items()],
         "models": [
             {
@@ -532,17 +473,6 @@ class Outcome:
         self.lines.append(f"  {what}")
 
 
-async def register_webhooks(session: aiohttp.ClientSession, gateway: str, hooks: str) -> dict[str, str]:
-    secrets = {}
-    for tenant in TENANTS:
-        body = {"url": f"{hooks}/hook/{tenant}"}
-        headers = {"authorization": f"Bearer {key(tenant)}"}
-        async with session.put(f"{gateway}/v1/isolation/webhook", json=body, headers=headers) as reply:
-            assert reply.status == 200, await reply.text()
-            secrets[tenant] = (await reply.json())["secret"]
-    return secrets
-
-
 async def one_run(run: int, point: str, policy: str, args: argparse.Namespace, root: Path) -> Outcome:
     rng = random.Random(args.seed * 1000 + run)
     outcome = Outcome(run, point, policy)
@@ -584,7 +514,9 @@ async def one_run(run: int, point: str, policy: str, args: argparse.Namespace, r
             client = await running.enter_async_context(
                 aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=64))
             )
-            secrets = await register_webhooks(client, gateways.urls[0], hooks)
+            receivers.secrets.update(
+                await register_webhooks(client, gateways.urls[0], hooks, {t: key(t) for t in TENANTS})
+            )
             store = Redis.from_url(redis_server.url)
             running.push_async_callback(store.aclose)
             load = Load(run, gateways.urls, rng, args.rate, time.monotonic() + WARMUP_S)
@@ -619,7 +551,7 @@ async def one_run(run: int, point: str, policy: str, args: argparse.Namespace, r
             outcome.check(healed, f"sim0 quarantined (healed) within {HEAL_TIMEOUT_S:.0f} s of the first long prompt")
             live = [gateways.urls[n] for n in gateways.live()]
             reported = await gateway_reports(client, live[0], live)
-            await judge(outcome, line, load, proxies, reported, receivers, secrets, started)
+            await judge(outcome, line, load, proxies, reported, receivers, started)
     return outcome
 
 
@@ -732,7 +664,6 @@ async def judge(
     proxies: Mapping[str, RecordingProxy],
     reported: Reported,
     receivers: Receivers,
-    secrets: Mapping[str, str],
     started: float,
 ) -> None:
     def at(t: float | None) -> str:
@@ -844,16 +775,7 @@ async def judge(
         if mine_ids or told_ids:
             outcome.check(told_ids == mine_ids, f"{recipient}'s foreign-data notice: {told_ids}, truth {mine_ids}")
     # Every notice kept reached its tenant's webhook, signed for it; none reached another.
-    verified: dict[str, set[str]] = {t: set() for t in TENANTS}
-    bad = 0
-    for delivery in receivers.deliveries:
-        if delivery.receiver == "operator":
-            continue
-        try:
-            payload = standardwebhooks.Webhook(secrets[delivery.receiver]).verify(delivery.body, delivery.headers)
-            verified[delivery.receiver].add(payload["data"]["id"])
-        except standardwebhooks.webhooks.WebhookVerificationError:
-            bad += 1
+    verified, bad = receivers.notices(TENANTS)
     kept = {t: {n["id"] for n in reported.notices[t]} for t in TENANTS}
     outcome.check(
         kept == verified and not bad,
@@ -864,11 +786,12 @@ async def judge(
         for notice in reported.notices[tenant]:
             if notice["id"] not in verified[tenant]:
                 outcome.note(f"    kept, never delivered: {tenant}'s {notice['type']} {notice['id']}")
-    operator = {d.headers.get("webhook-id") for d in receivers.deliveries if d.receiver == "operator"}
-    for delivery in receivers.deliveries:
-        if delivery.receiver == "operator":
-            standardwebhooks.Webhook(whsec(OPERATOR_SECRET.encode())).verify(delivery.body, delivery.headers)
-    outcome.note(f"operator's receiver: {len(operator)} isolation event(s), {len(line.events)} in the store")
+    operator, unverified = receivers.operator_events()
+    outcome.check(
+        not unverified,
+        f"operator's receiver: {len(operator)} isolation event(s), {len(line.events)} in the store, {unverified} bad"
+        " signatures",
+    )
 
     # 3. One page per incident.
     firing = [(t, a) for t, alerts in line.alerts for a in alerts if a["state"] == "firing"]

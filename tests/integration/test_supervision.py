@@ -47,6 +47,17 @@ async def until(condition: Callable[[], Any], what: str) -> None:
         await asyncio.sleep(0.02)
 
 
+async def test_the_tasks_gauge_counts_the_event_loops_tasks_when_scraped(
+    client: httpx.AsyncClient, sim_url: str, tokenizer_dir: Path
+) -> None:
+    with redis_server() as redis_url:
+        app = create_app(settings_on(redis_url, sim_url, tokenizer_dir))
+        with run_server(app) as url:
+            shown = (await client.get(f"{url}/metrics")).text
+            # Every kept task is one of the loop's, and the scrape's own request is another.
+            assert metric(shown, "bulkhead_tasks") >= len(app.state.tasks.names) + 1
+
+
 async def test_every_long_lived_task_that_crashes_is_logged_counted_and_started_again(
     client: httpx.AsyncClient, sim_url: str, tokenizer_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
