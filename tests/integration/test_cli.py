@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import re
@@ -18,14 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from gateway.server.app import create_app
 from gateway.server.serving import run_server
 from gateway.settings import load_settings
 from gateway.tenancy.tenants import hash_key
-from tests.integration.support import shows_marker, stop
+from tests.integration.support import stop
 from tests.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,31 +32,6 @@ EXAMPLE = REPO / "deploy" / "bulkhead.example.yaml"
 
 def bulkhead(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gateway", *args], capture_output=True, text=True, timeout=60, env=env)
-
-
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
-    """`bulkhead serve` on embedded defaults, with a fresh HOME so the tiny tokenizer is built from scratch."""
-    env = {**os.environ, "HOME": str(tmp_path), "BULKHEAD_LISTEN__PORT": str(free_port())}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "serve"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    banner: list[str] = []
-    try:
-        assert process.stdout is not None
-        for line in process.stdout:
-            banner.append(line.rstrip("\n"))
-            if line.startswith("curl "):
-                break
-        yield process, banner
-    finally:
-        stop(process, signal.SIGINT)
-        if process.stdout is not None:
-            process.stdout.close()
 
 
 def wait_until_ready(process: subprocess.Popen[str], url: str) -> None:
@@ -73,14 +46,7 @@ def wait_until_ready(process: subprocess.Popen[str], url: str) -> None:
     raise AssertionError("bulkhead serve did not become ready")
 
 
-def readme_snippet(call: str) -> str:
-    """The README's Python code block that makes this call."""
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL)
-    [block] = [block for block in blocks if call in block]
-    return str(block)
-
-
-def test_serve_on_embedded_defaults_answers_the_printed_curl_and_the_readmes_embeddings(
+def test_serve_on_embedded_defaults_answers_the_printed_curl_and_stops_its_simulators(
     served: tuple[subprocess.Popen[str], list[str]],
 ) -> None:
     process, banner = served
@@ -101,12 +67,6 @@ def test_serve_on_embedded_defaults_answers_the_printed_curl_and_the_readmes_emb
     )
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"]
-    # The README's embeddings snippet, as printed, with the client its first snippet makes.
-    printed = io.StringIO()
-    with openai.OpenAI(base_url=f"{url}/v1", api_key=key.group(1)) as client, contextlib.redirect_stdout(printed):
-        exec(readme_snippet("client.embeddings.create("), {"client": client})
-    count, tokens = printed.getvalue().split()
-    assert count == "2" and int(tokens) > 2
     process.send_signal(signal.SIGINT)
     process.wait(timeout=15)
     for sim in (backend.group(1), embedder.group(1)):
@@ -166,18 +126,6 @@ def test_example_config_serves_its_tenants(sim_url: str, tokenizer_dir: Path) ->
                 headers={"authorization": f"Bearer {key}"},
             )
             assert response.status_code == 200, response.text
-
-
-def test_demo_shows_every_layer_catching_the_incident(tokenizer_dir: Path) -> None:
-    result = bulkhead("demo", "--tokenizer", str(tokenizer_dir))
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
-    assert "without the defences: HTTP 200, prompt_tokens 1" in out
-    assert "alice's text in bob's answer: YES" in out, "the engine must really leak for the demo to mean anything"
-    assert out.count("CAUGHT") == 5 and "MISSED" not in out
-    assert "context_length_exceeded" in out and "'usage_mismatch'" in out and "'leak'" in out
-    assert "set by the KV cache of prefill stage 'prefill-0'" in out, "the disaggregated layer, caught at admission"
-    assert not shows_marker(out)
 
 
 def one_line(stderr: str) -> str:
