@@ -643,6 +643,12 @@ class Settings(_Section):
         default=REDIS_KEY_PREFIX, description="starts every Redis name; deployments on one Redis need different ones"
     )
     admin_token: str | None = Field(default=None, min_length=16, repr=False, description="for /admin/*")
+    admin_url: str | None = Field(
+        default=None,
+        pattern=URL_PATTERN,
+        description="where `bulkhead tenants`, `incidents` and `webhooks` reach this gateway's admin API (a load "
+        "balancer's address, say); unset: the address it listens on. The gateway itself never reads it",
+    )
     metrics_token: str | None = Field(
         default=None, min_length=16, repr=False, description="for /metrics (it names tenants); unset = open"
     )
