@@ -20,22 +20,24 @@ class Counting(Protocol):
     def inc(self, amount: float = 1) -> None: ...
 
 
+class Labelled(Protocol):
+    def labels(self, *values: str) -> Counting: ...
+
+
 @dataclass(frozen=True)
 class Poison:
-    """One reader's account of the entries it drops: `reader` names it in the log and in the count
-    (`bulkhead_poison_entries_total{reader}`), `counted` is that count."""
+    """Where readers account for the entries they drop: `counted` is `bulkhead_poison_entries_total`, by reader."""
 
-    reader: str
-    counted: Counting
+    counted: Labelled
 
-    def dropped(self, key: str, entry: str, error: Exception) -> None:
-        """`entry` of `key` could not be read (`error`, of which only the type is said: a decoder's message can quote
-        what it read) and is gone."""
-        self.counted.inc()
+    def dropped(self, reader: str, key: str, entry: bytes | str, error: Exception) -> None:
+        """`reader` dropped `entry` (its id, or its name in a hash) of `key`, which it could not read (`error`, of
+        which only the type is said: a decoder's message can quote what it read)."""
+        self.counted.labels(reader).inc()
         log.error(
             "poison entry dropped by %s: entry %s of %s could not be read (%s)",
-            self.reader,
-            entry,
+            reader,
+            entry.decode(errors="backslashreplace") if isinstance(entry, bytes) else entry,
             key,
             type(error).__name__,
         )

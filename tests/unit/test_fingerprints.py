@@ -30,6 +30,7 @@ from isolation.fingerprints import (
 from isolation.guard import FRAGMENT, Leak, LeakBlocked, OutputGuard
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.winnowing import AnswerGrams, Hasher, Shape, words
+from tests.poisoned import Counted
 from tests.redis_server import redis_server
 from tests.unit.test_scanner import Leaks, registry_at
 
@@ -269,8 +270,8 @@ async def test_an_answer_waits_until_its_instance_has_read_the_feed_to_its_mark(
         redis = Redis.from_url(url)
         prefix = f"fingerprints-{uuid.uuid4().hex[:12]}:"
         two = FingerprintIndex(1800, 10_000)
-        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix)
-        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix)
+        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix, poison=Counted().poison)
+        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix, poison=Counted().poison)
         start = await feed_two.catch_up(two)
         await feed_one.publish(prompt("alice", "r1", [7, 8], at=time.time()))
         mark = await feed_two.publish(prompt("bob", "r1", [], at=time.time()))  # an entry without grams: a mark
@@ -290,8 +291,8 @@ async def test_a_follow_started_again_goes_on_from_where_the_last_one_read_to() 
     with redis_server() as url:
         redis = Redis.from_url(url)
         prefix = f"fingerprints-{uuid.uuid4().hex[:12]}:"
-        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix)
-        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix)
+        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix, poison=Counted().poison)
+        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix, poison=Counted().poison)
         before = FingerprintIndex(1800, 10_000)
         start = await feed_two.catch_up(before)
         mark = await feed_one.publish(prompt("alice", "r1", [7, 8], at=time.time()))
@@ -315,8 +316,8 @@ async def test_instances_share_fingerprints_through_redis() -> None:
         # A stream of this test's own: gateways under test on the same Redis publish to `bulkhead:fingerprints`.
         prefix = f"fingerprints-{uuid.uuid4().hex[:12]}:"
         one, two = FingerprintIndex(1800, 10_000), FingerprintIndex(1800, 10_000)
-        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix)
-        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix)
+        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix, poison=Counted().poison)
+        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix, poison=Counted().poison)
         await feed_one.publish(prompt("alice", "r1", [7, 8], at=time.time()))
         last = await feed_two.catch_up(two)  # a fresh instance reads what is already there
         assert len(two) == 2 and len(one) == 0

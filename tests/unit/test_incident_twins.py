@@ -48,6 +48,7 @@ from gateway.settings import Settings
 from gateway.tenancy.lookups import NameLookups
 from gateway.tenancy.webhooks import MemoryRegistrationStore, Registration, SigningKey, TenantWebhooks
 from gateway.webhooks import Deliveries, Message
+from tests.poisoned import Counted
 from tests.postgres_server import postgres_url
 from tests.unit.test_twins import TWINS, prefix, redis_for, redis_url
 
@@ -79,7 +80,10 @@ async def ledger(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[L
             yield PostgresLedger(pool, RETENTION_S, schema=schema)
         return
     async with redis_for(request, prefix) as redis:
-        yield MemoryLedger(RETENTION_S, 10_000) if redis is None else RedisLedger(redis, RETENTION_S, prefix=prefix)
+        if redis is None:
+            yield MemoryLedger(RETENTION_S, 10_000)
+        else:
+            yield RedisLedger(redis, RETENTION_S, prefix=prefix, poison=Counted().poison)
 
 
 @pytest.fixture(params=TWINS)
@@ -173,7 +177,7 @@ async def test_a_ledger_entry_written_before_suspect_characters_were_counted_rea
 ) -> None:
     now = time.time()
     async with Redis.from_url(redis_url) as redis:
-        ledger = RedisLedger(redis, RETENTION_S, prefix=prefix)
+        ledger = RedisLedger(redis, RETENTION_S, prefix=prefix, poison=Counted().poison)
         old = SEP.join(["r-old", "bob", str(round((now - 2) * 1000)), "1000", PARTIAL, "leak", "m"])
         await redis.xadd(f"{prefix}ledger:a", {"r": old})
         await ledger.write([Served("r-new", "bob", "m", "a", now - 1, now, PARTIAL, "leak", 0)])
@@ -333,7 +337,7 @@ async def test_redis_ledger_entries_are_small(redis_url: str, prefix: str) -> No
     """What 14 days at 100 req/s would cost is measured by tests/bench/bench_ledger.py; this keeps the encoding from
     growing unnoticed: a record's share of its stream stays under 200 bytes."""
     async with Redis.from_url(redis_url) as redis:
-        ledger = RedisLedger(redis, RETENTION_S, prefix=prefix)
+        ledger = RedisLedger(redis, RETENTION_S, prefix=prefix, poison=Counted().poison)
         now = time.time()
         batch = [Served(f"{i:032x}", f"tenant-{i % 7}", "llama", "a", now - 1, now, DELIVERED, "") for i in range(2000)]
         await ledger.write(batch)
@@ -387,12 +391,12 @@ async def stores(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[S
             settings = Settings.model_validate(
                 {"isolation": {"ledger": {"retention_s": RETENTION_S}}, "redis_key_prefix": prefix}
             )
-            yield build_stores(settings, redis, None)
+            yield build_stores(settings, redis, None, poison=Counted().poison)
             return
         async with postgres_schema() as (pool, schema):
             ledger = {"retention_s": RETENTION_S, "postgres_url": "postgresql://suite", "postgres_schema": schema}
             settings = Settings.model_validate({"isolation": {"ledger": ledger}, "redis_key_prefix": prefix})
-            yield build_stores(settings, redis, pool)
+            yield build_stores(settings, redis, pool, poison=Counted().poison)
 
 
 @pytest.fixture

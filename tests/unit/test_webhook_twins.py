@@ -15,6 +15,7 @@ import standardwebhooks
 from gateway.metrics import GatewayMetrics
 from gateway.settings import WebhookSettings
 from gateway.webhooks import Deliveries, MemoryOutbox, Message, Outbox, RedisOutbox, Target, whsec
+from tests.poisoned import Counted
 from tests.unit.test_twins import TWINS, prefix, redis_for, redis_url
 
 __all__ = ["prefix", "redis_url"]  # fixtures, used by name
@@ -28,7 +29,7 @@ LEASE_S = 40.0
 @pytest.fixture(params=TWINS)
 async def outbox(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Outbox]:
     async with redis_for(request, prefix) as redis:
-        yield MemoryOutbox() if redis is None else RedisOutbox(redis, prefix=prefix)
+        yield MemoryOutbox() if redis is None else RedisOutbox(redis, prefix=prefix, poison=Counted().poison)
 
 
 @dataclass
