@@ -2,9 +2,9 @@
 
 A reader that raised on one would raise on it again every time it came back (a reclaimed job every
 `queue.reclaim_after_s`, a message every lease, a stream re-read after a restart): a crash loop, and every entry
-behind it stuck. So the reader drops it (acknowledges and deletes it: it is never read again), says so once, and goes
-on with the next. What is said is where the entry was and its id, never its content: an entry can hold a tenant's
-text, or a secret.
+behind it stuck. So the reader drops it (acknowledges and deletes it, so that it is never read again; a follower that
+reads each entry once, the fingerprint feed's, passes it over), says so once, and goes on with the next. What is said
+is where the entry was and its id, never its content: an entry can hold a tenant's text, or a secret.
 """
 
 from __future__ import annotations
