@@ -186,6 +186,26 @@ async def test_a_ledger_entry_written_before_suspect_characters_were_counted_rea
     assert [(s.request_id, s.suspect_chars) for s in found] == [("r-old", None), ("r-new", 0)]
 
 
+async def test_a_ledger_entry_that_cannot_be_read_is_deleted_and_counted_and_the_entries_beside_it_are_read(
+    redis_url: str, prefix: str
+) -> None:
+    # The Redis twin alone: the others hold only the records they were given.
+    now, counted, key = time.time(), Counted(), f"{prefix}ledger:a"
+    unreadable = [{"r": b"\xff\xfe"}, {"r": "too few fields"}, {"x": "no record"}, {"r": SEP.join(["r-x"] * 7)}]
+    async with Redis.from_url(redis_url) as redis:
+        ledger = RedisLedger(redis, RETENTION_S, prefix=prefix, poison=counted.poison)
+        await ledger.write([Served("r-1", "bob", "m", "a", now - 2, now - 1, DELIVERED, "")])
+        for fields in unreadable:
+            await redis.xadd(key, fields)
+        await ledger.write([Served("r-2", "bob", "m", "a", now - 1, now, DELIVERED, "")])
+        found, _ = await ledger.served("a", now - 5, now + 1, 10)
+        again, _ = await ledger.served("a", now - 5, now + 1, 10)
+        left = await redis.xlen(key)
+        await redis.delete(key)
+    assert [s.request_id for s in found] == [s.request_id for s in again] == ["r-1", "r-2"]
+    assert left == 2 and counted.dropped("ledger") == 4, "deleted once read: the next read meets none of them"
+
+
 async def test_the_last_clean_probe_before_a_time(ledger: Ledger) -> None:
     now = time.time()
     assert await ledger.last_clean_probe("a", now) is None
