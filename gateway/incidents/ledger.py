@@ -17,7 +17,8 @@ model, joined by US (0x1f), the model last (a setting's name, which may hold any
 characters that went out ("" unknown). Seven fields of their own took 20% more memory, 50% more time to write and
 three times as long to read (tests/bench/bench_ledger.py and docs/benchmarks.md); `s` came later, as a field of its
 own so that an entry written before it reads as unknown, and an instance that predates it reads the entries
-written since.
+written since. An entry that does not read as a record (written by another hand) is deleted by the read that meets
+it, logged and counted (isolation/poison.py): every later read of its window would meet it again.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from gateway.webhooks.targets import target_kind
 from isolation.poison import Poison
 from isolation.redis_text import text
 
-# Each field's JSON types, as `encode` writes them; the last four may be missing (their defaults).
+# Each field's JSON types, as `encode` writes them; those not required have defaults.
 _SHAPE: dict[str, tuple[type, ...]] = {
     "id": (str,),
     "target": (str,),
@@ -44,7 +44,7 @@ _SHAPE: dict[str, tuple[type, ...]] = {
     "dead": (bool,),
     "expired": (bool,),
 }
-_REQUIRED = frozenset(list(_SHAPE)[:6])
+_REQUIRED = frozenset({"id", "target", "type", "body", "created", "next_at"})
 
 
 @dataclass(frozen=True)
