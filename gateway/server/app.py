@@ -90,6 +90,7 @@ from gateway.webhooks import TENANT_PREFIX, Deliveries, Resolver, Target, settin
 from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed, public_fingerprints
 from isolation.inject import system_leads
 from isolation.markers import CanaryKey, MarkerRegistry, ModelMarkers, RedisMarkerStore
+from isolation.poison import Poison
 from isolation.salts import CacheSalts
 from isolation.spelling import of_tokenizer
 from isolation.tokens import ModelTokenizer, TokenizerLoadError
@@ -548,9 +549,9 @@ def create_app(
             postgres = None
             if kept.postgres_url is not None:
                 postgres = await stack.enter_async_context(ledger_pool(kept.postgres_url, kept.postgres_pool_size))
-            stores = build_stores(settings, redis, postgres)
             metrics = GatewayMetrics(with_redis=redis is not None)
             stack.callback(metrics.close)
+            stores = build_stores(settings, redis, postgres, poison=Poison(metrics.poison_entries))
             tenants = TenantDirectory(settings.tenants, stores.directory, settings.tenant_directory, metrics)
             await tenants.start()  # a SettingsError is said in one line by BadSettingsAtStart
             fingerprinting = settings.isolation.fingerprints
