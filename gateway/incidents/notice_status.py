@@ -34,7 +34,7 @@ NEWEST_NOTICES = 100
 class NoticeStatus:
     notice: Notice
     state: str
-    attempts: int = 0
+    attempts: int | None = None  # the outbox's count, while it holds the message
     last_error: str | None = None
     next_attempt_at: float | None = None
 

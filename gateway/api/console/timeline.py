@@ -66,6 +66,7 @@ class Mark:
 class Tick:
     x: float
     label: str
+    anchor: str  # the label's text-anchor: the first and last kept inside the drawing
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,9 @@ class Timeline:
     plot_top: float
     plot_bottom: float
     since: float  # where the drawing starts: the window's start, or near its first answer (`draw`)
-    until: float
+    until: float  # where it ends: the window's end, or its last mark
+    window_end_x: float  # past it, the replica served no more in the window (shaded)
+    right_x: float
     lanes: list[Lane]
     marks: list[Mark]
     ticks: list[Tick]
@@ -91,8 +94,11 @@ def kind_of(served: Served) -> str:
 
 
 def _clock(at: float, span: float) -> str:
+    """A time to the precision the span tells apart: tenths of a second over seconds, the day over days."""
     when = datetime.fromtimestamp(at, UTC)
-    return when.strftime("%m-%d %H:%M" if span > 86_400 else "%H:%M:%S")
+    if span < 20:
+        return when.strftime("%H:%M:%S.%f")[:-5]
+    return when.strftime("%m-%d %H:%M" if span > 86_400 else "%H:%M:%S" if span < 3600 else "%H:%M")
 
 
 def _start(exposure: Exposure, marks: Sequence[tuple[float, str, str]]) -> float:
@@ -130,8 +136,11 @@ def _bars(tenant: str, answers: list[Served], since: float, span: float, y: floa
 
 
 def draw(exposure: Exposure, marks: Sequence[tuple[float, str, str]]) -> Timeline:
-    """The timeline of what the exposure holds; `marks` are (time, kind, title), drawn when in the window."""
-    since, until = _start(exposure, marks), exposure.window.until
+    """The timeline of what the exposure holds; `marks` are (time, kind, title), drawn from the window's start on. The
+    drawing goes on past the window's end to the last mark (notices are made once the probe confirms, after the
+    replica left rotation), that part shaded."""
+    since, window_end = _start(exposure, marks), exposure.window.until
+    until = max([window_end, *(at for at, _, _ in marks)])
     span = max(until - since, 1.0)
     recipients = exposure.by_recipient()
     lanes = []
@@ -144,9 +153,11 @@ def draw(exposure: Exposure, marks: Sequence[tuple[float, str, str]]) -> Timelin
     def x_of(at: float) -> float:
         return round(LEFT + (WIDTH - LEFT - RIGHT) * (at - since) / span, 1)
 
-    drawn = [Mark(x_of(at), kind, title) for at, kind, title in marks if since <= at <= until]
-    ticks = [Tick(x_of(since + span * n / TICKS), _clock(since + span * n / TICKS, span)) for n in range(TICKS + 1)]
+    drawn = [Mark(x_of(at), kind, title) for at, kind, title in marks if since <= at]
+    anchors = ["start", *["middle"] * (TICKS - 1), "end"]
+    at = [since + span * n / TICKS for n in range(TICKS + 1)]
+    ticks = [Tick(x_of(t), _clock(t, span), anchor) for t, anchor in zip(at, anchors, strict=True)]
     return Timeline(
-        WIDTH, int(plot_bottom + 8), TOP + AXIS, plot_bottom, since, until, lanes, drawn, ticks,
-        max(0, len(recipients) - MAX_LANES),
+        WIDTH, int(plot_bottom + 8), TOP + AXIS, plot_bottom, since, until, x_of(window_end), WIDTH - RIGHT, lanes,
+        drawn, ticks, max(0, len(recipients) - MAX_LANES),
     )  # fmt: skip
