@@ -105,7 +105,7 @@ def _start(exposure: Exposure, marks: Sequence[tuple[float, str, str]]) -> float
     """The window's start; but when nothing happened in most of it (a window from the ledger's horizon, days before
     its first answer), a little before the first thing that did, so that the answers are not squeezed to the edge."""
     since, until = exposure.window.since, exposure.window.until
-    first = min([s.start for s in exposure.served] + [at for at, _, _ in marks if since <= at <= until], default=until)
+    first = min([s.start for s in exposure.served] + [at for at, _, _ in marks if since <= at <= until], default=since)
     first = max(first, since)
     if first - since <= until - first:
         return since
