@@ -82,6 +82,12 @@ async def test_every_page_is_behind_the_login_and_the_token_is_posted_once_for_a
     assert not cookie["secure"], "over plain http (loopback) a Secure cookie would never come back"
     assert int(cookie["max-age"]) == 8 * 3600
     assert ADMIN_TOKEN not in header and ADMIN_TOKEN not in answer.headers["location"]
+    # Behind a TLS proxy on this host (uvicorn trusts 127.0.0.1's X-Forwarded-Proto), the cookie is Secure.
+    async with httpx.AsyncClient(timeout=10) as proxied:
+        https = await proxied.post(
+            f"{gateway}{CONSOLE}/login", data={"token": ADMIN_TOKEN}, headers={"x-forwarded-proto": "https"}
+        )
+    assert https.status_code == 303 and SimpleCookie(https.headers["set-cookie"])["bulkhead_console"]["secure"]
     page = await console.get(f"{gateway}{CONSOLE}")
     assert page.status_code == 200 and ADMIN_TOKEN not in page.text
     assert (await console.get(f"{gateway}{CONSOLE}/login")).headers["location"] == CONSOLE, "logged in already"
