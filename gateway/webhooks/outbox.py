@@ -103,6 +103,10 @@ class Outbox(Protocol):
         """The dead letters, oldest first."""
         ...
 
+    async def held_for(self, target: str, limit: int) -> list[Message]:
+        """The target's messages not delivered yet (due, retried, dead or expired), oldest first."""
+        ...
+
     async def counts(self) -> tuple[int, int]:
         """How many messages are still to be tried (dead letters that are retried among them), and how many are
         dead letters."""
@@ -159,6 +163,9 @@ class MemoryOutbox:
 
     async def dead_letters(self, limit: int) -> list[Message]:
         return sorted((m for m in self._messages.values() if m.dead), key=_order)[:limit]
+
+    async def held_for(self, target: str, limit: int) -> list[Message]:
+        return sorted((self._messages[i] for i in self._targets.get(target, ())), key=_order)[:limit]
 
     async def counts(self) -> tuple[int, int]:
         messages = self._messages.values()
@@ -307,6 +314,9 @@ class RedisOutbox:
 
     async def dead_letters(self, limit: int) -> list[Message]:
         return await self._read(await self._redis.zrange(self._dead, 0, limit - 1))
+
+    async def held_for(self, target: str, limit: int) -> list[Message]:
+        return await self._read(await self._redis.zrange(self._target + target, 0, limit - 1))
 
     async def _read(self, ids: list[Any]) -> list[Message]:
         """The messages stored under `ids` (those still there), each with its due time as the due set has it: a

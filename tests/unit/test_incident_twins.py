@@ -19,7 +19,7 @@ from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
 from gateway.incidents import pgledger
-from gateway.incidents.exposure import Window, exposure
+from gateway.incidents.exposure import Exposure, Window
 from gateway.incidents.incident import (
     PROBE,
     RETENTION,
@@ -166,7 +166,7 @@ async def test_the_suspect_characters_that_went_out_are_kept_and_unknown_stays_u
     found, _ = await ledger.served("a", now - 6, now, 10)
     assert [(s.request_id, s.suspect_chars) for s in found] == [(s.request_id, s.suspect_chars) for s in answers]
     assert found[1].view()["suspect_chars"] == 137
-    report = await exposure(ledger, Window("a", now - 6, now, "", ""), None, 10)
+    report = (await Exposure.read(ledger, Window("a", now - 6, now, "", ""), None, 10)).view()
     rows = {row["tenant"]: row["suspect_chars"] for row in report["recipients"]}  # type: ignore[attr-defined]
     # Carol's leaking answer has no count: her total is not known, nor the window's.
     assert (rows, report["suspect_chars"]) == ({"bob": 137, "carol": None}, None)

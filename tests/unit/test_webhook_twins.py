@@ -217,6 +217,21 @@ async def test_a_target_holds_at_most_max_pending_its_oldest_dropped(world: Worl
     assert [m.id for m in claimed] == [other, *sent[2:]], "another target's message is not its to drop"
 
 
+async def test_what_a_target_holds_is_listed_with_its_state_until_delivered(world: World) -> None:
+    world.receiver.statuses = [500, 204]
+    first = await world.deliveries.send("tenant:a", "test.held", {"n": 1})
+    world.now += 0.001
+    second = await world.deliveries.send("tenant:a", "test.held", {"n": 2})
+    world.now += 0.001
+    await world.deliveries.send("operator", "test.other", {})
+    assert [m.id for m in await world.outbox.held_for("tenant:a", 10)] == [first, second]
+    assert [m.id for m in await world.outbox.held_for("tenant:a", 1)] == [first]
+    await world.due()  # the first attempt fails, the second is delivered
+    [held] = await world.outbox.held_for("tenant:a", 10)
+    assert (held.attempts, held.last_error) == (1, "HTTP 500")
+    assert await world.outbox.held_for("tenant:b", 10) == []
+
+
 async def test_a_message_whose_target_is_gone_is_dropped(world: World) -> None:
     sent = await world.deliveries.send("tenant:a", "test.gone", {})
     del world.targets["tenant:a"]
