@@ -320,6 +320,14 @@ class GatewayMetrics:
             ["task"],
             registry=self.registry,
         )
+        self.poison_entries = Counter(
+            "bulkhead_poison_entries",
+            "Entries of shared state that their reader could not decode, dropped so that they are never read again "
+            "(isolation/poison.py), by reader: jobs, deferred_jobs, webhook_outbox, fingerprint_feed, ledger, "
+            "verdict_blocks, replica_failures, tenant_changes.",
+            ["reader"],
+            registry=self.registry,
+        )
         self.tasks = Gauge(
             "bulkhead_tasks",
             "asyncio tasks in this process's event loop: requests being served, background tasks and their work "

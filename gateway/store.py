@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Literal, Protocol, TypeGuard
+from collections.abc import Callable
+from typing import Literal, Protocol, TypeGuard, TypeVar
 
 from redis.asyncio import Redis
 
-from isolation.redis_text import text, text_fields
+from isolation.poison import Poison
+from isolation.redis_text import text
 
 AdminState = Literal["quarantined", "draining", "suspended", "held"]
 ADMIN_STATES: tuple[AdminState, ...] = ("quarantined", "draining", "suspended", "held")
 Suspension = Literal["suspended", "held"]
+T = TypeVar("T")
 
 
 class Store(Protocol):
@@ -204,8 +207,9 @@ class RedisStore:
     budget and window, `{prefix}budget:{name}:{window}`, which expires with its window; and `{prefix}blocks`, what is
     blocked until an operator lifts it (name → since when)."""
 
-    def __init__(self, redis: Redis, *, prefix: str) -> None:
+    def __init__(self, redis: Redis, *, prefix: str, poison: Poison) -> None:
         self._redis = redis
+        self._poison = poison
         self._admin = f"{prefix}replica-admin"
         self._failures = f"{prefix}replica-failures"
         self._until = f"{prefix}replica-suspended-until"
@@ -240,8 +244,21 @@ class RedisStore:
     async def take_lapsed(self, now: float, until: float) -> list[str]:
         return [text(name) for name in await self._take_lapsed(keys=[self._admin, self._until], args=[now, until])]
 
+    async def _read(self, key: str, reader: str, value: Callable[[str], T]) -> dict[str, T]:
+        """A hash's entries, each value read by `value`; an entry that is not text, or that `value` refuses
+        (ValueError), is poison, deleted: every instance reads these hashes each health interval."""
+        found: dict[str, T] = {}
+        for name, raw in (await self._redis.hgetall(key)).items():
+            try:
+                found[text(name)] = value(text(raw))
+            except ValueError as exc:
+                await self._redis.hdel(key, name)
+                self._poison.dropped(reader, key, name, exc)
+        return found
+
     async def admin_states(self) -> dict[str, AdminState]:
-        raw = text_fields(await self._redis.hgetall(self._admin))
+        # A state this version does not know (a later one's) is left, and read as none.
+        raw = await self._read(self._admin, "replica_admin", str)
         return {name: state for name, state in raw.items() if _is_admin_state(state)}
 
     async def report_failure(self, replica: str) -> None:
@@ -249,7 +266,7 @@ class RedisStore:
         await self._redis.hincrby(self._failures, replica, 1)
 
     async def failures(self) -> dict[str, int]:
-        return {name: int(count) for name, count in text_fields(await self._redis.hgetall(self._failures)).items()}
+        return await self._read(self._failures, "replica_failures", int)
 
     async def take(self, budget: str, limit: int, window_s: float, now: float) -> bool:
         window = int(now // window_s)
@@ -270,7 +287,7 @@ class RedisStore:
         return bool(await self._redis.hdel(self._blocks, name))
 
     async def blocks(self) -> list[str]:
-        return sorted(text_fields(await self._redis.hgetall(self._blocks)))
+        return sorted(await self._read(self._blocks, "verdict_blocks", str))
 
 
 async def shared_key(redis: Redis, name: str) -> bytes | None:

@@ -43,6 +43,7 @@ from gateway.api.admin_webhooks import WebhookAdminRoutes
 from gateway.api.anthropic import AnthropicRoutes
 from gateway.api.body import BodyReader
 from gateway.api.catalog import CatalogRoutes
+from gateway.api.console import ConsoleRoutes
 from gateway.api.intake import Intake
 from gateway.api.notices import NoticeRoutes
 from gateway.api.openai import OpenAIRoutes
@@ -90,6 +91,7 @@ from gateway.webhooks import TENANT_PREFIX, Deliveries, Resolver, Target, settin
 from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed, public_fingerprints
 from isolation.inject import system_leads
 from isolation.markers import CanaryKey, MarkerRegistry, ModelMarkers, RedisMarkerStore
+from isolation.poison import Poison
 from isolation.salts import CacheSalts
 from isolation.spelling import of_tokenizer
 from isolation.tokens import ModelTokenizer, TokenizerLoadError
@@ -490,6 +492,7 @@ def route_table(
     notices: NoticeRoutes,
     catalog: CatalogRoutes,
     admin: AdminRoutes,
+    console: ConsoleRoutes,
     workers: WorkersRoutes,
 ) -> list[BaseRoute]:
     """Every route of the app, each served by the surface that was given what it uses."""
@@ -520,6 +523,7 @@ def route_table(
         Route("/metrics", process.metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *admin.routes(),
+        *console.routes(),
         *workers.routes(),
     ]
 
@@ -548,9 +552,9 @@ def create_app(
             postgres = None
             if kept.postgres_url is not None:
                 postgres = await stack.enter_async_context(ledger_pool(kept.postgres_url, kept.postgres_pool_size))
-            stores = build_stores(settings, redis, postgres)
             metrics = GatewayMetrics(with_redis=redis is not None)
             stack.callback(metrics.close)
+            stores = build_stores(settings, redis, postgres, poison=Poison(metrics.poison_entries))
             tenants = TenantDirectory(settings.tenants, stores.directory, settings.tenant_directory, metrics)
             await tenants.start()  # a SettingsError is said in one line by BadSettingsAtStart
             fingerprinting = settings.isolation.fingerprints
@@ -686,6 +690,29 @@ def create_app(
                 tenant_webhooks=tenant_webhooks,
                 body_timeout_s=settings.edge.body_timeout_s,
             )
+            tenants_admin = TenantAdminRoutes(
+                settings=settings,
+                tenants=tenants,
+                audit=stores.audit,
+                tenant_webhooks=tenant_webhooks,
+                conversations=stores.conversations,
+            )
+            incidents_admin = IncidentAdminRoutes(
+                settings=settings, incidents=stores.incidents, ledger=ledger, pool=pool, tracker=incident.tracker
+            )
+            admin = AdminRoutes(
+                settings=settings,
+                pool=pool,
+                capacity=capacity,
+                events=stores.events,
+                audit=stores.audit,
+                verdicts=verdicts,
+                tracker=incident.tracker,
+                tenants=tenants_admin,
+                incidents=incidents_admin,
+                webhooks=WebhookAdminRoutes(deliveries=deliveries),
+                notices=notices,
+            )
             app.router.routes[:] = route_table(
                 process=ProcessRoutes(
                     readiness=ReadinessCheck(
@@ -717,30 +744,15 @@ def create_app(
                 ),
                 notices=notices,
                 catalog=CatalogRoutes(tenants=tenants, settings=settings),
-                admin=AdminRoutes(
+                admin=admin,
+                console=ConsoleRoutes(
                     settings=settings,
-                    pool=pool,
-                    capacity=capacity,
-                    events=stores.events,
-                    audit=stores.audit,
-                    verdicts=verdicts,
-                    tracker=incident.tracker,
-                    tenants=TenantAdminRoutes(
-                        settings=settings,
-                        tenants=tenants,
-                        audit=stores.audit,
-                        tenant_webhooks=tenant_webhooks,
-                        conversations=stores.conversations,
-                    ),
-                    incidents=IncidentAdminRoutes(
-                        settings=settings,
-                        incidents=stores.incidents,
-                        ledger=ledger,
-                        pool=pool,
-                        tracker=incident.tracker,
-                    ),
-                    webhooks=WebhookAdminRoutes(deliveries=deliveries),
-                    notices=notices,
+                    admin=admin,
+                    incidents=incidents_admin,
+                    tenants=tenants_admin,
+                    notices=stores.notices,
+                    tenant_webhooks=tenant_webhooks,
+                    outbox=deliveries.outbox,
                 ),
                 workers=WorkersRoutes(
                     pipeline=pipeline,

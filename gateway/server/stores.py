@@ -25,6 +25,7 @@ from gateway.webhooks import MemoryOutbox, Outbox, RedisOutbox
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
 from isolation.fingerprints import RedisFingerprintFeed
 from isolation.markers import RedisMarkerStore
+from isolation.poison import Poison
 
 
 @dataclass(frozen=True)
@@ -45,16 +46,20 @@ class Stores:
     markers: RedisMarkerStore | None  # canary markers, for other instances to recognise
     prefix: str  # every Redis name starts with it: deployments on one Redis share nothing
     feed_ttl_s: float  # how long a prompt's fingerprints stay in the feed
+    poison: Poison  # where readers of shared state account for the entries they cannot decode
 
     def fingerprint_feed(self, instance: str) -> RedisFingerprintFeed | None:
         """Every instance's prompts, for the fingerprint index; None: this instance's only."""
         if self.redis is None:
             return None
-        return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix)
+        return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix, poison=self.poison)
 
 
-def build_stores(settings: Settings, redis: Redis | None, postgres: AsyncConnectionPool | None) -> Stores:
-    """`postgres`: the pool to `isolation.ledger.postgres_url`, None when it is unset."""
+def build_stores(
+    settings: Settings, redis: Redis | None, postgres: AsyncConnectionPool | None, *, poison: Poison
+) -> Stores:
+    """`postgres`: the pool to `isolation.ledger.postgres_url`, None when it is unset; `poison`: where the Redis
+    twins account for entries they cannot decode (the memory twins hold none)."""
     events_max, audit_max = settings.isolation.events_max, settings.tenant_directory.audit_events_max
     queue, ttl, prefix = settings.queue, settings.isolation.fingerprints.ttl_s, settings.redis_key_prefix
     kept, ledger = settings.responses, settings.isolation.ledger
@@ -80,17 +85,18 @@ def build_stores(settings: Settings, redis: Redis | None, postgres: AsyncConnect
             markers=None,
             prefix=prefix,
             feed_ttl_s=ttl,
+            poison=poison,
         )
-    redis_outbox = RedisOutbox(redis, prefix=prefix)
+    redis_outbox = RedisOutbox(redis, prefix=prefix, poison=poison)
     return Stores(
         redis=redis,
-        directory=RedisDirectoryStore(redis, prefix=prefix),
-        store=RedisStore(redis, prefix=prefix),
+        directory=RedisDirectoryStore(redis, prefix=prefix, poison=poison),
+        store=RedisStore(redis, prefix=prefix, poison=poison),
         events=RedisEventLog(redis, events_max, prefix=prefix),
         audit=RedisAuditLog(redis, audit_max, prefix=prefix),
-        queue=RedisJobQueue(redis, queue.result_ttl_s, queue.reclaim_after_s, prefix=prefix),
+        queue=RedisJobQueue(redis, queue.result_ttl_s, queue.reclaim_after_s, prefix=prefix, poison=poison),
         conversations=RedisConversationStore(redis, kept.ttl_s, kept.max_bytes_per_tenant, prefix=prefix),
-        ledger=on_postgres or RedisLedger(redis, ledger.retention_s, prefix=prefix),
+        ledger=on_postgres or RedisLedger(redis, ledger.retention_s, prefix=prefix, poison=poison),
         incidents=RedisIncidentStore(redis, ledger.retention_s, prefix=prefix),
         notices=RedisNoticeStore(redis, ledger.retention_s, redis_outbox, prefix=prefix),
         registrations=RedisRegistrationStore(redis, prefix=prefix),
@@ -99,4 +105,5 @@ def build_stores(settings: Settings, redis: Redis | None, postgres: AsyncConnect
         markers=RedisMarkerStore(redis, prefix=prefix),
         prefix=prefix,
         feed_ttl_s=ttl,
+        poison=poison,
     )

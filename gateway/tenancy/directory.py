@@ -37,6 +37,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, WatchError
 
 from gateway.settings import TenantSettings
+from isolation.poison import Poison
 from isolation.redis_text import text
 
 log = logging.getLogger("bulkhead.directory")
@@ -346,8 +347,9 @@ return 0
 class RedisDirectoryStore:
     shared = True
 
-    def __init__(self, redis: Redis, *, prefix: str) -> None:
+    def __init__(self, redis: Redis, *, prefix: str, poison: Poison) -> None:
         self._redis = redis
+        self._poison = poison
         self._tenants = f"{prefix}tenants"
         self._ids = f"{prefix}tenant-ids"
         self._keys = f"{prefix}tenant-keys"
@@ -481,8 +483,16 @@ class RedisDirectoryStore:
                     changed(None)
                     pause = 0.1
                     async for message in pubsub.listen():
-                        if message["type"] == "message":
-                            changed(text(message["data"]))
+                        if message["type"] != "message":
+                            continue
+                        try:
+                            tenant_id = text(message["data"])
+                        except UnicodeDecodeError as exc:
+                            # No tenant's id (anyone can publish on a channel): said, rather than the end of the
+                            # listener, and of what every instance hears at once until it is started again.
+                            self._poison.dropped("tenant_changes", self.channel, "a message", exc)
+                            continue
+                        changed(tenant_id)
             except (RedisError, OSError) as exc:
                 log.warning("tenant changes: subscription lost (%s); retrying in %.1f s", type(exc).__name__, pause)
                 await asyncio.sleep(pause)

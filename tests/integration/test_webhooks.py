@@ -31,6 +31,7 @@ from gateway.webhooks import Message, RedisOutbox, whsec
 from tests.integration.receiver import Notice, Receiver, webhook_receiver
 from tests.integration.support import BOB_KEY, auth, canaries_only, gateway_settings, metric
 from tests.integration.test_canaries import alice_fills_the_cache, over_capacity
+from tests.poisoned import Counted
 from tests.redis_server import redis_server
 
 ADMIN = "admin-token-0123456789"
@@ -197,7 +198,7 @@ async def test_operators_replay_and_discard_dead_letters(
 
         # A dead letter another instance left in the shared outbox (a tenant's, expired): listed here, discarded.
         async with Redis.from_url(redis_url) as redis:
-            outbox = RedisOutbox(redis, prefix=settings.redis_key_prefix)
+            outbox = RedisOutbox(redis, prefix=settings.redis_key_prefix, poison=Counted().poison)
             now = time.time() - 3600
             old = Message(Message.new_id(now), "tenant:gone", "test.old", b'{"data":{}}', now, now, 9, "HTTP 500")
             await outbox.add(old, 10)
