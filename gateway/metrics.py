@@ -52,6 +52,11 @@ class _KeptChildren(MetricWrapperBase):
             child = self._kept[values] = super().labels(*values)
         return child
 
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        """Its labels, for docs/metrics.md (prometheus_client keeps them private)."""
+        return tuple(self._labelnames)
+
     def remove(self, *values: Any) -> None:
         self._kept.clear()
         super().remove(*values)

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.settings_errors import Loc, Sources, read_yaml, report, yaml_problem
 from isolation.inject import MarkerPlacement
 
 ENV_PREFIX = "BULKHEAD_"
@@ -642,6 +643,12 @@ class Settings(_Section):
         default=REDIS_KEY_PREFIX, description="starts every Redis name; deployments on one Redis need different ones"
     )
     admin_token: str | None = Field(default=None, min_length=16, repr=False, description="for /admin/*")
+    admin_url: str | None = Field(
+        default=None,
+        pattern=URL_PATTERN,
+        description="where `bulkhead tenants`, `incidents` and `webhooks` reach this gateway's admin API (a load "
+        "balancer's address, say); unset: the address it listens on. The gateway itself never reads it",
+    )
     metrics_token: str | None = Field(
         default=None, min_length=16, repr=False, description="for /metrics (it names tenants); unset = open"
     )
@@ -738,7 +745,7 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[tuple[str, ...], tuple[st
         try:
             value = yaml.safe_load(raw) if raw else raw
         except yaml.YAMLError as exc:
-            raise SettingsError(f"environment variable {variable}: not a valid value: {exc}") from exc
+            raise SettingsError(f"environment variable {variable}: {yaml_problem(exc)}") from exc
         overrides[path] = (variable, value)
     return overrides
 
@@ -753,26 +760,30 @@ def _apply(data: dict[str, Any], path: tuple[str, ...], value: Any, variable: st
     node[path[-1]] = value
 
 
-def _location(loc: tuple[int | str, ...]) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
-
-
 def load_settings(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Read the file (if any), apply the environment on top, validate; raise SettingsError naming the source."""
-    source = str(path) if path is not None else "defaults"
+    """Read the file (if any), apply the environment on top, validate; raise SettingsError saying where and what."""
+    if path is None:
+        return parse_settings(None, "defaults", environ)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
+    return parse_settings(text, str(path), environ)
+
+
+def parse_settings(text: str | None, name: str, environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings a file's `text` (None: no file) and the environment make; errors name the file as `name`."""
     data: dict[str, Any] = {}
-    if path is not None:
+    document = None
+    if text is not None:
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise SettingsError(f"{path}: cannot read: {exc.strerror}") from exc
+            loaded, document = read_yaml(text)
         except yaml.YAMLError as exc:
-            raise SettingsError(f"{path}: not valid YAML: {exc}") from exc
+            raise SettingsError(f"{name}, {yaml_problem(exc)}") from exc
         if loaded is not None and not isinstance(loaded, dict):
-            raise SettingsError(f"{path}: the top level must be a mapping of settings")
+            raise SettingsError(f"{name}: the top level must be a mapping of settings")
         data = loaded or {}
     overrides = _env_overrides(environ or {})
     for key_path, (variable, value) in overrides.items():
@@ -780,13 +791,5 @@ def load_settings(path: Path | None = None, environ: Mapping[str, str] | None = 
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        loc = tuple(error["loc"])
-        origin = next(
-            (variable for key, (variable, _) in overrides.items() if loc[: len(key)] == key),
-            source,
-        )
-        reason = error["msg"].removeprefix("Value error, ")
-        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
-        where = f"{_location(loc)}: " if loc else ""
-        raise SettingsError(f"{origin}: {where}{reason}{more}") from exc
+        variables: dict[Loc, str] = {key_path: variable for key_path, (variable, _) in overrides.items()}
+        raise SettingsError(report(exc, Settings, Sources(name, document, variables))) from exc

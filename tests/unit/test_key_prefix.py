@@ -80,7 +80,7 @@ def test_empty_long_spaced_or_odd_prefixes_are_refused(prefix: str) -> None:
 def test_a_bad_prefix_in_the_file_names_the_file_and_the_setting(tmp_path: Path) -> None:
     config = tmp_path / "b.yaml"
     config.write_text("redis_key_prefix: 'two words:'\n")
-    with pytest.raises(SettingsError, match=r"b\.yaml: redis_key_prefix: 'two words:': 1 to 64 characters"):
+    with pytest.raises(SettingsError, match=r"b\.yaml, line 1: redis_key_prefix: 'two words:': 1 to 64 characters"):
         load_settings(config)
 
 
