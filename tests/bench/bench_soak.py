@@ -753,8 +753,7 @@ async def poison_the_queue(run: Run, fault: Fault) -> None:
 
 
 async def crash_a_task(run: Run, fault: Fault) -> None:
-    """One worker's queue worker task raises once (tests/bench/crash_hook); over when the crash is counted and
-    /readyz no longer names the task."""
+    """One worker's queue worker task raises once (tests/bench/crash_hook); over when the crash is counted."""
     before = crashes(await run.scrape())
     os.kill(run.gateway.workers()[0], signal.SIGUSR2)
     deadline = time.monotonic() + 60
