@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import unquote
 
 SECTION = "tracing"
+DISABLED = "OTEL_SDK_DISABLED"
 TRACES_PATH = "/v1/traces"  # what the general endpoint variable is a base of (the OTLP/HTTP exporter's spec)
 
 
@@ -84,7 +85,10 @@ def tracing_overrides(environ: Mapping[str, str]) -> dict[tuple[str, ...], tuple
                 found[(SECTION, key)] = (variable, read(raw))
             except ValueError as exc:
                 raise ValueError(f"environment variable {variable}: {exc}") from None
-    # The SDK's switch for all of it: tracing off, whatever else says on.
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        found[(SECTION, "enabled")] = ("OTEL_SDK_DISABLED", False)
     return found
+
+
+def sdk_disabled(environ: Mapping[str, str]) -> bool:
+    """OTEL_SDK_DISABLED=true: the SDK reads it itself and then records nothing, so tracing is off whatever else
+    says on (the gateway's own variables included)."""
+    return environ.get(DISABLED, "").strip().lower() == "true"

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.otel_variables import tracing_overrides
+from gateway.otel_variables import DISABLED, sdk_disabled, tracing_overrides
 from isolation.inject import MarkerPlacement
 
 ENV_PREFIX = "BULKHEAD_"
@@ -857,6 +857,9 @@ def load_settings(path: Path | None = None, environ: Mapping[str, str] | None = 
         raise SettingsError(str(exc)) from exc
     # The standard OTEL_* variables first, so that the gateway's own, more specific, win.
     overrides = {**standard, **_env_overrides(environ or {})}
+    if sdk_disabled(environ or {}):
+        overrides.pop(("tracing", "enabled"), None)  # applied last: after a whole BULKHEAD_TRACING section too
+        overrides[("tracing", "enabled")] = (DISABLED, False)
     for key_path, (variable, value) in overrides.items():
         _apply(data, key_path, value, variable)
     try:
