@@ -1,6 +1,6 @@
 """One request's spans: the root (the gateway's server span, from the request's arrival to its log line), its stages
-beneath it (admission with its placement and count, the fair queue, each judge) and every call to an engine (a `Hop`,
-whose traceparent the engine receives, so that its own spans join the trace).
+beneath it (admission with its placement, count and rate limit; the fair queue; each judge) and every call to an
+engine (a `Hop`, whose traceparent the engine receives, so that its own spans join the trace).
 
 Attributes follow OpenTelemetry's semantic conventions: HTTP's for the request, GenAI's for what was asked of the
 model and what it used (`gen_ai.request.model`, `gen_ai.usage.input_tokens`, ...), `bulkhead.*` for the rest
