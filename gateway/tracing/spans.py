@@ -117,7 +117,8 @@ class RequestTrace:
         self._tracer = tracer
         self._root = root
         self.recording = root.is_recording()
-        self._context: Context = set_span_in_context(root)
+        # A request not sampled never parents a span: its context is not made (~1 µs of every such request).
+        self._context: Context = set_span_in_context(root) if self.recording else Context()
         self._stages: list[tuple[str, Span]] = []  # the chain's open spans, each the child of the one before it
         self._open: list[Span] = []
         self._operation = "request"  # until the model is known (asked)
