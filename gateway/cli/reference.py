@@ -52,6 +52,8 @@ def _type(annotation: Any) -> str:
         return " or ".join(_type(arg) for arg in args)
     if origin is list:
         return f"list of {_type(args[0])}"
+    if origin is dict:
+        return f"mapping of {_type(args[0])} to {_type(args[1])}"
     if origin is not None and args:  # Annotated[int, Field(ge=1)] and the like
         return _type(args[0])
     if annotation is type(None):

@@ -81,6 +81,7 @@ from gateway.tenancy.lookups import GetAddrInfo, NameLookups
 from gateway.tenancy.ratelimit import RateLimiter
 from gateway.tenancy.tenants import TenantDirectory
 from gateway.tenancy.webhooks import SigningKey, TenantWebhooks
+from gateway.tracing import Tracing
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
 from gateway.upstream.fairness import Gate
@@ -555,6 +556,12 @@ def create_app(
             metrics = GatewayMetrics(with_redis=redis is not None)
             stack.callback(metrics.close)
             stores = build_stores(settings, redis, postgres, poison=Poison(metrics.poison_entries))
+            instance = f"{socket.gethostname()}-{os.getpid()}"
+            tracing = None
+            if settings.tracing.enabled:
+                # Closed after the tasks and the clients: the spans of what they ended are sent too.
+                tracing = Tracing(settings.tracing, instance)
+                stack.push_async_callback(tracing.aclose)
             tenants = TenantDirectory(settings.tenants, stores.directory, settings.tenant_directory, metrics)
             await tenants.start()  # a SettingsError is said in one line by BadSettingsAtStart
             fingerprinting = settings.isolation.fingerprints
@@ -575,7 +582,6 @@ def create_app(
             keys = canary_keys(settings)
             markers = await marker_registry(settings, keys, stores.markers, metrics, tokenizers)
             tenants.joined = markers.publish_tenants
-            instance = f"{socket.gethostname()}-{os.getpid()}"
             # Random too: several apps can run in one process (tests, the demo), and must not skip each other.
             feed_name = f"{instance}-{secrets.token_hex(4)}"
             secret = await fingerprint_key(settings, keys[0], redis) if fingerprinting.enabled else b""
@@ -674,7 +680,7 @@ def create_app(
                 finishers={RESPONSES.name: Background(stores.conversations)},
             )
             # The routes: each surface given the pipeline and the few services it uses.
-            intake = Intake(tenants=tenants, bodies=bodies)
+            intake = Intake(tenants=tenants, bodies=bodies, tracing=tracing)
             openai = OpenAIRoutes(pipeline=pipeline, intake=intake, metrics=metrics)
             responses = ResponsesRoutes(
                 pipeline=pipeline,
