@@ -64,7 +64,7 @@ def test_the_sdks_switches_turn_it_off(environ: dict[str, str]) -> None:
 @pytest.mark.parametrize(
     ("variable", "value", "said"),
     [
-        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc", "tracing.protocol: Input should be 'http/protobuf'"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc", "tracing.protocol: must be 'http/protobuf'"),
         ("OTEL_TRACES_EXPORTER", "zipkin", "otlp, or none"),
         ("OTEL_EXPORTER_OTLP_HEADERS", "no-equals-sign", "is not a key=value pair"),
         ("OTEL_EXPORTER_OTLP_TIMEOUT", "soon", "is not a number of milliseconds"),
