@@ -14,9 +14,9 @@ import secrets
 import time
 from typing import Literal, Protocol, TypeGuard
 
-from redis.asyncio import Redis
-
+from isolation.redis_keys import RedisClient, tag, together
 from isolation.redis_text import text, text_fields
+from isolation.replication import NO_WAIT, Replication, run_command, run_script
 
 AdminState = Literal["quarantined", "draining", "suspended", "held"]
 ADMIN_STATES: tuple[AdminState, ...] = ("quarantined", "draining", "suspended", "held")
@@ -198,19 +198,33 @@ return taken
 """
 
 
+# KEYS: the budget's window. ARGV: its lifetime (s). What was taken of it, this one included.
+_TAKE = """
+local taken = redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], ARGV[1], 'NX')
+return taken
+"""
+
+
 class RedisStore:
     """Three hashes, replica → state: `{prefix}replica-admin`, `{prefix}replica-failures` and
     `{prefix}replica-suspended-until` (until when the instance probing each suspension holds it); a counter per
     budget and window, `{prefix}budget:{name}:{window}`, which expires with its window; and `{prefix}blocks`, what is
-    blocked until an operator lifts it (name → since when)."""
+    blocked until an operator lifts it (name → since when). On a cluster the three hashes share the tag `{replicas}`
+    (scripts use them together), and a budget's name is its counters' tag.
 
-    def __init__(self, redis: Redis, *, prefix: str) -> None:
+    Budgets taken and blocks made count once `replication` says (the verdict bounds must outlive a failover)."""
+
+    def __init__(self, redis: RedisClient, *, prefix: str, replication: Replication = NO_WAIT) -> None:
         self._redis = redis
-        self._admin = f"{prefix}replica-admin"
-        self._failures = f"{prefix}replica-failures"
-        self._until = f"{prefix}replica-suspended-until"
+        self._replication = replication
+        replicas = together(redis, prefix, "replicas")
+        self._admin = f"{replicas}replica-admin"
+        self._failures = f"{replicas}replica-failures"
+        self._until = f"{replicas}replica-suspended-until"
         self._budgets = f"{prefix}budget:"
-        self._blocks = f"{prefix}blocks"
+        self._blocks = f"{prefix}{tag(redis, 'blocks')}"
+        self._take = redis.register_script(_TAKE)
         self._end_suspension = redis.register_script(_END_SUSPENSION)
         self._suspend = redis.register_script(_SUSPEND)
         self._renew = redis.register_script(_RENEW)
@@ -251,20 +265,19 @@ class RedisStore:
     async def failures(self) -> dict[str, int]:
         return {name: int(count) for name, count in text_fields(await self._redis.hgetall(self._failures)).items()}
 
+    def _budget(self, budget: str, window_s: float, now: float) -> str:
+        return f"{self._budgets}{tag(self._redis, budget)}:{int(now // window_s)}"
+
     async def take(self, budget: str, limit: int, window_s: float, now: float) -> bool:
-        window = int(now // window_s)
-        key = f"{self._budgets}{budget}:{window}"
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.incr(key)
-            pipe.expire(key, max(1, int(window_s) + 1), nx=True)
-            taken, _ = await pipe.execute()
+        key = self._budget(budget, window_s, now)
+        taken = await run_script(self._redis, self._replication, self._take, [key], [max(1, int(window_s) + 1)])
         return int(taken) <= limit
 
     async def forget(self, budget: str, window_s: float, now: float) -> None:
-        await self._redis.delete(f"{self._budgets}{budget}:{int(now // window_s)}")
+        await self._redis.delete(self._budget(budget, window_s, now))
 
     async def block(self, name: str) -> None:
-        await self._redis.hset(self._blocks, name, repr(time.time()))
+        await run_command(self._redis, self._replication, self._blocks, "HSET", self._blocks, name, repr(time.time()))
 
     async def lift(self, name: str) -> bool:
         return bool(await self._redis.hdel(self._blocks, name))
@@ -273,7 +286,7 @@ class RedisStore:
         return sorted(text_fields(await self._redis.hgetall(self._blocks)))
 
 
-async def shared_key(redis: Redis, name: str) -> bytes | None:
+async def shared_key(redis: RedisClient, name: str) -> bytes | None:
     """A random key that every instance on this Redis shares: the first to ask makes it."""
     await redis.set(name, secrets.token_bytes(32), nx=True)
     stored = await redis.get(name)

@@ -1,13 +1,13 @@
-"""Where shared state lives: with `redis_url`, every store is the Redis twin (shared by every instance on that Redis,
-under `redis_key_prefix`); without, the memory twin (this process only). The twin is picked here, once, for all; the
-exposure ledger alone may live in PostgreSQL instead (`isolation.ledger.postgres_url`: the lifespan's pool)."""
+"""Where shared state lives: with `redis_url`, every store is the Redis twin (shared by every instance on that Redis
+or Redis Cluster, under `redis_key_prefix`); without, the memory twin (this process only). The twin is picked here,
+once, for all; the exposure ledger alone may live in PostgreSQL instead (`isolation.ledger.postgres_url`: the
+lifespan's pool)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from psycopg_pool import AsyncConnectionPool
-from redis.asyncio import Redis
 
 from gateway.api.conversations import ConversationStore, MemoryConversationStore, RedisConversationStore
 from gateway.incidents.incident import IncidentStore, MemoryIncidentStore, RedisIncidentStore
@@ -25,11 +25,13 @@ from gateway.webhooks import MemoryOutbox, Outbox, RedisOutbox
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
 from isolation.fingerprints import RedisFingerprintFeed
 from isolation.markers import RedisMarkerStore
+from isolation.redis_keys import RedisClient
+from isolation.replication import Replication
 
 
 @dataclass(frozen=True)
 class Stores:
-    redis: Redis | None
+    redis: RedisClient | None
     directory: DirectoryStore  # tenants and keys made at runtime
     store: Store  # replicas' admin states and the windowed budgets (suspensions, probes, verdicts)
     events: EventLog  # isolation events
@@ -53,7 +55,7 @@ class Stores:
         return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix)
 
 
-def build_stores(settings: Settings, redis: Redis | None, postgres: AsyncConnectionPool | None) -> Stores:
+def build_stores(settings: Settings, redis: RedisClient | None, postgres: AsyncConnectionPool | None) -> Stores:
     """`postgres`: the pool to `isolation.ledger.postgres_url`, None when it is unset."""
     events_max, audit_max = settings.isolation.events_max, settings.tenant_directory.audit_events_max
     queue, ttl, prefix = settings.queue, settings.isolation.fingerprints.ttl_s, settings.redis_key_prefix
@@ -82,17 +84,19 @@ def build_stores(settings: Settings, redis: Redis | None, postgres: AsyncConnect
             feed_ttl_s=ttl,
         )
     redis_outbox = RedisOutbox(redis, prefix=prefix)
+    # What must outlive a failover counts as written once this many replicas hold it (isolation/replication.py).
+    replication = Replication(settings.redis_wait_replicas, settings.redis_wait_timeout_s)
     return Stores(
         redis=redis,
-        directory=RedisDirectoryStore(redis, prefix=prefix),
-        store=RedisStore(redis, prefix=prefix),
+        directory=RedisDirectoryStore(redis, prefix=prefix, replication=replication),
+        store=RedisStore(redis, prefix=prefix, replication=replication),
         events=RedisEventLog(redis, events_max, prefix=prefix),
         audit=RedisAuditLog(redis, audit_max, prefix=prefix),
-        queue=RedisJobQueue(redis, queue.result_ttl_s, queue.reclaim_after_s, prefix=prefix),
+        queue=RedisJobQueue(redis, queue.result_ttl_s, queue.reclaim_after_s, prefix=prefix, replication=replication),
         conversations=RedisConversationStore(redis, kept.ttl_s, kept.max_bytes_per_tenant, prefix=prefix),
         ledger=on_postgres or RedisLedger(redis, ledger.retention_s, prefix=prefix),
         incidents=RedisIncidentStore(redis, ledger.retention_s, prefix=prefix),
-        notices=RedisNoticeStore(redis, ledger.retention_s, redis_outbox, prefix=prefix),
+        notices=RedisNoticeStore(redis, ledger.retention_s, redis_outbox, replication=replication),
         registrations=RedisRegistrationStore(redis, prefix=prefix),
         outbox=redis_outbox,
         buckets=RedisBuckets(redis, prefix=prefix),

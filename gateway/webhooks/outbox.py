@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import orjson
-from redis.asyncio import Redis
+
+from isolation.redis_keys import RedisClient, together
 
 
 @dataclass(frozen=True)
@@ -210,8 +211,11 @@ return removed
 class RedisOutbox:
     """Every instance's messages, in Redis under `prefix` (the module's docstring names the keys)."""
 
-    def __init__(self, redis: Redis, *, prefix: str) -> None:
+    def __init__(self, redis: RedisClient, *, prefix: str) -> None:
         self._redis = redis
+        # What its names start with: on a cluster, one tag for all, which the tenants' notices share (a notice is
+        # kept with its message in one script: notices.py).
+        self.names = prefix = together(redis, prefix, "outbox")
         self._messages = f"{prefix}webhooks:messages"
         self._due = f"{prefix}webhooks:due"
         self._dead = f"{prefix}webhooks:dead"
