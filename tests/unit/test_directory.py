@@ -30,6 +30,7 @@ from gateway.tenancy.directory import (
 )
 from gateway.tenancy.tenants import TenantDirectory, hash_key, new_api_key
 from tests.redis_server import redis_server
+from tests.unit.test_twins import redis_for
 
 TWINS = ["memory", "redis"]
 DIRECTORY_DATABASE = 14
@@ -48,16 +49,8 @@ def namespace() -> str:
 
 @pytest.fixture(params=TWINS)
 async def store(request: pytest.FixtureRequest, namespace: str) -> AsyncIterator[DirectoryStore]:
-    if request.param == "memory":
-        yield MemoryDirectoryStore()
-        return
-    async with Redis.from_url(request.getfixturevalue("redis_url")) as redis:
-        try:
-            yield RedisDirectoryStore(redis, prefix=f"{namespace}:")
-        finally:
-            keys = [key async for key in redis.scan_iter(match=f"{namespace}:*")]
-            if keys:
-                await redis.delete(*keys)
+    async with redis_for(request, f"{namespace}:") as redis:
+        yield MemoryDirectoryStore() if redis is None else RedisDirectoryStore(redis, prefix=f"{namespace}:")
 
 
 def tenant(tenant_id: str = "acme", **fields: object) -> Tenant:
