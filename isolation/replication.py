@@ -7,14 +7,15 @@ primary is asked, on the same connection and right after the write, to WAIT unti
 everything that connection wrote; a write they do not all confirm within the timeout raises NotReplicated, so
 the caller fails as it does when Redis is down (it may still be there, on the primary alone).
 
-On a cluster the write and its WAIT go to the primary of the write's first key, on one of its connections, with
-no retry: redis-py's cluster pipeline would send a WAIT it had to resend to another node, whose answer says
-nothing of this write. A write that meets a slot moved elsewhere, or a primary that does not know the script
-(a replica promoted since), is sent once more.
+On a cluster the write and its WAIT go to the primary of the write's first key, on one of its connections, without
+redis-py's retries: its cluster pipeline would send a WAIT it had to resend to another node, whose answer says
+nothing of this write. A write that was not run (its primary gone, its slot moved, the script unknown to a
+replica promoted since) is sent once more, to the primary the client finds for the slot then.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,8 @@ from typing import Any
 from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import AskError, MovedError, NoScriptError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from isolation.redis_keys import RedisClient
 
@@ -81,20 +84,35 @@ async def _on_primary(
         node: ClusterNode | None = redis.get_node_from_key(key)
         assert node is not None, "a primary's node"
         sent = [PipelineCommand(0, *command), PipelineCommand(1, "WAIT", *_wait_args(replication))]
-        await node.execute_pipeline(sent)
+        try:
+            await node.execute_pipeline(sent)
+        except (RedisConnectionError, RedisTimeoutError):
+            # Not sent: the primary is gone (or its connection). Sent again to whichever primary has the slot now.
+            if attempt == 2:
+                raise
+            await _locate(redis, key)
+            continue
         answer, acked = sent[0].result, sent[1].result
         if attempt == 1 and isinstance(answer, NoScriptError) and script is not None:
             await redis.script_load(script.script)
         elif attempt == 1 and isinstance(answer, MovedError | AskError):
-            # Not run. A command through the client learns where the slot went, for the next attempt.
-            await redis.exists(key)
+            await _locate(redis, key)  # not run: the slot is elsewhere now
         else:
             break
     for result in (answer, acked):
+        if isinstance(result, RedisConnectionError | RedisTimeoutError):
+            await _locate(redis, key)  # sent, perhaps run: not acknowledged, but the next write finds the slot
         if isinstance(result, Exception):
             raise result
     _check(acked, replication)
     return answer
+
+
+async def _locate(redis: RedisCluster, key: str) -> None:
+    """Have the client learn which primary holds the key's slot now: a command through it follows a redirection or
+    refreshes the cluster's slots after an error (a failover), as its own retries do."""
+    with contextlib.suppress(RedisError):
+        await redis.exists(key)
 
 
 def _wait_args(replication: Replication) -> tuple[int, int]:

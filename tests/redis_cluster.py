@@ -137,6 +137,17 @@ def wait_ok(ports: list[int], replicas: int = 0, timeout_s: float = 30) -> None:
         time.sleep(0.1)
 
 
+def wait_promoted(port: int, timeout_s: float = 30) -> None:
+    """Until the replica on `port` is a master: its master was found dead, and it was elected in its place. (Before
+    then the others still say cluster_state:ok; and a master without persistence that comes back first comes back
+    empty, and its replica copies that.)"""
+    deadline = time.monotonic() + timeout_s
+    while replication(port).get("role") != "master":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the replica on {port} was not promoted within {timeout_s} s")
+        time.sleep(0.05)
+
+
 def start_cluster() -> OwnCluster:
     """Six redis-servers on free ports, made into a cluster of three masters each with a replica in sync; stopped by
     the caller (or when the process ends)."""
