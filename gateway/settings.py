@@ -656,8 +656,8 @@ class Settings(_Section):
         default=0,
         ge=0,
         le=16,
-        description="queued jobs, runtime tenants and keys, notices and verdict bounds count as written once this "
-        "many replicas hold them (Redis WAIT), so a failover loses none; 0: once the primary does",
+        description="queued jobs, runtime tenants and keys, notices, verdict bounds and replicas taken out count as "
+        "written once this many replicas hold them (Redis WAIT), so a failover loses none; 0: once the primary does",
     )
     redis_wait_timeout_s: float = Field(
         default=0.5,

@@ -151,6 +151,14 @@ class MemoryStore:
         return sorted(self._blocks)
 
 
+# KEYS: the admin hash, the suspensions' ends; ARGV: replica, its state ("" for none). An operator's decision
+# replaces whatever there was, and any hold.
+_SET_ADMIN_STATE = """
+if ARGV[2] == '' then redis.call('HDEL', KEYS[1], ARGV[1]) else redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 0
+"""
+
 # KEYS: the admin hash, the suspensions' ends; ARGV: replica. 1 when it was suspended, and is released.
 _END_SUSPENSION = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= 'suspended' then return 0 end
@@ -213,7 +221,8 @@ class RedisStore:
     blocked until an operator lifts it (name → since when). On a cluster the three hashes share the tag `{replicas}`
     (scripts use them together), and a budget's name is its counters' tag.
 
-    Budgets taken and blocks made count once `replication` says (the verdict bounds must outlive a failover)."""
+    Replicas taken out (an operator's state, a suspension), budgets taken and blocks made count once `replication`
+    says: a failover must not let a replica back in, nor forget a verdict bound."""
 
     def __init__(self, redis: RedisClient, *, prefix: str, replication: Replication = NO_WAIT) -> None:
         self._redis = redis
@@ -225,19 +234,15 @@ class RedisStore:
         self._budgets = f"{prefix}budget:"
         self._blocks = f"{prefix}{tag(redis, 'blocks')}"
         self._take = redis.register_script(_TAKE)
+        self._set_admin_state = redis.register_script(_SET_ADMIN_STATE)
         self._end_suspension = redis.register_script(_END_SUSPENSION)
         self._suspend = redis.register_script(_SUSPEND)
         self._renew = redis.register_script(_RENEW)
         self._take_lapsed = redis.register_script(_TAKE_LAPSED)
 
     async def set_admin_state(self, replica: str, state: AdminState | None) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            if state is None:
-                pipe.hdel(self._admin, replica)
-            else:
-                pipe.hset(self._admin, replica, state)
-            pipe.hdel(self._until, replica)
-            await pipe.execute()
+        keys = [self._admin, self._until]
+        await run_script(self._redis, self._replication, self._set_admin_state, keys, [replica, state or ""])
 
     async def end_suspension(self, replica: str) -> bool:
         return bool(await self._end_suspension(keys=[self._admin, self._until], args=[replica]))
@@ -246,7 +251,8 @@ class RedisStore:
         self, replica: str, others: list[str], until: float | None, state: Suspension = "suspended"
     ) -> bool:
         hold = "" if until is None else until
-        return bool(await self._suspend(keys=[self._admin, self._until], args=[replica, state, hold, *others]))
+        args = [replica, state, hold, *others]
+        return bool(await run_script(self._redis, self._replication, self._suspend, [self._admin, self._until], args))
 
     async def renew(self, replica: str, until: float) -> bool:
         return bool(await self._renew(keys=[self._admin, self._until], args=[replica, until]))

@@ -1,7 +1,7 @@
 """A Redis Cluster master killed under load: its replica is promoted, the gateway's client finds it, and every write
 the stores acknowledged is there afterwards (queued jobs, runtime tenants and keys, notices with their webhook
-messages, verdict bounds' counts and blocks), because with `redis_wait_replicas` an acknowledgement means a replica
-has the write (isolation/replication.py). A write a replica does not confirm is refused, not acknowledged.
+messages, verdict bounds' counts and blocks, quarantines), because with `redis_wait_replicas` an acknowledgement
+means a replica has the write (isolation/replication.py). A write a replica does not confirm is refused.
 
 The cluster is the test's own (tests/redis_cluster.py): it kills one of its nodes, and stops another.
 """
@@ -73,6 +73,7 @@ class Acknowledged:
     notices: list[tuple[Notice, Message | None]] = field(default_factory=list)
     takes: dict[str, int] = field(default_factory=dict)
     blocks: list[str] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
     refused: int = 0  # writes that failed (Redis unreachable, the failover under way, no replica confirming)
     after: dict[str, int] = field(default_factory=dict)  # acknowledged since `failed_over` was set, by kind
     failed_over: bool = False
@@ -127,6 +128,9 @@ def load(stores: Stores, acked: Acknowledged) -> dict[str, Callable[[int], Await
         if n % 10 == 0:
             await stores.store.block(f'["tenant-{n}","m"]')
             acked.blocks.append(f'["tenant-{n}","m"]')
+        if n % 10 == 5:
+            await stores.store.set_admin_state(f"replica-{n}", "quarantined")
+            acked.quarantined.append(f"replica-{n}")
 
     return {"jobs": job, "tenants": tenant, "notices": notice, "verdicts": verdict}
 
@@ -154,6 +158,7 @@ async def lost(stores: Stores, acked: Acknowledged) -> list[str]:
         if await stores.store.take(budget, taken, DAY_S, time.time()):
             missing.append(f"takes of {budget}")
     missing += [f"block {name}" for name in set(acked.blocks) - set(await stores.store.blocks())]
+    missing += [f"quarantine of {name}" for name in set(acked.quarantined) - set(await stores.store.admin_states())]
     return missing
 
 
