@@ -110,9 +110,7 @@ async def measure(url: str, count: int, concurrency: int) -> None:
     print("| --- | --- | --- | --- | --- |")
     for (name, replicas), took in latencies.items():
         rate = sorted(rates[(name, replicas)])[len(rates[(name, replicas)]) // 2]
-        print(
-            f"| {name} | {replicas} | {percentile(took, 50):.0f} | {percentile(took, 99):.0f} | {rate:,.0f} |"
-        )
+        print(f"| {name} | {replicas} | {percentile(took, 50):.0f} | {percentile(took, 99):.0f} | {rate:,.0f} |")
 
 
 def main() -> None:
