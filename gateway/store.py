@@ -292,9 +292,10 @@ class RedisStore:
         return sorted(text_fields(await self._redis.hgetall(self._blocks)))
 
 
-async def shared_key(redis: RedisClient, name: str) -> bytes | None:
-    """A random key that every instance on this Redis shares: the first to ask makes it."""
-    await redis.set(name, secrets.token_bytes(32), nx=True)
+async def shared_key(redis: RedisClient, name: str, replication: Replication = NO_WAIT) -> bytes | None:
+    """A random key that every instance on this Redis shares: the first to ask makes it. Made once `replication`
+    says: one lost to a failover would be made again, and what it signed or hashed before would no longer match."""
+    await run_command(redis, replication, name, "SET", name, secrets.token_bytes(32), "NX")
     stored = await redis.get(name)
     return stored if isinstance(stored, bytes) else None
 

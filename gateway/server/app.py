@@ -73,7 +73,7 @@ from gateway.pipeline.judging import Judging
 from gateway.pipeline.slot import Slots
 from gateway.server.openapi import openapi_document
 from gateway.server.readiness import ReadinessCheck
-from gateway.server.stores import build_stores
+from gateway.server.stores import build_stores, replication_of
 from gateway.settings import Settings, SettingsError
 from gateway.store import shared_key
 from gateway.supervisor import Supervisor
@@ -92,6 +92,7 @@ from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerp
 from isolation.inject import system_leads
 from isolation.markers import CanaryKey, MarkerRegistry, ModelMarkers, RedisMarkerStore
 from isolation.redis_keys import RedisClient, tag
+from isolation.replication import Replication
 from isolation.salts import CacheSalts
 from isolation.spelling import of_tokenizer
 from isolation.tokens import ModelTokenizer, TokenizerLoadError
@@ -331,7 +332,8 @@ async def fingerprint_key(settings: Settings, key: CanaryKey, redis: RedisClient
     another's prompts."""
     secret = key.secret
     if redis is not None and not settings.isolation.canary.keys:
-        stored = await kept_in_redis(redis, f"{settings.redis_key_prefix}{tag(redis, 'fingerprint-key')}")
+        name = f"{settings.redis_key_prefix}{tag(redis, 'fingerprint-key')}"
+        stored = await kept_in_redis(redis, name, replication_of(settings))
         if stored is None:
             # Redis down is a bad day to serve through, not a reason to stay down: this instance hashes alone.
             log.error(
@@ -344,11 +346,11 @@ async def fingerprint_key(settings: Settings, key: CanaryKey, redis: RedisClient
     return fingerprint_secret(secret)
 
 
-async def kept_in_redis(redis: RedisClient, name: str) -> bytes | None:
+async def kept_in_redis(redis: RedisClient, name: str, replication: Replication) -> bytes | None:
     """A random key that every instance on this Redis shares (the first to start makes it); None when Redis could not
     be asked."""
     try:
-        return await shared_key(redis, name)
+        return await shared_key(redis, name, replication)
     except (RedisError, OSError) as exc:
         log.error("key %s not read from Redis: %s", name, type(exc).__name__)
         return None
@@ -362,7 +364,8 @@ def notice_signing_key(settings: Settings, redis: RedisClient | None) -> Signing
     if configured is not None:
         return SigningKey(configured.encode())
     if redis is not None:
-        return SigningKey(None, redis, f"{settings.redis_key_prefix}{tag(redis, 'notice-signing-key')}")
+        name = f"{settings.redis_key_prefix}{tag(redis, 'notice-signing-key')}"
+        return SigningKey(None, redis, name, replication_of(settings))
     return SigningKey(secrets.token_bytes(32))
 
 

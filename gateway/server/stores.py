@@ -55,6 +55,11 @@ class Stores:
         return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix)
 
 
+def replication_of(settings: Settings) -> Replication:
+    """What must outlive a failover counts as written once this many replicas hold it (isolation/replication.py)."""
+    return Replication(settings.redis_wait_replicas, settings.redis_wait_timeout_s)
+
+
 def build_stores(settings: Settings, redis: RedisClient | None, postgres: AsyncConnectionPool | None) -> Stores:
     """`postgres`: the pool to `isolation.ledger.postgres_url`, None when it is unset."""
     events_max, audit_max = settings.isolation.events_max, settings.tenant_directory.audit_events_max
@@ -84,8 +89,7 @@ def build_stores(settings: Settings, redis: RedisClient | None, postgres: AsyncC
             feed_ttl_s=ttl,
         )
     redis_outbox = RedisOutbox(redis, prefix=prefix)
-    # What must outlive a failover counts as written once this many replicas hold it (isolation/replication.py).
-    replication = Replication(settings.redis_wait_replicas, settings.redis_wait_timeout_s)
+    replication = replication_of(settings)
     return Stores(
         redis=redis,
         directory=RedisDirectoryStore(redis, prefix=prefix, replication=replication),
