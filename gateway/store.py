@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Literal, Protocol, TypeGuard
+from collections.abc import Callable
+from typing import Literal, Protocol, TypeGuard, TypeVar
 
+from isolation.poison import Poison
 from isolation.redis_keys import RedisClient, tag, together
-from isolation.redis_text import text, text_fields
+from isolation.redis_text import text
 from isolation.replication import NO_WAIT, Replication, run_command, run_script
 
 AdminState = Literal["quarantined", "draining", "suspended", "held"]
 ADMIN_STATES: tuple[AdminState, ...] = ("quarantined", "draining", "suspended", "held")
 Suspension = Literal["suspended", "held"]
+T = TypeVar("T")
 
 
 class Store(Protocol):
@@ -224,8 +227,9 @@ class RedisStore:
     Replicas taken out (an operator's state, a suspension), budgets taken and blocks made count once `replication`
     says: a failover must not let a replica back in, nor forget a verdict bound."""
 
-    def __init__(self, redis: RedisClient, *, prefix: str, replication: Replication = NO_WAIT) -> None:
+    def __init__(self, redis: RedisClient, *, prefix: str, poison: Poison, replication: Replication = NO_WAIT) -> None:
         self._redis = redis
+        self._poison = poison
         self._replication = replication
         replicas = together(redis, prefix, "replicas")
         self._admin = f"{replicas}replica-admin"
@@ -260,8 +264,21 @@ class RedisStore:
     async def take_lapsed(self, now: float, until: float) -> list[str]:
         return [text(name) for name in await self._take_lapsed(keys=[self._admin, self._until], args=[now, until])]
 
+    async def _read(self, key: str, reader: str, value: Callable[[str], T]) -> dict[str, T]:
+        """A hash's entries, each value read by `value`; an entry that is not text, or that `value` refuses
+        (ValueError), is poison, deleted: every instance reads these hashes each health interval."""
+        found: dict[str, T] = {}
+        for name, raw in (await self._redis.hgetall(key)).items():
+            try:
+                found[text(name)] = value(text(raw))
+            except ValueError as exc:
+                await self._redis.hdel(key, name)
+                self._poison.dropped(reader, key, name, exc)
+        return found
+
     async def admin_states(self) -> dict[str, AdminState]:
-        raw = text_fields(await self._redis.hgetall(self._admin))
+        # A state this version does not know (a later one's) is left, and read as none.
+        raw = await self._read(self._admin, "replica_admin", str)
         return {name: state for name, state in raw.items() if _is_admin_state(state)}
 
     async def report_failure(self, replica: str) -> None:
@@ -269,7 +286,7 @@ class RedisStore:
         await self._redis.hincrby(self._failures, replica, 1)
 
     async def failures(self) -> dict[str, int]:
-        return {name: int(count) for name, count in text_fields(await self._redis.hgetall(self._failures)).items()}
+        return await self._read(self._failures, "replica_failures", int)
 
     def _budget(self, budget: str, window_s: float, now: float) -> str:
         return f"{self._budgets}{tag(self._redis, budget)}:{int(now // window_s)}"
@@ -289,7 +306,7 @@ class RedisStore:
         return bool(await self._redis.hdel(self._blocks, name))
 
     async def blocks(self) -> list[str]:
-        return sorted(text_fields(await self._redis.hgetall(self._blocks)))
+        return sorted(await self._read(self._blocks, "verdict_blocks", str))
 
 
 async def shared_key(redis: RedisClient, name: str, replication: Replication = NO_WAIT) -> bytes | None:

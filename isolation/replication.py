@@ -28,6 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from isolation.redis_keys import RedisClient
 
+Key = str | bytes
 Arg = bytes | str | int | float
 
 
@@ -45,7 +46,7 @@ class NotReplicated(RedisError):
 
 
 async def run_script(
-    redis: RedisClient, replication: Replication, script: AsyncScript, keys: Sequence[str], args: Sequence[Arg]
+    redis: RedisClient, replication: Replication, script: AsyncScript, keys: Sequence[Key], args: Sequence[Arg]
 ) -> Any:
     """The script's answer, once `replication.replicas` replicas hold what it wrote."""
     if not replication.replicas:
@@ -62,7 +63,7 @@ async def run_script(
     return answer
 
 
-async def run_command(redis: RedisClient, replication: Replication, key: str, *command: Arg) -> Any:
+async def run_command(redis: RedisClient, replication: Replication, key: Key, *command: Arg) -> Any:
     """The answer to one command on `key` (its first argument after the name), once replicas hold what it wrote."""
     if not replication.replicas:
         return await redis.execute_command(*command)
@@ -77,12 +78,11 @@ async def run_command(redis: RedisClient, replication: Replication, key: str, *c
 
 
 async def _on_primary(
-    redis: RedisCluster, replication: Replication, key: str, command: tuple[Arg, ...], script: AsyncScript | None
+    redis: RedisCluster, replication: Replication, key: Key, command: tuple[Arg, ...], script: AsyncScript | None
 ) -> Any:
     await redis.initialize()  # at once, unless the client has yet to learn the cluster's slots
     for attempt in (1, 2):
-        node: ClusterNode | None = redis.get_node_from_key(key)
-        assert node is not None, "a primary's node"
+        node: ClusterNode = redis.nodes_manager.get_node_from_slot(redis.keyslot(key))
         sent = [PipelineCommand(0, *command), PipelineCommand(1, "WAIT", *_wait_args(replication))]
         try:
             await node.execute_pipeline(sent)
@@ -108,7 +108,7 @@ async def _on_primary(
     return answer
 
 
-async def _locate(redis: RedisCluster, key: str) -> None:
+async def _locate(redis: RedisCluster, key: Key) -> None:
     """Have the client learn which primary holds the key's slot now: a command through it follows a redirection or
     refreshes the cluster's slots after an error (a failover), as its own retries do."""
     with contextlib.suppress(RedisError):

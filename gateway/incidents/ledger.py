@@ -17,7 +17,8 @@ model, joined by US (0x1f), the model last (a setting's name, which may hold any
 characters that went out ("" unknown). Seven fields of their own took 20% more memory, 50% more time to write and
 three times as long to read (tests/bench/bench_ledger.py and docs/benchmarks.md); `s` came later, as a field of its
 own so that an entry written before it reads as unknown, and an instance that predates it reads the entries
-written since.
+written since. An entry that does not read as a record (written by another hand) is deleted by the read that meets
+it, logged and counted (isolation/poison.py): every later read of its window would meet it again.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from redis.exceptions import RedisError
 
+from isolation.poison import Poison
 from isolation.redis_keys import RedisClient, tag
 from isolation.redis_text import text, text_fields
 
@@ -129,8 +131,9 @@ class MemoryLedger:
 
 
 class RedisLedger:
-    def __init__(self, redis: RedisClient, retention_s: float, *, prefix: str) -> None:
+    def __init__(self, redis: RedisClient, retention_s: float, *, prefix: str, poison: Poison) -> None:
         self._redis = redis
+        self._poison = poison
         self._retention_s = retention_s
         self._stream = f"{prefix}ledger:"
         self._probes = f"{prefix}ledger-probes:"
@@ -164,8 +167,8 @@ class RedisLedger:
         low, high = f"{max(0, int(since * 1000))}-0", f"{int(min(until + LATE_S, MAX_TIME_S) * 1000)}-99999999"
         while True:
             entries = await self._redis.xrevrange(key, max=high, min=low, count=SCAN_PAGE) or []
-            for _, raw in entries:
-                served = _parse(replica, text_fields(raw))
+            for entry_id, raw in entries:
+                served = await self._parse(key, entry_id, replica, raw)
                 if served is not None and _overlaps(served, since, until):
                     found.append(served)
             if len(entries) < SCAN_PAGE or len(found) > limit:
@@ -190,16 +193,22 @@ class RedisLedger:
         )
         return float(text(found[0])) if found else None  # type: ignore[arg-type]  # members, no scores
 
+    async def _parse(self, key: str, entry: Any, replica: str, raw: Any) -> Served | None:
+        """An entry's record; None for poison, which is deleted: every later read of the window would meet it."""
+        try:
+            return _served(replica, text_fields(raw))
+        except (KeyError, ValueError) as exc:
+            await self._redis.xdel(key, entry)
+            self._poison.dropped("ledger", key, entry, exc)
+            return None
 
-def _parse(replica: str, fields: dict[str, str]) -> Served | None:
-    try:
-        request_id, tenant, end, took, verdict, kinds, model = fields["r"].split(SEP, 6)
-        ends = int(end) / 1000
-        suspect = fields.get("s")
-        chars = int(suspect) if suspect else None  # (none: written before it was counted)
-        return Served(request_id, tenant, model, replica, ends - int(took) / 1000, ends, verdict, kinds, chars)
-    except (KeyError, ValueError):
-        return None  # not one of ours: a key under the prefix that someone else wrote
+
+def _served(replica: str, fields: dict[str, str]) -> Served:
+    request_id, tenant, end, took, verdict, kinds, model = fields["r"].split(SEP, 6)
+    ends = int(end) / 1000
+    suspect = fields.get("s")
+    chars = int(suspect) if suspect else None  # (none: written before it was counted)
+    return Served(request_id, tenant, model, replica, ends - int(took) / 1000, ends, verdict, kinds, chars)
 
 
 class LedgerWriter:

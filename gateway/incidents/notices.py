@@ -114,9 +114,9 @@ class MemoryNoticeStore:
 
 # KEYS: the tenant's notices (id → JSON), its index (id by time), then the outbox's keys when a message is queued
 # with it; ARGV: id, JSON, time, keep, horizon, retention (s), then the message's (RedisOutbox.adding). {0} when one of
-# its id is kept already; else {1, what the message's target dropped...}. The message is queued first: a write that
-# fails after it leaves the notice to be made again (its message queued twice at worst), never kept unsent. The
-# oldest past `keep`, and those past the retention, go in the same step.
+# its id is kept already; else {1, what the message's target dropped (each its id, then its JSON)...}. The message is
+# queued first: a write that fails after it leaves the notice to be made again (its message queued twice at worst),
+# never kept unsent. The oldest past `keep`, and those past the retention, go in the same step.
 _ADD = (
     ADD_MESSAGE
     + """
@@ -173,7 +173,7 @@ class RedisNoticeStore:
             keys += message_keys
             args += message_args
         added, *dropped = await run_script(self._redis, self._replication, self._add, keys, args)
-        return [Message.decode(m) for m in dropped] if added else None
+        return await self._outbox.readable(dropped) if added else None
 
     async def of(self, tenant: str, limit: int) -> list[Notice]:
         horizon = time.time() - self._retention_s

@@ -44,6 +44,7 @@ from gateway.api.admin_webhooks import WebhookAdminRoutes
 from gateway.api.anthropic import AnthropicRoutes
 from gateway.api.body import BodyReader
 from gateway.api.catalog import CatalogRoutes
+from gateway.api.console import ConsoleRoutes
 from gateway.api.intake import Intake
 from gateway.api.notices import NoticeRoutes
 from gateway.api.openai import OpenAIRoutes
@@ -81,6 +82,7 @@ from gateway.tenancy.lookups import GetAddrInfo, NameLookups
 from gateway.tenancy.ratelimit import RateLimiter
 from gateway.tenancy.tenants import TenantDirectory
 from gateway.tenancy.webhooks import SigningKey, TenantWebhooks
+from gateway.tracing import Tracing
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
 from gateway.upstream.fairness import Gate
@@ -91,6 +93,7 @@ from gateway.webhooks import TENANT_PREFIX, Deliveries, Resolver, Target, settin
 from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed, public_fingerprints
 from isolation.inject import system_leads
 from isolation.markers import CanaryKey, MarkerRegistry, ModelMarkers, RedisMarkerStore
+from isolation.poison import Poison
 from isolation.redis_keys import RedisClient, tag
 from isolation.replication import Replication
 from isolation.salts import CacheSalts
@@ -505,6 +508,7 @@ def route_table(
     notices: NoticeRoutes,
     catalog: CatalogRoutes,
     admin: AdminRoutes,
+    console: ConsoleRoutes,
     workers: WorkersRoutes,
 ) -> list[BaseRoute]:
     """Every route of the app, each served by the surface that was given what it uses."""
@@ -535,6 +539,7 @@ def route_table(
         Route("/metrics", process.metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *admin.routes(),
+        *console.routes(),
         *workers.routes(),
     ]
 
@@ -563,9 +568,15 @@ def create_app(
             postgres = None
             if kept.postgres_url is not None:
                 postgres = await stack.enter_async_context(ledger_pool(kept.postgres_url, kept.postgres_pool_size))
-            stores = build_stores(settings, redis, postgres)
             metrics = GatewayMetrics(with_redis=redis is not None)
             stack.callback(metrics.close)
+            stores = build_stores(settings, redis, postgres, poison=Poison(metrics.poison_entries))
+            instance = f"{socket.gethostname()}-{os.getpid()}"
+            tracing = None
+            if settings.tracing.enabled:
+                # Closed after the tasks and the clients: the spans of what they ended are sent too.
+                tracing = Tracing(settings.tracing, instance)
+                stack.push_async_callback(tracing.aclose)
             tenants = TenantDirectory(settings.tenants, stores.directory, settings.tenant_directory, metrics)
             await tenants.start()  # a SettingsError is said in one line by BadSettingsAtStart
             fingerprinting = settings.isolation.fingerprints
@@ -586,7 +597,6 @@ def create_app(
             keys = canary_keys(settings)
             markers = await marker_registry(settings, keys, stores.markers, metrics, tokenizers)
             tenants.joined = markers.publish_tenants
-            instance = f"{socket.gethostname()}-{os.getpid()}"
             # Random too: several apps can run in one process (tests, the demo), and must not skip each other.
             feed_name = f"{instance}-{secrets.token_hex(4)}"
             secret = await fingerprint_key(settings, keys[0], redis) if fingerprinting.enabled else b""
@@ -685,7 +695,7 @@ def create_app(
                 finishers={RESPONSES.name: Background(stores.conversations)},
             )
             # The routes: each surface given the pipeline and the few services it uses.
-            intake = Intake(tenants=tenants, bodies=bodies)
+            intake = Intake(tenants=tenants, bodies=bodies, tracing=tracing)
             openai = OpenAIRoutes(pipeline=pipeline, intake=intake, metrics=metrics)
             responses = ResponsesRoutes(
                 pipeline=pipeline,
@@ -700,6 +710,29 @@ def create_app(
                 notices=stores.notices,
                 tenant_webhooks=tenant_webhooks,
                 body_timeout_s=settings.edge.body_timeout_s,
+            )
+            tenants_admin = TenantAdminRoutes(
+                settings=settings,
+                tenants=tenants,
+                audit=stores.audit,
+                tenant_webhooks=tenant_webhooks,
+                conversations=stores.conversations,
+            )
+            incidents_admin = IncidentAdminRoutes(
+                settings=settings, incidents=stores.incidents, ledger=ledger, pool=pool, tracker=incident.tracker
+            )
+            admin = AdminRoutes(
+                settings=settings,
+                pool=pool,
+                capacity=capacity,
+                events=stores.events,
+                audit=stores.audit,
+                verdicts=verdicts,
+                tracker=incident.tracker,
+                tenants=tenants_admin,
+                incidents=incidents_admin,
+                webhooks=WebhookAdminRoutes(deliveries=deliveries),
+                notices=notices,
             )
             app.router.routes[:] = route_table(
                 process=ProcessRoutes(
@@ -732,30 +765,15 @@ def create_app(
                 ),
                 notices=notices,
                 catalog=CatalogRoutes(tenants=tenants, settings=settings),
-                admin=AdminRoutes(
+                admin=admin,
+                console=ConsoleRoutes(
                     settings=settings,
-                    pool=pool,
-                    capacity=capacity,
-                    events=stores.events,
-                    audit=stores.audit,
-                    verdicts=verdicts,
-                    tracker=incident.tracker,
-                    tenants=TenantAdminRoutes(
-                        settings=settings,
-                        tenants=tenants,
-                        audit=stores.audit,
-                        tenant_webhooks=tenant_webhooks,
-                        conversations=stores.conversations,
-                    ),
-                    incidents=IncidentAdminRoutes(
-                        settings=settings,
-                        incidents=stores.incidents,
-                        ledger=ledger,
-                        pool=pool,
-                        tracker=incident.tracker,
-                    ),
-                    webhooks=WebhookAdminRoutes(deliveries=deliveries),
-                    notices=notices,
+                    admin=admin,
+                    incidents=incidents_admin,
+                    tenants=tenants_admin,
+                    notices=stores.notices,
+                    tenant_webhooks=tenant_webhooks,
+                    outbox=deliveries.outbox,
                 ),
                 workers=WorkersRoutes(
                     pipeline=pipeline,

@@ -25,6 +25,7 @@ from gateway.webhooks import MemoryOutbox, Outbox, RedisOutbox
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
 from isolation.fingerprints import RedisFingerprintFeed
 from isolation.markers import RedisMarkerStore
+from isolation.poison import Poison
 from isolation.redis_keys import RedisClient
 from isolation.replication import Replication
 
@@ -47,12 +48,13 @@ class Stores:
     markers: RedisMarkerStore | None  # canary markers, for other instances to recognise
     prefix: str  # every Redis name starts with it: deployments on one Redis share nothing
     feed_ttl_s: float  # how long a prompt's fingerprints stay in the feed
+    poison: Poison  # where readers of shared state account for the entries they cannot decode
 
     def fingerprint_feed(self, instance: str) -> RedisFingerprintFeed | None:
         """Every instance's prompts, for the fingerprint index; None: this instance's only."""
         if self.redis is None:
             return None
-        return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix)
+        return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix, poison=self.poison)
 
 
 def replication_of(settings: Settings) -> Replication:
@@ -60,8 +62,11 @@ def replication_of(settings: Settings) -> Replication:
     return Replication(settings.redis_wait_replicas, settings.redis_wait_timeout_s)
 
 
-def build_stores(settings: Settings, redis: RedisClient | None, postgres: AsyncConnectionPool | None) -> Stores:
-    """`postgres`: the pool to `isolation.ledger.postgres_url`, None when it is unset."""
+def build_stores(
+    settings: Settings, redis: RedisClient | None, postgres: AsyncConnectionPool | None, *, poison: Poison
+) -> Stores:
+    """`postgres`: the pool to `isolation.ledger.postgres_url`, None when it is unset; `poison`: where the Redis
+    twins account for entries they cannot decode (the memory twins hold none)."""
     events_max, audit_max = settings.isolation.events_max, settings.tenant_directory.audit_events_max
     queue, ttl, prefix = settings.queue, settings.isolation.fingerprints.ttl_s, settings.redis_key_prefix
     kept, ledger = settings.responses, settings.isolation.ledger
@@ -87,18 +92,21 @@ def build_stores(settings: Settings, redis: RedisClient | None, postgres: AsyncC
             markers=None,
             prefix=prefix,
             feed_ttl_s=ttl,
+            poison=poison,
         )
-    redis_outbox = RedisOutbox(redis, prefix=prefix)
+    redis_outbox = RedisOutbox(redis, prefix=prefix, poison=poison)
     replication = replication_of(settings)
     return Stores(
         redis=redis,
-        directory=RedisDirectoryStore(redis, prefix=prefix, replication=replication),
-        store=RedisStore(redis, prefix=prefix, replication=replication),
+        directory=RedisDirectoryStore(redis, prefix=prefix, poison=poison, replication=replication),
+        store=RedisStore(redis, prefix=prefix, poison=poison, replication=replication),
         events=RedisEventLog(redis, events_max, prefix=prefix),
         audit=RedisAuditLog(redis, audit_max, prefix=prefix),
-        queue=RedisJobQueue(redis, queue.result_ttl_s, queue.reclaim_after_s, prefix=prefix, replication=replication),
+        queue=RedisJobQueue(
+            redis, queue.result_ttl_s, queue.reclaim_after_s, prefix=prefix, poison=poison, replication=replication
+        ),
         conversations=RedisConversationStore(redis, kept.ttl_s, kept.max_bytes_per_tenant, prefix=prefix),
-        ledger=on_postgres or RedisLedger(redis, ledger.retention_s, prefix=prefix),
+        ledger=on_postgres or RedisLedger(redis, ledger.retention_s, prefix=prefix, poison=poison),
         incidents=RedisIncidentStore(redis, ledger.retention_s, prefix=prefix),
         notices=RedisNoticeStore(redis, ledger.retention_s, redis_outbox, replication=replication),
         registrations=RedisRegistrationStore(redis, prefix=prefix),
@@ -107,4 +115,5 @@ def build_stores(settings: Settings, redis: RedisClient | None, postgres: AsyncC
         markers=RedisMarkerStore(redis, prefix=prefix),
         prefix=prefix,
         feed_ttl_s=ttl,
+        poison=poison,
     )

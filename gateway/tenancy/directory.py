@@ -40,6 +40,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from gateway.settings import TenantSettings
+from isolation.poison import Poison
 from isolation.redis_keys import RedisClient, together
 from isolation.redis_text import text
 from isolation.replication import NO_WAIT, Replication, run_script
@@ -384,8 +385,9 @@ return 0
 class RedisDirectoryStore:
     shared = True
 
-    def __init__(self, redis: RedisClient, *, prefix: str, replication: Replication = NO_WAIT) -> None:
+    def __init__(self, redis: RedisClient, *, prefix: str, poison: Poison, replication: Replication = NO_WAIT) -> None:
         self._redis = redis
+        self._poison = poison
         self._replication = replication
         # Not a key: a channel is not in any slot (PUBLISH reaches every node of a cluster).
         self.channel = f"{prefix}tenant-changes"
@@ -511,8 +513,16 @@ class RedisDirectoryStore:
                     changed(None)
                     pause = 0.1
                     async for message in pubsub.listen():
-                        if message["type"] == "message":
-                            changed(text(message["data"]))
+                        if message["type"] != "message":
+                            continue
+                        try:
+                            tenant_id = text(message["data"])
+                        except UnicodeDecodeError as exc:
+                            # No tenant's id (anyone can publish on a channel): said, rather than the end of the
+                            # listener, and of what every instance hears at once until it is started again.
+                            self._poison.dropped("tenant_changes", self.channel, "a message", exc)
+                            continue
+                        changed(tenant_id)
             except (RedisError, OSError) as exc:
                 log.warning("tenant changes: subscription lost (%s); retrying in %.1f s", type(exc).__name__, pause)
                 await asyncio.sleep(pause)

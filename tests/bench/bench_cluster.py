@@ -19,11 +19,13 @@ from redis.asyncio.cluster import RedisCluster
 
 from gateway.incidents.notices import Notice
 from gateway.jobs.queue import Job
+from gateway.metrics import GatewayMetrics
 from gateway.server.app import make_redis
 from gateway.server.stores import Stores, build_stores
 from gateway.settings import Settings
 from gateway.tenancy.directory import Tenant
 from gateway.webhooks import Message
+from isolation.poison import Poison
 from tests.bench.load import percentile
 from tests.redis_cluster import start_cluster
 
@@ -84,7 +86,7 @@ def stores_on(url: str, replicas: int) -> Stores:
     )
     redis = make_redis(settings)
     assert isinstance(redis, RedisCluster)
-    return build_stores(settings, redis, None)
+    return build_stores(settings, redis, None, poison=Poison(GatewayMetrics().poison_entries))
 
 
 async def measure(url: str, count: int, concurrency: int) -> None:

@@ -27,6 +27,7 @@ from gateway.settings import Settings
 from gateway.tenancy.directory import ApiKey, Tenant
 from gateway.webhooks import Message
 from isolation.replication import NotReplicated
+from tests.poisoned import Counted
 from tests.redis_cluster import OwnCluster, replication, start_cluster, wait_ok, wait_promoted
 
 DAY_S = 86_400.0
@@ -60,7 +61,7 @@ async def stores(cluster: OwnCluster) -> AsyncIterator[Stores]:
     redis = make_redis(settings)
     assert isinstance(redis, RedisCluster)
     async with redis:
-        yield build_stores(settings, redis, None)
+        yield build_stores(settings, redis, None, poison=Counted().poison)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from gateway.store import RedisStore
 from gateway.tenancy.webhooks import RedisRegistrationStore, Registration
 from gateway.webhooks import Message, RedisOutbox
 from isolation.redis_text import text
+from tests.poisoned import Counted
 from tests.redis_cluster import cluster_url, has_tag
 from tests.unit.test_key_prefix import DEFAULT_NAMES, write_through_every_store
 from tests.unit.test_twins import forget, turn
@@ -70,15 +71,16 @@ def prefix() -> str:
 
 async def write_through_the_other_stores(redis: RedisCluster, prefix: str) -> None:
     """A write through each Redis store that test_key_prefix's writes leave out, leaving keys behind."""
-    store = RedisStore(redis, prefix=prefix)
+    poison = Counted().poison
+    store = RedisStore(redis, prefix=prefix, poison=poison)
     await store.take('["acme","m"]', 10, 86_400.0, time.time())
     await store.block('["acme","m"]')
     assert await RedisConversationStore(redis, 3600, 1_000_000, prefix=prefix).save("acme@1.0", turn("resp_1"))
-    ledger = RedisLedger(redis, 3600, prefix=prefix)
+    ledger = RedisLedger(redis, 3600, prefix=prefix, poison=poison)
     await ledger.write([Served("req-1", "acme", "m", "r1", time.time() - 1, time.time(), DELIVERED, "")])
     await ledger.probed("r1", time.time())
     await RedisIncidentStore(redis, 3600, prefix=prefix).sight(Sighting("r1", "m", "req-1", "leak", time.time(), "b"))
-    outbox = RedisOutbox(redis, prefix=prefix)
+    outbox = RedisOutbox(redis, prefix=prefix, poison=poison)
     message = Message("msg-1", "tenant:acme", "isolation.exposure", b"{}", time.time(), time.time())
     notice = Notice("notice-1", "acme", "isolation.exposure", time.time(), {})
     assert await RedisNoticeStore(redis, 3600, outbox).add(notice, 10, message, 100) is not None

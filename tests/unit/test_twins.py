@@ -27,6 +27,7 @@ from gateway.tenancy.ratelimit import Buckets, MemoryBuckets, Quota, RedisBucket
 from isolation.events import EventLog, IsolationEvent, MemoryEventLog, RedisEventLog
 from isolation.redis_keys import RedisClient
 from isolation.redis_text import text
+from tests.poisoned import Counted
 from tests.redis_cluster import CLUSTER, cluster_url, has_tag
 from tests.redis_server import redis_server
 
@@ -244,7 +245,7 @@ async def make_queue(request: pytest.FixtureRequest, prefix: str) -> AsyncIterat
         if redis is None:
             yield MemoryJobQueue
         else:
-            yield lambda ttl: RedisJobQueue(redis, ttl, reclaim_after_s=30, prefix=prefix)
+            yield lambda ttl: RedisJobQueue(redis, ttl, reclaim_after_s=30, prefix=prefix, poison=Counted().poison)
 
 
 def seen(status: JobStatus | None) -> tuple[str, int, dict[int, Any]] | None:
@@ -628,7 +629,7 @@ def test_event_fields_round_trip() -> None:
 @pytest.fixture(params=TWINS)
 async def store(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Store]:
     async with redis_for(request, prefix) as redis:
-        yield MemoryStore() if redis is None else RedisStore(redis, prefix=prefix)
+        yield MemoryStore() if redis is None else RedisStore(redis, prefix=prefix, poison=Counted().poison)
 
 
 def mine(states: dict[str, Any], prefix: str) -> dict[str, Any]:
