@@ -425,7 +425,8 @@ class RedisDirectoryStore:
                 return None
             updated = change(Tenant.decode(raw))
             # Optimistic: a change made to the tenant since it was read is not overwritten; this one is applied
-            # again to what is there now, so no concurrent update is lost.
+            # again to what is there now, so no concurrent update is lost. (A script, not a WATCH transaction: a
+            # cluster's transactions refuse PUBLISH, and a replica's acknowledgement follows one command.)
             args = [tenant_id, raw, updated.encode(), self.channel]
             swapped = await self._change(self._update_tenant, [self._tenants, self._version], args)
             if swapped:
