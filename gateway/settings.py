@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -713,8 +714,34 @@ class Settings(_Section):
         pattern=r"^(redis|rediss|unix)://",
         description="shared state for many gateway instances; unset = in memory, this process only",
     )
-    redis_max_connections: int = Field(default=64, ge=1, description="the Redis pool's size; more wait their turn")
-    redis_pool_timeout_s: float = Field(default=5.0, gt=0, description="longest wait for a free Redis connection")
+    redis_cluster: bool = Field(
+        default=False,
+        description="redis_url is a node of a Redis Cluster: the gateway learns the others from it, and names every "
+        "key with a hash tag (docs/architecture.md)",
+    )
+    redis_max_connections: int = Field(
+        default=64,
+        ge=1,
+        description="the Redis pool's size; more wait their turn (on a cluster: per node, and more fail)",
+    )
+    redis_pool_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="longest wait for a free Redis connection (not on a cluster, which does not wait)",
+    )
+    redis_wait_replicas: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="queued jobs, runtime tenants and keys, notices, verdict bounds and replicas taken out count as "
+        "written once this many replicas hold them (Redis WAIT), so a failover loses none; 0: once the primary does",
+    )
+    redis_wait_timeout_s: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description="longest wait for those replicas: past it the write fails as if Redis were down",
+    )
     redis_key_prefix: str = Field(
         default=REDIS_KEY_PREFIX, description="starts every Redis name; deployments on one Redis need different ones"
     )
@@ -759,6 +786,16 @@ class Settings(_Section):
         if isinstance(value, str) and not REDIS_KEY_PREFIX_PATTERN.match(value):
             raise ValueError(f"{value[:80]!r}: 1 to 64 characters, each a letter, a digit or one of : _ . {{ }} -")
         return value
+
+    @model_validator(mode="after")
+    def _cluster(self) -> Self:
+        if not self.redis_cluster:
+            return self
+        if self.redis_url is None or self.redis_url.startswith("unix://"):
+            raise ValueError("redis_cluster: needs redis_url, a redis:// or rediss:// address of one of its nodes")
+        if urlsplit(self.redis_url).path.strip("/") not in ("", "0"):
+            raise ValueError("redis_url: a Redis Cluster has database 0 alone; keep deployments apart by prefix")
+        return self
 
     @model_validator(mode="after")
     def _references(self) -> Self:

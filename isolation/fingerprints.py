@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from isolation.poison import Poison
+from isolation.redis_keys import RedisClient, tag
 from isolation.redis_text import text
 from isolation.winnowing import NO_GRAMS, AnswerGrams, Fingerprints, Hasher, winnow
 
@@ -233,12 +233,12 @@ class RedisFingerprintFeed:
     before that request went out, and only then is the request's answer checked (`reached`).
     """
 
-    def __init__(self, redis: Redis, instance: str, ttl_s: float, *, prefix: str, poison: Poison) -> None:
+    def __init__(self, redis: RedisClient, instance: str, ttl_s: float, *, prefix: str, poison: Poison) -> None:
         self._redis = redis
         self._poison = poison
         self._instance = instance
         self._ttl_ms = int(ttl_s * 1000)
-        self._key = f"{prefix}fingerprints"
+        self._key = f"{prefix}{tag(redis, 'fingerprints')}"
         self._read_to = (0, 0)  # where `follow` has read the stream to
         self._moved = asyncio.Event()  # set (and replaced) each time it reads further
 

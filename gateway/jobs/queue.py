@@ -43,11 +43,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from isolation.poison import Poison
+from isolation.redis_keys import RedisClient, together
 from isolation.redis_text import text, text_fields
+from isolation.replication import NO_WAIT, Replication, run_script
 
 
 @dataclass(frozen=True)
@@ -306,9 +307,22 @@ class RedisJobQueue:
 
     durable = True
 
-    def __init__(self, redis: Redis, result_ttl_s: int, reclaim_after_s: float, *, prefix: str, poison: Poison) -> None:
+    def __init__(
+        self,
+        redis: RedisClient,
+        result_ttl_s: int,
+        reclaim_after_s: float,
+        *,
+        prefix: str,
+        poison: Poison,
+        replication: Replication = NO_WAIT,
+    ) -> None:
         self._redis = redis
         self._poison = poison
+        self._replication = replication  # what an enqueue waits for before the job counts as queued
+        # On a cluster every key of the queue shares one tag: taking a job moves it from a lane to the stream, and
+        # enqueueing checks the owner's cap and joins the ring, each in one script.
+        prefix = together(redis, prefix, "queue")
         self.stream = f"{prefix}jobs"
         # `bulkhead-workers` with the default prefix, the name used before the prefix was a setting. (A group lives
         # inside its stream, whose name keeps deployments apart already; the prefix is here for who reads XINFO.)
@@ -358,7 +372,8 @@ class RedisJobQueue:
         keys: list[str | bytes] = [*self._held_keys(job.owner), self._key(job.owner, job.id), self._lane(job.owner)]
         keys += [self._ring, self._wake, self._served]
         args: list[bytes | str | float] = [now, cap, len(job.items), _held_member(job), now + self._ttl, self._ttl]
-        held = await self._enqueue(keys=keys, args=[*args, job.encode(), references, job.owner])
+        args += [job.encode(), references, job.owner]
+        held = await run_script(self._redis, self._replication, self._enqueue, keys, args)
         if int(held) >= 0:
             raise QueueFull(int(held), cap)
 

@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import orjson
-from redis.asyncio import Redis
 
 from gateway.webhooks.targets import target_kind
 from isolation.poison import Poison
+from isolation.redis_keys import RedisClient, together
 from isolation.redis_text import text
 
 # Each field's JSON types, as `encode` writes them; those not required have defaults.
@@ -249,9 +249,12 @@ return removed
 class RedisOutbox:
     """Every instance's messages, in Redis under `prefix` (the module's docstring names the keys)."""
 
-    def __init__(self, redis: Redis, *, prefix: str, poison: Poison) -> None:
+    def __init__(self, redis: RedisClient, *, prefix: str, poison: Poison) -> None:
         self._redis = redis
         self._poison = poison
+        # What its names start with: on a cluster, one tag for all, which the tenants' notices share (a notice is
+        # kept with its message in one script: notices.py).
+        self.names = prefix = together(redis, prefix, "outbox")
         self._messages = f"{prefix}webhooks:messages"
         self._due = f"{prefix}webhooks:due"
         self._dead = f"{prefix}webhooks:dead"

@@ -31,6 +31,7 @@ from gateway.tenancy.directory import (
 from gateway.tenancy.tenants import TenantDirectory, hash_key, new_api_key
 from tests.poisoned import Counted
 from tests.redis_server import redis_server
+from tests.unit.test_twins import redis_for
 
 TWINS = ["memory", "redis"]
 DIRECTORY_DATABASE = 14
@@ -49,16 +50,11 @@ def namespace() -> str:
 
 @pytest.fixture(params=TWINS)
 async def store(request: pytest.FixtureRequest, namespace: str) -> AsyncIterator[DirectoryStore]:
-    if request.param == "memory":
-        yield MemoryDirectoryStore()
-        return
-    async with Redis.from_url(request.getfixturevalue("redis_url")) as redis:
-        try:
+    async with redis_for(request, f"{namespace}:") as redis:
+        if redis is None:
+            yield MemoryDirectoryStore()
+        else:
             yield RedisDirectoryStore(redis, prefix=f"{namespace}:", poison=Counted().poison)
-        finally:
-            keys = [key async for key in redis.scan_iter(match=f"{namespace}:*")]
-            if keys:
-                await redis.delete(*keys)
 
 
 def tenant(tenant_id: str = "acme", **fields: object) -> Tenant:

@@ -25,6 +25,7 @@ from gateway.tenancy.tenants import hash_key
 from isolation.events import IsolationEvent, RedisEventLog
 from isolation.fingerprints import Prompt, RedisFingerprintFeed
 from isolation.markers import Owner, RedisMarkerStore
+from isolation.redis_keys import RedisClient
 from isolation.redis_text import text
 from tests.poisoned import Counted
 from tests.redis_server import own_redis
@@ -94,7 +95,7 @@ def test_an_unquoted_prefix_ending_in_a_colon_in_the_environment_says_to_quote_i
 # --- The names built from it --------------------------------------------------------------------------------------
 
 
-async def write_through_every_store(redis: Redis, prefix: str) -> tuple[RedisJobQueue, RedisDirectoryStore]:
+async def write_through_every_store(redis: RedisClient, prefix: str) -> tuple[RedisJobQueue, RedisDirectoryStore]:
     """One write through each Redis store the gateway and its workers use, all under `prefix`."""
     poison = Counted().poison
     await RedisBuckets(redis, prefix=prefix).take("acme", Quota(60, 1000), 10)
