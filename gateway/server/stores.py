@@ -4,6 +4,7 @@ exposure ledger alone may live in PostgreSQL instead (`isolation.ledger.postgres
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from psycopg_pool import AsyncConnectionPool
@@ -23,7 +24,7 @@ from gateway.tenancy.ratelimit import RedisBuckets
 from gateway.tenancy.webhooks import MemoryRegistrationStore, RedisRegistrationStore, RegistrationStore
 from gateway.webhooks import MemoryOutbox, Outbox, RedisOutbox
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
-from isolation.fingerprints import RedisFingerprintFeed
+from isolation.fingerprint_feed import RedisFingerprintFeed
 from isolation.markers import RedisMarkerStore
 
 
@@ -46,11 +47,12 @@ class Stores:
     prefix: str  # every Redis name starts with it: deployments on one Redis share nothing
     feed_ttl_s: float  # how long a prompt's fingerprints stay in the feed
 
-    def fingerprint_feed(self, instance: str) -> RedisFingerprintFeed | None:
-        """Every instance's prompts, for the fingerprint index; None: this instance's only."""
+    def fingerprint_feed(self, instance: str, replicas: Sequence[str] | None = None) -> RedisFingerprintFeed | None:
+        """Every instance's prompts, for the fingerprint index (`replicas`: a stream for each of these, the replicas
+        this instance routes to); None: this instance's only."""
         if self.redis is None:
             return None
-        return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix)
+        return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix, replicas=replicas)
 
 
 def build_stores(settings: Settings, redis: Redis | None, postgres: AsyncConnectionPool | None) -> Stores:
