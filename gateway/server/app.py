@@ -799,6 +799,8 @@ def create_app(
             metrics.track(metrics.tasks, lambda: len(asyncio.all_tasks(loop)))
             if fingerprinter is not None:
                 metrics.track(metrics.fingerprints, lambda: len(fingerprinter.index))
+                if isinstance(indexes := fingerprinter.index, ReplicaIndexes):
+                    metrics.track(metrics.fingerprint_bytes, lambda: indexes.nbytes)
                 tasks.keep("fingerprint-sweep", partial(sweep_fingerprints, fingerprinter, metrics))
             if fingerprinter is not None and feed is not None:
                 # The other instances' prompts as they come, from where the start read the streams to; when it could

@@ -182,7 +182,7 @@ def test_memory_per_fingerprint_stays_compact_at_steady_state() -> None:
     held = sum(1 for n in range(index.oldest, 2_001) if n in index._prompts) * 1_000
     assert 1_000_000 <= index.words < 1_006_000
     assert len(index) < 1.5 * held, "entries of prompts gone are dropped as their runs go"
-    assert index.nbytes < 24 * held
+    assert index.nbytes < 28 * held, "16 bytes an entry, up to 8 of Bloom filter, and a few entries gone"
 
 
 async def test_per_replica_streams_carry_a_replicas_prompts_to_the_instances_that_route_to_it() -> None:
