@@ -18,7 +18,9 @@ code (FingerprintIndex, ReplicaIndexes, RedisFingerprintFeed, Fingerprinter, Ans
   of `--measure-replicas` replicas filled past their budget, × cell / measured;
 - feed CPU (process time of the one thread, redis-py's parsing included) per simulated second at steady state:
   today's follower reading every instance's entries into a full index; the chosen design's follower reading its
-  cell's streams (entries of the other instances of the cell) plus the index adding its own prompts;
+  cell's streams (entries of the other instances of the cell) plus the index adding its own prompts. Apart
+  (`request_index_cpu_cores`), what the instance's own requests spend looking up the text they share with others'
+  prompts before they are added: work of each request it forwards (λ / I of them), as hashing its prompt is;
 - coverage: real text (tests/bench/prose.py) for sampled replicas, fingerprinted as the gateway does, fragments
   checked as an answer is. Today's design at full scale would index ~2.7 M fingerprints a second; its run is
   scaled by `--baseline-scale` (replicas, rate and max_entries together: its fair eviction sees the same shares),
@@ -159,10 +161,11 @@ def fill_cell(traffic: Traffic, replicas: list[str], budget: int) -> ReplicaInde
 
 async def feed_cpu(
     redis: Redis, index: PromptIndex[Any], entries: list[Prompt], own_share: float, streams: list[str] | None
-) -> float:
+) -> tuple[float, float]:
     """Process seconds to take these entries in: a share added as this instance's own (as Fingerprinter.register
-    does: the text it shares with others' prompts looked up among all its grams, then added; the follower reads them
-    back and skips them), the rest published by other instances and read by the follower."""
+    does; the follower reads them back and skips them), the rest published by other instances and read by the
+    follower. And apart, the seconds its own requests spent looking up the text they share with others' prompts
+    (among all their grams, before they are added): work of each request it forwards, as hashing its prompt is."""
     prefix = f"bench-scale-{uuid.uuid4().hex[:8]}:"
     mine = RedisFingerprintFeed(redis, "mine", TTL_S, prefix=prefix, replicas=streams)
     others = RedisFingerprintFeed(redis, "others", TTL_S, prefix=prefix, replicas=streams)
@@ -178,20 +181,23 @@ async def feed_cpu(
     for prompt, is_own in zip(entries, own, strict=True):
         marks.append(await (mine if is_own else others).publish(prompt, keep=10**6))
     read = mine.start(None) if streams is not None else {mine.streams[0]: "0-0"}
+    requests = 0.0
     started = time.process_time()
     for number, prompt in enumerate(entries):
         if own[number]:
+            looked = time.process_time()
             index.shared(grams[number], prompt.tenant, prompt.replica)
+            requests += time.process_time() - looked
             index.add(prompt)
     follower = asyncio.create_task(mine.follow(index, read))
     last = {mark.stream: mark for mark in marks}
     for mark in last.values():
         assert await mine.reached(mark, 600.0)
-    spent = time.process_time() - started
+    spent = time.process_time() - started - requests
     follower.cancel()
     await asyncio.gather(follower, return_exceptions=True)
     await redis.delete(*{mark.stream for mark in marks})
-    return spent
+    return spent, requests
 
 
 # --- coverage
@@ -327,10 +333,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         seconds = args.baseline_seconds
         entries = [traffic.prompt(f"r{traffic.rng.randrange(args.replicas)}", time.time()) for _ in
                    range(round(platform_entries * seconds))]  # fmt: skip
-        base_cpu = await feed_cpu(redis, base_index, entries, 0.0, None) / seconds
+        base_cpu = (await feed_cpu(redis, base_index, entries, 0.0, None))[0] / seconds
         del base_index, entries
         base_coverage = await baseline_coverage(args, hasher, traffic, per_word)
-        print(f"baseline: {base_bytes / GIB:.2f} GiB, {base_cpu:.2f} cores, coverage {base_coverage:.3f}")
+        rate = platform_entries * per_request / base_cpu / 1e6
+        print(
+            f"baseline: {base_bytes / GIB:.2f} GiB, {base_cpu:.2f} cores ({rate:.2f} M fingerprints a second a "
+            f"core), coverage {base_coverage:.3f}"
+        )
 
         # The chosen design: an instance holds its cell's replicas.
         budget = math.ceil(2 * args.kv_tokens)
@@ -339,17 +349,20 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         cell_bytes = cell_bytes * args.cell // len(measured)
         per_replica = args.rate / args.replicas
         # Each instance count's feed in turns, round after round, on the same indexes: side by side.
-        spent = dict.fromkeys(args.instances, 0.0)
+        spent, requests = dict.fromkeys(args.instances, 0.0), dict.fromkeys(args.instances, 0.0)
         for _ in range(args.rounds):
             for instances in args.instances:
                 sharing = max(1, instances * args.cell // args.replicas)
                 entries = [traffic.prompt(r, time.time()) for _ in range(round(per_replica * args.seconds))
                            for r in measured]  # fmt: skip
-                spent[instances] += await feed_cpu(redis, cell_index, entries, 1 / sharing, measured)
+                feed, own = await feed_cpu(redis, cell_index, entries, 1 / sharing, measured)
+                spent[instances] += feed
+                requests[instances] += own
         runs, baseline = [], []
         for instances in args.instances:
             sharing = max(1, instances * args.cell // args.replicas)
             cpu = spent[instances] / (args.seconds * args.rounds) * args.cell / len(measured)
+            request_cpu = requests[instances] / (args.seconds * args.rounds) * args.cell / len(measured)
             coverage, reach = await chosen_coverage(args, redis, hasher, traffic, per_word, instances)
             own = args.rate / instances
             cell_rate = per_replica * args.cell
@@ -357,15 +370,19 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "instances": instances, "coverage": coverage, "index_bytes": cell_bytes, "feed_cpu_cores": cpu,
                 "redis_bytes_per_s": own * wire_in + cell_rate * wire_out, "redis_in_bytes_per_s": cell_rate * wire_out,
                 "redis_out_bytes_per_s": own * wire_in, "sidecar_bytes_per_s": 0, "replicas_held": args.cell,
-                "instances_per_cell": sharing, "reach_kv_capacities": reach,
+                "instances_per_cell": sharing, "reach_kv_capacities": reach, "request_index_cpu_cores": request_cpu,
             })  # fmt: skip
             baseline.append({
                 "instances": instances, "coverage": base_coverage, "index_bytes": base_bytes,
                 "feed_cpu_cores": base_cpu, "redis_bytes_per_s": own * wire_in + platform_entries * wire_out,
                 "redis_in_bytes_per_s": platform_entries * wire_out, "redis_out_bytes_per_s": own * wire_in,
                 "sidecar_bytes_per_s": 0, "feed_keeps_up": base_cpu < 1.0, "max_entries": MAX_ENTRIES,
+                "fingerprints_per_s_per_core": rate * 1e6,
             })  # fmt: skip
-            print(f"I={instances}: {cell_bytes / GIB:.3f} GiB, {cpu:.3f} cores, coverage {coverage:.3f}, {reach:.2f} C")
+            print(
+                f"I={instances}: {cell_bytes / GIB:.3f} GiB, feed {cpu:.3f} cores (own requests' lookups "
+                f"{request_cpu:.3f}), coverage {coverage:.3f}, reaching {reach:.2f} C"
+            )
         await redis.aclose()
     replica_bytes, replica_cpu = cell_bytes / args.cell, runs[0]["feed_cpu_cores"] / args.cell
     candidates = [
