@@ -89,7 +89,7 @@ prompts = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(prompts, st.integers(10, 120))
 def test_a_replicas_index_answers_as_the_plain_model_does_through_every_join_cut_and_rebuild(
     sent: list[tuple[int, list[int], list[int], int]], budget: int
