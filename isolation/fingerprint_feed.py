@@ -55,6 +55,8 @@ class RedisFingerprintFeed:
         self._moved = asyncio.Event()  # set (and replaced) each time it reads further
 
     def stream(self, replica: str) -> str:
+        # On Redis Cluster, `follow`'s one XREAD of every stream needs them in one hash slot: a tag shared by the
+        # replicas an instance follows (its cell) goes here, or the streams are read a node at a time.
         return f"{self._prefix}fingerprints:{replica}" if self.by_replica else f"{self._prefix}fingerprints"
 
     async def publish(self, prompt: Prompt, keep: int = 0) -> Mark:
