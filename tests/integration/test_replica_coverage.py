@@ -99,10 +99,10 @@ async def test_a_replicas_prompts_from_any_instance_are_caught_while_its_last_tw
         assert 0 < now <= 1.1 * held
 
 
-def two_processes_config(redis_url: str, sims: dict[str, str], tokenizer_dir: Path) -> dict[str, Any]:
+def two_processes_config(sims: dict[str, str], tokenizer_dir: Path) -> dict[str, Any]:
+    """Without the shared state: the caller's Redis or cluster."""
     isolation = {**KV_CACHE, "fingerprints": {"coverage": "kv_cache"}}  # the engines say what their caches hold
     return {
-        "redis_url": redis_url,
         "redis_key_prefix": f"t-{uuid.uuid4().hex[:8]}:",
         "admin_token": ADMIN,
         "cache_salt_secret": "shared-salt-secret-0123456789",
@@ -121,10 +121,19 @@ def two_processes_config(redis_url: str, sims: dict[str, str], tokenizer_dir: Pa
 async def test_two_gateway_processes_catch_a_stale_kv_leak_of_each_others_traffic(
     client: httpx.AsyncClient, make_sim: SimFactory, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
+    with redis_server() as redis_url:
+        await two_processes_catch_each_others_leaks(client, make_sim, tokenizer_dir, tmp_path, {"redis_url": redis_url})
+
+
+async def two_processes_catch_each_others_leaks(
+    client: httpx.AsyncClient, make_sim: SimFactory, tokenizer_dir: Path, tmp_path: Path, shared: dict[str, Any]
+) -> None:
+    """Two `bulkhead serve` processes on the shared state `shared` names (a Redis, or a cluster), three stale-KV
+    engines: a leak of bob's prompt, sent through one, in alice's answer through the other, is withheld."""
     sims = {f"r{n}": make_sim(num_gpu_blocks=64, output_tokens=160, fault="stale-kv") for n in range(3)}
     names = list(sims)
     with ExitStack() as stack:
-        config = two_processes_config(stack.enter_context(redis_server()), sims, tokenizer_dir)
+        config = {**two_processes_config(sims, tokenizer_dir), **shared}
         gateways = []
         for n in range(2):
             (tmp_path / f"g{n}").mkdir()
