@@ -8,8 +8,8 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.api.responses_events import EventWriter
 from gateway.api.responses_shapes import (
-    EventWriter,
     ResponsesRequest,
     chat_error,
     chat_payload,
