@@ -23,7 +23,11 @@ import orjson
 import pytest
 from pydantic import BaseModel, TypeAdapter
 
+from gateway.api.responses_events import ENDS
 from gateway.tenancy.tenants import hash_key
+from isolation.tokens import ModelTokenizer
+from tests.integration.adversary import Adversary, Plan
+from tests.integration.scripted import gateway_over
 from tests.integration.support import ALICE_KEY, EMBED_MODEL, MODEL, auth, chat_body, embedding_model
 
 WHERE = ["gateway", "sim"]
@@ -81,7 +85,14 @@ def by_type(union: Any) -> dict[str, type[BaseModel]]:
 
 
 RESPONSE_EVENTS = by_type(openai.types.responses.ResponseStreamEvent)
+# What the current Responses specification has, and vLLM sends, that openai 3.63's event types do not declare yet.
+SPEC_AHEAD = {"response.function_call_arguments.done": frozenset({"name"})}
 MESSAGE_EVENTS = by_type(anthropic.types.RawMessageStreamEvent)
+
+
+def event_conforms(event: dict[str, Any], beyond: frozenset[str]) -> None:
+    """A Responses stream event validated as the type its `type` names."""
+    conforms(RESPONSE_EVENTS[event["type"]], event, beyond | SPEC_AHEAD.get(event["type"], frozenset()))
 
 
 def events(body: bytes) -> list[dict[str, Any]]:
@@ -170,7 +181,7 @@ def test_responses_and_their_events_conform(client: httpx.Client, base: Base) ->
     streamed = events(post(client, base, "/v1/responses", body | {"stream": True}).content)
     assert streamed[-1]["type"] == "response.completed" and streamed[-1]["response"]["status"] == "completed"
     for event in streamed:
-        conforms(RESPONSE_EVENTS[event["type"]], event, base[2])
+        event_conforms(event, base[2])
 
 
 @pytest.mark.parametrize("base", WHERE, indirect=True)
@@ -186,13 +197,44 @@ def test_a_cut_off_response_and_its_events_with_logprobs_conform(client: httpx.C
     assert isinstance(whole, openai.types.responses.Response) and whole.status == "incomplete"
     streamed = events(post(client, base, "/v1/responses", body | {"stream": True}).content)
     for event in streamed:
-        conforms(RESPONSE_EVENTS[event["type"]], event, base[2])
+        event_conforms(event, base[2])
     # The current specification's end for it; vLLM 0.32 (and so the simulator) ends every stream in
     # response.completed, its status incomplete.
     end = "response.incomplete" if base.where == "gateway" else "response.completed"
     assert streamed[-1]["type"] == end and streamed[-1]["response"]["status"] == "incomplete"
     deltas = [event for event in streamed if event["type"] == "response.output_text.delta"]
     assert sum(len(event["logprobs"]) for event in deltas) == 4
+
+
+@pytest.fixture(scope="module")
+def scripted(tokenizer_dir: Path) -> Iterator[tuple[str, Adversary]]:
+    """A gateway over an engine whose next answer a test plans: what the simulator never says (reasoning, a tool
+    call, a refusal)."""
+    adversary = Adversary(ModelTokenizer.from_dir(tokenizer_dir))
+    with gateway_over(adversary, tokenizer_dir) as url:
+        yield url, adversary
+
+
+@pytest.mark.parametrize("channel", ["reasoning", "tool_name", "refusal"])
+def test_reasoning_tool_calls_and_refusals_and_their_events_conform(
+    client: httpx.Client, scripted: tuple[str, Adversary], channel: str
+) -> None:
+    url, adversary = scripted
+    base = Base(url, auth(), EXTENSIONS, "gateway")
+    body = {"model": MODEL, "input": "Tell me something.", "max_output_tokens": 16}
+    item = {"reasoning": "reasoning", "tool_name": "function_call", "refusal": "message"}[channel]
+    try:
+        adversary.plan = Plan(channel, piece=8, source="benign")
+        whole = post(client, base, "/v1/responses", body).json()
+        assert item in [output["type"] for output in whole["output"]]
+        conforms(openai.types.responses.Response, whole, base.beyond)
+        adversary.plan = Plan(channel, piece=8, source="benign")
+        streamed = events(post(client, base, "/v1/responses", body | {"stream": True}).content)
+    finally:
+        adversary.plan = None
+    assert streamed[-1]["type"] in ENDS.values()
+    for event in streamed:
+        event_conforms(event, base.beyond)
 
 
 def test_a_background_responses_events_conform(client: httpx.Client, make_gateway: Any, sim_url: str) -> None:
@@ -203,14 +245,53 @@ def test_a_background_responses_events_conform(client: httpx.Client, make_gatewa
     assert [event["type"] for event in streamed][:3] == ["response.created", "response.queued", "response.in_progress"]
     assert streamed[-1]["type"] == "response.incomplete"
     for event in streamed:
-        conforms(RESPONSE_EVENTS[event["type"]], event, base.beyond)
+        event_conforms(event, base.beyond)
     queued = post(client, base, "/v1/responses", body | {"stream": False}).json()
     client.post(f"{base.url}/v1/responses/{queued['id']}/cancel", headers=base.headers).raise_for_status()
     with client.stream("GET", f"{base.url}/v1/responses/{queued['id']}?stream=true", headers=base.headers) as again:
         replayed = events(again.read())
     assert replayed[-1]["type"] == "error" and replayed[-1]["code"] == "response_cancelled"
     for event in replayed:
-        conforms(RESPONSE_EVENTS[event["type"]], event, base.beyond)
+        event_conforms(event, base.beyond)
+
+
+def test_stored_responses_and_their_items_conform(client: httpx.Client, make_gateway: Any, sim_url: str) -> None:
+    """The gateway's alone: the simulator, like vLLM without its store, keeps no response."""
+    base = Base(make_gateway({"sim": sim_url}), auth(), EXTENSIONS, "gateway")
+    first = post(client, base, "/v1/responses", {"model": MODEL, "input": "My name is Ada.", "max_output_tokens": 4})
+    body = {"model": MODEL, "input": "And mine?", "previous_response_id": first.json()["id"], "background": True}
+    queued = conforms(openai.types.responses.Response, post(client, base, "/v1/responses", body).json(), base.beyond)
+    assert isinstance(queued, openai.types.responses.Response) and queued.status == "queued"
+    stored = f"{base.url}/v1/responses/{queued.id}"
+    cancelled = client.post(f"{stored}/cancel", headers=base.headers).json()
+    conforms(openai.types.responses.Response, cancelled, base.beyond)
+    conforms(openai.types.responses.Response, client.get(stored, headers=base.headers).json(), base.beyond)
+    items = client.get(f"{stored}/input_items", headers=base.headers).json()
+    listed = conforms(openai.types.responses.ResponseItemList, items, base.beyond)
+    assert isinstance(listed, openai.types.responses.ResponseItemList) and len(listed.data) == 3
+
+
+def test_errors_conform(client: httpx.Client, make_gateway: Any, sim_url: str) -> None:
+    """The gateway's, in each API's error shape. (vLLM's, and so the simulator's, carry `code` as the HTTP status, a
+    number, where OpenAI's type has a string.)"""
+    url = make_gateway({"sim": sim_url})
+    refusals = [
+        client.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=-1), headers=auth()),
+        client.post(f"{url}/v1/responses", json={"model": MODEL, "input": "Hi", "previous_response_id": "resp_x"},
+                    headers=auth()),
+        client.get(f"{url}/v1/responses/resp_x?stream=maybe", headers=auth()),
+        client.post(f"{url}/v1/embeddings", json={"model": "nope", "input": "Hi"}, headers=auth()),
+    ]  # fmt: skip
+    for refused in refusals:
+        assert refused.status_code >= 400 and set(refused.json()) == {"error"}
+        conforms(openai.types.shared.ErrorObject, refused.json()["error"], frozenset())
+    anthropic_refused = client.post(
+        f"{url}/v1/messages",
+        json={"model": MODEL, "max_tokens": 0, "messages": MESSAGES},
+        headers={"x-api-key": ALICE_KEY},
+    )
+    assert anthropic_refused.status_code == 400
+    conforms(anthropic.types.shared.ErrorResponse, anthropic_refused.json(), frozenset())
 
 
 @pytest.mark.parametrize("embed_base", WHERE, indirect=True)
