@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from functools import partial
@@ -33,6 +34,7 @@ import orjson
 from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway import accesslog
 from gateway.api.conversations import ConversationStore, Said, Turn
@@ -57,6 +59,7 @@ from gateway.api.responses_shapes import (
 from gateway.errors import (
     BackendBadResponse,
     BodyTooLarge,
+    ConcurrencyLimited,
     ConversationsUnavailable,
     GatewayError,
     InvalidRequest,
@@ -108,6 +111,7 @@ class ResponsesRoutes:
         self._conversations = conversations
         self._queue = queue
         self._metrics = metrics
+        self._following: Counter[str] = Counter()  # background responses' streams open, per tenant
 
     async def create(self, request: Request, admit_tenant: Admit = None) -> Response:
         """POST /v1/responses; `admit_tenant` refuses a key the route does not serve (another account's)."""
@@ -133,11 +137,13 @@ class ResponsesRoutes:
             payload = await off_loop(partial(chat_payload, asked, history), [submission.payload, history])
             submission = replace(submission, payload=payload, session=session)
             if asked.background:
+                if asked.stream:
+                    self._may_follow(submission.tenant)  # before anything is queued
                 queued = await self._in_background(submission.tenant, asked, made, before, payload)
                 accesslog.finish(record, self._metrics)
                 headers = {"x-request-id": record.request_id}
                 if asked.stream:
-                    return self._followed(owner, queued, -1, headers)
+                    return self._followed(submission.tenant, queued, -1, headers)
                 return Response(orjson.dumps(queued), media_type="application/json", headers=headers)
         except GatewayError as error:
             return openai_response(refuse(self._metrics, record, error))
@@ -254,7 +260,7 @@ class ResponsesRoutes:
             turn = await _stored(self._conversations.load(owner, name)) if len(name) <= MAX_ID else None
             if turn is None:
                 raise _missing(name)
-            body = await answer(owner, turn, request)
+            body = await answer(tenant, turn, request)
         except GatewayError as error:
             return openai_response(refuse(self._metrics, record, error))
         accesslog.finish(record, self._metrics)
@@ -264,8 +270,8 @@ class ResponsesRoutes:
             return body
         return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 
-    async def _retrieved(self, owner: str, turn: Turn, request: Request) -> dict[str, Any] | Response:
-        after = _streamed_after(request)
+    async def _retrieved(self, tenant: TenantSettings, turn: Turn, request: Request) -> dict[str, Any] | Response:
+        owner, after = tenant.incarnation(), _streamed_after(request)
         if after is None:
             return await self._now(owner, turn)
         if not turn.response.get("background"):
@@ -274,12 +280,33 @@ class ResponsesRoutes:
                 "was asked.",
                 param="stream",
             )
-        return self._followed(owner, await self._now(owner, turn), after, {})
+        return self._followed(tenant, await self._now(owner, turn), after, {})
 
-    def _followed(self, owner: str, now: dict[str, Any], after: int, headers: dict[str, str]) -> StreamingResponse:
+    def _followed(
+        self, tenant: TenantSettings, now: dict[str, Any], after: int, headers: dict[str, str]
+    ) -> StreamingResponse:
         """A background response's events after the one numbered `after`, as they come (module docstring)."""
-        headers = {**headers, "cache-control": "no-cache"}
-        return StreamingResponse(self._follow(owner, now, after), media_type=SSE_MEDIA_TYPE, headers=headers)
+        self._may_follow(tenant)
+        held = self._following
+        held[tenant.id] += 1
+
+        def release() -> None:
+            held[tenant.id] -= 1
+            if held[tenant.id] <= 0:
+                del held[tenant.id]
+
+        events = self._follow(tenant.incarnation(), now, after)
+        return _Following(events, release, headers={**headers, "cache-control": "no-cache"})
+
+    def _may_follow(self, tenant: TenantSettings) -> None:
+        """A tenant follows at most its max_concurrent_requests streams on this instance at once: each holds a
+        connection for as long as its response runs."""
+        cap = tenant.limits.max_concurrent_requests
+        if cap is not None and self._following[tenant.id] >= cap:
+            raise ConcurrencyLimited(
+                f"This API key already follows {cap} background responses' streams on this gateway; the limit is "
+                f"{cap} (max_concurrent_requests)."
+            )
 
     async def _follow(self, owner: str, now: dict[str, Any], after: int) -> AsyncIterator[bytes]:
         """`now`'s events after `after`, then those its stored state makes as it changes, until it has ended. A
@@ -318,17 +345,18 @@ class ResponsesRoutes:
         running = job is not None and job.status == "running"
         return {**turn.response, "status": "in_progress"} if running else turn.response
 
-    async def _deleted(self, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
-        if not await _stored(self._conversations.delete(owner, turn.id)):
+    async def _deleted(self, tenant: TenantSettings, turn: Turn, request: Request) -> dict[str, Any]:
+        if not await _stored(self._conversations.delete(tenant.incarnation(), turn.id)):
             raise _missing(turn.id)  # deleted meanwhile, by another request
         return {"id": turn.id, "object": "response.deleted", "deleted": True}
 
-    async def _cancelled(self, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
+    async def _cancelled(self, tenant: TenantSettings, turn: Turn, request: Request) -> dict[str, Any]:
         """A pending background response, cancelled: stored so, over nothing but a pending one (a worker's finish may
         have come first: then that is what the client gets, as OpenAI answers a finished one). A worker running it
         reads it so, and stops it (jobs/worker.py)."""
         if not turn.response.get("background"):
             raise InvalidRequest("Only a background response can be cancelled.", code="not_cancellable")
+        owner = tenant.incarnation()
         if turn.response["status"] in PENDING:
             cancelled = replace(turn, response={**turn.response, "status": "cancelled"})
             if await _stored(self._conversations.save(owner, cancelled, PENDING)):
@@ -337,7 +365,7 @@ class ResponsesRoutes:
             return (now or turn).response
         return turn.response
 
-    async def _input_items(self, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
+    async def _input_items(self, tenant: TenantSettings, turn: Turn, request: Request) -> dict[str, Any]:
         query = request.query_params
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
@@ -345,7 +373,7 @@ class ResponsesRoutes:
         limit = query.get("limit", "20")
         if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 100):
             raise InvalidRequest("limit: a whole number from 1 to 100.", param="limit")
-        earlier = await self._conversation(owner, turn.parent or None, "response_id")
+        earlier = await self._conversation(tenant.incarnation(), turn.parent or None, "response_id")
         items = [item for said in earlier for item in said.items()]
         return item_page([*items, *turn.input], order, query.get("after"), int(limit))
 
@@ -433,7 +461,22 @@ async def _stored(work: Awaitable[T]) -> T:
         raise ConversationsUnavailable("Stored responses cannot be reached right now; retry shortly.") from exc
 
 
-StoredAnswer = Callable[[str, Turn, Request], Awaitable[dict[str, Any] | Response]]
+StoredAnswer = Callable[[TenantSettings, Turn, Request], Awaitable[dict[str, Any] | Response]]
+
+
+class _Following(StreamingResponse):
+    """A followed response's stream, which gives its place under the tenant's cap back however it ends (a stream
+    whose client left before it began never runs its generator's cleanup)."""
+
+    def __init__(self, events: AsyncIterator[bytes], release: Callable[[], None], headers: dict[str, str]) -> None:
+        super().__init__(events, media_type=SSE_MEDIA_TYPE, headers=headers)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 def _streamed_after(request: Request) -> int | None:

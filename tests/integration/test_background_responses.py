@@ -214,3 +214,24 @@ def test_a_stream_that_cannot_be_made_is_refused(make_gateway: Any, sim_url: str
     answered = httpx.post(f"{gateway_url}{RESPONSES}", json={"model": MODEL, "input": "Hi"}, headers=auth()).json()
     refused = httpx.get(f"{gateway_url}{RESPONSES}/{answered['id']}?{query}", headers=auth())
     assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+
+
+def test_a_tenant_follows_at_most_its_concurrency_cap_of_streams_at_once(make_gateway: Any, make_sim: Any) -> None:
+    sim = make_sim(ttft_ms=1500)
+    limits = {"max_concurrent_requests": 1}
+    gateway_url = make_gateway(
+        {"sim": sim}, tenants=[{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": limits}]
+    )
+    body = {"model": MODEL, "input": "Hello", "background": True, "stream": True, "max_output_tokens": 2}
+    with httpx.stream("POST", f"{gateway_url}{RESPONSES}", json=body, headers=auth()) as first:
+        lines = first.iter_lines()  # held: a line iterator let go closes the connection
+        made = orjson.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        refused = httpx.post(f"{gateway_url}{RESPONSES}", json=body, headers=auth())
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "concurrency_limit_exceeded"
+        followed = httpx.get(f"{gateway_url}{RESPONSES}/{made['response']['id']}?stream=true", headers=auth())
+        assert followed.status_code == 429
+        rest = list(lines)
+    assert "response.incomplete" in [line for line in rest if line][-1]
+    again = httpx.get(f"{gateway_url}{RESPONSES}/{made['response']['id']}?stream=true", headers=auth())
+    assert again.status_code == 200 and sse(again.content)[-1]["type"] == "response.incomplete"
+    assert len(forwarded(sim)) == 1, "the refused one was never queued"
