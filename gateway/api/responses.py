@@ -326,24 +326,36 @@ class ResponsesRoutes:
             await asyncio.sleep(pause)
             pause = min(pause * 2, LAST_READ_S)
             try:
-                turn = await _stored(self._conversations.load(owner, now["id"]))
-                if turn is None:
-                    raise _missing(now["id"])
-                now = await self._now(owner, turn)
+                now = await self._changed(owner, now)
             except GatewayError as error:
                 yield error_event(max(sent, 0), error)
                 return
 
+    async def _changed(self, owner: str, now: dict[str, Any]) -> dict[str, Any]:
+        """A followed response as it stands now: its status alone read while it is pending (its items may be large,
+        and read every second), the whole of it once it has ended."""
+        status = await _stored(self._conversations.status(owner, now["id"]))
+        if status in PENDING:
+            return {**now, "status": await self._running(owner, now["id"], status)}
+        turn = await _stored(self._conversations.load(owner, now["id"])) if status is not None else None
+        if turn is None:
+            raise _missing(now["id"])
+        return turn.response
+
     async def _now(self, owner: str, turn: Turn) -> dict[str, Any]:
         """The stored response as it stands: a queued one that a worker runs is in progress."""
-        if turn.response["status"] != "queued":
-            return turn.response
+        status = await self._running(owner, turn.id, turn.response["status"])
+        return turn.response if status == turn.response["status"] else {**turn.response, "status": status}
+
+    async def _running(self, owner: str, name: str, status: str) -> str:
+        """A stored status, `in_progress` for a queued one that a worker runs."""
+        if status != "queued":
+            return status
         try:
-            job = await self._queue.status(owner, turn.id)
+            job = await self._queue.status(owner, name)
         except (RedisError, OSError):
-            return turn.response  # queued is what the store says; the queue's word can wait for the next poll
-        running = job is not None and job.status == "running"
-        return {**turn.response, "status": "in_progress"} if running else turn.response
+            return status  # queued is what the store says; the queue's word can wait for the next read
+        return "in_progress" if job is not None and job.status == "running" else status
 
     async def _deleted(self, tenant: TenantSettings, turn: Turn, request: Request) -> dict[str, Any]:
         if not await _stored(self._conversations.delete(tenant.incarnation(), turn.id)):
@@ -406,9 +418,8 @@ class Background:
         self._conversations = conversations
 
     async def wanted(self, job: Job) -> bool:
-        """Still queued (not cancelled, nor deleted, since)."""
-        turn = await self._conversations.load(job.owner, job.id)
-        return turn is not None and turn.response["status"] in PENDING
+        """Still pending (not cancelled, nor deleted, since)."""
+        return await self._conversations.status(job.owner, job.id) in PENDING
 
     async def finish(self, job: Job, results: dict[int, Any]) -> None:
         """The response as the chat answer made it (or failed, with the refusal's error), stored in place of the

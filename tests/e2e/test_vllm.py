@@ -171,7 +171,11 @@ def test_a_responses_turn_through_the_gateway(http: httpx.Client, gateway: str, 
             model=MODEL, instructions="Be brief.", input="Tell me a story.", max_output_tokens=8
         )
         with client.responses.stream(model=MODEL, input="Tell me a story.", max_output_tokens=4) as stream:
-            streamed = stream.get_final_response()
+            # Its end: response.completed, or response.incomplete when cut off (the SDK's get_final_response waits
+            # for the first alone).
+            end = list(stream)[-1]
+        assert end.type in ("response.completed", "response.incomplete")
+        streamed = end.response
         # The next turn names the first: the gateway sends vLLM the whole conversation, vLLM keeps nothing.
         follow = client.responses.create(
             model=MODEL, input="And then?", previous_response_id=answer.id, max_output_tokens=4
@@ -195,6 +199,34 @@ def test_a_responses_turn_through_the_gateway(http: httpx.Client, gateway: str, 
     assert follow.usage is not None and follow.previous_response_id == answer.id
     conversation = {"model": MODEL, "messages": history, "add_special_tokens": True}
     assert follow.usage.input_tokens == http.post(f"{vllm.url}/tokenize", json=conversation).json()["count"]
+
+
+def test_a_running_background_response_cancelled_is_aborted_in_vllm(
+    http: httpx.Client, gateway: str, vllm: VllmServer
+) -> None:
+    """Its worker notices the cancel and closes vLLM's request mid-answer: vLLM stops generating it."""
+
+    def engine(name: str) -> float:
+        return metric(http.get(f"{vllm.url}/metrics").text, name)
+
+    def until(what: Any, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < deadline, "not in time"
+            time.sleep(0.05)
+
+    before = engine("vllm:generation_tokens_total")
+    with openai.OpenAI(base_url=f"{gateway}/v1", api_key=ALICE_KEY, max_retries=0, timeout=120) as client:
+        story = client.responses.create(model=MODEL, input="Tell me a story.", background=True, max_output_tokens=1900)
+        until(lambda: engine("vllm:num_requests_running") == 1, 60)
+        time.sleep(0.3)
+        cancelled = client.responses.cancel(story.id)
+        assert cancelled.status == "cancelled", "it was still running when cancelled"
+        until(lambda: engine("vllm:num_requests_running") == 0, 5)
+        generated = engine("vllm:generation_tokens_total") - before
+        time.sleep(1.0)
+        assert engine("vllm:generation_tokens_total") - before == generated, "vLLM generates nothing more of it"
+        assert 0 < generated < 1900 and client.responses.retrieve(story.id).status == "cancelled"
 
 
 def test_completion_through_the_gateway(http: httpx.Client, gateway: str) -> None:
