@@ -15,6 +15,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.metrics import GatewayMetrics
+from gateway.tracing import RequestTrace
 
 log = logging.getLogger("bulkhead.access")
 
@@ -78,6 +79,7 @@ class RequestRecord:
     completion_tokens: int | None = None
     first_byte: float | None = None
     sent_as: StatusRendering | None = None  # None: the surface sends the pipeline's status
+    trace: RequestTrace | None = None  # with tracing on (its surface starts it), ended with the log line
 
     @property
     def sent_status(self) -> int:
@@ -112,6 +114,8 @@ def finish(record: RequestRecord, metrics: GatewayMetrics) -> None:
     if record.completion_tokens is not None:
         metrics.tokens.labels(model, "completion").inc(record.completion_tokens)
     write(record, ended)
+    if record.trace is not None:
+        record.trace.end(record)
 
 
 def write(record: RequestRecord, ended: float) -> None:

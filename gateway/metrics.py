@@ -52,6 +52,11 @@ class _KeptChildren(MetricWrapperBase):
             child = self._kept[values] = super().labels(*values)
         return child
 
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        """Its labels, for docs/metrics.md (prometheus_client keeps them private)."""
+        return tuple(self._labelnames)
+
     def remove(self, *values: Any) -> None:
         self._kept.clear()
         super().remove(*values)
@@ -313,6 +318,14 @@ class GatewayMetrics:
             "Background tasks that failed, by name: a long-lived one that crashed (started again after a pause) or "
             "one-shot work (a probe, a notice, a settlement) that raised.",
             ["task"],
+            registry=self.registry,
+        )
+        self.poison_entries = Counter(
+            "bulkhead_poison_entries",
+            "Entries of shared state that their reader could not decode, dropped so that they are never read again "
+            "(isolation/poison.py), by reader: jobs, deferred_jobs, webhook_outbox, fingerprint_feed, ledger, "
+            "verdict_blocks, replica_failures, tenant_changes.",
+            ["reader"],
             registry=self.registry,
         )
         self.tasks = Gauge(

@@ -12,10 +12,13 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.otel_variables import DISABLED, sdk_disabled, tracing_overrides
+from gateway.settings_errors import Loc, Sources, read_yaml, report, yaml_problem
 from isolation.inject import MarkerPlacement
 
 ENV_PREFIX = "BULKHEAD_"
@@ -630,6 +633,81 @@ class WebhookSettings(_Section):
     poll_interval_s: float = Field(default=1.0, gt=0, description="how often the outbox is read for messages due")
 
 
+TraceSampler = Literal[
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+]
+
+
+class TracingSettings(_Section):
+    """OpenTelemetry traces: a span for each request, its stages' spans beneath it, and the engine's own spans joined
+    to it (docs/operations.md, "Tracing"). Sent over OTLP/HTTP in batches, from a thread of their own. No prompt or
+    answer text is ever in a span. The standard OTEL_* variables named with each key set it too; a
+    BULKHEAD_TRACING__* variable overrides them."""
+
+    enabled: bool = Field(
+        default=False,
+        description="trace requests (OTEL_TRACES_EXPORTER=otlp turns it on; none, or OTEL_SDK_DISABLED=true, off)",
+    )
+    endpoint: str = Field(
+        default="http://localhost:4318/v1/traces",
+        pattern=URL_PATTERN,
+        description="where spans are POSTed (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or OTEL_EXPORTER_OTLP_ENDPOINT "
+        "with /v1/traces added)",
+    )
+    protocol: Literal["http/protobuf"] = Field(
+        default="http/protobuf",
+        description="the only one spoken: grpc is refused at start (OTEL_EXPORTER_OTLP_PROTOCOL, "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL)",
+    )
+    headers: dict[str, str] = Field(
+        default={},
+        repr=False,
+        description="sent with every export, e.g. a tracing service's API key (OTEL_EXPORTER_OTLP_HEADERS, "
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS: key=value,key=value)",
+    )
+    timeout_s: float = Field(
+        default=10.0, gt=0, description="longest wait for one export (OTEL_EXPORTER_OTLP_TIMEOUT, in milliseconds)"
+    )
+    compression: Literal["none", "gzip"] = Field(
+        default="none", description="of each export's body (OTEL_EXPORTER_OTLP_COMPRESSION)"
+    )
+    sampler: TraceSampler = Field(
+        default="parentbased_always_on",
+        description="which requests are traced (OTEL_TRACES_SAMPLER); a request not traced sends the engine a "
+        "traceparent that says so, so that it does not trace it either",
+    )
+    sampler_ratio: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="the share of requests the traceidratio samplers trace (OTEL_TRACES_SAMPLER_ARG)",
+    )
+    service_name: str = Field(default="bulkhead", min_length=1, description="the service.name (OTEL_SERVICE_NAME)")
+    resource_attributes: dict[str, str] = Field(
+        default={},
+        description="more attributes of the service, e.g. deployment.environment (OTEL_RESOURCE_ATTRIBUTES)",
+    )
+    client_context: Literal["link", "parent"] = Field(
+        default="link",
+        description="a client's traceparent header: link: recorded as a link, the trace and its sampling the "
+        "gateway's own (a tenant chooses neither); parent: the request's span joins the client's trace, traced as "
+        "its flags say (only where every client is trusted, or a proxy in front sets the header)",
+    )
+    max_queue_size: int = Field(
+        default=2048,
+        ge=1,
+        description="finished spans waiting to be sent; past it new ones are dropped (OTEL_BSP_MAX_QUEUE_SIZE)",
+    )
+    export_interval_s: float = Field(
+        default=5.0, gt=0, description="spans are sent this often (OTEL_BSP_SCHEDULE_DELAY, in milliseconds)"
+    )
+
+
 class Settings(_Section):
     """Every setting of the gateway; the top-level keys of the YAML file."""
 
@@ -642,12 +720,44 @@ class Settings(_Section):
         pattern=r"^(redis|rediss|unix)://",
         description="shared state for many gateway instances; unset = in memory, this process only",
     )
-    redis_max_connections: int = Field(default=64, ge=1, description="the Redis pool's size; more wait their turn")
-    redis_pool_timeout_s: float = Field(default=5.0, gt=0, description="longest wait for a free Redis connection")
+    redis_cluster: bool = Field(
+        default=False,
+        description="redis_url is a node of a Redis Cluster: the gateway learns the others from it, and names every "
+        "key with a hash tag (docs/architecture.md)",
+    )
+    redis_max_connections: int = Field(
+        default=64,
+        ge=1,
+        description="the Redis pool's size; more wait their turn (on a cluster: per node, and more fail)",
+    )
+    redis_pool_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="longest wait for a free Redis connection (not on a cluster, which does not wait)",
+    )
+    redis_wait_replicas: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="queued jobs, runtime tenants and keys, notices, verdict bounds and replicas taken out count as "
+        "written once this many replicas hold them (Redis WAIT), so a failover loses none; 0: once the primary does",
+    )
+    redis_wait_timeout_s: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description="longest wait for those replicas: past it the write fails as if Redis were down",
+    )
     redis_key_prefix: str = Field(
         default=REDIS_KEY_PREFIX, description="starts every Redis name; deployments on one Redis need different ones"
     )
     admin_token: str | None = Field(default=None, min_length=16, repr=False, description="for /admin/*")
+    admin_url: str | None = Field(
+        default=None,
+        pattern=URL_PATTERN,
+        description="where `bulkhead tenants`, `incidents` and `webhooks` reach this gateway's admin API (a load "
+        "balancer's address, say); unset: the address it listens on. The gateway itself never reads it",
+    )
     metrics_token: str | None = Field(
         default=None, min_length=16, repr=False, description="for /metrics (it names tenants); unset = open"
     )
@@ -668,6 +778,7 @@ class Settings(_Section):
     limits: LimitSettings = LimitSettings()
     upstream: UpstreamSettings = UpstreamSettings()
     edge: EdgeSettings = EdgeSettings()
+    tracing: TracingSettings = TracingSettings()
     backends: list[BackendSettings] = []
     models: list[ModelSettings] = []
     tenants: list[TenantSettings] = []
@@ -681,6 +792,16 @@ class Settings(_Section):
         if isinstance(value, str) and not REDIS_KEY_PREFIX_PATTERN.match(value):
             raise ValueError(f"{value[:80]!r}: 1 to 64 characters, each a letter, a digit or one of : _ . {{ }} -")
         return value
+
+    @model_validator(mode="after")
+    def _cluster(self) -> Self:
+        if not self.redis_cluster:
+            return self
+        if self.redis_url is None or self.redis_url.startswith("unix://"):
+            raise ValueError("redis_cluster: needs redis_url, a redis:// or rediss:// address of one of its nodes")
+        if urlsplit(self.redis_url).path.strip("/") not in ("", "0"):
+            raise ValueError("redis_url: a Redis Cluster has database 0 alone; keep deployments apart by prefix")
+        return self
 
     @model_validator(mode="after")
     def _references(self) -> Self:
@@ -744,7 +865,7 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[tuple[str, ...], tuple[st
         try:
             value = yaml.safe_load(raw) if raw else raw
         except yaml.YAMLError as exc:
-            raise SettingsError(f"environment variable {variable}: not a valid value: {exc}") from exc
+            raise SettingsError(f"environment variable {variable}: {yaml_problem(exc)}") from exc
         overrides[path] = (variable, value)
     return overrides
 
@@ -759,40 +880,44 @@ def _apply(data: dict[str, Any], path: tuple[str, ...], value: Any, variable: st
     node[path[-1]] = value
 
 
-def _location(loc: tuple[int | str, ...]) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
-
-
 def load_settings(path: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Read the file (if any), apply the environment on top, validate; raise SettingsError naming the source."""
-    source = str(path) if path is not None else "defaults"
+    """Read the file (if any), apply the environment on top, validate; raise SettingsError saying where and what."""
+    if path is None:
+        return parse_settings(None, "defaults", environ)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
+    return parse_settings(text, str(path), environ)
+
+
+def parse_settings(text: str | None, name: str, environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings a file's `text` (None: no file) and the environment make; errors name the file as `name`."""
     data: dict[str, Any] = {}
-    if path is not None:
+    document = None
+    if text is not None:
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise SettingsError(f"{path}: cannot read: {exc.strerror}") from exc
+            loaded, document = read_yaml(text)
         except yaml.YAMLError as exc:
-            raise SettingsError(f"{path}: not valid YAML: {exc}") from exc
+            raise SettingsError(f"{name}, {yaml_problem(exc)}") from exc
         if loaded is not None and not isinstance(loaded, dict):
-            raise SettingsError(f"{path}: the top level must be a mapping of settings")
+            raise SettingsError(f"{name}: the top level must be a mapping of settings")
         data = loaded or {}
-    overrides = _env_overrides(environ or {})
+    try:
+        standard = tracing_overrides(environ or {})
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from exc
+    # The standard OTEL_* variables first, so that the gateway's own, more specific, win.
+    overrides = {**standard, **_env_overrides(environ or {})}
+    if sdk_disabled(environ or {}):
+        overrides.pop(("tracing", "enabled"), None)  # applied last: after a whole BULKHEAD_TRACING section too
+        overrides[("tracing", "enabled")] = (DISABLED, False)
     for key_path, (variable, value) in overrides.items():
         _apply(data, key_path, value, variable)
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        loc = tuple(error["loc"])
-        origin = next(
-            (variable for key, (variable, _) in overrides.items() if loc[: len(key)] == key),
-            source,
-        )
-        reason = error["msg"].removeprefix("Value error, ")
-        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
-        where = f"{_location(loc)}: " if loc else ""
-        raise SettingsError(f"{origin}: {where}{reason}{more}") from exc
+        variables: dict[Loc, str] = {key_path: variable for key_path, (variable, _) in overrides.items()}
+        raise SettingsError(report(exc, Settings, Sources(name, document, variables))) from exc

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Literal, Protocol, TypeGuard
+from collections.abc import Callable
+from typing import Literal, Protocol, TypeGuard, TypeVar
 
-from redis.asyncio import Redis
-
-from isolation.redis_text import text, text_fields
+from isolation.poison import Poison
+from isolation.redis_keys import RedisClient, tag, together
+from isolation.redis_text import text
+from isolation.replication import NO_WAIT, Replication, run_command, run_script
 
 AdminState = Literal["quarantined", "draining", "suspended", "held"]
 ADMIN_STATES: tuple[AdminState, ...] = ("quarantined", "draining", "suspended", "held")
 Suspension = Literal["suspended", "held"]
+T = TypeVar("T")
 
 
 class Store(Protocol):
@@ -151,6 +154,14 @@ class MemoryStore:
         return sorted(self._blocks)
 
 
+# KEYS: the admin hash, the suspensions' ends; ARGV: replica, its state ("" for none). An operator's decision
+# replaces whatever there was, and any hold.
+_SET_ADMIN_STATE = """
+if ARGV[2] == '' then redis.call('HDEL', KEYS[1], ARGV[1]) else redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 0
+"""
+
 # KEYS: the admin hash, the suspensions' ends; ARGV: replica. 1 when it was suspended, and is released.
 _END_SUSPENSION = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= 'suspended' then return 0 end
@@ -198,32 +209,44 @@ return taken
 """
 
 
+# KEYS: the budget's window. ARGV: its lifetime (s). What was taken of it, this one included.
+_TAKE = """
+local taken = redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], ARGV[1], 'NX')
+return taken
+"""
+
+
 class RedisStore:
     """Three hashes, replica → state: `{prefix}replica-admin`, `{prefix}replica-failures` and
     `{prefix}replica-suspended-until` (until when the instance probing each suspension holds it); a counter per
     budget and window, `{prefix}budget:{name}:{window}`, which expires with its window; and `{prefix}blocks`, what is
-    blocked until an operator lifts it (name → since when)."""
+    blocked until an operator lifts it (name → since when). On a cluster the three hashes share the tag `{replicas}`
+    (scripts use them together), and a budget's name is its counters' tag.
 
-    def __init__(self, redis: Redis, *, prefix: str) -> None:
+    Replicas taken out (an operator's state, a suspension), budgets taken and blocks made count once `replication`
+    says: a failover must not let a replica back in, nor forget a verdict bound."""
+
+    def __init__(self, redis: RedisClient, *, prefix: str, poison: Poison, replication: Replication = NO_WAIT) -> None:
         self._redis = redis
-        self._admin = f"{prefix}replica-admin"
-        self._failures = f"{prefix}replica-failures"
-        self._until = f"{prefix}replica-suspended-until"
+        self._poison = poison
+        self._replication = replication
+        replicas = together(redis, prefix, "replicas")
+        self._admin = f"{replicas}replica-admin"
+        self._failures = f"{replicas}replica-failures"
+        self._until = f"{replicas}replica-suspended-until"
         self._budgets = f"{prefix}budget:"
-        self._blocks = f"{prefix}blocks"
+        self._blocks = f"{prefix}{tag(redis, 'blocks')}"
+        self._take = redis.register_script(_TAKE)
+        self._set_admin_state = redis.register_script(_SET_ADMIN_STATE)
         self._end_suspension = redis.register_script(_END_SUSPENSION)
         self._suspend = redis.register_script(_SUSPEND)
         self._renew = redis.register_script(_RENEW)
         self._take_lapsed = redis.register_script(_TAKE_LAPSED)
 
     async def set_admin_state(self, replica: str, state: AdminState | None) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            if state is None:
-                pipe.hdel(self._admin, replica)
-            else:
-                pipe.hset(self._admin, replica, state)
-            pipe.hdel(self._until, replica)
-            await pipe.execute()
+        keys = [self._admin, self._until]
+        await run_script(self._redis, self._replication, self._set_admin_state, keys, [replica, state or ""])
 
     async def end_suspension(self, replica: str) -> bool:
         return bool(await self._end_suspension(keys=[self._admin, self._until], args=[replica]))
@@ -232,7 +255,8 @@ class RedisStore:
         self, replica: str, others: list[str], until: float | None, state: Suspension = "suspended"
     ) -> bool:
         hold = "" if until is None else until
-        return bool(await self._suspend(keys=[self._admin, self._until], args=[replica, state, hold, *others]))
+        args = [replica, state, hold, *others]
+        return bool(await run_script(self._redis, self._replication, self._suspend, [self._admin, self._until], args))
 
     async def renew(self, replica: str, until: float) -> bool:
         return bool(await self._renew(keys=[self._admin, self._until], args=[replica, until]))
@@ -240,8 +264,21 @@ class RedisStore:
     async def take_lapsed(self, now: float, until: float) -> list[str]:
         return [text(name) for name in await self._take_lapsed(keys=[self._admin, self._until], args=[now, until])]
 
+    async def _read(self, key: str, reader: str, value: Callable[[str], T]) -> dict[str, T]:
+        """A hash's entries, each value read by `value`; an entry that is not text, or that `value` refuses
+        (ValueError), is poison, deleted: every instance reads these hashes each health interval."""
+        found: dict[str, T] = {}
+        for name, raw in (await self._redis.hgetall(key)).items():
+            try:
+                found[text(name)] = value(text(raw))
+            except ValueError as exc:
+                await self._redis.hdel(key, name)
+                self._poison.dropped(reader, key, name, exc)
+        return found
+
     async def admin_states(self) -> dict[str, AdminState]:
-        raw = text_fields(await self._redis.hgetall(self._admin))
+        # A state this version does not know (a later one's) is left, and read as none.
+        raw = await self._read(self._admin, "replica_admin", str)
         return {name: state for name, state in raw.items() if _is_admin_state(state)}
 
     async def report_failure(self, replica: str) -> None:
@@ -249,33 +286,33 @@ class RedisStore:
         await self._redis.hincrby(self._failures, replica, 1)
 
     async def failures(self) -> dict[str, int]:
-        return {name: int(count) for name, count in text_fields(await self._redis.hgetall(self._failures)).items()}
+        return await self._read(self._failures, "replica_failures", int)
+
+    def _budget(self, budget: str, window_s: float, now: float) -> str:
+        return f"{self._budgets}{tag(self._redis, budget)}:{int(now // window_s)}"
 
     async def take(self, budget: str, limit: int, window_s: float, now: float) -> bool:
-        window = int(now // window_s)
-        key = f"{self._budgets}{budget}:{window}"
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.incr(key)
-            pipe.expire(key, max(1, int(window_s) + 1), nx=True)
-            taken, _ = await pipe.execute()
+        key = self._budget(budget, window_s, now)
+        taken = await run_script(self._redis, self._replication, self._take, [key], [max(1, int(window_s) + 1)])
         return int(taken) <= limit
 
     async def forget(self, budget: str, window_s: float, now: float) -> None:
-        await self._redis.delete(f"{self._budgets}{budget}:{int(now // window_s)}")
+        await self._redis.delete(self._budget(budget, window_s, now))
 
     async def block(self, name: str) -> None:
-        await self._redis.hset(self._blocks, name, repr(time.time()))
+        await run_command(self._redis, self._replication, self._blocks, "HSET", self._blocks, name, repr(time.time()))
 
     async def lift(self, name: str) -> bool:
         return bool(await self._redis.hdel(self._blocks, name))
 
     async def blocks(self) -> list[str]:
-        return sorted(text_fields(await self._redis.hgetall(self._blocks)))
+        return sorted(await self._read(self._blocks, "verdict_blocks", str))
 
 
-async def shared_key(redis: Redis, name: str) -> bytes | None:
-    """A random key that every instance on this Redis shares: the first to ask makes it."""
-    await redis.set(name, secrets.token_bytes(32), nx=True)
+async def shared_key(redis: RedisClient, name: str, replication: Replication = NO_WAIT) -> bytes | None:
+    """A random key that every instance on this Redis shares: the first to ask makes it. Made once `replication`
+    says: one lost to a failover would be made again, and what it signed or hashed before would no longer match."""
+    await run_command(redis, replication, name, "SET", name, secrets.token_bytes(32), "NX")
     stored = await redis.get(name)
     return stored if isinstance(stored, bytes) else None
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from redis.asyncio import Redis
-
 from isolation.records import MemoryLog, RecordLog, RedisLog, as_fields
+from isolation.redis_keys import RedisClient, tag
 
 
 @dataclass(frozen=True)
@@ -47,5 +46,5 @@ class MemoryEventLog(MemoryLog[IsolationEvent]):
 
 
 class RedisEventLog(RedisLog[IsolationEvent]):
-    def __init__(self, redis: Redis, capacity: int, *, prefix: str) -> None:
-        super().__init__(redis, capacity, f"{prefix}isolation-events", IsolationEvent.from_fields)
+    def __init__(self, redis: RedisClient, capacity: int, *, prefix: str) -> None:
+        super().__init__(redis, capacity, f"{prefix}{tag(redis, 'isolation-events')}", IsolationEvent.from_fields)

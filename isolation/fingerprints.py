@@ -23,6 +23,7 @@ import errno
 import hashlib
 import heapq
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -33,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from isolation.poison import Poison
+from isolation.redis_keys import RedisClient, tag
 from isolation.redis_text import text
 from isolation.winnowing import NO_GRAMS, AnswerGrams, Fingerprints, Hasher, winnow
 
@@ -231,11 +233,12 @@ class RedisFingerprintFeed:
     before that request went out, and only then is the request's answer checked (`reached`).
     """
 
-    def __init__(self, redis: Redis, instance: str, ttl_s: float, *, prefix: str) -> None:
+    def __init__(self, redis: RedisClient, instance: str, ttl_s: float, *, prefix: str, poison: Poison) -> None:
         self._redis = redis
+        self._poison = poison
         self._instance = instance
         self._ttl_ms = int(ttl_s * 1000)
-        self._key = f"{prefix}fingerprints"
+        self._key = f"{prefix}{tag(redis, 'fingerprints')}"
         self._read_to = (0, 0)  # where `follow` has read the stream to
         self._moved = asyncio.Event()  # set (and replaced) each time it reads further
 
@@ -277,7 +280,7 @@ class RedisFingerprintFeed:
                 return last
             for entry_id, fields in entries:
                 last = text(entry_id)
-                self._ingest(index, fields)
+                self._ingest(index, last, fields)
             start = f"({last}"  # exclusive: the next page after the last entry read
 
     async def follow(self, index: FingerprintIndex, last: str) -> None:
@@ -302,31 +305,37 @@ class RedisFingerprintFeed:
             for entries in per_stream:
                 for entry_id, fields in entries:
                     last = text(entry_id)
-                    self._ingest(index, fields)
+                    self._ingest(index, last, fields)
             if stream_position(last) > self._read_to:
                 self._read_to = stream_position(last)
                 moved, self._moved = self._moved, asyncio.Event()
                 moved.set()
 
-    def _ingest(self, index: FingerprintIndex, fields: dict[bytes, bytes]) -> None:
-        prompt = self._decode(fields)
-        if prompt is not None and len(prompt.fingerprints):
+    def _ingest(self, index: FingerprintIndex, entry: str, fields: dict[bytes, bytes]) -> None:
+        if fields.get(b"i") == self._instance.encode():
+            return  # this instance added its own directly
+        try:
+            prompt = _decoded(fields)
+        except (KeyError, ValueError) as exc:
+            # Passed over, not deleted: a follower reads each entry once, and the feed forgets it after ttl_s.
+            self._poison.dropped("fingerprint_feed", self._key, entry, exc)
+            return
+        if len(prompt.fingerprints):
             index.add(prompt)
 
-    def _decode(self, fields: dict[bytes, bytes]) -> Prompt | None:
-        if fields.get(b"i") == self._instance.encode():
-            return None  # this instance added its own directly
-        try:
-            return Prompt(
-                text(fields[b"t"]),
-                text(fields[b"r"]),
-                float(fields[b"a"]),
-                np.frombuffer(fields[b"f"], dtype="<u8").astype(np.uint64),
-                np.frombuffer(fields.get(b"s", b""), dtype="<u8").astype(np.uint64),
-            )
-        except (KeyError, ValueError) as exc:
-            log.warning("a fingerprint entry could not be read: %s", type(exc).__name__)
-            return None
+
+def _decoded(fields: dict[bytes, bytes]) -> Prompt:
+    """A feed entry's prompt; KeyError or ValueError for poison (what the index would fail on: a time that is none)."""
+    at = float(fields[b"a"])
+    if not math.isfinite(at):
+        raise ValueError("a prompt's time is a finite number")
+    return Prompt(
+        text(fields[b"t"]),
+        text(fields[b"r"]),
+        at,
+        np.frombuffer(fields[b"f"], dtype="<u8").astype(np.uint64),
+        np.frombuffer(fields.get(b"s", b""), dtype="<u8").astype(np.uint64),
+    )
 
 
 CACHED_TEXTS = 10_000  # texts whose fingerprints are kept: a conversation resends its history every turn

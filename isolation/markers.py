@@ -25,8 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from redis.asyncio import Redis
-
+from isolation.redis_keys import RedisClient, tag
 from isolation.redis_text import text
 from isolation.scanner import normalize
 from isolation.spelling import ANCHOR_SPELLINGS, CODE_BITS, DEFAULT, Spelling, codes_of
@@ -202,13 +201,13 @@ class RedisMarkerStore:
     """One hash per epoch, `{prefix}canary-codes:{epoch}` (a code in hex: its owner), expiring after the epoch stops
     being live."""
 
-    def __init__(self, redis: Redis, *, prefix: str, batch: int = 5000) -> None:
+    def __init__(self, redis: RedisClient, *, prefix: str, batch: int = 5000) -> None:
         self._redis = redis
         self._names = f"{prefix}canary-codes:"
         self._batch = batch
 
     async def publish(self, epoch: int, markers: dict[int, Owner], ttl_s: int) -> None:
-        key = f"{self._names}{epoch}"
+        key = f"{self._names}{tag(self._redis, str(epoch))}"
         items = [(f"{code:x}", owner.encode()) for code, owner in markers.items()]
         for start in range(0, len(items), self._batch):
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -221,7 +220,7 @@ class RedisMarkerStore:
         fields = list(dict.fromkeys(f"{code:x}" for codes in candidates.values() for code in codes))
         async with self._redis.pipeline(transaction=False) as pipe:
             for epoch in epochs:
-                pipe.hmget(f"{self._names}{epoch}", fields)
+                pipe.hmget(f"{self._names}{tag(self._redis, str(epoch))}", fields)
             answers: list[list[Any]] = await pipe.execute()
         owners: dict[str, Owner] = {}
         for answer in reversed(answers):  # the newest epoch's word last, so it stands

@@ -8,8 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Generic, Protocol, TypeVar
 
-from redis.asyncio import Redis
-
+from isolation.redis_keys import RedisClient
 from isolation.redis_text import text_fields
 
 
@@ -43,7 +42,7 @@ class MemoryLog(Generic[R]):
 
 
 class RedisLog(Generic[R]):
-    def __init__(self, redis: Redis, capacity: int, key: str, parse: Callable[[dict[str, str]], R]) -> None:
+    def __init__(self, redis: RedisClient, capacity: int, key: str, parse: Callable[[dict[str, str]], R]) -> None:
         self._redis = redis
         self._capacity = capacity
         self._key = key

@@ -21,13 +21,15 @@ SimFactory = Callable[..., str]
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """README's command runs the suite on two pytest-xdist workers: a module runs whole on one worker, so its module
-    fixtures start once, and the end-to-end package is one unit, so one vLLM serves it. (xdist's own `loadgroup`
-    cannot say this on pytest 9: it renames node ids, which pytest 9 no longer lets a plugin do.)"""
+    fixtures start once, and the end-to-end package is one unit, so one vLLM serves it, as is the Redis Cluster
+    package, so one cluster serves it. (xdist's own `loadgroup` cannot say this on pytest 9: it renames node ids,
+    which pytest 9 no longer lets a plugin do.)"""
 
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "tests/e2e" if module.startswith("tests/e2e/") else module
+            package = next((p for p in ("tests/e2e", "tests/cluster") if module.startswith(f"{p}/")), None)
+            return package or module
 
     return ByModule(config, log)
 

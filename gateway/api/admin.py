@@ -130,7 +130,7 @@ class AdminRoutes:
 
         return endpoint
 
-    def _describe(self, replica: Replica) -> dict[str, object]:
+    def describe(self, replica: Replica) -> dict[str, object]:
         view = self._capacity.backends[replica.name]
         return {
             "name": replica.name,
@@ -189,21 +189,28 @@ class AdminRoutes:
             recent = await self._audit.recent(_limit(request))
         return _json({"events": [asdict(e) for e in recent]})
 
+    def replicas(self) -> list[dict[str, object]]:
+        return [self.describe(r) for r in self._pool.replicas.values()]
+
     async def list_replicas(self, request: Request) -> Response:
-        return _json({"replicas": [self._describe(r) for r in self._pool.replicas.values()]})
+        return _json({"replicas": self.replicas()})
+
+    async def set_state(self, name: str, target: AdminState | None, by: str) -> dict[str, object]:
+        """An operator's word on a replica (None: released), `by` the API or the console; NotFound for no such
+        replica. Its incident is contained, or closed by a release."""
+        replica = self._pool.replicas.get(name)
+        if replica is None:
+            raise NotFound(f"No replica named '{name}'.")
+        await self._pool.set_admin_state(replica, target, f"by the admin {by}")
+        if target is None:
+            await self._tracker.closed(replica.name, "the replica was released by an operator")
+        else:
+            await self._tracker.contained(replica.name)
+        return self.describe(replica)
 
     def _set_state(self, target: AdminState | None) -> Handler:
         async def handler(request: Request) -> Response:
-            name = request.path_params["name"]
-            replica = self._pool.replicas.get(name)
-            if replica is None:
-                raise NotFound(f"No replica named '{name}'.")
-            await self._pool.set_admin_state(replica, target, "by the admin API")
-            if target is None:
-                await self._tracker.closed(replica.name, "the replica was released by an operator")
-            else:
-                await self._tracker.contained(replica.name)
-            return _json(self._describe(replica))
+            return _json(await self.set_state(request.path_params["name"], target, "API"))
 
         return handler
 

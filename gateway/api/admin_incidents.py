@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.errors import InvalidRequest, NotFound
-from gateway.incidents.exposure import Window, exposure, slack_s
+from gateway.incidents.exposure import Exposure, Window, slack_s
 from gateway.incidents.incident import Incident, IncidentStore
 from gateway.incidents.ledger import MAX_TIME_S, LedgerWriter
 from gateway.incidents.tracking import Tracker
@@ -74,29 +74,39 @@ class IncidentAdminRoutes:
         self._pool = pool
         self._tracker = tracker
 
-    async def _incident(self, request: Request) -> Incident:
-        incident_id = request.path_params["id"]
+    async def incident(self, incident_id: str) -> Incident:
+        """The incident of this id, or NotFound."""
         incident = await self._incidents.get(incident_id)
         if incident is None:
             raise NotFound(f"No incident '{incident_id}' (incidents expire with isolation.ledger.retention_s).")
         return incident
 
+    async def recent(self, limit: int) -> list[Incident]:
+        return await self._incidents.recent(limit)
+
+    async def _incident(self, request: Request) -> Incident:
+        return await self.incident(request.path_params["id"])
+
     async def list_incidents(self, request: Request) -> Response:
-        recent = await self._incidents.recent(_int(request, "limit", 100, 10_000))
+        recent = await self.recent(_int(request, "limit", 100, 10_000))
         return _json({"incidents": [incident.view() for incident in recent]})
 
     async def show_incident(self, request: Request) -> Response:
         return _json((await self._incident(request)).view())
 
-    async def _report(self, request: Request, window: Window, incident: Incident | None) -> Response:
-        limit = _int(request, "limit", 10_000, MAX_ANSWERS)
+    async def read(self, window: Window, incident: Incident | None, limit: int) -> Exposure:
+        """What the window's replica served in it, at most `limit` answers."""
         # This instance's last answers first; other instances' reach the store within a flush interval.
         await self._ledger.flush()
-        return _json(await exposure(self._ledger.ledger, window, incident, limit))
+        return await Exposure.read(self._ledger.ledger, window, incident, limit)
+
+    async def exposure(self, incident: Incident, limit: int) -> Exposure:
+        """What the incident's replica served in its exposure window, as of now."""
+        return await self.read(Window.of(incident, time.time(), slack_s(self._settings)), incident, limit)
 
     async def incident_exposure(self, request: Request) -> Response:
         incident = await self._incident(request)
-        return await self._report(request, Window.of(incident, time.time(), slack_s(self._settings)), incident)
+        return _json((await self.exposure(incident, _int(request, "limit", 10_000, MAX_ANSWERS))).view())
 
     async def replica_exposure(self, request: Request) -> Response:
         replica = request.query_params.get("replica", "")
@@ -108,7 +118,7 @@ class IncidentAdminRoutes:
         if until < since:
             raise InvalidRequest("until must not be before since.", param="until")
         window = Window(replica, since, until, "where the operator said", "where the operator said")
-        return await self._report(request, window, None)
+        return _json((await self.read(window, None, _int(request, "limit", 10_000, MAX_ANSWERS))).view())
 
     async def close_incident(self, request: Request) -> Response:
         incident = await self._incident(request)

@@ -228,12 +228,17 @@ class TenantAdminRoutes:
         limit = request.query_params.get("limit", "100")
         if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
             raise InvalidRequest(f"limit must be an integer from 1 to {MAX_PAGE}.", param="limit")
-        page, more = await self._tenants.tenants(request.query_params.get("after", ""), int(limit))
-        views = [tenant_view(t).model_dump(mode="json") for t in page]
-        return _json({"tenants": views, "next": page[-1].id if more else None})
+        views, after = await self.tenant_page(request.query_params.get("after", ""), int(limit))
+        return _json({"tenants": [v.model_dump(mode="json") for v in views], "next": after})
+
+    async def tenant_page(self, after: str, limit: int) -> tuple[list[TenantView], str | None]:
+        """Up to `limit` tenants after the id `after`, in order of id; and the id to read on from, when there are
+        more."""
+        page, more = await self._tenants.tenants(after, limit)
+        return [tenant_view(t) for t in page], page[-1].id if more else None
 
     async def show_tenant(self, request: Request) -> Response:
-        return _json(tenant_view(await self._tenants.tenant(request.path_params["tenant"])))
+        return _json(await self.tenant(request.path_params["tenant"]))
 
     async def update_tenant(self, request: Request) -> Response:
         tenant_id = request.path_params["tenant"]
@@ -263,13 +268,18 @@ class TenantAdminRoutes:
         return Response(status_code=204)
 
     async def list_keys(self, request: Request) -> Response:
-        tenant_id = request.path_params["tenant"]
+        views = await self.key_views(request.path_params["tenant"])
+        return _json({"keys": [v.model_dump(mode="json") for v in views]})
+
+    async def key_views(self, tenant_id: str) -> list[KeyView]:
+        """The tenant's keys, by id and hash prefix: never a key."""
         configured = self._tenants.configured(tenant_id)
         if configured is not None:
-            views = [configured_key_view(configured, h) for h in configured.key_hashes]
-        else:
-            views = [key_view(k) for k in await self._tenants.keys(tenant_id)]
-        return _json({"keys": [v.model_dump(mode="json") for v in views]})
+            return [configured_key_view(configured, h) for h in configured.key_hashes]
+        return [key_view(k) for k in await self._tenants.keys(tenant_id)]
+
+    async def tenant(self, tenant_id: str) -> TenantView:
+        return tenant_view(await self._tenants.tenant(tenant_id))
 
     async def create_key(self, request: Request) -> Response:
         tenant_id = request.path_params["tenant"]

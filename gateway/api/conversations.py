@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
-from redis.asyncio import Redis
+
+from isolation.redis_keys import RedisClient, tag
 
 # Expired turns a memory store drops per call: a backlog (a quiet hour's worth of expired turns) costs any one call
 # little, and a store called at all sweeps faster than turns are stored.
@@ -329,7 +330,7 @@ return 0
 
 
 class RedisConversationStore:
-    def __init__(self, redis: Redis, ttl_s: float, max_bytes_per_owner: int, *, prefix: str) -> None:
+    def __init__(self, redis: RedisClient, ttl_s: float, max_bytes_per_owner: int, *, prefix: str) -> None:
         self._redis = redis
         self._ttl_s = max(1, int(ttl_s))
         self._cap = max_bytes_per_owner
@@ -341,12 +342,16 @@ class RedisConversationStore:
 
     def _keys(self, owner: str) -> list[str]:
         """The owner's turns, their sizes, their links."""
-        p = self._prefix
-        return [f"{p}responses:{owner}", f"{p}response-sizes:{owner}", f"{p}response-links:{owner}"]
+        p, of = self._prefix, self._of(owner)
+        return [f"{p}responses:{of}", f"{p}response-sizes:{of}", f"{p}response-links:{of}"]
 
     def _base(self, owner: str) -> str:
         """What a record's name is made of, with "response:" or "turn:" between it and the id."""
-        return f"{self._prefix}conversation:{owner}:"
+        return f"{self._prefix}conversation:{self._of(owner)}:"
+
+    def _of(self, owner: str) -> str:
+        """The owner's part of its keys' names: on a cluster, their one hash tag (the scripts use them together)."""
+        return tag(self._redis, owner)
 
     async def save(self, owner: str, turn: Turn, only_from: frozenset[str] | None = None) -> bool:
         envelope, items = turn.encode()

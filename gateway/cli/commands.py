@@ -299,6 +299,10 @@ def _incidents(args: argparse.Namespace) -> int:
     return incident_commands.run(args, os.environ)
 
 
+def _webhooks(args: argparse.Namespace) -> int:
+    return webhook_commands.run_admin_command(args, os.environ)
+
+
 def _disaggregated(args: argparse.Namespace) -> bool:
     return bool(args.disaggregated) or args.prefill_kv_tokens is not None or args.decode_kv_tokens is not None
 
@@ -520,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tenant_commands.add_parser(commands).set_defaults(run=_tenants)
     incident_commands.add_parser(commands).set_defaults(run=_incidents)
-    webhook_commands.add_parser(commands)  # its subcommand sets what runs it
+    webhook_commands.add_parser(commands, admin=_webhooks)  # verify sets what runs it
 
     demo = commands.add_parser("demo", help="replay the stale-KV incident and show what each defence catches")
     demo.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer directory (default: a built tiny one)")

@@ -11,7 +11,7 @@ confidential in it; then tenant bob sends a prompt over the KV capacity, which t
 from __future__ import annotations
 
 import logging
-import re
+import textwrap
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -66,7 +66,7 @@ def _ask(client: httpx.Client, gateway: str, tenant: str, content: str, max_toke
 
 def _error(response: httpx.Response) -> str:
     error = response.json().get("error", {})
-    return f"HTTP {response.status_code} {error.get('code')}: {error.get('message', '')[:240]}"
+    return f"HTTP {response.status_code} {error.get('code')}: {error.get('message', '')}"
 
 
 def _admission(response: httpx.Response, events: list[dict[str, str]]) -> str | None:
@@ -157,9 +157,9 @@ def run_demo(tokenizer: Path) -> int:
             if layer is UNGUARDED:
                 leaked = response.json()["choices"][0]["message"]["content"] if response.status_code == 200 else ""
                 usage = response.json().get("usage", {}) if response.status_code == 200 else {}
-                shown = re.sub(r"\s+", " ", leaked).strip()[:110]
+                shown = textwrap.shorten(leaked, 110, placeholder=" ...")  # cut between words, never inside one
                 _line(f"without the defences: HTTP {response.status_code}, prompt_tokens {usage.get('prompt_tokens')}")
-                _line(f'  bob receives: "{shown}..."')
+                _line(f'  bob receives: "{shown}"')
                 _line(f"  alice's text in bob's answer: {'YES' if 'merger' in leaked else 'no'}\n")
                 results.append("merger" in leaked)
                 continue

@@ -6,8 +6,9 @@
     bulkhead incidents exposure --replica NAME --since TIME [--until TIME]
     bulkhead incidents close ID
 
-The admin token as for `bulkhead tenants` (a file or BULKHEAD_ADMIN_TOKEN). `--json` prints the API's answer.
-Exit codes: 0 done, 1 the gateway refused, 2 the command could not run.
+The gateway and its admin token as for every admin command (gateway/cli/admin.py: flags, BULKHEAD_ADMIN_URL and
+BULKHEAD_ADMIN_TOKEN, the settings file). `--json` prints the API's answer. Exit codes: 0 done, 1 the gateway
+refused, 2 the command could not run.
 """
 
 from __future__ import annotations
@@ -17,14 +18,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway.cli.tenants import (
-    AdminClient,
-    CommandError,
-    admin_options,
-    print_json,
-    print_table,
-    run_admin,
-)
+from gateway.cli.admin import AdminClient, CommandError, admin_options, print_json, print_table, run_admin
 from gateway.incidents.ledger import VERDICTS
 
 

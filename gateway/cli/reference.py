@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from gateway.settings import Settings
+from gateway.settings import Settings, SettingsError, parse_settings
 
 HEADER = """\
 # Configuration reference
@@ -32,7 +32,8 @@ defaults: in-memory state and the built-in engine simulator). Environment variab
 `BULKHEAD_REDIS_URL=redis://10.0.0.7:6379/0`). A value is read as YAML, so numbers, booleans and JSON lists work
 (`BULKHEAD_BACKENDS='[{"name": "a", "url": "http://10.0.0.5:8000"}]'`); quote a text that YAML would read
 otherwise (`BULKHEAD_REDIS_KEY_PREFIX='"team-a:"'`). A bad file or variable stops the start with exit code 2 and
-one line naming the file or variable, the key and the reason. An unknown key is an error, never ignored.
+one line a problem, naming the file and line (or the variable), the key and what is wrong
+([below](#when-a-file-is-wrong)). An unknown key is an error, never ignored.
 
 `deploy/bulkhead.example.yaml` is a commented example that runs as it is. A key marked *required* has no default;
 a section that is a list (`backends[]`) takes one mapping per item.
@@ -51,6 +52,8 @@ def _type(annotation: Any) -> str:
         return " or ".join(_type(arg) for arg in args)
     if origin is list:
         return f"list of {_type(args[0])}"
+    if origin is dict:
+        return f"mapping of {_type(args[0])} to {_type(args[1])}"
     if origin is not None and args:  # Annotated[int, Field(ge=1)] and the like
         return _type(args[0])
     if annotation is type(None):
@@ -137,7 +140,88 @@ def reference() -> str:
                 field = fields[name]
                 lines.append(f"| `{name}` | {_type(field.annotation)} | {_default(field)} | {_meaning(name, field)} |")
             lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + mistakes())
+
+
+EXAMPLE = """\
+listen: {host: 127.0.0.1, port: 8080}
+backends:
+  - name: vllm-0
+    url: http://127.0.0.1:8000
+models:
+  - name: tiny-llama
+    backends: [vllm-0]
+tenants:
+  - id: acme
+    key_hashes: ["sha256:1d1f7b95d59f1d9591b890ff547e2e9a1542408763cc070b4b02f6eb2afa3953"]
+    limits: {requests_per_minute: 600, max_concurrent_requests: 8}
+"""
+# Mistakes made in EXAMPLE, each by one change: (what it is, the text changed, what it is changed to).
+MISTAKES = [
+    ("a key misspelt", "{requests_per_minute", "{request_per_minute"),
+    ("a URL without its scheme", "url: http://127.0.0.1:8000", "url: 127.0.0.1:8000"),
+    ("a bracket left open", "backends: [vllm-0]", "backends: [vllm-0"),
+    ("text for a number", "port: 8080}", "port: eighty}"),
+    ("a backend no one declared", "backends: [vllm-0]", "backends: [vllm-1]"),
+]
+MISTAKEN_NAME = "bulkhead.yaml"
+
+
+def mistaken(old: str, new: str, text: str = EXAMPLE) -> str:
+    """`text` with `old`, which it holds once, changed to `new`."""
+    if text.count(old) != 1:
+        raise ValueError(f"{old!r} is not in the example once")
+    return text.replace(old, new)
+
+
+def complaint(text: str) -> str:
+    """What `bulkhead serve --config bulkhead.yaml` says of a file holding `text` (cli/commands.py's words)."""
+    try:
+        parse_settings(text, MISTAKEN_NAME, {})
+    except SettingsError as exc:
+        return f"bulkhead: bad settings: {exc}"
+    raise ValueError(f"the settings take this file:\n{text}")
+
+
+def _changed_line(old: str, new: str) -> str:
+    return next(line for line in mistaken(old, new).splitlines() if new in line)
+
+
+def mistakes() -> list[str]:
+    """The section of wrong files and what the start says of each."""
+    several = EXAMPLE
+    for _, old, new in MISTAKES[:2] + MISTAKES[3:4]:
+        several = mistaken(old, new, several)
+    lines = [
+        "## When a file is wrong",
+        "",
+        "What is wrong in the file or the variables stops `bulkhead serve` before it starts, with exit code 2 and one "
+        "line a problem: the file and the line (or the variable), the key's path, and what is wrong in words. A key "
+        "that is not a setting gets the nearest one suggested. A file that is not YAML is one line too, at the place "
+        "to look. Take this `bulkhead.yaml`:",
+        "",
+        "```yaml",
+        EXAMPLE.rstrip("\n"),
+        "```",
+        "",
+        "and change one line at a time:",
+        "",
+        "| mistake | the line, changed | what the start says |",
+        "| --- | --- | --- |",
+    ]
+    for what, old, new in MISTAKES:
+        lines.append(f"| {what} | `{_changed_line(old, new)}` | `{complaint(mistaken(old, new))}` |")
+    lines += [
+        "",
+        "Several problems are listed under their count, in the file's order (here the first, second and fourth "
+        "changes at once):",
+        "",
+        "```",
+        complaint(several),
+        "```",
+        "",
+    ]
+    return lines
 
 
 def _anchor(heading: str) -> str:

@@ -1,77 +1,20 @@
 """`bulkhead tenants ...`: tenants and their API keys, through a running gateway's admin API over HTTP.
 
-The admin token comes from `--admin-token-file` or the BULKHEAD_ADMIN_TOKEN variable (the one that sets the
-gateway's own `admin_token`), never from the command line, where every local user can read it in the process
-list. A new key is printed once, when it is made; it is kept nowhere. Exit codes: 0 done, 1 the gateway refused
-(its message is printed), 2 the command could not run (no token, gateway unreachable).
+The gateway and its admin token are found as for every admin command (gateway/cli/admin.py): flags, then
+BULKHEAD_ADMIN_URL / BULKHEAD_ADMIN_TOKEN, then the settings file's. A new key is printed once, when it is made; it
+is kept nowhere.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
-import httpx
-import orjson
-
+from gateway.cli.admin import AdminClient, admin_options, print_json, print_table, run_admin
 from gateway.settings import TenantLimits
 
-TOKEN_VARIABLE = "BULKHEAD_ADMIN_TOKEN"
-DEFAULT_URL = "http://127.0.0.1:8080"
 PAGE = 1000
-
-
-class CommandError(Exception):
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def admin_token(token_file: Path | None, environ: Mapping[str, str]) -> str:
-    if token_file is not None:
-        try:
-            token = token_file.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise CommandError(f"cannot read {token_file}: {exc.strerror}", 2) from exc
-        if not token:
-            raise CommandError(f"{token_file} is empty", 2)
-        return token
-    token = environ.get(TOKEN_VARIABLE, "").strip()
-    if not token:
-        raise CommandError(f"no admin token: give --admin-token-file FILE or set {TOKEN_VARIABLE}", 2)
-    return token
-
-
-class AdminClient:
-    def __init__(self, url: str, token: str) -> None:
-        self._client = httpx.Client(
-            base_url=url.rstrip("/") + "/admin", headers={"authorization": f"Bearer {token}"}, timeout=30
-        )
-
-    def __enter__(self) -> AdminClient:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._client.close()
-
-    def call(self, method: str, path: str, body: object = None, **params: str) -> Any:
-        try:
-            response = self._client.request(method, path, json=body, params=params or None)
-        except httpx.HTTPError as exc:
-            raise CommandError(f"cannot reach {self._client.base_url}: {exc}", 2) from exc
-        if response.status_code == 204:
-            return None
-        try:
-            answer = orjson.loads(response.content)
-        except orjson.JSONDecodeError as exc:
-            raise CommandError(f"HTTP {response.status_code}, not a JSON answer: {response.text[:200]}", 1) from exc
-        if response.status_code >= 400:
-            error = answer.get("error", {}) if isinstance(answer, dict) else {}
-            raise CommandError(f"HTTP {response.status_code} {error.get('code')}: {error.get('message')}", 1)
-        return answer
 
 
 def _limit(text: str) -> tuple[str, int | str]:
@@ -79,16 +22,6 @@ def _limit(text: str) -> tuple[str, int | str]:
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"'{text}' is not NAME=VALUE")
     return name, int(value) if value.isdigit() else value
-
-
-def print_json(answer: object) -> None:
-    print(orjson.dumps(answer, option=orjson.OPT_INDENT_2).decode())
-
-
-def print_table(rows: list[list[str]], header: list[str]) -> None:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
 
 
 def _limits_text(limits: dict[str, Any]) -> str:
@@ -198,33 +131,8 @@ def _run(args: argparse.Namespace, admin: AdminClient) -> None:
             print_json(admin.call("GET", f"/tenants/{args.tenant}/notices"))
 
 
-def run_admin(
-    command: str, act: Callable[[argparse.Namespace, AdminClient], None], args: argparse.Namespace,
-    environ: Mapping[str, str],
-) -> int:  # fmt: skip
-    """A command over the admin API, with its exit code."""
-    try:
-        with AdminClient(args.url, admin_token(args.admin_token_file, environ)) as admin:
-            act(args, admin)
-    except CommandError as exc:
-        print(f"bulkhead {command}: {exc}", file=sys.stderr)
-        return exc.code
-    return 0
-
-
 def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     return run_admin("tenants", _run, args, environ)
-
-
-def admin_options() -> argparse.ArgumentParser:
-    """The options every admin command takes: the gateway, the token's file, --json."""
-    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    common.add_argument("--url", default=DEFAULT_URL, help=f"the gateway's base URL ({DEFAULT_URL})")
-    common.add_argument(
-        "--admin-token-file", type=Path, metavar="FILE", help=f"a file holding the admin token (else ${TOKEN_VARIABLE})"
-    )
-    common.add_argument("--json", action="store_true", help="print the admin API's JSON answer")
-    return common
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:

@@ -1,4 +1,13 @@
-"""`bulkhead webhooks verify`: the check a receiver makes of a notice (gateway/webhooks/verify.py), from the shell.
+"""`bulkhead webhooks ...`: the check a receiver makes of a notice (gateway/webhooks/verify.py), from the shell; and
+the outbox's dead letters, through a running gateway's admin API (found as for every admin command:
+gateway/cli/admin.py).
+
+    bulkhead webhooks verify --secret-file FILE --header 'webhook-id: ...' ... < body
+    bulkhead webhooks dead-letters [--limit N]
+    bulkhead webhooks replay ID
+    bulkhead webhooks discard ID
+
+`verify`:
 
 The secret is the receiver's: `whsec_...`, or the text configured as the operators' `isolation.canary.webhook_secret`
 (the same key). `--secret` puts it in the process list, where every local user can read it; `--secret-file` does not.
@@ -13,11 +22,13 @@ import argparse
 import fcntl
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import orjson
 
+from gateway.cli.admin import AdminClient, admin_options, print_json, print_table, run_admin
 from gateway.webhooks import DEFAULT_TOLERANCE_S, Rejected, secret_key, verify
 
 PROGRAM = "bulkhead webhooks verify"
@@ -102,10 +113,65 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """`bulkhead webhooks`; it runs itself (`run`). No abbreviated options, as in `bulkhead tenants`."""
-    webhooks = commands.add_parser("webhooks", help="check webhook notices as their receiver does")
+def _dead_letters(answer: dict[str, Any]) -> None:
+    rows = [
+        [
+            m["id"],
+            m["target"],
+            m["type"],
+            m["created_at"],
+            str(m["attempts"]),
+            "expired" if m["expired"] else m["next_attempt_at"],
+            m["last_error"] or "-",
+        ]
+        for m in answer["dead_letters"]
+    ]
+    print_table(rows, ["ID", "TARGET", "TYPE", "CREATED", "ATTEMPTS", "NEXT ATTEMPT", "LAST ERROR"])
+
+
+def _admin(args: argparse.Namespace, admin: AdminClient) -> None:
+    """One dead-letter command: the API call, and what it prints."""
+    letters = "/webhooks/dead-letters"
+    if args.webhooks_command == "dead-letters":
+        answer = admin.call("GET", letters, limit=str(args.limit))
+        said = None
+    elif args.webhooks_command == "replay":
+        answer = admin.call("POST", f"{letters}/{args.id}/replay")
+        said = f"dead letter {args.id} is due now ({answer['attempts']} attempts so far)"
+    else:
+        answer = admin.call("DELETE", f"{letters}/{args.id}")
+        said = f"dead letter {args.id} discarded"
+    if args.json:
+        print_json(answer)
+    elif said is None:
+        _dead_letters(answer)
+    else:
+        print(said)
+
+
+def run_admin_command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    return run_admin("webhooks", _admin, args, environ)
+
+
+def add_parser(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], admin: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:
+    """`bulkhead webhooks`; `verify` runs itself (`run`), the dead-letter commands run by `admin`. No abbreviated
+    options, as in `bulkhead tenants`."""
+    webhooks = commands.add_parser(
+        "webhooks", help="check webhook notices as their receiver does; read, replay or discard dead letters"
+    )
     verbs = webhooks.add_subparsers(dest="webhooks_command", required=True)
+    common = admin_options()
+    listing = verbs.add_parser(
+        "dead-letters", parents=[common], allow_abbrev=False, help="notices that keep failing, oldest first"
+    )
+    listing.add_argument("--limit", type=int, default=100, help="at most this many (100; at most 1000)")
+    listing.set_defaults(run=admin)
+    for verb, what in (("replay", "send a dead letter again now"), ("discard", "forget a dead letter")):
+        one = verbs.add_parser(verb, parents=[common], allow_abbrev=False, help=what)
+        one.add_argument("id", metavar="ID", help="its id (its webhook-id)")
+        one.set_defaults(run=admin)
     check = verbs.add_parser(
         "verify",
         allow_abbrev=False,

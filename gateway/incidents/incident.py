@@ -25,8 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from redis.asyncio import Redis
-
+from isolation.redis_keys import RedisClient, together
 from isolation.redis_text import text, text_fields
 
 MAX_LEAKS = 10_000  # (request, victim) pairs kept per incident: past it, later leaks count but are not listed
@@ -287,9 +286,12 @@ return id
 
 
 class RedisIncidentStore:
-    def __init__(self, redis: Redis, retention_s: float, *, prefix: str) -> None:
+    def __init__(self, redis: RedisClient, retention_s: float, *, prefix: str) -> None:
         self._redis = redis
         self._retention = int(retention_s) + 1
+        # On a cluster all of it shares one tag: a sighting's script makes the incident, its sets and its replica's
+        # pointer, and adds it to the index, in one step.
+        prefix = together(redis, prefix, "incidents")
         self._key = f"{prefix}incident:"
         self._open = f"{prefix}incident-open:"
         self._index = f"{prefix}incidents"

@@ -17,7 +17,8 @@ model, joined by US (0x1f), the model last (a setting's name, which may hold any
 characters that went out ("" unknown). Seven fields of their own took 20% more memory, 50% more time to write and
 three times as long to read (tests/bench/bench_ledger.py and docs/benchmarks.md); `s` came later, as a field of its
 own so that an entry written before it reads as unknown, and an instance that predates it reads the entries
-written since.
+written since. An entry that does not read as a record (written by another hand) is deleted by the read that meets
+it, logged and counted (isolation/poison.py): every later read of its window would meet it again.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from isolation.poison import Poison
+from isolation.redis_keys import RedisClient, tag
 from isolation.redis_text import text, text_fields
 
 log = logging.getLogger("bulkhead.isolation")
@@ -129,11 +131,16 @@ class MemoryLedger:
 
 
 class RedisLedger:
-    def __init__(self, redis: Redis, retention_s: float, *, prefix: str) -> None:
+    def __init__(self, redis: RedisClient, retention_s: float, *, prefix: str, poison: Poison) -> None:
         self._redis = redis
+        self._poison = poison
         self._retention_s = retention_s
         self._stream = f"{prefix}ledger:"
         self._probes = f"{prefix}ledger-probes:"
+
+    def _of(self, replica: str) -> str:
+        """A replica's part of its keys' names: on a cluster, their hash tag (each replica's stream on its own)."""
+        return tag(self._redis, replica)
 
     async def write(self, batch: list[Served]) -> None:
         horizon = int((time.time() - self._retention_s) * 1000)
@@ -145,21 +152,23 @@ class RedisLedger:
                 )
                 suspect = "" if s.suspect_chars is None else str(s.suspect_chars)
                 # MINID ~: trimmed whole nodes at a time, so a write costs O(1); the retention's edge is kept at least.
-                pipe.xadd(self._stream + s.replica, {"r": packed, "s": suspect}, minid=horizon, approximate=True)
+                pipe.xadd(
+                    self._stream + self._of(s.replica), {"r": packed, "s": suspect}, minid=horizon, approximate=True
+                )
             # A replica no longer written to (gone from the settings) is forgotten with the retention all the same.
             for replica in {s.replica for s in batch}:
-                pipe.expire(self._stream + replica, int(self._retention_s) + 1)
+                pipe.expire(self._stream + self._of(replica), int(self._retention_s) + 1)
             await pipe.execute()
 
     async def served(self, replica: str, since: float, until: float, limit: int) -> tuple[list[Served], bool]:
         # An entry's id is when Redis stored it: after its answer ended (so never before `since` for an answer that
         # overlaps), and at most LATE_S after the window for one that began in it (a long stream, a late write).
-        key, found = self._stream + replica, []
+        key, found = self._stream + self._of(replica), []
         low, high = f"{max(0, int(since * 1000))}-0", f"{int(min(until + LATE_S, MAX_TIME_S) * 1000)}-99999999"
         while True:
             entries = await self._redis.xrevrange(key, max=high, min=low, count=SCAN_PAGE) or []
-            for _, raw in entries:
-                served = _parse(replica, text_fields(raw))
+            for entry_id, raw in entries:
+                served = await self._parse(key, entry_id, replica, raw)
                 if served is not None and _overlaps(served, since, until):
                     found.append(served)
             if len(entries) < SCAN_PAGE or len(found) > limit:
@@ -170,7 +179,7 @@ class RedisLedger:
         return _newest(found, limit)
 
     async def probed(self, replica: str, at: float) -> None:
-        key = self._probes + replica
+        key = self._probes + self._of(replica)
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.zadd(key, {repr(at): at})
             pipe.zremrangebyscore(key, "-inf", time.time() - self._retention_s)
@@ -179,19 +188,27 @@ class RedisLedger:
 
     async def last_clean_probe(self, replica: str, before: float) -> float | None:
         horizon = time.time() - self._retention_s
-        found = await self._redis.zrevrangebyscore(self._probes + replica, f"({before}", horizon, start=0, num=1)
+        found = await self._redis.zrevrangebyscore(
+            self._probes + self._of(replica), f"({before}", horizon, start=0, num=1
+        )
         return float(text(found[0])) if found else None  # type: ignore[arg-type]  # members, no scores
 
+    async def _parse(self, key: str, entry: Any, replica: str, raw: Any) -> Served | None:
+        """An entry's record; None for poison, which is deleted: every later read of the window would meet it."""
+        try:
+            return _served(replica, text_fields(raw))
+        except (KeyError, ValueError) as exc:
+            await self._redis.xdel(key, entry)
+            self._poison.dropped("ledger", key, entry, exc)
+            return None
 
-def _parse(replica: str, fields: dict[str, str]) -> Served | None:
-    try:
-        request_id, tenant, end, took, verdict, kinds, model = fields["r"].split(SEP, 6)
-        ends = int(end) / 1000
-        suspect = fields.get("s")
-        chars = int(suspect) if suspect else None  # (none: written before it was counted)
-        return Served(request_id, tenant, model, replica, ends - int(took) / 1000, ends, verdict, kinds, chars)
-    except (KeyError, ValueError):
-        return None  # not one of ours: a key under the prefix that someone else wrote
+
+def _served(replica: str, fields: dict[str, str]) -> Served:
+    request_id, tenant, end, took, verdict, kinds, model = fields["r"].split(SEP, 6)
+    ends = int(end) / 1000
+    suspect = fields.get("s")
+    chars = int(suspect) if suspect else None  # (none: written before it was counted)
+    return Served(request_id, tenant, model, replica, ends - int(took) / 1000, ends, verdict, kinds, chars)
 
 
 class LedgerWriter:

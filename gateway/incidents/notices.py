@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.incidents.exposure import slack_s
@@ -39,7 +38,9 @@ from gateway.settings import Settings
 from gateway.tenancy.webhooks import TenantWebhooks
 from gateway.webhooks import ADD_MESSAGE, TENANT_PREFIX, Deliveries, MemoryOutbox, Message, RedisOutbox
 from isolation.guard import MARKER
+from isolation.redis_keys import RedisClient
 from isolation.redis_text import text
+from isolation.replication import NO_WAIT, Replication, run_script
 
 log = logging.getLogger("bulkhead.isolation")
 
@@ -113,9 +114,9 @@ class MemoryNoticeStore:
 
 # KEYS: the tenant's notices (id → JSON), its index (id by time), then the outbox's keys when a message is queued
 # with it; ARGV: id, JSON, time, keep, horizon, retention (s), then the message's (RedisOutbox.adding). {0} when one of
-# its id is kept already; else {1, what the message's target dropped...}. The message is queued first: a write that
-# fails after it leaves the notice to be made again (its message queued twice at worst), never kept unsent. The
-# oldest past `keep`, and those past the retention, go in the same step.
+# its id is kept already; else {1, what the message's target dropped (each its id, then its JSON)...}. The message is
+# queued first: a write that fails after it leaves the notice to be made again (its message queued twice at worst),
+# never kept unsent. The oldest past `keep`, and those past the retention, go in the same step.
 _ADD = (
     ADD_MESSAGE
     + """
@@ -144,12 +145,18 @@ return added
 
 
 class RedisNoticeStore:
-    def __init__(self, redis: Redis, retention_s: float, outbox: RedisOutbox, *, prefix: str) -> None:
+    """A tenant's notices beside the outbox's keys, named as they are (one script keeps a notice and queues its
+    message); kept once `replication` says, so that a failover loses neither."""
+
+    def __init__(
+        self, redis: RedisClient, retention_s: float, outbox: RedisOutbox, *, replication: Replication = NO_WAIT
+    ) -> None:
         self._redis = redis
         self._retention_s = retention_s
         self._outbox = outbox
-        self._key = f"{prefix}notices:"
-        self._index = f"{prefix}notices-by-time:"
+        self._replication = replication
+        self._key = f"{outbox.names}notices:"
+        self._index = f"{outbox.names}notices-by-time:"
         self._add = redis.register_script(_ADD)
 
     async def add(
@@ -165,8 +172,8 @@ class RedisNoticeStore:
             message_keys, message_args = self._outbox.adding(sending, max_pending)
             keys += message_keys
             args += message_args
-        added, *dropped = await self._add(keys=keys, args=args)
-        return [Message.decode(m) for m in dropped] if added else None
+        added, *dropped = await run_script(self._redis, self._replication, self._add, keys, args)
+        return await self._outbox.readable(dropped) if added else None
 
     async def of(self, tenant: str, limit: int) -> list[Notice]:
         horizon = time.time() - self._retention_s

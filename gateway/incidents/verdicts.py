@@ -34,6 +34,18 @@ def _name(tenant: str, model: str) -> str:
     return orjson.dumps([tenant, model]).decode()
 
 
+def _pair(name: str) -> tuple[str, str] | None:
+    """The tenant and model a block names; None for a name `_name` does not make (written by another hand), which no
+    request's name matches: not listed, rather than an error at every read of the blocks."""
+    try:
+        pair = orjson.loads(name)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(pair, list) and len(pair) == 2 and all(isinstance(part, str) for part in pair):
+        return pair[0], pair[1]
+    return None
+
+
 class VerdictBound:
     def __init__(self, store: Store, per_day: int, judges_per_day: int) -> None:
         self._store = store
@@ -98,7 +110,7 @@ class VerdictBound:
     async def blocks(self) -> list[tuple[str, str]]:
         found = await self._store.blocks()
         self.blocked = set(found)
-        return [(tenant, model) for tenant, model in map(orjson.loads, found)]
+        return [pair for pair in map(_pair, found) if pair is not None]
 
     async def watch(self, interval: float) -> None:
         """Read the blocks every `interval` (another instance's included); started by the app's lifespan."""

@@ -24,6 +24,11 @@ A job whose item its own tenant's limits refuse for now (requests or tokens per 
 deferred, not waited out by the worker, which would hold every other tenant's jobs behind it: it leaves the stream
 for `{prefix}deferred` (a sorted set, by when it may run again) in one step, and a claim first moves the jobs that
 are due back to the front of their tenant's lane. A deferral is not an attempt.
+
+An entry that is not a job (written by another hand, or by a version whose jobs this one cannot read) is poison: the
+claim that meets it acknowledges and deletes it (left pending, it would be handed out again every `reclaim_after_s`,
+for good), a deferred one leaves `{prefix}deferred`, each is logged and counted (isolation/poison.py), and the worker
+goes on with the next job.
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from isolation.poison import Poison
+from isolation.redis_keys import RedisClient, together
 from isolation.redis_text import text, text_fields
+from isolation.replication import NO_WAIT, Replication, run_script
 
 
 @dataclass(frozen=True)
@@ -84,10 +91,23 @@ class Job:
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Job:
+        """ValueError for what is not a job (poison, dropped by the queue). What its items hold is not checked: a
+        job with an id and a tenant whose items cannot run ends `failed`, which its tenant can read."""
         data = orjson.loads(raw)
-        item, since = data.get("waiting", (-1, 0.0))
-        incarnation = data.get("incarnation", "")
-        return cls(data["id"], data["tenant"], data["route"], data["items"], [], incarnation, item, since)
+        if not isinstance(data, dict):
+            raise ValueError("a job is a JSON object")
+        job_id, tenant, route, items = data.get("id"), data.get("tenant"), data.get("route"), data.get("items")
+        incarnation, waiting = data.get("incarnation", ""), data.get("waiting", [-1, 0.0])
+        if not (isinstance(job_id, str) and isinstance(tenant, str) and isinstance(route, str)):
+            raise ValueError("a job names its id, tenant and route")
+        if not (isinstance(incarnation, str) and isinstance(items, list)):
+            raise ValueError("a job names its tenant's incarnation and lists its items")
+        if not (isinstance(waiting, list) and len(waiting) == 2):
+            raise ValueError("a job waits for an item since a time")
+        item, since = waiting
+        if not (isinstance(item, int) and isinstance(since, int | float)):
+            raise ValueError("a job waits for an item since a time")
+        return cls(job_id, tenant, route, items, [], incarnation, item, float(since))
 
 
 class QueueFull(Exception):
@@ -287,8 +307,22 @@ class RedisJobQueue:
 
     durable = True
 
-    def __init__(self, redis: Redis, result_ttl_s: int, reclaim_after_s: float, *, prefix: str) -> None:
+    def __init__(
+        self,
+        redis: RedisClient,
+        result_ttl_s: int,
+        reclaim_after_s: float,
+        *,
+        prefix: str,
+        poison: Poison,
+        replication: Replication = NO_WAIT,
+    ) -> None:
         self._redis = redis
+        self._poison = poison
+        self._replication = replication  # what an enqueue waits for before the job counts as queued
+        # On a cluster every key of the queue shares one tag: taking a job moves it from a lane to the stream, and
+        # enqueueing checks the owner's cap and joins the ring, each in one script.
+        prefix = together(redis, prefix, "queue")
         self.stream = f"{prefix}jobs"
         # `bulkhead-workers` with the default prefix, the name used before the prefix was a setting. (A group lives
         # inside its stream, whose name keeps deployments apart already; the prefix is here for who reads XINFO.)
@@ -315,8 +349,10 @@ class RedisJobQueue:
     def _held_keys(self, owner: str) -> list[str]:
         return [f"{self._prefix}held:{owner}", f"{self._prefix}held-items:{owner}"]
 
-    def _lane(self, owner: str) -> str:
-        return f"{self._prefix}lane:{owner}"
+    def _lane(self, owner: str | bytes) -> bytes:
+        # An owner as the ring holds it, never decoded: a member that is not text is passed over (_TAKE finds no
+        # lane of its name, and takes it out of the ring), not an error at every turn of the ring.
+        return f"{self._prefix}lane:".encode() + (owner if isinstance(owner, bytes) else owner.encode())
 
     async def _ensure_group(self) -> None:
         if self._group_ready:
@@ -333,10 +369,11 @@ class RedisJobQueue:
         now = time.time()
         # With the status, not in the stream's entry: a poll reads the hash alone.
         references = orjson.dumps(job.references) if any(ref is not None for ref in job.references) else b""
-        keys = [*self._held_keys(job.owner), self._key(job.owner, job.id), self._lane(job.owner)]
+        keys: list[str | bytes] = [*self._held_keys(job.owner), self._key(job.owner, job.id), self._lane(job.owner)]
         keys += [self._ring, self._wake, self._served]
         args: list[bytes | str | float] = [now, cap, len(job.items), _held_member(job), now + self._ttl, self._ttl]
-        held = await self._enqueue(keys=keys, args=[*args, job.encode(), references, job.owner])
+        args += [job.encode(), references, job.owner]
+        held = await run_script(self._redis, self._replication, self._enqueue, keys, args)
         if int(held) >= 0:
             raise QueueFull(int(held), cap)
 
@@ -370,7 +407,24 @@ class RedisJobQueue:
         entries = (list(reclaimed[1]) if reclaimed else []) or await self._next(consumer)
         if not entries and await self._redis.blpop([self._wake], timeout=wait_s) is not None:
             entries = await self._next(consumer)
-        return [Claimed(text(entry_id), Job.decode(fields[b"job"])) for entry_id, fields in entries if fields]
+        claimed = []
+        for entry_id, fields in entries:
+            if fields and (job := await self._job(text(entry_id), fields)) is not None:
+                claimed.append(Claimed(text(entry_id), job))
+        return claimed
+
+    async def _job(self, entry: str, fields: dict[bytes, bytes]) -> Job | None:
+        """The job in a claimed entry; None for poison, acknowledged and deleted: left pending, it would be handed
+        out again every reclaim_after_s, for good."""
+        try:
+            return Job.decode(fields[b"job"])
+        except (KeyError, ValueError) as exc:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.xack(self.stream, self.group, entry)
+                pipe.xdel(self.stream, entry)
+                await pipe.execute()
+            self._poison.dropped("jobs", self.stream, entry, exc)
+            return None
 
     async def _next(self, consumer: str) -> list[Any]:
         """The first job of the next owner in the ring, taken and claimed; or an entry the stream holds unclaimed
@@ -379,19 +433,26 @@ class RedisJobQueue:
             owner = await self._redis.lmove(self._ring, self._ring, "LEFT", "RIGHT")
             if owner is None:
                 break
-            name = text(owner)
-            keys = [self._ring, self._lane(name), self.stream, self._served]
-            answer = await self._take(keys=keys, args=[name, self.group, consumer])
+            keys: list[str | bytes] = [self._ring, self._lane(owner), self.stream, self._served]
+            answer = await self._take(keys=keys, args=[owner, self.group, consumer])
             if answer:
                 return _entries(answer)
         return _entries(await self._redis.xreadgroup(self.group, consumer, {self.stream: ">"}, count=1))
 
     async def _due_back(self) -> None:
-        due: list[Any] = await self._redis.zrangebyscore(self._deferred, "-inf", time.time(), start=0, num=100)
+        due: list[Any] = await self._redis.zrangebyscore(
+            self._deferred, "-inf", time.time(), start=0, num=100, withscores=True
+        )
         # Latest first: each goes to the front of its lane, so a tenant's jobs come back in the order they were due.
-        for member in map(text, reversed(due)):
-            owner = Job.decode(member).owner
-            keys = [self._deferred, self._lane(owner), self._ring, self._wake, self._served]
+        for member, at in reversed(due):
+            try:
+                owner = Job.decode(member).owner
+            except ValueError as exc:
+                # Poison: its member is its content, so it is named by when it was due.
+                await self._redis.zrem(self._deferred, member)
+                self._poison.dropped("deferred_jobs", self._deferred, f"due at {at!r}", exc)
+                continue
+            keys: list[str | bytes] = [self._deferred, self._lane(owner), self._ring, self._wake, self._served]
             await self._undefer(keys=keys, args=[member, owner])
 
     async def start(self, job: Job) -> int:
@@ -453,7 +514,8 @@ class RedisJobQueue:
 
     async def others_waiting(self, owner: str) -> bool:
         await self._due_back()  # a job deferred for a moment waits again once it is due
-        return any(text(other) != owner for other in await self._redis.lrange(self._ring, 0, -1))
+        mine = owner.encode()
+        return any(other != mine for other in await self._redis.lrange(self._ring, 0, -1))
 
     @property
     def keep_every_s(self) -> float:

@@ -3,7 +3,8 @@
 Each item runs once unless a worker dies while running it. A worker renews its claim while it works, so a live
 worker's job never looks abandoned; it stores every result (retrying through a store outage, first write wins)
 before it acknowledges; and an exception of any kind leaves the job to be claimed again — after MAX_ATTEMPTS
-attempts it ends `failed`, with an error result for every item that has none.
+attempts (each counted before anything that could raise) it ends `failed`, with an error result for every item that
+has none, even when what raised every time was its route's finisher.
 
 A route may have a finisher (`Finisher`, given by the app: a background response's, api/responses.py): asked before
 a job runs whether it is still wanted (a cancelled one is not, and ends `cancelled` unrun), and handed the job's
@@ -169,19 +170,17 @@ class Worker:
         """Run the job's items not yet done, until they are or another worker has taken the job over."""
         job, queue = claimed.job, self._queue
         finisher = self._finishers.get(job.route)
+        # The attempt is counted before anything else is done: what raises at every attempt (a finisher reading a
+        # record it cannot decode) must end the job `failed`, not hand it out again every reclaim_after_s for good.
+        attempt = await stored(partial(queue.start, job), "mark a job running")
+        if attempt > MAX_ATTEMPTS:
+            await self._given_up(claimed, finisher)
+            return
         if finisher is not None and not await stored(partial(finisher.wanted, job), "read a job's state"):
             await stored(partial(queue.finish, claimed, "cancelled"), "finish a job")
             return
-        attempt = await stored(partial(queue.start, job), "mark a job running")
         status = await stored(partial(queue.status, job.owner, job.id), "read a job")
         done = set(status.results) if status is not None else set()
-        if attempt > MAX_ATTEMPTS:
-            failed = GatewayError(f"The request could not be run in {MAX_ATTEMPTS} attempts.", code="job_failed")
-            for index in range(len(job.items)):
-                if index not in done:
-                    await stored(partial(queue.store_result, job, index, error_result(failed)), "store a result")
-            await self._finished(claimed, finisher, "failed")
-            return
         for index in range(len(job.items)):
             if index in done:
                 continue  # stored before an earlier worker died: never run twice
@@ -232,6 +231,24 @@ class Worker:
                 # The pipeline closes the engine's request, and the engine aborts it.
                 running.cancel()
                 await asyncio.wait({running})
+
+    async def _given_up(self, claimed: Claimed, finisher: Finisher | None) -> None:
+        """After MAX_ATTEMPTS, the job ends `failed`, with an error result for every item that has none; its finisher
+        is given what there is, unless the finisher is what failed at every attempt."""
+        job, queue = claimed.job, self._queue
+        status = await stored(partial(queue.status, job.owner, job.id), "read a job")
+        done = set(status.results) if status is not None else set()
+        failed = GatewayError(f"The request could not be run in {MAX_ATTEMPTS} attempts.", code="job_failed")
+        for index in range(len(job.items)):
+            if index not in done:
+                await stored(partial(queue.store_result, job, index, error_result(failed)), "store a result")
+        try:
+            await self._finished(claimed, finisher, "failed")
+        except Exception:
+            # Not a store's error (those are waited out): the finisher's own, which it would raise again at every
+            # attempt. Said with its traceback, and the job ends all the same.
+            log.exception("job %s: its finisher failed at its last attempt; the job ends failed without it", job.id)
+            await stored(partial(queue.finish, claimed, "failed"), "finish a job")
 
     async def _finished(self, claimed: Claimed, finisher: Finisher | None, status: str = "done") -> None:
         """Acknowledge the job, once its finisher (if its route has one) has made what it makes of its results."""

@@ -59,6 +59,7 @@ from gateway.schemas_pooling import (
 )
 from gateway.settings import LimitSettings, ModelSettings, Settings, TenantSettings
 from gateway.supervisor import Spawn
+from gateway.tracing import ADMISSION, COUNT, PLACEMENT, PLACEMENT_REASON, QUEUE, RATE_LIMIT, REPLICA, Hop
 from gateway.upstream.backends import Replica
 from gateway.upstream.capacity import CapacityMonitor
 from gateway.upstream.fairness import Gate
@@ -398,7 +399,7 @@ class InferenceCall:
     async def _open(self, path: str, body: bytes) -> None:
         upstream = self.pipeline.upstream
         try:
-            self.response = await upstream.open(self.replica, path, body, self.upstream_id)
+            self.response = await upstream.open(self.replica, path, body, self.upstream_id, self._hop(self.replica))
         except UpstreamError as error:
             # Retried once, and only when nothing reached the backend: a request is never sent twice.
             fallback = self.placement.fail_over() if error.before_sending else None
@@ -407,7 +408,12 @@ class InferenceCall:
             self.replica, self.record.backend = fallback, fallback.name
             await self.fingerprint(fallback)
             self.judges.from_start()
-            self.response = await upstream.open(fallback, path, body, self.upstream_id)
+            self.response = await upstream.open(fallback, path, body, self.upstream_id, self._hop(fallback))
+
+    def _hop(self, replica: Replica) -> Hop | None:
+        """The call to `replica`, traced (with tracing on)."""
+        trace = self.record.trace
+        return None if trace is None else trace.hop(replica.name, replica.url)
 
     async def check_usage(self, usage: dict[str, Any] | None) -> None:
         """Raise StreamWithheld when the backend's accounting does not add up."""
@@ -473,6 +479,8 @@ class InferenceCall:
     def event(self, kind: str, detail: str, victim_tenant: str = "", epoch: str = "") -> IsolationEvent:
         """An isolation event about this request."""
         self._kinds.append(kind)
+        if self.record.trace is not None:
+            self.record.trace.isolation_event(kind, self.replica.name, victim_tenant)
         return IsolationEvent(
             kind=kind,
             request_id=self.record.request_id,
@@ -754,6 +762,9 @@ class Pipeline:
     async def _admit(self, route: Route, submission: Submission, record: RequestRecord) -> tuple[InferenceCall, bytes]:
         tenant, payload = submission.tenant, submission.payload
         record.tenant = tenant.id
+        trace = record.trace
+        if trace is not None:
+            trace.stage(ADMISSION)
         # Every surface's body is validated again here, as the engine's request, then walked for its texts and planted
         # with a marker: ~1.5 µs a value in all, so a large body's (~170 ms for 100,000) goes to a thread, as the
         # surfaces' own validation does, while the loop serves other tenants (docs/benchmarks.md, bench_bodies).
@@ -765,6 +776,8 @@ class Pipeline:
         check_task(model, parsed)
         self.verdicts.check(tenant.id, model.name)
         record.model, record.stream = model.name, parsed.stream
+        if trace is not None:
+            trace.asked(route.path, route.name, model.name, stream=parsed.stream)
         if isinstance(parsed, INPUTS_REQUESTS):
             return await self._admit_inputs(submission, record, model, parsed)
         default_output = check_request_limits(self.settings.limits, tenant, model, parsed)
@@ -781,7 +794,12 @@ class Pipeline:
             if read.texts is not None:
                 prepared = self._prepare_fingerprints(model, own, read.texts)
             # Routed before counting: a backend that counts the prompt should be the one that will serve it.
+            if trace is not None:
+                trace.stage(PLACEMENT, ADMISSION)
             placement = Placement(self.router, model, tenant.id, submission.session, slot)
+            if trace is not None:
+                trace.note({REPLICA: placement.replica.name, PLACEMENT_REASON: placement.reason.value})
+                trace.stage(COUNT, ADMISSION)
             admission = await admit(
                 sent,
                 own,
@@ -798,10 +816,18 @@ class Pipeline:
             if prepared is None and self.fingerprints is not None:
                 raise unfingerprinted(model)
             body = upstream_body(payload, parsed, model, admission, self.salts.salt(tenant.incarnation()), tenant)
+            if trace is not None:
+                output, choices = admission.max_tokens, parsed.n
+                trace.sampling(temperature=parsed.temperature, top_p=parsed.top_p, max_tokens=output, choices=choices)
+                trace.stage(RATE_LIMIT, ADMISSION)
             await slot.reserve(admission.estimate + admission.max_tokens * parsed.n)
+            if trace is not None:
+                trace.stage(QUEUE)
             await self.gate.enter(
                 model, tenant, placement, submission.batch, submission.gone, submission.reject_if_busy
             )
+            if trace is not None:
+                trace.stage(None)
         except BaseException:
             slot.release()
             if isinstance(prepared, asyncio.Future):
@@ -833,8 +859,14 @@ class Pipeline:
         owner = tenant.incarnation()
         inputs = [Prompt.of_text(value, where, owner) for where, value in parsed.inputs]
         slot = Slot(self.slots, tenant, model)
+        trace = record.trace
         try:
+            if trace is not None:
+                trace.stage(PLACEMENT, ADMISSION)
             placement = Placement(self.router, model, tenant.id, submission.session, slot)
+            if trace is not None:
+                trace.note({REPLICA: placement.replica.name, PLACEMENT_REASON: placement.reason.value})
+                trace.stage(COUNT, ADMISSION)
             admission = await admit_inputs(
                 inputs,
                 self.settings.limits.max_embedding_tokens,
@@ -850,10 +882,16 @@ class Pipeline:
                 else dict(submission.payload)
             )
             set_controls(payload, model, self.salts.salt(owner), tenant)
+            if trace is not None:
+                trace.stage(RATE_LIMIT, ADMISSION)
             await slot.reserve(admission.estimate)
+            if trace is not None:
+                trace.stage(QUEUE)
             await self.gate.enter(
                 model, tenant, placement, submission.batch, submission.gone, submission.reject_if_busy
             )
+            if trace is not None:
+                trace.stage(None)
         except BaseException:
             slot.release()
             raise

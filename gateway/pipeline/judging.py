@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from gateway.accesslog import RequestRecord
 from gateway.errors import GatewayError
 from gateway.incidents.ledger import JUDGED, LedgerWriter, Served
 from gateway.incidents.reporting import Reporter
@@ -35,6 +36,7 @@ from gateway.pipeline.slot import Slot, Slots
 from gateway.schemas_pooling import INPUTS_REQUESTS, PipelineRequest
 from gateway.settings import ModelSettings, TenantSettings
 from gateway.supervisor import Spawn
+from gateway.tracing import JUDGE, REPLICA, VERDICT
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.fairness import Gate
 from gateway.upstream.placement import Confined
@@ -123,6 +125,7 @@ class Judged(Protocol):
     admission: Admission
     replica: Replica
     upstream_id: str
+    record: RequestRecord  # its trace, with tracing on, holds the judges' spans
 
     @property
     def sent(self) -> tuple[str, bytes] | None: ...
@@ -190,6 +193,9 @@ class Judges:
                     verdict = "leak" if cleared is None else "induced"
         finally:
             judging.metrics.fragment_verdicts.labels(call.tenant.id, call.model.name, call.replica.name, verdict).inc()
+            if call.record.trace is not None:
+                judge = {REPLICA: replica.name} if replica is not None else {}
+                call.record.trace.event(VERDICT, {"verdict": verdict, "victim": suspect.victim, **judge})
             if verdict != "induced":  # what the tenant sees: a withheld answer
                 await judging.verdicts.draw(call.tenant.id, call.model.name)
         if cleared is None or replica is None:
@@ -233,6 +239,8 @@ class Judges:
         path, body = call.sent
         slot = Slot(judging.slots, call.tenant, call.model, capped=False)
         start, tried, used = time.time(), False, 0
+        trace = call.record.trace
+        span = None if trace is None else trace.begin(JUDGE)
         try:
             placement = Confined(replica, self._others, slot)
             await judging.gate.enter(call.model, call.tenant, placement, batch=False, gone=None)
@@ -240,7 +248,8 @@ class Judges:
             await call.fingerprint(replica)  # the tenant's prompt goes there now too
             tried = True
             bound = call.answer_bound()
-            response = await judging.upstream.open(replica, path, judge_body(body), f"{call.upstream_id}.j")
+            hop = None if trace is None else trace.hop(replica.name, replica.url, span)
+            response = await judging.upstream.open(replica, path, judge_body(body), f"{call.upstream_id}.j", hop)
             try:
                 raw = await response.read(bound + 1)
             finally:
@@ -253,6 +262,8 @@ class Judges:
             slot.release(used, ran=tried)
             if tried:
                 judging.ledger.record(call.served(replica, start, JUDGED))
+            if trace is not None:
+                trace.done(span, {REPLICA: replica.name})
         return None if len(raw) > bound else grams_said(answer, fingerprints.hasher)
 
     def _came_back(self, replica: Replica, suspect: Suspect, said: frozenset[int]) -> frozenset[int] | None:

@@ -23,6 +23,7 @@ import httpx
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -43,6 +44,7 @@ from gateway.api.admin_webhooks import WebhookAdminRoutes
 from gateway.api.anthropic import AnthropicRoutes
 from gateway.api.body import BodyReader
 from gateway.api.catalog import CatalogRoutes
+from gateway.api.console import ConsoleRoutes
 from gateway.api.intake import Intake
 from gateway.api.notices import NoticeRoutes
 from gateway.api.openai import OpenAIRoutes
@@ -72,7 +74,7 @@ from gateway.pipeline.judging import Judging
 from gateway.pipeline.slot import Slots
 from gateway.server.openapi import openapi_document
 from gateway.server.readiness import ReadinessCheck
-from gateway.server.stores import build_stores
+from gateway.server.stores import build_stores, replication_of
 from gateway.settings import Settings, SettingsError
 from gateway.store import shared_key
 from gateway.supervisor import Supervisor
@@ -80,6 +82,7 @@ from gateway.tenancy.lookups import GetAddrInfo, NameLookups
 from gateway.tenancy.ratelimit import RateLimiter
 from gateway.tenancy.tenants import TenantDirectory
 from gateway.tenancy.webhooks import SigningKey, TenantWebhooks
+from gateway.tracing import Tracing
 from gateway.upstream.backends import Replica, ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
 from gateway.upstream.fairness import Gate
@@ -90,6 +93,9 @@ from gateway.webhooks import TENANT_PREFIX, Deliveries, Resolver, Target, settin
 from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed, public_fingerprints
 from isolation.inject import system_leads
 from isolation.markers import CanaryKey, MarkerRegistry, ModelMarkers, RedisMarkerStore
+from isolation.poison import Poison
+from isolation.redis_keys import RedisClient, tag
+from isolation.replication import Replication
 from isolation.salts import CacheSalts
 from isolation.spelling import of_tokenizer
 from isolation.tokens import ModelTokenizer, TokenizerLoadError
@@ -229,10 +235,20 @@ def build_counters(
     return counters
 
 
-def make_redis(settings: Settings) -> Redis | None:
-    """The process's one Redis pool: bounded, and a request waits for a free connection instead of failing."""
+def make_redis(settings: Settings) -> RedisClient | None:
+    """The process's one Redis pool: bounded, and a request waits for a free connection instead of failing. On a
+    cluster, one pool per node, each bounded, and a command that finds none free fails (redis-py's cluster client
+    does not wait)."""
     if settings.redis_url is None:
         return None
+    if settings.redis_cluster:
+        return RedisCluster.from_url(
+            settings.redis_url,
+            max_connections=settings.redis_max_connections,
+            # A command that meets a dead primary is sent again once the cluster has promoted its replica: about
+            # 3 s of attempts, then it fails as with Redis down (a failover takes cluster-node-timeout and more).
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=8),
+        )
     pool = BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=settings.redis_max_connections,
@@ -302,7 +318,7 @@ async def rotate_markers(registry: MarkerRegistry, metrics: GatewayMetrics) -> N
                 log.warning("canary markers not published to Redis: %s", type(exc).__name__)
 
 
-async def watch_redis(redis: Redis, gauge: Gauge, interval: float) -> None:
+async def watch_redis(redis: RedisClient, gauge: Gauge, interval: float) -> None:
     while True:
         try:
             await redis.ping()
@@ -312,14 +328,15 @@ async def watch_redis(redis: Redis, gauge: Gauge, interval: float) -> None:
         await asyncio.sleep(interval)
 
 
-async def fingerprint_key(settings: Settings, key: CanaryKey, redis: Redis | None) -> bytes:
+async def fingerprint_key(settings: Settings, key: CanaryKey, redis: RedisClient | None) -> bytes:
     """The key every instance hashes prompt words with: derived from the canary secret, so instances configured with
     the same canary keys hash alike. Without configured keys each instance's canary secret is its own, so the
     instances on one Redis share a key kept there instead (the first to start makes it): else none would recognise
     another's prompts."""
     secret = key.secret
     if redis is not None and not settings.isolation.canary.keys:
-        stored = await kept_in_redis(redis, f"{settings.redis_key_prefix}fingerprint-key")
+        name = f"{settings.redis_key_prefix}{tag(redis, 'fingerprint-key')}"
+        stored = await kept_in_redis(redis, name, replication_of(settings))
         if stored is None:
             # Redis down is a bad day to serve through, not a reason to stay down: this instance hashes alone.
             log.error(
@@ -332,17 +349,17 @@ async def fingerprint_key(settings: Settings, key: CanaryKey, redis: Redis | Non
     return fingerprint_secret(secret)
 
 
-async def kept_in_redis(redis: Redis, name: str) -> bytes | None:
+async def kept_in_redis(redis: RedisClient, name: str, replication: Replication) -> bytes | None:
     """A random key that every instance on this Redis shares (the first to start makes it); None when Redis could not
     be asked."""
     try:
-        return await shared_key(redis, name)
+        return await shared_key(redis, name, replication)
     except (RedisError, OSError) as exc:
         log.error("key %s not read from Redis: %s", name, type(exc).__name__)
         return None
 
 
-def notice_signing_key(settings: Settings, redis: Redis | None) -> SigningKey:
+def notice_signing_key(settings: Settings, redis: RedisClient | None) -> SigningKey:
     """What tenants' webhook secrets are derived from (gateway/tenancy/webhooks.py): the configured key, else the one
     kept in Redis (read when first needed, so an instance that started while Redis was down never signs with a key
     of its own), else this process's own (whose secrets end with it, as its in-memory registrations do)."""
@@ -350,7 +367,8 @@ def notice_signing_key(settings: Settings, redis: Redis | None) -> SigningKey:
     if configured is not None:
         return SigningKey(configured.encode())
     if redis is not None:
-        return SigningKey(None, redis, f"{settings.redis_key_prefix}notice-signing-key")
+        name = f"{settings.redis_key_prefix}{tag(redis, 'notice-signing-key')}"
+        return SigningKey(None, redis, name, replication_of(settings))
     return SigningKey(secrets.token_bytes(32))
 
 
@@ -444,7 +462,7 @@ def keep_tasks(
     responder: Responder,
     prober: Prober,
     deliveries: Deliveries,
-    redis: Redis | None,
+    redis: RedisClient | None,
     worker: Worker,
     instance: str,
     workers: int,
@@ -490,6 +508,7 @@ def route_table(
     notices: NoticeRoutes,
     catalog: CatalogRoutes,
     admin: AdminRoutes,
+    console: ConsoleRoutes,
     workers: WorkersRoutes,
 ) -> list[BaseRoute]:
     """Every route of the app, each served by the surface that was given what it uses."""
@@ -520,6 +539,7 @@ def route_table(
         Route("/metrics", process.metrics, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *admin.routes(),
+        *console.routes(),
         *workers.routes(),
     ]
 
@@ -548,9 +568,15 @@ def create_app(
             postgres = None
             if kept.postgres_url is not None:
                 postgres = await stack.enter_async_context(ledger_pool(kept.postgres_url, kept.postgres_pool_size))
-            stores = build_stores(settings, redis, postgres)
             metrics = GatewayMetrics(with_redis=redis is not None)
             stack.callback(metrics.close)
+            stores = build_stores(settings, redis, postgres, poison=Poison(metrics.poison_entries))
+            instance = f"{socket.gethostname()}-{os.getpid()}"
+            tracing = None
+            if settings.tracing.enabled:
+                # Closed after the tasks and the clients: the spans of what they ended are sent too.
+                tracing = Tracing(settings.tracing, instance)
+                stack.push_async_callback(tracing.aclose)
             tenants = TenantDirectory(settings.tenants, stores.directory, settings.tenant_directory, metrics)
             await tenants.start()  # a SettingsError is said in one line by BadSettingsAtStart
             fingerprinting = settings.isolation.fingerprints
@@ -571,7 +597,6 @@ def create_app(
             keys = canary_keys(settings)
             markers = await marker_registry(settings, keys, stores.markers, metrics, tokenizers)
             tenants.joined = markers.publish_tenants
-            instance = f"{socket.gethostname()}-{os.getpid()}"
             # Random too: several apps can run in one process (tests, the demo), and must not skip each other.
             feed_name = f"{instance}-{secrets.token_hex(4)}"
             secret = await fingerprint_key(settings, keys[0], redis) if fingerprinting.enabled else b""
@@ -670,7 +695,7 @@ def create_app(
                 finishers={RESPONSES.name: Background(stores.conversations)},
             )
             # The routes: each surface given the pipeline and the few services it uses.
-            intake = Intake(tenants=tenants, bodies=bodies)
+            intake = Intake(tenants=tenants, bodies=bodies, tracing=tracing)
             openai = OpenAIRoutes(pipeline=pipeline, intake=intake, metrics=metrics)
             responses = ResponsesRoutes(
                 pipeline=pipeline,
@@ -685,6 +710,29 @@ def create_app(
                 notices=stores.notices,
                 tenant_webhooks=tenant_webhooks,
                 body_timeout_s=settings.edge.body_timeout_s,
+            )
+            tenants_admin = TenantAdminRoutes(
+                settings=settings,
+                tenants=tenants,
+                audit=stores.audit,
+                tenant_webhooks=tenant_webhooks,
+                conversations=stores.conversations,
+            )
+            incidents_admin = IncidentAdminRoutes(
+                settings=settings, incidents=stores.incidents, ledger=ledger, pool=pool, tracker=incident.tracker
+            )
+            admin = AdminRoutes(
+                settings=settings,
+                pool=pool,
+                capacity=capacity,
+                events=stores.events,
+                audit=stores.audit,
+                verdicts=verdicts,
+                tracker=incident.tracker,
+                tenants=tenants_admin,
+                incidents=incidents_admin,
+                webhooks=WebhookAdminRoutes(deliveries=deliveries),
+                notices=notices,
             )
             app.router.routes[:] = route_table(
                 process=ProcessRoutes(
@@ -717,30 +765,15 @@ def create_app(
                 ),
                 notices=notices,
                 catalog=CatalogRoutes(tenants=tenants, settings=settings),
-                admin=AdminRoutes(
+                admin=admin,
+                console=ConsoleRoutes(
                     settings=settings,
-                    pool=pool,
-                    capacity=capacity,
-                    events=stores.events,
-                    audit=stores.audit,
-                    verdicts=verdicts,
-                    tracker=incident.tracker,
-                    tenants=TenantAdminRoutes(
-                        settings=settings,
-                        tenants=tenants,
-                        audit=stores.audit,
-                        tenant_webhooks=tenant_webhooks,
-                        conversations=stores.conversations,
-                    ),
-                    incidents=IncidentAdminRoutes(
-                        settings=settings,
-                        incidents=stores.incidents,
-                        ledger=ledger,
-                        pool=pool,
-                        tracker=incident.tracker,
-                    ),
-                    webhooks=WebhookAdminRoutes(deliveries=deliveries),
-                    notices=notices,
+                    admin=admin,
+                    incidents=incidents_admin,
+                    tenants=tenants_admin,
+                    notices=stores.notices,
+                    tenant_webhooks=tenant_webhooks,
+                    outbox=deliveries.outbox,
                 ),
                 workers=WorkersRoutes(
                     pipeline=pipeline,

@@ -24,7 +24,6 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.settings import Settings
@@ -32,6 +31,7 @@ from gateway.supervisor import Supervisor
 from gateway.tenancy.tenants import TenantDirectory
 from gateway.upstream.backends import ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
+from isolation.redis_keys import RedisClient
 
 # Below the probes' timeouts (Kubernetes: 3 s; HAProxy: its connect timeout): a Redis that does not answer within
 # this is down as far as readiness goes, and the probe still gets an answer.
@@ -57,7 +57,7 @@ class Readiness:
         }
 
 
-async def redis_failure(redis: Redis) -> str | None:
+async def redis_failure(redis: RedisClient) -> str | None:
     """None when Redis answers a PING in time, else the name of what went wrong."""
     try:
         await asyncio.wait_for(redis.ping(), REDIS_PING_TIMEOUT_S)
@@ -79,7 +79,7 @@ class ReadinessCheck:
         capacity: CapacityMonitor,
         tenants: TenantDirectory,
         tasks: Supervisor,
-        redis: Redis | None,
+        redis: RedisClient | None,
     ) -> None:
         self._settings = settings
         self._pool = pool

@@ -1,13 +1,13 @@
-"""Where shared state lives: with `redis_url`, every store is the Redis twin (shared by every instance on that Redis,
-under `redis_key_prefix`); without, the memory twin (this process only). The twin is picked here, once, for all; the
-exposure ledger alone may live in PostgreSQL instead (`isolation.ledger.postgres_url`: the lifespan's pool)."""
+"""Where shared state lives: with `redis_url`, every store is the Redis twin (shared by every instance on that Redis
+or Redis Cluster, under `redis_key_prefix`); without, the memory twin (this process only). The twin is picked here,
+once, for all; the exposure ledger alone may live in PostgreSQL instead (`isolation.ledger.postgres_url`: the
+lifespan's pool)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from psycopg_pool import AsyncConnectionPool
-from redis.asyncio import Redis
 
 from gateway.api.conversations import ConversationStore, MemoryConversationStore, RedisConversationStore
 from gateway.incidents.incident import IncidentStore, MemoryIncidentStore, RedisIncidentStore
@@ -25,11 +25,14 @@ from gateway.webhooks import MemoryOutbox, Outbox, RedisOutbox
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
 from isolation.fingerprints import RedisFingerprintFeed
 from isolation.markers import RedisMarkerStore
+from isolation.poison import Poison
+from isolation.redis_keys import RedisClient
+from isolation.replication import Replication
 
 
 @dataclass(frozen=True)
 class Stores:
-    redis: Redis | None
+    redis: RedisClient | None
     directory: DirectoryStore  # tenants and keys made at runtime
     store: Store  # replicas' admin states and the windowed budgets (suspensions, probes, verdicts)
     events: EventLog  # isolation events
@@ -45,16 +48,25 @@ class Stores:
     markers: RedisMarkerStore | None  # canary markers, for other instances to recognise
     prefix: str  # every Redis name starts with it: deployments on one Redis share nothing
     feed_ttl_s: float  # how long a prompt's fingerprints stay in the feed
+    poison: Poison  # where readers of shared state account for the entries they cannot decode
 
     def fingerprint_feed(self, instance: str) -> RedisFingerprintFeed | None:
         """Every instance's prompts, for the fingerprint index; None: this instance's only."""
         if self.redis is None:
             return None
-        return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix)
+        return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix, poison=self.poison)
 
 
-def build_stores(settings: Settings, redis: Redis | None, postgres: AsyncConnectionPool | None) -> Stores:
-    """`postgres`: the pool to `isolation.ledger.postgres_url`, None when it is unset."""
+def replication_of(settings: Settings) -> Replication:
+    """What must outlive a failover counts as written once this many replicas hold it (isolation/replication.py)."""
+    return Replication(settings.redis_wait_replicas, settings.redis_wait_timeout_s)
+
+
+def build_stores(
+    settings: Settings, redis: RedisClient | None, postgres: AsyncConnectionPool | None, *, poison: Poison
+) -> Stores:
+    """`postgres`: the pool to `isolation.ledger.postgres_url`, None when it is unset; `poison`: where the Redis
+    twins account for entries they cannot decode (the memory twins hold none)."""
     events_max, audit_max = settings.isolation.events_max, settings.tenant_directory.audit_events_max
     queue, ttl, prefix = settings.queue, settings.isolation.fingerprints.ttl_s, settings.redis_key_prefix
     kept, ledger = settings.responses, settings.isolation.ledger
@@ -80,23 +92,28 @@ def build_stores(settings: Settings, redis: Redis | None, postgres: AsyncConnect
             markers=None,
             prefix=prefix,
             feed_ttl_s=ttl,
+            poison=poison,
         )
-    redis_outbox = RedisOutbox(redis, prefix=prefix)
+    redis_outbox = RedisOutbox(redis, prefix=prefix, poison=poison)
+    replication = replication_of(settings)
     return Stores(
         redis=redis,
-        directory=RedisDirectoryStore(redis, prefix=prefix),
-        store=RedisStore(redis, prefix=prefix),
+        directory=RedisDirectoryStore(redis, prefix=prefix, poison=poison, replication=replication),
+        store=RedisStore(redis, prefix=prefix, poison=poison, replication=replication),
         events=RedisEventLog(redis, events_max, prefix=prefix),
         audit=RedisAuditLog(redis, audit_max, prefix=prefix),
-        queue=RedisJobQueue(redis, queue.result_ttl_s, queue.reclaim_after_s, prefix=prefix),
+        queue=RedisJobQueue(
+            redis, queue.result_ttl_s, queue.reclaim_after_s, prefix=prefix, poison=poison, replication=replication
+        ),
         conversations=RedisConversationStore(redis, kept.ttl_s, kept.max_bytes_per_tenant, prefix=prefix),
-        ledger=on_postgres or RedisLedger(redis, ledger.retention_s, prefix=prefix),
+        ledger=on_postgres or RedisLedger(redis, ledger.retention_s, prefix=prefix, poison=poison),
         incidents=RedisIncidentStore(redis, ledger.retention_s, prefix=prefix),
-        notices=RedisNoticeStore(redis, ledger.retention_s, redis_outbox, prefix=prefix),
+        notices=RedisNoticeStore(redis, ledger.retention_s, redis_outbox, replication=replication),
         registrations=RedisRegistrationStore(redis, prefix=prefix),
         outbox=redis_outbox,
         buckets=RedisBuckets(redis, prefix=prefix),
         markers=RedisMarkerStore(redis, prefix=prefix),
         prefix=prefix,
         feed_ttl_s=ttl,
+        poison=poison,
     )

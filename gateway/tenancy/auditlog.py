@@ -13,10 +13,10 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from isolation.records import MemoryLog, RecordLog, RedisLog, as_fields
+from isolation.redis_keys import RedisClient, tag
 
 log = logging.getLogger("bulkhead.audit")
 
@@ -59,8 +59,8 @@ class MemoryAuditLog(MemoryLog[AuditEvent]):
 
 
 class RedisAuditLog(RedisLog[AuditEvent]):
-    def __init__(self, redis: Redis, capacity: int, *, prefix: str) -> None:
-        super().__init__(redis, capacity, f"{prefix}audit-events", AuditEvent.from_fields)
+    def __init__(self, redis: RedisClient, capacity: int, *, prefix: str) -> None:
+        super().__init__(redis, capacity, f"{prefix}{tag(redis, 'audit-events')}", AuditEvent.from_fields)
 
 
 async def record(trail: AuditLog, event: AuditEvent) -> None:

@@ -6,10 +6,10 @@ key itself is shown once when it is made and never stored. Last-used times are k
 frequent small write never touches a key's record.
 
 Both twins behave the same and are tested by one suite. `RedisDirectoryStore` is shared by every gateway instance;
-each change is one atomic step in Redis (a Lua script or a WATCH transaction) that also publishes the tenant's id on
-a channel, so every instance hears of it in the same step the change is made, and counts the change (so an
-instance can tell that nothing changed at all without reading what it holds). `MemoryDirectoryStore` is the
-embedded default: this process only, gone when it stops.
+each change is one atomic step in Redis (a Lua script; one made from what was read applies only if that is still
+there) that also publishes the tenant's id on a channel, so every instance hears of it in the same step the change
+is made, and counts the change (so an instance can tell that nothing changed at all without reading what it holds).
+`MemoryDirectoryStore` is the embedded default: this process only, gone when it stops.
 
 Redis layout (`{prefix}` is `redis_key_prefix`, `bulkhead:` by default):
   {prefix}tenants               hash   tenant id → tenant JSON
@@ -20,6 +20,9 @@ Redis layout (`{prefix}` is `redis_key_prefix`, `bulkhead:` by default):
   {prefix}tenant-key-check      string the secret of the keys' check (made by the first instance, read by the others)
   {prefix}tenant-changes        channel: the id of every tenant that changed (itself or one of its keys)
   {prefix}tenant-version        counter: changes made so far
+On a Redis Cluster the keys share the tag `{tenants}` after the prefix (`bulkhead:{tenants}:tenants`): a key is
+looked up with its tenant, and made or removed with the tenant's index, in one script. Each change counts once
+`replication` says, so that a failover loses no tenant or key.
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ from typing import Protocol
 
 import orjson
 from pydantic import Field
-from redis.asyncio import Redis
-from redis.exceptions import RedisError, WatchError
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError
 
 from gateway.settings import TenantSettings
+from isolation.poison import Poison
+from isolation.redis_keys import RedisClient, together
 from isolation.redis_text import text
+from isolation.replication import NO_WAIT, Replication, run_script
 
 log = logging.getLogger("bulkhead.directory")
 
@@ -295,6 +301,18 @@ redis.call('PUBLISH', ARGV[2], ARGV[1])
 return 1
 """
 
+# KEYS: tenants, version. ARGV: id, the tenant's JSON as read, as changed, channel. 1 when it was as read, and is
+# changed; 0 when it changed since it was read; -1 when it is gone.
+_UPDATE_TENANT = """
+local held = redis.call('HGET', KEYS[1], ARGV[1])
+if not held then return -1 end
+if held ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('INCR', KEYS[2])
+redis.call('PUBLISH', ARGV[4], ARGV[1])
+return 1
+"""
+
 # KEYS: tenants, keys, the tenant's key index, version. ARGV: tenant id, key id, key hash, key JSON, channel.
 _ADD_KEY = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
@@ -315,6 +333,27 @@ redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('INCR', KEYS[4])
 redis.call('PUBLISH', ARGV[3], ARGV[2])
 return 1
+"""
+
+# KEYS: keys, the tenant's key index, version. ARGV: the old key's id, hash and JSON as read, and as kept; the new
+# key's id, hash and JSON; tenant id, channel. 1 when the old key was as read, and both are kept; else 0.
+_ROTATE_KEY = """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] or redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[3] then
+  return 0
+end
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[4], ARGV[6], ARGV[7])
+redis.call('HSET', KEYS[2], ARGV[5], ARGV[6])
+redis.call('INCR', KEYS[3])
+redis.call('PUBLISH', ARGV[9], ARGV[8])
+return 1
+"""
+
+# KEYS: the check's secret. ARGV: a new one. The secret there before, or nil when the new one is set.
+_FIRST_CHECK = """
+local before = redis.call('GET', KEYS[1])
+if before then return before end
+redis.call('SET', KEYS[1], ARGV[1])
+return false
 """
 
 # KEYS: keys, tenants. ARGV: key hashes. Returns key JSON and tenant JSON for each ('' when absent).
@@ -346,54 +385,56 @@ return 0
 class RedisDirectoryStore:
     shared = True
 
-    def __init__(self, redis: Redis, *, prefix: str) -> None:
+    def __init__(self, redis: RedisClient, *, prefix: str, poison: Poison, replication: Replication = NO_WAIT) -> None:
         self._redis = redis
+        self._poison = poison
+        self._replication = replication
+        # Not a key: a channel is not in any slot (PUBLISH reaches every node of a cluster).
+        self.channel = f"{prefix}tenant-changes"
+        prefix = together(redis, prefix, "tenants")
         self._tenants = f"{prefix}tenants"
         self._ids = f"{prefix}tenant-ids"
         self._keys = f"{prefix}tenant-keys"
         self._used = f"{prefix}tenant-key-used"
-        self.channel = f"{prefix}tenant-changes"
         self._check = f"{prefix}tenant-key-check"
         self._version = f"{prefix}tenant-version"
         self._add_tenant = redis.register_script(_ADD_TENANT)
         self._remove_tenant = redis.register_script(_REMOVE_TENANT)
         self._add_key = redis.register_script(_ADD_KEY)
         self._remove_key = redis.register_script(_REMOVE_KEY)
+        self._update_tenant = redis.register_script(_UPDATE_TENANT)
+        self._first_check = redis.register_script(_FIRST_CHECK)
+        self._rotate_key = redis.register_script(_ROTATE_KEY)
         self._lookup = redis.register_script(_LOOKUP)
         self._mark_used = redis.register_script(_MARK_USED)
 
     def _index(self, tenant_id: str) -> str:
         return f"{self._keys}:{tenant_id}"
 
+    async def _change(self, script: AsyncScript, keys: list[str], args: Sequence[str | bytes]) -> int:
+        return int(await run_script(self._redis, self._replication, script, keys, args))
+
     async def add_tenant(self, tenant: Tenant) -> bool:
-        added = await self._add_tenant(
-            keys=[self._tenants, self._ids, self._version], args=[tenant.id, tenant.encode(), self.channel]
-        )
-        return bool(added)
+        keys, args = [self._tenants, self._ids, self._version], [tenant.id, tenant.encode(), self.channel]
+        return bool(await self._change(self._add_tenant, keys, args))
 
     async def update_tenant(self, tenant_id: str, change: Callable[[Tenant], Tenant]) -> Tenant | None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    # Optimistic: a change to any tenant between the read and the write makes EXEC fail, and the
-                    # change is applied again to what is there now, so no concurrent update is lost.
-                    await pipe.watch(self._tenants)
-                    raw = await pipe.hget(self._tenants, tenant_id)
-                    if raw is None:
-                        return None
-                    updated = change(Tenant.decode(raw))
-                    pipe.multi()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-                    pipe.hset(self._tenants, tenant_id, updated.encode())
-                    pipe.incr(self._version)
-                    pipe.publish(self.channel, tenant_id)
-                    await pipe.execute()
-                    return updated
-                except WatchError:
-                    continue
+        while True:
+            raw = await self._redis.hget(self._tenants, tenant_id)
+            if raw is None:
+                return None
+            updated = change(Tenant.decode(raw))
+            # Optimistic: a change made to the tenant since it was read is not overwritten; this one is applied
+            # again to what is there now, so no concurrent update is lost. (A script, not a WATCH transaction: a
+            # cluster's transactions refuse PUBLISH, and a replica's acknowledgement follows one command.)
+            args = [tenant_id, raw, updated.encode(), self.channel]
+            swapped = await self._change(self._update_tenant, [self._tenants, self._version], args)
+            if swapped:
+                return updated if swapped > 0 else None
 
     async def remove_tenant(self, tenant_id: str) -> bool:
         keys = [self._tenants, self._ids, self._keys, self._index(tenant_id), self._used, self._version]
-        return bool(await self._remove_tenant(keys=keys, args=[tenant_id, self.channel]))
+        return bool(await self._change(self._remove_tenant, keys, [tenant_id, self.channel]))
 
     async def tenant(self, tenant_id: str) -> Tenant | None:
         raw = await self._redis.hget(self._tenants, tenant_id)
@@ -409,7 +450,7 @@ class RedisDirectoryStore:
     async def add_key(self, key: ApiKey) -> bool:
         keys = [self._tenants, self._keys, self._index(key.tenant), self._version]
         args: list[str | bytes] = [key.tenant, key.key_id, key.key_hash, key.encode(), self.channel]
-        return bool(await self._add_key(keys=keys, args=args))
+        return bool(await self._change(self._add_key, keys, args))
 
     async def keys(self, tenant_id: str) -> list[ApiKey]:
         index = await self._redis.hgetall(self._index(tenant_id))
@@ -429,30 +470,22 @@ class RedisDirectoryStore:
 
     async def remove_key(self, tenant_id: str, key_id: str) -> bool:
         keys = [self._keys, self._index(tenant_id), self._used, self._version]
-        return bool(await self._remove_key(keys=keys, args=[key_id, tenant_id, self.channel]))
+        return bool(await self._change(self._remove_key, keys, [key_id, tenant_id, self.channel]))
 
     async def rotate_key(self, tenant_id: str, key_id: str, new: ApiKey, old_until: float) -> ApiKey | None:
         index = self._index(tenant_id)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(index, self._keys)
-                    old_hash = await pipe.hget(index, key_id)
-                    if old_hash is None:
-                        return None
-                    raw = await pipe.hget(self._keys, old_hash)
-                    # The index and the keys change together (one script or transaction), so the record is there.
-                    assert raw is not None, "a key in the index has its record"
-                    kept = ApiKey.decode(raw, old_hash).valid_until(old_until)
-                    pipe.multi()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-                    pipe.hset(self._keys, mapping={text(old_hash): kept.encode(), new.key_hash: new.encode()})
-                    pipe.hset(index, new.key_id, new.key_hash)
-                    pipe.incr(self._version)
-                    pipe.publish(self.channel, tenant_id)
-                    await pipe.execute()
-                    return kept
-                except WatchError:
-                    continue
+        while True:
+            old_hash = await self._redis.hget(index, key_id)
+            if old_hash is None:
+                return None
+            raw = await self._redis.hget(self._keys, old_hash)
+            if raw is None:
+                continue  # removed between the two reads: the index says so now
+            kept = ApiKey.decode(raw, old_hash).valid_until(old_until)
+            # Only if the key is still as read: a change made since is not overwritten, and this one is made again.
+            args = [key_id, old_hash, raw, kept.encode(), new.key_id, new.key_hash, new.encode(), tenant_id]
+            if await self._change(self._rotate_key, [self._keys, index, self._version], args + [self.channel]):
+                return kept
 
     async def lookup(self, key_hashes: Sequence[str]) -> list[Found | None]:
         if not key_hashes:
@@ -481,8 +514,16 @@ class RedisDirectoryStore:
                     changed(None)
                     pause = 0.1
                     async for message in pubsub.listen():
-                        if message["type"] == "message":
-                            changed(text(message["data"]))
+                        if message["type"] != "message":
+                            continue
+                        try:
+                            tenant_id = text(message["data"])
+                        except UnicodeDecodeError as exc:
+                            # No tenant's id (anyone can publish on a channel): said, rather than the end of the
+                            # listener, and of what every instance hears at once until it is started again.
+                            self._poison.dropped("tenant_changes", self.channel, "a message", exc)
+                            continue
+                        changed(tenant_id)
             except (RedisError, OSError) as exc:
                 log.warning("tenant changes: subscription lost (%s); retrying in %.1f s", type(exc).__name__, pause)
                 await asyncio.sleep(pause)
@@ -490,9 +531,9 @@ class RedisDirectoryStore:
 
     async def check_secret(self) -> bytes:
         made = secrets.token_hex(32)
-        # Set only if absent, answering what was there: of instances starting at once, the first one's wins.
-        before = await self._redis.set(self._check, made, nx=True, get=True)
-        assert before is None or isinstance(before, bytes | str), "SET ... GET answers the value it found, or nil"
+        # Set only if absent, answering what was there: of instances starting at once, the first one's wins. Kept as
+        # durably as the keys it checks: a secret lost to a failover would refuse every one of them.
+        before = await run_script(self._redis, self._replication, self._first_check, [self._check], [made])
         return bytes.fromhex(made if before is None else text(before))
 
     async def version(self) -> int:

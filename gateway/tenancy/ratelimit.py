@@ -17,12 +17,12 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.errors import InvalidRequest, RateLimitExceeded, RateLimitUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.settings import TenantSettings
+from isolation.redis_keys import RedisClient, tag
 
 log = logging.getLogger("bulkhead.ratelimit")
 
@@ -120,14 +120,17 @@ class MemoryBuckets:
 
 
 class RedisBuckets:
-    """A tenant's buckets are the hashes `{prefix}rate:{tenant}:requests` and `{prefix}rate:{tenant}:tokens`."""
+    """A tenant's buckets are the hashes `{prefix}rate:{tenant}:requests` and `{prefix}rate:{tenant}:tokens` (on a
+    cluster the tenant is their hash tag: one script takes both, and tenants spread over the masters)."""
 
-    def __init__(self, redis: Redis, *, prefix: str) -> None:
+    def __init__(self, redis: RedisClient, *, prefix: str) -> None:
+        self._redis = redis
         self._script = redis.register_script(_SCRIPT)
         self._prefix = f"{prefix}rate:"
 
     async def _run(self, tenant: str, quota: Quota, costs: tuple[int, int], mode: str) -> Verdict:
-        keys = [f"{self._prefix}{tenant}:requests", f"{self._prefix}{tenant}:tokens"]
+        name = f"{self._prefix}{tag(self._redis, tenant)}"
+        keys = [f"{name}:requests", f"{name}:tokens"]
         args: list[int | str] = [quota.requests_per_minute, quota.tokens_per_minute, costs[0], costs[1], mode]
         allowed, requests, tokens, wait = await self._script(keys=keys, args=args)
         return Verdict(bool(allowed), float(requests), float(tokens), float(wait))

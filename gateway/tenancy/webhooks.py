@@ -32,7 +32,6 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.settings import NoticeSettings
@@ -40,7 +39,9 @@ from gateway.store import shared_key
 from gateway.tenancy.addresses import not_public
 from gateway.tenancy.lookups import LookupsBusy, NameLookups
 from gateway.webhooks import TENANT_PREFIX, Target, whsec
+from isolation.redis_keys import RedisClient, tag
 from isolation.redis_text import text
+from isolation.replication import NO_WAIT, Replication
 
 MAX_URL_CHARS = 2048
 
@@ -83,9 +84,9 @@ class MemoryRegistrationStore:
 
 
 class RedisRegistrationStore:
-    def __init__(self, redis: Redis, *, prefix: str) -> None:
+    def __init__(self, redis: RedisClient, *, prefix: str) -> None:
         self._redis = redis
-        self._key = f"{prefix}tenant-webhooks"
+        self._key = f"{prefix}{tag(redis, 'tenant-webhooks')}"
 
     async def get(self, tenant: str) -> Registration | None:
         raw = await self._redis.hget(self._key, tenant)
@@ -113,16 +114,19 @@ class SigningKey:
     """The key tenants' webhook secrets are derived from: given, or the one kept in Redis, read when first needed
     (never one of this instance's own while Redis cannot be read: its secrets would verify nowhere else)."""
 
-    def __init__(self, key: bytes | None, redis: Redis | None = None, name: str = "") -> None:
+    def __init__(
+        self, key: bytes | None, redis: RedisClient | None = None, name: str = "", replication: Replication = NO_WAIT
+    ) -> None:
         self._key = key
         self._redis = redis
         self._name = name
+        self._replication = replication
 
     async def get(self) -> bytes:
         """The key; RedisError (or OSError) while the one kept in Redis cannot be read."""
         if self._key is None:
             assert self._redis is not None
-            self._key = await shared_key(self._redis, self._name)
+            self._key = await shared_key(self._redis, self._name, self._replication)
             if self._key is None:
                 raise RedisError("the notice signing key was not kept in Redis")
         return self._key

@@ -28,6 +28,7 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.settings import UpstreamSettings
+from gateway.tracing import Hop
 from gateway.upstream.backends import Replica, ReplicaPool
 
 # What the backend may refuse on the caller's behalf: the caller's request was wrong, so the caller hears it.
@@ -103,18 +104,28 @@ def error_kind(error: UpstreamError) -> str:
 class UpstreamResponse:
     """An open 200 answer from a replica: its body as it arrives, failures mapped to gateway errors."""
 
-    def __init__(self, upstream: Upstream, replica: Replica, response: aiohttp.ClientResponse) -> None:
+    def __init__(
+        self, upstream: Upstream, replica: Replica, response: aiohttp.ClientResponse, hop: Hop | None = None
+    ) -> None:
         self._upstream = upstream
         self._replica = replica
         self._response = response
+        self._hop = hop
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The body as the network delivers it: a chunk is forwarded as soon as it arrives."""
+        content, hop = self._response.content, self._hop
         try:
-            async for chunk in self._response.content.iter_any():
+            # A traced call's first chunk is read apart, to time it; the rest are read as an untraced call's all are.
+            if hop is not None and (first := await content.readany()):
+                hop.first_byte()
+                yield first
+            async for chunk in content.iter_any():
                 yield chunk
         except TRANSPORT_ERRORS as exc:
-            raise self._upstream.fail(self._replica, map_transport_error(self._replica, exc)) from exc
+            raise self._upstream.fail(self._replica, map_transport_error(self._replica, exc), hop) from exc
+        if hop is not None:
+            hop.end(self._response.status)
 
     async def read(self, limit: int | None = None) -> bytes:
         parts: list[bytes] = []
@@ -134,6 +145,8 @@ class UpstreamResponse:
             self._response.release()
         else:
             self._response.close()
+        if self._hop is not None:
+            self._hop.end(self._response.status)
 
 
 class Upstream:
@@ -144,17 +157,24 @@ class Upstream:
         self._pool = pool
         self._metrics = metrics
 
-    def fail(self, replica: Replica, error: UpstreamError) -> UpstreamError:
+    def fail(self, replica: Replica, error: UpstreamError, hop: Hop | None = None) -> UpstreamError:
         self._metrics.upstream_errors.labels(replica.name, error_kind(error)).inc()
+        if hop is not None:
+            hop.failed(error.code)
         if isinstance(error, BackendUnreachable) or error.before_sending:
             self._pool.mark_failed(replica, error.message)
         return error
 
-    async def open(self, replica: Replica, path: str, body: bytes, request_id: str) -> UpstreamResponse:
-        """Send the request; return the open 200 answer, or raise the gateway error its failure means."""
+    async def open(
+        self, replica: Replica, path: str, body: bytes, request_id: str, hop: Hop | None = None
+    ) -> UpstreamResponse:
+        """Send the request; return the open 200 answer, or raise the gateway error its failure means. With `hop`
+        (tracing on), its traceparent goes too: the engine's spans join the request's trace."""
         headers = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": request_id}
         if replica.api_key:
             headers["authorization"] = f"Bearer {replica.api_key}"
+        if hop is not None:
+            headers["traceparent"] = hop.traceparent
         try:
             # Never where a backend points: a redirect would carry the prompt (and the backend's key) to another host,
             # or to a second replica. A 3xx is a bad answer like any other status.
@@ -166,8 +186,8 @@ class Upstream:
                 # reused looks the same as a backend that read the request and died, so it may have run there: it
                 # is not sent again, here or elsewhere (aiohttp itself resends only idempotent methods).
                 self._metrics.closed_unanswered.labels(replica.name).inc()
-            raise self.fail(replica, error) from exc
-        answer = UpstreamResponse(self, replica, response)
+            raise self.fail(replica, error, hop) from exc
+        answer = UpstreamResponse(self, replica, response, hop)
         if response.status == 200:
             return answer
         try:

@@ -7,7 +7,9 @@ if it dies instead the message is simply due again when the lease ends, for any 
 never lost, and is sent twice only when its claimer died (or stalled past the lease) mid-send: receivers
 deduplicate on its id. A message that has failed `dead_after` times is also listed as a dead letter, and stays
 listed until it is delivered or discarded; one past `max_age_s` is expired: listed, no longer due, until an operator
-replays it. delivery.py decides all of that; the outbox stores what it is told, each change in one step.
+replays it. delivery.py decides all of that; the outbox stores what it is told, each change in one step. What is
+stored as a message and is none (not a message's JSON, a target no delivery resolves, another message's id) is
+poison: the read that meets it removes it, logs and counts it (isolation/poison.py), and goes on with the rest.
 
 With Redis (`redis_url`), every instance shares one outbox: the messages in the hash `{prefix}webhooks:messages`
 (id → JSON), the due ones in the sorted set `{prefix}webhooks:due` (by `next_at`), the dead letters in
@@ -23,7 +25,26 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import orjson
-from redis.asyncio import Redis
+
+from gateway.webhooks.targets import target_kind
+from isolation.poison import Poison
+from isolation.redis_keys import RedisClient, together
+from isolation.redis_text import text
+
+# Each field's JSON types, as `encode` writes them; those not required have defaults.
+_SHAPE: dict[str, tuple[type, ...]] = {
+    "id": (str,),
+    "target": (str,),
+    "type": (str,),
+    "body": (str,),
+    "created": (int, float),
+    "next_at": (int, float),
+    "attempts": (int,),
+    "last_error": (str, type(None)),
+    "dead": (bool,),
+    "expired": (bool,),
+}
+_REQUIRED = frozenset({"id", "target", "type", "body", "created", "next_at"})
 
 
 @dataclass(frozen=True)
@@ -49,7 +70,13 @@ class Message:
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Message:
-        fields: dict[str, Any] = orjson.loads(raw)
+        """ValueError for what is not a message (poison, dropped by the outbox): what every attempt would fail on."""
+        fields = orjson.loads(raw)
+        if not isinstance(fields, dict) or not _REQUIRED <= fields.keys() <= _SHAPE.keys():
+            raise ValueError("a message is a JSON object of a message's fields")
+        if not all(isinstance(value, _SHAPE[name]) for name, value in fields.items()):
+            raise ValueError("a message's field is not of its type")
+        target_kind(fields["target"])
         return cls(**{**fields, "body": fields["body"].encode()})
 
 
@@ -74,6 +101,10 @@ class Outbox(Protocol):
 
     async def dead_letters(self, limit: int) -> list[Message]:
         """The dead letters, oldest first."""
+        ...
+
+    async def held_for(self, target: str, limit: int) -> list[Message]:
+        """The target's messages not delivered yet (due, retried, dead or expired), oldest first."""
         ...
 
     async def counts(self) -> tuple[int, int]:
@@ -133,13 +164,17 @@ class MemoryOutbox:
     async def dead_letters(self, limit: int) -> list[Message]:
         return sorted((m for m in self._messages.values() if m.dead), key=_order)[:limit]
 
+    async def held_for(self, target: str, limit: int) -> list[Message]:
+        return sorted((self._messages[i] for i in self._targets.get(target, ())), key=_order)[:limit]
+
     async def counts(self) -> tuple[int, int]:
         messages = self._messages.values()
         return sum(not m.expired for m in messages), sum(m.dead for m in messages)
 
 
 # Store a new message and drop its target's oldest past the bound, in one step: a Lua function, so that a script that
-# stores something else with it (notices.py) writes both in that step. Returns the dropped messages, oldest first.
+# stores something else with it (notices.py) writes both in that step. Returns the dropped messages, oldest first: each
+# its id, then its JSON.
 ADD_MESSAGE = """
 local function add_message(messages, due, dead, target, id, raw, next_at, created, bound)
   redis.call('HSET', messages, id, raw)
@@ -150,7 +185,10 @@ local function add_message(messages, due, dead, target, id, raw, next_at, create
   if over <= 0 then return dropped end
   for _, old in ipairs(redis.call('ZRANGE', target, 0, over - 1)) do
     local kept = redis.call('HGET', messages, old)
-    if kept then table.insert(dropped, kept) end
+    if kept then
+      table.insert(dropped, old)
+      table.insert(dropped, kept)
+    end
     redis.call('HDEL', messages, old)
     redis.call('ZREM', due, old)
     redis.call('ZREM', dead, old)
@@ -168,13 +206,14 @@ return add_message(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2], ARGV[3]
 )
 
 # Take the due messages and move them past the lease, in one step: no two instances claim one message. KEYS: due,
-# messages. ARGV: now, the lease's end, limit.
+# messages. ARGV: now, the lease's end, limit. Returns each message's id, then its JSON.
 _CLAIM = """
 local claimed = {}
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))) do
   local raw = redis.call('HGET', KEYS[2], id)
   if raw then
     redis.call('ZADD', KEYS[1], ARGV[2], id)
+    table.insert(claimed, id)
     table.insert(claimed, raw)
   else
     redis.call('ZREM', KEYS[1], id)
@@ -210,8 +249,12 @@ return removed
 class RedisOutbox:
     """Every instance's messages, in Redis under `prefix` (the module's docstring names the keys)."""
 
-    def __init__(self, redis: Redis, *, prefix: str) -> None:
+    def __init__(self, redis: RedisClient, *, prefix: str, poison: Poison) -> None:
         self._redis = redis
+        self._poison = poison
+        # What its names start with: on a cluster, one tag for all, which the tenants' notices share (a notice is
+        # kept with its message in one script: notices.py).
+        self.names = prefix = together(redis, prefix, "outbox")
         self._messages = f"{prefix}webhooks:messages"
         self._due = f"{prefix}webhooks:due"
         self._dead = f"{prefix}webhooks:dead"
@@ -223,7 +266,30 @@ class RedisOutbox:
 
     async def add(self, message: Message, max_pending: int) -> list[Message]:
         keys, args = self.adding(message, max_pending)
-        return [Message.decode(raw) for raw in await self._add(keys=keys, args=args)]
+        return await self.readable(await self._add(keys=keys, args=args))
+
+    async def readable(self, flat: list[Any]) -> list[Message]:
+        """The messages of ids and JSON in turn (what ADD_MESSAGE and _CLAIM return), poison left out (`_message`)."""
+        found = [await self._message(message_id, raw) for message_id, raw in zip(flat[::2], flat[1::2], strict=True)]
+        return [message for message in found if message is not None]
+
+    async def _message(self, message_id: bytes | str, raw: bytes | str) -> Message | None:
+        """The message stored under `message_id`; None for poison (what is not a message, or is another's), which
+        leaves the outbox: claimed, it would fail its every attempt, due again at each lease's end, for good."""
+        try:
+            message = Message.decode(raw)
+            if message.id != text(message_id):
+                raise ValueError("a message stored under another's id")
+        except ValueError as exc:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hdel(self._messages, message_id)
+                pipe.zrem(self._due, message_id)
+                pipe.zrem(self._dead, message_id)
+                await pipe.execute()
+            # (Its id stays in its target's set, if it named one: gone with the next message past the bound there.)
+            self._poison.dropped("webhook_outbox", self._messages, message_id, exc)
+            return None
+        return message
 
     def adding(self, message: Message, max_pending: int) -> tuple[list[str], list[bytes | str | float]]:
         """The keys and arguments of ADD_MESSAGE's add_message for `message`, in its order."""
@@ -232,8 +298,8 @@ class RedisOutbox:
 
     async def claim(self, now: float, lease_s: float, limit: int) -> list[Message]:
         until = now + lease_s
-        raw = await self._claim(keys=[self._due, self._messages], args=[now, until, limit])
-        return [replace(Message.decode(m), next_at=until) for m in raw]
+        claimed = await self.readable(await self._claim(keys=[self._due, self._messages], args=[now, until, limit]))
+        return [replace(message, next_at=until) for message in claimed]
 
     async def update(self, message: Message) -> bool:
         keys = [self._messages, self._due, self._dead]
@@ -252,6 +318,9 @@ class RedisOutbox:
     async def dead_letters(self, limit: int) -> list[Message]:
         return await self._read(await self._redis.zrange(self._dead, 0, limit - 1))
 
+    async def held_for(self, target: str, limit: int) -> list[Message]:
+        return await self._read(await self._redis.zrange(self._target + target, 0, limit - 1))
+
     async def _read(self, ids: list[Any]) -> list[Message]:
         """The messages stored under `ids` (those still there), each with its due time as the due set has it: a
         claim moves that alone."""
@@ -261,11 +330,11 @@ class RedisOutbox:
             pipe.hmget(self._messages, ids)
             pipe.zmscore(self._due, ids)
             found, due = await pipe.execute()
-        return [
-            Message.decode(raw) if at is None else replace(Message.decode(raw), next_at=float(at))
-            for raw, at in zip(found, due, strict=True)
-            if raw is not None
-        ]
+        read = []
+        for message_id, raw, at in zip(ids, found, due, strict=True):
+            if raw is not None and (message := await self._message(message_id, raw)) is not None:
+                read.append(message if at is None else replace(message, next_at=float(at)))
+        return read
 
     async def counts(self) -> tuple[int, int]:
         async with self._redis.pipeline(transaction=False) as pipe:

@@ -46,15 +46,18 @@ import yaml
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from gateway.errors import AuthenticationFailed, DirectoryUnavailable
+from gateway.metrics import GatewayMetrics
 from gateway.server.serving import free_port
 from gateway.settings import REDIS_KEY_PREFIX, TenantDirectorySettings, TenantSettings
 from gateway.tenancy.directory import ApiKey, RedisDirectoryStore, Tenant, new_key_id
 from gateway.tenancy.tenants import TenantDirectory, hash_key, new_api_key
+from isolation.poison import Poison
 from tests.bench.load import new_session, percentile
 from tests.bench.processes import MODEL, Workspace, child
 from tests.redis_server import own_redis
 
 FILL_CONCURRENCY = 500
+POISON = Poison(GatewayMetrics().poison_entries)  # the directory's change listener: what it could not read
 TICK_S = 0.01
 LEGIT_WARM_PER_S = 2000
 LEGIT_NEW_PER_S = 20
@@ -71,7 +74,7 @@ class Population:
 
 
 async def fill(redis: Redis, tenants: int, per_tenant: int) -> Population:
-    store = RedisDirectoryStore(redis, prefix=REDIS_KEY_PREFIX)
+    store = RedisDirectoryStore(redis, prefix=REDIS_KEY_PREFIX, poison=POISON)
     check = await store.check_secret()
     now = time.time()
     made = [Tenant(id=f"bench-{n:06d}", created_at=now, updated_at=now) for n in range(tenants)]
@@ -138,7 +141,7 @@ async def timed(call: Callable[[], Awaitable[object]]) -> float:
 
 
 async def part_one(redis: Redis, population: Population, calls: int) -> list[dict[str, Any]]:
-    store = RedisDirectoryStore(redis, prefix=REDIS_KEY_PREFIX)
+    store = RedisDirectoryStore(redis, prefix=REDIS_KEY_PREFIX, poison=POISON)
     runtime = TenantDirectory([], store, TenantDirectorySettings(cold_lookups_per_s=1e9))
     await runtime.start()
     configured = TenantDirectory(
@@ -185,7 +188,7 @@ async def flood_and_legit(
     flood_rate: int,
     seconds: float,
 ) -> dict[str, Any]:
-    directory = TenantDirectory([], RedisDirectoryStore(redis, prefix=REDIS_KEY_PREFIX), settings)
+    directory = TenantDirectory([], RedisDirectoryStore(redis, prefix=REDIS_KEY_PREFIX, poison=POISON), settings)
     await directory.start()
     rng = random.Random(2)
     picked = [f"Bearer {population.secrets[i]}" for i in rng.sample(range(len(population.secrets)), 2000)]
@@ -243,7 +246,7 @@ async def flood_and_legit(
 
 async def part_two(redis: Redis, population: Population, flood_rate: int, seconds: float) -> list[dict[str, Any]]:
     bounded, unbounded = TenantDirectorySettings(), TenantDirectorySettings(cold_lookups_per_s=1e9)
-    check = await RedisDirectoryStore(redis, prefix=REDIS_KEY_PREFIX).check_secret()
+    check = await RedisDirectoryStore(redis, prefix=REDIS_KEY_PREFIX, poison=POISON).check_secret()
     rows = []
     for case, settings, flood_key in [
         ("no flood", bounded, None),
@@ -365,7 +368,7 @@ async def part_three(
         with child(command, port, workspace.root / "gateway-auth.log", "/readyz") as gateway:
             bearers = [f"Bearer {s}" for s in random.Random(3).sample(population.secrets, HTTP_KEYS)]
             async with connect(redis_url) as redis:
-                check = await RedisDirectoryStore(redis, prefix=REDIS_KEY_PREFIX).check_secret()
+                check = await RedisDirectoryStore(redis, prefix=REDIS_KEY_PREFIX, poison=POISON).check_secret()
                 await legit_requests(gateway.url, bearers, 1.0)  # warm: every legitimate key held
                 rows = []
                 for case, flood_rate, flood_check in [

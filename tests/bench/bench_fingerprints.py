@@ -71,6 +71,7 @@ from typing import Any
 import numpy as np
 from redis.asyncio import Redis
 
+from gateway.metrics import GatewayMetrics
 from gateway.server.app import canary_keys, fingerprint_secret, make_fingerprinter
 from gateway.server.stores import build_stores
 from gateway.settings import Settings
@@ -87,6 +88,7 @@ from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard
 from isolation.inject import inject_chat
 from isolation.leaks import LeakPolicy
 from isolation.markers import MarkerRegistry
+from isolation.poison import Poison
 from isolation.winnowing import WORD, Fingerprints, words
 from tests.bench import processes
 from tests.bench.bench_scanner import model_output, resident_bytes, revision, table
@@ -173,7 +175,8 @@ class Gateway:
         keys = canary_keys(settings)
         registry = MarkerRegistry(keys, settings.isolation.canary.epoch_s)
         registry.add_tenants(tenants)
-        feed = build_stores(settings, redis, None).fingerprint_feed("bench")
+        poison = Poison(GatewayMetrics().poison_entries)
+        feed = build_stores(settings, redis, None, poison=poison).fingerprint_feed("bench")
         fingerprinter = make_fingerprinter(settings, fingerprint_secret(keys[0].secret), feed, executor)
         assert fingerprinter is not None
         return cls(settings, registry, fingerprinter, {} if keep else None)
@@ -882,9 +885,8 @@ async def _redis(sizes: Sequence[int], seed: int) -> list[dict[str, Any]]:
         feed = gateway.fingerprinter.feed
         assert feed is not None
         prefix = gateway.settings.redis_key_prefix
-        reader = RedisFingerprintFeed(
-            redis, "another-instance", gateway.settings.isolation.fingerprints.ttl_s, prefix=prefix
-        )
+        ttl_s, poison = gateway.settings.isolation.fingerprints.ttl_s, Poison(GatewayMetrics().poison_entries)
+        reader = RedisFingerprintFeed(redis, "another-instance", ttl_s, prefix=prefix, poison=poison)
         stream = f"{prefix}fingerprints"
 
         async def stats() -> tuple[int, int]:

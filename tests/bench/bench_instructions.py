@@ -1,6 +1,7 @@
 """Instructions per request: the gateway's own work counted by valgrind, not timed on a noisy shared box.
 
-    python -m tests.bench.bench_instructions [--requests N] [--baseline DIR] [--no-floor] [--json out.json]
+    python -m tests.bench.bench_instructions [--requests N] [--baseline DIR] [--no-floor] [--tracing RATIO]
+        [--json out.json]
 
 Timings on these 2-core machines move by ±10% between two runs of the same code, and by 2× between boxes, so a cut of
 a few percent cannot be seen in them. Instructions can: callgrind counts every instruction a process runs, the same
@@ -17,6 +18,10 @@ is kept out: the gateway's health, capacity and load pollers read once at start 
 key, so the simulator gets the same prompts and answers the same words. Two runs of one code then agree within
 ~0.5%, on a busy box too. The garbage collector's share is shown apart, and left out of the ratios: a full collection
 falls in one batch or the next.
+
+`--tracing RATIO` runs this checkout's gateway (not the baseline) with OpenTelemetry tracing on, a RATIO of its
+requests sampled, exporting to an OTLP/HTTP receiver in this process (tests/otlp_receiver.py): with `--baseline` at
+this same checkout, the ratio column is tracing's cost.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any
 from tests.bench.bench_overhead import OUTPUT_TOKENS, Scenario, _revision
 from tests.bench.load import LoadError, Target, new_session, run_batch
 from tests.bench.processes import Server, Workspace
+from tests.otlp_receiver import otlp_receiver
 
 SCENARIOS = [Scenario(False, 1), Scenario(True, 1)]
 # --apis: the same requests as Anthropic's Messages or OpenAI's Responses, counted for this checkout's gateway
@@ -148,9 +154,18 @@ def measure(
     return counts
 
 
+def traced(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any] | None:
+    """The tracing section of this checkout's gateway under --tracing, exporting to a receiver `stack` holds."""
+    if args.tracing is None:
+        return None
+    receiver = stack.enter_context(otlp_receiver())
+    return {"enabled": True, "endpoint": receiver.url, "sampler": "traceidratio", "sampler_ratio": args.tracing}
+
+
 def run(workspace: Workspace, args: argparse.Namespace) -> dict[str, dict[str, Count]]:
     results: dict[str, dict[str, Count]] = {}
-    with workspace.simulator(OUTPUT_TOKENS) as sim:
+    with workspace.simulator(OUTPUT_TOKENS) as sim, contextlib.ExitStack() as exporting:
+        tracing = traced(args, exporting)
         targets: list[tuple[str, Path | None]] = [("gateway", None)]
         if args.baseline is not None:
             targets.append(("baseline", args.baseline))
@@ -170,6 +185,7 @@ def run(workspace: Workspace, args: argparse.Namespace) -> dict[str, dict[str, C
                         isolation=SAME_MARKERS,
                         start_timeout_s=START_TIMEOUT_S,
                         upstream=QUIET_UPSTREAM,
+                        tracing=tracing if name == "gateway" else None,
                     )
                     server = stack.enter_context(gateway)
                 print(f"measuring {name} ({args.requests} requests a scenario)", file=sys.stderr)
@@ -230,6 +246,7 @@ def report(results: dict[str, dict[str, Count]], args: argparse.Namespace) -> di
         "revision": _revision(),
         **({"baseline_revision": _revision(args.baseline)} if args.baseline is not None else {}),
         "requests_per_scenario": args.requests,
+        **({"tracing_ratio": args.tracing} if args.tracing is not None else {}),
         "targets": {
             name: {
                 scenario: {
@@ -256,6 +273,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=sorted(API_SCENARIOS),
         default=[],
         help="also count these APIs against chat completions (the gateway only)",
+    )
+    parser.add_argument(
+        "--tracing",
+        type=float,
+        metavar="RATIO",
+        help="this checkout's gateway traces this share of its requests (0 to 1) to a local OTLP receiver",
     )
     parser.add_argument("--log-level", default="WARNING", help="the servers' log level (default WARNING)")
     parser.add_argument("--json", type=Path, help="also write the results here as JSON")

@@ -37,6 +37,8 @@ from redis.asyncio import Redis
 from gateway.incidents.ledger import DELIVERED, LedgerWriter, MemoryLedger, RedisLedger, Served
 from gateway.incidents.notices import MAX_READ
 from gateway.incidents.pgledger import PostgresLedger, ledger_pool
+from gateway.metrics import GatewayMetrics
+from isolation.poison import Poison
 from tests.postgres_server import start_cluster
 from tests.redis_server import redis_server
 
@@ -94,7 +96,8 @@ def memory_bytes(sample: list[Served]) -> float:
 async def redis_costs(url: str, sample: list[Served], batch: int, replicas: int) -> dict[str, float]:
     async with Redis.from_url(url) as redis:
         prefix = f"bench-ledger-{secrets.token_hex(4)}:"
-        ledger = RedisLedger(redis, RETENTION_DAYS * DAY_S, prefix=prefix)
+        poison = Poison(GatewayMetrics().poison_entries)
+        ledger = RedisLedger(redis, RETENTION_DAYS * DAY_S, prefix=prefix, poison=poison)
         await redis.config_resetstat()
         used_before = (await redis.info("memory"))["used_memory"]
         started = time.perf_counter()

@@ -24,11 +24,13 @@ prompt new text, so every one adds fingerprints. Beside it, all run long:
 Faults, at set fractions of the run (FAULTS), in this order:
 - a gateway restart: SIGTERM to `bulkhead serve` (every process drains and stops), started again on its port;
 - a worker SIGKILLed: uvicorn's supervisor replaces it;
-- a background task's crash: a job entry written to the queue's stream `bulkhead:jobs` in a shape this version
-  cannot read (no `route`, no `items`: as another version's writer might leave one), which the queue worker that
-  reads it raises on (gateway/jobs/queue.py's Job.decode); once the crash is counted the entry is removed, as an
-  operator would after reading the traceback (left there, XAUTOCLAIM would hand it to a worker again every
-  `queue.reclaim_after_s`);
+- a background task's crash: SIGUSR2 to one worker, whose `tests/bench/crash_hook/sitecustomize.py` makes its
+  queue worker task (CRASHED_TASK) raise once, through the supervisor's own test hook: the supervisor must count
+  it and start the task again, and the jobs go on (a crash can no longer be caused through bad data: see below);
+- a poison entry: a job entry written to the queue's stream `bulkhead:jobs` in a shape this version cannot read (no
+  `route`, no `items`: as another version's writer might leave one), which the queue worker that reads it must drop
+  (acknowledge, delete, log and count: isolation/poison.py) without crashing; it is over once
+  `bulkhead_poison_entries_total{reader="jobs"}` has moved and the entry is gone from the stream;
 - a Redis restart: the redis-server stopped (SIGTERM: its append-only file written), REDIS_DOWN_S down, started
   again on its port.
 Every bound is set to be reached within the run's first 15 minutes, so that its last third shows levels: the
@@ -79,6 +81,7 @@ from redis.exceptions import RedisError
 
 from gateway.server.serving import free_port
 from gateway.tenancy.tenants import hash_key
+from tests.bench.crash_hook.sitecustomize import TASK_VARIABLE
 from tests.bench.hooks import ADMIN, OUTBOX_DRAIN_S, Receivers, incident_settings, register_webhooks, serve
 from tests.bench.load import DONE_EVENT, MESSAGE_STOP, RESPONSE_COMPLETED, LoadError, new_session
 from tests.bench.processes import MODEL, Server, Workspace, child
@@ -112,14 +115,23 @@ LEAK_WINDOW = (0.05, 0.15)
 LEAK_NAME = "leak window"
 # The processes that a restart or a kill starts fill their caches (the recent texts' fingerprints take ~20 min at
 # this load) before the last third, over which growth is judged: those two first.
-FAULTS = {"gateway restart": 0.17, "worker SIGKILL": 0.22, "task crash": 0.27, "Redis restart": 0.32}
+FAULTS = {
+    "gateway restart": 0.17,
+    "worker SIGKILL": 0.22,
+    "task crash": 0.25,
+    "poison entry": 0.28,
+    "Redis restart": 0.32,
+}
 CHURN_UNTIL = 0.92
 REDIS_DOWN_S = 5.0
 SETTLE_S = 10.0  # after a fault's recovery, failures are still its own (connections it broke, retries)
 GROWTH_TOLERANCE = 0.05  # of a series' level, an hour
 FINGERPRINTS = re.compile(r"^bulkhead_prompt_fingerprints (\S+)$", re.MULTILINE)
 TASKS = re.compile(r'^bulkhead_tasks\{pid="(\d+)"\} (\S+)$', re.MULTILINE)
+CRASH_HOOK = Path(__file__).parent / "crash_hook"
+CRASHED_TASK = "queue-worker-0"
 CRASHES = re.compile(r'^bulkhead_task_crashes_total\{task="([^"]+)"\} (\S+)$', re.MULTILINE)
+POISONED_JOBS = re.compile(r'^bulkhead_poison_entries_total\{reader="jobs"\} (\S+)$', re.MULTILINE)
 IDS = re.compile(r"[0-9a-f]{32}|\d{5,}")
 TENANT_LABEL = re.compile(r'tenant="(churn-\d+)"')
 ADMIN_HEADERS = {"authorization": f"Bearer {ADMIN}"}
@@ -202,7 +214,9 @@ class Gateway:
         self.starts += 1
         command = [sys.executable, "-m", "gateway", "serve", "--config", str(self.config), "--workers", str(WORKERS)]
         log = self.root / f"gateway-{self.starts}.log"
-        self.server = self._running.enter_context(child(command, self.port, log, "/readyz"))
+        path = os.pathsep.join(filter(None, [str(CRASH_HOOK), os.environ.get("PYTHONPATH")]))
+        crash_hook = {"PYTHONPATH": path, TASK_VARIABLE: CRASHED_TASK}
+        self.server = self._running.enter_context(child(command, self.port, log, "/readyz", env=crash_hook))
         self.await_workers()
 
     def await_workers(self, timeout_s: float = 60.0) -> None:
@@ -713,25 +727,47 @@ def crashes(shown: str | None) -> dict[str, float]:
     return {name: float(value) for name, value in CRASHES.findall(shown or "")}
 
 
+def poisoned_jobs(shown: str | None) -> float:
+    found = POISONED_JOBS.search(shown or "")
+    return float(found[1]) if found else 0.0
+
+
+async def poison_the_queue(run: Run, fault: Fault) -> None:
+    """A job entry this version cannot read, where an idle queue worker reads the stream: dropped, without a crash."""
+    shown = await run.scrape()
+    before, crashed_before = poisoned_jobs(shown), sum(crashes(shown).values())
+    stream = f"{PREFIX}jobs"
+    entry = await run.store.xadd(stream, {"job": orjson.dumps({"id": "soak-malformed", "tenant": TENANTS[0]})})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+        shown = await run.scrape()
+        if poisoned_jobs(shown) > before and not await run.store.xrange(stream, entry, entry):
+            fault.recovered = run.minute()
+            crashed, took = sum(crashes(shown).values()) - crashed_before, (fault.recovered - fault.started) * 60
+            fault.notes.append(f"dropped (counted, gone from the stream) after {took:.1f} s; crashes: {crashed:g}")
+            return
+    await run.store.xack(stream, f"{PREFIX.removesuffix(':')}-workers", entry)
+    await run.store.xdel(stream, entry)
+    fault.notes.append("not dropped within 60 s; the entry removed")
+
+
 async def crash_a_task(run: Run, fault: Fault) -> None:
-    """A job entry this version cannot read, where an idle queue worker reads the stream; removed once a crash is
-    counted."""
+    """One worker's queue worker task raises once (tests/bench/crash_hook); over when the crash is counted."""
     before = crashes(await run.scrape())
-    entry = await run.store.xadd(f"{PREFIX}jobs", {"job": orjson.dumps({"id": "soak-malformed", "tenant": TENANTS[0]})})
+    os.kill(run.gateway.workers()[0], signal.SIGUSR2)
     deadline = time.monotonic() + 60
     crashed: list[str] = []
     while not crashed and time.monotonic() < deadline:
         await asyncio.sleep(0.25)
         now = crashes(await run.scrape())
         crashed = [task for task, count in now.items() if count > before.get(task, 0.0)]
-    await run.store.xack(f"{PREFIX}jobs", f"{PREFIX.removesuffix(':')}-workers", entry)
-    await run.store.xdel(f"{PREFIX}jobs", entry)
     if crashed:
         fault.recovered = run.minute()
         fault.notes.append(f"counted in bulkhead_task_crashes_total: {', '.join(crashed)}, after "
-                           f"{(fault.recovered - fault.started) * 60:.1f} s; the entry then removed")  # fmt: skip
+                           f"{(fault.recovered - fault.started) * 60:.1f} s")  # fmt: skip
     else:
-        fault.notes.append("no crash counted within 60 s; the entry removed")
+        fault.notes.append("no crash counted within 60 s")
 
 
 async def restart_redis(run: Run, fault: Fault) -> None:
@@ -770,6 +806,7 @@ async def restart_gateway(run: Run, fault: Fault) -> None:
 
 INJECTIONS: dict[str, Callable[[Run, Fault], Awaitable[None]]] = {
     "task crash": crash_a_task,
+    "poison entry": poison_the_queue,
     "Redis restart": restart_redis,
     "worker SIGKILL": kill_worker,
     "gateway restart": restart_gateway,

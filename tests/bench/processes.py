@@ -187,16 +187,20 @@ class Workspace:
         model: Mapping[str, Any] | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
         upstream: Mapping[str, Any] | None = None,
+        tracing: Mapping[str, Any] | None = None,
     ) -> contextlib.AbstractContextManager[Server]:
         """The gateway in front of `backend_url`; `wrapper` runs it under a tool (`python -m pyinstrument ...`),
         `code` from another checkout, `workers` processes (with Redis at `redis_url`); `isolation` is its
-        isolation section, `model` is merged into its one model's settings and `upstream` into its upstream section
-        (all default as in production). A slow tool (valgrind) needs a longer `start_timeout_s`."""
+        isolation section, `model` is merged into its one model's settings and `upstream` into its upstream section,
+        `tracing` is its tracing section (all default as in production). A slow tool (valgrind) needs a longer
+        `start_timeout_s`."""
         port = free_port()
         config = self.root / f"gateway-{port}.yaml"
         settings = _gateway_settings(port, backend_url, self.tokenizer_dir, self.log_level, redis_url)
         if isolation is not None:
             settings["isolation"] = dict(isolation)
+        if tracing is not None:
+            settings["tracing"] = dict(tracing)
         settings["models"][0].update(model or {})
         settings["upstream"].update(upstream or {})
         config.write_text(yaml.safe_dump(settings), encoding="utf-8")

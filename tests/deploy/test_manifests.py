@@ -25,6 +25,7 @@ BUILDS = [str(path.relative_to(DEPLOY / "kubernetes")) for path in KUSTOMIZATION
 OLDEST_KUBERNETES = "1.29.0"
 GATEWAY = "bulkhead-gateway"
 LEDGER_BUILD, LEDGER_POSTGRES = "overlays/ledger-postgres", "bulkhead-ledger-postgres"  # the ledger on PostgreSQL
+CLUSTER_BUILD = "overlays/redis-cluster"  # the shared state on a Redis Cluster of six bulkhead-redis nodes
 
 
 def find(objects: list[Object], kind: str, name: str | None = None) -> list[Object]:
@@ -69,6 +70,10 @@ def environment(objects: list[Object], build: str, workload: Object, name: str) 
     for variable in spec.get("env", []):
         if "value" in variable:
             environ[variable["name"]] = expand(variable["value"], environ)
+            continue
+        field = variable["valueFrom"].get("fieldRef")
+        if field is not None:
+            environ[variable["name"]] = f"<{field['fieldPath']}>"  # the pod's own, known once it runs
             continue
         ref = variable["valueFrom"]["secretKeyRef"]
         data = secret_data(objects, ref["name"])
@@ -126,7 +131,7 @@ def test_every_yaml_and_json_file_under_deploy_parses() -> None:
 
 
 def test_every_kustomization_is_found() -> None:
-    assert {"base", "overlays/example", LEDGER_BUILD} <= set(BUILDS)
+    assert {"base", "overlays/example", LEDGER_BUILD, CLUSTER_BUILD} <= set(BUILDS)
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -280,9 +285,11 @@ def test_every_pod_is_selected_by_a_network_policy(builds: dict[str, list[Object
 def test_only_gateways_reach_vllm_and_the_stores(builds: dict[str, list[Object]], build: str, name: str) -> None:
     objects = builds[build]
     target = one(objects, "StatefulSet", name)
-    ports = {p["containerPort"] for c in target["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+    ports = {p["containerPort"] for c in target["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
     selecting = [p for p in find(objects, "NetworkPolicy") if selects(p["spec"]["podSelector"], pod_labels(target))]
     assert selecting, f"no NetworkPolicy selects the {name} pods: any pod can reach them"
+    # A cluster's nodes also reach each other (replication, the cluster bus).
+    peers = [{GATEWAY}, {name}] if (build, name) == (CLUSTER_BUILD, "bulkhead-redis") else [{GATEWAY}]
     for policy in selecting:
         for rule in policy["spec"].get("ingress", []):
             assert rule.get("from"), f"{policy['metadata']['name']}: a rule without `from` admits every source"
@@ -291,7 +298,7 @@ def test_only_gateways_reach_vllm_and_the_stores(builds: dict[str, list[Object]]
                 admitted = {
                     w["metadata"]["name"] for w in workloads(objects) if selects(peer["podSelector"], pod_labels(w))
                 }
-                assert admitted == {GATEWAY}, f"{policy['metadata']['name']} admits {sorted(admitted)}"
+                assert admitted in peers, f"{policy['metadata']['name']} admits {sorted(admitted)}"
             assert rule.get("ports"), f"{policy['metadata']['name']}: a rule without `ports` opens every port"
             assert {p["port"] for p in rule["ports"]} <= ports, policy["metadata"]["name"]
 
@@ -358,6 +365,24 @@ def test_the_ledgers_postgres_url_is_its_postgres_with_its_password(
     postgres = environment(objects, LEDGER_BUILD, one(objects, "StatefulSet", LEDGER_POSTGRES), "postgres")
     assert "$(" not in postgres["POSTGRES_PASSWORD"] and url.password == postgres["POSTGRES_PASSWORD"]
     assert (url.username, url.path) == (postgres["POSTGRES_USER"], "/" + postgres["POSTGRES_DB"])
+
+
+def test_the_cluster_build_is_six_nodes_the_gateways_speak_to_as_a_cluster(
+    builds: dict[str, list[Object]], tmp_path: Path
+) -> None:
+    objects = builds[CLUSTER_BUILD]
+    settings = gateway_settings(objects, CLUSTER_BUILD, tmp_path)
+    assert settings.redis_cluster and settings.redis_wait_replicas == 1, "a replica holds every acknowledged write"
+    redis = one(objects, "StatefulSet", "bulkhead-redis")
+    assert redis["spec"]["replicas"] == 6, "three primaries, each with a replica"
+    args = container(redis, "redis")["args"]
+    assert args[args.index("--cluster-enabled") + 1] == "yes"
+    assert args[args.index("--masterauth") + 1] == args[args.index("--requirepass") + 1], "replicas authenticate"
+    script = container(redis, "cluster-maker")["args"][0]
+    assert "--cluster-replicas 1" in script
+    assert all(f"bulkhead-redis-{n}.{redis['spec']['serviceName']}" in script for n in range(6))
+    assert one(objects, "Service", redis["spec"]["serviceName"])["spec"]["clusterIP"] == "None", "per-node names"
+    assert one(objects, "PodDisruptionBudget", "bulkhead-redis")["spec"]["maxUnavailable"] == 1
 
 
 @pytest.mark.parametrize("build", BUILDS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -101,6 +102,31 @@ def make_gateway_process(tmp_path: Path) -> Iterator[Callable[..., str]]:
     finally:
         for process in processes:
             stop(process)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+    """`bulkhead serve` on embedded defaults, with a fresh HOME so the tiny tokenizer is built from scratch."""
+    env = {**os.environ, "HOME": str(tmp_path), "BULKHEAD_LISTEN__PORT": str(free_port())}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    banner: list[str] = []
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            banner.append(line.rstrip("\n"))
+            if line.startswith("curl "):
+                break
+        yield process, banner
+    finally:
+        stop(process, signal.SIGINT)
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 @pytest.fixture

@@ -48,6 +48,7 @@ from gateway.webhooks import Deliveries, settings_resolver
 from isolation.markers import CanaryKey
 from isolation.salts import CacheSalts
 from tests.integration.support import MODEL, auth, chat_body, forwarded, gateway_settings
+from tests.poisoned import Counted
 
 
 async def compose(settings: Settings, stores: Stores, stack: AsyncExitStack) -> Pipeline:
@@ -152,7 +153,7 @@ async def test_a_chat_route_given_only_the_pipeline_and_an_intake_answers_throug
     client: httpx.AsyncClient, sim_url: str, tokenizer_dir: Path
 ) -> None:
     settings = gateway_settings({"sim": sim_url}, tokenizer_dir)
-    stores, built = build_stores(settings, None, None), list[Pipeline]()
+    stores, built = build_stores(settings, None, None, poison=Counted().poison), list[Pipeline]()
     started = time.time()
     with run_server(chat_alone(settings, stores, built)) as url:
         answer = await client.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=4), headers=auth())

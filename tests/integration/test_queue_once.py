@@ -21,6 +21,7 @@ from gateway.jobs.queue import Job, RedisJobQueue
 from tests.integration.support import ALICE_KEY, auth, forwarded, metric
 from tests.integration.tenant_support import until
 from tests.integration.test_workers_api import RUN, queue_config, stopped, wait_done, worker_process
+from tests.poisoned import Counted
 from tests.redis_server import own_redis
 
 JOBS = 60
@@ -107,7 +108,8 @@ async def redis_queue(reclaim_after_s: float = 30) -> AsyncIterator[tuple[Redis,
     with own_redis() as server:
         store = Redis.from_url(server.url)
         try:
-            yield store, RedisJobQueue(store, 60, reclaim_after_s=reclaim_after_s, prefix="bulkhead:")
+            poison = Counted().poison
+            yield store, RedisJobQueue(store, 60, reclaim_after_s=reclaim_after_s, prefix="bulkhead:", poison=poison)
         finally:
             await store.aclose()
 

@@ -1,5 +1,6 @@
-"""`bulkhead tenants ...` and `bulkhead audit --key-file` as a user runs them: real processes against a real gateway.
-The admin token comes from a file or the environment, never from the command line."""
+"""`bulkhead tenants ...`, the other admin commands and `bulkhead audit --key-file` as a user runs them: real processes
+against a real gateway. The gateway and its admin token come from flags, the environment or the settings file; the
+token never from the command line."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import pytest
 
 from gateway.tenancy.tenants import hash_key
 from tests.integration.conftest import GatewayFactory
-from tests.integration.support import ALICE_KEY, MODEL, auth, chat_body
+from tests.integration.support import ALICE_KEY, MODEL, address, auth, chat_body
 from tests.integration.tenant_support import ADMIN_TOKEN, new_id
+from tests.redis_server import free_port
 
 
 def bulkhead(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -108,6 +110,73 @@ def test_the_admin_token_comes_from_a_file_or_the_environment_only(gateway: str,
     # (argparse repeats the arguments it refuses, the token among them: the user's own, on their own terminal.)
     for result in (missing, from_environment, wrong, unknown, unreachable):
         assert ADMIN_TOKEN not in result.stdout + result.stderr
+
+
+# One command of each over the admin API, and what its success prints.
+ADMIN_COMMANDS = [
+    (("tenants", "show", "alice"), '"source": "config"'),
+    (("incidents", "list"), "ID  REPLICA  STATE"),
+    (("webhooks", "dead-letters"), "ID  TARGET  TYPE"),
+]
+DEAD = f"http://127.0.0.1:{free_port()}"  # no gateway there
+
+
+def admin_config(tmp_path: Path, **settings: object) -> Path:
+    path = tmp_path / "bulkhead.yaml"
+    path.write_text(json.dumps(settings))  # JSON is YAML
+    return path
+
+
+def test_each_admin_command_finds_the_gateway_and_token_in_the_environment(gateway: str) -> None:
+    for command, printed in ADMIN_COMMANDS:
+        result = bulkhead(*command, env={"BULKHEAD_ADMIN_URL": gateway, "BULKHEAD_ADMIN_TOKEN": ADMIN_TOKEN})
+        assert result.returncode == 0, result.stderr
+        assert printed in result.stdout
+
+
+def test_the_admin_commands_find_them_in_the_settings_file(gateway: str, tmp_path: Path) -> None:
+    (command, printed), (other, other_printed) = ADMIN_COMMANDS[:2]
+    by_url = admin_config(tmp_path, admin_url=gateway, admin_token=ADMIN_TOKEN)
+    result = bulkhead(*command, "--config", str(by_url))
+    assert result.returncode == 0, result.stderr
+    assert printed in result.stdout
+    # Without admin_url: where the file says the gateway listens.
+    host, port = address(gateway)
+    by_listen = admin_config(tmp_path, listen={"host": "0.0.0.0", "port": port}, admin_token=ADMIN_TOKEN)
+    result = bulkhead(*other, "--config", str(by_listen))
+    assert result.returncode == 0 and host == "127.0.0.1", result.stderr
+    assert other_printed in result.stdout
+
+
+def test_flags_override_the_environment_which_overrides_the_file(
+    gateway: str, token_file: Path, tmp_path: Path
+) -> None:
+    wrong = "not-the-admin-token-at-all"
+    shown = ("tenants", "show", "alice", "--config", str(admin_config(tmp_path, admin_url=DEAD, admin_token=wrong)))
+    refused = bulkhead(*shown, "--url", gateway)
+    assert refused.returncode == 1 and "HTTP 401" in refused.stderr, "--url over the file's; the file's token"
+    assert bulkhead(*shown, "--url", gateway, "--admin-token-file", str(token_file)).returncode == 0
+    environment = {"BULKHEAD_ADMIN_URL": gateway, "BULKHEAD_ADMIN_TOKEN": ADMIN_TOKEN}
+    assert bulkhead(*shown, env=environment).returncode == 0, "the variables over the file"
+    flags = ("--url", gateway, "--admin-token-file", str(token_file))
+    flagged = bulkhead(*shown, *flags, env={"BULKHEAD_ADMIN_URL": DEAD, "BULKHEAD_ADMIN_TOKEN": wrong})
+    assert flagged.returncode == 0, "the flags over the variables"
+    assert wrong not in refused.stdout + refused.stderr
+
+
+def test_without_a_token_anywhere_each_source_is_named_and_a_bad_file_is_said(gateway: str, tmp_path: Path) -> None:
+    missing = bulkhead("incidents", "list", "--url", gateway)
+    assert missing.returncode == 2
+    for source in ("--admin-token-file", "BULKHEAD_ADMIN_TOKEN", "admin_token in --config"):
+        assert source in missing.stderr
+    bad = bulkhead("webhooks", "dead-letters", "--config", str(admin_config(tmp_path, admin_url="gateway:8080")))
+    assert bad.returncode == 2
+    assert "bulkhead webhooks: bad settings: " in bad.stderr and "admin_url: must start with http://" in bad.stderr
+
+
+def test_a_dead_letter_not_there_is_refused_by_the_gateway(gateway: str, token_file: Path) -> None:
+    result = bulkhead("webhooks", "replay", "msg_nope", "--url", gateway, "--admin-token-file", str(token_file))
+    assert result.returncode == 1 and "HTTP 404 not_found: No dead letter with id 'msg_nope'." in result.stderr
 
 
 def test_audit_reads_its_keys_from_a_file(gateway: str, tmp_path: Path) -> None:

@@ -1,13 +1,14 @@
 """Webhook notices end to end: a real leak on a real gateway, the operators' notice POSTed to a real receiver on
 127.0.0.1, kept in the Redis outbox while the receiver is down (a dead letter, shown by the admin API) and delivered
 when it is back, by another gateway instance if the first is gone; what a receiver checks (`bulkhead webhooks
-verify`), and the admin API's dead letters."""
+verify`), and the admin API's dead letters (`bulkhead webhooks dead-letters | discard`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import io
+import os
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ from gateway.webhooks import Message, RedisOutbox, whsec
 from tests.integration.receiver import Notice, Receiver, webhook_receiver
 from tests.integration.support import BOB_KEY, auth, canaries_only, gateway_settings, metric
 from tests.integration.test_canaries import alice_fills_the_cache, over_capacity
+from tests.poisoned import Counted
 from tests.redis_server import redis_server
 
 ADMIN = "admin-token-0123456789"
@@ -196,15 +198,25 @@ async def test_operators_replay_and_discard_dead_letters(
 
         # A dead letter another instance left in the shared outbox (a tenant's, expired): listed here, discarded.
         async with Redis.from_url(redis_url) as redis:
-            outbox = RedisOutbox(redis, prefix=settings.redis_key_prefix)
+            outbox = RedisOutbox(redis, prefix=settings.redis_key_prefix, poison=Counted().poison)
             now = time.time() - 3600
             old = Message(Message.new_id(now), "tenant:gone", "test.old", b'{"data":{}}', now, now, 9, "HTTP 500")
             await outbox.add(old, 10)
             await outbox.update(Message(**{**old.__dict__, "dead": True, "expired": True}))
         [listed] = await dead_letters(client, gateway, 1)
         assert (listed["id"], listed["expired"], listed["next_attempt_at"]) == (old.id, True, None)
-        discarded = await client.delete(f"{gateway}{DEAD_LETTERS}/{old.id}", headers=ADMIN_AUTH)
-        assert discarded.status_code == 200 and discarded.json() == {"id": old.id, "deleted": True}
+        # ... and by an operator's shell, which finds the gateway and its token in the environment.
+        shell = {k: v for k, v in os.environ.items() if not k.startswith("BULKHEAD_")}
+        shell |= {"BULKHEAD_ADMIN_URL": gateway, "BULKHEAD_ADMIN_TOKEN": ADMIN}
+        listing = subprocess.run(
+            [sys.executable, "-m", "gateway", "webhooks", "dead-letters"], capture_output=True, text=True, env=shell
+        )
+        assert listing.returncode == 0, listing.stderr
+        [row] = listing.stdout.splitlines()[1:]
+        assert row.split()[:6] == [old.id, "tenant:gone", "test.old", listed["created_at"], "9", "expired"], row
+        command = [sys.executable, "-m", "gateway", "webhooks", "discard", old.id, "--json"]
+        discarded = subprocess.run(command, capture_output=True, text=True, env=shell)
+        assert discarded.returncode == 0 and orjson.loads(discarded.stdout) == {"id": old.id, "deleted": True}
         assert await dead_letters(client, gateway, 0) == []
 
         # Bad input is a 4xx with an OpenAI-style error body.

@@ -29,7 +29,9 @@ from gateway.tenancy.directory import (
     new_key_id,
 )
 from gateway.tenancy.tenants import TenantDirectory, hash_key, new_api_key
+from tests.poisoned import Counted
 from tests.redis_server import redis_server
+from tests.unit.test_twins import redis_for
 
 TWINS = ["memory", "redis"]
 DIRECTORY_DATABASE = 14
@@ -48,16 +50,11 @@ def namespace() -> str:
 
 @pytest.fixture(params=TWINS)
 async def store(request: pytest.FixtureRequest, namespace: str) -> AsyncIterator[DirectoryStore]:
-    if request.param == "memory":
-        yield MemoryDirectoryStore()
-        return
-    async with Redis.from_url(request.getfixturevalue("redis_url")) as redis:
-        try:
-            yield RedisDirectoryStore(redis, prefix=f"{namespace}:")
-        finally:
-            keys = [key async for key in redis.scan_iter(match=f"{namespace}:*")]
-            if keys:
-                await redis.delete(*keys)
+    async with redis_for(request, f"{namespace}:") as redis:
+        if redis is None:
+            yield MemoryDirectoryStore()
+        else:
+            yield RedisDirectoryStore(redis, prefix=f"{namespace}:", poison=Counted().poison)
 
 
 def tenant(tenant_id: str = "acme", **fields: object) -> Tenant:
@@ -567,7 +564,7 @@ async def test_a_configured_id_in_the_store_stops_the_start_and_its_keys_are_ref
 async def test_a_store_that_cannot_be_reached_refuses_cold_keys_only(redis_url: str, clock: Clock) -> None:
     async with Redis.from_url(redis_url) as redis:
         namespace = f"dir-{uuid.uuid4().hex[:12]}"
-        directory = directory_over(RedisDirectoryStore(redis, prefix=f"{namespace}:"), clock)
+        directory = directory_over(RedisDirectoryStore(redis, prefix=f"{namespace}:", poison=Counted().poison), clock)
         try:
             _, secret = await with_key(directory)
             await directory.authenticate(bearer(secret))
@@ -575,7 +572,7 @@ async def test_a_store_that_cannot_be_reached_refuses_cold_keys_only(redis_url: 
         finally:
             await redis.delete(*[key async for key in redis.scan_iter(match=f"{namespace}:*")])
     async with Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2) as down:
-        directory.store = RedisDirectoryStore(down, prefix=f"{namespace}:")
+        directory.store = RedisDirectoryStore(down, prefix=f"{namespace}:", poison=Counted().poison)
         assert (await directory.authenticate(bearer(secret))).id == "acme", "a held key needs no store"
         with pytest.raises(DirectoryUnavailable) as caught:
             await directory.authenticate(bearer(cold))

@@ -30,6 +30,7 @@ from isolation.fingerprints import (
 from isolation.guard import FRAGMENT, Leak, LeakBlocked, OutputGuard
 from isolation.leaks import REDACTED, LeakPolicy
 from isolation.winnowing import AnswerGrams, Hasher, Shape, words
+from tests.poisoned import Counted
 from tests.redis_server import redis_server
 from tests.unit.test_scanner import Leaks, registry_at
 
@@ -269,8 +270,8 @@ async def test_an_answer_waits_until_its_instance_has_read_the_feed_to_its_mark(
         redis = Redis.from_url(url)
         prefix = f"fingerprints-{uuid.uuid4().hex[:12]}:"
         two = FingerprintIndex(1800, 10_000)
-        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix)
-        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix)
+        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix, poison=Counted().poison)
+        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix, poison=Counted().poison)
         start = await feed_two.catch_up(two)
         await feed_one.publish(prompt("alice", "r1", [7, 8], at=time.time()))
         mark = await feed_two.publish(prompt("bob", "r1", [], at=time.time()))  # an entry without grams: a mark
@@ -290,8 +291,8 @@ async def test_a_follow_started_again_goes_on_from_where_the_last_one_read_to() 
     with redis_server() as url:
         redis = Redis.from_url(url)
         prefix = f"fingerprints-{uuid.uuid4().hex[:12]}:"
-        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix)
-        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix)
+        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix, poison=Counted().poison)
+        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix, poison=Counted().poison)
         before = FingerprintIndex(1800, 10_000)
         start = await feed_two.catch_up(before)
         mark = await feed_one.publish(prompt("alice", "r1", [7, 8], at=time.time()))
@@ -309,14 +310,49 @@ async def test_a_follow_started_again_goes_on_from_where_the_last_one_read_to() 
         await redis.aclose()
 
 
+async def test_feed_entries_that_cannot_be_read_are_passed_over_and_counted_and_the_entries_beside_them_read() -> None:
+    with redis_server() as url:
+        redis = Redis.from_url(url)
+        prefix = f"fingerprints-{uuid.uuid4().hex[:12]}:"
+        stream, grams = f"{prefix}fingerprints", np.array([9], dtype="<u8").tobytes()
+        counted, index = Counted(), FingerprintIndex(1800, 10_000)
+        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix, poison=Counted().poison)
+        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix, poison=counted.poison)
+        start = await feed_two.catch_up(index)
+        # Written by another hand between two prompts, all read by the follower in one batch.
+        await feed_one.publish(prompt("alice", "r1", [7], at=time.time()))
+        unreadable: list[dict[str, Any]] = [
+            {"i": "x", "t": "mallory", "r": "r1", "a": "inf", "f": grams},  # a time the index cannot hold
+            {"i": "x", "t": "mallory", "r": "r1", "a": "nan", "f": grams},
+            {"i": "x", "t": b"\xff", "r": "r1", "a": "1", "f": grams},
+            {"i": "x", "t": "mallory", "r": "r1", "a": "1", "f": b"odd"},
+            {"i": "x"},
+        ]
+        for fields in unreadable:
+            await redis.xadd(stream, fields)
+        mark = await feed_one.publish(prompt("bob", "r1", [8], at=time.time()))
+        follower = asyncio.create_task(feed_two.follow(index, start))
+        assert await feed_two.reached(mark, 5.0) and not follower.done(), "it went on past them"
+        assert len(index) == 2 and counted.dropped("fingerprint_feed") == 5
+        await stopped(follower)
+        # An instance that starts now passes them over as it catches up, too.
+        fresh = Counted()
+        feed_three = RedisFingerprintFeed(redis, "three", 1800, prefix=prefix, poison=fresh.poison)
+        later = FingerprintIndex(1800, 10_000)
+        await feed_three.catch_up(later)
+        assert len(later) == 2 and fresh.dropped("fingerprint_feed") == 5
+        await redis.delete(stream)
+        await redis.aclose()
+
+
 async def test_instances_share_fingerprints_through_redis() -> None:
     with redis_server() as url:
         redis = Redis.from_url(url)
         # A stream of this test's own: gateways under test on the same Redis publish to `bulkhead:fingerprints`.
         prefix = f"fingerprints-{uuid.uuid4().hex[:12]}:"
         one, two = FingerprintIndex(1800, 10_000), FingerprintIndex(1800, 10_000)
-        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix)
-        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix)
+        feed_one = RedisFingerprintFeed(redis, "one", 1800, prefix=prefix, poison=Counted().poison)
+        feed_two = RedisFingerprintFeed(redis, "two", 1800, prefix=prefix, poison=Counted().poison)
         await feed_one.publish(prompt("alice", "r1", [7, 8], at=time.time()))
         last = await feed_two.catch_up(two)  # a fresh instance reads what is already there
         assert len(two) == 2 and len(one) == 0

@@ -19,7 +19,7 @@ from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis
 
 from gateway.incidents import pgledger
-from gateway.incidents.exposure import Window, exposure
+from gateway.incidents.exposure import Exposure, Window
 from gateway.incidents.incident import (
     PROBE,
     RETENTION,
@@ -48,6 +48,7 @@ from gateway.settings import Settings
 from gateway.tenancy.lookups import NameLookups
 from gateway.tenancy.webhooks import MemoryRegistrationStore, Registration, SigningKey, TenantWebhooks
 from gateway.webhooks import Deliveries, Message
+from tests.poisoned import Counted
 from tests.postgres_server import postgres_url
 from tests.unit.test_twins import TWINS, prefix, redis_for, redis_url
 
@@ -79,7 +80,10 @@ async def ledger(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[L
             yield PostgresLedger(pool, RETENTION_S, schema=schema)
         return
     async with redis_for(request, prefix) as redis:
-        yield MemoryLedger(RETENTION_S, 10_000) if redis is None else RedisLedger(redis, RETENTION_S, prefix=prefix)
+        if redis is None:
+            yield MemoryLedger(RETENTION_S, 10_000)
+        else:
+            yield RedisLedger(redis, RETENTION_S, prefix=prefix, poison=Counted().poison)
 
 
 @pytest.fixture(params=TWINS)
@@ -162,7 +166,7 @@ async def test_the_suspect_characters_that_went_out_are_kept_and_unknown_stays_u
     found, _ = await ledger.served("a", now - 6, now, 10)
     assert [(s.request_id, s.suspect_chars) for s in found] == [(s.request_id, s.suspect_chars) for s in answers]
     assert found[1].view()["suspect_chars"] == 137
-    report = await exposure(ledger, Window("a", now - 6, now, "", ""), None, 10)
+    report = (await Exposure.read(ledger, Window("a", now - 6, now, "", ""), None, 10)).view()
     rows = {row["tenant"]: row["suspect_chars"] for row in report["recipients"]}  # type: ignore[attr-defined]
     # Carol's leaking answer has no count: her total is not known, nor the window's.
     assert (rows, report["suspect_chars"]) == ({"bob": 137, "carol": None}, None)
@@ -173,13 +177,33 @@ async def test_a_ledger_entry_written_before_suspect_characters_were_counted_rea
 ) -> None:
     now = time.time()
     async with Redis.from_url(redis_url) as redis:
-        ledger = RedisLedger(redis, RETENTION_S, prefix=prefix)
+        ledger = RedisLedger(redis, RETENTION_S, prefix=prefix, poison=Counted().poison)
         old = SEP.join(["r-old", "bob", str(round((now - 2) * 1000)), "1000", PARTIAL, "leak", "m"])
         await redis.xadd(f"{prefix}ledger:a", {"r": old})
         await ledger.write([Served("r-new", "bob", "m", "a", now - 1, now, PARTIAL, "leak", 0)])
         found, _ = await ledger.served("a", now - 5, now + 1, 10)
         await redis.delete(f"{prefix}ledger:a")
     assert [(s.request_id, s.suspect_chars) for s in found] == [("r-old", None), ("r-new", 0)]
+
+
+async def test_a_ledger_entry_that_cannot_be_read_is_deleted_and_counted_and_the_entries_beside_it_are_read(
+    redis_url: str, prefix: str
+) -> None:
+    # The Redis twin alone: the others hold only the records they were given.
+    now, counted, key = time.time(), Counted(), f"{prefix}ledger:a"
+    unreadable = [{"r": b"\xff\xfe"}, {"r": "too few fields"}, {"x": "no record"}, {"r": SEP.join(["r-x"] * 7)}]
+    async with Redis.from_url(redis_url) as redis:
+        ledger = RedisLedger(redis, RETENTION_S, prefix=prefix, poison=counted.poison)
+        await ledger.write([Served("r-1", "bob", "m", "a", now - 2, now - 1, DELIVERED, "")])
+        for fields in unreadable:
+            await redis.xadd(key, fields)
+        await ledger.write([Served("r-2", "bob", "m", "a", now - 1, now, DELIVERED, "")])
+        found, _ = await ledger.served("a", now - 5, now + 1, 10)
+        again, _ = await ledger.served("a", now - 5, now + 1, 10)
+        left = await redis.xlen(key)
+        await redis.delete(key)
+    assert [s.request_id for s in found] == [s.request_id for s in again] == ["r-1", "r-2"]
+    assert left == 2 and counted.dropped("ledger") == 4, "deleted once read: the next read meets none of them"
 
 
 async def test_the_last_clean_probe_before_a_time(ledger: Ledger) -> None:
@@ -333,7 +357,7 @@ async def test_redis_ledger_entries_are_small(redis_url: str, prefix: str) -> No
     """What 14 days at 100 req/s would cost is measured by tests/bench/bench_ledger.py; this keeps the encoding from
     growing unnoticed: a record's share of its stream stays under 200 bytes."""
     async with Redis.from_url(redis_url) as redis:
-        ledger = RedisLedger(redis, RETENTION_S, prefix=prefix)
+        ledger = RedisLedger(redis, RETENTION_S, prefix=prefix, poison=Counted().poison)
         now = time.time()
         batch = [Served(f"{i:032x}", f"tenant-{i % 7}", "llama", "a", now - 1, now, DELIVERED, "") for i in range(2000)]
         await ledger.write(batch)
@@ -387,12 +411,12 @@ async def stores(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[S
             settings = Settings.model_validate(
                 {"isolation": {"ledger": {"retention_s": RETENTION_S}}, "redis_key_prefix": prefix}
             )
-            yield build_stores(settings, redis, None)
+            yield build_stores(settings, redis, None, poison=Counted().poison)
             return
         async with postgres_schema() as (pool, schema):
             ledger = {"retention_s": RETENTION_S, "postgres_url": "postgresql://suite", "postgres_schema": schema}
             settings = Settings.model_validate({"isolation": {"ledger": ledger}, "redis_key_prefix": prefix})
-            yield build_stores(settings, redis, pool)
+            yield build_stores(settings, redis, pool, poison=Counted().poison)
 
 
 @pytest.fixture

@@ -25,7 +25,9 @@ from gateway.tenancy.tenants import hash_key
 from isolation.events import IsolationEvent, RedisEventLog
 from isolation.fingerprints import Prompt, RedisFingerprintFeed
 from isolation.markers import Owner, RedisMarkerStore
+from isolation.redis_keys import RedisClient
 from isolation.redis_text import text
+from tests.poisoned import Counted
 from tests.redis_server import own_redis
 
 # Every name the gateway and its queue workers use with the default prefix (as they were before it was a setting,
@@ -79,7 +81,7 @@ def test_empty_long_spaced_or_odd_prefixes_are_refused(prefix: str) -> None:
 def test_a_bad_prefix_in_the_file_names_the_file_and_the_setting(tmp_path: Path) -> None:
     config = tmp_path / "b.yaml"
     config.write_text("redis_key_prefix: 'two words:'\n")
-    with pytest.raises(SettingsError, match=r"b\.yaml: redis_key_prefix: 'two words:': 1 to 64 characters"):
+    with pytest.raises(SettingsError, match=r"b\.yaml, line 1: redis_key_prefix: 'two words:': 1 to 64 characters"):
         load_settings(config)
 
 
@@ -93,20 +95,21 @@ def test_an_unquoted_prefix_ending_in_a_colon_in_the_environment_says_to_quote_i
 # --- The names built from it --------------------------------------------------------------------------------------
 
 
-async def write_through_every_store(redis: Redis, prefix: str) -> tuple[RedisJobQueue, RedisDirectoryStore]:
+async def write_through_every_store(redis: RedisClient, prefix: str) -> tuple[RedisJobQueue, RedisDirectoryStore]:
     """One write through each Redis store the gateway and its workers use, all under `prefix`."""
+    poison = Counted().poison
     await RedisBuckets(redis, prefix=prefix).take("acme", Quota(60, 1000), 10)
-    queue = RedisJobQueue(redis, 60, reclaim_after_s=30, prefix=prefix)
+    queue = RedisJobQueue(redis, 60, reclaim_after_s=30, prefix=prefix, poison=poison)
     await queue.enqueue(Job("job-1", "acme", "chat", [{"messages": []}]), 100)
-    store = RedisStore(redis, prefix=prefix)
+    store = RedisStore(redis, prefix=prefix, poison=poison)
     await store.set_admin_state("r1", "quarantined")
     await store.report_failure("r1")
     await RedisEventLog(redis, 100, prefix=prefix).append(IsolationEvent("leak", "req-1", "acme", "m", "r1", "x"))
     await RedisAuditLog(redis, 100, prefix=prefix).append(AuditEvent("admin-1", "tenant.create", "acme"))
     await RedisMarkerStore(redis, prefix=prefix).publish(7, {0xC0DE: Owner("acme", 7, "k1")}, ttl_s=60)
-    feed = RedisFingerprintFeed(redis, "instance-1", 60, prefix=prefix)
+    feed = RedisFingerprintFeed(redis, "instance-1", 60, prefix=prefix, poison=poison)
     await feed.publish(Prompt("acme", "r1", time.time(), np.array([1, 2], dtype=np.uint64)))
-    directory = RedisDirectoryStore(redis, prefix=prefix)
+    directory = RedisDirectoryStore(redis, prefix=prefix, poison=poison)
     assert await directory.add_tenant(Tenant.model_validate({"id": "acme", "created_at": 1.0, "updated_at": 1.0}))
     key = ApiKey("key-1", "acme", hash_key("bk-acme"), None, 2.0)
     assert await directory.add_key(key)

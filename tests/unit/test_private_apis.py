@@ -1,8 +1,8 @@
-"""The uvicorn and Starlette internals the gateway builds on, named so that an upgrade that drops one fails here with
-what to re-check, not as an AttributeError on the first request.
+"""The uvicorn, Starlette and redis-py internals the gateway builds on, named so that an upgrade that drops one fails
+here with what to re-check, not as an AttributeError on the first request.
 
-pyproject.toml bounds both packages above by the newest release checked; raise a bound only after this passes on the
-new release and the code that uses each name has been read against it.
+pyproject.toml bounds the three packages above by the newest release checked; raise a bound only after this passes on
+the new release and the code that uses each name has been read against it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import importlib
 import inspect
 
 import pytest
+import redis
 import starlette
 import uvicorn
 
@@ -32,12 +33,15 @@ PRIVATE = [
     ("starlette.responses", "StreamingResponse.listen_for_disconnect", "RelayResponse watches the client"),
     ("starlette.responses", "StreamingResponse.stream_response", "RelayResponse renders its own events"),
     ("starlette.responses", "Response.init_headers", "RelayResponse sets its headers without Starlette's init"),
+    ("redis.asyncio.cluster", "PipelineCommand", "isolation/replication.py: a write and its WAIT on one connection"),
+    ("redis.asyncio.cluster", "ClusterNode.execute_pipeline", "isolation/replication.py: ... of the key's primary"),
+    ("redis.asyncio.cluster", "NodesManager.get_node_from_slot", "isolation/replication.py: which primary that is"),
 ]
 
 
 @pytest.mark.parametrize(("module", "path", "why"), PRIVATE, ids=[f"{m}.{p}" for m, p, _ in PRIVATE])
 def test_an_internal_the_gateway_uses_is_still_there(module: str, path: str, why: str) -> None:
-    versions = f"uvicorn {uvicorn.__version__}, starlette {starlette.__version__}"
+    versions = f"uvicorn {uvicorn.__version__}, starlette {starlette.__version__}, redis {redis.__version__}"
     target: object = importlib.import_module(module)
     for name in path.split("."):
         assert hasattr(target, name), f"{module}.{path} is gone in {versions}: {why}; re-check that code"

@@ -18,13 +18,17 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from gateway.api.conversations import ConversationStore, MemoryConversationStore, RedisConversationStore, Turn
 from gateway.jobs.queue import Claimed, Job, JobQueue, JobStatus, MemoryJobQueue, QueueFull, RedisJobQueue
 from gateway.store import MemoryStore, RedisStore, Store
 from gateway.tenancy.ratelimit import Buckets, MemoryBuckets, Quota, RedisBuckets, Verdict
 from isolation.events import EventLog, IsolationEvent, MemoryEventLog, RedisEventLog
+from isolation.redis_keys import RedisClient
 from isolation.redis_text import text
+from tests.poisoned import Counted
+from tests.redis_cluster import CLUSTER, cluster_url, has_tag
 from tests.redis_server import redis_server
 
 TWINS = ["memory", "redis"]
@@ -47,23 +51,34 @@ def prefix() -> str:
 
 
 @asynccontextmanager
-async def redis_for(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Redis | None]:
+async def redis_for(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[RedisClient | None]:
     """None for the memory twin; for the Redis twin a client, and afterwards everything named with `prefix` (the
-    twin's key prefix) is deleted (never the whole database: other runs of this suite may be using it right now)."""
+    twin's key prefix) is deleted (never the whole database: other runs of this suite may be using it right now).
+    The twin on a Redis Cluster (`CLUSTER`: tests/cluster/ runs the twins' tests with it) must also have named every
+    key it wrote with a hash tag."""
     if request.param == "memory":
         yield None
         return
-    async with Redis.from_url(request.getfixturevalue("redis_url")) as redis:
+    redis: RedisClient
+    if request.param == CLUSTER:
+        redis = RedisCluster.from_url(cluster_url())
+    else:
+        redis = Redis.from_url(request.getfixturevalue("redis_url"))
+    async with redis:
         try:
             yield redis
         finally:
-            await forget(redis, prefix)
+            keys = await forget(redis, prefix)
+    if request.param == CLUSTER:
+        assert all(has_tag(key) for key in keys), f"names without a hash tag: {[k for k in keys if not has_tag(k)]}"
 
 
-async def forget(redis: Redis, prefix: str) -> None:
+async def forget(redis: RedisClient, prefix: str) -> list[bytes]:
+    """Delete what is named with `prefix`; returns the names."""
     keys = [key async for key in redis.scan_iter(match=f"{prefix}*")]
     if keys:
         await redis.delete(*keys)
+    return keys
 
 
 # --- Rate-limit buckets -------------------------------------------------------------------------------------------
@@ -230,7 +245,7 @@ async def make_queue(request: pytest.FixtureRequest, prefix: str) -> AsyncIterat
         if redis is None:
             yield MemoryJobQueue
         else:
-            yield lambda ttl: RedisJobQueue(redis, ttl, reclaim_after_s=30, prefix=prefix)
+            yield lambda ttl: RedisJobQueue(redis, ttl, reclaim_after_s=30, prefix=prefix, poison=Counted().poison)
 
 
 def seen(status: JobStatus | None) -> tuple[str, int, dict[int, Any]] | None:
@@ -614,7 +629,7 @@ def test_event_fields_round_trip() -> None:
 @pytest.fixture(params=TWINS)
 async def store(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Store]:
     async with redis_for(request, prefix) as redis:
-        yield MemoryStore() if redis is None else RedisStore(redis, prefix=prefix)
+        yield MemoryStore() if redis is None else RedisStore(redis, prefix=prefix, poison=Counted().poison)
 
 
 def mine(states: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 import standardwebhooks
+from redis.asyncio import Redis
 
 from gateway.metrics import GatewayMetrics
 from gateway.settings import WebhookSettings
 from gateway.webhooks import Deliveries, MemoryOutbox, Message, Outbox, RedisOutbox, Target, whsec
-from tests.unit.test_twins import TWINS, prefix, redis_for, redis_url
+from tests.poisoned import Counted
+from tests.unit.test_twins import TWINS, forget, prefix, redis_for, redis_url
 
 __all__ = ["prefix", "redis_url"]  # fixtures, used by name
 
@@ -28,7 +30,7 @@ LEASE_S = 40.0
 @pytest.fixture(params=TWINS)
 async def outbox(request: pytest.FixtureRequest, prefix: str) -> AsyncIterator[Outbox]:
     async with redis_for(request, prefix) as redis:
-        yield MemoryOutbox() if redis is None else RedisOutbox(redis, prefix=prefix)
+        yield MemoryOutbox() if redis is None else RedisOutbox(redis, prefix=prefix, poison=Counted().poison)
 
 
 @dataclass
@@ -215,6 +217,21 @@ async def test_a_target_holds_at_most_max_pending_its_oldest_dropped(world: Worl
     assert [m.id for m in claimed] == [other, *sent[2:]], "another target's message is not its to drop"
 
 
+async def test_what_a_target_holds_is_listed_with_its_state_until_delivered(world: World) -> None:
+    world.receiver.statuses = [500, 204]
+    first = await world.deliveries.send("tenant:a", "test.held", {"n": 1})
+    world.now += 0.001
+    second = await world.deliveries.send("tenant:a", "test.held", {"n": 2})
+    world.now += 0.001
+    await world.deliveries.send("operator", "test.other", {})
+    assert [m.id for m in await world.outbox.held_for("tenant:a", 10)] == [first, second]
+    assert [m.id for m in await world.outbox.held_for("tenant:a", 1)] == [first]
+    await world.due()  # the first attempt fails, the second is delivered
+    [held] = await world.outbox.held_for("tenant:a", 10)
+    assert (held.attempts, held.last_error) == (1, "HTTP 500")
+    assert await world.outbox.held_for("tenant:b", 10) == []
+
+
 async def test_a_message_whose_target_is_gone_is_dropped(world: World) -> None:
     sent = await world.deliveries.send("tenant:a", "test.gone", {})
     del world.targets["tenant:a"]
@@ -229,3 +246,37 @@ async def test_a_target_is_a_name_never_a_url(world: World) -> None:
         with pytest.raises(ValueError):
             await world.deliveries.send(bad, "test.bad", {})
     assert await world.outbox.counts() == (0, 0)
+
+
+async def test_what_is_stored_as_a_message_and_is_none_is_dropped_and_the_messages_read_with_it_are_not(
+    redis_url: str, prefix: str
+) -> None:
+    # The Redis twin alone: the memory twin holds only the messages it was given.
+    counted, now = Counted(), time.time()
+    names = ("messages", "due", "dead", "target:operator")
+    messages, due, dead, target = (f"{prefix}webhooks:{name}" for name in names)
+    good = [Message(f"msg_good_{n}", "operator", "test", b"{}", now, now + n) for n in (0, 2)]
+    poison = {"msg_bad_json": b"notjson", "msg_bad_shape": b'{"id": "msg_bad_shape"}', "msg_bad_utf8": b"\xff"}
+    async with Redis.from_url(redis_url) as redis:
+        try:
+            outbox = RedisOutbox(redis, prefix=prefix, poison=counted.poison)
+            for message in good:
+                await outbox.add(message, 10)
+            # Due between the good ones: one claim takes all five.
+            await redis.hset(messages, mapping=poison)
+            await redis.zadd(due, dict.fromkeys(poison, now + 1))
+            claimed = await outbox.claim(now + 5, LEASE_S, 10)
+            assert [m.id for m in claimed] == [m.id for m in good]
+            assert counted.dropped("webhook_outbox") == 3
+            assert await redis.hlen(messages) == 2 and await redis.zcard(due) == 2
+            # A dead letter that is none, when operators list them; one past its target's bound, when it is dropped.
+            await redis.hset(messages, mapping={"msg_dead": b"[]", "msg_oldest": b"[]"})
+            await redis.zadd(dead, {"msg_dead": now})
+            await redis.zadd(target, {"msg_oldest": now - 10})
+            assert await outbox.dead_letters(10) == []
+            newest = Message("msg_newest", "operator", "test", b"{}", now + 3, now + 3)
+            assert await outbox.add(newest, 3) == []
+            assert counted.dropped("webhook_outbox") == 5
+            assert sorted(map(bytes, await redis.hkeys(messages))) == [b"msg_good_0", b"msg_good_2", b"msg_newest"]
+        finally:
+            await forget(redis, prefix)
