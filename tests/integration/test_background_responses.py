@@ -99,7 +99,7 @@ def test_a_pending_background_response_is_cancelled_for_good_and_continues_nothi
             client.responses.create(model=MODEL, input="Three", previous_response_id=waiting.id)
         assert client.responses.cancel(waiting.id).status == "cancelled"
         assert client.responses.cancel(running.id).status == "cancelled"
-        time.sleep(2.0)  # the running one's engine answers meanwhile; a worker asks before running the other
+        time.sleep(2.0)  # its worker stops the running one meanwhile; a worker asks before running the other
         assert client.responses.retrieve(running.id).status == "cancelled", "no worker stores over a cancellation"
         assert client.responses.retrieve(waiting.id).status == "cancelled"
         with pytest.raises(openai.BadRequestError, match="is cancelled"):
@@ -158,6 +158,29 @@ def test_cancelling_a_running_background_response_stops_its_engine_and_charges_w
         # The worker is free: the next one runs to its end.
         next_one = client.responses.create(model=MODEL, input="Hi", background=True, max_output_tokens=4)
         assert until_finished(client, next_one.id).status == "incomplete"
+
+
+def test_one_stopped_before_the_engine_said_anything_is_charged_its_prompt_alone(
+    make_gateway: Any, make_sim: Any
+) -> None:
+    sim = make_sim(ttft_ms=3000)  # the engine reads the prompt for 3 s
+    limits = {"tokens_per_minute": TOKENS_PER_MINUTE}
+    gateway_url = make_gateway(
+        {"sim": sim}, tenants=[{"id": "alice", "key_hashes": [hash_key(ALICE_KEY)], "limits": limits}]
+    )
+    with sdk(gateway_url) as client:
+        story = client.responses.create(model=MODEL, input="A long story.", background=True, max_output_tokens=400)
+        until(lambda: scraped(sim, "vllm:num_requests_running") == 1)
+        assert client.responses.cancel(story.id).status == "cancelled"
+        until(lambda: scraped(sim, "vllm:request_success_total", finished_reason="abort") == 1)
+    assert scraped(gateway_url, "bulkhead_tokens_total", kind="completion") == 0
+    after = httpx.post(
+        f"{gateway_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+        headers=auth(),
+    )
+    # Its prompt (some 30 tokens with the gateway's marker) and this one's, not the 400 reserved for its answer.
+    assert int(after.headers["x-ratelimit-remaining-tokens"]) > TOKENS_PER_MINUTE - 100
 
 
 def test_a_background_response_is_streamed_and_resumed_after_any_event_from_any_instance(
