@@ -401,6 +401,13 @@ class GatewayMetrics:
             registry=self.registry,
             multiprocess_mode="livemax",
         )
+        self.fingerprint_bytes = Gauge(
+            "bulkhead_fingerprint_index_bytes",
+            "Bytes the indexes of the replicas this instance routes to hold (coverage: kv_cache; each bounded by "
+            "kv_multiple times its replica's KV capacity).",
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
         self.canary_markers = Gauge(
             "bulkhead_canary_markers",
             "Canary markers this instance recognises (tenants × live epochs × keys).",

@@ -449,8 +449,28 @@ class FingerprintSettings(_Section):
     min_fragment_tokens: int = Field(
         default=32, ge=4, le=512, description="a shared fragment of this many words or more is always found"
     )
-    ttl_s: float = Field(default=1800.0, gt=0, description="how long a prompt's fingerprints are kept")
-    max_entries: int = Field(default=5_000_000, ge=1000, description="fingerprints kept per instance (~100 B each)")
+    coverage: Literal["time", "kv_cache"] = Field(
+        default="time",
+        description="time: one index of every instance's prompts for ttl_s, max_entries at most; kv_cache: an index "
+        "per replica holding the prompts last sent to it, kv_multiple times its KV capacity in words, and an instance "
+        "holds only the replicas it routes to (the platform's scale: docs/fingerprints.md)",
+    )
+    ttl_s: float = Field(default=1800.0, gt=0, description="coverage time: how long a prompt's fingerprints are kept")
+    max_entries: int = Field(
+        default=5_000_000, ge=1000, description="coverage time: fingerprints kept per instance (~100 B each)"
+    )
+    kv_multiple: float = Field(
+        default=2.0,
+        ge=1.0,
+        description="coverage kv_cache: a replica's index holds this many times its KV capacity in words of the "
+        "prompts last sent to it (a word is at least a token)",
+    )
+    kv_tokens_default: int = Field(
+        default=1_048_576,
+        ge=1024,
+        description="coverage kv_cache: the KV capacity in tokens taken for a replica whose engine has not said "
+        "(a disaggregated backend counts its stages')",
+    )
     inline_chars: int = Field(
         default=65_536, ge=0, description="prompts up to this size are fingerprinted on the event loop"
     )

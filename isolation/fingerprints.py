@@ -14,6 +14,10 @@ however many there are. About 100 bytes per fingerprint in the index.
 Public texts (`isolation.fingerprints.public_texts`, as a plagiarism detector's base files) are fingerprinted once
 at start: their fingerprints are never evidence, whoever sends them — licences, a language's standard library, the
 boilerplate a model writes by itself.
+
+That is `coverage: time`, the embedded default. With `coverage: kv_cache` each replica has an index of its own,
+bounded by its KV capacity (replica_index.py), and each replica a stream: an instance holds and follows only the
+replicas it routes to. `PromptIndex` is what both indexes offer.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import errno
 import hashlib
 import heapq
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -31,14 +34,11 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from redis.exceptions import RedisError
 
-from isolation.poison import Poison
-from isolation.redis_keys import RedisClient, tag
-from isolation.redis_text import text
 from isolation.winnowing import NO_GRAMS, AnswerGrams, Fingerprints, Hasher, winnow
 
 log = logging.getLogger("bulkhead.isolation")
@@ -59,9 +59,46 @@ class Prompt:
     # Other tenants' fingerprints this prompt holds too (among all its grams, kept or not): text they share,
     # whatever winnowing kept on either side.
     shared: Fingerprints = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+    words: int = 0  # how many words its texts hold (what its fingerprints stand for, in an index keyed to KV capacity)
+
+
+Where = TypeVar("Where")
+
+
+class PromptIndex(Protocol[Where]):
+    """Whose recent prompt a fingerprint is, on which replica: FingerprintIndex (one index of every prompt, kept for a
+    time) or replica_index.ReplicaIndexes (an index per replica, bounded by its KV capacity)."""
+
+    by_replica: bool  # whether it is told every prompt, fingerprints or none (a replica's prompts are numbered)
+    public: frozenset[int]
+
+    def __len__(self) -> int: ...
+
+    def add(self, prompt: Prompt) -> None: ...
+
+    def shared(self, grams: Fingerprints, tenant: str, replica: str | None) -> Fingerprints | None:
+        """Those of a prompt's grams (sorted) that another tenant's prompt holds: text they share; None when that
+        cannot be known before the replica is (an index by replica)."""
+        ...
+
+    def where(self, replica: str, anywhere: bool = False) -> Where:
+        """What `victim` takes to look on that replica (`anywhere`: on any replica, where the index can tell)."""
+        ...
+
+    def victim(self, fingerprint: int, where: Where, recipient: str, now: float) -> str | None: ...
+
+    def sent(self, tenant: str, replica: str) -> bool: ...
+
+    def prompts(self, replica: str) -> int:
+        """How many of the replica's latest prompts it holds (by time: not counted, 0)."""
+        ...
+
+    def sweep(self, now: float) -> int: ...
 
 
 class FingerprintIndex:
+    by_replica = False
+
     def __init__(self, ttl_s: float, max_entries: int, public: frozenset[int] = frozenset()) -> None:
         self.ttl_s = ttl_s
         self._max = max_entries
@@ -121,17 +158,27 @@ class FingerprintIndex:
         if len(entries) > self._max:
             self._evict()
 
+    def where(self, replica: str, anywhere: bool = False) -> int:
+        """The replica's bit, or every bit."""
+        return -1 if anywhere else self.replica_bit(replica)
+
+    def shared(self, grams: Fingerprints, tenant: str, replica: str | None) -> Fingerprints:
+        return self.others(grams, tenant)
+
+    def prompts(self, replica: str) -> int:
+        return 0
+
     def others(self, grams: Fingerprints, tenant: str) -> Fingerprints:
         """Those of these grams that are fingerprints of another tenant's prompt."""
         entries, mine = self._entries, self._tenant_ids.get(tenant)
         found = [g for g in grams.tolist() if (entry := entries.get(g)) is not None and entry & _LOW != mine]
         return np.array(found, dtype=np.uint64)
 
-    def victim(self, fingerprint: int, replica_bit: int, recipient: str, now: float) -> str | None:
+    def victim(self, fingerprint: int, where: int, recipient: str, now: float) -> str | None:
         """The tenant whose prompt this fingerprint is, when it counts against `recipient` on that replica
-        (`replica_bit`: this index's bit for it)."""
+        (`where`: this index's bit for it)."""
         entry = self._entries.get(fingerprint)
-        if entry is None or (entry >> 32) & _LOW < now or not entry & replica_bit:
+        if entry is None or (entry >> 32) & _LOW < now or not entry & where:
             return None
         owner = entry & _LOW
         if owner == SHARED or fingerprint in self.public:
@@ -218,124 +265,22 @@ def public_fingerprints(hasher: Hasher, paths: Sequence[Path]) -> tuple[frozense
     return frozenset(found), files
 
 
-def stream_position(entry_id: str) -> tuple[int, int]:
-    """A Redis stream entry id as a pair that orders like the stream ("1700000000000-3" → (1700000000000, 3))."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
+@dataclass(frozen=True)
+class Mark:
+    """Where a request's entry stands in the feed: its stream, and its id there."""
+
+    stream: str
+    entry: str
 
 
-class RedisFingerprintFeed:
-    """The stream that carries every instance's prompt fingerprints to the others, trimmed to the last ttl_s.
+class Feed(Protocol):
+    """What carries prompts between instances (fingerprint_feed.RedisFingerprintFeed)."""
 
-    Every forwarded request writes an entry before its first byte goes to an engine (one with no fingerprints when
-    its prompt holds no gram): the entry's id is its mark. Entries are ids in the order Redis took them, so once
-    this instance has read the stream up to a request's mark, it knows every prompt that any instance published
-    before that request went out, and only then is the request's answer checked (`reached`).
-    """
+    by_replica: bool
 
-    def __init__(self, redis: RedisClient, instance: str, ttl_s: float, *, prefix: str, poison: Poison) -> None:
-        self._redis = redis
-        self._poison = poison
-        self._instance = instance
-        self._ttl_ms = int(ttl_s * 1000)
-        self._key = f"{prefix}{tag(redis, 'fingerprints')}"
-        self._read_to = (0, 0)  # where `follow` has read the stream to
-        self._moved = asyncio.Event()  # set (and replaced) each time it reads further
+    async def publish(self, prompt: Prompt, keep: int = 0) -> Mark: ...
 
-    async def publish(self, prompt: Prompt) -> str:
-        """Add a prompt's entry; returns its id (the request's mark)."""
-        oldest = int(prompt.at * 1000) - self._ttl_ms
-        fields = {
-            "i": self._instance,
-            "t": prompt.tenant,
-            "r": prompt.replica,
-            "a": repr(prompt.at),
-            "f": prompt.fingerprints.astype("<u8").tobytes(),
-            "s": prompt.shared.astype("<u8").tobytes(),
-        }
-        entry_id = await self._redis.xadd(self._key, fields, minid=oldest, approximate=True)  # type: ignore[arg-type]
-        return text(entry_id)
-
-    async def reached(self, mark: str, timeout_s: float) -> bool:
-        """Whether this instance has read the stream up to `mark` (waiting for it up to timeout_s)."""
-        wanted = stream_position(mark)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self._read_to < wanted:
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._moved.wait(), left)
-            except TimeoutError:
-                return False
-        return True
-
-    async def catch_up(self, index: FingerprintIndex) -> str:
-        """Add what every other instance published in the last ttl_s; returns where the stream was read to."""
-        last = start = f"{int(time.time() * 1000) - self._ttl_ms}-0"
-        while True:
-            entries: Any = await self._redis.xrange(self._key, min=start, count=1000)
-            if not entries:
-                return last
-            for entry_id, fields in entries:
-                last = text(entry_id)
-                self._ingest(index, last, fields)
-            start = f"({last}"  # exclusive: the next page after the last entry read
-
-    async def follow(self, index: FingerprintIndex, last: str) -> None:
-        """Add every other instance's prompts to the index as they come, from `last` on (or from where an earlier
-        follow read to, when that is further: a follow started again after a crash), until cancelled."""
-        if self._read_to > stream_position(last):
-            last = f"{self._read_to[0]}-{self._read_to[1]}"
-        task = asyncio.current_task()
-        while True:
-            # redis-py can swallow the cancellation of a blocked read (answering nothing, or a connection error): the
-            # cancel was this task's all the same, and a loop that went on past it kept the event loop from closing.
-            if task is not None and task.cancelling():
-                raise asyncio.CancelledError
-            try:
-                answer: Any = await self._redis.xread({self._key: last}, count=500, block=1000)
-            except (RedisError, OSError) as exc:
-                log.warning("fingerprints from other instances not read: %s", type(exc).__name__)
-                await asyncio.sleep(1.0)
-                continue
-            # RESP2 answers a list of [stream, entries] pairs, RESP3 a mapping: take the entries either way.
-            per_stream = answer.values() if isinstance(answer, dict) else [pair[1] for pair in answer or []]
-            for entries in per_stream:
-                for entry_id, fields in entries:
-                    last = text(entry_id)
-                    self._ingest(index, last, fields)
-            if stream_position(last) > self._read_to:
-                self._read_to = stream_position(last)
-                moved, self._moved = self._moved, asyncio.Event()
-                moved.set()
-
-    def _ingest(self, index: FingerprintIndex, entry: str, fields: dict[bytes, bytes]) -> None:
-        if fields.get(b"i") == self._instance.encode():
-            return  # this instance added its own directly
-        try:
-            prompt = _decoded(fields)
-        except (KeyError, ValueError) as exc:
-            # Passed over, not deleted: a follower reads each entry once, and the feed forgets it after ttl_s.
-            self._poison.dropped("fingerprint_feed", self._key, entry, exc)
-            return
-        if len(prompt.fingerprints):
-            index.add(prompt)
-
-
-def _decoded(fields: dict[bytes, bytes]) -> Prompt:
-    """A feed entry's prompt; KeyError or ValueError for poison (what the index would fail on: a time that is none)."""
-    at = float(fields[b"a"])
-    if not math.isfinite(at):
-        raise ValueError("a prompt's time is a finite number")
-    return Prompt(
-        text(fields[b"t"]),
-        text(fields[b"r"]),
-        at,
-        np.frombuffer(fields[b"f"], dtype="<u8").astype(np.uint64),
-        np.frombuffer(fields.get(b"s", b""), dtype="<u8").astype(np.uint64),
-    )
+    async def reached(self, mark: Mark, timeout_s: float) -> bool: ...
 
 
 CACHED_TEXTS = 10_000  # texts whose fingerprints are kept: a conversation resends its history every turn
@@ -352,7 +297,9 @@ class Prepared:
 
     tenant: str
     fingerprints: Fingerprints
-    shared: Fingerprints  # other tenants' fingerprints it holds too (among all its grams): text they share
+    # Other tenants' fingerprints it holds too (among all its grams): text they share; None until the replica is
+    # known (an index by replica: only that replica's prompts count).
+    shared: Fingerprints | None
     grams: Fingerprints  # every gram of it, sorted: none counts in its own answer (AnswerCheck.own)
 
 
@@ -363,8 +310,8 @@ class Fingerprinter:
     def __init__(
         self,
         hasher: Hasher,
-        index: FingerprintIndex,
-        feed: RedisFingerprintFeed | None,
+        index: PromptIndex[Any],
+        feed: Feed | None,
         executor: Executor,
         inline_chars: int,
         feed_wait_s: float = 2.0,
@@ -391,25 +338,30 @@ class Fingerprinter:
         work = self._prepare if decode is None else lambda t, x: self._prepare(t, [*x, decode()])
         return asyncio.get_running_loop().run_in_executor(self._executor, work, tenant, texts)
 
-    async def register(self, prepared: Prepared, replica: str) -> str | None:
+    async def register(self, prepared: Prepared, replica: str) -> Mark | None:
         """Put a prepared prompt in this instance's index for `replica` and (with Redis) publish it; returns its
         mark in the feed, or None without one (no Redis, or Redis unreachable: then only this instance knows it)."""
-        prompt = Prompt(prepared.tenant, replica, time.time(), prepared.fingerprints, prepared.shared)
-        if len(prompt.fingerprints):
-            self.index.add(prompt)
+        index, tenant = self.index, prepared.tenant
+        shared = prepared.shared
+        if shared is None:
+            shared = index.shared(prepared.grams, tenant, replica)
+            assert shared is not None
+        prompt = Prompt(tenant, replica, time.time(), prepared.fingerprints, shared, len(prepared.grams))
+        if len(prompt.fingerprints) or index.by_replica:  # by replica, every prompt is numbered, as its entry is
+            index.add(prompt)
         if self.feed is None:
             return None
         try:
-            return await self.feed.publish(prompt)
+            return await self.feed.publish(prompt, index.prompts(replica))
         except (RedisError, OSError) as exc:
             log.warning("prompt fingerprints not shared with other instances: %s", type(exc).__name__)
             return None
 
-    async def caught_up(self, mark: str | None) -> bool:
+    async def caught_up(self, mark: Mark | None) -> bool:
         """Whether every prompt published before `mark` is in this instance's index (waiting up to feed_wait_s)."""
         return mark is None or self.feed is None or await self.feed.reached(mark, self.feed_wait_s)
 
-    async def add(self, tenant: str, replica: str, texts: Sequence[str]) -> str | None:
+    async def add(self, tenant: str, replica: str, texts: Sequence[str]) -> Mark | None:
         """Prepare and register in one step (for what is not a forwarded request: benchmarks, tools)."""
         prepared = self.prepare(tenant, texts)
         if isinstance(prepared, asyncio.Future):
@@ -424,7 +376,7 @@ class Fingerprinter:
             # arrays cost ~15 µs a request.
             return Prepared(tenant, NO_GRAMS, NO_GRAMS, NO_GRAMS)
         grams = np.unique(np.concatenate(every))
-        return Prepared(tenant, np.unique(np.concatenate(kept)), self.index.others(grams, tenant), grams)
+        return Prepared(tenant, np.unique(np.concatenate(kept)), self.index.shared(grams, tenant, None), grams)
 
     def _fingerprints(self, text: str) -> tuple[Fingerprints, Fingerprints]:
         """(the kept fingerprints, every gram) of one text."""
@@ -464,22 +416,23 @@ class AnswerCheck:
     quote the recipient's own text, and winnowing may have kept that gram on the other tenant's side only.
     """
 
-    index: FingerprintIndex
+    index: PromptIndex[Any]
     hasher: Hasher
-    replica: str
+    replica: str  # the replica that answered (for a judge's check: the one whose answer is judged)
     recipient: str
     # Every gram of the recipient's prompt, sorted (Prepared.grams, made during admission): hashing the prompt only
     # once an answer's gram matched another tenant's would make that answer the slower, by as much as the recipient
     # chooses to send (a single 12-word hit, timed).
     own: Fingerprints = field(default_factory=lambda: NO_GRAMS)
     clock: Callable[[], float] = time.time
-    only: str | None = None  # a judge's check: this victim's prompts alone, whichever replica they went to
-    _bit: int = field(init=False)
+    # A judge's check: this victim's prompts alone (an index by time: whichever replica they went to).
+    only: str | None = None
+    _where: Any = field(init=False)
     _span: int = field(init=False)  # the most words between a fragment's two grams
     _cleared: set[int] = field(init=False, default_factory=set)  # grams this answer was judged induced to say
 
     def __post_init__(self) -> None:
-        self._bit = -1 if self.only is not None else self.index.replica_bit(self.replica)
+        self._where = self.index.where(self.replica, anywhere=self.only is not None)
         self._span = self.hasher.shape.min_fragment - self.hasher.shape.k
 
     def clear(self, grams: Iterable[int]) -> None:
@@ -536,7 +489,7 @@ class AnswerCheck:
         return any(read - last <= self._span for last in grams.hits.values())
 
     def _victim(self, gram: int, now: float) -> str | None:
-        victim = self.index.victim(gram, self._bit, self.recipient, now)
+        victim = self.index.victim(gram, self._where, self.recipient, now)
         if victim is None or gram in self._cleared or (self.only is not None and victim != self.only):
             return None
         at = int(self.own.searchsorted(np.uint64(gram)))

@@ -68,7 +68,7 @@ from gateway.upstream.proxy import Upstream, UpstreamResponse, parse_json_body
 from gateway.upstream.routing import Router
 from isolation.channels import prune
 from isolation.events import IsolationEvent
-from isolation.fingerprints import AnswerCheck, Fingerprinter, Prepared
+from isolation.fingerprints import AnswerCheck, Fingerprinter, Mark, Prepared
 from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard
 from isolation.inject import completion_prefix, hide_injected, inject_chat, inject_completion
 from isolation.leaks import LeakPolicy
@@ -263,7 +263,7 @@ class InferenceCall:
         self.finished = False
         self._closed = False
         self._injected: int | None = None  # the tokens the gateway injected, once counted
-        self._mark: str | None = None  # the prompt's last entry in the fingerprint feed
+        self._mark: Mark | None = None  # the prompt's last entry in the fingerprint feed
         self.sent: tuple[str, bytes] | None = None  # the path and body forwarded
         self.judges = Judges(pipeline.judging, self)
         self._forwarded_at: float | None = None  # when it was sent (the ledger records only what was)

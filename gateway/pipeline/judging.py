@@ -271,8 +271,10 @@ class Judges:
         fingerprints = self._judging.fingerprints
         assert fingerprints is not None
         call = self._call
+        # The victim's grams in the index of the replica whose answer is judged: those are what the rest of it is
+        # checked against (an index by time looks on every replica).
         check = AnswerCheck(
-            fingerprints.index, fingerprints.hasher, replica.name, call.tenant.incarnation(), call.own_grams(),
+            fingerprints.index, fingerprints.hasher, call.replica.name, call.tenant.incarnation(), call.own_grams(),
             only=suspect.victim,
         )  # fmt: skip
         found = frozenset(check.found(said))

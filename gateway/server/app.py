@@ -8,6 +8,7 @@ import gc
 import hashlib
 import hmac
 import logging
+import math
 import os
 import random
 import secrets
@@ -15,9 +16,10 @@ import socket
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Any
 
 import httpx
 import orjson
@@ -90,11 +92,13 @@ from gateway.upstream.proxy import Upstream, make_client, make_session
 from gateway.upstream.routing import Router
 from gateway.upstream.saturation import LoadMonitor
 from gateway.webhooks import TENANT_PREFIX, Deliveries, Resolver, Target, settings_resolver
-from isolation.fingerprints import Fingerprinter, FingerprintIndex, RedisFingerprintFeed, public_fingerprints
+from isolation.fingerprint_feed import RedisFingerprintFeed
+from isolation.fingerprints import Fingerprinter, FingerprintIndex, PromptIndex, public_fingerprints
 from isolation.inject import system_leads
 from isolation.markers import CanaryKey, MarkerRegistry, ModelMarkers, RedisMarkerStore
 from isolation.poison import Poison
 from isolation.redis_keys import RedisClient, tag
+from isolation.replica_index import ReplicaIndexes
 from isolation.replication import Replication
 from isolation.salts import CacheSalts
 from isolation.spelling import of_tokenizer
@@ -377,8 +381,13 @@ def fingerprint_secret(secret: bytes) -> bytes:
 
 
 def make_fingerprinter(
-    settings: Settings, secret: bytes, feed: RedisFingerprintFeed | None, executor: ThreadPoolExecutor
+    settings: Settings,
+    secret: bytes,
+    feed: RedisFingerprintFeed | None,
+    executor: ThreadPoolExecutor,
+    kv_tokens: Callable[[str], int | None] = lambda replica: None,
 ) -> Fingerprinter | None:
+    """`kv_tokens`: a replica's KV capacity as its engine said (CapacityMonitor.kv_tokens), for `coverage: kv_cache`."""
     config = settings.isolation.fingerprints
     if not config.enabled:
         return None
@@ -394,7 +403,13 @@ def make_fingerprinter(
         log.info(
             "public texts: %d fingerprints from %d files in %.1f s", len(public), files, time.monotonic() - started
         )
-    index = FingerprintIndex(config.ttl_s, config.max_entries, public)
+    index: PromptIndex[Any] = FingerprintIndex(config.ttl_s, config.max_entries, public)
+    if config.coverage == "kv_cache":
+
+        def budget(replica: str) -> int:
+            return math.ceil(config.kv_multiple * (kv_tokens(replica) or config.kv_tokens_default))
+
+        index = ReplicaIndexes(budget, public)
     return Fingerprinter(hasher, index, feed, executor, config.inline_chars, config.feed_wait_s)
 
 
@@ -600,14 +615,17 @@ def create_app(
             # Random too: several apps can run in one process (tests, the demo), and must not skip each other.
             feed_name = f"{instance}-{secrets.token_hex(4)}"
             secret = await fingerprint_key(settings, keys[0], redis) if fingerprinting.enabled else b""
-            fingerprinter = make_fingerprinter(settings, secret, stores.fingerprint_feed(feed_name), executor)
+            # Before the feed is read: an index keyed to KV capacity holds as much as each replica's cache.
+            await capacity.refresh_all(client, timeout)
+            by_replica = fingerprinting.coverage == "kv_cache"
+            feed = stores.fingerprint_feed(feed_name, [b.name for b in settings.backends] if by_replica else None)
+            fingerprinter = make_fingerprinter(settings, secret, feed, executor, capacity.kv_tokens)
             feed_ready = None
-            if fingerprinter is not None and fingerprinter.feed is not None:
+            if fingerprinter is not None and feed is not None:
                 try:
-                    feed_ready = await fingerprinter.feed.catch_up(fingerprinter.index)
+                    feed_ready = await feed.catch_up(fingerprinter.index)
                 except (RedisError, OSError) as exc:
                     log.warning("fingerprints of other instances not read at start: %s", type(exc).__name__)
-            await capacity.refresh_all(client, timeout)
             router = Router(pool, metrics, settings.routing, random.Random())
             load = LoadMonitor(settings.backends, pool, metrics)
 
@@ -814,14 +832,15 @@ def create_app(
             metrics.track(metrics.tasks, lambda: len(asyncio.all_tasks(loop)))
             if fingerprinter is not None:
                 metrics.track(metrics.fingerprints, lambda: len(fingerprinter.index))
+                if isinstance(indexes := fingerprinter.index, ReplicaIndexes):
+                    metrics.track(metrics.fingerprint_bytes, lambda: indexes.nbytes)
                 tasks.keep("fingerprint-sweep", partial(sweep_fingerprints, fingerprinter, metrics))
-            if fingerprinter is not None and fingerprinter.feed is not None:
-                # The other instances' prompts as they come, from where the start read the stream to; when it could
-                # not, from the last ttl_s: answers wait on it.
-                start = feed_ready or f"{int((time.time() - fingerprinter.index.ttl_s) * 1000)}-0"
+            if fingerprinter is not None and feed is not None:
+                # The other instances' prompts as they come, from where the start read the streams to; when it could
+                # not, from the last ttl_s (or each stream's start): answers wait on it.
                 tasks.keep(
                     "fingerprint-follower",
-                    partial(fingerprinter.feed.follow, fingerprinter.index, start),
+                    partial(feed.follow, fingerprinter.index, feed.start(feed_ready)),
                     breaks="answers wait for it and are withheld (fingerprint_feed_lag)",
                 )
             # What start-up built (modules, the tokenizer, settings, tables) lives as long as the process: frozen out

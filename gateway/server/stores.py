@@ -5,6 +5,7 @@ lifespan's pool)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from psycopg_pool import AsyncConnectionPool
@@ -23,7 +24,7 @@ from gateway.tenancy.ratelimit import RedisBuckets
 from gateway.tenancy.webhooks import MemoryRegistrationStore, RedisRegistrationStore, RegistrationStore
 from gateway.webhooks import MemoryOutbox, Outbox, RedisOutbox
 from isolation.events import EventLog, MemoryEventLog, RedisEventLog
-from isolation.fingerprints import RedisFingerprintFeed
+from isolation.fingerprint_feed import RedisFingerprintFeed
 from isolation.markers import RedisMarkerStore
 from isolation.poison import Poison
 from isolation.redis_keys import RedisClient
@@ -50,11 +51,14 @@ class Stores:
     feed_ttl_s: float  # how long a prompt's fingerprints stay in the feed
     poison: Poison  # where readers of shared state account for the entries they cannot decode
 
-    def fingerprint_feed(self, instance: str) -> RedisFingerprintFeed | None:
-        """Every instance's prompts, for the fingerprint index; None: this instance's only."""
+    def fingerprint_feed(self, instance: str, replicas: Sequence[str] | None = None) -> RedisFingerprintFeed | None:
+        """Every instance's prompts, for the fingerprint index (`replicas`: a stream for each of these, the replicas
+        this instance routes to); None: this instance's only."""
         if self.redis is None:
             return None
-        return RedisFingerprintFeed(self.redis, instance, self.feed_ttl_s, prefix=self.prefix, poison=self.poison)
+        return RedisFingerprintFeed(
+            self.redis, instance, self.feed_ttl_s, prefix=self.prefix, poison=self.poison, replicas=replicas
+        )
 
 
 def replication_of(settings: Settings) -> Replication:

@@ -189,6 +189,16 @@ class CapacityMonitor:
         self._refreshing.add(task)
         task.add_done_callback(self._refreshing.discard)
 
+    def kv_tokens(self, backend: str) -> int | None:
+        """All the KV cache a backend's answers can come from (a disaggregated one's: every stage's), as last read;
+        None when no engine of it said."""
+        view = self.backends.get(backend)
+        if view is None:
+            return None
+        held = [view.holds.kv_tokens, *(stage.holds.kv_tokens for stage in view.stages)]
+        known = [tokens for tokens in held if tokens is not None]
+        return sum(known) if known else None
+
     def limit(self, model: ModelSettings) -> PromptLimit | None:
         """The model's limit, None when it is not known (for the prober, which has no tenant and need not refuse)."""
         found = self._model_limit(model)

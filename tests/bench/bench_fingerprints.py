@@ -76,12 +76,12 @@ from gateway.server.app import canary_keys, fingerprint_secret, make_fingerprint
 from gateway.server.stores import build_stores
 from gateway.settings import Settings
 from isolation.channels import prune
+from isolation.fingerprint_feed import RedisFingerprintFeed
 from isolation.fingerprints import (
     AnswerCheck,
     Fingerprinter,
     FingerprintIndex,
     Prompt,
-    RedisFingerprintFeed,
     every_gram,
 )
 from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard
@@ -804,7 +804,9 @@ async def _chunk_cost(live_prompts: int) -> dict[str, Any]:
     with ThreadPoolExecutor(2, "bench-fingerprints") as executor:
         tenants = [f"tenant-{n}" for n in range(10_000)]
         gateway = Gateway.start(tenants, executor)
-    index, ttl = gateway.fingerprinter.index, gateway.fingerprinter.index.ttl_s
+    index = gateway.fingerprinter.index
+    assert isinstance(index, FingerprintIndex)
+    ttl = index.ttl_s
     rng = np.random.default_rng(11)
     now = time.time()
     before, started = resident_bytes(), time.perf_counter()

@@ -63,8 +63,8 @@ async def events(client: httpx.AsyncClient, gateway_url: str) -> list[dict[str, 
 def stale_kv_gateway(make_gateway: Any, make_sim: Any, tokenizer_dir: Path, **overrides: Any) -> tuple[str, str]:
     sim = make_sim(num_gpu_blocks=64, output_tokens=160, fault="stale-kv")
     gateway_url = make_gateway(
-        {"sim": sim}, models=canaries_only(tokenizer_dir, ["sim"]), admin_token=ADMIN, isolation=FINGERPRINTS_ONLY,
-        **overrides,
+        {"sim": sim}, models=canaries_only(tokenizer_dir, ["sim"]), admin_token=ADMIN,
+        **{"isolation": FINGERPRINTS_ONLY, **overrides},
     )  # fmt: skip
     return sim, gateway_url
 
@@ -114,14 +114,19 @@ async def test_a_stale_page_of_a_long_document_is_caught_by_fingerprints_alone(
     assert not [e for e in await events(client, gateway_url) if e["kind"] == "leak"], "no marker was there to see"
 
 
+@pytest.mark.parametrize("coverage", ["time", "kv_cache"])
 async def test_two_gateway_instances_on_one_redis_share_what_they_fingerprint(
-    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path
+    client: httpx.AsyncClient, make_gateway: Any, make_sim: Any, tokenizer_dir: Path, coverage: str
 ) -> None:
+    isolation = {**FINGERPRINTS_ONLY, "fingerprints": {"coverage": coverage}}
     with redis_server() as redis_url:
-        sim, first = stale_kv_gateway(make_gateway, make_sim, tokenizer_dir, redis_url=redis_url)
+        prefix = f"t-{uuid.uuid4().hex[:8]}:"  # a stream of this test's own: the other run's are on the same Redis
+        sim, first = stale_kv_gateway(
+            make_gateway, make_sim, tokenizer_dir, redis_url=redis_url, redis_key_prefix=prefix, isolation=isolation
+        )
         second = make_gateway(
             {"sim": sim}, models=canaries_only(tokenizer_dir, ["sim"]), admin_token=ADMIN,
-            isolation=FINGERPRINTS_ONLY, redis_url=redis_url,
+            isolation=isolation, redis_url=redis_url, redis_key_prefix=prefix,
         )  # fmt: skip
         text = document(3, 250)
         await bob_sends_his_document(client, first, text)

@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
+from isolation.fingerprint_feed import RedisFingerprintFeed
 from isolation.fingerprints import (
     AnswerCheck,
     Fingerprinter,
     FingerprintIndex,
     Prompt,
-    RedisFingerprintFeed,
     every_gram,
     public_fingerprints,
 )

@@ -23,7 +23,8 @@ from gateway.tenancy.directory import ApiKey, KeyUse, RedisDirectoryStore, Tenan
 from gateway.tenancy.ratelimit import Quota, RedisBuckets
 from gateway.tenancy.tenants import hash_key
 from isolation.events import IsolationEvent, RedisEventLog
-from isolation.fingerprints import Prompt, RedisFingerprintFeed
+from isolation.fingerprint_feed import RedisFingerprintFeed
+from isolation.fingerprints import Prompt
 from isolation.markers import Owner, RedisMarkerStore
 from isolation.redis_keys import RedisClient
 from isolation.redis_text import text
