@@ -352,6 +352,12 @@ class ResponsesSettings(_Section):
     max_turns: int = Field(
         default=1_000, ge=1, description="turns of one stored conversation; a request past it gets 400"
     )
+    stream_keepalive_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="a background response's stream sends a comment this often while the response is pending "
+        "(proxies close a stream silent for long)",
+    )
 
 
 class RoutingSettings(_Section):

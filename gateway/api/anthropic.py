@@ -30,14 +30,14 @@ from gateway.api.anthropic_shapes import (
     message_id,
 )
 from gateway.api.intake import Intake
-from gateway.api.openai import cut_short, new_record, relayed_as
+from gateway.api.openai import new_record, relayed_as
 from gateway.errors import GatewayError
 from gateway.incidents.verdicts import VerdictBound
 from gateway.metrics import GatewayMetrics
 from gateway.offload import off_loop
 from gateway.pipeline.counting import Prompt, PromptCounter
 from gateway.pipeline.inference import Pipeline, Route, Submission, check_task, refuse, resolve_model
-from gateway.pipeline.outcome import Answer, Outcome, Stream
+from gateway.pipeline.outcome import Answer, Outcome, Stream, cut_short
 from gateway.pipeline.slot import Slot, Slots
 from gateway.schemas import Body, ChatCompletionRequest, validate
 from gateway.settings import ModelSettings, Settings, TenantSettings

@@ -17,8 +17,9 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.api.bounds import Cap, Shape
-from gateway.api.openai import client_path, hold_call, tokens, unfinished
+from gateway.api.openai import client_path, tokens, unfinished
 from gateway.errors import BackendBadResponse, GatewayError, InvalidRequest
+from gateway.pipeline.outcome import hold_call
 from gateway.schemas import ModelName, OutputTokens, ShortText
 from isolation.conversation import BILLING_HEADER
 

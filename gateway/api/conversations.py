@@ -66,6 +66,12 @@ class Turn:
         }
         return orjson.dumps(envelope), orjson.dumps(items | {"depth": self.depth, "size": self.size, "root": self.root})
 
+    @staticmethod
+    def status_of(envelope: bytes | str) -> str:
+        """The status of the response whose envelope (encode's first record) this is."""
+        status = orjson.loads(envelope).get("status", "completed")
+        return status if isinstance(status, str) else "completed"
+
     @classmethod
     def decode(cls, turn_id: str, parent: str, envelope: bytes | str, items: bytes | str) -> Turn:
         said, held = orjson.loads(envelope), orjson.loads(items)
@@ -104,6 +110,11 @@ class ConversationStore(Protocol):
 
     async def load(self, owner: str, turn_id: str) -> Turn | None:
         """The owner's turn, None when it holds none by that id (expired, deleted, never made, another's)."""
+        ...
+
+    async def status(self, owner: str, turn_id: str) -> str | None:
+        """The status of the owner's turn's response, as `load` would find it, read without its items: what those
+        waiting for a background response to end (its worker, a stream following it) read again and again."""
         ...
 
     async def conversation(self, owner: str, turn_id: str, most: int) -> list[Said] | None:
@@ -168,6 +179,11 @@ class MemoryConversationStore:
         self._sweep(time.time())
         held = self._held(owner, turn_id)
         return None if held is None else Turn.decode(turn_id, held.parent, held.envelope, held.items)
+
+    async def status(self, owner: str, turn_id: str) -> str | None:
+        self._sweep(time.time())
+        held = self._held(owner, turn_id)
+        return None if held is None else Turn.status_of(held.envelope)
 
     async def conversation(self, owner: str, turn_id: str, most: int) -> list[Said] | None:
         said: list[Said] = []
@@ -353,6 +369,10 @@ class RedisConversationStore:
         if envelope is None or items is None or parent is None:
             return None
         return Turn.decode(turn_id, parent.decode() if isinstance(parent, bytes) else parent, envelope, items)
+
+    async def status(self, owner: str, turn_id: str) -> str | None:
+        envelope = await self._redis.get(f"{self._base(owner)}response:{turn_id}")
+        return None if envelope is None else Turn.status_of(envelope)
 
     async def conversation(self, owner: str, turn_id: str, most: int) -> list[Said] | None:
         said = await self._conversation(keys=self._keys(owner)[2:], args=[self._base(owner), turn_id, most])

@@ -111,17 +111,6 @@ def tokens(usage: dict[str, Any], name: str) -> int:
     return value if type(value) is int else 0
 
 
-def hold_call(calls: dict[Any, dict[str, str]], call: dict[str, Any]) -> None:
-    """Add a streamed tool-call delta to the call it continues (by its index): its first id, its name and arguments
-    so far. The other APIs' writers send calls whole at a stream's end: the guard may hold the end of a name or of
-    arguments until the last chunk, after the next call has begun."""
-    held = calls.setdefault(call.get("index"), {"id": "", "name": "", "arguments": ""})
-    function = call.get("function") or {}
-    held["id"] = held["id"] or call.get("id") or ""
-    held["name"] += function.get("name") or ""
-    held["arguments"] += function.get("arguments") or ""
-
-
 # vLLM's finish reasons for an answer the engine did not finish: the request aborted in the engine, or its generation
 # failed. The chat route relays them as they come; the other APIs have no end for either, and a normal one would tell
 # a client that a cut answer is whole: the answer fails instead, as a backend's error in the middle of a stream does.
@@ -168,14 +157,6 @@ def client_path(
     if name in listed:
         return listed[name] + (f"[{index}]" if index is not None else "")
     return fields.get(name) if index is None and not rest else None
-
-
-def cut_short(done: bool) -> None:
-    """The other APIs' first work at a stream's end (run's `at_end`): a backend's stream that ended without its
-    [DONE] was cut off, and their events have no way to say "ended, unfinished" but an error. Raised in the pipeline,
-    so that the log and the metrics say the 502 the stream ends in."""
-    if not done:
-        raise BackendBadResponse("The backend's stream ended before its end.")
 
 
 def relayed_as(stream: Stream, writer: Writer) -> RelayResponse:

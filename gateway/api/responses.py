@@ -10,15 +10,22 @@ A background response (`background: true`) is stored at once as `queued` and run
 (jobs/worker.py) by any instance's worker, its chat request built when it was asked (its conversation read then);
 `Background`, the route's finisher, stores what became of it in its place. Until then it is read back as `queued`
 or, once a worker has it, `in_progress`; `cancel` stores it `cancelled`, which no worker overwrites (a worker
-asks before it runs one, and stores over none but a pending one: conversations.save's `only_from`). A later turn
-may follow it only once it has finished.
+asks before it runs one, and stores over none but a pending one: conversations.save's `only_from`), and which the
+worker running it notices within WATCH_S: it stops the engine's request (jobs/worker.py). A later turn may follow it
+only once it has finished.
+
+Its events (`stream: true` when it is made, or `GET …?stream=true` later, after `starting_after`) are what
+responses_events.replay makes of it as it is stored, read again until it has ended: the same events, numbered alike,
+from any instance, so a client that lost its stream resumes where it was on whichever it reaches.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar, get_args
@@ -26,16 +33,17 @@ from typing import Any, TypeVar, get_args
 import orjson
 from redis.exceptions import RedisError
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway import accesslog
 from gateway.api.conversations import ConversationStore, Said, Turn
 from gateway.api.intake import Intake
-from gateway.api.openai import cut_short, new_record, openai_response, relayed_as
+from gateway.api.openai import new_record, openai_response, relayed_as
+from gateway.api.responses_events import EventWriter, error_event, replay
 from gateway.api.responses_shapes import (
     INPUT,
     MAX_ID,
-    EventWriter,
     Includable,
     ResponsesRequest,
     answered,
@@ -51,6 +59,7 @@ from gateway.api.responses_shapes import (
 from gateway.errors import (
     BackendBadResponse,
     BodyTooLarge,
+    ConcurrencyLimited,
     ConversationsUnavailable,
     GatewayError,
     InvalidRequest,
@@ -61,8 +70,8 @@ from gateway.errors import (
 from gateway.jobs.queue import Job, JobQueue, QueueFull
 from gateway.metrics import GatewayMetrics
 from gateway.offload import off_loop
-from gateway.pipeline.inference import RESPONSES, Pipeline, Route, refuse
-from gateway.pipeline.outcome import Stream
+from gateway.pipeline.inference import RESPONSES, SSE_MEDIA_TYPE, Pipeline, Route, refuse
+from gateway.pipeline.outcome import Stream, cut_short
 from gateway.schemas import ChatCompletionRequest, validate
 from gateway.settings import Settings, TenantSettings
 
@@ -77,6 +86,10 @@ FINISHED = frozenset({"completed", "incomplete"})  # what a later turn may follo
 # What OpenAI lets a client ask of the routes that read a stored response, and that means nothing here (nothing is
 # kept that `include` could add): accepted so that clients work unchanged.
 _INCLUDES = frozenset(get_args(Includable))
+# A followed background response's state is read again after FIRST_READ_S, then twice as long each time up to
+# LAST_READ_S: its end reaches a client within a second, at one store read a second per follower.
+FIRST_READ_S, LAST_READ_S = 0.1, 1.0
+KEEPALIVE = b": keep-alive\n\n"  # sent every responses.stream_keepalive_s while a followed response is pending
 
 
 class ResponsesRoutes:
@@ -98,6 +111,7 @@ class ResponsesRoutes:
         self._conversations = conversations
         self._queue = queue
         self._metrics = metrics
+        self._following: Counter[str] = Counter()  # background responses' streams open, per tenant
 
     async def create(self, request: Request, admit_tenant: Admit = None) -> Response:
         """POST /v1/responses; `admit_tenant` refuses a key the route does not serve (another account's)."""
@@ -123,9 +137,13 @@ class ResponsesRoutes:
             payload = await off_loop(partial(chat_payload, asked, history), [submission.payload, history])
             submission = replace(submission, payload=payload, session=session)
             if asked.background:
+                if asked.stream:
+                    self._may_follow(submission.tenant)  # before anything is queued
                 queued = await self._in_background(submission.tenant, asked, made, before, payload)
                 accesslog.finish(record, self._metrics)
                 headers = {"x-request-id": record.request_id}
+                if asked.stream:
+                    return self._followed(submission.tenant, queued, -1, headers)
                 return Response(orjson.dumps(queued), media_type="application/json", headers=headers)
         except GatewayError as error:
             return openai_response(refuse(self._metrics, record, error))
@@ -173,11 +191,6 @@ class ResponsesRoutes:
         payload: dict[str, Any],
     ) -> dict[str, Any]:
         """Store the response as queued, then queue its chat request: a worker finds it stored (Background)."""
-        if asked.stream:
-            raise InvalidRequest(
-                "stream: a background response is read back by its id (GET /v1/responses/{id}), not streamed here.",
-                param="stream",
-            )
         if asked.store is False:
             raise InvalidRequest("background: a background response is read back by its id, so it needs store: true.",
                                  param="background")  # fmt: skip
@@ -189,8 +202,12 @@ class ResponsesRoutes:
         turn = Turn(made, queued, kept, asked.previous_response_id or "", depth, size, root)
         await _stored(self._conversations.save(owner, turn))
         cap = tenant.limits.max_queued_requests or self._settings.queue.max_queued_per_tenant
+        # Run streamed, with the usage so far on every chunk: a cancel that stops it mid-answer charges the tokens the
+        # engine had generated, not all it had room for (inference.InferenceCall.close).
+        usage = {"include_usage": True, "continuous_usage_stats": True}
+        streamed = {**payload, "stream": True, "stream_options": usage}
         try:
-            await self._queue.enqueue(Job(made, tenant.id, RESPONSES.name, [payload], [], owner), cap)
+            await self._queue.enqueue(Job(made, tenant.id, RESPONSES.name, [streamed], [], owner), cap)
         except QueueFull as full:
             await _stored(self._conversations.delete(owner, made))
             raise TooManyQueued(
@@ -243,32 +260,115 @@ class ResponsesRoutes:
             turn = await _stored(self._conversations.load(owner, name)) if len(name) <= MAX_ID else None
             if turn is None:
                 raise _missing(name)
-            body = await answer(owner, turn, request)
+            body = await answer(tenant, turn, request)
         except GatewayError as error:
             return openai_response(refuse(self._metrics, record, error))
         accesslog.finish(record, self._metrics)
-        return Response(orjson.dumps(body), media_type="application/json", headers={"x-request-id": record.request_id})
+        headers = {"x-request-id": record.request_id}
+        if isinstance(body, Response):
+            body.headers.update(headers)
+            return body
+        return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 
-    async def _retrieved(self, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
-        if turn.response["status"] != "queued":
-            return turn.response
+    async def _retrieved(self, tenant: TenantSettings, turn: Turn, request: Request) -> dict[str, Any] | Response:
+        owner, after = tenant.incarnation(), _streamed_after(request)
+        if after is None:
+            return await self._now(owner, turn)
+        if not turn.response.get("background"):
+            raise InvalidRequest(
+                "stream: only a background response's events can be streamed again; this one was answered when it "
+                "was asked.",
+                param="stream",
+            )
+        return self._followed(tenant, await self._now(owner, turn), after, {})
+
+    def _followed(
+        self, tenant: TenantSettings, now: dict[str, Any], after: int, headers: dict[str, str]
+    ) -> StreamingResponse:
+        """A background response's events after the one numbered `after`, as they come (module docstring)."""
+        self._may_follow(tenant)
+        held = self._following
+        held[tenant.id] += 1
+
+        def release() -> None:
+            held[tenant.id] -= 1
+            if held[tenant.id] <= 0:
+                del held[tenant.id]
+
+        events = self._follow(tenant.incarnation(), now, after)
+        return _Following(events, release, headers={**headers, "cache-control": "no-cache"})
+
+    def _may_follow(self, tenant: TenantSettings) -> None:
+        """A tenant follows at most its max_concurrent_requests streams on this instance at once: each holds a
+        connection for as long as its response runs."""
+        cap = tenant.limits.max_concurrent_requests
+        if cap is not None and self._following[tenant.id] >= cap:
+            raise ConcurrencyLimited(
+                f"This API key already follows {cap} background responses' streams on this gateway; the limit is "
+                f"{cap} (max_concurrent_requests)."
+            )
+
+    async def _follow(self, owner: str, now: dict[str, Any], after: int) -> AsyncIterator[bytes]:
+        """`now`'s events after `after`, then those its stored state makes as it changes, until it has ended. A
+        stream that cannot go on (the response deleted, the store unreachable) ends with an `error` event numbered
+        as the last event before it, so that a client resuming after it misses none."""
+        sent, pause, said_at = after, FIRST_READ_S, time.monotonic()
+        while True:
+            events = replay(now)
+            if len(events) > sent + 1:
+                yield b"".join(events[sent + 1 :])
+                sent, said_at = len(events) - 1, time.monotonic()
+            if now["status"] not in PENDING:
+                return
+            if time.monotonic() - said_at >= self._settings.responses.stream_keepalive_s:
+                yield KEEPALIVE
+                said_at = time.monotonic()
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, LAST_READ_S)
+            try:
+                now = await self._changed(owner, now)
+            except GatewayError as error:
+                yield error_event(max(sent, 0), error)
+                return
+
+    async def _changed(self, owner: str, now: dict[str, Any]) -> dict[str, Any]:
+        """A followed response as it stands now: its status alone read while it is pending (its items may be large,
+        and read every second), the whole of it once it has ended."""
+        status = await _stored(self._conversations.status(owner, now["id"]))
+        if status in PENDING:
+            return {**now, "status": await self._running(owner, now["id"], status)}
+        turn = await _stored(self._conversations.load(owner, now["id"])) if status is not None else None
+        if turn is None:
+            raise _missing(now["id"])
+        return turn.response
+
+    async def _now(self, owner: str, turn: Turn) -> dict[str, Any]:
+        """The stored response as it stands: a queued one that a worker runs is in progress."""
+        status = await self._running(owner, turn.id, turn.response["status"])
+        return turn.response if status == turn.response["status"] else {**turn.response, "status": status}
+
+    async def _running(self, owner: str, name: str, status: str) -> str:
+        """A stored status, `in_progress` for a queued one that a worker runs."""
+        if status != "queued":
+            return status
         try:
-            job = await self._queue.status(owner, turn.id)
+            job = await self._queue.status(owner, name)
         except (RedisError, OSError):
-            return turn.response  # queued is what the store says; the queue's word can wait for the next poll
-        running = job is not None and job.status == "running"
-        return {**turn.response, "status": "in_progress"} if running else turn.response
+            return status  # queued is what the store says; the queue's word can wait for the next read
+        return "in_progress" if job is not None and job.status == "running" else status
 
-    async def _deleted(self, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
-        if not await _stored(self._conversations.delete(owner, turn.id)):
+    async def _deleted(self, tenant: TenantSettings, turn: Turn, request: Request) -> dict[str, Any]:
+        if not await _stored(self._conversations.delete(tenant.incarnation(), turn.id)):
             raise _missing(turn.id)  # deleted meanwhile, by another request
         return {"id": turn.id, "object": "response.deleted", "deleted": True}
 
-    async def _cancelled(self, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
+    async def _cancelled(self, tenant: TenantSettings, turn: Turn, request: Request) -> dict[str, Any]:
         """A pending background response, cancelled: stored so, over nothing but a pending one (a worker's finish may
-        have come first: then that is what the client gets, as OpenAI answers a finished one)."""
+        have come first: then that is what the client gets, as OpenAI answers a finished one). A worker running it
+        reads it so, and stops it (jobs/worker.py)."""
         if not turn.response.get("background"):
             raise InvalidRequest("Only a background response can be cancelled.", code="not_cancellable")
+        owner = tenant.incarnation()
         if turn.response["status"] in PENDING:
             cancelled = replace(turn, response={**turn.response, "status": "cancelled"})
             if await _stored(self._conversations.save(owner, cancelled, PENDING)):
@@ -277,7 +377,7 @@ class ResponsesRoutes:
             return (now or turn).response
         return turn.response
 
-    async def _input_items(self, owner: str, turn: Turn, request: Request) -> dict[str, Any]:
+    async def _input_items(self, tenant: TenantSettings, turn: Turn, request: Request) -> dict[str, Any]:
         query = request.query_params
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
@@ -285,15 +385,15 @@ class ResponsesRoutes:
         limit = query.get("limit", "20")
         if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 100):
             raise InvalidRequest("limit: a whole number from 1 to 100.", param="limit")
-        earlier = await self._conversation(owner, turn.parent or None, "response_id")
+        earlier = await self._conversation(tenant.incarnation(), turn.parent or None, "response_id")
         items = [item for said in earlier for item in said.items()]
         return item_page([*items, *turn.input], order, query.get("after"), int(limit))
 
     async def retrieve(self, request: Request, admit_tenant: Admit = None) -> Response:
-        """GET /v1/responses/{response_id}: a stored response, as it was answered."""
-        return await self._serve_stored(
-            request, {"include", "stream", "include_obfuscation"}, self._retrieved, admit_tenant
-        )
+        """GET /v1/responses/{response_id}: a stored response, as it was answered; with `stream=true`, a background
+        one's events (after `starting_after`), as they come."""
+        allowed = {"include", "stream", "include_obfuscation", "starting_after"}
+        return await self._serve_stored(request, allowed, self._retrieved, admit_tenant)
 
     async def delete(self, request: Request, admit_tenant: Admit = None) -> Response:
         """DELETE /v1/responses/{response_id}: gone for good; a conversation that reached back to it ends there."""
@@ -318,9 +418,8 @@ class Background:
         self._conversations = conversations
 
     async def wanted(self, job: Job) -> bool:
-        """Still queued (not cancelled, nor deleted, since)."""
-        turn = await self._conversations.load(job.owner, job.id)
-        return turn is not None and turn.response["status"] in PENDING
+        """Still pending (not cancelled, nor deleted, since)."""
+        return await self._conversations.status(job.owner, job.id) in PENDING
 
     async def finish(self, job: Job, results: dict[int, Any]) -> None:
         """The response as the chat answer made it (or failed, with the refusal's error), stored in place of the
@@ -373,7 +472,40 @@ async def _stored(work: Awaitable[T]) -> T:
         raise ConversationsUnavailable("Stored responses cannot be reached right now; retry shortly.") from exc
 
 
-StoredAnswer = Callable[[str, Turn, Request], Awaitable[dict[str, Any]]]
+StoredAnswer = Callable[[TenantSettings, Turn, Request], Awaitable[dict[str, Any] | Response]]
+
+
+class _Following(StreamingResponse):
+    """A followed response's stream, which gives its place under the tenant's cap back however it ends (a stream
+    whose client left before it began never runs its generator's cleanup)."""
+
+    def __init__(self, events: AsyncIterator[bytes], release: Callable[[], None], headers: dict[str, str]) -> None:
+        super().__init__(events, media_type=SSE_MEDIA_TYPE, headers=headers)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def _streamed_after(request: Request) -> int | None:
+    """None when a stored response is asked for as it is; with `stream=true`, the sequence number of the event its
+    stream starts after (-1: from its first)."""
+    query = request.query_params
+    stream, after = query.get("stream", "false"), query.get("starting_after")
+    if stream not in ("true", "false"):
+        raise InvalidRequest("stream: true or false.", param="stream")
+    if stream == "false":
+        if after is not None:
+            raise InvalidRequest("starting_after: only with stream=true.", param="starting_after")
+        return None
+    if after is None:
+        return -1
+    if not (after.isascii() and after.isdigit() and len(after) <= 9):
+        raise InvalidRequest("starting_after: an event's sequence number, a whole number.", param="starting_after")
+    return int(after)
 
 
 def _check_query(request: Request, allowed: set[str]) -> None:
@@ -384,6 +516,3 @@ def _check_query(request: Request, allowed: set[str]) -> None:
     for include in request.query_params.getlist("include"):
         if include not in _INCLUDES:
             raise InvalidRequest(f"include: {include[:64]!r} is not one of {sorted(_INCLUDES)}.", param="include")
-    if request.query_params.get("stream", "false") != "false":
-        # A stream to resume is a background response's; none are run here.
-        raise InvalidRequest("stream: only a background response's events can be streamed again.", param="stream")

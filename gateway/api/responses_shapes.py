@@ -1,5 +1,5 @@
 """OpenAI's Responses API in the gateway's terms: a request read as a chat completion, and a checked chat answer
-(or stream) written back as a response object (or its events).
+written back as a response object, of output items a stream's events say too (responses_events.py).
 
 As with Anthropic's Messages (anthropic_shapes.py), the translation is made before the pipeline, so a Responses
 request gets every defence a chat completion gets, and what goes back is built only from what the pipeline
@@ -15,11 +15,10 @@ import time
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from gateway.api.bounds import Cap, Shape
-from gateway.api.openai import CHAT_PATH, client_path, hold_call, tokens, unfinished
+from gateway.api.openai import CHAT_PATH, client_path, tokens, unfinished
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.schemas import INT64, NOTHING_RUNS, ModelName, OutputTokens, ShortText
 
@@ -398,7 +397,7 @@ def stored_input(request: ResponsesRequest) -> list[dict[str, Any]]:
         if isinstance(item, MessageItem) and isinstance(item.content, str):
             part = "output_text" if item.role == "assistant" else "input_text"
             data["content"] = [{"type": part, "text": item.content}]
-        data["id"] = item.id or _item_id(_ID_PREFIXES[data["type"]])
+        data["id"] = item.id or new_item_id(_ID_PREFIXES[data["type"]])
         kept.append(data)
     return kept
 
@@ -459,7 +458,7 @@ def response_id() -> str:
     return "resp_" + secrets.token_hex(24)
 
 
-def _item_id(prefix: str) -> str:
+def new_item_id(prefix: str) -> str:
     return f"{prefix}_" + secrets.token_hex(24)
 
 
@@ -510,35 +509,35 @@ def answered(base: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
     output: list[dict[str, Any]] = []
     reasoning = said.get("reasoning_content") or said.get("reasoning")
     if reasoning:
-        output.append(_reasoning_item(_item_id("rs"), reasoning))
+        output.append(reasoning_item(new_item_id("rs"), reasoning))
     if said.get("content") or said.get("refusal"):
         text, refusal = said.get("content") or "", said.get("refusal") or ""
-        output.append(_message_item(_item_id("msg"), text, "completed", refusal, _logprobs(choice)))
+        output.append(message_item(new_item_id("msg"), text, "completed", refusal, logprobs_of(choice)))
     for call in said.get("tool_calls") or ():
         function = call.get("function") or {}
         output.append(
-            _call_item(
-                _item_id("fc"),
-                call.get("id") or _item_id("call"),
+            call_item(
+                new_item_id("fc"),
+                call.get("id") or new_item_id("call"),
                 function.get("name") or "",
                 function.get("arguments") or "",
                 "completed",
             )
         )
-    body = {**base, "status": _status(choice.get("finish_reason"))}
-    body["incomplete_details"] = _incomplete(choice.get("finish_reason"))
+    body = {**base, "status": finished_status(choice.get("finish_reason"))}
+    body["incomplete_details"] = incomplete_details(choice.get("finish_reason"))
     body["output"] = output
     body["usage"] = usage(answer.get("usage") or {})
     return body
 
 
-def _status(finish: str | None) -> str:
+def finished_status(finish: str | None) -> str:
     if (failed := unfinished(finish)) is not None:
         raise failed
     return "incomplete" if finish in ("length", "content_filter") else "completed"
 
 
-def _incomplete(finish: str | None) -> dict[str, str] | None:
+def incomplete_details(finish: str | None) -> dict[str, str] | None:
     reasons = {"length": "max_output_tokens", "content_filter": "content_filter"}
     return {"reason": reasons[finish]} if finish in reasons else None
 
@@ -554,34 +553,34 @@ def usage(counted: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _reasoning_item(item: str, text: str) -> dict[str, Any]:
+def reasoning_item(item: str, text: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _message_item(
+def message_item(
     item: str, text: str, status: str, refusal: str = "", logprobs: list[Any] | None = None
 ) -> dict[str, Any]:
-    parts = [_part("message", text, logprobs)] if text else []
+    parts = [content_part("message", text, logprobs)] if text else []
     if refusal:
-        parts.append(_part("refusal", refusal))
+        parts.append(content_part("refusal", refusal))
     return {"type": "message", "id": item, "status": status, "role": "assistant", "content": parts}
 
 
-def _part(kind: str, text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+def content_part(kind: str, text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
     """A message's content part: its text (`message`) or a refusal (`refusal`)."""
     if kind == "refusal":
         return {"type": "refusal", "refusal": text}
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def _logprobs(choice: dict[str, Any]) -> list[Any]:
+def logprobs_of(choice: dict[str, Any]) -> list[Any]:
     """A checked chat choice's (or chunk's) token logprobs: the Responses API's are the same objects (token, logprob,
     bytes, top_logprobs)."""
     content = (choice.get("logprobs") or {}).get("content")
     return content if isinstance(content, list) else []
 
 
-def _call_item(item: str, call: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+def call_item(item: str, call: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {
         "type": "function_call",
         "id": item,
@@ -590,181 +589,6 @@ def _call_item(item: str, call: str, name: str, arguments: str, status: str) -> 
         "arguments": arguments,
         "status": status,
     }
-
-
-# Each kind of text a stream says, as the event that carries a piece of it.
-_DELTAS = {
-    "reasoning": "response.reasoning_text.delta",
-    "message": "response.output_text.delta",
-    "refusal": "response.refusal.delta",
-}
-
-
-class EventWriter:
-    """A checked chat stream as the Responses API's server-sent events: response.created and in_progress; per output
-    item (reasoning, message, function call) its added, deltas, done; response.completed with the whole response."""
-
-    def __init__(self, request: ResponsesRequest, response_id: str) -> None:
-        self._request = request
-        self._id = response_id
-        self._created = int(time.time())
-        self._sequence = 0
-        self._started = False
-        self._open: str | None = None  # "reasoning" or "message"
-        self._item: dict[str, Any] = {}
-        self._text = ""  # what the open item has said
-        self._logprobs: list[Any] = []  # and its tokens' logprobs, when they were asked for
-        self._output: list[dict[str, Any]] = []
-        self._finish: str | None = None
-        self._usage: dict[str, Any] = {}
-        self._calls: dict[Any, dict[str, str]] = {}  # by the call's index: its id, name and arguments so far
-        self._ending: bytes | None = None  # the last events, once finish has made them
-        self._body: dict[str, Any] = {}
-
-    def chunk(self, chunk: dict[str, Any]) -> bytes:
-        out: list[bytes] = []
-        if not self._started:
-            out += self._start()
-        if chunk.get("usage"):
-            self._usage = chunk["usage"]
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if reasoning:
-                out += self._text_delta("reasoning", reasoning)
-            if delta.get("content"):
-                out += self._text_delta("message", delta["content"], _logprobs(choice))
-            if delta.get("refusal"):
-                out += self._text_delta("refusal", delta["refusal"])
-            for call in delta.get("tool_calls") or ():
-                hold_call(self._calls, call)
-            if choice.get("finish_reason") is not None:
-                self._finish = choice["finish_reason"]
-        return b"".join(out)
-
-    def finish(self) -> dict[str, Any]:
-        """The response as it ends, once the chat stream has: its last events are made (sent by done), so that the
-        response can be stored before the client is told it is complete."""
-        if self._ending is None:
-            status = _status(self._finish)
-            out = [] if self._started else self._start()
-            out += self._close()
-            for held in self._calls.values():
-                out += self._call(held)
-            body = envelope(self._request, self._id, status, self._created)
-            body["incomplete_details"] = _incomplete(self._finish)
-            body["output"] = self._output
-            body["usage"] = usage(self._usage)
-            # Always response.completed, its status "incomplete" when the output was cut, as vLLM sends it: the
-            # SDK's stream helper finishes only on response.completed.
-            out.append(self._event("response.completed", {"response": body}))
-            self._ending, self._body = b"".join(out), body
-        return self._body
-
-    def done(self) -> bytes:
-        try:
-            self.finish()
-        except GatewayError as error:
-            return self.error(error)
-        assert self._ending is not None
-        return self._ending
-
-    def error(self, error: GatewayError) -> bytes:
-        body = envelope(self._request, self._id, "failed", self._created)
-        body["error"] = {"code": error.code, "message": error.message}
-        out = [] if self._started else self._start()
-        out.append(self._event("error", {"code": error.code, "message": error.message, "param": error.param}))
-        out.append(self._event("response.failed", {"response": body}))
-        return b"".join(out)
-
-    def _start(self) -> list[bytes]:
-        self._started = True
-        body = envelope(self._request, self._id, "in_progress", self._created)
-        return [
-            self._event("response.created", {"response": body}),
-            self._event("response.in_progress", {"response": body}),
-        ]
-
-    def _text_delta(self, kind: str, delta: str, logprobs: list[Any] | None = None) -> list[bytes]:
-        out = []
-        if self._open != kind:
-            out += self._close()
-            out += self._begin(kind)
-        self._text += delta
-        self._logprobs += logprobs or []
-        name = _DELTAS[kind]
-        fields = {"item_id": self._item["id"], "output_index": len(self._output), "content_index": 0, "delta": delta}
-        if kind == "message":
-            fields["logprobs"] = logprobs or []
-        out.append(self._event(name, fields))
-        return out
-
-    def _call(self, held: dict[str, str]) -> list[bytes]:
-        """One function call, whole: held to the stream's end, since the guard may hold the end of its name or
-        arguments until the last chunk, after the next call has begun."""
-        index, item = len(self._output), _item_id("fc")
-        added = _call_item(item, held["id"] or _item_id("call"), held["name"], "", "in_progress")
-        done = {**added, "arguments": held["arguments"], "status": "completed"}
-        self._output.append(done)
-        where = {"item_id": item, "output_index": index}
-        return [
-            self._event("response.output_item.added", {"output_index": index, "item": added}),
-            self._event("response.function_call_arguments.delta", {**where, "delta": held["arguments"]}),
-            # (`name`: the current specification's; older SDKs' types read past it.)
-            self._event(
-                "response.function_call_arguments.done", {**where, "name": held["name"], "arguments": held["arguments"]}
-            ),
-            self._event("response.output_item.done", {"output_index": index, "item": done}),
-        ]
-
-    def _begin(self, kind: str) -> list[bytes]:
-        self._open, self._text, self._logprobs = kind, "", []
-        index = len(self._output)
-        if kind == "reasoning":
-            self._item = {"type": "reasoning", "id": _item_id("rs"), "summary": []}
-            return [self._event("response.output_item.added", {"output_index": index, "item": self._item})]
-        self._item = _message_item(_item_id("msg"), "", "in_progress")
-        part = _part(kind, "")
-        return [
-            self._event("response.output_item.added", {"output_index": index, "item": self._item}),
-            self._event(
-                "response.content_part.added",
-                {"item_id": self._item["id"], "output_index": index, "content_index": 0, "part": part},
-            ),
-        ]
-
-    def _close(self) -> list[bytes]:
-        kind, index, item, text = self._open, len(self._output), self._item, self._text
-        if kind is None:
-            return []
-        self._open = None
-        out = []
-        if kind == "reasoning":
-            out.append(
-                self._event(
-                    "response.reasoning_text.done",
-                    {"item_id": item["id"], "output_index": index, "content_index": 0, "text": text},
-                )
-            )
-            done = _reasoning_item(item["id"], text)
-        else:
-            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            if kind == "refusal":
-                out.append(self._event("response.refusal.done", {**where, "refusal": text}))
-                done = _message_item(item["id"], "", "completed", text)
-            else:
-                said = self._logprobs
-                out.append(self._event("response.output_text.done", {**where, "text": text, "logprobs": said}))
-                done = _message_item(item["id"], text, "completed", logprobs=said)
-            out.append(self._event("response.content_part.done", {**where, "part": _part(kind, text, self._logprobs)}))
-        out.append(self._event("response.output_item.done", {"output_index": index, "item": done}))
-        self._output.append(done)
-        return out
-
-    def _event(self, name: str, fields: dict[str, Any]) -> bytes:
-        data = {"type": name, "sequence_number": self._sequence, **fields}
-        self._sequence += 1
-        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 def item_page(items: list[dict[str, Any]], order: str, after: str | None, limit: int) -> dict[str, Any]:

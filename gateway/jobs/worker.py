@@ -9,7 +9,11 @@ has none, even when what raised every time was its route's finisher.
 A route may have a finisher (`Finisher`, given by the app: a background response's, api/responses.py): asked before
 a job runs whether it is still wanted (a cancelled one is not, and ends `cancelled` unrun), and handed the job's
 results once they are all stored, before the job is acknowledged — so a worker that dies in between leaves it to the
-next, which finishes it again (a finisher makes the same of the same results).
+next, which finishes it again (a finisher makes the same of the same results). While an item of such a job runs, the
+finisher is asked again every WATCH_S: once the job is no longer wanted, the item is stopped where it is (waiting,
+or the engine's request closed mid-answer, which aborts it in the engine) and the job ends `cancelled`. An item queued
+streamed (a background response's) is gathered into its whole answer (gathering.py); stopped, it is charged the
+tokens the engine reported so far (pipeline/inference.py, InferenceCall.close).
 
 Workers serve every tenant, so none waits out one tenant's own limits: an item its tenant's rate or concurrency
 limit refuses for now defers the job (queue.py) and the worker goes on with the next. Refusals that say "not now"
@@ -22,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Protocol, TypeVar
@@ -31,10 +35,11 @@ from redis.exceptions import RedisError
 
 from gateway.accesslog import RequestRecord
 from gateway.errors import AuthenticationFailed, GatewayError
+from gateway.jobs.gathering import gathered, whole
 from gateway.jobs.queue import Claimed, Job, JobQueue
 from gateway.pipeline import inference
 from gateway.pipeline.inference import Pipeline, Submission
-from gateway.pipeline.outcome import Answer
+from gateway.pipeline.outcome import Stream
 from gateway.tenancy.tenants import TenantDirectory
 from gateway.upstream.fairness import Gate
 
@@ -49,6 +54,9 @@ NOT_NOW = frozenset({429, 503})
 TENANTS_OWN = frozenset({"rate_limit_exceeded", "concurrency_limit_exceeded"})
 MAX_PAUSE_S = 30.0
 MAX_WAIT_S = 600.0  # then the refusal is the item's answer: a replica gone for good must not hold the job forever
+# How often a running item's job is asked whether it is still wanted: a cancel stops the engine within about this,
+# at one store read per running item.
+WATCH_S = 0.5
 T = TypeVar("T")
 
 
@@ -89,6 +97,14 @@ class Later:
 
     until: float
     since: float  # when they first refused this item
+
+
+async def _until_unwanted(finisher: Finisher, job: Job) -> None:
+    """Return once the job is no longer wanted, asking every WATCH_S."""
+    while True:
+        await asyncio.sleep(WATCH_S)
+        if not await stored(partial(finisher.wanted, job), "read a job's state"):
+            return
 
 
 async def keep_claimed(queue: JobQueue, claimed: Claimed, name: str, lost: asyncio.Event) -> None:
@@ -134,8 +150,10 @@ class Worker:
                 return error_result(AuthenticationFailed("The tenant no longer exists or is disabled."))
             route = ROUTES[job.route]
             record = RequestRecord(request_id=f"{job.id}-{index}", route=route.name)
-            outcome = await self._pipeline.run(route, Submission(tenant, dict(job.items[index]), batch=True), record)
-            assert isinstance(outcome, Answer), "queued items are never streamed (workers_api sets stream: false)"
+            submission = Submission(tenant, dict(job.items[index]), batch=True)
+            outcome = await self._pipeline.run(route, submission, record, at_end=whole)
+            if isinstance(outcome, Stream):
+                outcome = await gathered(outcome)
             result = {"status": outcome.status, "body": outcome.body}
             if outcome.status not in NOT_NOW or lost.is_set() or time.monotonic() > deadline:
                 return result
@@ -171,7 +189,10 @@ class Worker:
                 # it runs what is left; only the item in flight when the claim went may have run twice.
                 log.warning("worker gave up job %s: another worker took it over", job.id)
                 return
-            result = await self.run_item(job, index, lost)
+            result = await self._watched(finisher, job, self.run_item(job, index, lost))
+            if result is None:
+                await self._finished(claimed, finisher, "cancelled")
+                return
             if isinstance(result, Later):
                 waiting = replace(job, waiting_item=index, waiting_since=result.since)
                 if not await stored(partial(queue.defer, claimed, waiting, result.until, name), "defer a job"):
@@ -188,6 +209,28 @@ class Worker:
                     log.warning("worker gave up job %s: another worker took it over", job.id)
                 return
         await self._finished(claimed, finisher)
+
+    async def _watched(
+        self, finisher: Finisher | None, job: Job, item: Coroutine[Any, Any, dict[str, Any] | Later]
+    ) -> dict[str, Any] | Later | None:
+        """The item's run, stopped as soon as the finisher no longer wants its job (then None)."""
+        if finisher is None:
+            return await item
+        running = asyncio.ensure_future(item)
+        watch = asyncio.ensure_future(_until_unwanted(finisher, job))
+        try:
+            await asyncio.wait({running, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if running.done():
+                return running.result()
+            watch.result()  # what the watch raised, if it did not end by finding the job unwanted
+            log.info("worker stops job %s: it is no longer wanted", job.id)
+            return None
+        finally:
+            watch.cancel()
+            if not running.done():
+                # The pipeline closes the engine's request, and the engine aborts it.
+                running.cancel()
+                await asyncio.wait({running})
 
     async def _given_up(self, claimed: Claimed, finisher: Finisher | None) -> None:
         """After MAX_ATTEMPTS, the job ends `failed`, with an error result for every item that has none; its finisher

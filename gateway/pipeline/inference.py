@@ -87,6 +87,7 @@ ANSWER_BASE_BYTES = 1 << 20
 DATA = b"data: "
 # A surface's work at a stream's end, told whether the backend ended it with its [DONE] (run's docstring).
 AtEnd = Callable[[bool], Awaitable[object]]
+STOPPED = "stopped"  # the error code of a queued item its worker stopped (jobs/worker.py)
 LEAK_DETAILS = {
     MARKER: "another tenant's canary marker in the answer",
     FRAGMENT: "a fragment of another tenant's recent prompt to this replica in the answer",
@@ -237,8 +238,11 @@ class InferenceCall:
         slot: Slot,
         echo_prefix: str = "",
         prepared: Prepared | asyncio.Future[Prepared] | None = None,
+        *,
+        batch: bool = False,
     ) -> None:
         self.pipeline = pipeline
+        self.batch = batch  # a queued item's: no client waits on it
         self.prepared = prepared  # the prompt's fingerprints, registered for each replica before it is sent there
         self.slot = slot
         self.echo_prefix = echo_prefix
@@ -285,7 +289,8 @@ class InferenceCall:
             await self.response.aclose()
         self.admission.cancel()
         if not self.finished and self.record.status == 200:
-            self.record.status, self.record.error_code = 499, "client_disconnected"
+            # A queued item has no client to leave: its worker stopped it (its job cancelled, or the worker stopping).
+            self.record.status, self.record.error_code = 499, STOPPED if self.batch else "client_disconnected"
         try:
             accesslog.finish(self.record, self.pipeline.metrics)
             self._write_down()
@@ -298,6 +303,10 @@ class InferenceCall:
                 # The engine worked, but the client left before the usage came (a stream without usage on every
                 # chunk): the reservation stands, or leaving early would make any answer free of the tokens limit.
                 used = self.slot.reserved
+            elif ran and self.record.error_code == STOPPED:
+                # Stopped before the engine said what it had done; nothing of it went anywhere: the prompt it was
+                # sent, and none of the output it had room for.
+                used = self.admission.estimate
             else:
                 used = 0  # refused, failed or withheld: nothing the tenant received is charged
             self.slot.release(used, ran=ran)
@@ -836,6 +845,7 @@ class Pipeline:
             slot,
             completion_prefix(marker) if echo and marker is not None else "",
             prepared,
+            batch=submission.batch,
         )
         return call, body
 

@@ -341,11 +341,21 @@ def openapi_document() -> dict[str, Any]:
                 "ResponsesRequest",
             ),
             "/v1/responses/{response_id}": {
-                "get": _stored_response("A stored response, as it was answered", "include", "stream"),
+                "get": _stored_response(
+                    "A stored response, as it was answered; with stream=true, a background one's server-sent events "
+                    "after starting_after, as they come",
+                    "include",
+                    "include_obfuscation",
+                    "stream",
+                    "starting_after",
+                ),
                 "delete": _stored_response("Delete a stored response: {id, object: response.deleted, deleted}"),
             },
             "/v1/responses/{response_id}/cancel": {
-                "post": _stored_response("Only a background response can be cancelled (none run here): 400")
+                "post": _stored_response(
+                    "Cancel a background response still queued or running (a running one is stopped in the engine); "
+                    "any other answers 400 not_cancellable"
+                )
             },
             "/v1/responses/{response_id}/input_items": {
                 "get": _stored_response(

@@ -171,7 +171,11 @@ def test_a_responses_turn_through_the_gateway(http: httpx.Client, gateway: str, 
             model=MODEL, instructions="Be brief.", input="Tell me a story.", max_output_tokens=8
         )
         with client.responses.stream(model=MODEL, input="Tell me a story.", max_output_tokens=4) as stream:
-            streamed = stream.get_final_response()
+            # Its end: response.completed, or response.incomplete when cut off (the SDK's get_final_response waits
+            # for the first alone).
+            end = list(stream)[-1]
+        assert end.type in ("response.completed", "response.incomplete")
+        streamed = end.response
         # The next turn names the first: the gateway sends vLLM the whole conversation, vLLM keeps nothing.
         follow = client.responses.create(
             model=MODEL, input="And then?", previous_response_id=answer.id, max_output_tokens=4
@@ -195,6 +199,46 @@ def test_a_responses_turn_through_the_gateway(http: httpx.Client, gateway: str, 
     assert follow.usage is not None and follow.previous_response_id == answer.id
     conversation = {"model": MODEL, "messages": history, "add_special_tokens": True}
     assert follow.usage.input_tokens == http.post(f"{vllm.url}/tokenize", json=conversation).json()["count"]
+
+
+def test_a_running_background_response_cancelled_is_aborted_in_vllm(
+    http: httpx.Client, gateway: str, vllm: VllmServer
+) -> None:
+    """Its worker notices the cancel and closes vLLM's request mid-answer: vLLM stops generating it. The whole answer
+    takes some 3 s here (~600 tokens a second), so a busy box can make the cancel come too late to prove anything:
+    such a round does not count, and another is tried."""
+
+    def generated() -> float:
+        return metric(http.get(f"{vllm.url}/metrics").text, "vllm:generation_tokens_total")
+
+    with openai.OpenAI(base_url=f"{gateway}/v1", api_key=ALICE_KEY, max_retries=0, timeout=120) as client:
+        for _ in range(3):
+            before = generated()
+            story = client.responses.create(
+                model=MODEL, input="Tell me a story.", background=True, max_output_tokens=1900
+            )
+            deadline = time.monotonic() + 60
+            while client.responses.retrieve(story.id).status == "queued":
+                assert time.monotonic() < deadline, "no worker ran it"
+                time.sleep(0.05)
+            cancelled = client.responses.cancel(story.id).status == "cancelled"
+            at_cancel = generated() - before
+            # Until vLLM generates no more (vLLM does not count an abort among its finished requests).
+            said, deadline = at_cancel, time.monotonic() + 30
+            while True:
+                time.sleep(1.0)
+                now = generated() - before
+                if now == said:
+                    break
+                assert time.monotonic() < deadline, "vLLM went on generating"
+                said = now
+            if cancelled and at_cancel < 1200:
+                break
+        else:
+            pytest.skip("the box was too busy for the cancel to reach a running answer in three rounds")
+        assert said < 1900, f"vLLM generated the whole answer ({at_cancel} tokens when it was cancelled)"
+        assert client.responses.retrieve(story.id).status == "cancelled"
+    assert metric(http.get(f"{vllm.url}/metrics").text, "vllm:num_requests_running") == 0
 
 
 def test_completion_through_the_gateway(http: httpx.Client, gateway: str) -> None:

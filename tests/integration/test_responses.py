@@ -12,6 +12,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from openai.types.responses import ResponseIncompleteEvent
 
 from isolation.markers import MARKER_PATTERN
 from tests.integration.support import (
@@ -65,7 +66,7 @@ def test_a_response_goes_through_every_defence_as_a_chat_completion(
 
 
 def test_a_stream_comes_as_the_responses_events(sdk: openai.OpenAI) -> None:
-    with sdk.responses.stream(model=MODEL, input=[{"role": "user", "content": "Hi"}], max_output_tokens=5) as stream:
+    with sdk.responses.stream(model=MODEL, input=[{"role": "user", "content": "Hi"}], max_output_tokens=32) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
     assert kinds[:4] == [
@@ -74,8 +75,8 @@ def test_a_stream_comes_as_the_responses_events(sdk: openai.OpenAI) -> None:
         "response.output_item.added",
         "response.content_part.added",
     ]
-    assert kinds.count("response.output_text.delta") == 5 and kinds[-1] == "response.completed"
-    assert final.usage is not None and final.usage.output_tokens == 5 and final.output_text
+    assert kinds.count("response.output_text.delta") == 16 and kinds[-1] == "response.completed"
+    assert final.status == "completed" and final.usage is not None and final.usage.output_tokens == 16
     numbers = []
     with httpx.stream(
         "POST",
@@ -87,6 +88,22 @@ def test_a_stream_comes_as_the_responses_events(sdk: openai.OpenAI) -> None:
             if line.startswith("data: "):
                 numbers.append(orjson.loads(line[6:])["sequence_number"])
     assert numbers == list(range(len(numbers)))
+
+
+def test_a_stream_cut_off_by_max_output_tokens_ends_in_response_incomplete(sdk: openai.OpenAI) -> None:
+    with sdk.responses.stream(model=MODEL, input="Hi", max_output_tokens=5) as stream:
+        sent = list(stream)
+        # The current specification's end for it: the SDK's get_final_response waits for response.completed, which
+        # a cut-off answer does not send (as against OpenAI itself; docs/api.md).
+        with pytest.raises(RuntimeError, match="response.completed"):
+            stream.get_final_response()
+    kinds = [event.type for event in sent]
+    assert kinds.count("response.output_text.delta") == 5 and "response.completed" not in kinds
+    end = sent[-1]
+    assert isinstance(end, ResponseIncompleteEvent) and end.response.status == "incomplete"
+    assert end.response.incomplete_details is not None and end.response.incomplete_details.reason == "max_output_tokens"
+    assert end.response.usage is not None and end.response.usage.output_tokens == 5
+    assert sdk.responses.retrieve(end.response.id).output_text == end.response.output_text, "stored as it ended"
 
 
 def test_function_calls_and_their_outputs_go_as_chat_tools(sdk: openai.OpenAI, shared_sim: str) -> None:
@@ -200,7 +217,7 @@ def test_a_conversation_goes_on_from_a_stored_response_with_its_whole_history_se
 
 
 def test_a_streamed_response_is_stored_before_the_client_hears_it_is_complete(sdk: openai.OpenAI) -> None:
-    with sdk.responses.stream(model=MODEL, input="Hi", max_output_tokens=2) as stream:
+    with sdk.responses.stream(model=MODEL, input="Hi", max_output_tokens=32) as stream:
         for event in stream:
             if event.type == "response.completed":
                 # Still inside the stream: the next turn may name it at once.

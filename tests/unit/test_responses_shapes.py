@@ -1,4 +1,5 @@
-"""OpenAI's Responses shapes, read as a chat completion and written back from a checked one."""
+"""OpenAI's Responses shapes, read as a chat completion and written back from a checked one, and their events: a checked
+chat stream written as them, a stored background response's replayed."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.api.responses_events import EventWriter, replay
 from gateway.api.responses_shapes import (
-    EventWriter,
     ResponsesRequest,
     chat_error,
     chat_payload,
+    envelope,
     request_path,
     response,
     stored_input,
@@ -251,3 +253,94 @@ def test_an_error_about_the_chat_request_names_the_clients_own_field() -> None:
     assert chat_error("messages[3].content: long", "messages[3].content", request, []) == ("input[3]: long", "input[3]")
     assert chat_error("messages[9].content: long", "messages[9].content", request, []) == ("long", None)
     assert chat_error("bad header", "x-session-affinity", request, []) == ("bad header", "x-session-affinity")
+
+
+def test_a_cut_off_stream_ends_in_response_incomplete_with_its_reason() -> None:
+    writer = EventWriter(asked(stream=True, max_output_tokens=2), "resp_1")
+    raw = writer.chunk({"choices": [{"delta": {"content": " a b"}, "finish_reason": "length"}]})
+    said = events(raw + writer.done())
+    assert said[-1]["type"] == "response.incomplete" and "response.completed" not in [e["type"] for e in said]
+    assert said[-1]["response"]["status"] == "incomplete"
+    assert said[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_streamed_logprobs_leave_their_bytes_to_the_output_text() -> None:
+    entry = {
+        "token": " a",
+        "logprob": -0.5,
+        "bytes": [32, 97],
+        "top_logprobs": [{"token": " a", "logprob": -0.5, "bytes": [32, 97]}],
+    }
+    writer = EventWriter(asked(stream=True), "resp_1")
+    raw = writer.chunk(
+        {"choices": [{"delta": {"content": " a"}, "logprobs": {"content": [entry]}, "finish_reason": "stop"}]}
+    )
+    said = {e["type"]: e for e in events(raw + writer.done())}
+    streamed = [{"token": " a", "logprob": -0.5, "top_logprobs": [{"token": " a", "logprob": -0.5}]}]
+    assert said["response.output_text.delta"]["logprobs"] == streamed == said["response.output_text.done"]["logprobs"]
+    assert said["response.content_part.done"]["part"]["logprobs"] == [entry]
+
+
+def stored(status: str, answer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A background response as the store holds it."""
+    base = envelope(asked(background=True), "resp_1", "queued", 1)
+    if answer is None:
+        return {**base, "status": status}
+    return response(answer, asked(background=True), "resp_1") | {"created_at": 1}
+
+
+def test_a_stored_background_response_replays_as_its_stream_would_have_said_it() -> None:
+    answer = {
+        "choices": [
+            {
+                "message": {
+                    "reasoning_content": "hm",
+                    "content": "hi",
+                    "refusal": "no",
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}],
+                },
+                "finish_reason": "tool_calls",
+            }
+        ],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 4},
+    }
+    ended = stored("completed", answer)
+    said = [orjson.loads(event.split(b"\ndata: ", 1)[1]) for event in replay(ended)]
+    assert [e["sequence_number"] for e in said] == list(range(len(said)))
+    assert [e["type"] for e in said] == [
+        "response.created", "response.queued", "response.in_progress",
+        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done",
+        "response.content_part.added", "response.refusal.delta", "response.refusal.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    assert said[0]["response"] == {**ended, "status": "queued", "output": [], "usage": None}
+    assert [e["item"] for e in said if e["type"] == "response.output_item.done"] == ended["output"]
+    assert [e["content_index"] for e in said if e["type"] == "response.content_part.done"] == [0, 1]
+    assert said[-1]["response"] == ended
+    assert replay(ended) == replay(ended), "the same events whenever asked"
+
+
+@pytest.mark.parametrize(
+    ("status", "end"),
+    [("queued", "response.queued"), ("in_progress", "response.in_progress"), ("cancelled", "error"),
+     ("failed", "response.failed")],
+)  # fmt: skip
+def test_a_replay_goes_as_far_as_the_status_has_come(status: str, end: str) -> None:
+    now = stored(status)
+    if status == "failed":
+        now["error"] = {"code": "answer_withheld", "message": "withheld"}
+    said = [orjson.loads(event.split(b"\ndata: ", 1)[1]) for event in replay(now)]
+    assert said[-1]["type"] == end
+    if status in ("queued", "in_progress"):
+        assert replay(now) == replay(stored("completed", {"choices": [{"message": {"content": "x"}}]}))[: len(said)]
+    if status == "cancelled":
+        assert said[-1]["code"] == "response_cancelled"
+    if status == "failed":
+        assert said[-2]["type"] == "error" and said[-2]["code"] == "answer_withheld"

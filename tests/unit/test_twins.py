@@ -798,8 +798,10 @@ async def test_a_stored_turn_is_found_only_by_its_owner(make_conversations: Conv
     assert await store.load("alice-2", "r1") is None
     assert not await store.delete("bob-1", "r1")
     assert await store.load("alice-1", "r1") == kept
+    assert await store.status("alice-1", "r1") == "completed"
     assert await store.delete("alice-1", "r1")
     assert await store.load("alice-1", "r1") is None and not await store.delete("alice-1", "r1")
+    assert await store.status("alice-1", "r1") is None
 
 
 async def test_a_pending_turn_is_replaced_only_while_pending_and_counted_once(
@@ -813,8 +815,11 @@ async def test_a_pending_turn_is_replaced_only_while_pending_and_counted_once(
     assert await store.save("alice", pending)
     said = await store.conversation("alice", "r1", 10)
     assert said is not None and said[-1].status == "queued"
+    assert await store.status("alice", "r1") == "queued"
+    assert await store.status("bob", "r1") is None and await store.status("alice", "nope") is None
     cancelled = Turn("r1", {**pending.response, "status": "cancelled"}, pending.input, "", 1, 2, "r0")
     assert await store.save("alice", cancelled, wanted)
+    assert await store.status("alice", "r1") == "cancelled"
     done = Turn("r1", {**pending.response, "status": "completed"}, pending.input, "", 1, 2, "r0")
     assert not await store.save("alice", done, wanted), "a cancellation stands"
     kept = await store.load("alice", "r1")
