@@ -20,12 +20,13 @@ TRACES_PATH = "/v1/traces"  # what the general endpoint variable is a base of (t
 
 def _pairs(raw: str) -> dict[str, str]:
     pairs: dict[str, str] = {}
-    for item in raw.split(","):
+    for number, item in enumerate(raw.split(","), 1):
         if not item.strip():
             continue
         key, equals, value = item.partition("=")
         if not equals or not key.strip():
-            raise ValueError(f"{item.strip()!r} is not a key=value pair")
+            # Not the item itself: a header's value is often a credential (`authorization: Bearer ...`).
+            raise ValueError(f"item {number} (of the comma-separated list) is not a key=value pair")
         pairs[unquote(key.strip())] = unquote(value.strip())
     return pairs
 

@@ -59,12 +59,24 @@ def read_yaml(text: str) -> tuple[Any, yaml.Node | None]:
         loader.dispose()
 
 
+# PyYAML quotes what it found (a tag, an alias, a character, a token): a value's own text, which may be a secret
+# (`admin_token: !abc...`); kept only when it is a single character or one of PyYAML's `<token>` names.
+_QUOTED = re.compile(r"'(?!<)[^']{2,}'")
+
+
+def _unquoted(words: str) -> str:
+    return _QUOTED.sub("(the value's text, not repeated here)", words)
+
+
 def yaml_problem(exc: yaml.YAMLError) -> str:
-    """`line L, column C: not valid YAML: what`, one line (PyYAML's own message spans several)."""
+    """`line L, column C: not valid YAML: what`, one line (PyYAML's own message spans several), repeating no more
+    of the text than a character (a setting's value may be a secret)."""
     if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
-        return "not valid YAML: " + " ".join(str(exc).split())
+        # Not str(exc): a marked error's text carries a snippet of the line it is on.
+        said = (exc.problem or exc.context or "") if isinstance(exc, yaml.MarkedYAMLError) else str(exc)
+        return "not valid YAML: " + _unquoted(" ".join(said.split()))
     problem, mark = exc.problem or "", exc.problem_mark
-    words = " ".join(problem.split())
+    words = _unquoted(" ".join(problem.split()))
     for pattern, said, at_context in _YAML_WORDS:
         if pattern.match(problem):
             words = said

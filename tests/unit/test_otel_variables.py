@@ -77,3 +77,11 @@ def test_a_value_that_cannot_be_used_names_its_variable(variable: str, value: st
     with pytest.raises(SettingsError, match=variable) as refused:
         load_settings(None, {variable: value})
     assert said in str(refused.value)
+
+
+@pytest.mark.parametrize("value", ["authorization: Bearer s3cret", "x-api-key=abc,s3cret"])
+def test_a_header_that_is_not_a_pair_is_not_repeated(value: str) -> None:
+    # Headers carry credentials: a malformed one is named by its place in the list, never by its text.
+    with pytest.raises(SettingsError, match="OTEL_EXPORTER_OTLP_HEADERS") as refused:
+        load_settings(None, {"OTEL_EXPORTER_OTLP_HEADERS": value})
+    assert "is not a key=value pair" in str(refused.value) and "s3cret" not in str(refused.value)

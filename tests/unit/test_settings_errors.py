@@ -108,3 +108,12 @@ def test_several_problems_are_listed_in_the_files_order_and_many_are_cut_short()
     ]
     many = complaint("".join(f"unknown_{n}: 1\n" for n in range(MAX_LISTED + 3))).splitlines()
     assert many[0] == f"{MAX_LISTED + 3} problems:" and many[-1] == "  and 3 more" and len(many) == MAX_LISTED + 2
+
+
+@pytest.mark.parametrize("value", ["!s3cretTOKENvalue0123", "*s3cretTOKENvalue0123", "|s3cretTOKENvalue0123"])
+def test_a_value_yaml_cannot_read_is_not_repeated_from_the_file_or_the_environment(value: str) -> None:
+    # PyYAML quotes the tag, alias or token it choked on: a token that starts with one would be echoed whole.
+    said = complaint(f"admin_token: {value}\n")
+    assert said.startswith("b.yaml, line 1") and "s3cret" not in said
+    said = complaint(None, {"BULKHEAD_ADMIN_TOKEN": value})
+    assert said.startswith("environment variable BULKHEAD_ADMIN_TOKEN: line 1") and "s3cret" not in said
