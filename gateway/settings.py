@@ -358,6 +358,13 @@ class ResponsesSettings(_Section):
         description="a background response's stream sends a comment this often while the response is pending "
         "(proxies close a stream silent for long)",
     )
+    max_follows_per_tenant: int = Field(
+        default=16,
+        ge=1,
+        description="background responses' streams a tenant may have open on one instance when its "
+        "max_concurrent_requests is unset (each holds a connection and a store read a second while it runs); "
+        "one past it gets 429",
+    )
 
 
 class RoutingSettings(_Section):

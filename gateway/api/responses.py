@@ -299,13 +299,16 @@ class ResponsesRoutes:
         return _Following(events, release, headers={**headers, "cache-control": "no-cache"})
 
     def _may_follow(self, tenant: TenantSettings) -> None:
-        """A tenant follows at most its max_concurrent_requests streams on this instance at once: each holds a
-        connection for as long as its response runs."""
-        cap = tenant.limits.max_concurrent_requests
-        if cap is not None and self._following[tenant.id] >= cap:
+        """A tenant follows at most its max_concurrent_requests streams on this instance at once (without one,
+        responses.max_follows_per_tenant): each holds a connection for as long as its response runs, and the stored
+        responses' routes take no rate limit."""
+        own = tenant.limits.max_concurrent_requests
+        cap = own if own is not None else self._settings.responses.max_follows_per_tenant
+        if self._following[tenant.id] >= cap:
+            named = "max_concurrent_requests" if own is not None else "responses.max_follows_per_tenant"
             raise ConcurrencyLimited(
                 f"This API key already follows {cap} background responses' streams on this gateway; the limit is "
-                f"{cap} (max_concurrent_requests)."
+                f"{cap} ({named})."
             )
 
     async def _follow(self, owner: str, now: dict[str, Any], after: int) -> AsyncIterator[bytes]:

@@ -258,3 +258,23 @@ def test_a_tenant_follows_at_most_its_concurrency_cap_of_streams_at_once(make_ga
     again = httpx.get(f"{gateway_url}{RESPONSES}/{made['response']['id']}?stream=true", headers=auth())
     assert again.status_code == 200 and sse(again.content)[-1]["type"] == "response.incomplete"
     assert len(forwarded(sim)) == 1, "the refused one was never queued"
+
+
+def test_a_tenant_without_a_concurrency_cap_follows_at_most_the_instances_bound_of_streams(
+    make_gateway: Any, make_sim: Any
+) -> None:
+    """The stored responses' routes take no rate limit: without max_concurrent_requests, a tenant's open follows are
+    bounded by responses.max_follows_per_tenant, each holding a connection and a store read a second."""
+    sim = make_sim(ttft_ms=1500)
+    gateway_url = make_gateway({"sim": sim}, responses={"max_follows_per_tenant": 1})
+    body = {"model": MODEL, "input": "Hello", "background": True, "max_output_tokens": 2}
+    made = httpx.post(f"{gateway_url}{RESPONSES}", json=body, headers=auth()).json()
+    with httpx.stream("GET", f"{gateway_url}{RESPONSES}/{made['id']}?stream=true", headers=auth()) as first:
+        lines = first.iter_lines()  # held: a line iterator let go closes the connection
+        assert next(line for line in lines if line.startswith("data: "))
+        second = httpx.get(f"{gateway_url}{RESPONSES}/{made['id']}?stream=true", headers=auth())
+        assert second.status_code == 429, second.text
+        assert "responses.max_follows_per_tenant" in second.json()["error"]["message"]
+        list(lines)
+    again = httpx.get(f"{gateway_url}{RESPONSES}/{made['id']}?stream=true", headers=auth())
+    assert again.status_code == 200, "the place is given back when the stream ends"
