@@ -40,6 +40,7 @@ from gateway.jobs.queue import Claimed, Job, JobQueue
 from gateway.pipeline import inference
 from gateway.pipeline.inference import Pipeline, Submission
 from gateway.pipeline.outcome import Stream
+from gateway.supervisor import stop_tasks
 from gateway.tenancy.tenants import TenantDirectory
 from gateway.upstream.fairness import Gate
 
@@ -57,6 +58,8 @@ MAX_WAIT_S = 600.0  # then the refusal is the item's answer: a replica gone for 
 # How often a running item's job is asked whether it is still wanted: a cancel stops the engine within about this,
 # at one store read per running item.
 WATCH_S = 0.5
+# A stopped item's run is asked to end this long at most; one that goes on is left running (its answer is dropped).
+STOP_WITHIN_S = 30.0
 T = TypeVar("T")
 
 
@@ -228,9 +231,9 @@ class Worker:
         finally:
             watch.cancel()
             if not running.done():
-                # The pipeline closes the engine's request, and the engine aborts it.
-                running.cancel()
-                await asyncio.wait({running})
+                # The pipeline closes the engine's request, and the engine aborts it. Asked again until it ends: a
+                # cancellation can be lost in a library (stop_tasks), and the answer would then run to its end.
+                await stop_tasks([running], STOP_WITHIN_S)
 
     async def _given_up(self, claimed: Claimed, finisher: Finisher | None) -> None:
         """After MAX_ATTEMPTS, the job ends `failed`, with an error result for every item that has none; its finisher
