@@ -190,7 +190,7 @@ def _prune_choice(choice: dict[str, Any], removed: Removed) -> None:
             removed.append((f"choice.{name}", choice.pop(name)))
     logprobs = choice.get("logprobs")
     if type(logprobs) is dict:
-        _prune_logprobs(logprobs, removed)
+        prune_logprobs(logprobs, removed)
     elif logprobs is not None:
         removed.append(("choice.logprobs", logprobs))
         choice["logprobs"] = None
@@ -207,7 +207,7 @@ def _prune_message(message: dict[str, Any], removed: Removed) -> None:
             removed.append(("tool.function", call.pop("function")))
 
 
-def _prune_logprobs(logprobs: dict[str, Any], removed: Removed) -> None:
+def prune_logprobs(logprobs: dict[str, Any], removed: Removed) -> None:
     if "tokens" in logprobs:
         _prune_completion_logprobs(logprobs, removed)
         return

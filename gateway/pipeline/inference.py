@@ -69,6 +69,7 @@ from gateway.upstream.routing import Router
 from isolation.channels import prune
 from isolation.events import IsolationEvent
 from isolation.fingerprints import AnswerCheck, Fingerprinter, Mark, Prepared
+from isolation.fitted import fitted
 from isolation.guard import FRAGMENT, MARKER, Leak, OutputGuard
 from isolation.inject import completion_prefix, hide_injected, inject_chat, inject_completion
 from isolation.leaks import LeakPolicy
@@ -560,17 +561,21 @@ class InferenceCall:
         """A whole answer, pruned, verified and scanned."""
         guard = self.output_guard()
         self._suspect = None if guard is None else guard.suspect
-        try:
-            body = parse_json_body(self.replica, raw)
-        except BackendBadResponse:
-            if guard is not None:  # never relayed, but a leak there is one all the same
-                await guard.check_removed([("answer.raw", raw.decode("utf-8", "replace"))])
-            raise
-        if isinstance(self.request, EmbeddingRequest):
-            return await self._embeddings(body, self.request, guard)
-        if isinstance(self.request, ScoreRequest | RerankRequest):
-            return await self._scored(body, self.request, guard)
-        removed = prune(body)
+        found = None if isinstance(self.request, INPUTS_REQUESTS) else fitted(raw)
+        if found is not None:
+            body, removed = found
+        else:
+            try:
+                body = parse_json_body(self.replica, raw)
+            except BackendBadResponse:
+                if guard is not None:  # never relayed, but a leak there is one all the same
+                    await guard.check_removed([("answer.raw", raw.decode("utf-8", "replace"))])
+                raise
+            if isinstance(self.request, EmbeddingRequest):
+                return await self._embeddings(body, self.request, guard)
+            if isinstance(self.request, ScoreRequest | RerankRequest):
+                return await self._scored(body, self.request, guard)
+            removed = prune(body)
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
         if guard is not None and removed:
             await guard.check_removed(removed)

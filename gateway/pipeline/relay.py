@@ -1,7 +1,7 @@
 """A backend's SSE stream turned into the chunks the tenant may see (each edge renders them: outcome.py).
 
-Every event is parsed (the checks need its fields) and pruned to the answer's inventory (isolation/channels.py);
-anything that is not a `data:` event of a JSON object does not go out. Its texts go through the canary guard (own
+Every event is parsed (the checks need its fields) and pruned to the answer's inventory (isolation/channels.py), in
+one compiled pass when it already fits (isolation/fitted.py, as nearly every event does); anything that is not a `data:` event of a JSON object does not go out. Its texts go through the canary guard (own
 marker stripped, another tenant's handled by policy). Usage the gateway asked for on the tenant's behalf is
 taken out again, and the usage that does go out excludes the tokens the gateway injected. The first usage the
 backend reports is checked against the gateway's own count, and until that check passes nothing is relayed, so
@@ -21,7 +21,8 @@ import orjson
 
 from gateway.errors import GatewayError
 from gateway.upstream.sse import DONE, EventSplitter
-from isolation.channels import prune
+from isolation.channels import Removed, prune
+from isolation.fitted import fitted
 from isolation.guard import CandidateFlood, LeakBlocked, OutputGuard
 
 DATA = b"data: "
@@ -132,20 +133,12 @@ class StreamFilter:
             if self._guard is not None:
                 await self._guard.check_removed(_sse_fields(event))
             return None
-        try:
-            chunk = orjson.loads(event[len(DATA) :])
-        except orjson.JSONDecodeError:
-            chunk = None
-        if not isinstance(chunk, dict):
-            # Garbage from the backend ends the stream; what it says is never relayed, but a leak there is one.
-            if self._guard is not None:
-                await self._guard.check_removed(_sse_fields(event))
-            raise StreamFailed
-        if "error" in chunk:
-            if self._guard is not None:
-                await self._guard.check_removed([("error", chunk)])
-            raise StreamFailed
-        removed = prune(chunk)
+        data = memoryview(event)[len(DATA) :]
+        found = fitted(data)
+        if found is None:
+            chunk, removed = await self._pruned(event, data)
+        else:
+            chunk, removed = found
         if self._guard is not None:
             if removed:
                 await self._guard.check_removed(removed)
@@ -164,6 +157,23 @@ class StreamFilter:
             if not self._wanted.every_chunk:
                 del chunk["usage"]
         return chunk
+
+    async def _pruned(self, event: bytes, data: memoryview) -> tuple[dict[str, Any], Removed]:
+        """An event that does not fit the inventory as it stands (fitted.py): parsed, and pruned to it."""
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            chunk = None
+        if not isinstance(chunk, dict):
+            # Garbage from the backend ends the stream; what it says is never relayed, but a leak there is one.
+            if self._guard is not None:
+                await self._guard.check_removed(_sse_fields(event))
+            raise StreamFailed
+        if "error" in chunk:
+            if self._guard is not None:
+                await self._guard.check_removed([("error", chunk)])
+            raise StreamFailed
+        return chunk, prune(chunk)
 
 
 @contextmanager
