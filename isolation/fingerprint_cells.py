@@ -94,10 +94,10 @@ class FingerprintCells:
         self._replication = replication
         self._script = redis.register_script(_CLAIM)
 
-    async def claim(self, life_s: float = CLAIM_TTL_S) -> Claimed:
-        """Claim every replica that no other cell holds, for `life_s`; says which another cell holds, and which came
-        from another cell's stream."""
-        args: list[str | int] = [self.tag, round(life_s * 1000), *self._replicas]
+    async def claim(self) -> Claimed:
+        """Claim every replica that no other cell holds, for CLAIM_TTL_S; says which another cell holds, and which
+        came from another cell's stream."""
+        args: list[str | int] = [self.tag, round(CLAIM_TTL_S * 1000), *self._replicas]
         answer: Any = await run_script(self._redis, self._replication, self._script, [self._name], args)
         held: dict[str, str] = {}
         moved: dict[str, str] = {}

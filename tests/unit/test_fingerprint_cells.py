@@ -102,16 +102,19 @@ def cell(redis: Redis, prefix: str, name: str | None, replicas: list[str]) -> Fi
     return FingerprintCells(redis, prefix=prefix, tag=stream_tag(name), replicas=replicas, replication=NO_WAIT)
 
 
-async def test_a_replica_another_cell_holds_is_refused_until_its_claim_lapses(redis: Redis, prefix: str) -> None:
+async def test_a_replica_another_cell_holds_is_refused_until_its_claim_lapses(
+    redis: Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("isolation.fingerprint_cells.CLAIM_TTL_S", 0.5)
     a, b = cell(redis, prefix, "a", ["r1", "r2"]), cell(redis, prefix, "b", ["r2", "r3"])
     try:
-        first = await a.claim(life_s=0.5)
+        first = await a.claim()
         assert first.held == {} and first.moved == {}
-        second = await b.claim(life_s=0.5)
+        second = await b.claim()
         assert second.held == {"r2": "fingerprints:a"}, "two cells would each miss the other's prompts to r2"
         assert second.moved == {}, "r3 was no one's"
         assert (await cell(redis, prefix, "a", ["r2"]).claim()).held == {}, "another instance of the same cell"
-        assert (await a.claim(life_s=0.5)).held == {} and (await b.claim(life_s=0.5)).held == {"r2": "fingerprints:a"}
+        assert (await a.claim()).held == {} and (await b.claim()).held == {"r2": "fingerprints:a"}
         refusal = b.refusal(second.held)
         assert "'r2' (cell 'a')" in refusal and "this instance's cell is 'b'" in refusal
         await asyncio.sleep(0.6)  # cell a's last instance stopped listing r2: its claim lapses
