@@ -44,7 +44,7 @@ def stream_tag(cell: str | None) -> str:
 
 def cell_name(tag: str) -> str:
     """How a stream tag's cell is said to an operator."""
-    return "none (isolation.fingerprints.cell unset)" if tag == NO_CELL else repr(tag.removeprefix(f"{NO_CELL}:"))
+    return "no cell" if tag == NO_CELL else f"cell {tag.removeprefix(f'{NO_CELL}:')!r}"
 
 
 @dataclass(frozen=True)
@@ -107,11 +107,12 @@ class FingerprintCells:
 
     def refusal(self, held: dict[str, str]) -> str:
         """Why this instance cannot vouch for the answers of the replicas another cell holds, and what to do."""
-        replicas = ", ".join(f"'{replica}' (cell {cell_name(tag)})" for replica, tag in sorted(held.items()))
+        listing = ", ".join(f"'{replica}' ({cell_name(tag)})" for replica, tag in sorted(held.items()))
+        what, verb, them = ("backend", "is", "it") if len(held) == 1 else ("backends", "are", "them")
         return (
-            f"isolation.fingerprints.cell: the backends {replicas} are claimed by other instances' cells, and this "
-            f"instance's cell is {cell_name(self.tag)}: the prompts each side sends them go to a stream the other does "
-            "not read. Give every instance that lists a backend the same cell; to move a backend between cells, "
-            f"remove it from the old cell first: the old cell's claim lapses {CLAIM_TTL_S:.0f} s after its last "
-            "instance stops listing it"
+            f"isolation.fingerprints.cell: {what} {listing} {verb} claimed by other instances, and this "
+            f"instance names {cell_name(self.tag)}: the prompts each side sends {them} go to a stream the "
+            "other does not read. Give every instance that lists a backend the same cell; to move a backend to "
+            f"another cell, remove it from the old cell's backends first (its claim lapses {CLAIM_TTL_S:.0f} s after "
+            "the old cell's last instance stops listing it)"
         )

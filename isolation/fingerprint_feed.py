@@ -110,8 +110,8 @@ class RedisFingerprintFeed:
     def conflicts(self) -> dict[str, str]:
         """Each contested replica's problem, in a sentence (for /readyz)."""
         return {
-            replica: f"backend {replica} is claimed by cell {cell_name(tag)}, whose fingerprint stream this instance "
-            "does not read (isolation.fingerprints.cell): its answers are withheld"
+            replica: f"backend {replica} is claimed by other instances ({cell_name(tag)}), whose fingerprint stream "
+            "this instance does not read (isolation.fingerprints.cell): its answers are withheld"
             for replica, tag in sorted(self.contested.items())
         }
 

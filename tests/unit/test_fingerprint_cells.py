@@ -60,8 +60,8 @@ def test_on_a_cluster_a_cells_streams_share_its_tag_and_cells_have_their_own() -
 
 
 def test_cells_are_said_by_name() -> None:
-    assert cell_name(stream_tag("eu-1")) == "'eu-1'"
-    assert cell_name(stream_tag(None)) == "none (isolation.fingerprints.cell unset)"
+    assert cell_name(stream_tag("eu-1")) == "cell 'eu-1'"
+    assert cell_name(stream_tag(None)) == "no cell"
 
 
 # --- The setting ---------------------------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ async def test_a_replica_another_cell_holds_is_refused_until_its_claim_lapses(
         assert (await cell(redis, prefix, "a", ["r2"]).claim()).held == {}, "another instance of the same cell"
         assert (await a.claim()).held == {} and (await b.claim()).held == {"r2": "fingerprints:a"}
         refusal = b.refusal(second.held)
-        assert "'r2' (cell 'a')" in refusal and "this instance's cell is 'b'" in refusal
+        assert "backend 'r2' (cell 'a') is claimed by other instances, and this instance names cell 'b'" in refusal
         await asyncio.sleep(0.6)  # cell a's last instance stopped listing r2: its claim lapses
         taken = await b.claim()
         assert taken.held == {} and taken.moved == {"r2": "fingerprints:a"}, "where r2's earlier prompts are"
