@@ -68,7 +68,7 @@ class RedisFingerprintFeed:
         on_cluster = isinstance(redis, RedisCluster)
         self._name = f"{prefix}{{{stream_tag(cell)}}}" if on_cluster else f"{prefix}fingerprints"
         # Where several cells could disagree about a replica's stream: by replica, on a cluster.
-        self.cells = None
+        self.cells: FingerprintCells | None = None
         if on_cluster and replicas is not None:
             self.cells = FingerprintCells(
                 redis, prefix=prefix, tag=stream_tag(cell), replicas=replicas, replication=replication
@@ -91,21 +91,24 @@ class RedisFingerprintFeed:
         if self.cells is None:
             return Claimed({}, {})
         claimed = await self.cells.claim()
-        for replica in sorted(claimed.held.keys() - self.contested.keys()):
-            log.error("%s; its answers are withheld", self.cells.refusal({replica: claimed.held[replica]}))
-        for replica in sorted(self.contested.keys() - claimed.held.keys()):
-            log.warning("backend %s is claimed for this instance's cell again: its answers are checked", replica)
         self.contested = claimed.held
         return claimed
 
     async def keep_claims(self) -> None:
         """Claim again every CLAIM_INTERVAL_S, until cancelled (the start made the first claim)."""
+        assert self.cells is not None, "kept where there are claims"
         while True:
             await asyncio.sleep(CLAIM_INTERVAL_S)
+            before = self.contested
             try:
                 await self.claim()
             except (RedisError, OSError) as exc:
                 log.warning("fingerprint streams' cell not claimed: %s", type(exc).__name__)
+                continue
+            for replica in sorted(self.contested.keys() - before.keys()):
+                log.error("%s; its answers are withheld", self.cells.refusal({replica: self.contested[replica]}))
+            for replica in sorted(before.keys() - self.contested.keys()):
+                log.warning("backend %s is claimed for this instance's cell again: its answers are checked", replica)
 
     def conflicts(self) -> dict[str, str]:
         """Each contested replica's problem, in a sentence (for /readyz)."""
