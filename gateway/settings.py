@@ -478,6 +478,14 @@ class FingerprintSettings(_Section):
         description="coverage kv_cache: the KV capacity in tokens taken for a replica whose engine has not said "
         "(a disaggregated backend counts its stages')",
     )
+    cell: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$",
+        description="coverage kv_cache on a Redis Cluster: this instance's cell (the instances that share a group of "
+        "replicas); its replicas' fingerprint streams carry the cell's hash tag, so cells spread over the primaries. "
+        "Every instance that lists a replica names the same cell, or the later one does not start. Unset: one cell. "
+        "On one Redis it changes nothing",
+    )
     inline_chars: int = Field(
         default=65_536, ge=0, description="prompts up to this size are fingerprinted on the event loop"
     )
@@ -510,6 +518,15 @@ class FingerprintSettings(_Section):
         default_factory=list,
         description="files or directories of public text (licences, standard libraries): never evidence of a leak",
     )
+
+    @model_validator(mode="after")
+    def _cell(self) -> Self:
+        if self.cell is not None and self.coverage != "kv_cache":
+            raise ValueError(
+                "cell needs coverage: kv_cache (with coverage time every instance reads one stream: there is no cell "
+                "to be in)"
+            )
+        return self
 
 
 class LedgerSettings(_Section):

@@ -30,6 +30,7 @@ PATTERN_WORDS = {
     r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$": "must be 1-64 letters, digits or . _ -, starting with a letter or digit",
     r"^[a-z_][a-z0-9_]{0,62}$": "must be 1-63 lower-case letters, digits or _, not starting with a digit",
     r"^(DEBUG|INFO|WARNING|ERROR)$": "must be DEBUG, INFO, WARNING or ERROR",
+    r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$": "must be 1-32 lower-case letters, digits or -, with no - first or last",
 }
 # PyYAML's commonest complaints, in words: (its problem, what to say, whether the place is where the context began).
 _YAML_WORDS = [

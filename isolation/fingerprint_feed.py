@@ -7,16 +7,19 @@ import logging
 import math
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from isolation.fingerprint_cells import CLAIM_INTERVAL_S, Claimed, FingerprintCells, cell_name, stream_tag
 from isolation.fingerprints import Mark, Prompt, PromptIndex
 from isolation.poison import Poison
-from isolation.redis_keys import RedisClient, tag
+from isolation.redis_keys import RedisClient
 from isolation.redis_text import text
+from isolation.replication import NO_WAIT, Replication
 
 log = logging.getLogger("bulkhead.isolation")
 
@@ -40,7 +43,8 @@ class RedisFingerprintFeed:
     to about the prompts its index holds (`keep`), and an instance reads only those of the replicas it routes to: a
     request's mark is in its replica's stream, and its answer can only carry that replica's pages. Its entries are
     one field, packed (`_pack`): redis-py reads a reply in Python, a string at a time, and seven fields an entry cost
-    the follower more than the index did.
+    the follower more than the index did. On a cluster the streams carry the hash tag of this instance's cell
+    (`cell`), and its replicas are claimed for that cell (fingerprint_cells.py).
     """
 
     def __init__(
@@ -52,12 +56,24 @@ class RedisFingerprintFeed:
         prefix: str,
         poison: Poison,
         replicas: Sequence[str] | None = None,
+        cell: str | None = None,
+        replication: Replication = NO_WAIT,
     ) -> None:
         self._redis = redis
         self._poison = poison
-        # On a cluster every stream shares one hash tag: `follow` reads them all in one XREAD, which a cluster runs
-        # only within one slot (so the feed is one master's, as the single stream of coverage by time is).
-        self._name = f"{prefix}{tag(redis, 'fingerprints')}"
+        self._prefix = prefix
+        # On a cluster every stream this instance follows shares its cell's hash tag: `follow` reads them all in one
+        # XREAD, which a cluster runs only within one slot (so a cell's feed is one primary's, as the single stream of
+        # coverage by time is). On one Redis, the names they always had.
+        on_cluster = isinstance(redis, RedisCluster)
+        self._name = f"{prefix}{{{stream_tag(cell)}}}" if on_cluster else f"{prefix}fingerprints"
+        # Where several cells could disagree about a replica's stream: by replica, on a cluster.
+        self.cells: FingerprintCells | None = None
+        if on_cluster and replicas is not None:
+            self.cells = FingerprintCells(
+                redis, prefix=prefix, tag=stream_tag(cell), replicas=replicas, replication=replication
+            )
+        self.contested: dict[str, str] = {}  # replica → the tag of the other cell that holds it
         self._instance = instance
         self._ttl_ms = int(ttl_s * 1000)
         self.by_replica = replicas is not None
@@ -68,6 +84,39 @@ class RedisFingerprintFeed:
 
     def stream(self, replica: str) -> str:
         return f"{self._name}:{replica}" if self.by_replica else self._name
+
+    async def claim(self) -> Claimed:
+        """Claim this instance's replicas for its cell (on a cluster, by replica; elsewhere nothing to claim). A
+        replica that another cell holds is contested until a claim takes it: its answers are withheld."""
+        if self.cells is None:
+            return Claimed({}, {})
+        claimed = await self.cells.claim()
+        self.contested = claimed.held
+        return claimed
+
+    async def keep_claims(self) -> None:
+        """Claim again every CLAIM_INTERVAL_S, until cancelled (the start made the first claim)."""
+        assert self.cells is not None, "kept where there are claims"
+        while True:
+            await asyncio.sleep(CLAIM_INTERVAL_S)
+            before = self.contested
+            try:
+                await self.claim()
+            except (RedisError, OSError) as exc:
+                log.warning("fingerprint streams' cell not claimed: %s", type(exc).__name__)
+                continue
+            for replica in sorted(self.contested.keys() - before.keys()):
+                log.error("%s; its answers are withheld", self.cells.refusal({replica: self.contested[replica]}))
+            for replica in sorted(before.keys() - self.contested.keys()):
+                log.warning("backend %s is claimed for this instance's cell again: its answers are checked", replica)
+
+    def conflicts(self) -> dict[str, str]:
+        """Each contested replica's problem, in a sentence (for /readyz)."""
+        return {
+            replica: f"backend {replica} is claimed by other instances ({cell_name(tag)}), whose fingerprint stream "
+            "this instance does not read (isolation.fingerprints.cell): its answers are withheld"
+            for replica, tag in sorted(self.contested.items())
+        }
 
     async def publish(self, prompt: Prompt, keep: int = 0) -> Mark:
         """Add a prompt's entry; returns its mark. `keep`: by replica, the entries its stream keeps at least (what
@@ -93,6 +142,8 @@ class RedisFingerprintFeed:
 
     async def reached(self, mark: Mark, timeout_s: float) -> bool:
         """Whether this instance has read the mark's stream up to it (waiting for it up to timeout_s)."""
+        if self._replicas.get(mark.stream) in self.contested:
+            return False  # another cell's instances send it prompts this one never reads
         wanted = stream_position(mark.entry)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -106,23 +157,45 @@ class RedisFingerprintFeed:
                 return False
         return True
 
-    async def catch_up(self, index: PromptIndex[Any]) -> dict[str, str]:
+    async def catch_up(self, index: PromptIndex[Any], moved: Mapping[str, str] | None = None) -> dict[str, str]:
         """Add what every other instance published that the index should hold (by time, the last ttl_s; by
-        replica, all a stream keeps); returns where each stream was read to."""
+        replica, all a stream keeps); returns where each stream was read to. `moved`: replicas whose prompts were in
+        another cell's stream before (by that cell's tag): read too, in the order Redis took them."""
         start = "-" if self.by_replica else f"{int(time.time() * 1000) - self._ttl_ms}-0"
         read: dict[str, str] = {}
         for stream in self.streams:
-            last = start
-            while True:
-                entries: Any = await self._redis.xrange(stream, min=last, count=1000)
-                if not entries:
-                    break
-                for entry_id, fields in entries:
-                    last = text(entry_id)
-                    self._ingest(index, stream, last, fields)
-                last = f"({last}"  # exclusive: the next page after the last entry read
-            read[stream] = last.lstrip("(") if last != "-" else "0-0"
+            replica = self._replicas.get(stream, "")
+            sources = [stream]
+            if moved and replica in moved:
+                before = f"{self._prefix}{{{moved[replica]}}}:{replica}"
+                self._replicas[before] = replica
+                sources.insert(0, before)
+            last = "0-0" if start == "-" else start
+            if len(sources) == 1:
+                async for entry_id, fields in self._all(stream, start):
+                    self._ingest(index, stream, entry_id, fields)
+                    last = entry_id
+            else:
+                # Merged by their ids' times (two streams, on two primaries): the replica moved only once the claim
+                # of the cell before lapsed, so their spans do not overlap. One replica's coverage each, in memory.
+                entries = [(stream_position(i), n, i, f) for n in sources async for i, f in self._all(n, start)]
+                entries.sort(key=lambda each: each[0])
+                for _, name, entry_id, fields in entries:
+                    self._ingest(index, name, entry_id, fields)
+                    last = entry_id if name == stream else last
+            read[stream] = last
         return read
+
+    async def _all(self, stream: str, start: str) -> AsyncIterator[tuple[str, dict[bytes, bytes]]]:
+        """A stream's entries from `start` on, a page at a time."""
+        low = start
+        while True:
+            entries: Any = await self._redis.xrange(stream, min=low, count=1000)
+            if not entries:
+                return
+            for entry_id, fields in entries:
+                yield text(entry_id), fields
+            low = f"({text(entries[-1][0])}"  # exclusive: the next page after the last entry read
 
     def start(self, read: dict[str, str] | None) -> dict[str, str]:
         """Where `follow` begins when the start could not read the streams (`read` None): by time, the last ttl_s;

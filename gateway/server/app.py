@@ -376,6 +376,27 @@ def notice_signing_key(settings: Settings, redis: RedisClient | None) -> Signing
     return SigningKey(secrets.token_bytes(32))
 
 
+async def catch_up(feed: RedisFingerprintFeed, fingerprinter: Fingerprinter) -> dict[str, str] | None:
+    """Claim this instance's replicas for its cell, then read what other instances sent them; where each stream was
+    read to, None when Redis could not be read. A replica another cell holds stops the start (SettingsError): each
+    cell would miss the other's prompts to it."""
+    moved: dict[str, str] = {}
+    try:
+        claimed = await feed.claim()
+    except (RedisError, OSError) as exc:
+        # As with Redis down at any time: the claim is made by the task that keeps it, once Redis answers.
+        log.error("fingerprint streams' cell not claimed at start: %s", type(exc).__name__)
+    else:
+        if claimed.held and feed.cells is not None:
+            raise SettingsError(feed.cells.refusal(claimed.held))
+        moved = claimed.moved
+    try:
+        return await feed.catch_up(fingerprinter.index, moved)
+    except (RedisError, OSError) as exc:
+        log.warning("fingerprints of other instances not read at start: %s", type(exc).__name__)
+        return None
+
+
 def fingerprint_secret(secret: bytes) -> bytes:
     return hmac.new(secret, b"bulkhead prompt fingerprints", hashlib.sha256).digest()
 
@@ -618,14 +639,16 @@ def create_app(
             # Before the feed is read: an index keyed to KV capacity holds as much as each replica's cache.
             await capacity.refresh_all(client, timeout)
             by_replica = fingerprinting.coverage == "kv_cache"
-            feed = stores.fingerprint_feed(feed_name, [b.name for b in settings.backends] if by_replica else None)
+            feed = stores.fingerprint_feed(
+                feed_name,
+                [b.name for b in settings.backends] if by_replica else None,
+                cell=fingerprinting.cell,
+                replication=replication_of(settings),
+            )
             fingerprinter = make_fingerprinter(settings, secret, feed, executor, capacity.kv_tokens)
             feed_ready = None
             if fingerprinter is not None and feed is not None:
-                try:
-                    feed_ready = await feed.catch_up(fingerprinter.index)
-                except (RedisError, OSError) as exc:
-                    log.warning("fingerprints of other instances not read at start: %s", type(exc).__name__)
+                feed_ready = await catch_up(feed, fingerprinter)
             router = Router(pool, metrics, settings.routing, random.Random())
             load = LoadMonitor(settings.backends, pool, metrics)
 
@@ -755,7 +778,13 @@ def create_app(
             app.router.routes[:] = route_table(
                 process=ProcessRoutes(
                     readiness=ReadinessCheck(
-                        settings=settings, pool=pool, capacity=capacity, tenants=tenants, tasks=tasks, redis=redis
+                        settings=settings,
+                        pool=pool,
+                        capacity=capacity,
+                        tenants=tenants,
+                        tasks=tasks,
+                        redis=redis,
+                        feed=feed,
                     ),
                     metrics=metrics,
                     metrics_token=settings.metrics_token,
@@ -843,6 +872,8 @@ def create_app(
                     partial(feed.follow, fingerprinter.index, feed.start(feed_ready)),
                     breaks="answers wait for it and are withheld (fingerprint_feed_lag)",
                 )
+                if feed.cells is not None:
+                    tasks.keep("fingerprint-cells", feed.keep_claims)
             # What start-up built (modules, the tokenizer, settings, tables) lives as long as the process: frozen out
             # of the collector's sight, a full collection stops walking it, which took ~40 ms a time under load (a
             # p99 spike for every request in flight then). Thawed at shutdown (the whole process's frozen objects,

@@ -1,9 +1,10 @@
 """What `/readyz` answers: whether this instance can take traffic now, and what about it is degraded.
 
 Not ready (503) only when sending this instance a request is pointless or unsafe: no backend is routable, Redis is
-unreachable while something configured cannot work without it, or a background task a defence needs (the fingerprint
+unreachable while something configured cannot work without it, a background task a defence needs (the fingerprint
 feed follower, the ledger writer, the tenant listener) is down after a crash until its supervisor has started it
-again. Any other background task down is degraded. Everything else is served with Redis down, so the
+again, or a backend's fingerprint stream is another cell's (isolation/fingerprint_cells.py: its answers are
+withheld). Any other background task down is degraded. Everything else is served with Redis down, so the
 instance stays in rotation and says what is degraded; one Redis restart must not take every gateway out at once.
 A disaggregated backend's stage whose capacity cannot be read is degraded too, with what its limit does meanwhile
 (upstream.on_stage_unread).
@@ -31,6 +32,7 @@ from gateway.supervisor import Supervisor
 from gateway.tenancy.tenants import TenantDirectory
 from gateway.upstream.backends import ReplicaPool
 from gateway.upstream.capacity import CapacityMonitor
+from isolation.fingerprint_feed import RedisFingerprintFeed
 from isolation.redis_keys import RedisClient
 
 # Below the probes' timeouts (Kubernetes: 3 s; HAProxy: its connect timeout): a Redis that does not answer within
@@ -80,8 +82,10 @@ class ReadinessCheck:
         tenants: TenantDirectory,
         tasks: Supervisor,
         redis: RedisClient | None,
+        feed: RedisFingerprintFeed | None = None,
     ) -> None:
         self._settings = settings
+        self._feed = feed
         self._pool = pool
         self._capacity = capacity
         self._tenants = tenants
@@ -91,6 +95,7 @@ class ReadinessCheck:
     async def check(self) -> Readiness:
         readiness = Readiness()
         self._backends(readiness)
+        self._cells(readiness)
         self._tasks(readiness)
         await self._redis(readiness)
         return readiness
@@ -119,6 +124,13 @@ class ReadinessCheck:
             else:
                 then = f"its backend's limits keep its last known KV capacity ({kept} tokens)"
             readiness.problems.append(f"stage {stage.label} is {stage.problem}: {then}")
+
+    def _cells(self, readiness: Readiness) -> None:
+        if self._feed is None:
+            return
+        for replica, problem in self._feed.conflicts().items():
+            readiness.degraded.append(f"cell:{replica}")
+            readiness.blocking.append(problem)
 
     async def _redis(self, readiness: Readiness) -> None:
         if self._redis_client is None:

@@ -28,7 +28,7 @@ from isolation.fingerprint_feed import RedisFingerprintFeed
 from isolation.markers import RedisMarkerStore
 from isolation.poison import Poison
 from isolation.redis_keys import RedisClient
-from isolation.replication import Replication
+from isolation.replication import NO_WAIT, Replication
 
 
 @dataclass(frozen=True)
@@ -51,13 +51,27 @@ class Stores:
     feed_ttl_s: float  # how long a prompt's fingerprints stay in the feed
     poison: Poison  # where readers of shared state account for the entries they cannot decode
 
-    def fingerprint_feed(self, instance: str, replicas: Sequence[str] | None = None) -> RedisFingerprintFeed | None:
+    def fingerprint_feed(
+        self,
+        instance: str,
+        replicas: Sequence[str] | None = None,
+        *,
+        cell: str | None = None,
+        replication: Replication = NO_WAIT,
+    ) -> RedisFingerprintFeed | None:
         """Every instance's prompts, for the fingerprint index (`replicas`: a stream for each of these, the replicas
-        this instance routes to); None: this instance's only."""
+        this instance routes to, under its `cell`'s hash tag on a cluster); None: this instance's only."""
         if self.redis is None:
             return None
         return RedisFingerprintFeed(
-            self.redis, instance, self.feed_ttl_s, prefix=self.prefix, poison=self.poison, replicas=replicas
+            self.redis,
+            instance,
+            self.feed_ttl_s,
+            prefix=self.prefix,
+            poison=self.poison,
+            replicas=replicas,
+            cell=cell,
+            replication=replication,
         )
 
 

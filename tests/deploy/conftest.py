@@ -9,7 +9,13 @@ import yaml
 
 from tests.deploy.tools import DEPLOY, run
 
-KUSTOMIZATIONS = sorted(path.parent for path in (DEPLOY / "kubernetes").rglob("kustomization.yaml"))
+# What can be deployed: the base and each overlay. Not the components the overlays add, nor the parts of one overlay
+# (overlays/cells/cell-a): neither builds alone into a deployment.
+KUSTOMIZATIONS = sorted(
+    path.parent
+    for path in (DEPLOY / "kubernetes").rglob("kustomization.yaml")
+    if path.parent.name == "base" or path.parent.parent.name == "overlays"
+)
 
 
 @pytest.fixture(scope="session")

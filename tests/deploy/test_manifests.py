@@ -1,5 +1,6 @@
 """deploy/kubernetes: every kustomization builds, every object validates against the Kubernetes schemas, and the
-objects agree with each other and with the gateway (its settings load, its backends are the vLLM pods)."""
+objects agree with each other and with the gateway (its settings load, its backends are the vLLM pods); in the cells'
+build, each cell's gateways name their own cell and its vLLM pods alone, and the front sends a session to one cell."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import yaml
 from gateway.server.app import create_app
 from gateway.settings import Settings, load_settings
 from tests.deploy.conftest import KUSTOMIZATIONS
-from tests.deploy.tools import DEPLOY, module
+from tests.deploy.tools import DEPLOY, module, run
 from tests.e2e.vllm_env import VLLM_SPEC
 
 Object = dict[str, Any]
@@ -26,6 +27,9 @@ OLDEST_KUBERNETES = "1.29.0"
 GATEWAY = "bulkhead-gateway"
 LEDGER_BUILD, LEDGER_POSTGRES = "overlays/ledger-postgres", "bulkhead-ledger-postgres"  # the ledger on PostgreSQL
 CLUSTER_BUILD = "overlays/redis-cluster"  # the shared state on a Redis Cluster of six bulkhead-redis nodes
+# Gateways in cells: a gateway Deployment and a vLLM StatefulSet per cell, the Redis Cluster and the ledger's
+# PostgreSQL shared, and a front (HAProxy) that sends a session to one cell.
+CELLS_BUILD, CELL_LABEL, FRONT = "overlays/cells", "bulkhead-cell", "bulkhead-front"
 
 
 def find(objects: list[Object], kind: str, name: str | None = None) -> list[Object]:
@@ -104,10 +108,20 @@ def secrets_providing(objects: list[Object], spec: Object, variable: str) -> set
     return found
 
 
-def gateway_settings(objects: list[Object], build: str, tmp_path: Path) -> Settings:
-    """Load the settings exactly as the gateway pod would: its --config file from the mounted ConfigMap, and
-    its environment."""
-    deployment = one(objects, "Deployment", GATEWAY)
+def gateways(objects: list[Object]) -> list[Object]:
+    """The gateway Deployments: one, or one per cell."""
+    return [
+        o
+        for o in find(objects, "Deployment")
+        if o["metadata"]["labels"].get("app.kubernetes.io/component") == "gateway"
+    ]
+
+
+def gateway_settings(objects: list[Object], build: str, tmp_path: Path, deployment: Object | None = None) -> Settings:
+    """Load the settings exactly as a gateway pod would (of `deployment`, or of the build's one gateway Deployment):
+    its --config file from the mounted ConfigMap, and its environment."""
+    if deployment is None:
+        [deployment] = gateways(objects)
     gateway = container(deployment, "gateway")
     config_path = Path(gateway["args"][gateway["args"].index("--config") + 1])
     mount = next(m for m in gateway["volumeMounts"] if config_path.is_relative_to(m["mountPath"]))
@@ -131,7 +145,7 @@ def test_every_yaml_and_json_file_under_deploy_parses() -> None:
 
 
 def test_every_kustomization_is_found() -> None:
-    assert {"base", "overlays/example", LEDGER_BUILD, CLUSTER_BUILD} <= set(BUILDS)
+    assert {"base", "overlays/example", LEDGER_BUILD, CLUSTER_BUILD, CELLS_BUILD} <= set(BUILDS)
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -153,11 +167,12 @@ def test_objects_validate_against_the_kubernetes_schemas(builds: dict[str, list[
 
 @pytest.mark.parametrize("build", BUILDS)
 def test_gateway_settings_load_as_deployed(builds: dict[str, list[Object]], build: str, tmp_path: Path) -> None:
-    settings = gateway_settings(builds[build], build, tmp_path)
-    assert settings.listen.host == "0.0.0.0"
-    assert settings.redis_url is not None, "several gateways need Redis to share state"
-    if build != "base":
-        assert settings.tenants and settings.cache_salt_secret and settings.isolation.canary.keys
+    for deployment in gateways(builds[build]):
+        settings = gateway_settings(builds[build], build, tmp_path, deployment)
+        assert settings.listen.host == "0.0.0.0"
+        assert settings.redis_url is not None, "several gateways need Redis to share state"
+        if build != "base":
+            assert settings.tenants and settings.cache_salt_secret and settings.isolation.canary.keys
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -166,7 +181,8 @@ def test_backends_are_the_vllm_pods(builds: dict[str, list[Object]], build: str,
     by_name = {e["metadata"]["name"]: e for e in engines(objects)}
     assert by_name, "no vLLM StatefulSet"
     configured = set()
-    for backend in gateway_settings(objects, build, tmp_path).backends:
+    every = [b for d in gateways(objects) for b in gateway_settings(objects, build, tmp_path, d).backends]
+    for backend in every:
         url = urlsplit(backend.url)
         pod, _, service_name = (url.hostname or "").partition(".")
         match = re.fullmatch(r"(.+)-(\d+)", pod)
@@ -184,39 +200,44 @@ def test_backends_are_the_vllm_pods(builds: dict[str, list[Object]], build: str,
 
 @pytest.mark.parametrize("build", BUILDS)
 def test_vllm_serves_the_configured_models(builds: dict[str, list[Object]], build: str, tmp_path: Path) -> None:
-    settings = gateway_settings(builds[build], build, tmp_path)
+    every = [gateway_settings(builds[build], build, tmp_path, d) for d in gateways(builds[build])]
     for engine in engines(builds[build]):
         spec = engine["spec"]["template"]["spec"]["containers"][0]
         args = dict(a.removeprefix("--").partition("=")[::2] for a in spec["args"])
-        model = settings.model(args["served-model-name"])
-        assert model is not None, f"vLLM serves {args['served-model-name']}, which the gateway does not know"
-        assert {b for b in model.backends if b.startswith(engine["metadata"]["name"])}, "no backend runs it"
-        assert model.context_window is None or model.context_window <= int(args["max-model-len"])
+        pods = f"{engine['metadata']['name']}-"
+        # The gateways that route to this engine's pods (in the cells' build, its cell's).
+        models = [m for s in every if (m := s.model(args["served-model-name"])) and m.backends[0].startswith(pods)]
+        assert models, f"vLLM serves {args['served-model-name']}, which no gateway routing to it knows"
+        for model in models:
+            assert model.context_window is None or model.context_window <= int(args["max-model-len"])
         assert "enable-prefix-caching" in args
         assert spec["resources"]["limits"]["nvidia.com/gpu"]
 
 
 @pytest.mark.parametrize("build", BUILDS)
 def test_redis_url_names_a_service_of_the_build(builds: dict[str, list[Object]], build: str, tmp_path: Path) -> None:
-    url = urlsplit(gateway_settings(builds[build], build, tmp_path).redis_url or "")
-    service = one(builds[build], "Service", url.hostname or "")
-    assert url.port in [p["port"] for p in service["spec"]["ports"]]
+    for deployment in gateways(builds[build]):
+        url = urlsplit(gateway_settings(builds[build], build, tmp_path, deployment).redis_url or "")
+        service = one(builds[build], "Service", url.hostname or "")
+        assert url.port in [p["port"] for p in service["spec"]["ports"]]
 
 
 @pytest.mark.parametrize("build", BUILDS)
 def test_gateway_is_served_scaled_and_protected(builds: dict[str, list[Object]], build: str) -> None:
     objects = builds[build]
-    deployment = one(objects, "Deployment", GATEWAY)
-    labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert "replicas" not in deployment["spec"], "the HorizontalPodAutoscaler owns the replica count"
-    hpa = one(objects, "HorizontalPodAutoscaler", GATEWAY)
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": GATEWAY}
-    assert hpa["spec"]["minReplicas"] >= 2
-    pdb = one(objects, "PodDisruptionBudget", GATEWAY)
-    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    service = one(objects, "Service", GATEWAY)
-    assert service["spec"]["selector"].items() <= labels.items()
-    assert {p["targetPort"] for p in service["spec"]["ports"]} <= _port_names(deployment)
+    assert gateways(objects)
+    for deployment in gateways(objects):
+        name = deployment["metadata"]["name"]
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert "replicas" not in deployment["spec"], "the HorizontalPodAutoscaler owns the replica count"
+        hpa = one(objects, "HorizontalPodAutoscaler", name)
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
+        assert hpa["spec"]["minReplicas"] >= 2
+        pdb = one(objects, "PodDisruptionBudget", name)
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        service = one(objects, "Service", name)
+        assert service["spec"]["selector"].items() <= labels.items()
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= _port_names(deployment)
 
 
 async def test_gateway_probes_use_its_health_routes(builds: dict[str, list[Object]]) -> None:
@@ -278,29 +299,36 @@ def test_every_pod_is_selected_by_a_network_policy(builds: dict[str, list[Object
         assert [p for p in selecting if "Ingress" in p["spec"]["policyTypes"]], workload["metadata"]["name"]
 
 
-@pytest.mark.parametrize(
-    ("build", "name"),
-    [(build, name) for build in BUILDS for name in ("vllm", "bulkhead-redis")] + [(LEDGER_BUILD, LEDGER_POSTGRES)],
-)
-def test_only_gateways_reach_vllm_and_the_stores(builds: dict[str, list[Object]], build: str, name: str) -> None:
+@pytest.mark.parametrize("build", BUILDS)
+def test_only_gateways_reach_vllm_and_the_stores(builds: dict[str, list[Object]], build: str) -> None:
     objects = builds[build]
-    target = one(objects, "StatefulSet", name)
-    ports = {p["containerPort"] for c in target["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
-    selecting = [p for p in find(objects, "NetworkPolicy") if selects(p["spec"]["podSelector"], pod_labels(target))]
-    assert selecting, f"no NetworkPolicy selects the {name} pods: any pod can reach them"
-    # A cluster's nodes also reach each other (replication, the cluster bus).
-    peers = [{GATEWAY}, {name}] if (build, name) == (CLUSTER_BUILD, "bulkhead-redis") else [{GATEWAY}]
-    for policy in selecting:
-        for rule in policy["spec"].get("ingress", []):
-            assert rule.get("from"), f"{policy['metadata']['name']}: a rule without `from` admits every source"
-            for peer in rule["from"]:
-                assert peer.keys() == {"podSelector"}, f"{policy['metadata']['name']}: {peer} reaches beyond pods"
-                admitted = {
-                    w["metadata"]["name"] for w in workloads(objects) if selects(peer["podSelector"], pod_labels(w))
-                }
-                assert admitted in peers, f"{policy['metadata']['name']} admits {sorted(admitted)}"
-            assert rule.get("ports"), f"{policy['metadata']['name']}: a rule without `ports` opens every port"
-            assert {p["port"] for p in rule["ports"]} <= ports, policy["metadata"]["name"]
+    stores = [o for o in find(objects, "StatefulSet") if o["metadata"]["name"] in ("bulkhead-redis", LEDGER_POSTGRES)]
+    assert engines(objects) and stores
+    gateway_names = {d["metadata"]["name"] for d in gateways(objects)}
+    for target in engines(objects) + stores:
+        name = target["metadata"]["name"]
+        ports = {
+            p["containerPort"] for c in target["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])
+        }
+        selecting = [p for p in find(objects, "NetworkPolicy") if selects(p["spec"]["podSelector"], pod_labels(target))]
+        assert selecting, f"no NetworkPolicy selects the {name} pods: any pod can reach them"
+        for policy in selecting:
+            for rule in policy["spec"].get("ingress", []):
+                assert rule.get("from"), f"{policy['metadata']['name']}: a rule without `from` admits every source"
+                for peer in rule["from"]:
+                    assert peer.keys() == {"podSelector"}, f"{policy['metadata']['name']}: {peer} reaches beyond pods"
+                    admitted = {
+                        w["metadata"]["name"] for w in workloads(objects) if selects(peer["podSelector"], pod_labels(w))
+                    }
+                    # A cluster's nodes also reach each other (replication, the cluster bus).
+                    itself = (
+                        admitted == {name} and int(target["spec"].get("replicas", 1)) > 1 and name == "bulkhead-redis"
+                    )
+                    assert admitted and (admitted <= gateway_names or itself), (
+                        f"{policy['metadata']['name']} admits {sorted(admitted)}"
+                    )
+                assert rule.get("ports"), f"{policy['metadata']['name']}: a rule without `ports` opens every port"
+                assert {p["port"] for p in rule["ports"]} <= ports, policy["metadata"]["name"]
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -317,8 +345,13 @@ def test_every_workload_has_a_disruption_budget(builds: dict[str, list[Object]],
 @pytest.mark.parametrize("build", BUILDS)
 def test_vllm_requires_the_key_the_gateway_sends(builds: dict[str, list[Object]], build: str, tmp_path: Path) -> None:
     objects = builds[build]
-    gateway = container(one(objects, "Deployment", GATEWAY), "gateway")
-    backends = {b.name: b for b in gateway_settings(objects, build, tmp_path).backends}
+    for deployment in gateways(objects):
+        _gateway_sends_vllm_its_key(objects, build, tmp_path, deployment)
+
+
+def _gateway_sends_vllm_its_key(objects: list[Object], build: str, tmp_path: Path, deployment: Object) -> None:
+    gateway = container(deployment, "gateway")
+    backends = {b.name: b for b in gateway_settings(objects, build, tmp_path, deployment).backends}
     for engine in engines(objects):
         spec = container(engine, "vllm")
         keys = [re.fullmatch(r"--api-key=\$\((\w+)\)", a) for a in spec["args"] if a.startswith("--api-key")]
@@ -341,38 +374,43 @@ def test_redis_requires_the_password_in_the_gateway_url(
     objects = builds[build]
     redis = one(objects, "StatefulSet", "bulkhead-redis")
     spec = container(redis, "redis")
-    gateway = container(one(objects, "Deployment", GATEWAY), "gateway")
     reference = re.fullmatch(r"\$\((\w+)\)", spec["args"][spec["args"].index("--requirepass") + 1])
     assert reference, "requirepass must be $(VARIABLE), from a Secret"
     secrets = secrets_providing(objects, spec, reference[1])
     assert secrets, f"Redis' {reference[1]} comes from no Secret"
-    assert secrets & secrets_providing(objects, gateway, reference[1]), f"the gateway reads {reference[1]} elsewhere"
     variables = environment(objects, build, redis, "redis")
     password = expand(reference[0], variables)
     assert build == "base" or "$(" not in password, f"{build}: Redis' {reference[1]} is not set"
     assert variables["REDISCLI_AUTH"] == password, "the probes' redis-cli must authenticate"
-    url = urlsplit(gateway_settings(objects, build, tmp_path).redis_url or "")
-    assert url.password == password, "the gateway's redis_url must carry Redis' password"
+    for deployment in gateways(objects):
+        gateway = container(deployment, "gateway")
+        assert secrets & secrets_providing(objects, gateway, reference[1]), f"a gateway reads {reference[1]} elsewhere"
+        url = urlsplit(gateway_settings(objects, build, tmp_path, deployment).redis_url or "")
+        assert url.password == password, "the gateway's redis_url must carry Redis' password"
 
 
+@pytest.mark.parametrize("build", [LEDGER_BUILD, CELLS_BUILD])
 def test_the_ledgers_postgres_url_is_its_postgres_with_its_password(
-    builds: dict[str, list[Object]], tmp_path: Path
+    builds: dict[str, list[Object]], build: str, tmp_path: Path
 ) -> None:
-    objects = builds[LEDGER_BUILD]
-    url = urlsplit(gateway_settings(objects, LEDGER_BUILD, tmp_path).isolation.ledger.postgres_url or "")
-    service = one(objects, "Service", url.hostname or "")
-    assert url.port in [p["port"] for p in service["spec"]["ports"]]
-    postgres = environment(objects, LEDGER_BUILD, one(objects, "StatefulSet", LEDGER_POSTGRES), "postgres")
-    assert "$(" not in postgres["POSTGRES_PASSWORD"] and url.password == postgres["POSTGRES_PASSWORD"]
-    assert (url.username, url.path) == (postgres["POSTGRES_USER"], "/" + postgres["POSTGRES_DB"])
+    objects = builds[build]
+    postgres = environment(objects, build, one(objects, "StatefulSet", LEDGER_POSTGRES), "postgres")
+    for deployment in gateways(objects):
+        url = urlsplit(gateway_settings(objects, build, tmp_path, deployment).isolation.ledger.postgres_url or "")
+        service = one(objects, "Service", url.hostname or "")
+        assert url.port in [p["port"] for p in service["spec"]["ports"]]
+        assert "$(" not in postgres["POSTGRES_PASSWORD"] and url.password == postgres["POSTGRES_PASSWORD"]
+        assert (url.username, url.path) == (postgres["POSTGRES_USER"], "/" + postgres["POSTGRES_DB"])
 
 
+@pytest.mark.parametrize("build", [CLUSTER_BUILD, CELLS_BUILD])
 def test_the_cluster_build_is_six_nodes_the_gateways_speak_to_as_a_cluster(
-    builds: dict[str, list[Object]], tmp_path: Path
+    builds: dict[str, list[Object]], build: str, tmp_path: Path
 ) -> None:
-    objects = builds[CLUSTER_BUILD]
-    settings = gateway_settings(objects, CLUSTER_BUILD, tmp_path)
-    assert settings.redis_cluster and settings.redis_wait_replicas == 1, "a replica holds every acknowledged write"
+    objects = builds[build]
+    for deployment in gateways(objects):
+        settings = gateway_settings(objects, build, tmp_path, deployment)
+        assert settings.redis_cluster and settings.redis_wait_replicas == 1, "a replica holds every acknowledged write"
     redis = one(objects, "StatefulSet", "bulkhead-redis")
     assert redis["spec"]["replicas"] == 6, "three primaries, each with a replica"
     args = container(redis, "redis")["args"]
@@ -383,6 +421,75 @@ def test_the_cluster_build_is_six_nodes_the_gateways_speak_to_as_a_cluster(
     assert all(f"bulkhead-redis-{n}.{redis['spec']['serviceName']}" in script for n in range(6))
     assert one(objects, "Service", redis["spec"]["serviceName"])["spec"]["clusterIP"] == "None", "per-node names"
     assert one(objects, "PodDisruptionBudget", "bulkhead-redis")["spec"]["maxUnavailable"] == 1
+
+
+def test_each_cell_is_its_gateways_its_vllm_pods_and_its_own_cell(
+    builds: dict[str, list[Object]], tmp_path: Path
+) -> None:
+    objects = builds[CELLS_BUILD]
+    pods_by_cell: dict[str, set[str]] = {}
+    for engine in engines(objects):
+        cell = pod_labels(engine)[CELL_LABEL]
+        assert engine["spec"]["selector"]["matchLabels"][CELL_LABEL] == cell, "its selector is its cell's alone"
+        pods_by_cell.setdefault(cell, set()).update(f"{engine['metadata']['name']}-{n}" for n in range(2))
+        assert engine["spec"]["replicas"] == 2
+    cells = {}
+    for deployment in gateways(objects):
+        cell = pod_labels(deployment)[CELL_LABEL]
+        where = f"{deployment['metadata']['name']} (cell {cell})"
+        assert cell not in cells, f"{where}: one gateway Deployment a cell"
+        assert deployment["spec"]["selector"]["matchLabels"][CELL_LABEL] == cell, f"{where}: selects its cell's pods"
+        settings = gateway_settings(objects, CELLS_BUILD, tmp_path, deployment)
+        fingerprints = settings.isolation.fingerprints
+        assert (fingerprints.coverage, fingerprints.cell) == ("kv_cache", cell), f"{where}: names its own cell"
+        names = {b.name for b in settings.backends}
+        hosts = {(urlsplit(b.url).hostname or "").partition(".")[0] for b in settings.backends}
+        assert names == hosts == pods_by_cell[cell], f"{where}: its backends are its cell's vLLM pods, and only them"
+        assert all(set(m.backends) == names for m in settings.models), f"{where}: its models on its cell's pods"
+        cells[cell] = names
+    assert len(cells) >= 2 and cells.keys() == pods_by_cell.keys(), "two cells at least, each with its engines"
+    listed = [name for names in cells.values() for name in names]
+    assert len(listed) == len(set(listed)), "a replica in one cell: its fingerprint stream is under one cell's tag"
+    for engine in engines(objects):
+        cell = pod_labels(engine)[CELL_LABEL]
+        policies = [p for p in find(objects, "NetworkPolicy") if selects(p["spec"]["podSelector"], pod_labels(engine))]
+        admitted = {
+            w["metadata"]["name"]
+            for p in policies
+            for rule in p["spec"]["ingress"]
+            for peer in rule["from"]
+            for w in workloads(objects)
+            if selects(peer["podSelector"], pod_labels(w))
+        }
+        assert admitted == {d["metadata"]["name"] for d in gateways(objects) if pod_labels(d)[CELL_LABEL] == cell}
+
+
+def test_the_front_sends_each_session_to_one_cell(builds: dict[str, list[Object]], tmp_path: Path) -> None:
+    objects = builds[CELLS_BUILD]
+    front = one(objects, "Deployment", FRONT)
+    haproxy = container(front, "haproxy")
+    [mount] = haproxy["volumeMounts"]
+    volume = next(v for v in front["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    assert mount["mountPath"] == "/usr/local/etc/haproxy", "where the image reads haproxy.cfg"
+    config = one(objects, "ConfigMap", volume["configMap"]["name"])["data"]["haproxy.cfg"]
+    (tmp_path / "haproxy.cfg").write_text(config, encoding="utf-8")
+    result = run("haproxy", "-c", "-f", tmp_path / "haproxy.cfg")
+    assert "Configuration file is valid" in result.stdout
+    # The cells' Services resolve only inside the cluster; any other warning is a real one.
+    warnings = [w for w in result.stderr.splitlines() if "WARNING" in w and "could not resolve address" not in w]
+    assert not warnings, warnings
+    servers = set(re.findall(r"^\s*server \S+ (\S+)", config, re.M))
+    cells = set()
+    for deployment in gateways(objects):
+        service = one(objects, "Service", deployment["metadata"]["name"])
+        assert service["spec"]["selector"].items() <= pod_labels(deployment).items(), "a cell's Service, its pods"
+        cells.add(f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}")
+    assert servers == cells, "one server a cell: its gateways' Service"
+    assert re.search(r"^\s*balance hash var\(txn\.cell\)$", config, re.M) and "hash-type consistent" in config
+    assert "req.hdr(x-session-affinity)" in config and "req.hdr(authorization)" in config, "the gateways' key"
+    assert "option httpchk GET /readyz" in config
+    policies = [p for p in find(objects, "NetworkPolicy") if selects(p["spec"]["podSelector"], pod_labels(front))]
+    assert [p for p in policies if "Ingress" in p["spec"]["policyTypes"]], "the front's own policy"
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -399,14 +506,15 @@ def test_redis_has_memory_for_rewriting_its_append_only_file(builds: dict[str, l
 @pytest.mark.parametrize("build", BUILDS)
 def test_grace_periods_let_streams_finish(builds: dict[str, list[Object]], build: str, tmp_path: Path) -> None:
     objects = builds[build]
-    settings = gateway_settings(objects, build, tmp_path)
-    read_timeout = settings.upstream.read_timeout_s
-    # The gateway's own shutdown grace (whatever its setting is called) must fit in the pod's too.
-    graces = [v for k, v in _leaves(settings.model_dump()) if re.search(r"(grace|shutdown|drain)\w*_s$", k)]
-    deployment = one(objects, "Deployment", GATEWAY)
-    gateway = container(deployment, "gateway")
-    needed = _pre_stop_s(gateway) + max([read_timeout, *graces])
-    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > needed
+    read_timeout = 0.0
+    for deployment in gateways(objects):
+        settings = gateway_settings(objects, build, tmp_path, deployment)
+        read_timeout = max(read_timeout, settings.upstream.read_timeout_s)
+        # The gateway's own shutdown grace (whatever its setting is called) must fit in the pod's too.
+        graces = [v for k, v in _leaves(settings.model_dump()) if re.search(r"(grace|shutdown|drain)\w*_s$", k)]
+        gateway = container(deployment, "gateway")
+        needed = _pre_stop_s(gateway) + max([settings.upstream.read_timeout_s, *graces])
+        assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > needed
     for engine in engines(objects):
         spec = container(engine, "vllm")
         drain = int(next(a for a in spec["args"] if a.startswith("--shutdown-timeout=")).partition("=")[2])
