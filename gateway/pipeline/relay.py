@@ -1,11 +1,12 @@
 """A backend's SSE stream turned into the chunks the tenant may see (each edge renders them: outcome.py).
 
 Every event is parsed (the checks need its fields) and pruned to the answer's inventory (isolation/channels.py), in
-one compiled pass when it already fits (isolation/fitted.py, as nearly every event does); anything that is not a `data:` event of a JSON object does not go out. Its texts go through the canary guard (own
-marker stripped, another tenant's handled by policy). Usage the gateway asked for on the tenant's behalf is
-taken out again, and the usage that does go out excludes the tokens the gateway injected. The first usage the
-backend reports is checked against the gateway's own count, and until that check passes nothing is relayed, so
-an answer to a prompt the backend did not really process never reaches the tenant.
+one compiled pass when it already fits (isolation/fitted.py, as nearly every event does); anything that is not a
+`data:` event of a JSON object does not go out. Its texts go through the canary guard (own marker stripped, another
+tenant's handled by policy). Usage the gateway asked for on the tenant's behalf is taken out again, and the usage
+that does go out excludes the tokens the gateway injected. The first usage the backend reports is checked against
+the gateway's own count, and until that check passes nothing is relayed, so an answer to a prompt the backend did
+not really process never reaches the tenant.
 """
 
 from __future__ import annotations
