@@ -237,9 +237,10 @@ def test_reasoning_tool_calls_and_refusals_and_their_events_conform(
         event_conforms(event, base.beyond)
 
 
-def test_a_background_responses_events_conform(client: httpx.Client, make_gateway: Any, sim_url: str) -> None:
+def test_a_background_responses_events_conform(client: httpx.Client, make_gateway: Any, make_sim: Any) -> None:
     """The gateway's alone: the simulator, like vLLM without its store, runs no background response."""
-    base = Base(make_gateway({"sim": sim_url}), auth(), EXTENSIONS, "gateway")
+    slow = make_sim(ttft_ms=1500)  # the cancelled one is still running when the cancel comes, on a busy machine too
+    base = Base(make_gateway({"sim": slow}), auth(), EXTENSIONS, "gateway")
     body = {"model": MODEL, "input": "Tell me something.", "background": True, "stream": True}
     streamed = events(post(client, base, "/v1/responses", body | {"max_output_tokens": 4}).content)
     assert [event["type"] for event in streamed][:3] == ["response.created", "response.queued", "response.in_progress"]
