@@ -37,6 +37,7 @@ import statistics
 import time
 import tracemalloc
 from typing import NamedTuple
+from urllib.parse import parse_qs, urlsplit
 
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
@@ -149,16 +150,19 @@ async def postgres_costs(
         print(f"records: {len(sample):,} written over {replicas} replicas, batches of {batch}")
         print(f"PostgreSQL write, client side:  {write_us:.2f} µs per record (one COPY a batch, off the request path)")
         span = await load(ledger, pool, replicas, loaded)
-        done = [await blast_radius(ledger, pool, span, seed=7, reads=reads)]
+        done = [await blast_radius(ledger, pool, span, url=url, seed=7, reads=reads, cold=False)]
         if cold:
-            done.append(await blast_radius(ledger, pool, span, seed=8, reads=reads, cold_url=url))
-    print(f"blast radius, one replica-hour ({statistics.median(done[0].records):,.0f} records), {reads} random hours:")
-    print("| read | p50 | p95 | max |")
-    print("| --- | --- | --- | --- |")
+            done.append(await blast_radius(ledger, pool, span, url=url, seed=8, reads=reads, cold=True))
+            # What any first read after a restart reads from disk: the catalogue, the indexes' roots.
+            done.append(await blast_radius(ledger, pool, span, url=url, seed=9, reads=5, cold=True, nobody=True))
+    print(f"blast radius, one replica-hour ({statistics.median(done[0].records):,.0f} records), random hours:")
+    print("| read | reads | p50 | p95 | max | read from disk (p50) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for read in done:
         took = sorted(read.took)
         p50, p95 = statistics.median(took) * 1000, statistics.quantiles(took, n=20, method="inclusive")[-1] * 1000
-        print(f"| {read.how} | {p50:,.0f} ms | {p95:,.0f} ms | {took[-1] * 1000:,.0f} ms |")
+        disk = f"{statistics.median(read.disk) / 2**20:,.1f} MB" if read.disk else "not known"
+        print(f"| {read.how} | {len(took)} | {p50:,.0f} ms | {p95:,.0f} ms | {took[-1] * 1000:,.0f} ms | {disk} |")
 
 
 class Span(NamedTuple):
@@ -213,6 +217,7 @@ class Reads(NamedTuple):
     how: str
     took: list[float]  # s, each read's
     records: list[int]
+    disk: list[int]  # bytes the machine read from the cluster's disk during each read (empty: not known)
 
 
 async def blast_radius(
@@ -220,31 +225,51 @@ async def blast_radius(
     pool: AsyncConnectionPool,
     span: Span,
     *,
+    url: str,
     seed: int,
     reads: int,
-    cold_url: str | None = None,
+    cold: bool,
+    nobody: bool = False,
 ) -> Reads:
     """PostgresLedger.served of `reads` random replica-hours, timed from the client with the decoding into records.
-    Warm: each read once before it is timed, so that its pages are in PostgreSQL's or the OS's cache. Cold (the
-    cluster's URL): before each read the cluster restarted, its shared buffers empty, and the OS's page cache dropped,
-    so that the catalogue, the index and the table are read from disk."""
-    how, took, records = "warm: the same read just before", [], []
+    Warm: each read once before it is timed, so that its pages are in PostgreSQL's or the OS's cache. Cold: before
+    each read the cluster restarted, its shared buffers empty, and the OS's page cache dropped, so that the catalogue,
+    the index and the table are read from disk. `nobody`: a replica that served nothing, instead."""
+    how, took, records, disk = "warm: the same read just before", [], [], []
     picks = random.Random(seed)
     for _ in range(reads):
         hour = span.first + picks.uniform(0, span.span_s - 3600)
-        replica = f"replica-{picks.randrange(span.replicas)}"
-        if cold_url is None:
+        replica = "nobody" if nobody else f"replica-{picks.randrange(span.replicas)}"
+        if not cold:
             await ledger.served(replica, hour, hour + 3600, MAX_READ)
         else:
-            restart_cluster(cold_url)
+            restart_cluster(url)
             logging.getLogger("psycopg.pool").setLevel(logging.ERROR)  # not a warning: each restart breaks them
             await pool.check()  # the pool's connections made again, outside the read's time
-            how = "cold: PostgreSQL restarted, " + drop_page_cache()
-        started = time.perf_counter()
+            how = "cold: PostgreSQL restarted, " + drop_page_cache() + (", a replica with no records" if nobody else "")
+        read_before, started = disk_read(url), time.perf_counter()
         found, _ = await ledger.served(replica, hour, hour + 3600, MAX_READ)
         took.append(time.perf_counter() - started)
         records.append(len(found))
-    return Reads(how, took, records)
+        read_after = disk_read(url)
+        if read_before is not None and read_after is not None:
+            disk.append(read_after - read_before)
+    return Reads(how, took, records, disk)
+
+
+def disk_read(url: str) -> int | None:
+    """Bytes read so far from the block device that holds the cluster at `url` (by anyone: the machine's other work
+    is in it too); None where /proc/diskstats does not list it (not Linux, or a filesystem on no one device)."""
+    held = os.stat(parse_qs(urlsplit(url).query)["host"][0]).st_dev
+    try:
+        with open("/proc/diskstats") as stats:
+            for line in stats:
+                major, minor, _, _, _, sectors = line.split()[:6]
+                if (int(major), int(minor)) == (os.major(held), os.minor(held)):
+                    return int(sectors) * 512
+    except OSError:
+        return None
+    return None
 
 
 def drop_page_cache() -> str:
