@@ -15,6 +15,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 NAMED = "BULKHEAD_TEST_POSTGRES_URL"
@@ -24,6 +25,7 @@ BINARIES = Path(os.environ.get("BULKHEAD_TEST_POSTGRES_BIN") or (INSTALLED[-1].p
 USER = "bulkhead"
 
 _suite: str | None = None  # the URL of the suite's own cluster, once one was asked for
+_restarts: dict[str, Callable[[], None]] = {}  # by URL, the clusters start_cluster made
 
 
 def postgres_url() -> str:
@@ -67,29 +69,51 @@ def start_cluster(*, durable: bool) -> str:
         "max_wal_size": "4GB",
         "max_connections": "50",
     }
-    process = subprocess.Popen(
-        [postgres, "-D", data, *(f"-c{key}={value}" for key, value in settings.items())],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        user=user,
-    )
+    running: list[subprocess.Popen[bytes]] = []
+
+    def start() -> None:
+        running[:] = [
+            subprocess.Popen(
+                [postgres, "-D", data, *(f"-c{key}={value}" for key, value in settings.items())],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                user=user,
+            )
+        ]
+        deadline = time.monotonic() + 30
+        while not _ready(workdir):
+            if time.monotonic() > deadline or running[0].poll() is not None:
+                raise RuntimeError("postgres did not start")
+            time.sleep(0.1)
+
+    def halt() -> None:
+        for process in running:
+            process.send_signal(signal.SIGINT)  # a fast shutdown: clients still connected are disconnected
+            try:
+                process.wait(timeout=60)  # its checkpoint first: after the benchmark's load, seconds
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
     def stop() -> None:
-        process.send_signal(signal.SIGINT)  # a fast shutdown: clients still connected are disconnected
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        halt()
         shutil.rmtree(workdir, ignore_errors=True)
 
+    def restart() -> None:
+        halt()
+        start()
+
     atexit.register(stop)
-    deadline = time.monotonic() + 30
-    while not _ready(workdir):
-        if time.monotonic() > deadline or process.poll() is not None:
-            raise RuntimeError("postgres did not start")
-        time.sleep(0.1)
-    return f"postgresql://{USER}@/postgres?host={workdir}"
+    start()
+    url = f"postgresql://{USER}@/postgres?host={workdir}"
+    _restarts[url] = restart
+    return url
+
+
+def restart_cluster(url: str) -> None:
+    """Stops a cluster that start_cluster made and starts it again on its data, its shared buffers empty (the
+    benchmark's read of pages not cached)."""
+    _restarts[url]()
 
 
 def _ready(workdir: str) -> bool:

@@ -516,8 +516,58 @@ async def partitions(pool: AsyncConnectionPool, schema: str) -> set[str]:
         return {name for (name,) in await found.fetchall()}
 
 
+async def tables(pool: AsyncConnectionPool, schema: str) -> set[str]:
+    async with pool.connection() as conn:
+        found = await conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,))
+        return {name for (name,) in await found.fetchall()}
+
+
 def day_name(at: float) -> str:
     return time.strftime("served_%Y%m%d", time.gmtime(at))
+
+
+async def test_postgres_ledger_keeps_each_replicas_day_in_a_bucket_of_its_own_day() -> None:
+    """A day's partition is split by replica (hash), so that a replica's records are read from its bucket alone."""
+    async with postgres_schema() as (pool, schema):
+        now = time.time()
+        ledger = PostgresLedger(pool, RETENTION_S, schema=schema)
+        await ledger.write([served(f"r{i}-{r}", f"replica-{r}", now - 2, now) for i in range(3) for r in range(8)])
+        day = day_name(now)
+        assert {f"{day}_{bucket:02d}" for bucket in range(pgledger.BUCKETS)} <= await tables(pool, schema)
+        async with pool.connection() as conn:
+            found = await conn.execute(
+                sql.SQL(
+                    "SELECT DISTINCT replica, c.relname FROM {}.served s JOIN pg_class c ON c.oid = s.tableoid"
+                ).format(sql.Identifier(schema))
+            )
+            placed = await found.fetchall()
+        assert sorted(replica for replica, _ in placed) == [f"replica-{r}" for r in range(8)]  # each in one bucket
+        assert all(name.removeprefix(f"{day}_").isdigit() for _, name in placed) and len({n for _, n in placed}) > 1
+        found_rows, _ = await ledger.served("replica-5", now - 10, now, 10)
+        assert sorted(s.request_id for s in found_rows) == ["r0-5", "r1-5", "r2-5"]
+
+
+async def test_postgres_ledger_reads_and_writes_a_day_made_as_one_heap_by_an_earlier_version() -> None:
+    async with postgres_schema() as (pool, schema):
+        now = time.time()
+        ledger = PostgresLedger(pool, RETENTION_S, schema=schema)
+        await ledger.probed("a", now)  # the tables made, no day yet
+        day = time.strftime("%Y-%m-%d", time.gmtime(now))
+        async with pool.connection() as conn:
+            await conn.execute(
+                sql.SQL("CREATE TABLE {} PARTITION OF {} FOR VALUES FROM ({}) TO ({}::date + 1)").format(
+                    sql.Identifier(schema, day_name(now)),
+                    sql.Identifier(schema, "served"),
+                    sql.Literal(day),
+                    sql.Literal(day),
+                )
+            )
+        await ledger.write([served("r1", "a", now - 2, now), served("r2", "b", now - 2, now)])
+        assert await tables(pool, schema) == {"served", "probes", day_name(now), day_name(now + DAY_S)} | {
+            f"{day_name(now + DAY_S)}_{bucket:02d}" for bucket in range(pgledger.BUCKETS)
+        }
+        found, _ = await ledger.served("a", now - 10, now, 10)
+        assert [s.request_id for s in found] == ["r1"]
 
 
 async def test_postgres_ledger_drops_whole_days_past_its_retention() -> None:
@@ -533,6 +583,7 @@ async def test_postgres_ledger_drops_whole_days_past_its_retention() -> None:
         await kept_short.write([])
         left = await partitions(pool, schema)
         assert day_name(now - 3 * DAY_S) not in left and {day_name(now), day_name(now + DAY_S)} <= left
+        assert not {name for name in await tables(pool, schema) if name.startswith(day_name(now - 3 * DAY_S))}
         found, _ = await kept_long.served("a", now - 4 * DAY_S, now, 10)
         assert [s.request_id for s in found] == ["new"]
         assert await kept_long.last_clean_probe("a", now) is None  # deleted, not only out of the shorter horizon
